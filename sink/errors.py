@@ -1,0 +1,59 @@
+"""The exception tree of staging-sink: one root, a few documented leaves.
+
+Every operational error the library raises derives from :class:`StagingError`.
+Some leaves also derive from a builtin (``ValueError``, ``RuntimeError``) where
+the wire contract names that builtin, so callers written against the
+reference system keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "CodecError",
+    "DurabilityError",
+    "LedgerConflictError",
+    "RolloutRetiredError",
+    "StagingConnectionError",
+    "StagingError",
+)
+
+
+class StagingError(Exception):
+    """Root of every error raised by staging-sink."""
+
+
+class CodecError(StagingError):
+    """Raised when a stored record blob is malformed, truncated, oversized or
+    tampered with (its digest no longer matches), or when a record cannot be
+    encoded. Nothing partial is ever returned alongside it."""
+
+
+class StagingConnectionError(StagingError):
+    """Raised when the Redis/Valkey server cannot be reached, the connection
+    is lost mid-command, or the server refuses the command (``READONLY``,
+    ``OOM``, ``NOPERM``). The message names the server error."""
+
+
+class DurabilityError(StagingError):
+    """Raised when a write could not be confirmed durable: the server is not
+    configured for ``appendfsync always`` (the message names the setting), or
+    fewer replicas than required acknowledged it within the deadline."""
+
+    def __init__(self, message: str, *, acked: int | None = None, required: int | None = None) -> None:
+        super().__init__(message)
+        self.acked = acked
+        self.required = required
+
+
+class LedgerConflictError(StagingError, ValueError):
+    """Raised when a ledger row for a ``model_call_id`` already exists with
+    different contents. The stored row is unchanged; the message contains
+    ``conflicting``."""
+
+
+class RolloutRetiredError(StagingError, RuntimeError):
+    """Raised when reading the ledger of a rollout that was retired (fenced)."""
+
+    def __init__(self, rollout_id: str) -> None:
+        super().__init__(f"rollout {rollout_id!r} is retired")
+        self.rollout_id = rollout_id

@@ -1,0 +1,96 @@
+"""Every Redis key and stream name of the staging layout (architecture §3).
+
+One namespace prefix ``ns`` (default ``stg``); every per-rollout key carries
+the hash tag ``{R}`` so a rollout lives in one cluster slot. Only the sink and
+the source derive a Redis key from a staging key (:func:`record_key`); every
+other component treats staging keys as opaque.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = (
+    "DEFAULT_NAMESPACE",
+    "calls_stream",
+    "done_stream",
+    "fence_key",
+    "ledger_ids_key",
+    "ledger_stream",
+    "receipt_key",
+    "receipts_stream",
+    "record_key",
+    "rollout_of_staging_key",
+    "validate_rollout_id",
+)
+
+DEFAULT_NAMESPACE = "stg"
+_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def validate_rollout_id(rollout_id: object) -> str:
+    """Return *rollout_id* if it is a valid rollout id (contract §6.8).
+
+    :raises ValueError: empty, not a ``str``, or containing a character other
+        than ASCII letters, digits, ``.``, ``_`` and ``-``.
+    """
+    if type(rollout_id) is not str or _ROLLOUT_ID_RE.fullmatch(rollout_id) is None:
+        raise ValueError(f"Invalid rollout id: {rollout_id!r}")
+    return rollout_id
+
+
+def rollout_of_staging_key(staging_key: str) -> str:
+    """The rollout id a staging key minted by this sink belongs to (``R/...``).
+
+    :raises ValueError: the key has no ``R/`` prefix with a valid rollout id,
+        or nothing after it.
+    """
+    rollout_id, sep, rest = staging_key.partition("/")
+    if not sep or not rest:
+        raise ValueError(f"staging key {staging_key!r} is not of the form '<rollout_id>/<call>'")
+    return validate_rollout_id(rollout_id)
+
+
+def _tag(ns: str, rollout_id: str) -> str:
+    return f"{ns}:{{{rollout_id}}}"
+
+
+def record_key(ns: str, staging_key: str) -> str:
+    """Redis key of the record staged under *staging_key*: ``ns:{R}:rec:<rest>``."""
+    rollout_id = rollout_of_staging_key(staging_key)
+    return f"{_tag(ns, rollout_id)}:rec:{staging_key[len(rollout_id) + 1 :]}"
+
+
+def calls_stream(ns: str, rollout_id: str) -> str:
+    """Stream of token-free entries, one per newly staged record."""
+    return f"{_tag(ns, rollout_id)}:calls"
+
+
+def ledger_stream(ns: str, rollout_id: str) -> str:
+    """Append-only ledger rows of one rollout."""
+    return f"{_tag(ns, rollout_id)}:ledger"
+
+
+def ledger_ids_key(ns: str, rollout_id: str) -> str:
+    """Hash model_call_id -> row fingerprint, for ledger idempotency."""
+    return f"{_tag(ns, rollout_id)}:ledger:ids"
+
+
+def fence_key(ns: str, rollout_id: str) -> str:
+    """Retire fence of one rollout."""
+    return f"{_tag(ns, rollout_id)}:fence"
+
+
+def receipt_key(ns: str, rollout_id: str) -> str:
+    """The immutable receipt of one rollout."""
+    return f"{_tag(ns, rollout_id)}:receipt"
+
+
+def done_stream(ns: str, shard: int) -> str:
+    """Sharded stream of rollout-finished events."""
+    return f"{ns}:done:{shard}"
+
+
+def receipts_stream(ns: str, shard: int) -> str:
+    """Sharded stream of receipts for trainers."""
+    return f"{ns}:receipts:{shard}"
