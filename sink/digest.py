@@ -18,7 +18,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 __all__ = (
     "CALL_DIGEST_DOMAIN",
@@ -40,9 +40,9 @@ __all__ = (
     "is_digest_hex",
 )
 
-STAGING_SCHEMA_VERSION = 2
-STAGING_DIGEST_VERSION = 2
-EXTRAS_DIGEST_VERSION = 1
+STAGING_SCHEMA_VERSION: Final = 2
+STAGING_DIGEST_VERSION: Final = 2
+EXTRAS_DIGEST_VERSION: Final = 1
 
 CALL_DIGEST_DOMAIN = b"nemo-gym-staging-call-v2"
 PREFIX_HASH_DOMAIN = b"nemo-gym-staging-prefix-v2"
