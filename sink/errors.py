@@ -12,6 +12,8 @@ __all__ = (
     "CodecError",
     "DurabilityError",
     "LedgerConflictError",
+    "RebuildError",
+    "ReceiptVerificationError",
     "RolloutRetiredError",
     "StagingConnectionError",
     "StagingError",
@@ -57,3 +59,28 @@ class RolloutRetiredError(StagingError, RuntimeError):
     def __init__(self, rollout_id: str) -> None:
         super().__init__(f"rollout {rollout_id!r} is retired")
         self.rollout_id = rollout_id
+
+
+class ReceiptVerificationError(StagingError, ValueError):
+    """Raised when the trainer-side verification of a receipt and its staged
+    snapshots fails (contract §8.1). ``code`` is the stable machine-readable
+    check code (for example ``wrong_digest``, ``row_count_mismatch``);
+    ``detail`` is a human-readable explanation. The message is
+    ``"<code>: <detail>"``."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[ReceiptVerificationError], tuple[str, str]]:
+        # Rebuild from (code, detail) so the error survives pickling (e.g. across
+        # a process pool) with its fields intact.
+        return (type(self), (self.code, self.detail))
+
+
+class RebuildError(ReceiptVerificationError):
+    """Raised when the manifest's call graph or the terminal's chain cannot be
+    rebuilt: a missing parent, a length gap, a lineage cycle, a missing
+    terminal, a broken chain or cumulative hash, or a bad mask layout
+    (contract §8.1 steps 9-13)."""
