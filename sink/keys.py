@@ -9,10 +9,12 @@ other component treats staging keys as opaque.
 from __future__ import annotations
 
 import re
+import zlib
 
 __all__ = (
     "DEFAULT_NAMESPACE",
     "calls_stream",
+    "dead_letter_stream",
     "done_stream",
     "fence_key",
     "ledger_ids_key",
@@ -21,6 +23,7 @@ __all__ = (
     "receipts_stream",
     "record_key",
     "rollout_of_staging_key",
+    "shard_of",
     "validate_rollout_id",
 )
 
@@ -94,3 +97,15 @@ def done_stream(ns: str, shard: int) -> str:
 def receipts_stream(ns: str, shard: int) -> str:
     """Sharded stream of receipts for trainers."""
     return f"{ns}:receipts:{shard}"
+
+
+def dead_letter_stream(ns: str, name: str) -> str:
+    """Stream of entries a consumer group gave up on (``name``: the source stream's role and shard)."""
+    return f"{ns}:dead:{name}"
+
+
+def shard_of(rollout_id: str, shards: int) -> int:
+    """The shard (0..shards-1) of a rollout's ``done``/``receipts`` events: CRC-32 of its id."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    return zlib.crc32(rollout_id.encode()) % shards
