@@ -1,0 +1,253 @@
+"""Engine payload adapters and install_capture (contract §5.1, §5.6)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sink.memory import MemoryStagingStore
+from sink.records import CaptureAdmission
+from worker import CaptureAdapter, MegatronAdapter, RolloutTokenCapture, VLLMChatAdapter, install_capture
+from worker.adapters import PREFIX_REQUEST_KEY, logprob_list, token_id_list
+from worker.engine import SimulatedEngine
+
+
+def vllm_payload(**choice_updates: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "hi"},
+        "logprobs": {
+            "content": [
+                {"token": "token_id:22", "logprob": -0.3},
+                {"token": "token_id:23", "logprob": -0.4},
+            ]
+        },
+        "finish_reason": "stop",
+    }
+    choice.update(choice_updates)
+    return {"id": "chatcmpl-1", "prompt_token_ids": [10, 11, 12], "choices": [choice]}
+
+
+def test_adapters_satisfy_the_protocol() -> None:
+    assert isinstance(VLLMChatAdapter(), CaptureAdapter)
+    assert isinstance(MegatronAdapter(), CaptureAdapter)
+
+
+def test_vllm_extraction() -> None:
+    adapter = VLLMChatAdapter()
+    payload = vllm_payload()
+    assert adapter.extract_prompt_ids(payload) == [10, 11, 12]
+    assert adapter.extract_generation(payload) == ([22, 23], [-0.3, -0.4])
+    assert adapter.extract_extras(payload) is None
+    experts = [[[1, 2]], [[3, 4]]]
+    routed = vllm_payload(message={"role": "assistant", "content": "hi", "routed_experts": experts})
+    assert adapter.extract_extras(routed) == {"routed_experts": experts}
+
+
+def test_vllm_token_ids_on_the_choice_take_precedence() -> None:
+    payload = vllm_payload(token_ids=[40, 41])
+    payload["choices"][0]["logprobs"]["content"][0]["token"] = "Hello"  # a text token, ignored
+    assert VLLMChatAdapter().extract_generation(payload) == ([40, 41], [-0.3, -0.4])
+    with pytest.raises(ValueError, match="2 generated ids but 1"):
+        short = vllm_payload(token_ids=[40, 41])
+        del short["choices"][0]["logprobs"]["content"][1]
+        VLLMChatAdapter().extract_generation(short)
+
+
+def test_vllm_numeric_logprobs_become_python_floats() -> None:
+    payload = vllm_payload()
+    content = payload["choices"][0]["logprobs"]["content"]
+    content[0]["logprob"] = -1
+    content[1]["logprob"] = np.float32(-0.5)
+    _, logprobs = VLLMChatAdapter().extract_generation(payload)
+    assert logprobs == [-1.0, -0.5] and {type(value) for value in logprobs} == {float}
+
+
+def _set(payload: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    target: Any = payload
+    for step in path[:-1]:
+        target = target[step]
+    target[path[-1]] = value
+    return payload
+
+
+LP0 = ("choices", 0, "logprobs", "content", 0, "logprob")
+TOKEN0 = ("choices", 0, "logprobs", "content", 0, "token")
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "error"),
+    [
+        (LP0, True, TypeError),
+        (LP0, "-0.3", TypeError),
+        (LP0, None, TypeError),
+        (TOKEN0, "token_id:-3", ValueError),
+        (TOKEN0, "token_id:x", ValueError),
+        (TOKEN0, "22", ValueError),
+        (TOKEN0, 22, TypeError),
+        (("prompt_token_ids",), [10, True], TypeError),
+        (("prompt_token_ids",), [10, 11.0], TypeError),
+        (("prompt_token_ids",), [10, -1], ValueError),
+        (("prompt_token_ids",), "10 11", TypeError),
+        (("choices", 0, "token_ids"), [40, False], TypeError),
+        (("choices", 0, "logprobs"), None, ValueError),
+    ],
+)
+def test_vllm_rejections(path: tuple[Any, ...], value: Any, error: type[Exception]) -> None:
+    adapter = VLLMChatAdapter()
+    payload = _set(vllm_payload(), path, value)
+    with pytest.raises(error):
+        adapter.extract_prompt_ids(payload)
+        adapter.extract_generation(payload)
+
+
+def test_vllm_rejects_missing_fields_and_n_above_one() -> None:
+    adapter = VLLMChatAdapter()
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        adapter.extract_prompt_ids({"choices": []})
+    two = vllm_payload()
+    two["choices"].append(copy.deepcopy(two["choices"][0]))
+    with pytest.raises(ValueError, match="exactly one choice"):
+        adapter.extract_generation(two)
+    with pytest.raises(ValueError, match="choices"):
+        adapter.extract_extras({})
+
+
+def test_enter_prefix_returns_a_copy() -> None:
+    for adapter in (VLLMChatAdapter(), MegatronAdapter()):
+        request = {"messages": [{"role": "user", "content": "x"}], PREFIX_REQUEST_KEY: [9]}
+        entered = adapter.enter_prefix(request, [1, 2, 3])
+        assert entered[PREFIX_REQUEST_KEY] == [1, 2, 3] and request[PREFIX_REQUEST_KEY] == [9]
+        assert PREFIX_REQUEST_KEY not in adapter.enter_prefix(request, [])
+        with pytest.raises(TypeError):
+            adapter.enter_prefix(["not", "a", "mapping"], [1])
+        with pytest.raises(TypeError):
+            adapter.enter_prefix(request, [1, True])
+
+
+def test_megatron_mapping_object_and_arrays() -> None:
+    adapter = MegatronAdapter()
+    mapping = {"prompt_tokens": [1, 2], "generated_tokens": [3, 4], "generated_log_probs": [-0.5, -1]}
+    assert adapter.extract_prompt_ids(mapping) == [1, 2]
+    assert adapter.extract_generation(mapping) == ([3, 4], [-0.5, -1.0])
+    assert adapter.extract_extras(mapping) is None
+    obj = SimpleNamespace(
+        prompt_token_ids=np.array([1, 2], dtype=np.int64),
+        generated_token_ids=np.array([3, 4], dtype=np.int64),
+        log_probs=np.array([-0.5, -0.25], dtype=np.float32),
+        routed_experts=np.array([[1, 2], [3, 4]]),
+    )
+    assert adapter.extract_prompt_ids(obj) == [1, 2]
+    ids, logprobs = adapter.extract_generation(obj)
+    assert ids == [3, 4] and logprobs == [-0.5, -0.25] and {type(v) for v in ids + logprobs} == {int, float}
+    assert adapter.extract_extras(obj) == {"routed_experts": [[1, 2], [3, 4]]}
+
+
+def test_megatron_full_token_sequence() -> None:
+    adapter = MegatronAdapter()
+    payload = {"tokens": [1, 2, 3, 4], "generated_token_ids": [3, 4], "log_probs": [-0.1, -0.2]}
+    assert adapter.extract_prompt_ids(payload) == [1, 2]
+    with pytest.raises(ValueError, match="does not end"):
+        adapter.extract_prompt_ids({**payload, "tokens": [1, 2, 4, 3]})
+
+
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [
+        ({"generated_tokens": [3, 4], "generated_log_probs": [-0.5]}, ValueError),
+        ({"generated_tokens": [3, True], "generated_log_probs": [-0.5, -1.0]}, TypeError),
+        ({"generated_tokens": [3, 4], "generated_log_probs": [-0.5, False]}, TypeError),
+        ({"generated_tokens": [3, 4], "generated_log_probs": ["a", -1.0]}, TypeError),
+        ({"generated_tokens": [3, 4]}, ValueError),
+        ({"generated_tokens": 3, "generated_log_probs": [-0.5]}, TypeError),
+    ],
+)
+def test_megatron_rejections(payload: dict[str, Any], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        MegatronAdapter().extract_generation(payload)
+
+
+def test_conversion_helpers() -> None:
+    assert token_id_list((1, 2)) == [1, 2]
+    assert logprob_list([-1, -0.5]) == [-1.0, -0.5]
+    with pytest.raises(TypeError):
+        logprob_list([np.bool_(True)])
+    with pytest.raises(TypeError):
+        token_id_list([np.int64(3)])  # a bare numpy scalar is not an exact int
+
+
+def test_complete_call_from_response_matches_complete_call() -> None:
+    engine = SimulatedEngine(3)
+    prompt = engine.tokenizer.render_chat([{"role": "user", "content": "hello"}])
+    generation = engine.generate(prompt, 32)
+    results = []
+    for via_adapter in (False, True):
+        capture = RolloutTokenCapture(sink=MemoryStagingStore(), weight_version_fn=lambda: 2, adapter=VLLMChatAdapter())
+        call = capture.begin_call(CaptureAdmission(rollout_id="r", model_call_id="c", mode="text"))
+        if via_adapter:
+            coords = capture.complete_call_from_response(call, engine.chat_response(prompt, generation))
+        else:
+            coords = capture.complete_call(
+                call,
+                prompt_token_ids=prompt,
+                generated_token_ids=generation.token_ids,
+                generated_logprobs=generation.logprobs,
+            )
+        results.append(coords.model_dump())
+    assert results[0] == results[1] and results[0]["disposition"] == "staged"
+
+
+def test_adapter_failure_gives_failed_coords_and_claims_the_call() -> None:
+    sink = MemoryStagingStore()
+    capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 2, adapter=MegatronAdapter())
+    admission = CaptureAdmission(rollout_id="r", model_call_id="c", mode="text")
+    call = capture.begin_call(admission)
+    coords = capture.complete_call_from_response(call, {"generated_tokens": [True]})
+    assert coords.disposition == "capture_failed" and coords.delta_len == 0 and coords.staging_key is None
+    assert len(sink) == 0 and call.completed
+    with pytest.raises(Exception, match="already completed"):
+        capture.complete_call_from_response(call, {"generated_tokens": [True]})
+
+
+@pytest.mark.anyio
+async def test_async_complete_from_response() -> None:
+    engine = SimulatedEngine(4)
+    prompt = engine.tokenizer.render_chat([{"role": "user", "content": "hello"}])
+    generation = engine.generate(prompt, 16)
+    capture = RolloutTokenCapture(sink=MemoryStagingStore(), weight_version_fn=lambda: 2, adapter=VLLMChatAdapter())
+    call = await capture.abegin_call(CaptureAdmission(rollout_id="r", model_call_id="c", mode="text"))
+    payload = engine.chat_response(prompt, generation, routed_experts=True)
+    coords = await capture.acomplete_call_from_response(call, payload)
+    assert coords.disposition == "staged" and coords.delta_len == len(prompt) + len(generation.token_ids)
+    bad = await capture.abegin_call(CaptureAdmission(rollout_id="r", model_call_id="c2", mode="text"))
+    assert (await capture.acomplete_call_from_response(bad, {"choices": []})).disposition == "capture_failed"
+
+
+class ServingLayer:
+    def __init__(self) -> None:
+        self.installed: list[RolloutTokenCapture] = []
+
+    def install_token_capture(self, capture: RolloutTokenCapture) -> None:
+        self.installed.append(capture)
+
+
+def test_install_capture() -> None:
+    layer = ServingLayer()
+    adapter = VLLMChatAdapter()
+    capture = install_capture(layer, sink=MemoryStagingStore(), weight_version_fn=lambda: 1, adapter=adapter)
+    assert layer.installed == [capture] and capture.adapter is adapter
+    with pytest.raises(TypeError, match="StagingSink"):
+        install_capture(layer, sink=object(), weight_version_fn=lambda: 1)
+    with pytest.raises(TypeError, match="callable"):
+        install_capture(layer, sink=MemoryStagingStore(), weight_version_fn=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="install_token_capture"):
+        install_capture(object(), sink=MemoryStagingStore(), weight_version_fn=lambda: 1)
+    with pytest.raises(TypeError, match="install_token_capture"):
+        install_capture(
+            SimpleNamespace(install_token_capture=3), sink=MemoryStagingStore(), weight_version_fn=lambda: 1
+        )
+    assert len(layer.installed) == 1

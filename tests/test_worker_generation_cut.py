@@ -1,0 +1,393 @@
+"""Generation-cut continuation (contract §9.2, §9.4, §10.12).
+
+Attempt 1 stages a cut of an in-flight call (a prefix record and a chunk);
+attempt 2 re-issues the call, rebuilds and verifies the prefix, generates
+only the rest, and stages a record that equals an uninterrupted generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from sink.memory import MemoryStagingStore
+from sink.records import (
+    CaptureAdmission,
+    CommitCoords,
+    GenerationCutContinuation,
+    StagedCallRecord,
+    StagedCallSnapshot,
+    StageResult,
+)
+from worker import CaptureError, GenerationCutError, RolloutTokenCapture, resolve_prefix
+from worker.engine import BYTE_OFFSET, ByteTokenizer, Generation, SimulatedEngine
+from worker.generation_cut import (
+    afetch_cut_prefix,
+    build_cut_continuation,
+    build_generation_chunk_record,
+    build_prefix_record,
+    cut_refusal_reason,
+    drop_generation_cut,
+    fetch_cut_prefix,
+    plan_cut_continuation,
+    rebuild_cut_prefix,
+)
+
+CUT_AT, CHUNK_END, TOTAL = 16, 24, 40
+WEIGHTS = 7
+
+
+class CutStore(MemoryStagingStore):
+    """The memory store plus ``stage_generation_prefix`` under opaque cut keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut_rows: dict[str, StagedCallSnapshot] = {}
+
+    def stage_generation_prefix(
+        self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int
+    ) -> StageResult:
+        key = f"{record.staging_key}#cut/{checkpoint_id}/{chunk_sequence}"
+        self.cut_rows[key] = StagedCallSnapshot.model_validate(record.model_dump())
+        return StageResult(ok=True, staging_key=key)
+
+    def fetch(self, staging_keys: Sequence[str]) -> list[StagedCallSnapshot]:
+        fetch_staged = super().fetch  # zero-argument super() does not work inside a comprehension
+        return [self.cut_rows[key] if key in self.cut_rows else fetch_staged([key])[0] for key in staging_keys]
+
+
+@dataclass
+class Checkpointed:
+    store: CutStore
+    root: CommitCoords
+    root_full: list[int]
+    prompt: list[int]
+    generation: Generation
+    records: list[StagedCallRecord]
+    continuation: GenerationCutContinuation
+
+
+def checkpoint(*, chunk_weight: int = WEIGHTS, limit: int = TOTAL) -> Checkpointed:
+    """Attempt ``r1``: a root, then a child cut after 16 + 8 generated tokens."""
+    store = CutStore()
+    engine = SimulatedEngine(5)
+    capture = RolloutTokenCapture(sink=store, weight_version_fn=lambda: WEIGHTS)
+    tokens = engine.tokenizer
+    root_prompt = tokens.render_chat([{"role": "user", "content": "find the file"}])
+    root_gen = engine.generate(root_prompt, 12)
+    root = capture.complete_call(
+        capture.begin_call(CaptureAdmission(rollout_id="r1", model_call_id="c1", mode="text")),
+        prompt_token_ids=root_prompt,
+        generated_token_ids=root_gen.token_ids,
+        generated_logprobs=root_gen.logprobs,
+    )
+    root_full = root_prompt + root_gen.token_ids
+    prompt = root_full + tokens.render_chat([{"role": "tool", "content": "found: a.txt"}])
+    generation = engine.generate(prompt, TOTAL, min_tokens=TOTAL)
+    call = capture.begin_call(child_admission("r1", "c2", root, root_full))
+    ids, lps = generation.token_ids, generation.logprobs
+    prefix_record = build_prefix_record(
+        call, prompt_token_ids=prompt, generated_token_ids=ids[:CUT_AT], generated_logprobs=lps[:CUT_AT]
+    )
+    chunk = build_generation_chunk_record(
+        call, chunk_token_ids=ids[CUT_AT:CHUNK_END], chunk_logprobs=lps[CUT_AT:CHUNK_END], weight_version=chunk_weight
+    )
+    keys = []
+    for sequence, record in enumerate((prefix_record, chunk)):
+        result = store.stage_generation_prefix(record, checkpoint_id="ck1", chunk_sequence=sequence)
+        assert result.staging_key is not None
+        keys.append(result.staging_key)
+    continuation = build_cut_continuation(call, [prefix_record, chunk], keys, effective_output_limit=limit)
+    assert not call.completed  # cut rows never claim the live call
+    return Checkpointed(store, root, root_full, prompt, generation, [prefix_record, chunk], continuation)
+
+
+def child_admission(
+    rollout_id: str,
+    call_id: str,
+    root: CommitCoords,
+    root_full: list[int],
+    cut: GenerationCutContinuation | None = None,
+    *,
+    by_reference: bool = False,
+) -> CaptureAdmission:
+    return CaptureAdmission(
+        rollout_id=rollout_id,
+        model_call_id=call_id,
+        parent_call_id=root.model_call_id,
+        prev_len=root.cum_len,
+        mode="token_in",
+        required_prefix_token_ids=[] if by_reference else root_full,
+        staging_chain=[root.staging_key or ""] if by_reference else [],
+        parent_chain_hash=root.chain_hash,
+        generation_cut=cut,
+    )
+
+
+def uninterrupted(ck: Checkpointed, weights: int, generated: int = TOTAL) -> CommitCoords:
+    """Reference: the re-issued call generating everything itself."""
+    capture = RolloutTokenCapture(sink=MemoryStagingStore(), weight_version_fn=lambda: weights)
+    call = capture.begin_call(child_admission("r1-a1", "c2b", ck.root, ck.root_full))
+    return capture.complete_call(
+        call,
+        prompt_token_ids=ck.prompt,
+        generated_token_ids=ck.generation.token_ids[:generated],
+        generated_logprobs=ck.generation.logprobs[:generated],
+    )
+
+
+def test_checkpoint_acknowledgement() -> None:
+    ck = checkpoint()
+    cont = ck.continuation
+    assert (cont.source_capture_key, cont.source_model_call_id) == ("r1", "c2")
+    assert cont.prefix_token_count == CHUNK_END and cont.effective_output_limit == TOTAL
+    prefix_record, chunk = ck.records
+    assert prefix_record.token_mask_delta.count(0.0) == len(ck.prompt) - ck.root.cum_len
+    assert chunk.token_mask_delta == [1.0] * (CHUNK_END - CUT_AT) and chunk.extras is None
+    assert chunk.cum_len == chunk.prev_len + chunk.delta_len == ck.root.cum_len + CHUNK_END - CUT_AT
+
+
+@pytest.mark.parametrize("current", [WEIGHTS, WEIGHTS + 2])
+def test_cut_continuation_equals_an_uninterrupted_generation(current: int) -> None:
+    ck = checkpoint()
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=current)
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: current)
+    call = capture.begin_call(
+        admission, generation_cut=snapshot, generation_cut_staging_keys=ck.continuation.staging_keys
+    )
+    plan = plan_cut_continuation(call)
+    ids, lps = ck.generation.token_ids, ck.generation.logprobs
+    assert plan.prompt_token_ids == ck.prompt + ids[:CHUNK_END]
+    assert (plan.max_tokens, plan.finished, plan.finish_reason) == (TOTAL - CHUNK_END, False, None)
+    coords = capture.complete_call(
+        call,
+        prompt_token_ids=plan.prompt_token_ids,
+        generated_token_ids=ids[CHUNK_END:],
+        generated_logprobs=lps[CHUNK_END:],
+    )
+    reference = uninterrupted(ck, WEIGHTS)
+    assert coords.disposition == "staged" and coords.staging_key == "r1-a1/c2b"
+    assert coords.weight_version == WEIGHTS  # min(cut, current)
+    assert coords.model_dump() == reference.model_dump()
+    (staged,) = ck.store.fetch(["r1-a1/c2b"])
+    assert staged.token_mask_delta.count(1.0) == TOTAL
+
+
+def test_by_reference_admission_rebuilds_with_the_resolved_prefix() -> None:
+    ck = checkpoint()
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation, by_reference=True)
+    with pytest.raises(GenerationCutError, match="resolved prefix"):
+        fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    prefix = resolve_prefix(admission, ck.store)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS, prefix_token_ids=prefix)
+    assert snapshot.digest == ck.continuation.prefix_digest
+
+
+def test_cut_from_newer_weights_is_rejected() -> None:
+    ck = checkpoint(chunk_weight=WEIGHTS + 1)
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    with pytest.raises(GenerationCutError, match="newer weights"):
+        fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS + 1)
+    assert snapshot.weight_version == WEIGHTS  # the oldest chunk's version
+    older = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: WEIGHTS - 1)
+    with pytest.raises(GenerationCutError, match="newer weights"):
+        older.begin_call(admission, generation_cut=snapshot, generation_cut_staging_keys=ck.continuation.staging_keys)
+
+
+def test_decreasing_chunk_weights_are_rejected() -> None:
+    ck = checkpoint()
+    with pytest.raises(GenerationCutError, match="decrease"):
+        build_cut_continuation(
+            _live_call(ck),
+            [ck.records[0], ck.records[1].model_copy(update={"weight_version": WEIGHTS - 1})],
+            ck.continuation.staging_keys,
+            effective_output_limit=TOTAL,
+        )
+    stale = _rebuilt_chunk(ck, weight_version=WEIGHTS - 1)
+    ck.store.cut_rows[ck.continuation.staging_keys[1]] = stale
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    with pytest.raises(GenerationCutError, match="decrease"):
+        fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+
+
+def _live_call(ck: Checkpointed) -> Any:
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: WEIGHTS)
+    return capture.begin_call(child_admission("r1", "c2", ck.root, ck.root_full))
+
+
+def _rebuilt_chunk(
+    ck: Checkpointed, *, weight_version: int = WEIGHTS, logprob_shift: float = 0.0
+) -> StagedCallSnapshot:
+    ids, lps = ck.generation.token_ids, ck.generation.logprobs
+    record = build_generation_chunk_record(
+        _live_call(ck),
+        chunk_token_ids=ids[CUT_AT:CHUNK_END],
+        chunk_logprobs=[lp + logprob_shift for lp in lps[CUT_AT:CHUNK_END]],
+        weight_version=weight_version,
+    )
+    return StagedCallSnapshot.model_validate(record.model_dump())
+
+
+def test_tampered_rows_are_rejected() -> None:
+    ck = checkpoint()
+    keys = ck.continuation.staging_keys
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    # A valid chunk with different log-probs: its own digest is fine, the prefix digest is not.
+    ck.store.cut_rows[keys[1]] = _rebuilt_chunk(ck, logprob_shift=-0.5)
+    with pytest.raises(GenerationCutError, match="prefix digest"):
+        fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    # A second row holding prompt-carry tokens.
+    ck.store.cut_rows[keys[1]] = ck.store.cut_rows[keys[0]]
+    with pytest.raises(GenerationCutError, match="only the first"):
+        fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    # A missing row.
+    del ck.store.cut_rows[keys[1]]
+    with pytest.raises(GenerationCutError, match="missing"):
+        fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+
+
+def test_count_and_token_count_mismatches_are_rejected() -> None:
+    ck = checkpoint()
+    snapshots = ck.store.fetch(list(ck.continuation.staging_keys))
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    with pytest.raises(GenerationCutError, match="fetched 1"):
+        rebuild_cut_prefix(admission, snapshots[:1], current_weight_version=WEIGHTS)
+    lying = admission.model_copy(
+        update={"generation_cut": ck.continuation.model_copy(update={"prefix_token_count": 23})}
+    )
+    with pytest.raises(GenerationCutError, match="generated count"):
+        rebuild_cut_prefix(lying, snapshots, current_weight_version=WEIGHTS)
+    with pytest.raises(GenerationCutError, match="no generation cut"):
+        rebuild_cut_prefix(drop_generation_cut(admission), snapshots, current_weight_version=WEIGHTS)
+    with pytest.raises(GenerationCutError, match="cut rows"):
+        build_cut_continuation(_live_call(ck), ck.records, ck.continuation.staging_keys[:1], effective_output_limit=9)
+
+
+def test_begin_call_checks_the_snapshot_against_the_admission() -> None:
+    ck = checkpoint()
+    cont = ck.continuation
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, cont)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: WEIGHTS)
+    with pytest.raises(GenerationCutError, match="staging keys"):
+        capture.begin_call(admission, generation_cut=snapshot, generation_cut_staging_keys=cont.staging_keys[::-1])
+    with pytest.raises(GenerationCutError, match="staging keys"):
+        capture.begin_call(admission, generation_cut=snapshot)
+    other = admission.model_copy(update={"generation_cut": cont.model_copy(update={"source_model_call_id": "c9"})})
+    with pytest.raises(GenerationCutError, match="another capture key"):
+        capture.begin_call(other, generation_cut=snapshot, generation_cut_staging_keys=cont.staging_keys)
+    with pytest.raises(GenerationCutError, match="StagedCallBaseSnapshot"):
+        not_a_snapshot: Any = snapshot.model_dump()
+        capture.begin_call(admission, generation_cut=not_a_snapshot, generation_cut_staging_keys=cont.staging_keys)
+    with pytest.raises(CaptureError, match="needs the rebuilt prefix"):
+        capture.begin_call(admission)
+    with pytest.raises(CaptureError, match="needs an admission"):
+        capture.begin_call(drop_generation_cut(admission), generation_cut=snapshot)
+    # The host's fallback: drop the cut and regenerate.
+    call = capture.begin_call(drop_generation_cut(admission))
+    assert call.generation_cut is None and call.prefix_token_ids == ck.root_full
+    with pytest.raises(CaptureError, match="generation cut"):
+        plan_cut_continuation(call)
+
+
+def test_terminal_finish_shortcut_stages_the_cut_as_the_result() -> None:
+    ck = checkpoint()
+    cont = ck.continuation.model_copy(update={"terminal_finish_reason": "stop", "terminal_stop_reason": 2})
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, cont)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: WEIGHTS)
+    call = capture.begin_call(admission, generation_cut=snapshot, generation_cut_staging_keys=cont.staging_keys)
+    plan = plan_cut_continuation(call)
+    assert (plan.finished, plan.finish_reason, plan.stop_reason, plan.max_tokens) == (True, "stop", 2, 0)
+    coords = capture.complete_call(
+        call, prompt_token_ids=plan.prompt_token_ids, generated_token_ids=[], generated_logprobs=[]
+    )
+    assert coords.model_dump() == uninterrupted(ck, WEIGHTS, generated=CHUNK_END).model_dump()
+
+
+@pytest.mark.parametrize("limit", [CHUNK_END, CHUNK_END - 4])
+def test_exhausted_budget_finishes_with_length(limit: int) -> None:
+    ck = checkpoint(limit=limit)
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: WEIGHTS)
+    call = capture.begin_call(
+        admission, generation_cut=snapshot, generation_cut_staging_keys=ck.continuation.staging_keys
+    )
+    plan = plan_cut_continuation(call, min_tokens=5)
+    assert (plan.finished, plan.finish_reason, plan.max_tokens, plan.min_tokens) == (True, "length", 0, 0)
+
+
+def test_minimum_budget_is_reduced_with_a_floor_of_zero() -> None:
+    ck = checkpoint()
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: WEIGHTS)
+    call = capture.begin_call(
+        admission, generation_cut=snapshot, generation_cut_staging_keys=ck.continuation.staging_keys
+    )
+    assert plan_cut_continuation(call, min_tokens=30).min_tokens == 30 - CHUNK_END
+    assert plan_cut_continuation(call, min_tokens=10).min_tokens == 0
+
+
+def test_engine_prompt_must_be_prefix_plus_cut_delta() -> None:
+    ck = checkpoint()
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: WEIGHTS)
+    call = capture.begin_call(
+        admission, generation_cut=snapshot, generation_cut_staging_keys=ck.continuation.staging_keys
+    )
+    coords = capture.complete_call(
+        call, prompt_token_ids=ck.prompt, generated_token_ids=[17], generated_logprobs=[-1.0]
+    )
+    assert coords.disposition == "capture_failed" and coords.delta_len == 0
+
+
+def test_chunk_builder_rejects_empty_and_mismatched_chunks() -> None:
+    ck = checkpoint()
+    call = _live_call(ck)
+    with pytest.raises(ValueError, match="at least one"):
+        build_generation_chunk_record(call, chunk_token_ids=[], chunk_logprobs=[])
+    with pytest.raises(ValueError, match="differ"):
+        build_generation_chunk_record(call, chunk_token_ids=[20, 21], chunk_logprobs=[-1.0])
+
+
+def test_cut_refusal_reasons() -> None:
+    decode = ByteTokenizer().decode
+    euro = [BYTE_OFFSET + byte for byte in "a€".encode()]
+    assert cut_refusal_reason(generated_token_ids=euro, decode=decode, effective_output_limit=9) is None
+    reason = cut_refusal_reason(generated_token_ids=euro[:-1], decode=decode, effective_output_limit=9)
+    assert reason is not None and "multi-byte" in reason
+    assert (
+        cut_refusal_reason(generated_token_ids=[], decode=decode, effective_output_limit=9) == "no token was generated"
+    )
+    assert "output limit" in str(
+        cut_refusal_reason(generated_token_ids=euro, decode=decode, effective_output_limit=None)
+    )
+    assert "inconsistent" in str(
+        cut_refusal_reason(
+            generated_token_ids=euro, decode=decode, effective_output_limit=9, inconsistent_delta_seen=True
+        )
+    )
+
+
+@pytest.mark.anyio
+async def test_async_fetch_of_a_cut_prefix() -> None:
+    ck = checkpoint()
+
+    class AsyncSource:
+        async def fetch(self, staging_keys: Sequence[str]) -> list[StagedCallSnapshot]:
+            return ck.store.fetch(staging_keys)
+
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    snapshot = await afetch_cut_prefix(admission, AsyncSource(), current_weight_version=WEIGHTS)
+    assert snapshot.digest == ck.continuation.prefix_digest
+    del ck.store.cut_rows[ck.continuation.staging_keys[0]]
+    with pytest.raises(GenerationCutError, match="missing"):
+        await afetch_cut_prefix(admission, AsyncSource(), current_weight_version=WEIGHTS)

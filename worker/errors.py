@@ -1,0 +1,41 @@
+"""Errors raised by the inference-worker capture (contract §5.1, §5.2, §9.4).
+
+:class:`CaptureError` marks caller bugs: it is raised, never turned into a
+poison row. Operational capture failures (a rejected stage, a missing chain
+record) are not exceptions at all: they become failed coordinates (§5.8).
+"""
+
+from __future__ import annotations
+
+from sink.errors import StagingError
+
+__all__ = (
+    "CaptureError",
+    "GenerationCutError",
+    "PrefixResolutionError",
+    "StreamingUnsupportedError",
+)
+
+
+class CaptureError(StagingError):
+    """Raised when the capture is used incorrectly: a non-admission argument,
+    an invalid prefix or weight version, a second completion of one call, or
+    a synchronous method used with an asynchronous sink or source."""
+
+
+class StreamingUnsupportedError(CaptureError):
+    """Raised by ``begin_call(stream=True)``: streaming capture is out of
+    scope (contract INV-5)."""
+
+
+class GenerationCutError(CaptureError):
+    """Raised when a generation-cut prefix cannot be rebuilt or does not
+    match its admission (contract §9.4). The serving host drops the cut and
+    regenerates the call; the message names the failed check."""
+
+
+class PrefixResolutionError(StagingError):
+    """Raised by :func:`worker.capture.resolve_prefix` when a ``staging_chain``
+    cannot be resolved to a verified prefix: a missing key, a length
+    mismatch, or a chain or cumulative hash that does not link. The call is
+    then served uncaptured and acknowledged with failed coordinates."""

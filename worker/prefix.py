@@ -1,0 +1,106 @@
+"""Prefix resolution for ``token_in`` admissions (contract §5.2, §10.8).
+
+An admission carries its prefix inline or by reference (``staging_chain``).
+By reference, the worker fetches the chain from a :class:`~sink.protocols.StagingSource`
+and verifies it before trusting a single id: the deltas must be contiguous,
+every snapshot's ``chain_hash`` must equal the running chain hash, the total
+length must be ``prev_len``, the last link must be the admission's
+``parent_chain_hash`` and the concatenation must hash to the parent's
+``cumulative_hash``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from sink.digest import compute_chain_hash, hash_token_ids
+from sink.records import CaptureAdmission, StagedCallBaseSnapshot
+
+from .errors import PrefixResolutionError
+
+__all__ = ("aresolve_prefix", "inline_prefix", "resolve_prefix", "verify_staging_chain")
+
+
+def verify_staging_chain(admission: CaptureAdmission, snapshots: Sequence[StagedCallBaseSnapshot]) -> list[int]:
+    """Check fetched chain snapshots against *admission* and return the prefix ids (§5.2).
+
+    :raises PrefixResolutionError: wrong count, a gap in the chain, a
+        snapshot whose chain hash does not link, a total length other than
+        ``prev_len``, a last link other than ``parent_chain_hash``, or a
+        concatenation whose cumulative hash differs from the last record's.
+    """
+    chain = admission.staging_chain
+    if len(snapshots) != len(chain) or not chain:
+        raise PrefixResolutionError(f"fetched {len(snapshots)} chain records for {len(chain)} staging keys")
+    running_hash: str | None = None
+    running_len = 0
+    for position, snapshot in enumerate(snapshots):
+        if not isinstance(snapshot, StagedCallBaseSnapshot):
+            raise PrefixResolutionError(f"chain record {position} is a {type(snapshot).__name__}, not a snapshot")
+        if snapshot.prev_len != running_len:
+            raise PrefixResolutionError(
+                f"chain record {position} starts at {snapshot.prev_len}, expected {running_len}"
+            )
+        running_hash = compute_chain_hash(running_hash, snapshot.token_ids_delta)
+        if snapshot.chain_hash != running_hash:
+            raise PrefixResolutionError(
+                f"chain record {position} ({chain[position]!r}) does not link: chain hash mismatch"
+            )
+        running_len += len(snapshot.token_ids_delta)
+    if running_len != admission.prev_len:
+        raise PrefixResolutionError(f"chain length {running_len} != prev_len {admission.prev_len}")
+    if running_hash != admission.parent_chain_hash:
+        raise PrefixResolutionError("chain hash of the fetched chain != the admission's parent_chain_hash")
+    prefix = list(itertools.chain.from_iterable(snapshot.token_ids_delta for snapshot in snapshots))
+    if hash_token_ids(prefix) != snapshots[-1].cumulative_hash:
+        raise PrefixResolutionError("cumulative hash of the fetched chain != the parent's cumulative_hash")
+    return prefix
+
+
+def inline_prefix(admission: CaptureAdmission) -> list[int] | None:
+    """The prefix of *admission* when no fetch is needed (``[]`` for a text root), else ``None``.
+
+    :raises TypeError: *admission* is not a :class:`CaptureAdmission`.
+    """
+    if not isinstance(admission, CaptureAdmission):
+        raise TypeError(f"expected a CaptureAdmission, got {type(admission).__name__}")
+    if admission.mode == "text":
+        return []
+    if admission.required_prefix_token_ids:
+        return list(admission.required_prefix_token_ids)
+    return None
+
+
+def resolve_prefix(admission: CaptureAdmission, source: Any) -> list[int]:
+    """Resolve *admission*'s prefix, fetching and verifying its staging chain if needed (§5.2).
+
+    :raises TypeError: *admission* is not a :class:`CaptureAdmission`.
+    :raises PrefixResolutionError: a chain key is missing or the chain does
+        not verify (other source errors propagate unchanged).
+    """
+    prefix = inline_prefix(admission)
+    if prefix is not None:
+        return prefix
+    try:
+        snapshots = source.fetch(list(admission.staging_chain))
+    except KeyError as exc:
+        raise PrefixResolutionError(f"staging chain record missing: {exc}") from exc
+    return verify_staging_chain(admission, snapshots)
+
+
+async def aresolve_prefix(admission: CaptureAdmission, source: Any) -> list[int]:
+    """Async twin of :func:`resolve_prefix` over an ``AsyncStagingSource``.
+
+    :raises TypeError: *admission* is not a :class:`CaptureAdmission`.
+    :raises PrefixResolutionError: as :func:`resolve_prefix`.
+    """
+    prefix = inline_prefix(admission)
+    if prefix is not None:
+        return prefix
+    try:
+        snapshots = await source.fetch(list(admission.staging_chain))
+    except KeyError as exc:
+        raise PrefixResolutionError(f"staging chain record missing: {exc}") from exc
+    return verify_staging_chain(admission, snapshots)
