@@ -1,0 +1,313 @@
+"""Benchmark: durable staging throughput and latency against a plain-SET baseline.
+
+Run ``python -m sink.bench.stage`` (or ``staging-sink bench stage``). On one
+durable server (``appendfsync always``), for each record size and number of
+concurrent stagers it measures, side by side in one run:
+
+* the sink: ``AsyncRedisStagingSink.stage`` (script + calls entry + verified durability);
+* the baseline: the same records encoded with ``encode_record`` and written
+  with plain pipelined ``SET``s over the same number of connections;
+* the server ceiling: ``redis-benchmark -t set -P 16`` with the same payload size;
+* chain fetch: ``fetch`` of a 50-call chain with full verification against
+  the hash-and-fetch floor (a raw ``MGET`` plus ``sha256`` over the bytes the
+  digest covers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+
+from ..codec import encode_record
+from ..digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
+from ..keys import record_key
+from ..records import StagedCallRecord
+from ..redis_sink import AsyncRedisStagingSink
+from ..server import durable_server
+from ..source import AsyncRedisStagingSource
+
+__all__ = ("StageFigures", "main", "run_stage_benchmark")
+
+
+@dataclass(frozen=True, slots=True)
+class StageFigures:
+    """One measured configuration: records/s, MB/s and latency percentiles in ms."""
+
+    system: str
+    tokens: int
+    concurrency: int
+    records: int
+    records_per_s: float
+    mb_per_s: float
+    p50_ms: float
+    p99_ms: float
+
+
+def build_records(rollouts: int, calls: int, tokens: int, *, tag: str) -> list[StagedCallRecord]:
+    """Linear chains of child calls with float32-exact log-probs, ids < 2**32."""
+    records = []
+    for r in range(rollouts):
+        sequence: list[int] = []
+        parent: StagedCallRecord | None = None
+        for c in range(calls):
+            carry = 16 if parent is not None else 64
+            ids = [(r * 7919 + c * 104729 + i * 31) % 150_000 for i in range(tokens)]
+            mask = [0.0] * carry + [1.0] * (tokens - carry)
+            logprobs = [0.0] * carry + [-((i % 97) + 1) / 64.0 for i in range(tokens - carry)]
+            record = StagedCallRecord.from_components(
+                rollout_id=f"{tag}-{r}",
+                model_call_id=f"c{c}",
+                parent_call_id=None if parent is None else parent.model_call_id,
+                mode="text" if parent is None else "token_in",
+                prev_len=len(sequence),
+                delta_len=tokens,
+                cum_len=len(sequence) + tokens,
+                weight_version=1,
+                token_ids_delta=ids,
+                token_mask_delta=mask,
+                generation_log_probs_delta=logprobs,
+                extras=None,
+                extras_digest=EMPTY_EXTRAS_DIGEST,
+                chain_hash=compute_chain_hash(None if parent is None else parent.chain_hash, ids),
+                cumulative_hash=hash_token_ids(sequence + ids),
+            )
+            sequence += ids
+            records.append(record)
+            parent = record
+    return records
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+
+async def _drive(
+    items: Sequence[Any], concurrency: int, op: Callable[[Any], Awaitable[None]]
+) -> tuple[float, list[float]]:
+    latencies: list[float] = []
+    position = 0
+
+    async def stager() -> None:
+        nonlocal position
+        while position < len(items):
+            item = items[position]
+            position += 1
+            start = time.perf_counter()
+            await op(item)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for _ in range(concurrency):
+            group.start_soon(stager)
+    return time.perf_counter() - start, latencies
+
+
+def _figures(system: str, tokens: int, concurrency: int, nbytes: int, elapsed: float, lat: list[float]) -> StageFigures:
+    return StageFigures(
+        system=system,
+        tokens=tokens,
+        concurrency=concurrency,
+        records=len(lat),
+        records_per_s=len(lat) / elapsed,
+        mb_per_s=nbytes / elapsed / 1e6,
+        p50_ms=_percentile(lat, 0.50),
+        p99_ms=_percentile(lat, 0.99),
+    )
+
+
+async def _bench_sink(url: str, records: list[StagedCallRecord], concurrency: int, connections: int) -> StageFigures:
+    nbytes = sum(len(encode_record(r)) for r in records)
+    async with AsyncRedisStagingSink.from_url(url, writer_connections=connections) as sink:
+
+        async def op(record: StagedCallRecord) -> None:
+            result = await sink.stage(record)
+            if not result.ok:
+                raise RuntimeError(f"stage failed during the benchmark: {result.error}")
+
+        elapsed, lat = await _drive(records, concurrency, op)
+    return _figures("sink", records[0].delta_len, concurrency, nbytes, elapsed, lat)
+
+
+async def _bench_plain_set(url: str, records: list[StagedCallRecord], concurrency: int, connections: int) -> StageFigures:
+    """Baseline: encode_record + plain SETs, pipelined per connection, no script, no checks."""
+    blobs = [(record_key("base", r.staging_key), encode_record(r)) for r in records]
+    client = aioredis.Redis.from_url(url)
+    send, receive = anyio.create_memory_object_stream[tuple[str, bytes, anyio.Event]](len(blobs))
+
+    async def connection_writer() -> None:
+        async with receive.clone() as stream:
+            async for first in stream:
+                batch = [first]
+                while True:
+                    try:
+                        batch.append(stream.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                pipe = client.pipeline(transaction=False)
+                for key, blob, _ in batch:
+                    pipe.set(key, blob)
+                await pipe.execute()
+                for _, _, done in batch:
+                    done.set()
+
+    async def op(item: tuple[str, bytes]) -> None:
+        done = anyio.Event()
+        await send.send((item[0], item[1], done))
+        await done.wait()
+
+    try:
+        async with anyio.create_task_group() as group:
+            for _ in range(connections):
+                group.start_soon(connection_writer)
+            elapsed, lat = await _drive(blobs, concurrency, op)
+            send.close()
+    finally:
+        receive.close()
+        await client.aclose()
+    return _figures("plain-set", records[0].delta_len, concurrency, sum(len(b) for _, b in blobs), elapsed, lat)
+
+
+def server_ceiling(port: int, payload_bytes: int, requests: int = 2000) -> float | None:
+    """``redis-benchmark -t set -P 16`` requests/s with this payload size (None if not installed)."""
+    binary = shutil.which("valkey-benchmark") or shutil.which("redis-benchmark")
+    if binary is None:
+        return None
+    argv = [binary, "-p", str(port), "-t", "set", "-P", "16", "-d", str(payload_bytes), "-n", str(requests), "-q"]
+    output = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True).stdout
+    match = re.search(r"SET: ([\d.]+) requests per second", output.replace("\r", "\n"))
+    return float(match.group(1)) if match else None
+
+
+def _digest_payload_bytes(record: StagedCallRecord) -> int:
+    ids = 16 + 8 * record.delta_len
+    columns = 2 * (16 + 4 * record.delta_len)
+    texts = sum(8 + len(s.encode()) for s in (record.rollout_id, record.model_call_id, record.mode))
+    return 3 + texts + 9 + len(record.parent_call_id or "") + 32 + ids + columns + 32 + 33 + 33
+
+
+async def _bench_chain_fetch(url: str, chain: list[StagedCallRecord], repeats: int) -> dict[str, float]:
+    keys = [r.staging_key for r in chain]
+    payloads = [bytes(_digest_payload_bytes(r)) for r in chain]
+    redis_keys = [record_key("stg", k) for k in keys]
+    async with AsyncRedisStagingSource.from_url(url) as source:
+        client = aioredis.Redis.from_url(url)
+        try:
+            fetch_times, floor_times = [], []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                await source.fetch(keys)
+                fetch_times.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                await client.mget(redis_keys)
+                for payload in payloads:
+                    hashlib.sha256(payload).digest()
+                floor_times.append(time.perf_counter() - start)
+        finally:
+            await client.aclose()
+    fetch_ms, floor_ms = min(fetch_times) * 1000, min(floor_times) * 1000
+    return {"fetch_ms": fetch_ms, "floor_ms": floor_ms, "ratio": fetch_ms / floor_ms}
+
+
+async def run_stage_benchmark(
+    url: str,
+    *,
+    token_sizes: Sequence[int] = (2048, 16384),
+    concurrencies: Sequence[int] = (1, 16, 64),
+    records_per_run: int = 256,
+    connections: int = 4,
+    port: int | None = None,
+) -> dict[str, Any]:
+    """Run every configuration on the server at *url* (flushed between runs)."""
+    admin = aioredis.Redis.from_url(url)
+    results: list[StageFigures] = []
+    ceilings: dict[int, float | None] = {}
+    try:
+        for tokens in token_sizes:
+            count = records_per_run if tokens <= 4096 else max(32, records_per_run // 4)
+            for concurrency in concurrencies:
+                for system in ("plain-set", "sink"):
+                    await admin.flushall()
+                    records = build_records(count // 8, 8, tokens, tag=f"b{tokens}-{concurrency}")
+                    bench = _bench_sink if system == "sink" else _bench_plain_set
+                    results.append(await bench(url, records, concurrency, connections))
+            if port is not None:
+                ceilings[tokens] = server_ceiling(port, len(encode_record(build_records(1, 1, tokens, tag="p")[0])))
+        await admin.flushall()
+        chain = build_records(1, 50, 2048, tag="chain")
+        async with AsyncRedisStagingSink.from_url(url) as sink:
+            for record in chain:
+                await sink.stage(record)
+        chain_fetch = await _bench_chain_fetch(url, chain, repeats=7)
+        await admin.flushall()
+    finally:
+        await admin.aclose()
+    return {"stage": [asdict(f) for f in results], "ceiling_set_per_s": ceilings, "chain_fetch": chain_fetch}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Human-readable table with the sink/baseline ratios."""
+    lines = [f"{'tokens':>7} {'conc':>5} {'system':>10} {'rec/s':>9} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8}"]
+    rows = report["stage"]
+    lines.extend(
+        f"{row['tokens']:>7} {row['concurrency']:>5} {row['system']:>10} {row['records_per_s']:>9.0f} "
+        f"{row['mb_per_s']:>8.1f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}"
+        for row in rows
+    )
+    lines.append("")
+    for base, sink in zip(rows[0::2], rows[1::2], strict=True):
+        ceiling = report["ceiling_set_per_s"].get(sink["tokens"])
+        ceiling_text = f", sink/ceiling {sink['records_per_s'] / ceiling:.2f}" if ceiling else ""
+        lines.append(
+            f"{sink['tokens']:>6} tokens x{sink['concurrency']:<3} throughput sink/baseline "
+            f"{sink['records_per_s'] / base['records_per_s']:.2f}, p99 sink/baseline "
+            f"{sink['p99_ms'] / base['p99_ms']:.2f}{ceiling_text}"
+        )
+    for tokens, ceiling in report["ceiling_set_per_s"].items():
+        lines.append(f"server ceiling (redis-benchmark -t set -P 16), {tokens} tokens: {ceiling} SET/s")
+    chain = report["chain_fetch"]
+    lines.append(
+        f"50-call chain fetch (2048 tokens each): {chain['fetch_ms']:.2f} ms vs floor {chain['floor_ms']:.2f} ms"
+        f" = {chain['ratio']:.2f}x"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: ``python -m sink.bench.stage [--redis-url URL] [--json]``."""
+    parser = argparse.ArgumentParser(prog="staging-sink bench stage", description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", help="a durable server to use (default: start a private one)")
+    parser.add_argument("--records", type=int, default=256, help="records per configuration (2,048 tokens)")
+    parser.add_argument("--connections", type=int, default=4, help="writer connections (sink and baseline)")
+    parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    args = parser.parse_args(argv)
+
+    def run(url: str, port: int | None) -> dict[str, Any]:
+        return anyio.run(
+            lambda: run_stage_benchmark(url, records_per_run=args.records, connections=args.connections, port=port)
+        )
+
+    if args.redis_url:
+        report = run(args.redis_url, None)
+    else:
+        with durable_server() as server:
+            report = run(server.url, server.port)
+    sys.stdout.write((json.dumps(report, indent=2) if args.json else format_report(report)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""Redis clients, cluster routing and the one place redis-py errors are translated.
+
+A :class:`Topology` hides the difference between one server and a cluster:
+it maps keys to the primary that owns their slot and hands out a plain
+``redis.asyncio.Redis`` client per primary, so a caller can pipeline a write
+and its ``WAIT`` on one connection of that node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+from redis.asyncio.cluster import RedisCluster
+
+from .errors import StagingConnectionError
+from .settings import ConnectionSettings
+
+__all__ = ("Topology", "describe_redis_error", "map_redis_errors")
+
+
+def describe_redis_error(exc: BaseException) -> str:
+    """A one-line description of a redis-py error that names its kind."""
+    kind = type(exc).__name__
+    text = str(exc).strip() or repr(exc)
+    return f"{kind}: {text}"
+
+
+@contextlib.contextmanager
+def map_redis_errors(action: str) -> Iterator[None]:
+    """Translate redis-py errors raised inside the block into :class:`StagingConnectionError`.
+
+    :param action: what was being done, for the message (``"fetch records"``).
+    """
+    try:
+        yield
+    except (redis_errors.RedisError, OSError) as exc:
+        raise StagingConnectionError(f"could not {action}: {describe_redis_error(exc)}") from exc
+
+
+def _timeouts(settings: ConnectionSettings) -> dict[str, Any]:
+    return {
+        "socket_connect_timeout": settings.connect_timeout_s,
+        "socket_timeout": settings.command_timeout_s,
+    }
+
+
+class Topology:
+    """Routes keys to per-primary clients, for one server or a cluster.
+
+    Build with :meth:`from_url` (owns its clients) or :meth:`borrow`, and
+    close with :meth:`aclose`; per-node clients it creates are always its own.
+    """
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, settings: ConnectionSettings, *, owned: bool) -> None:
+        self._settings = settings
+        self._owned = owned
+        self._cluster: RedisCluster | None = client if isinstance(client, RedisCluster) else None
+        self._single: aioredis.Redis | None = client if isinstance(client, aioredis.Redis) else None
+        self._node_clients: dict[tuple[str, int], aioredis.Redis] = {}
+        self._client_kwargs: dict[str, Any] = _timeouts(settings)
+
+    @classmethod
+    def from_url(cls, url: str, settings: ConnectionSettings) -> Topology:
+        """Create clients for *url*; :meth:`aclose` closes them."""
+        client: aioredis.Redis | RedisCluster
+        if settings.cluster:
+            client = RedisCluster.from_url(url, **_timeouts(settings))
+        else:
+            client = aioredis.Redis.from_url(url, **_timeouts(settings))
+        return cls(client, settings, owned=True)
+
+    @classmethod
+    def borrow(cls, client: aioredis.Redis | RedisCluster, settings: ConnectionSettings) -> Topology:
+        """Use a caller's client; :meth:`aclose` leaves it open."""
+        if not isinstance(client, aioredis.Redis | RedisCluster):
+            raise TypeError(f"expected a redis.asyncio client, got {type(client).__name__}")
+        return cls(client, settings, owned=False)
+
+    @property
+    def is_cluster(self) -> bool:
+        return self._cluster is not None
+
+    @property
+    def client(self) -> aioredis.Redis | RedisCluster:
+        """A client for keyed single-slot commands (the cluster client routes by key)."""
+        client = self._cluster if self._cluster is not None else self._single
+        assert client is not None
+        return client
+
+    async def initialize(self) -> None:
+        """Load the cluster topology (no-op for a single server)."""
+        if self._cluster is not None:
+            await self._cluster.initialize()
+
+    async def refresh(self) -> None:
+        """Reload the slot map after MOVED/failover errors (no-op for a single server)."""
+        if self._cluster is not None:
+            await self._cluster.nodes_manager.initialize()
+
+    def _node_client(self, host: str, port: int) -> aioredis.Redis:
+        key = (host, port)
+        client = self._node_clients.get(key)
+        if client is None:
+            assert self._cluster is not None
+            kwargs: dict[str, Any] = dict(self._cluster.get_connection_kwargs())
+            kwargs.update(self._client_kwargs)
+            kwargs.update(host=host, port=port)
+            for unused in ("connection_class", "host_port_remap"):
+                kwargs.pop(unused, None)
+            client = aioredis.Redis(**kwargs)
+            self._node_clients[key] = client
+        return client
+
+    def node_for_key(self, key: str) -> aioredis.Redis:
+        """The client of the primary that owns *key*'s slot."""
+        if self._single is not None:
+            return self._single
+        assert self._cluster is not None
+        node = self._cluster.nodes_manager.get_node_from_slot(self._cluster.keyslot(key))
+        return self._node_client(node.host, int(node.port))
+
+    def slot_of(self, key: str) -> int:
+        """The cluster slot of *key* (0 for a single server)."""
+        if self._cluster is None:
+            return 0
+        return int(self._cluster.keyslot(key))
+
+    def primaries(self) -> list[aioredis.Redis]:
+        """One client per primary."""
+        if self._single is not None:
+            return [self._single]
+        assert self._cluster is not None
+        return [self._node_client(node.host, int(node.port)) for node in self._cluster.get_primaries()]
+
+    def all_nodes(self) -> list[aioredis.Redis]:
+        """One client per node, primaries and replicas."""
+        if self._single is not None:
+            return [self._single]
+        assert self._cluster is not None
+        return [self._node_client(node.host, int(node.port)) for node in self._cluster.get_nodes()]
+
+    def group_by_slot(self, keys: Sequence[str]) -> dict[int, list[int]]:
+        """Indices of *keys* grouped by cluster slot, in first-seen order."""
+        groups: dict[int, list[int]] = {}
+        for index, key in enumerate(keys):
+            groups.setdefault(self.slot_of(key), []).append(index)
+        return groups
+
+    async def aclose(self) -> None:
+        """Close every client this topology created."""
+        clients: list[aioredis.Redis] = list(self._node_clients.values())
+        self._node_clients.clear()
+        for client in clients:
+            await client.aclose()
+        if not self._owned:
+            return
+        if self._single is not None:
+            await self._single.aclose()
+        if self._cluster is not None:
+            await self._cluster.aclose()

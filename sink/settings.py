@@ -1,0 +1,117 @@
+"""Settings models, one per component (pydantic, frozen, ``extra="forbid"``).
+
+Units are in the field names. The library never reads environment variables;
+only :mod:`sink.cli` does.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .keys import DEFAULT_NAMESPACE
+
+__all__ = (
+    "DEFAULT_SHARDS",
+    "AssemblerSettings",
+    "ConnectionSettings",
+    "ReaderSettings",
+    "SinkSettings",
+    "SourceSettings",
+)
+
+_MIB = 1024 * 1024
+
+DEFAULT_SHARDS = 4
+"""Default number of ``done`` and ``receipts`` stream shards (every producer and consumer must agree)."""
+
+
+class ConnectionSettings(BaseModel):
+    """How to reach Redis/Valkey: shared by every component."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    namespace: str = Field(default=DEFAULT_NAMESPACE, pattern=r"^[A-Za-z0-9._-]+$")
+    cluster: bool = False
+    """Treat the URL as one node of a Redis/Valkey Cluster."""
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    command_timeout_s: float = Field(default=10.0, gt=0)
+    """Socket read timeout for one command or pipeline (WAIT adds ``confirm_timeout_s``)."""
+
+
+class SinkSettings(ConnectionSettings):
+    """Settings of :class:`sink.redis_sink.AsyncRedisStagingSink`."""
+
+    durability: Literal["fsync", "none"] = "fsync"
+    """``fsync``: refuse to acknowledge unless the server fsyncs every write
+    (``appendfsync always``); ``none``: skip the check (benchmarks, throwaway runs)."""
+    min_replicas: int = Field(default=0, ge=0)
+    """Replicas that must acknowledge each write (``WAIT``) before ``ok=True``."""
+    confirm_timeout_s: float = Field(default=5.0, gt=0)
+    """Deadline for the replica acknowledgement (``WAIT``/``WAITAOF``)."""
+    writer_connections: int = Field(default=4, ge=1, le=64)
+    """Connections used for group commit; each carries one batch at a time."""
+    max_batch_records: int = Field(default=256, ge=1)
+    max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
+    """Encoded records larger than this are refused before any write."""
+    durability_check_interval_s: float = Field(default=30.0, gt=0)
+    """How often the server's persistence configuration is re-verified."""
+
+
+class SourceSettings(ConnectionSettings):
+    """Settings of :class:`sink.source.AsyncRedisStagingSource`."""
+
+    max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
+
+
+_CONSUMER_NAME = r"^[A-Za-z0-9._-]+$"
+
+
+class _GroupConsumerSettings(ConnectionSettings):
+    """Consumer-group settings shared by the assembler and the trainer reader."""
+
+    consumer_name: str | None = Field(default=None, pattern=_CONSUMER_NAME)
+    """This process's consumer name in the group; default ``<host>-<pid>-<random>``.
+    A stable name (``rank-3``) lets a restarted process pick up its own pending entries at once."""
+    claim_idle_ms: int = Field(default=60_000, ge=1)
+    """Entries delivered to a consumer and unacknowledged for this long are reclaimed (``XAUTOCLAIM``)."""
+    max_deliveries: int = Field(default=5, ge=1)
+    """An entry delivered more often than this is moved to ``ns:dead:<role>-<shard>`` instead of processed."""
+    reconnect_backoff_s: float = Field(default=1.0, gt=0)
+    """Pause before retrying after the server could not be reached."""
+
+
+class AssemblerSettings(_GroupConsumerSettings):
+    """Settings of :class:`sink.assembler.Assembler` (consumer group ``assemblers``)."""
+
+    done_shards: int = Field(default=DEFAULT_SHARDS, ge=1)
+    """Shards of ``ns:done:<k>`` to consume (must match ``finished(shards=...)``)."""
+    receipt_shards: int = Field(default=DEFAULT_SHARDS, ge=1)
+    """Shards of ``ns:receipts:<k>`` to publish to (must match the readers)."""
+    block_ms: int = Field(default=1_000, ge=1)
+    """How long one ``XREADGROUP`` waits for new events."""
+    batch_events: int = Field(default=64, ge=1)
+    """Events read per ``XREADGROUP`` (``COUNT``) and processed concurrently per shard."""
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+    """After :meth:`~sink.assembler.Assembler.stop`, how long in-flight events may finish before cancellation."""
+
+    @model_validator(mode="after")
+    def _check_block_fits_timeout(self) -> AssemblerSettings:
+        if self.block_ms / 1000.0 >= self.command_timeout_s:
+            raise ValueError("block_ms must be shorter than command_timeout_s (a blocked read would time out)")
+        return self
+
+
+class ReaderSettings(_GroupConsumerSettings):
+    """Settings of :class:`sink.trainer.RolloutReader` (consumer group ``trainers``)."""
+
+    receipt_shards: int = Field(default=DEFAULT_SHARDS, ge=1)
+    """Shards of ``ns:receipts:<k>`` to consume (must match the assemblers)."""
+    claim_idle_ms: int = Field(default=300_000, ge=1)
+    """A rank's pulled-but-unacknowledged rollouts are reclaimed by other ranks after this long;
+    it must exceed the time between ``pull`` and ``ack`` (``pull``/``heartbeat`` reset it)."""
+    fetch_concurrency: int = Field(default=8, ge=1)
+    """Rollouts fetched and verified concurrently within one ``pull``."""
+    max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
+    """Staged records larger than this are refused by the source."""
