@@ -9,6 +9,7 @@ and its ``WAIT`` on one connection of that node.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,6 +40,14 @@ def map_redis_errors(action: str) -> Iterator[None]:
         yield
     except (redis_errors.RedisError, OSError) as exc:
         raise StagingConnectionError(f"could not {action}: {describe_redis_error(exc)}") from exc
+
+
+_REDIS_INIT_PARAMETERS = frozenset(inspect.signature(aioredis.Redis.__init__).parameters) - {
+    "self",
+    "connection_pool",
+    "single_connection_client",
+    "response_callbacks",
+}
 
 
 def _timeouts(settings: ConnectionSettings) -> dict[str, Any]:
@@ -106,11 +115,11 @@ class Topology:
         client = self._node_clients.get(key)
         if client is None:
             assert self._cluster is not None
-            kwargs: dict[str, Any] = dict(self._cluster.get_connection_kwargs())
+            # Same credentials/TLS/timeouts as the cluster client, for one node.
+            inherited = self._cluster.get_connection_kwargs()
+            kwargs: dict[str, Any] = {k: v for k, v in inherited.items() if k in _REDIS_INIT_PARAMETERS}
             kwargs.update(self._client_kwargs)
             kwargs.update(host=host, port=port)
-            for unused in ("connection_class", "host_port_remap"):
-                kwargs.pop(unused, None)
             client = aioredis.Redis(**kwargs)
             self._node_clients[key] = client
         return client
@@ -136,12 +145,20 @@ class Topology:
         assert self._cluster is not None
         return [self._node_client(node.host, int(node.port)) for node in self._cluster.get_primaries()]
 
-    def all_nodes(self) -> list[aioredis.Redis]:
-        """One client per node, primaries and replicas."""
+    async def all_nodes(self) -> list[aioredis.Redis]:
+        """One client per node, primaries and replicas (from ``CLUSTER NODES``)."""
         if self._single is not None:
             return [self._single]
         assert self._cluster is not None
-        return [self._node_client(node.host, int(node.port)) for node in self._cluster.get_nodes()]
+        nodes = await self._cluster.cluster_nodes()
+        clients = []
+        for address, info in sorted(nodes.items()):
+            flags = str(info.get("flags", ""))
+            if "fail" in flags or "noaddr" in flags or "handshake" in flags:
+                continue
+            host, _, port = address.rpartition(":")
+            clients.append(self._node_client(host, int(port.split("@")[0])))
+        return clients
 
     def group_by_slot(self, keys: Sequence[str]) -> dict[int, list[int]]:
         """Indices of *keys* grouped by cluster slot, in first-seen order."""

@@ -153,6 +153,16 @@ class AsyncRedisStagingSink:
         if self._closed or self._task_group is not None:
             raise RuntimeError("a staging sink can be entered once")
         try:
+            await self._open()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._topology.aclose()
+            self._closed = True
+            raise
+        return self
+
+    async def _open(self) -> None:
+        try:
             await self._topology.initialize()
         except (redis_errors.RedisError, OSError) as exc:
             # Not fatal: stages fail with this error until the server is reachable.
@@ -165,7 +175,6 @@ class AsyncRedisStagingSink:
         for _ in range(self._settings.writer_connections):
             self._task_group.start_soon(self._writer, receive.clone())
         receive.close()
-        return self
 
     async def __aexit__(
         self,
@@ -276,7 +285,7 @@ class AsyncRedisStagingSink:
         async with self._check_lock:
             fresh = time.monotonic() - self._checked_at < self._settings.durability_check_interval_s
             if self._durability is None or not fresh or force:
-                report = await verify_durability(self._topology.all_nodes())
+                report = await self._verify_all_nodes()
                 self._durability = report
                 # A failed check is retried on the next stage rather than cached.
                 self._checked_at = time.monotonic() if report.problem is None else -math.inf
@@ -284,6 +293,13 @@ class AsyncRedisStagingSink:
                     logger.error("staging sink refuses to acknowledge writes: %s", report.problem)
         assert self._durability is not None
         return self._durability
+
+    async def _verify_all_nodes(self) -> DurabilityReport:
+        try:
+            nodes = await self._topology.all_nodes()
+        except (redis_errors.RedisError, OSError) as exc:
+            return DurabilityReport(problem=f"cannot verify durability: {describe_redis_error(exc)}", supports_waitaof=False)
+        return await verify_durability(nodes)
 
     # --- group commit -----------------------------------------------------------
 
