@@ -42,12 +42,14 @@ def map_redis_errors(action: str) -> Iterator[None]:
         raise StagingConnectionError(f"could not {action}: {describe_redis_error(exc)}") from exc
 
 
-_REDIS_INIT_PARAMETERS = frozenset(inspect.signature(aioredis.Redis.__init__).parameters) - {
-    "self",
-    "connection_pool",
-    "single_connection_client",
-    "response_callbacks",
-}
+def _init_parameters(cls: type) -> frozenset[str]:
+    """Keyword parameters accepted by ``cls.__init__`` along its MRO (they chain via ``**kwargs``)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names |= set(inspect.signature(init).parameters)
+    return frozenset(names - {"self", "args", "kwargs"})
 
 
 def _timeouts(settings: ConnectionSettings) -> dict[str, Any]:
@@ -77,9 +79,13 @@ class Topology:
         """Create clients for *url*; :meth:`aclose` closes them."""
         client: aioredis.Redis | RedisCluster
         if settings.cluster:
-            client = RedisCluster.from_url(url, **_timeouts(settings))
+            client = RedisCluster.from_url(url, max_connections=settings.max_connections, **_timeouts(settings))
         else:
-            client = aioredis.Redis.from_url(url, **_timeouts(settings))
+            # A blocking pool makes callers beyond max_connections wait instead of failing.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=settings.max_connections, timeout=settings.connect_timeout_s, **_timeouts(settings)
+            )
+            client = aioredis.Redis.from_pool(pool)
         return cls(client, settings, owned=True)
 
     @classmethod
@@ -117,10 +123,18 @@ class Topology:
             assert self._cluster is not None
             # Same credentials/TLS/timeouts as the cluster client, for one node.
             inherited = self._cluster.get_connection_kwargs()
-            kwargs: dict[str, Any] = {k: v for k, v in inherited.items() if k in _REDIS_INIT_PARAMETERS}
+            connection_class: type[aioredis.Connection] = inherited.get("connection_class") or aioredis.Connection
+            accepted = _init_parameters(connection_class)
+            kwargs: dict[str, Any] = {k: v for k, v in inherited.items() if k in accepted}
             kwargs.update(self._client_kwargs)
             kwargs.update(host=host, port=port)
-            client = aioredis.Redis(**kwargs)
+            pool = aioredis.BlockingConnectionPool(
+                connection_class=connection_class,
+                max_connections=self._settings.max_connections,
+                timeout=self._settings.connect_timeout_s,
+                **kwargs,
+            )
+            client = aioredis.Redis.from_pool(pool)
             self._node_clients[key] = client
         return client
 

@@ -38,6 +38,8 @@ class ConnectionSettings(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     command_timeout_s: float = Field(default=10.0, gt=0)
     """Socket read timeout for one command or pipeline (WAIT adds ``confirm_timeout_s``)."""
+    max_connections: int = Field(default=64, ge=1, le=10_000)
+    """Connections per server node; callers beyond it wait for a free one (up to ``connect_timeout_s``)."""
 
 
 class SinkSettings(ConnectionSettings):
