@@ -14,6 +14,7 @@ import zlib
 __all__ = (
     "DEFAULT_NAMESPACE",
     "calls_stream",
+    "claim_key",
     "dead_letter_stream",
     "done_stream",
     "fence_key",
@@ -87,6 +88,11 @@ def fence_key(ns: str, rollout_id: str) -> str:
 def receipt_key(ns: str, rollout_id: str) -> str:
     """The immutable receipt of one rollout."""
     return f"{_tag(ns, rollout_id)}:receipt"
+
+
+def claim_key(ns: str, rollout_id: str) -> str:
+    """The trainer-side consumption claim of one rollout (which receipt entry and reader own it)."""
+    return f"{_tag(ns, rollout_id)}:claimed"
 
 
 def done_stream(ns: str, shard: int) -> str:

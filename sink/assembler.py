@@ -1,0 +1,450 @@
+"""Rollout end: the ``finished()`` producer and the receipt :class:`Assembler` (contract §7.1 steps 1-4).
+
+Flow (architecture §2): the framework calls :func:`finished` once a rollout
+is scored; it appends one token-free event to ``ns:done:<shard>``. An
+:class:`Assembler` (consumer group ``assemblers``) reads the event, reads the
+rollout's manifest from the capture ledger, builds the immutable
+:class:`~sink.records.RolloutReceipt`, stores it with ``SET ns:{R}:receipt
+<json> NX`` (an existing receipt wins, so several assemblers never produce
+two different receipts for one rollout), publishes it to
+``ns:receipts:<shard>`` and only then acknowledges the event.
+
+Delivery guarantee: every finished rollout gets exactly one stored receipt
+and it is published **at least once**; after an assembler crash between
+publish and acknowledgement the reclaimed event republishes the same stored
+receipt, and the trainer reader drops the duplicate.
+
+A transient server error leaves the event pending: it is retried after
+``claim_idle_ms`` and dead-lettered after ``max_deliveries``. A retired or
+unparsable ledger yields a poisoned ``manifest_unavailable`` receipt instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, NamedTuple, Self
+
+import anyio
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+from pydantic import ValidationError
+from redis.asyncio.cluster import RedisCluster
+
+from .connection import Topology, describe_redis_error, map_redis_errors
+from .consumer import GroupConsumer, StreamEntry, default_consumer_name
+from .errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
+from .keys import DEFAULT_NAMESPACE, done_stream, receipt_key, receipts_stream, shard_of, validate_rollout_id
+from .ledger import RedisCaptureLedger
+from .receipt import build_receipt
+from .records import RolloutManifest, RolloutReceipt
+from .settings import DEFAULT_SHARDS, AssemblerSettings
+
+__all__ = (
+    "ASSEMBLER_GROUP",
+    "Assembler",
+    "AssemblerStatistics",
+    "DoneEvent",
+    "finished",
+    "parse_done_event",
+    "run_assembler",
+)
+
+logger = logging.getLogger(__name__)
+
+ASSEMBLER_GROUP = "assemblers"
+BeforeAck = Callable[[StreamEntry], Awaitable[None]]
+
+
+def _canonical_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _check_reward(reward: object) -> float | None:
+    if reward is None:
+        return None
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise TypeError(f"reward must be a float or None, got {type(reward).__name__}")
+    if not math.isfinite(reward):
+        raise ValueError(f"reward must be finite, got {reward!r}")
+    return float(reward)
+
+
+async def finished(
+    client: aioredis.Redis | RedisCluster,
+    rollout_id: str,
+    *,
+    reward: float | None,
+    response: object = None,
+    declared_response_id: str | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
+    shards: int = DEFAULT_SHARDS,
+) -> str:
+    """Announce that *rollout_id* finished: one token-free event on ``ns:done:<shard_of(rollout_id, shards)>``.
+
+    Event fields: ``rollout_id``, ``reward`` (JSON), ``response`` (canonical
+    JSON, or empty for ``None``) and ``declared_response_id`` (or empty).
+    *client* is borrowed (plain or cluster). Calling it twice is safe: the
+    assembler keeps the first receipt.
+
+    :returns: the stream entry id.
+    :raises ValueError: invalid rollout id, non-finite reward, or a response that is not JSON-serializable.
+    :raises TypeError: *reward* is not a number, or *response* holds a non-JSON type.
+    :raises StagingConnectionError: the server could not be reached.
+    """
+    validate_rollout_id(rollout_id)
+    reward_value = _check_reward(reward)
+    if declared_response_id is not None and not isinstance(declared_response_id, str):
+        raise TypeError("declared_response_id must be a str or None")
+    fields = {
+        "rollout_id": rollout_id,
+        "reward": json.dumps(reward_value, allow_nan=False),
+        "response": "" if response is None else _canonical_json(response),
+        "declared_response_id": declared_response_id or "",
+    }
+    stream = done_stream(namespace, shard_of(rollout_id, shards))
+    with map_redis_errors(f"announce that rollout {rollout_id!r} finished"):
+        entry_id = await client.xadd(stream, fields)  # type: ignore[arg-type]
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+class DoneEvent(NamedTuple):
+    """A parsed ``ns:done:<k>`` event."""
+
+    rollout_id: str
+    reward: float | None
+    response: object
+    declared_response_id: str | None
+
+
+def parse_done_event(fields: dict[str, str]) -> DoneEvent:
+    """Parse the fields :func:`finished` wrote.
+
+    :raises CodecError: a field is missing or malformed (such an event can never succeed).
+    """
+    try:
+        rollout_id = validate_rollout_id(fields["rollout_id"])
+        reward = _check_reward(json.loads(fields["reward"]))
+        response_text = fields.get("response", "")
+        response = json.loads(response_text) if response_text else None
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CodecError(f"malformed done event {fields!r}: {exc!r}") from exc
+    return DoneEvent(rollout_id, reward, response, fields.get("declared_response_id") or None)
+
+
+class AssemblerStatistics(NamedTuple):
+    """Counters of one :class:`Assembler` since it was opened."""
+
+    events: int
+    receipts_created: int
+    receipts_reused: int
+    published: int
+    acked: int
+    reclaimed: int
+    dead_lettered: int
+    failures: int
+    in_flight: int
+
+
+class Assembler:
+    """Turns ``done`` events into stored, published receipts (consumer group ``assemblers``).
+
+    Use as an async context manager and call :meth:`run` (in a task group)
+    until :meth:`stop`::
+
+        async with Assembler.from_url(url) as assembler, anyio.create_task_group() as tg:
+            tg.start_soon(assembler.run)
+            ...
+            assembler.stop()
+
+    Each done shard is read by its own task with blocking ``XREADGROUP``
+    (push-driven), so in a cluster no command spans two slots. ``from_url``
+    owns its client; the constructor borrows one.
+
+    :param before_ack: instrumentation/test hook awaited after an event's
+        receipt is published and before the event is acknowledged.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis | RedisCluster,
+        settings: AssemblerSettings | None = None,
+        *,
+        before_ack: BeforeAck | None = None,
+    ) -> None:
+        self._init(Topology.borrow(client, settings or AssemblerSettings()), settings, before_ack)
+
+    @classmethod
+    def from_url(
+        cls, url: str, settings: AssemblerSettings | None = None, *, before_ack: BeforeAck | None = None, **fields: Any
+    ) -> Self:
+        """Create an assembler that owns its client; pass *settings* or :class:`AssemblerSettings` fields.
+
+        :raises pydantic.ValidationError: an unknown or invalid setting.
+        """
+        if settings is not None and fields:
+            raise TypeError("pass either settings or setting fields, not both")
+        parsed = settings or AssemblerSettings(**fields)
+        self = cls.__new__(cls)
+        self._init(Topology.from_url(url, parsed), parsed, before_ack)
+        return self
+
+    def _init(self, topology: Topology, settings: AssemblerSettings | None, before_ack: BeforeAck | None) -> None:
+        self._settings = settings or AssemblerSettings()
+        self._topology = topology
+        self._ns = self._settings.namespace
+        self._before_ack = before_ack
+        self._ledger = RedisCaptureLedger(topology.client, namespace=self._ns)
+        self._consumer = GroupConsumer(
+            topology,
+            namespace=self._ns,
+            role="done",
+            streams=[done_stream(self._ns, shard) for shard in range(self._settings.done_shards)],
+            group=ASSEMBLER_GROUP,
+            consumer=self._settings.consumer_name or default_consumer_name(),
+            claim_idle_ms=self._settings.claim_idle_ms,
+            max_deliveries=self._settings.max_deliveries,
+        )
+        self._stopping = False
+        self._running = False
+        self._closed = False
+        self._read_scopes: set[anyio.CancelScope] = set()
+        self._stop_requested = anyio.Event()
+        self._counts = {"events": 0, "created": 0, "reused": 0, "published": 0, "failures": 0, "in_flight": 0}
+
+    @property
+    def consumer_name(self) -> str:
+        """This assembler's consumer name in the ``assemblers`` group."""
+        return self._consumer.consumer
+
+    def statistics(self) -> AssemblerStatistics:
+        """Counters since open; ``in_flight`` = events being assembled right now."""
+        c, consumer = self._counts, self._consumer
+        return AssemblerStatistics(
+            events=c["events"],
+            receipts_created=c["created"],
+            receipts_reused=c["reused"],
+            published=c["published"],
+            acked=consumer.acked,
+            reclaimed=consumer.reclaimed,
+            dead_lettered=consumer.dead_lettered,
+            failures=c["failures"],
+            in_flight=c["in_flight"],
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = "closed" if self._closed else "running" if self._running else "idle"
+        return (
+            f"<Assembler {self.consumer_name!r} {state} events={s.events} created={s.receipts_created} "
+            f"reused={s.receipts_reused} published={s.published} acked={s.acked} reclaimed={s.reclaimed} "
+            f"dead={s.dead_lettered} failures={s.failures} in_flight={s.in_flight}>"
+        )
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        try:
+            with map_redis_errors("load the cluster topology"):
+                await self._topology.initialize()
+            await self._consumer.ensure_groups()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the client if the assembler owns it; idempotent. Call :meth:`stop` first if running."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._ledger.aclose()
+            await self._topology.aclose()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to stop: reading stops now, in-flight events get ``shutdown_grace_s`` to finish.
+
+        Safe to call from a signal handler task, before or during :meth:`run`.
+        """
+        self._stopping = True
+        self._stop_requested.set()
+        for scope in list(self._read_scopes):
+            scope.cancel()  # a blocked XREADGROUP; anything it was served stays pending, then reclaimed
+
+    async def run(self) -> None:
+        """Consume every done shard until :meth:`stop`; returns once stopped.
+
+        :raises StagingError: a non-recoverable failure (the message says which).
+        """
+        if self._running or self._closed:
+            raise RuntimeError("an assembler runs once, while open")
+        self._running = True
+        try:
+            async with anyio.create_task_group() as outer:
+                with anyio.CancelScope() as work:
+                    outer.start_soon(self._enforce_grace, work)
+                    async with anyio.create_task_group() as workers:
+                        for shard in range(self._settings.done_shards):
+                            workers.start_soon(self._shard_loop, shard)
+                outer.cancel_scope.cancel()  # the grace watcher is no longer needed
+            if not work.cancelled_caught:
+                # Drained cleanly: drop our consumer name where it owns nothing pending.
+                await self._consumer.retire_consumer()
+        finally:
+            self._running = False
+
+    async def _enforce_grace(self, work: anyio.CancelScope) -> None:
+        await self._stop_requested.wait()
+        await anyio.sleep(self._settings.shutdown_grace_s)
+        logger.warning("assembler %s: shutdown grace elapsed, cancelling in-flight events", self.consumer_name)
+        work.cancel()
+
+    async def _shard_loop(self, shard: int) -> None:
+        settings, consumer = self._settings, self._consumer
+        recovered = False
+        next_claim_at = -math.inf
+        while not self._stopping:
+            try:
+                if not recovered:
+                    # A restart under a stable consumer name: our own pending entries first.
+                    await self._process(await consumer.read_own_pending(shard))
+                    recovered = True
+                if anyio.current_time() >= next_claim_at:
+                    next_claim_at = anyio.current_time() + settings.claim_idle_ms / 2000.0
+                    reclaimed = await consumer.reclaim(shard, count=settings.batch_events)
+                    if reclaimed:
+                        await self._process(reclaimed)
+                        continue
+                entries: list[StreamEntry] = []
+                with anyio.CancelScope() as read_scope:
+                    self._read_scopes.add(read_scope)
+                    if self._stopping:
+                        read_scope.cancel()
+                    try:
+                        entries = await consumer.read_new(
+                            [shard], count=settings.batch_events, block_ms=settings.block_ms
+                        )
+                    finally:
+                        self._read_scopes.discard(read_scope)
+                await self._process(entries)
+            except StagingConnectionError as exc:
+                self._counts["failures"] += 1
+                logger.warning("assembler %s shard %d: %s; retrying", self.consumer_name, shard, exc)
+                await self._refresh_topology()
+                await anyio.sleep(settings.reconnect_backoff_s)
+
+    async def _refresh_topology(self) -> None:
+        try:
+            await self._topology.refresh()
+        except (redis_errors.RedisError, OSError) as exc:
+            # Not fatal here: the next command reports the outage, translated, and is retried.
+            logger.warning("could not refresh the cluster topology: %s", describe_redis_error(exc))
+
+    # --- one batch / one event ------------------------------------------------------
+
+    async def _process(self, entries: list[StreamEntry]) -> None:
+        if not entries:
+            return
+        settled: list[StreamEntry] = []
+        async with anyio.create_task_group() as group:
+            for entry in entries:
+                group.start_soon(self._handle, entry, settled)
+        if settled:
+            await self._consumer.ack(settled)
+
+    async def _handle(self, entry: StreamEntry, settled: list[StreamEntry]) -> None:
+        self._counts["events"] += 1
+        self._counts["in_flight"] += 1
+        try:
+            try:
+                event = parse_done_event(entry.fields)
+            except CodecError as exc:
+                await self._consumer.dead_letter(entry, str(exc))
+                return
+            text = await self._store_receipt(await self._assemble(event))
+            await self._publish(event.rollout_id, text)
+            if self._before_ack is not None:
+                await self._before_ack(entry)
+            settled.append(entry)
+        except StagingError as exc:
+            # Left pending: reclaimed after claim_idle_ms, dead-lettered after max_deliveries.
+            self._counts["failures"] += 1
+            logger.warning(
+                "assembler %s: event %s %s failed: %s", self.consumer_name, entry.stream, entry.entry_id, exc
+            )
+        finally:
+            self._counts["in_flight"] -= 1
+
+    async def _assemble(self, event: DoneEvent) -> RolloutReceipt:
+        manifest: RolloutManifest | None
+        try:
+            manifest = await self._ledger.manifest(event.rollout_id)
+        except (RolloutRetiredError, CodecError, ValidationError) as exc:
+            logger.warning("manifest of %r unavailable: %s", event.rollout_id, exc)
+            manifest = None
+        arguments: dict[str, Any] = {
+            "rollout_id": event.rollout_id,
+            "reward": event.reward,
+            "response": event.response,
+            "declared_response_id": event.declared_response_id,
+        }
+        try:
+            return build_receipt(manifest, **arguments)
+        except ValueError as exc:
+            # The manifest cannot make a valid receipt: treat it as unparsable (state 3).
+            logger.warning("manifest of %r cannot form a receipt: %s", event.rollout_id, exc)
+            return build_receipt(None, **arguments)
+
+    async def _store_receipt(self, receipt: RolloutReceipt) -> str:
+        """``SET ns:{R}:receipt <json> NX GET``: return the stored receipt, ours or an earlier one."""
+        key = receipt_key(self._ns, receipt.rollout_id)
+        text = receipt.model_dump_json()
+        with map_redis_errors(f"store the receipt of {receipt.rollout_id!r}"):
+            previous = await self._topology.client.set(key, text, nx=True, get=True)
+        if previous is None:
+            self._counts["created"] += 1
+            return text
+        # Another assembler (or an earlier delivery) stored it first: that one is the receipt.
+        stored = previous.decode() if isinstance(previous, bytes) else str(previous)
+        try:
+            RolloutReceipt.model_validate_json(stored)
+        except ValidationError as exc:
+            raise CodecError(f"stored receipt of {receipt.rollout_id!r} is corrupt: {exc}") from exc
+        self._counts["reused"] += 1
+        return stored
+
+    async def _publish(self, rollout_id: str, receipt_text: str) -> None:
+        stream = receipts_stream(self._ns, shard_of(rollout_id, self._settings.receipt_shards))
+        with map_redis_errors(f"publish the receipt of {rollout_id!r}"):
+            await self._topology.client.xadd(stream, {"rollout_id": rollout_id, "receipt": receipt_text})
+        self._counts["published"] += 1
+
+
+async def run_assembler(url: str, settings: AssemblerSettings | None = None, *, handle_signals: bool = True) -> None:
+    """Run one assembler against *url* until SIGINT/SIGTERM (the CLI entry point).
+
+    A signal stops reading; in-flight events get ``shutdown_grace_s``.
+    """
+    async with Assembler.from_url(url, settings) as assembler, anyio.create_task_group() as group:
+
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    logger.info("assembler %s: signal %d, stopping", assembler.consumer_name, signum)
+                    assembler.stop()
+                    return
+
+        if handle_signals:
+            group.start_soon(stop_on_signal)
+        await assembler.run()
+        group.cancel_scope.cancel()

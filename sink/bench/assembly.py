@@ -1,0 +1,291 @@
+"""Benchmark: receipt assembly throughput and finished()-to-receipt latency.
+
+Run ``python -m sink.bench.assembly [--redis-url URL]`` (default: a private
+durable server). Every rollout has a 32-call linear ledger. Measured:
+
+* throughput: N done events are queued, then one and then two assembler
+  processes (each its own interpreter, as deployed) turn them into stored,
+  published receipts; rollouts/s from the start signal to the last receipt;
+* latency: one assembler process, ``finished()`` paced at a steady rate
+  (default 100 rollouts/s); time from ``finished()`` returning to the receipt
+  being readable on ``ns:receipts:<k>`` (a blocking ``XREAD``, as a trainer
+  would see it), p50/p99/max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.context import SpawnProcess
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+
+from ..assembler import Assembler, finished
+from ..keys import done_stream, receipt_key, receipts_stream
+from ..ledger import RedisCaptureLedger
+from ..records import CallRecord, CaptureLedgerCommit
+from ..server import durable_server
+from ..settings import DEFAULT_SHARDS, AssemblerSettings
+
+__all__ = ("AssemblyFigures", "format_report", "main", "run_assembly_benchmark")
+
+_GO_KEY = "bench:assembly:go"
+_READY_KEY = "bench:assembly:ready"
+
+
+@dataclass(frozen=True, slots=True)
+class AssemblyFigures:
+    """Measured assembly figures."""
+
+    calls_per_rollout: int
+    throughput_rollouts: int
+    one_assembler_rollouts_per_s: float
+    two_assemblers_rollouts_per_s: float
+    latency_rate_per_s: float
+    latency_rollouts: int
+    latency_p50_ms: float
+    latency_p99_ms: float
+    latency_max_ms: float
+
+
+def _hex(*parts: object) -> str:
+    return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()
+
+
+def _commits(rollout_id: str, calls: int, tokens: int = 64) -> list[CaptureLedgerCommit]:
+    commits, chain = [], []
+    for index in range(calls):
+        chain.append(f"{rollout_id}/c{index}")
+        record = CallRecord(
+            model_call_id=f"c{index}",
+            parent_call_id=f"c{index - 1}" if index else None,
+            prev_len=index * tokens,
+            delta_len=tokens,
+            cum_len=(index + 1) * tokens,
+            weight_version=1,
+            digest=_hex(rollout_id, index, "d"),
+            extras_digest=_hex("extras"),
+            staging_key=chain[-1],
+            mode="token_in" if index else "text",
+            chain_hash=_hex(rollout_id, index, "chain"),
+            cumulative_hash=_hex(rollout_id, index, "cum"),
+            response_id=f"resp-{index}",
+            admitted_at=float(index),
+        )
+        commits.append(
+            CaptureLedgerCommit(
+                rollout_id=rollout_id, record=record, staging_chain=tuple(chain), request_items=[], response_items=[]
+            )
+        )
+    return commits
+
+
+async def _record_ledgers(url: str, rollout_ids: Sequence[str], calls: int) -> None:
+    limiter = anyio.CapacityLimiter(64)
+    async with RedisCaptureLedger.from_url(url) as ledger, anyio.create_task_group() as group:
+
+        async def record(commit: CaptureLedgerCommit) -> None:
+            async with limiter:
+                await ledger.record(commit)
+
+        for rollout_id in rollout_ids:
+            for commit in _commits(rollout_id, calls):
+                group.start_soon(record, commit)
+
+
+def _assembler_process(url: str, settings_json: str) -> None:
+    """One assembler in its own interpreter: open (group exists), wait for the start signal, run until SIGTERM."""
+    from ..assembler import run_assembler
+
+    async def body() -> None:
+        settings = AssemblerSettings.model_validate_json(settings_json)
+        async with aioredis.Redis.from_url(url) as client:
+            await client.rpush(_READY_KEY, "ready")
+            await client.blpop([_GO_KEY], timeout=0)
+        await run_assembler(url, settings)
+
+    anyio.run(body)
+
+
+async def _await_receipts(client: aioredis.Redis, count: int) -> dict[str, float]:
+    """Block on the receipts streams until *count* receipts arrived; return arrival times by rollout id."""
+    cursors: dict[Any, Any] = {receipts_stream("stg", k).encode(): b"0" for k in range(DEFAULT_SHARDS)}
+    arrived: dict[str, float] = {}
+    while len(arrived) < count:
+        reply: Any = await client.xread(cursors, block=5_000)
+        if not reply:
+            raise RuntimeError(f"no receipt for 5 s ({len(arrived)} of {count} arrived)")
+        now = time.perf_counter()
+        for stream, entries in reply:
+            for entry_id, fields in entries:
+                cursors[stream] = entry_id
+                arrived.setdefault(fields[b"rollout_id"].decode(), now)
+    return arrived
+
+
+def _start(url: str, processes: int, settings: AssemblerSettings) -> list[SpawnProcess]:
+    context = multiprocessing.get_context("spawn")
+    started = [
+        context.Process(target=_assembler_process, args=(url, settings.model_dump_json()), daemon=True)
+        for _ in range(processes)
+    ]
+    for process in started:
+        process.start()
+    return started
+
+
+async def _wait_ready(client: aioredis.Redis, processes: int) -> None:
+    for _ in range(processes):
+        if await client.blpop([_READY_KEY], timeout=60) is None:
+            raise RuntimeError("an assembler process did not start within 60 s")
+
+
+def _stop(started: list[SpawnProcess]) -> None:
+    for process in started:
+        process.terminate()  # SIGTERM: run_assembler stops gracefully
+    for process in started:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+async def _reset(client: aioredis.Redis, rollout_ids: Sequence[str]) -> None:
+    streams = [done_stream("stg", k) for k in range(DEFAULT_SHARDS)]
+    streams += [receipts_stream("stg", k) for k in range(DEFAULT_SHARDS)]
+    await client.delete(*streams, *(receipt_key("stg", rollout_id) for rollout_id in rollout_ids))
+
+
+async def _throughput(url: str, rollout_ids: Sequence[str], processes: int) -> float:
+    settings = AssemblerSettings(block_ms=200, batch_events=64)
+    async with aioredis.Redis.from_url(url) as client:
+        await _reset(client, rollout_ids)
+        async with Assembler.from_url(url, settings):
+            pass  # creates the consumer groups before events arrive
+        for rollout_id in rollout_ids:
+            await finished(client, rollout_id, reward=1.0)
+        started = _start(url, processes, settings)
+        try:
+            await _wait_ready(client, processes)  # interpreter start-up is not part of the measurement
+            begin = time.perf_counter()
+            await client.rpush(_GO_KEY, *(["go"] * processes))
+            arrived = await _await_receipts(client, len(rollout_ids))
+        finally:
+            _stop(started)
+    return len(rollout_ids) / (max(arrived.values()) - begin)
+
+
+async def _latency(url: str, rollout_ids: Sequence[str], rate_per_s: float) -> list[float]:
+    settings = AssemblerSettings(block_ms=1_000, batch_events=64)
+    async with aioredis.Redis.from_url(url) as client:
+        await _reset(client, rollout_ids)
+        async with Assembler.from_url(url, settings):
+            pass
+        started = _start(url, 1, settings)
+        try:
+            await _wait_ready(client, 1)
+            await client.rpush(_GO_KEY, "go")
+            sent: dict[str, float] = {}
+            arrived: dict[str, float] = {}
+            async with aioredis.Redis.from_url(url) as watcher, anyio.create_task_group() as group:
+
+                async def watch() -> None:
+                    arrived.update(await _await_receipts(watcher, len(rollout_ids)))
+
+                group.start_soon(watch)
+                begin = time.perf_counter()
+                for index, rollout_id in enumerate(rollout_ids):
+                    await anyio.sleep(max(0.0, begin + index / rate_per_s - time.perf_counter()))
+                    await finished(client, rollout_id, reward=1.0)
+                    sent[rollout_id] = time.perf_counter()
+        finally:
+            _stop(started)
+    return [arrived[rollout_id] - sent[rollout_id] for rollout_id in rollout_ids]
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+
+async def run_assembly_benchmark(
+    url: str, *, rollouts: int = 400, calls: int = 32, rate_per_s: float = 100.0, latency_s: float = 5.0
+) -> AssemblyFigures:
+    """Run the throughput (1 and 2 assemblers) and steady-rate latency measurements on *url* (flushed first)."""
+    async with aioredis.Redis.from_url(url) as admin:
+        await admin.flushall()
+    throughput_ids = [f"tp-{i}" for i in range(rollouts)]
+    latency_ids = [f"lat-{i}" for i in range(int(rate_per_s * latency_s))]
+    await _record_ledgers(url, throughput_ids + latency_ids, calls)
+    one = await _throughput(url, throughput_ids, 1)
+    two = await _throughput(url, throughput_ids, 2)
+    latencies = await _latency(url, latency_ids, rate_per_s)
+    async with aioredis.Redis.from_url(url) as admin:
+        await admin.flushall()
+    return AssemblyFigures(
+        calls_per_rollout=calls,
+        throughput_rollouts=rollouts,
+        one_assembler_rollouts_per_s=one,
+        two_assemblers_rollouts_per_s=two,
+        latency_rate_per_s=rate_per_s,
+        latency_rollouts=len(latency_ids),
+        latency_p50_ms=_percentile(latencies, 0.50),
+        latency_p99_ms=_percentile(latencies, 0.99),
+        latency_max_ms=max(latencies) * 1000.0,
+    )
+
+
+def format_report(figures: AssemblyFigures) -> str:
+    """Human-readable summary."""
+    f = figures
+    return "\n".join(
+        [
+            f"assembly, {f.calls_per_rollout} calls per rollout, {f.throughput_rollouts} queued rollouts:",
+            f"  one assembler process : {f.one_assembler_rollouts_per_s:8.0f} rollouts/s",
+            f"  two assembler processes: {f.two_assemblers_rollouts_per_s:8.0f} rollouts/s",
+            f"finished() -> receipt readable, steady {f.latency_rate_per_s:.0f} rollouts/s x {f.latency_rollouts}:",
+            (
+                f"  p50 {f.latency_p50_ms:.2f} ms, p99 {f.latency_p99_ms:.2f} ms, max {f.latency_max_ms:.2f} ms"
+                f" (target p99 <= 50 ms: {'met' if f.latency_p99_ms <= 50 else 'MISSED'})"
+            ),
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: ``python -m sink.bench.assembly [--redis-url URL] [--json]``."""
+    parser = argparse.ArgumentParser(prog="staging-sink bench assembly", description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", help="a durable server to use (default: start a private one); it is flushed")
+    parser.add_argument("--rollouts", type=int, default=400, help="queued rollouts for the throughput runs")
+    parser.add_argument("--calls", type=int, default=32, help="ledger rows per rollout")
+    parser.add_argument("--rate", type=float, default=100.0, help="finished() rate for the latency run (per s)")
+    parser.add_argument("--latency-seconds", type=float, default=5.0, help="duration of the latency run")
+    parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    args = parser.parse_args(argv)
+
+    def run(url: str) -> AssemblyFigures:
+        return anyio.run(
+            lambda: run_assembly_benchmark(
+                url, rollouts=args.rollouts, calls=args.calls, rate_per_s=args.rate, latency_s=args.latency_seconds
+            )
+        )
+
+    if args.redis_url:
+        figures = run(args.redis_url)
+    else:
+        with durable_server() as server:
+            figures = run(server.url)
+    sys.stdout.write((json.dumps(asdict(figures), indent=2) if args.json else format_report(figures)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""Benchmark: the trainer's pull + verify + linearize path against the fetch-and-hash floor.
+
+Run ``python -m sink.bench.trainer [--redis-url URL]`` (default: a private
+durable server). Stages 64 rollouts x 32 calls x 2,048 tokens (linear chains)
+through the sink, records their ledgers, assembles receipts, then measures in
+one run, in ns per linearized token:
+
+* ``pull``: :meth:`RolloutReader.pull` of every rollout (claim, one fetch per
+  rollout, decode with digest check, ``verify_and_linearize``) plus
+  ``as_numpy()`` of every row;
+* the same work split up, best of ``--repeats``: fetch+decode, verify+linearize,
+  then the columns either as numpy arrays or as plain Python lists;
+* the floor: a raw ``MGET`` of the same bytes (one per rollout, as the reader
+  does) plus ``hashlib.sha256`` over exactly the bytes the contract hashes:
+  per call the call-digest payload (~16 bytes/token plus a fixed header) and
+  the chain-hash input (8 bytes/token), plus the terminal's cumulative-hash
+  input (8 bytes/token over the whole row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import anyio
+import redis.asyncio as aioredis
+
+from ..assembler import Assembler, finished
+from ..consumer import StreamEntry
+from ..keys import record_key
+from ..ledger import RedisCaptureLedger
+from ..rebuild import verify_and_linearize
+from ..records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
+from ..redis_sink import AsyncRedisStagingSink
+from ..server import durable_server
+from ..source import AsyncRedisStagingSource
+from ..trainer import PulledRollout, RolloutReader
+from .stage import build_records
+
+__all__ = ("TrainerFigures", "format_report", "main", "run_trainer_benchmark")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerFigures:
+    """ns per linearized token for each measured path (``tokens`` = total linearized tokens)."""
+
+    rollouts: int
+    calls: int
+    tokens_per_call: int
+    tokens: int
+    pull_numpy_ns: float
+    fetch_decode_ns: float
+    verify_linearize_ns: float
+    to_numpy_ns: float
+    to_lists_ns: float
+    path_numpy_ns: float
+    path_lists_ns: float
+    floor_ns: float
+    floor_mget_ns: float
+    floor_sha256_ns: float
+
+
+def _digest_payload_bytes(record: StagedCallRecord) -> int:
+    """Size of the call-digest payload (contract §4.3): framed scalars plus ids (8 B) and two columns (4 B each)."""
+    texts = sum(8 + len(s.encode()) for s in (record.rollout_id, record.model_call_id, record.mode))
+    columns = 16 + 8 * record.delta_len + 2 * (16 + 4 * record.delta_len)
+    return 3 + texts + 9 + len(record.parent_call_id or "") + 32 + columns + 32 + 33 + 33
+
+
+async def _stage_and_assemble(url: str, records: list[StagedCallRecord], calls: int) -> None:
+    limiter = anyio.CapacityLimiter(64)
+    async with (
+        AsyncRedisStagingSink.from_url(url) as sink,
+        RedisCaptureLedger.from_url(url) as ledger,
+        anyio.create_task_group() as group,
+    ):
+
+        async def stage_rollout(chain: list[StagedCallRecord]) -> None:
+            async with limiter:
+                for index, record in enumerate(chain):
+                    result = await sink.stage(record)
+                    if not result.ok:
+                        raise RuntimeError(f"stage failed: {result.error}")
+                    row = CallRecord(
+                        **record.model_dump(include=set(CallRecord.model_fields) - {"schema_version"}),
+                        staging_key=record.staging_key,
+                        response_id=f"resp-{index}",
+                        admitted_at=float(index),
+                    )
+                    staging_chain = tuple(r.staging_key for r in chain[: index + 1])
+                    await ledger.record(
+                        CaptureLedgerCommit(
+                            rollout_id=record.rollout_id,
+                            record=row,
+                            staging_chain=staging_chain,
+                            request_items=[],
+                            response_items=[],
+                        )
+                    )
+
+        for start in range(0, len(records), calls):
+            group.start_soon(stage_rollout, records[start : start + calls])
+    rollout_ids = list(dict.fromkeys(record.rollout_id for record in records))
+    published = anyio.Event()
+    seen: list[StreamEntry] = []
+
+    async def count(entry: StreamEntry) -> None:
+        seen.append(entry)
+        if len(seen) == len(rollout_ids):
+            published.set()
+
+    async with aioredis.Redis.from_url(url) as client:
+        for rollout_id in rollout_ids:
+            await finished(client, rollout_id, reward=1.0)
+    async with Assembler.from_url(url, before_ack=count, block_ms=100) as assembler, anyio.create_task_group() as tg:
+        tg.start_soon(assembler.run)
+        with anyio.fail_after(120):
+            await published.wait()
+        assembler.stop()
+
+
+async def _split_path(url: str, receipts: list[RolloutReceipt]) -> dict[str, float]:
+    """Seconds for fetch+decode, verify+linearize, numpy columns and list columns over every receipt."""
+    totals = dict.fromkeys(("fetch", "verify", "numpy", "lists"), 0.0)
+    async with AsyncRedisStagingSource.from_url(url) as source:
+        for receipt in receipts:
+            start = time.perf_counter()
+            snapshots = await source.fetch([row.staging_key for row in receipt.manifest])
+            fetched = time.perf_counter()
+            row = verify_and_linearize(receipt, snapshots)
+            verified = time.perf_counter()
+            row.as_numpy()
+            numpy_done = time.perf_counter()
+            [list(row.token_ids), list(row.token_mask), list(row.logprobs)]
+            lists_done = time.perf_counter()
+            totals["fetch"] += fetched - start
+            totals["verify"] += verified - fetched
+            totals["numpy"] += numpy_done - verified
+            totals["lists"] += lists_done - numpy_done
+    return totals
+
+
+async def _floor(url: str, receipts: list[RolloutReceipt], records: dict[str, StagedCallRecord]) -> tuple[float, float]:
+    """Seconds for the raw MGETs and for sha256 over the contract's hashed bytes."""
+    mget_s = sha_s = 0.0
+    async with aioredis.Redis.from_url(url) as client:
+        for receipt in receipts:
+            keys = [record_key("stg", row.staging_key) for row in receipt.manifest]
+            chain = [records[row.staging_key] for row in receipt.manifest]
+            payloads = [bytes(_digest_payload_bytes(r)) for r in chain] + [bytes(16 + 8 * r.delta_len) for r in chain]
+            payloads.append(bytes(16 + 8 * chain[-1].cum_len))
+            start = time.perf_counter()
+            await client.mget(keys)
+            fetched = time.perf_counter()
+            for payload in payloads:
+                hashlib.sha256(payload).digest()
+            mget_s += fetched - start
+            sha_s += time.perf_counter() - fetched
+    return mget_s, sha_s
+
+
+async def run_trainer_benchmark(
+    url: str, *, rollouts: int = 64, calls: int = 32, tokens: int = 2048, repeats: int = 3
+) -> TrainerFigures:
+    """Stage, assemble and measure on *url* (flushed before and after)."""
+    async with aioredis.Redis.from_url(url) as admin:
+        await admin.flushall()
+    records = build_records(rollouts, calls, tokens, tag="trainer")
+    by_key = {record.staging_key: record for record in records}
+    await _stage_and_assemble(url, records, calls)
+    total_tokens = rollouts * calls * tokens
+
+    async with RolloutReader.from_url(url) as reader:
+        start = time.perf_counter()
+        pulled: list[PulledRollout] = []
+        while len(pulled) < rollouts:
+            pulled += await reader.pull(rollouts, block_ms=1_000)
+        columns = [item.row.as_numpy() for item in pulled if item.row is not None]
+        pull_s = time.perf_counter() - start
+        if len(columns) != rollouts:
+            raise RuntimeError(f"only {len(columns)} of {rollouts} rollouts were trainable: {pulled[0]}")
+        receipts = [item.receipt for item in pulled]
+        del columns, pulled
+        split = [await _split_path(url, receipts) for _ in range(repeats)]
+        floors = [await _floor(url, receipts, by_key) for _ in range(repeats)]
+        await reader.ack([receipt.rollout_id for receipt in receipts])
+    async with aioredis.Redis.from_url(url) as admin:
+        await admin.flushall()
+
+    def ns(seconds: float) -> float:
+        return seconds * 1e9 / total_tokens
+
+    best = {name: min(run[name] for run in split) for name in split[0]}
+    mget_s, sha_s = min(floors, key=sum)
+    return TrainerFigures(
+        rollouts=rollouts,
+        calls=calls,
+        tokens_per_call=tokens,
+        tokens=total_tokens,
+        pull_numpy_ns=ns(pull_s),
+        fetch_decode_ns=ns(best["fetch"]),
+        verify_linearize_ns=ns(best["verify"]),
+        to_numpy_ns=ns(best["numpy"]),
+        to_lists_ns=ns(best["lists"]),
+        path_numpy_ns=ns(best["fetch"] + best["verify"] + best["numpy"]),
+        path_lists_ns=ns(best["fetch"] + best["verify"] + best["lists"]),
+        floor_ns=ns(mget_s + sha_s),
+        floor_mget_ns=ns(mget_s),
+        floor_sha256_ns=ns(sha_s),
+    )
+
+
+def format_report(f: TrainerFigures) -> str:
+    """Human-readable summary with the path/floor ratio."""
+    return "\n".join(
+        [
+            f"{f.rollouts} rollouts x {f.calls} calls x {f.tokens_per_call} tokens = {f.tokens:,} tokens (ns/token)",
+            f"  pull (claim+fetch+decode+verify+linearize) + as_numpy : {f.pull_numpy_ns:7.1f}",
+            (
+                f"  split: fetch+decode {f.fetch_decode_ns:.1f}, verify+linearize {f.verify_linearize_ns:.1f}, "
+                f"as_numpy {f.to_numpy_ns:.1f}, plain lists {f.to_lists_ns:.1f}"
+            ),
+            f"  path ending in numpy  : {f.path_numpy_ns:7.1f}",
+            f"  path ending in lists  : {f.path_lists_ns:7.1f}",
+            f"  floor (MGET {f.floor_mget_ns:.1f} + sha256 {f.floor_sha256_ns:.1f}): {f.floor_ns:7.1f}",
+            f"  numpy path / floor    : {f.path_numpy_ns / f.floor_ns:7.2f}x",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: ``python -m sink.bench.trainer [--redis-url URL] [--json]``."""
+    parser = argparse.ArgumentParser(prog="staging-sink bench trainer", description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", help="a durable server to use (default: start a private one); it is flushed")
+    parser.add_argument("--rollouts", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per call")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of the split and floor measurements")
+    parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    args = parser.parse_args(argv)
+
+    def run(url: str) -> TrainerFigures:
+        return anyio.run(
+            lambda: run_trainer_benchmark(
+                url, rollouts=args.rollouts, calls=args.calls, tokens=args.tokens, repeats=args.repeats
+            )
+        )
+
+    if args.redis_url:
+        figures = run(args.redis_url)
+    else:
+        with durable_server() as server:
+            figures = run(server.url)
+    sys.stdout.write((json.dumps(asdict(figures), indent=2) if args.json else format_report(figures)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
