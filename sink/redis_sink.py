@@ -33,7 +33,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from .blocking import PortalOwner
 from .cleanup import clear_staged
-from .codec import encode_record
+from .codec import DIGEST_HEAD_BYTES, encode_record
 from .connection import Topology, describe_redis_error
 from .durability import DurabilityReport, verify_durability
 from .errors import CodecError
@@ -53,8 +53,6 @@ _TOPOLOGY_ERRORS = (
     redis_errors.ClusterDownError,
     redis_errors.TryAgainError,
 )
-# The codec writes the digest within this many leading bytes of every blob.
-_DIGEST_HEAD_BYTES = 160
 
 
 def generation_prefix_key(record: StagedCallRecord, checkpoint_id: str, chunk_sequence: int) -> str:
@@ -367,7 +365,7 @@ class AsyncRedisStagingSink:
             chunk = [items[i] for i in indices]
             slot_items.append(chunk)
             keys: list[str] = []
-            args: list[Any] = [_DIGEST_HEAD_BYTES]
+            args: list[Any] = [DIGEST_HEAD_BYTES]
             for p in chunk:
                 keys += (p.record_key, p.calls_key)
                 args += (p.digest, p.blob, *p.entry)

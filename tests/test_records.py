@@ -592,6 +592,14 @@ def digest_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         return original(**fields)
 
     monkeypatch.setattr(R, "compute_staging_digest", counting)
+    # The fast path hashes packed columns through a second entry point; count it too.
+    packed = R._staging_digest_from_packed  # type: ignore[attr-defined]
+
+    def counting_packed(**fields: Any) -> str:
+        calls.append(fields)
+        return packed(**fields)
+
+    monkeypatch.setattr(R, "_staging_digest_from_packed", counting_packed)
     return calls
 
 

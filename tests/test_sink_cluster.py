@@ -16,6 +16,8 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_rollouts_spread_over_every_primary_and_fetch_back(cluster: LocalCluster) -> None:
+    with redis.RedisCluster.from_url(cluster.url) as client:
+        client.flushall(target_nodes=redis.RedisCluster.PRIMARIES)  # the cluster is shared by the session
     chains = [make_chain(f"cl{r}", 3, n_tokens=16) for r in range(60)]
     records = [record for chain in chains for record in chain]
     async with AsyncRedisStagingSink.from_url(cluster.url, cluster=True) as sink:

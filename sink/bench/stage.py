@@ -38,7 +38,7 @@ from ..redis_sink import AsyncRedisStagingSink
 from ..server import durable_server
 from ..source import AsyncRedisStagingSource
 
-__all__ = ("StageFigures", "main", "run_stage_benchmark")
+__all__ = ("StageFigures", "build_records", "format_report", "main", "run_stage_benchmark", "server_ceiling")
 
 
 @dataclass(frozen=True, slots=True)
