@@ -1,10 +1,15 @@
 """The v2 digest contract (contract §4), byte-identical to the reference.
 
 Every hash is ``SHA-256(DOMAIN || payload)`` rendered as 64 lowercase hex
-characters. Token columns are encoded with :mod:`array` and ``byteswap`` so
-that the per-token work runs in C, not in Python loops; the validation that
-the contract requires (exact types, ranges, finiteness) is done with
-set/map/compress pipelines that also run in C.
+characters. Token columns are encoded with :mod:`array`, :mod:`struct` and
+``byteswap`` so that the per-token work runs in C, not in Python loops; the
+validation that the contract requires (exact types, ranges, finiteness) is
+done with map/count/compress pipelines that also run in C.
+
+The public functions check everything (contract §4.3). Record validators,
+which have already proved types and rules 1-8, hash pre-packed columns via
+``_staging_digest_from_packed`` (see :mod:`sink._columns`); the payload
+layout is the same ``_digest_head`` + framed columns + tail either way.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 __all__ = (
     "CALL_DIGEST_DOMAIN",
@@ -54,8 +59,6 @@ _U64 = struct.Struct(">Q")
 _I64 = struct.Struct(">q")
 _F64 = struct.Struct(">d")
 _HEX_RE = re.compile(r"[0-9a-f]{64}")
-_INT_ONLY = frozenset({int})
-_FLOAT_ONLY = frozenset({float})
 _MASK_VALUES = frozenset({0.0, 1.0})
 _ZERO_ONLY = frozenset({0.0})
 _MODES = ("text", "token_in")
@@ -94,7 +97,8 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     :raises ValueError: an id is not an exact ``int``, is negative or is
         ``>= 2**64``.
     """
-    if not set(map(type, token_ids)) <= _INT_ONLY:
+    # list.count compares by identity first: one C pass, no set building
+    if list(map(type, token_ids)).count(int) != len(token_ids):
         raise ValueError("token ids must be exact ints")
     try:
         packed = array("Q", token_ids)
@@ -111,16 +115,19 @@ def encode_f32s(values: Sequence[float]) -> bytes:
     :raises ValueError: an element is not an exact ``float``, is NaN or
         infinite, or overflows binary32.
     """
-    if not set(map(type, values)) <= _FLOAT_ONLY:
+    if list(map(type, values)).count(float) != len(values):
         raise ValueError("mask and log-probability values must be exact Python floats")
-    packed = array("f", values)
-    # A non-finite input, or a float64 that rounds to infinity in binary32,
-    # leaves an inf/nan in the packed column; the float64 sum propagates it.
-    if not math.isfinite(sum(packed)):
+    # The float64 sum of the inputs is non-finite iff one of them is (a sum of
+    # finite floats may overflow to inf too: that is then re-checked exactly).
+    if not math.isfinite(sum(values)) and not all(map(math.isfinite, values)):
         raise ValueError("mask and log-probability values must be finite and within binary32 range")
-    if not _BIG_ENDIAN:
-        packed.byteswap()
-    return _U64.pack(len(packed)) + packed.tobytes()
+    try:
+        # struct rounds to nearest binary32 and raises OverflowError exactly when a
+        # finite float64 rounds to infinity.
+        packed = struct.pack(f">{len(values)}f", *values)
+    except OverflowError:
+        raise ValueError("mask and log-probability values must be finite and within binary32 range") from None
+    return _U64.pack(len(values)) + packed
 
 
 def _lp(payload: bytes) -> bytes:
@@ -208,27 +215,112 @@ def compute_staging_digest(
     if cum_len != prev_len + delta_len:
         raise ValueError("cum_len must equal prev_len + delta_len")
     extras_bytes = _hexbytes(extras_digest)
+    head = _digest_head(
+        (schema_version, digest_version, extras_digest_version),
+        rollout_id,
+        model_call_id,
+        parent_call_id,
+        mode,
+        (prev_len, delta_len, cum_len, weight_version),
+    )
+    ids = encode_token_ids(token_ids_delta)
+    mask = encode_f32s(token_mask_delta)
+    log_probs = encode_f32s(generation_log_probs_delta)
+    tail = extras_bytes + b"\x01" + _hexbytes(chain_hash) + b"\x01" + _hexbytes(cumulative_hash)
+    digest = hashlib.sha256(CALL_DIGEST_DOMAIN)
+    for part in (head, _lp(ids), _lp(mask), _lp(log_probs), tail):
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _digest_head(
+    versions: tuple[int, int, int],
+    rollout_id: str,
+    model_call_id: str,
+    parent_call_id: str | None,
+    mode: str,
+    lengths: tuple[int, int, int, int],
+) -> bytes:
+    """Payload fields 1-11 of the call digest (contract §4.3)."""
     parent = b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id)
-    payload = b"".join(
+    return b"".join(
         (
-            bytes((schema_version, digest_version, extras_digest_version)),
+            bytes(versions),
             _text(rollout_id),
             _text(model_call_id),
             parent,
             _text(mode),
-            _u64(prev_len),
-            _u64(delta_len),
-            _u64(cum_len),
-            _u64(weight_version),
-            _lp(encode_token_ids(token_ids_delta)),
-            _lp(encode_f32s(token_mask_delta)),
-            _lp(encode_f32s(generation_log_probs_delta)),
-            extras_bytes,
-            b"\x01" + _hexbytes(chain_hash),
-            b"\x01" + _hexbytes(cumulative_hash),
+            *map(_u64, lengths),
         )
     )
-    return hashlib.sha256(CALL_DIGEST_DOMAIN + payload).hexdigest()
+
+
+_Buffers: TypeAlias = Sequence[bytes | bytearray | memoryview]
+
+
+def _nbytes(pieces: _Buffers) -> int:
+    # every piece is a byte-format buffer, so len() counts bytes
+    return sum(map(len, pieces))
+
+
+def _staging_digest_from_packed(
+    *,
+    versions: tuple[int, int, int],
+    rollout_id: str,
+    model_call_id: str,
+    parent_call_id: str | None,
+    mode: str,
+    prev_len: int,
+    delta_len: int,
+    cum_len: int,
+    weight_version: int,
+    ids_u64be: _Buffers,
+    mask_f32be: _Buffers,
+    lp_f32be: _Buffers,
+    extras_digest: str,
+    chain_hash: str,
+    cumulative_hash: str,
+) -> str:
+    """Call digest from columns already packed in their digest form, each given in pieces.
+
+    For record validators that have proved rules 1-8 and the column pre-checks
+    of contract §4.3 (exact types, ranges, equal lengths, binary32 range)
+    themselves; the scalar pre-checks run here. The caller must fall back to
+    :func:`compute_staging_digest` on any exception, which raises the precise
+    contract error.
+
+    :raises ValueError: a scalar pre-check fails or a column has the wrong size.
+    :raises TypeError: an id field is not a ``str``.
+    """
+    if (
+        versions != (STAGING_SCHEMA_VERSION, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)
+        or not all(type(version) is int for version in versions)
+        or not rollout_id
+        or not model_call_id
+        or parent_call_id == ""
+        or mode not in _MODES
+        or (parent_call_id is None) != (mode == "text")
+        or (parent_call_id is None) != (prev_len == 0)
+        or delta_len == 0
+        or cum_len != prev_len + delta_len
+        or _nbytes(ids_u64be) != 8 * delta_len
+        or _nbytes(mask_f32be) != 4 * delta_len
+        or _nbytes(lp_f32be) != 4 * delta_len
+    ):
+        raise ValueError("a call-digest pre-check failed")
+    count = _U64.pack(delta_len)
+    digest = hashlib.sha256(CALL_DIGEST_DOMAIN)
+    digest.update(
+        _digest_head(
+            versions, rollout_id, model_call_id, parent_call_id, mode, (prev_len, delta_len, cum_len, weight_version)
+        )
+    )
+    for column in (ids_u64be, mask_f32be, lp_f32be):
+        digest.update(_U64.pack(8 + _nbytes(column)) + count)
+        for piece in column:
+            digest.update(piece)
+    digest.update(_hexbytes(extras_digest) + b"\x01" + _hexbytes(chain_hash) + b"\x01" + _hexbytes(cumulative_hash))
+    return digest.hexdigest()
 
 
 _INT64_MIN = -(1 << 63)

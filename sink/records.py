@@ -14,19 +14,30 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictFloat,
     StrictInt,
     StrictStr,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
+from ._columns import (
+    ColumnCache,
+    PackedColumns,
+    TrustedColumns,
+    pack_ids,
+    pack_validated_columns,
+)
+from ._columns import trusted_components as _trusted_components
 from .digest import (
     EMPTY_EXTRAS_DIGEST,
     EXTRAS_DIGEST_VERSION,
     STAGING_DIGEST_VERSION,
     STAGING_SCHEMA_VERSION,
+    _staging_digest_from_packed,
     check_mask_values,
     compute_extras_digest,
     compute_staging_digest,
@@ -92,6 +103,18 @@ TERMINAL_AMBIGUOUS = "ambiguous_terminal"
 # In-process marker that switches rule 9 from "compare" to "compute" (§3.4).
 # Its identity cannot be carried by wire data.
 _BUILD_STAGING_DIGEST = object()
+# Validation-context key for a sink._columns.TrustedColumns: column lists this
+# package built itself (copies in from_components, lists decoded by sink.codec)
+# with their packed bytes. Like the sentinel, it only exists in-process.
+_TRUSTED_COLUMNS_KEY = "columns"
+
+
+def _trusted_columns(context: object) -> TrustedColumns | None:
+    if not isinstance(context, dict):
+        return None
+    trusted = context.get(_TRUSTED_COLUMNS_KEY)
+    return trusted if type(trusted) is TrustedColumns else None
+
 
 # --- type aliases (contract §2.2) -------------------------------------------
 
@@ -272,22 +295,88 @@ class StagedCallBaseSnapshot(_DigestWireModel):
         """Recompute the call digest from the fields (raises ``ValueError`` on a pre-check failure)."""
         return compute_staging_digest(**self._digest_fields())
 
+    # Packed columns proved during validation; sink.codec reuses them. Not part
+    # of the record's value (see ColumnCache).
+    _columns: ColumnCache | None = PrivateAttr(default=None)
+
+    @field_validator("token_ids_delta", "token_mask_delta", "generation_log_probs_delta", mode="wrap")
+    @classmethod
+    def _accept_trusted_columns(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        # A list this package built and proved (exact, finite elements) is taken
+        # as is; everything else gets the normal strict element validation.
+        trusted = _trusted_columns(info.context)
+        if trusted is not None and trusted.vouches_for(info.field_name, value):
+            return value
+        return handler(value)
+
+    def _pack_columns(self, trusted: TrustedColumns | None) -> PackedColumns | None:
+        """Packed columns with rules 6-8 proved, or ``None`` (then the reference path decides)."""
+        ids, mask, log_probs = self.token_ids_delta, self.token_mask_delta, self.generation_log_probs_delta
+        n = len(ids)
+        if n != self.delta_len or len(mask) != n or len(log_probs) != n:
+            return None
+        if trusted is None or mask is not trusted.token_mask or log_probs is not trusted.log_probs:
+            return pack_validated_columns(ids, mask, log_probs)
+        if ids is trusted.token_ids:
+            return trusted.packed
+        packed_ids = pack_ids(ids)
+        return None if packed_ids is None else trusted.packed.with_ids(*packed_ids)
+
+    def _packed_digest(self, packed: PackedColumns) -> str | None:
+        ids_u64be, mask_f32be, lp_f32be = packed.digest_forms()
+        try:
+            return _staging_digest_from_packed(
+                versions=(self.schema_version, self.digest_version, self.extras_digest_version),
+                rollout_id=self.rollout_id,
+                model_call_id=self.model_call_id,
+                parent_call_id=self.parent_call_id,
+                mode=self.mode,
+                prev_len=self.prev_len,
+                delta_len=self.delta_len,
+                cum_len=self.cum_len,
+                weight_version=self.weight_version,
+                ids_u64be=ids_u64be,
+                mask_f32be=mask_f32be,
+                lp_f32be=lp_f32be,
+                extras_digest=self.extras_digest,
+                chain_hash=self.chain_hash,
+                cumulative_hash=self.cumulative_hash,
+            )
+        except (ValueError, TypeError):
+            return None
+
+    def _reference_digest(self) -> str:
+        """Rules 6-8 and the §4.3 digest with every pre-check, raising the precise error."""
+        if self.token_ids_delta and min(self.token_ids_delta) < 0:
+            raise ValueError("token ids must be non-negative")
+        check_mask_values(self.token_mask_delta, self.generation_log_probs_delta)
+        try:
+            return self.recompute_digest()
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"digest does not match staged call contents: {exc}") from None
+
     @model_validator(mode="after")
     def _validate_base_integrity(self, info: ValidationInfo) -> Self:
         _check_lineage(self.parent_call_id, self.prev_len, self.mode)
         if self.delta_len == 0:
             raise ValueError("a staged delta must contain at least one token")
-        if self.token_ids_delta and min(self.token_ids_delta) < 0:
-            raise ValueError("token ids must be non-negative")
-        check_mask_values(self.token_mask_delta, self.generation_log_probs_delta)
-        try:
-            computed = self.recompute_digest()
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"digest does not match staged call contents: {exc}") from None
+        # Fast path: whole-buffer packing proves rules 6-8 and hashes the packed
+        # columns. Anything it cannot prove goes to the reference path, which
+        # raises exactly the error the contract names.
+        packed = self._pack_columns(_trusted_columns(info.context))
+        computed = None if packed is None else self._packed_digest(packed)
+        if computed is None:
+            packed = None
+            computed = self._reference_digest()
         if info.context is not None and info.context.get("build") is _BUILD_STAGING_DIGEST:
             self.digest = computed
         elif computed != self.digest:
             raise ValueError("digest does not match staged call contents")
+        self._columns = (
+            None
+            if packed is None
+            else ColumnCache(packed, self.token_ids_delta, self.token_mask_delta, self.generation_log_probs_delta)
+        )
         return self
 
 
@@ -331,9 +420,19 @@ class StagedCallRecord(StagedCallBaseSnapshot):
         :raises ValueError: a mask or log probability is not an exact Python float.
         :raises pydantic.ValidationError: other components fail validation.
         """
-        for column in (token_mask_delta, generation_log_probs_delta):
-            if not set(map(type, column)) <= {float}:
-                raise ValueError("masks and log probabilities must be exact Python floats")
+        context: dict[str, object] = {"build": _BUILD_STAGING_DIGEST}
+        # Copies the columns and proves them in a few C passes; None means "not
+        # provable cheaply" and the contract's type gate and validators decide.
+        trusted = _trusted_components(token_ids_delta, token_mask_delta, generation_log_probs_delta)
+        if trusted is None:
+            for column in (token_mask_delta, generation_log_probs_delta):
+                if not set(map(type, column)) <= {float}:
+                    raise ValueError("masks and log probabilities must be exact Python floats")
+        else:
+            token_mask_delta, generation_log_probs_delta = trusted.token_mask, trusted.log_probs
+            if trusted.token_ids is not None:
+                token_ids_delta = trusted.token_ids
+            context[_TRUSTED_COLUMNS_KEY] = trusted
         return cls.model_validate(
             {
                 "rollout_id": rollout_id,
@@ -353,7 +452,7 @@ class StagedCallRecord(StagedCallBaseSnapshot):
                 "chain_hash": chain_hash,
                 "cumulative_hash": cumulative_hash,
             },
-            context={"build": _BUILD_STAGING_DIGEST},
+            context=context,
         )
 
 
@@ -411,7 +510,9 @@ class CommitCoords(_DigestWireModel):
         payload = [getattr(self, name) for name in _STAGED_PAYLOAD_FIELDS]
         if self.disposition == "staged":
             if any(value is None for value in payload):
-                raise ValueError("staged coordinates need digest, extras_digest, staging_key, chain_hash and cumulative_hash")
+                raise ValueError(
+                    "staged coordinates need digest, extras_digest, staging_key, chain_hash and cumulative_hash"
+                )
             if self.delta_len <= 0:
                 raise ValueError("staged coordinates need delta_len > 0")
         else:

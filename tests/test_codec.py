@@ -1,0 +1,517 @@
+"""The msgpack record codec (sink.codec) and the packed-column fast path behind it."""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sink.records as R
+from sink import _columns
+from sink.codec import CODEC_VERSION, DIGEST_HEAD_BYTES, decode_record, encode_record
+from sink.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest, compute_staging_digest
+from sink.errors import CodecError
+from sink.records import StagedCallBaseSnapshot, StagedCallRecord, StagedCallSnapshot
+
+HEX = st.text("0123456789abcdef", min_size=64, max_size=64)
+GOLDEN_EXTRAS = {"routed_experts": [[[1, 2]], [[3, 4]]]}
+GOLDEN_DIGEST = "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27"
+CHAIN_ROOT = "14c5e45c969e9b8b821f302201ad9d9b6b4f7427ac18dab2cb150af8e3acdd65"
+CUMULATIVE_ROOT = "21c8e66807865ae05ca6f5bca40bd4a1399a66c23fb9848216a23c2ab9d9858f"
+
+# --- helpers ---------------------------------------------------------------------
+
+
+def exact(value: Any) -> Any:
+    """A comparable form that tells -0.0 from 0.0, 1 from 1.0 and True from 1."""
+    kind = type(value)
+    if kind is float:
+        return ("f", struct.pack("<d", value))
+    if kind is list:
+        return ("l", tuple(map(exact, value)))
+    if kind is dict:
+        return ("d", tuple((key, exact(item)) for key, item in value.items()))
+    return (kind.__name__, value)
+
+
+def assert_same_record(actual: StagedCallBaseSnapshot, expected: StagedCallBaseSnapshot) -> None:
+    assert exact(actual.model_dump()) == exact(expected.model_dump())
+
+
+def public_digest(record: StagedCallBaseSnapshot) -> str:
+    """The digest by the checked public function over the record's lists (the slow reference)."""
+    fields = record.model_dump(exclude={"digest", "extras"})
+    return compute_staging_digest(**fields)
+
+
+def components(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "rollout_id": "rollout-1",
+        "model_call_id": "call-1",
+        "parent_call_id": "parent-1",
+        "mode": "token_in",
+        "prev_len": 3,
+        "delta_len": 2,
+        "cum_len": 5,
+        "weight_version": 7,
+        "token_ids_delta": [10, 11],
+        "token_mask_delta": [0.0, 1.0],
+        "generation_log_probs_delta": [0.0, -0.25],
+        "extras": GOLDEN_EXTRAS,
+        "extras_digest": compute_extras_digest(GOLDEN_EXTRAS),
+        "chain_hash": "1" * 64,
+        "cumulative_hash": "2" * 64,
+    }
+    base.update(overrides)
+    return base
+
+
+def record_of(ids: list[int], mask: list[float], log_probs: list[float], **overrides: Any) -> StagedCallRecord:
+    n = len(ids)
+    extras = overrides.pop("extras", None)
+    fields = components(
+        token_ids_delta=ids,
+        token_mask_delta=mask,
+        generation_log_probs_delta=log_probs,
+        delta_len=n,
+        cum_len=3 + n,
+        extras=extras,
+        extras_digest=compute_extras_digest(extras),
+    )
+    fields.update(overrides)
+    return StagedCallRecord.from_components(**fields)
+
+
+def repack(blob: bytes, edit: Any) -> bytes:
+    obj = msgpack.unpackb(blob, raw=False)
+    edited = edit(obj)
+    packed: bytes = msgpack.packb(obj if edited is None else edited, use_bin_type=True)
+    return packed
+
+
+def f32(value: float) -> float:
+    result: float = struct.unpack("<f", struct.pack("<f", value))[0]
+    return result
+
+
+# --- strategies ------------------------------------------------------------------
+
+token_ids = st.one_of(st.integers(0, 200_000), st.integers(0, 2**64 - 1), st.sampled_from([2**31, 2**32 - 1, 2**32]))
+extras_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=6),
+)
+extras_values = st.recursive(
+    extras_leaves,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=8,
+)
+extras_payloads = st.none() | st.dictionaries(st.text(max_size=6), extras_values, max_size=3)
+generated_log_probs = st.one_of(
+    st.floats(width=32, allow_nan=False, allow_infinity=False),
+    st.floats(min_value=-3.4e38, max_value=3.4e38, allow_nan=False),
+    st.sampled_from([0.0, -0.0, 0.1, -1e-45, 5e-324, -(2.0**-130), 2.0**120, -3.4028234663852886e38]),
+)
+
+
+@st.composite
+def staged_records(draw: st.DrawFn) -> StagedCallRecord:
+    n = draw(st.integers(1, 24))
+    mask = draw(st.lists(st.sampled_from([0.0, -0.0, 1.0]), min_size=n, max_size=n))
+    log_probs = [draw(st.sampled_from([0.0, -0.0])) if m == 0.0 else draw(generated_log_probs) for m in mask]
+    extras = draw(extras_payloads)
+    return _build(draw, n, mask, log_probs, extras, draw(st.booleans()))
+
+
+def _build(
+    draw: st.DrawFn, n: int, mask: list[float], log_probs: list[float], extras: Any, child: bool
+) -> StagedCallRecord:
+    prev_len = draw(st.integers(1, 2**40)) if child else 0
+    return StagedCallRecord.from_components(
+        rollout_id=draw(st.text(min_size=1, max_size=8)),
+        model_call_id=draw(st.text(min_size=1, max_size=8)),
+        parent_call_id=draw(st.text(min_size=1, max_size=8)) if child else None,
+        mode="token_in" if child else "text",
+        prev_len=prev_len,
+        delta_len=n,
+        cum_len=prev_len + n,
+        weight_version=draw(st.integers(0, 2**64 - 1)),
+        token_ids_delta=draw(st.lists(token_ids, min_size=n, max_size=n)),
+        token_mask_delta=mask,
+        generation_log_probs_delta=log_probs,
+        extras=extras,
+        extras_digest=compute_extras_digest(extras),
+        chain_hash=draw(HEX),
+        cumulative_hash=draw(HEX),
+    )
+
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# --- round trips -------------------------------------------------------------------
+
+
+@SETTINGS
+@given(staged_records())
+def test_round_trip_returns_exactly_the_staged_values(record: StagedCallRecord) -> None:
+    blob = encode_record(record)
+    decoded = decode_record(blob)
+    assert type(decoded) is StagedCallSnapshot
+    assert_same_record(decoded, record)
+    assert decoded.digest == record.digest
+    # soundness: the digest the fast path verified is the one the checked public function computes
+    assert public_digest(decoded) == decoded.digest
+    assert compute_extras_digest(decoded.extras) == decoded.extras_digest
+    assert encode_record(decoded) == blob  # deterministic; the decoded record's cache reproduces the blob
+
+
+@SETTINGS
+@given(staged_records())
+def test_wire_validated_records_encode_identically(record: StagedCallRecord) -> None:
+    wire = StagedCallSnapshot.model_validate(record.model_dump())
+    assert encode_record(wire) == encode_record(record)
+    stripped = wire.model_copy()
+    stripped._columns = None  # no cache: the codec packs the lists itself
+    assert encode_record(stripped) == encode_record(record)
+
+
+def test_golden_vector_round_trips_and_leads_with_version_and_digest() -> None:
+    record = StagedCallRecord.from_components(**components())
+    assert record.digest == GOLDEN_DIGEST
+    blob = encode_record(record)
+    assert blob[:DIGEST_HEAD_BYTES].endswith(GOLDEN_DIGEST.encode())
+    obj = msgpack.unpackb(blob, raw=False)
+    assert list(obj)[:2] == ["v", "digest"]
+    assert obj["v"] == CODEC_VERSION
+    assert obj["ids"] == struct.pack("<2I", 10, 11)
+    assert obj["mask"] == b"\x00\x3f"
+    assert obj["log_probs"] == struct.pack("<2f", 0.0, -0.25)
+    assert obj["extras"] == GOLDEN_EXTRAS
+    decoded = decode_record(blob)
+    assert decoded.digest == GOLDEN_DIGEST
+    assert_same_record(decoded, record)
+
+
+def test_negative_zero_mask_survives_with_the_contract_digest() -> None:
+    root = record_of(
+        [10, 11, 12],
+        [-0.0, 0.0, 1.0],
+        [0.0, 0.0, -0.25],
+        rollout_id="rollout-1",
+        model_call_id="c1",
+        parent_call_id=None,
+        mode="text",
+        prev_len=0,
+        cum_len=3,
+        chain_hash=CHAIN_ROOT,
+        cumulative_hash=CUMULATIVE_ROOT,
+    )
+    assert root.digest == "bd73225d06410cb7e99d5752c1fd80652f1287e68186a53091ea988d908a8d2c"
+    blob = encode_record(root)
+    assert msgpack.unpackb(blob)["mask"] == b"\x80\x00\x3f"
+    decoded = decode_record(blob)
+    assert math.copysign(1.0, decoded.token_mask_delta[0]) == -1.0
+    assert decoded.digest == root.digest
+
+
+def test_column_widths_follow_the_values() -> None:
+    n = 1000
+    narrow = record_of(list(range(n)), [0.0] * 10 + [1.0] * (n - 10), [0.0] * 10 + [f32(-i / 7) for i in range(n - 10)])
+    blob = encode_record(narrow)
+    assert len(blob) <= 9 * n + 600
+    obj = msgpack.unpackb(blob)
+    assert (obj["ids_width"], obj["log_prob_width"]) == (4, 4)
+    wide = record_of([2**32] + list(range(n - 1)), [1.0] * n, [0.1] + [-1.0] * (n - 1))
+    obj = msgpack.unpackb(encode_record(wide))
+    assert (obj["ids_width"], obj["log_prob_width"]) == (8, 8)
+    decoded = decode_record(encode_record(wide))
+    assert decoded.token_ids_delta[0] == 2**32
+    assert decoded.generation_log_probs_delta[0] == 0.1  # float64-only value kept exactly
+    assert_same_record(decoded, wide)
+
+
+def test_float32_subnormals_are_stored_as_float64_conservatively() -> None:
+    record = record_of([1, 2], [1.0, 1.0], [-1e-45, 2.0**-130])
+    assert msgpack.unpackb(encode_record(record))["log_prob_width"] == 8
+    assert_same_record(decode_record(encode_record(record)), record)
+
+
+def test_interleaved_masks_round_trip() -> None:
+    record = record_of([5, 6, 7, 8], [1.0, 0.0, 1.0, -0.0], [-0.5, -0.0, -0.25, 0.0])
+    decoded = decode_record(encode_record(record))
+    assert_same_record(decoded, record)
+    assert public_digest(decoded) == record.digest
+
+
+def test_non_canonical_widths_decode_to_the_same_record() -> None:
+    record = record_of([1, 2, 3], [0.0, 1.0, 1.0], [0.0, -0.5, -0.25])
+
+    def widen(obj: dict[str, Any]) -> None:
+        obj["ids_width"], obj["ids"] = 8, struct.pack("<3Q", 1, 2, 3)
+        obj["log_prob_width"], obj["log_probs"] = 8, struct.pack("<3d", 0.0, -0.5, -0.25)
+
+    assert_same_record(decode_record(repack(encode_record(record), widen)), record)
+
+
+def test_bytes_like_inputs_are_accepted() -> None:
+    blob = encode_record(StagedCallRecord.from_components(**components()))
+    for data in (bytearray(blob), memoryview(blob)):
+        assert decode_record(data).digest == GOLDEN_DIGEST
+
+
+# --- the fast path agrees with the reference path ----------------------------------
+
+junk_floats = st.one_of(
+    st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 1e39, -1e39, 3.4028235e38, 3.4028236e38, 1e-46, 5e-324]),
+    st.sampled_from([math.nan, math.inf, -math.inf, 0, 1, True, False]),
+    st.floats(),
+)
+junk_ids = st.one_of(st.integers(-3, 2**64 + 3), st.sampled_from([True, -(2**63), 2**64 - 1, 2**64]))
+
+
+def _outcome(build: Any) -> tuple[str, Any]:
+    try:
+        record = build()
+    except Exception as exc:  # noqa: BLE001 - the comparison is the point: any error must match
+        return ("error", (type(exc).__name__, str(exc)))
+    return ("ok", (record.digest, exact(record.model_dump())))
+
+
+@st.composite
+def perturbed_columns(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[Any]]:
+    """Valid columns (any float64 log-probability) with, half the time, one element or length broken."""
+    n = draw(st.integers(1, 8))
+    ids = draw(st.lists(token_ids, min_size=n, max_size=n))
+    mask = draw(st.lists(st.sampled_from([0.0, -0.0, 1.0]), min_size=n, max_size=n))
+    log_probs = [draw(st.sampled_from([0.0, -0.0])) if m == 0.0 else draw(generated_log_probs) for m in mask]
+    columns = (ids, mask, log_probs)
+    damage = draw(st.sampled_from(["none", "none", "ids", "mask", "log_probs", "length"]))
+    if damage == "length":
+        draw(st.sampled_from(columns)).pop()
+    elif damage != "none":
+        column = columns[("ids", "mask", "log_probs").index(damage)]
+        column[draw(st.integers(0, n - 1))] = draw(junk_ids if damage == "ids" else junk_floats)
+    return columns
+
+
+@settings(max_examples=400, deadline=None)
+@given(perturbed_columns())
+def test_fast_path_accepts_exactly_what_the_reference_path_accepts(
+    columns: tuple[list[Any], list[Any], list[Any]],
+) -> None:
+    ids, mask, log_probs = columns
+    n = len(log_probs)
+    wire = components(
+        token_ids_delta=ids, token_mask_delta=mask, generation_log_probs_delta=log_probs, delta_len=n, cum_len=3 + n
+    )
+    wire.update(digest="0" * 64)
+    build_context = {"build": R._BUILD_STAGING_DIGEST}
+
+    def validate() -> StagedCallRecord:
+        return StagedCallRecord.model_validate(wire, context=build_context)
+
+    def from_components() -> StagedCallRecord:
+        return StagedCallRecord.from_components(**{k: v for k, v in wire.items() if k != "digest"})
+
+    fast = (_outcome(validate), _outcome(from_components))
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(R, "pack_validated_columns", lambda *args: None)
+        patched.setattr(R, "_trusted_components", lambda *args: None)
+        reference = (_outcome(validate), _outcome(from_components))
+    assert fast == reference
+
+
+# --- the cache never makes wrong contents verify -----------------------------------
+
+
+def test_replaced_columns_are_packed_again_and_then_fail_verification() -> None:
+    record = StagedCallRecord.from_components(**components())
+    record.token_ids_delta = [10, 12]
+    with pytest.raises(CodecError, match="digest does not match"):
+        decode_record(encode_record(record))
+    copy = StagedCallRecord.from_components(**components()).model_copy(
+        update={"generation_log_probs_delta": [0.0, -0.5]}
+    )
+    with pytest.raises(CodecError, match="digest does not match"):
+        decode_record(encode_record(copy))
+
+
+def test_in_place_mutation_never_comes_back_verified() -> None:
+    original = StagedCallRecord.from_components(**components())
+    record = original.model_copy(deep=True)
+    record.token_ids_delta[1] = 99  # unsupported: records are values
+    decoded = decode_record(encode_record(record))
+    assert decoded.token_ids_delta == [10, 11]  # the validated contents, which the digest covers
+    assert public_digest(decoded) == decoded.digest == GOLDEN_DIGEST
+
+
+def test_columns_mutated_into_invalid_values_cannot_be_encoded() -> None:
+    for field, value in (("token_mask_delta", [2.0, 1.0]), ("token_ids_delta", [10]), ("token_ids_delta", [-1, 2])):
+        record = StagedCallRecord.from_components(**components())
+        setattr(record, field, value)
+        with pytest.raises(CodecError, match="cannot encode"):
+            encode_record(record)
+
+
+def test_a_foreign_context_value_is_not_trusted() -> None:
+    wire = StagedCallRecord.from_components(**components()).model_dump()
+    wire["token_ids_delta"] = [10, 12]
+    forged = _columns.TrustedColumns(
+        _columns.PackedColumns(length=2, mask_codes=b"\x00\x3f", lp_f32be=bytes(8), lp_f32_exact=True),
+        [0.0, 1.0],
+        [0.0, -0.25],
+        None,
+    )
+    for context in ({"columns": "yes"}, {"columns": forged}, {"columns": {"token_ids": [10, 11]}}):
+        with pytest.raises(ValueError, match="digest does not match"):
+            StagedCallSnapshot.model_validate(wire, context=context)
+
+
+# --- malformed, truncated, oversized, tampered -------------------------------------
+
+
+def _small_blob() -> tuple[StagedCallRecord, bytes]:
+    record = record_of([7, 2**31 + 5, 9], [-0.0, 1.0, 1.0], [0.0, -0.5, f32(-1 / 3)], extras={"a": [1, 1.5, "x"]})
+    return record, encode_record(record)
+
+
+def test_every_single_byte_flip_is_rejected_or_harmless() -> None:
+    record, blob = _small_blob()
+    for position in range(len(blob)):
+        for flip in (0x01, 0x80, 0xFF):
+            tampered = bytearray(blob)
+            tampered[position] ^= flip
+            try:
+                decoded = decode_record(bytes(tampered))
+            except CodecError:
+                continue
+            assert_same_record(decoded, record)
+
+
+def test_byte_flips_in_float64_columns_can_only_change_bits_the_digest_ignores() -> None:
+    record = record_of([1, 2], [1.0, 1.0], [0.1, -0.3])  # float64 column: the digest covers binary32 roundings
+    blob = encode_record(record)
+    for position in range(len(blob)):
+        tampered = bytearray(blob)
+        tampered[position] ^= 0x01
+        try:
+            decoded = decode_record(bytes(tampered))
+        except CodecError:
+            continue
+        assert decoded.digest == record.digest
+        assert [f32(v) for v in decoded.generation_log_probs_delta] == [f32(0.1), f32(-0.3)]
+        assert decoded.model_dump(exclude={"generation_log_probs_delta"}) == record.model_dump(
+            exclude={"generation_log_probs_delta"}
+        )
+
+
+def test_truncated_and_padded_blobs_are_rejected() -> None:
+    _, blob = _small_blob()
+    for size in range(len(blob)):
+        with pytest.raises(CodecError):
+            decode_record(blob[:size])
+    with pytest.raises(CodecError, match="malformed"):
+        decode_record(blob + b"\xc0")
+
+
+def test_oversized_blobs_are_rejected_before_parsing() -> None:
+    _, blob = _small_blob()
+    assert decode_record(blob, max_record_bytes=len(blob)).delta_len == 3
+    with pytest.raises(CodecError, match="exceeds max_record_bytes"):
+        decode_record(blob, max_record_bytes=len(blob) - 1)
+
+
+def _set(key: str, value: Any) -> Any:
+    def edit(obj: dict[str, Any]) -> None:
+        obj[key] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda obj: [obj], "top level is list"),
+        (lambda obj: 5, "top level is int"),
+        (_set("v", 2), "unsupported codec version 2"),
+        (_set("v", True), "unsupported codec version True"),
+        (_set("v", "1"), "unsupported codec version '1'"),
+        (lambda obj: {key: obj[key] for key in reversed(obj)}, "must be the first map entry"),
+        (lambda obj: obj.pop("mask") and None, "missing keys \\['mask'\\]"),
+        (_set("extra", 1), "unknown keys \\['extra'\\]"),
+        (_set("ids_width", 5), "'ids_width' must be 4 or 8"),
+        (_set("ids_width", True), "'ids_width' must be 4 or 8"),
+        (_set("log_prob_width", 2), "'log_prob_width' must be 4 or 8"),
+        (_set("ids", b"\x00" * 11), "'ids' holds 11 bytes"),
+        (_set("ids", "abc"), "'ids' must be msgpack bin"),
+        (_set("mask", b"\x00\x3f\x01"), "mask code 0x01"),
+        (_set("log_probs", struct.pack("<3f", 0.0, math.inf, -0.5)), "failed verification"),
+        (_set("log_probs", struct.pack("<3f", 0.0, math.nan, -0.5)), "failed verification"),
+        (_set("delta_len", -3), "delta_len must be a non-negative int"),
+        (_set("delta_len", 3.0), "delta_len must be a non-negative int"),
+        (_set("digest", "f" * 64), "digest does not match"),
+        (_set("weight_version", 8), "digest does not match"),
+        (_set("prev_len", 0), "failed verification"),
+        (_set("rollout_id", 5), "rollout_id"),
+        (_set("extras", {"a": [1, 1.5, "x"], "b": None}), "extras_digest does not match"),
+        (_set("extras", {"a": [1.0, 1.5, "x"]}), "extras_digest does not match"),
+        (_set("extras", {"a": [1, 1.5, b"x"]}), "unsupported extras value type"),
+        (_set("extras", [1]), "failed verification"),
+    ],
+)
+def test_malformed_blobs_raise_codec_error_naming_the_problem(edit: Any, message: str) -> None:
+    _, blob = _small_blob()
+    with pytest.raises(CodecError, match=message):
+        decode_record(repack(blob, edit))
+
+
+def test_duplicate_keys_and_extension_types_are_rejected() -> None:
+    _, blob = _small_blob()
+    obj = msgpack.unpackb(blob, raw=False)
+    body = b"".join(msgpack.packb(key) + msgpack.packb(value, use_bin_type=True) for key, value in obj.items())
+    duplicated = b"\xde" + struct.pack(">H", len(obj) + 1) + body + msgpack.packb("mode") + msgpack.packb("text")
+    with pytest.raises(CodecError, match="duplicate map key"):
+        decode_record(duplicated)
+    with pytest.raises(CodecError, match="extension type 5"):
+        decode_record(repack(blob, _set("extras", {"a": msgpack.ExtType(5, b"x")})))
+    with pytest.raises(CodecError, match="malformed"):
+        decode_record(repack(blob, _set("extras", {1: 2})))  # non-string map key
+    with pytest.raises(CodecError, match="malformed"):
+        decode_record(blob.replace(b"rollout-1", b"rollout-\xff"))  # invalid UTF-8
+
+
+# --- wrong input types -------------------------------------------------------------
+
+
+def test_wrong_input_types_raise_type_error() -> None:
+    record = StagedCallRecord.from_components(**components())
+    base = StagedCallBaseSnapshot.model_validate(record.model_dump(exclude={"extras"}))
+    for value in (None, {}, record.model_dump(), base, b"blob"):
+        with pytest.raises(TypeError, match="StagedCallRecord"):
+            encode_record(value)  # type: ignore[arg-type]
+    blob = encode_record(record)
+    for data in (None, "text", [1, 2], 5):
+        with pytest.raises(TypeError, match="takes bytes"):
+            decode_record(data)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_record_bytes"):
+        decode_record(blob, max_record_bytes="1024")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positive"):
+        decode_record(blob, max_record_bytes=0)
+
+
+def test_empty_extras_and_no_extras_are_distinct() -> None:
+    for extras in (None, {}):
+        record = record_of([1], [1.0], [-1.0], extras=extras)
+        decoded = decode_record(encode_record(record))
+        assert decoded.extras == extras
+        assert decoded.extras_digest == compute_extras_digest(extras)
+    assert compute_extras_digest(None) == EMPTY_EXTRAS_DIGEST
