@@ -1,0 +1,12 @@
+# The staging-sink services of docker-compose.yml (assembler, demo worker, trainer, metrics exporter).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY sink ./sink
+COPY worker ./worker
+RUN pip install ".[metrics]" \
+    && useradd --system --uid 10001 --no-create-home staging
+USER staging
+CMD ["staging-sink", "--help"]

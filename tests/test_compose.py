@@ -1,0 +1,134 @@
+"""docker-compose.yml, the Dockerfile and deploy/: structure, and the Valkey config and ACL run for real."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+import yaml
+from conftest import require_binary, skip_or_fail
+from test_acl import AclServer
+
+from sink.acl import ADMIN_ROLE, ROLE_NAMES, main, password_env_var, render_acl_example
+from sink.durability import REQUIRED_CONFIG, verify_durability
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+VALKEY_CONF = ROOT / "deploy" / "valkey.conf"
+ACL_EXAMPLE = ROOT / "deploy" / "users.acl.example"
+
+COMPOSE_SUBCOMMANDS = ("assembler", "demo", "trainer", "metrics")
+"""The ``staging-sink`` subcommands docker-compose.yml runs; the CLI must provide each of them."""
+SERVICE_ROLES = {"assembler": "assembler", "demo-worker": "worker", "trainer": "trainer", "metrics": "ops"}
+"""Which ACL user each application service logs in as."""
+
+
+def compose() -> dict[str, Any]:
+    loaded = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def command_words(service: dict[str, Any]) -> list[str]:
+    command = service.get("command")
+    words = command if isinstance(command, list) else str(command or "").split()
+    return [str(word) for word in words]
+
+
+def valkey_conf() -> dict[str, str]:
+    directives: dict[str, str] = {}
+    for line in VALKEY_CONF.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, value = line.strip().partition(" ")
+            directives[name.lower()] = value.strip()
+    return directives
+
+
+def test_the_compose_file_defines_the_stack() -> None:
+    services = compose()["services"]
+    assert set(services) == {"valkey", *SERVICE_ROLES}
+    for name, service in services.items():
+        assert command_words(service), f"service {name} has no command"
+
+
+def test_valkey_runs_the_durable_config_with_a_healthcheck() -> None:
+    valkey = compose()["services"]["valkey"]
+    assert valkey["image"].startswith("valkey/valkey:8")
+    assert command_words(valkey) == ["valkey-server", "/etc/valkey/valkey.conf"]
+    mounts = {volume.split(":")[0]: volume.split(":")[1] for volume in valkey["volumes"]}
+    assert mounts["./deploy/valkey.conf"] == "/etc/valkey/valkey.conf"
+    assert mounts["./deploy/users.acl"] == valkey_conf()["aclfile"] == "/etc/valkey/users.acl"
+    assert {name: valkey_conf().get(name) for name in REQUIRED_CONFIG} == REQUIRED_CONFIG
+    check = " ".join(valkey["healthcheck"]["test"])
+    assert "valkey-cli" in check and "--user ops" in check and "ping" in check
+    assert password_env_var("ops") in valkey["environment"]
+    assert all(port.startswith("127.0.0.1:") for port in valkey.get("ports", []))
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_ROLES))
+def test_each_application_service_runs_a_known_subcommand_as_its_role(name: str) -> None:
+    service = compose()["services"][name]
+    words = command_words(service)
+    assert words[:1] == ["staging-sink"] and words[1] in COMPOSE_SUBCOMMANDS, words
+    assert service["depends_on"]["valkey"]["condition"] == "service_healthy"
+    assert service["build"]["context"] == "."
+    url = words[words.index("--redis-url") + 1]
+    role = SERVICE_ROLES[name]
+    assert role in ROLE_NAMES
+    assert url.startswith(f"redis://{role}:${{{password_env_var(role)}:?") and url.endswith("@valkey:6379")
+    if name == "demo-worker":  # the demo also plays the gate, which has its own user
+        gate_url = words[words.index("--gate-redis-url") + 1]
+        assert gate_url.startswith(f"redis://gate:${{{password_env_var('gate')}:?")
+
+
+def test_the_dockerfile_installs_the_metrics_extra() -> None:
+    text = DOCKERFILE.read_text()
+    assert text.startswith("#") and "FROM python:3.11-slim" in text
+    assert 'pip install ".[metrics]"' in text and "USER " in text
+
+
+def test_the_acl_example_is_rendered_from_the_role_table() -> None:
+    assert ACL_EXAMPLE.read_text() == render_acl_example(server_version="8.0")
+
+
+def test_the_acl_cli_writes_the_acl_and_a_private_env_file(tmp_path: Path) -> None:
+    acl, env = tmp_path / "users.acl", tmp_path / ".env"
+    assert main(["--acl-file", str(acl), "--env-file", str(env)]) == 0
+    passwords = dict(line.split("=", 1) for line in env.read_text().splitlines())
+    assert set(passwords) == {password_env_var(role) for role in ROLE_NAMES}
+    assert stat.S_IMODE(env.stat().st_mode) == 0o600 and stat.S_IMODE(acl.stat().st_mode) == 0o644
+    assert not any(password in acl.read_text() for password in passwords.values())
+
+
+@pytest.mark.anyio
+async def test_deploy_config_and_acl_run_on_valkey_with_a_working_healthcheck(tmp_path: Path) -> None:
+    """deploy/valkey.conf (bind, port and dir aside) with a CLI-made ACL: the worker sees a durable server
+    and the compose healthcheck passes with the ops password and fails with a wrong one."""
+    binary = require_binary("valkey-server")
+    cli = shutil.which("valkey-cli")
+    if cli is None:
+        skip_or_fail("valkey-cli is not installed (valkey-tools)")
+    acl, env = tmp_path / "users.acl", tmp_path / ".env"
+    assert main(["--acl-file", str(acl), "--env-file", str(env), "--admin"]) == 0
+    by_var = dict(line.split("=", 1) for line in env.read_text().splitlines())
+    passwords = {role: by_var[password_env_var(role)] for role in (*ROLE_NAMES, ADMIN_ROLE)}
+    config = {k: v for k, v in valkey_conf().items() if k not in ("bind", "port", "dir")} | {"aclfile": str(acl)}
+    with AclServer(passwords=passwords, binary=binary, data_dir=tmp_path / "data", extra_config=config) as server:
+        async with aioredis.Redis.from_url(server.role_url("worker")) as worker:
+            report = await verify_durability([worker])
+        assert report.problem is None and report.supports_waitaof
+        healthcheck = compose()["services"]["valkey"]["healthcheck"]["test"][1]
+        command = healthcheck.replace("$$", "$").replace("-p 6379", f"-p {server.port}")
+        assert f"-p {server.port}" in command
+        for password, healthy in ((passwords["ops"], True), ("wrong", False)):
+            environment = {**os.environ, password_env_var("ops"): password, "PATH": f"{Path(cli).parent}:/bin:/usr/bin"}
+            with anyio.fail_after(30):
+                done = await anyio.run_process(["sh", "-c", command], env=environment, check=False)
+            assert (done.returncode == 0) is healthy, (password == "wrong", done.stdout, done.stderr)
