@@ -35,12 +35,14 @@ __all__ = (
     "STAGING_DIGEST_VERSION",
     "STAGING_SCHEMA_VERSION",
     "build_staging_delta",
+    "chain_hash_of_packed",
     "check_mask_values",
     "compute_chain_hash",
     "compute_extras_digest",
     "compute_staging_digest",
     "encode_f32s",
     "encode_token_ids",
+    "hash_packed_token_ids",
     "hash_token_ids",
     "is_digest_hex",
 )
@@ -137,6 +139,22 @@ def _lp(payload: bytes) -> bytes:
 def hash_token_ids(token_ids: Sequence[int]) -> str:
     """Cumulative (prefix) hash of a full token sequence (contract §4.4)."""
     return hashlib.sha256(PREFIX_HASH_DOMAIN + encode_token_ids(token_ids)).hexdigest()
+
+
+def hash_packed_token_ids(parts: Sequence[bytes], count: int) -> str:
+    """:func:`hash_token_ids` of ids already packed as u64 big-endian (*parts* concatenated, *count* ids)."""
+    digest = hashlib.sha256(PREFIX_HASH_DOMAIN + _U64.pack(count))
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def chain_hash_of_packed(parent_chain_hash: str | None, ids_u64be: bytes) -> str:
+    """:func:`compute_chain_hash` of a delta already packed as u64 big-endian ids."""
+    parent = b"\x00" if parent_chain_hash is None else b"\x01" + _hexbytes(parent_chain_hash)
+    digest = hashlib.sha256(CHAIN_HASH_DOMAIN + parent + _U64.pack(len(ids_u64be) // 8))
+    digest.update(ids_u64be)
+    return digest.hexdigest()
 
 
 def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Sequence[int]) -> str:

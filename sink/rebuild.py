@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from .digest import compute_chain_hash, hash_token_ids
+from ._columns import PackedColumns, ids_u64be
+from .digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
 from .errors import RebuildError, ReceiptVerificationError
 from .records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
 
@@ -117,6 +118,9 @@ class LinearizedRow:
     weight_version_spans: tuple[WeightVersionSpan, ...]
     link_spans: tuple[LinkSpan, ...]
     extras_commitments: tuple[ExtrasCommitment, ...]
+    # Packed column bytes of the chain calls, when verification had them: as_numpy
+    # then reads bytes instead of Python objects. Not part of the row's value.
+    _packed_columns: tuple[PackedColumns, ...] | None = field(default=None, compare=False, hash=False)
 
     @property
     def call_ids(self) -> tuple[str, ...]:
@@ -132,6 +136,8 @@ class LinearizedRow:
         :raises ImportError: numpy is not installed (``pip install staging-sink[numpy]``).
         :raises OverflowError: a token id does not fit in int64.
         """
+        if self._packed_columns is not None:
+            return _packed_to_numpy(self._packed_columns)
         return _columns_to_numpy(self.token_ids, self.token_mask, self.logprobs)
 
     def __repr__(self) -> str:
@@ -153,14 +159,22 @@ def _import_numpy() -> Any:
     return numpy
 
 
-def _columns_to_numpy(token_ids: Sequence[int], token_mask: Sequence[float], logprobs: Sequence[float]) -> NumpyColumns:
-    """THE single conversion point from row columns to numpy arrays.
+def _packed_to_numpy(parts: Sequence[PackedColumns]) -> NumpyColumns:
+    """Columns straight from packed bytes: no per-token Python object is touched."""
+    np = _import_numpy()
+    ids = np.concatenate([np.frombuffer(p.ids_le, dtype="<u4" if p.ids_width == 4 else "<u8") for p in parts])
+    if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 1 << 63:
+        raise OverflowError("a token id does not fit in int64")
+    mask_table = np.zeros(256, dtype=np.float32)
+    mask_table[0x80] = -0.0
+    mask_table[0x3F] = 1.0
+    codes = np.frombuffer(b"".join(p.mask_codes for p in parts), dtype=np.uint8)
+    logprobs = np.frombuffer(b"".join(p.lp_f32be for p in parts), dtype=">f4")
+    return NumpyColumns(ids.astype(np.int64), mask_table[codes], logprobs.astype(np.float32))
 
-    Today it converts the Python sequences (one C-level pass per column).
-    When decoded records carry their packed column bytes, this is the one
-    function to change: concatenate the packed parts and use ``np.frombuffer``
-    (with ``.astype`` for byte order / width) so no per-token object is touched.
-    """
+
+def _columns_to_numpy(token_ids: Sequence[int], token_mask: Sequence[float], logprobs: Sequence[float]) -> NumpyColumns:
+    """Columns from the Python sequences (one C-level pass per column)."""
     np = _import_numpy()
     return NumpyColumns(
         np.array(token_ids, dtype=np.int64),
@@ -222,6 +236,7 @@ def _verify_snapshot(
     receipt: RolloutReceipt,
     index_by_id: dict[str, int],
     seen_ids: set[object],
+    packed: PackedColumns | None,
 ) -> None:
     # Steps 8a-8h for one manifest position.
     if not isinstance(snapshot, StagedCallBaseSnapshot):
@@ -248,7 +263,9 @@ def _verify_snapshot(
         if not values[0] == values[1] == values[2]:
             raise _fail(f"wrong_{name}", f"{where}: {name} differs (snapshot, manifest, receipt) = {values!r}")
     try:
-        recomputed = snapshot.recompute_digest()
+        # With packed columns proved at decode time the digest is hashed from
+        # them; the result is the same digest, only the packing is skipped.
+        recomputed = (packed is not None and snapshot._packed_digest(packed)) or snapshot.recompute_digest()
     except Exception as exc:  # any failure to recompute is reported, typed, with its cause chained
         raise _fail("invalid_snapshot", f"{where}: cannot recompute the call digest: {exc}") from exc
     if recomputed != snapshot.digest:
@@ -300,33 +317,52 @@ def _chain_positions(receipt: RolloutReceipt, index_by_id: dict[str, int]) -> li
     return chain
 
 
+def _mask_counts(masks: Sequence[float], packed: PackedColumns | None) -> tuple[int, int, int]:
+    """``(carry, generated, index of the first 1.0 or -1)``; masks are exactly 0.0/1.0 here (step 8h)."""
+    if packed is not None:
+        codes = packed.mask_codes
+        generated = codes.count(0x3F)
+        return len(codes) - generated, generated, codes.find(0x3F)
+    generated = masks.count(1.0)
+    return len(masks) - generated, generated, masks.index(1.0) if generated else -1
+
+
 def _linearize_chain(
-    receipt: RolloutReceipt, snapshots: Sequence[StagedCallBaseSnapshot], chain: list[int]
+    receipt: RolloutReceipt,
+    snapshots: Sequence[StagedCallBaseSnapshot],
+    chain: list[int],
+    packed_columns: Sequence[PackedColumns | None],
 ) -> LinearizedRow:
-    # Steps 11-13 while concatenating the chain's columns.
+    # Steps 11-13 while concatenating the chain's columns. Where a call's
+    # packed columns are known (decoded just now), hashes run over those bytes.
     manifest = receipt.manifest
     ids_parts: list[list[int]] = []
     mask_parts: list[list[float]] = []
     logprob_parts: list[list[float]] = []
+    packed_ids: list[bytes] = []
     spans: list[WeightVersionSpan] = []
     links: list[LinkSpan] = []
     commitments: list[ExtrasCommitment] = []
     running_chain_hash: str | None = None
     offset = 0
+    all_packed = all(packed_columns[position] is not None for position in chain)
     for position in chain:
-        record, snapshot = manifest[position], snapshots[position]
+        record, snapshot, packed = manifest[position], snapshots[position], packed_columns[position]
         call_id = record.model_call_id
-        running_chain_hash = compute_chain_hash(running_chain_hash, snapshot.token_ids_delta)
+        if all_packed and packed is not None:
+            ids_be = ids_u64be(packed.ids_le, packed.ids_width, packed.length)
+            packed_ids.append(ids_be)
+            running_chain_hash = chain_hash_of_packed(running_chain_hash, ids_be)
+        else:
+            running_chain_hash = compute_chain_hash(running_chain_hash, snapshot.token_ids_delta)
         if running_chain_hash != record.chain_hash:
             raise RebuildError(
                 "chain_hash_mismatch", f"{call_id!r}: chain hash {record.chain_hash} != recomputed {running_chain_hash}"
             )
         masks = snapshot.token_mask_delta
-        # Masks are exactly 0.0/1.0 here (step 8h), so "zeros then ones" holds
-        # iff the first 1.0 sits right after the zeros; all counting runs in C.
-        generated = masks.count(1.0)
-        carry = len(masks) - generated
-        if generated and masks.index(1.0) != carry:
+        # "Zeros then ones" holds iff the first 1.0 sits right after the zeros.
+        carry, generated, first_one = _mask_counts(masks, packed if all_packed else None)
+        if generated and first_one != carry:
             raise RebuildError("invalid_mask_order", f"{call_id!r}: masks are not carry zeros followed by ones")
         if not generated:
             raise RebuildError("empty_generation", f"{call_id!r}: the delta has no generated (mask 1.0) token")
@@ -342,7 +378,7 @@ def _linearize_chain(
         raise RebuildError("empty_training_row", f"rollout {receipt.rollout_id!r}: no mask in the row is 1.0")
     token_ids = tuple(itertools.chain.from_iterable(ids_parts))
     terminal = manifest[chain[-1]]
-    row_hash = hash_token_ids(token_ids)
+    row_hash = hash_packed_token_ids(packed_ids, offset) if all_packed else hash_token_ids(token_ids)
     if row_hash != terminal.cumulative_hash:
         raise RebuildError(
             "cumulative_hash_mismatch",
@@ -359,6 +395,7 @@ def _linearize_chain(
         weight_version_spans=tuple(spans),
         link_spans=tuple(links),
         extras_commitments=tuple(commitments),
+        _packed_columns=tuple(p for p in (packed_columns[i] for i in chain) if p is not None) if all_packed else None,
     )
 
 
@@ -377,6 +414,19 @@ def verify_and_linearize(receipt: RolloutReceipt, snapshots: Sequence[StagedCall
     :raises ReceiptVerificationError: steps 2-8 fail (``.code`` names the check).
     :raises RebuildError: steps 9-13 fail (lineage, terminal, chain, masks, hashes).
     """
+    return _verify_and_linearize(receipt, snapshots, use_cached_columns=False)
+
+
+def _verify_and_linearize(
+    receipt: RolloutReceipt, snapshots: Sequence[StagedCallBaseSnapshot], *, use_cached_columns: bool
+) -> LinearizedRow:
+    """:func:`verify_and_linearize`; with *use_cached_columns*, hash the packed columns a
+    snapshot proved at decode time instead of re-packing its lists.
+
+    Only the trainer reader sets it, for snapshots it decoded itself and never
+    handed out: a record's cache cannot notice element assignment after
+    validation, so callers holding arbitrary snapshots use the public function.
+    """
     _check_argument_types(receipt, snapshots)
     _check_receipt_state(receipt)
     manifest = receipt.manifest
@@ -384,11 +434,19 @@ def verify_and_linearize(receipt: RolloutReceipt, snapshots: Sequence[StagedCall
     if len(snapshots) != len(manifest):
         raise _fail("row_count_mismatch", f"{len(snapshots)} snapshots for {len(manifest)} manifest rows")
     seen_ids: set[object] = set()
+    packed_columns: list[PackedColumns | None] = []
     for position, (snapshot, record) in enumerate(zip(snapshots, manifest, strict=True)):
-        _verify_snapshot(position, snapshot, record, receipt, index_by_id, seen_ids)
+        packed = _cached_columns(snapshot) if use_cached_columns else None
+        _verify_snapshot(position, snapshot, record, receipt, index_by_id, seen_ids, packed)
+        packed_columns.append(packed)
     _verify_lineage(manifest, index_by_id)
     chain = _chain_positions(receipt, index_by_id)
-    return _linearize_chain(receipt, snapshots, chain)
+    return _linearize_chain(receipt, snapshots, chain, packed_columns)
+
+
+def _cached_columns(snapshot: object) -> PackedColumns | None:
+    getter = getattr(snapshot, "_cached_packed_columns", None)
+    return getter() if getter is not None else None
 
 
 def linearize(

@@ -322,6 +322,20 @@ class StagedCallBaseSnapshot(_DigestWireModel):
         packed_ids = pack_ids(ids)
         return None if packed_ids is None else trusted.packed.with_ids(*packed_ids)
 
+    def _cached_packed_columns(self) -> PackedColumns | None:
+        """The packed columns proved at validation, if they still describe this record's column lists.
+
+        Replaced or resized columns are detected; element assignment after
+        validation is not, so only code that owns a freshly validated record
+        (the trainer reader, right after decoding) may rely on this.
+        """
+        cache = self._columns
+        if cache is None or not cache.describes(
+            self.token_ids_delta, self.token_mask_delta, self.generation_log_probs_delta
+        ):
+            return None
+        return cache.packed
+
     def _packed_digest(self, packed: PackedColumns) -> str | None:
         ids_u64be, mask_f32be, lp_f32be = packed.digest_forms()
         try:

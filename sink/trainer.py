@@ -39,7 +39,7 @@ from .consumer import GroupConsumer, StreamEntry, default_consumer_name
 from .errors import CodecError, ReceiptVerificationError
 from .keys import claim_key, fence_key, receipts_stream, validate_rollout_id
 from .ledger import RedisCaptureLedger
-from .rebuild import LinearizedRow, verify_and_linearize
+from .rebuild import LinearizedRow, _verify_and_linearize
 from .records import RolloutReceipt, RolloutRemoval
 from .settings import ReaderSettings, SourceSettings
 from .source import AsyncRedisStagingSource
@@ -404,7 +404,9 @@ class RolloutReader:
         except CodecError as exc:
             return _skip(receipt, CORRUPT_RECORD, str(exc))
         try:
-            row = verify_and_linearize(receipt, snapshots)
+            # The snapshots were decoded just now and are not shared: their
+            # packed columns can be hashed directly (same checks, same digests).
+            row = _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
         except ReceiptVerificationError as exc:
             return _skip(receipt, exc.code, exc.detail)
         return PulledRollout(receipt=receipt, row=row)

@@ -596,3 +596,66 @@ def test_random_chains_linearize_to_concatenated_deltas(data: st.DataObject, sha
     assert row.weight_version_spans[-1].end == len(expected_ids)
     assert [span.start for span in row.weight_version_spans[1:]] == [span.end for span in row.weight_version_spans[:-1]]
     assert row.model_call_ids == tuple(f"c{i}" for i in range(len(shapes)))
+
+
+# --- the trainer's fast path over packed columns ------------------------------------------
+
+
+def _decoded_chain() -> tuple[RolloutReceipt, list[Any]]:
+    from sink.bench.stage import build_records
+    from sink.codec import decode_record, encode_record
+
+    records = build_records(1, 4, 300, tag="packed")
+    snapshots = [decode_record(encode_record(r)) for r in records]
+    manifest = [
+        CallRecord(
+            model_call_id=r.model_call_id,
+            parent_call_id=r.parent_call_id,
+            prev_len=r.prev_len,
+            delta_len=r.delta_len,
+            cum_len=r.cum_len,
+            weight_version=r.weight_version,
+            digest=r.digest,
+            extras_digest=r.extras_digest,
+            staging_key=r.staging_key,
+            mode=r.mode,
+            chain_hash=r.chain_hash,
+            cumulative_hash=r.cumulative_hash,
+            response_id=f"resp-{r.model_call_id}",
+        )
+        for r in records
+    ]
+    receipt = RolloutReceipt(
+        rollout_id=records[0].rollout_id,
+        manifest=manifest,
+        terminal_model_call_id=records[-1].model_call_id,
+        terminal_selection="heuristic",
+    )
+    return receipt, snapshots
+
+
+def test_cached_columns_give_the_same_row_and_numpy_columns() -> None:
+    from sink.rebuild import _verify_and_linearize
+
+    receipt, snapshots = _decoded_chain()
+    slow = verify_and_linearize(receipt, snapshots)
+    fast = _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
+    assert fast == slow
+    assert fast._packed_columns is not None and slow._packed_columns is None
+    np = pytest.importorskip("numpy")
+    for a, b in zip(fast.as_numpy(), slow.as_numpy(), strict=True):
+        assert a.dtype == b.dtype
+        assert np.array_equal(a, b)
+        assert np.array_equal(np.signbit(a), np.signbit(b))
+
+
+def test_a_replaced_column_is_not_vouched_for_by_the_cache() -> None:
+    from sink.rebuild import _verify_and_linearize
+
+    receipt, snapshots = _decoded_chain()
+    tampered = list(snapshots[1].token_ids_delta)
+    tampered[5] ^= 1
+    object.__setattr__(snapshots[1], "token_ids_delta", tampered)  # a new list: the cache no longer applies
+    with pytest.raises(ReceiptVerificationError) as caught:
+        _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
+    assert caught.value.code == "corrupt_digest"
