@@ -1,5 +1,48 @@
-"""staging-sink: durable token staging for RL training of LLM agents."""
+"""staging-sink: durable token staging for RL training of LLM agents.
+
+Inference workers stage each model call's exact token delta in Redis/Valkey
+before the response returns; a ledger records committed calls; an assembler
+builds receipts; the trainer pulls, verifies every digest and chain link, and
+gets exact training rows. Records are wire-compatible with NeMo Gym's token
+staging contract (schema 2); the records themselves live in :mod:`sink.records`.
+"""
 
 from __future__ import annotations
 
-__all__: tuple[str, ...] = ()
+from .assembler import Assembler as Assembler
+from .assembler import finished as finished
+from .errors import CodecError as CodecError
+from .errors import DurabilityError as DurabilityError
+from .errors import ReceiptVerificationError as ReceiptVerificationError
+from .errors import StagingConnectionError as StagingConnectionError
+from .errors import StagingError as StagingError
+from .gate import CaptureGate as CaptureGate
+from .ledger import RedisCaptureLedger as RedisCaptureLedger
+from .rebuild import LinearizedRow as LinearizedRow
+from .rebuild import verify_and_linearize as verify_and_linearize
+from .redis_sink import AsyncRedisStagingSink as AsyncRedisStagingSink
+from .redis_sink import RedisStagingSink as RedisStagingSink
+from .server import durable_server as durable_server
+from .source import AsyncRedisStagingSource as AsyncRedisStagingSource
+from .source import RedisStagingSource as RedisStagingSource
+from .trainer import RolloutReader as RolloutReader
+
+__all__ = (
+    "Assembler",
+    "AsyncRedisStagingSink",
+    "AsyncRedisStagingSource",
+    "CaptureGate",
+    "CodecError",
+    "DurabilityError",
+    "LinearizedRow",
+    "ReceiptVerificationError",
+    "RedisCaptureLedger",
+    "RedisStagingSink",
+    "RedisStagingSource",
+    "RolloutReader",
+    "StagingConnectionError",
+    "StagingError",
+    "durable_server",
+    "finished",
+    "verify_and_linearize",
+)
