@@ -24,7 +24,9 @@ import anyio
 import pydantic
 import redis.exceptions as redis_errors
 
-from . import cli_ops, cli_services, demo
+from worker import demo  # the CLI is the composition root: the only sink module that loads worker
+
+from . import cli_ops, cli_services
 from .cli_common import (
     EXIT_FAILURE,
     EXIT_UNREACHABLE,

@@ -17,9 +17,9 @@ from test_acl import start_acl_server
 
 from sink.cli import main
 from sink.cli_common import EXIT_FAILURE
-from sink.demo import DemoOptions, make_plans
-from sink.demo_report import EXPECTED_SKIP, DemoTally, percentile
 from sink.server import LocalCluster
+from worker.demo import DemoOptions, make_plans
+from worker.demo_report import EXPECTED_SKIP, DemoTally, percentile
 
 SMALL = ["--rollouts", "6", "--turns", "3", "--tokens", "16", "--workers", "2", "--inject-failures", "2"]
 

@@ -320,3 +320,24 @@ def test_no_field_default_is_undefined_for_optional_fields() -> None:
         for field_name, info in getattr(records, name).model_fields.items():
             if not info.is_required():
                 assert info.default is not PydanticUndefined or info.default_factory is not None, field_name
+
+
+def test_sink_never_imports_worker_except_the_cli() -> None:
+    """Architecture rule: ``worker`` imports ``sink``; of ``sink`` only the CLI (composition root) loads ``worker``."""
+    import subprocess
+    import sys
+
+    modules = [
+        info.name
+        for info in pkgutil.walk_packages(sink.__path__, "sink.")
+        if info.name not in ("sink.cli", "sink.__main__")
+    ]
+    script = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "loaded = sorted(m for m in sys.modules if m == 'worker' or m.startswith('worker.'))\n"
+        "print(','.join(loaded))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == ""

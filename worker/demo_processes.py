@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 
 from .demo_report import DemoTally
-from .demo_worker import WorkerConfig, worker_process_main
+from .demo_rollouts import WorkerConfig, worker_process_main
 
 __all__ = ("WorkerPool", "WorkersFailedError")
 

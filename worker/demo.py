@@ -22,8 +22,8 @@ from typing import Any
 
 import anyio
 
-from .assembler import Assembler
-from .cli_common import (
+from sink.assembler import Assembler
+from sink.cli_common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -36,15 +36,16 @@ from .cli_common import (
     stdout_console,
     write_json,
 )
-from .connection import Topology, map_redis_errors
+from sink.connection import Topology, map_redis_errors
+from sink.durability import verify_durability
+from sink.keys import DEFAULT_NAMESPACE, calls_stream
+from sink.server import durable_server
+from sink.settings import DEFAULT_SHARDS, AssemblerSettings, ReaderSettings
+from sink.trainer import RolloutReader
+
 from .demo_processes import WorkerPool, WorkersFailedError
 from .demo_report import DemoTally, live_progress, render_summary, show_progress
-from .demo_worker import RolloutPlan, WorkerConfig
-from .durability import verify_durability
-from .keys import DEFAULT_NAMESPACE, calls_stream
-from .server import durable_server
-from .settings import DEFAULT_SHARDS, AssemblerSettings, ReaderSettings
-from .trainer import RolloutReader
+from .demo_rollouts import RolloutPlan, WorkerConfig
 
 __all__ = ("DemoOptions", "add_demo_parser", "make_plans", "run_demo", "run_demo_command")
 

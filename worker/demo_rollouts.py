@@ -25,27 +25,22 @@ from typing import Any
 
 import anyio
 
-from worker.capture import ActiveCall, RolloutTokenCapture
-from worker.engine import SimulatedEngine
-
-from .assembler import finished
-from .connection import Topology
-from .fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
-from .ledger import RedisCaptureLedger
-from .lineage import RETIRED_REASON, LineageStatus
-from .records import (
-    UNRESOLVED_PARENT_REASON,
-    WORKER_CAPTURE_FAILED_REASON,
-    CallRecord,
+from sink.assembler import finished
+from sink.connection import Topology
+from sink.gate import CaptureGate
+from sink.ledger import RedisCaptureLedger
+from sink.records import (
     CaptureAdmission,
-    CaptureLedgerCommit,
     CommitCoords,
     StagedCallRecord,
     StageResult,
 )
-from .redis_sink import AsyncRedisStagingSink
-from .settings import ConnectionSettings
-from .source import AsyncRedisStagingSource
+from sink.redis_sink import AsyncRedisStagingSink
+from sink.settings import ConnectionSettings
+from sink.source import AsyncRedisStagingSource
+
+from .capture import ActiveCall, RolloutTokenCapture
+from .engine import SimulatedEngine
 
 __all__ = ("INJECTED_FAILURE_NOTE", "RolloutPlan", "WorkerConfig", "WorkerCounters", "worker_process_main")
 
@@ -152,33 +147,14 @@ class _RolloutDriver:
     ) -> None:
         self._config = config
         self._ledger = ledger
+        self._gate = CaptureGate(ledger)
         self._capture = capture
         self._counters = counters
         self._gate_client = gate_client
 
     async def _admit(self, rollout_id: str, model_call_id: str, items: list[dict[str, Any]]) -> CaptureAdmission | None:
         """The gate's admission (contract §6.6); ``None`` serves the call uncaptured."""
-        resolution = await self._ledger.resolve(rollout_id, items)
-        if resolution.status is LineageStatus.ROOT:
-            return CaptureAdmission(rollout_id=rollout_id, model_call_id=model_call_id, mode="text")
-        if resolution.match is not None:
-            match = resolution.match
-            return CaptureAdmission(
-                rollout_id=rollout_id,
-                model_call_id=model_call_id,
-                parent_call_id=match.model_call_id,
-                prev_len=match.prev_len,
-                mode="token_in",
-                staging_chain=list(match.staging_chain),
-                parent_chain_hash=match.chain_hash,
-            )
-        if resolution.reason == RETIRED_REASON:
-            return None
-        if not await self._ledger.has_rows(rollout_id):
-            return CaptureAdmission(rollout_id=rollout_id, model_call_id=model_call_id, mode="text")
-        # Never turn an unresolved continuation into a new root: poison the rollout instead.
-        await self._ledger.record_failure(rollout_id, model_call_id, UNRESOLVED_PARENT_REASON)
-        return None
+        return await self._gate.admit(rollout_id, items, model_call_id=model_call_id)
 
     async def _commit(
         self,
@@ -189,40 +165,18 @@ class _RolloutDriver:
         admitted_at: float,
     ) -> None:
         """The gate's commit (contract §6.6): a failure row, or the custody row of the staged call."""
-        rollout_id, model_call_id = admission.rollout_id, admission.model_call_id
-        if coords.disposition != "staged" or coords.staging_key is None:
-            self._counters.capture_failures += 1
-            await self._ledger.record_failure(rollout_id, model_call_id, WORKER_CAPTURE_FAILED_REASON)
-            return
-        assert coords.digest and coords.extras_digest and coords.chain_hash and coords.cumulative_hash
-        record = CallRecord(
-            model_call_id=model_call_id,
-            parent_call_id=coords.parent_call_id,
-            prev_len=coords.prev_len,
-            delta_len=coords.delta_len,
-            cum_len=coords.cum_len,
-            weight_version=coords.weight_version,
-            digest=coords.digest,
-            extras_digest=coords.extras_digest,
-            staging_key=coords.staging_key,
-            mode=admission.mode,
-            chain_hash=coords.chain_hash,
-            cumulative_hash=coords.cumulative_hash,
+        row = await self._gate.commit(
+            admission,
+            coords,
             response_id=served.response_id,
-            admitted_at=admitted_at,
-            output_fingerprint=assistant_fingerprint(served.response_items) or None,
-            continuation_fingerprint=assistant_fingerprint(request_items + served.response_items) or None,
-            fingerprint_version=FINGERPRINT_VERSION,
-        )
-        commit = CaptureLedgerCommit(
-            rollout_id=rollout_id,
-            record=record,
-            staging_chain=(*admission.staging_chain, coords.staging_key),
             request_items=request_items,
             response_items=served.response_items,
+            admitted_at=admitted_at,
         )
-        await self._ledger.record(commit)
-        self._counters.committed += 1
+        if row is None:
+            self._counters.capture_failures += 1
+        else:
+            self._counters.committed += 1
 
     async def _call(
         self,
