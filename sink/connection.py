@@ -55,7 +55,7 @@ def _init_parameters(cls: type) -> frozenset[str]:
 def _timeouts(settings: ConnectionSettings) -> dict[str, Any]:
     return {
         "socket_connect_timeout": settings.connect_timeout_s,
-        "socket_timeout": settings.command_timeout_s,
+        "socket_timeout": settings.socket_timeout_s,
     }
 
 

@@ -29,12 +29,14 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from pydantic_core import PydanticSerializationError
 from redis.asyncio.cluster import RedisCluster
 
 from .blocking import PortalOwner
 from .cleanup import clear_staged
 from .codec import DIGEST_HEAD_BYTES, encode_record
 from .connection import Topology, describe_redis_error
+from .digest import compute_extras_digest
 from .durability import DurabilityReport, verify_durability
 from .errors import CodecError
 from .keys import calls_stream, record_key, validate_rollout_id
@@ -42,7 +44,15 @@ from .records import StagedCallRecord, StageResult
 from .settings import SinkSettings
 from .stage_script import STAGE_CONFLICT, STAGE_SAME, STAGE_SCRIPT, STAGE_WRITTEN
 
-__all__ = ("CONFLICT_ERROR", "AsyncRedisStagingSink", "RedisStagingSink", "SinkStatistics", "generation_prefix_key")
+__all__ = (
+    "CONFLICT_ERROR",
+    "AsyncRedisStagingSink",
+    "RedisStagingSink",
+    "SinkStatistics",
+    "generation_prefix_key",
+    "generation_prefix_suffix",
+    "verified_record",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +65,50 @@ _TOPOLOGY_ERRORS = (
 )
 
 
-def generation_prefix_key(record: StagedCallRecord, checkpoint_id: str, chunk_sequence: int) -> str:
-    """Staging key of one generation-cut chunk: ``R/C/cut/<checkpoint_id>/<chunk_sequence>``."""
+def generation_prefix_suffix(checkpoint_id: str, chunk_sequence: int) -> str:
+    """The part a generation-cut chunk adds to its call's staging key: ``/cut/<checkpoint_id>/<chunk_sequence>``.
+
+    :raises ValueError: invalid *checkpoint_id* or *chunk_sequence*.
+    """
     validate_rollout_id(checkpoint_id)
     if type(chunk_sequence) is not int or chunk_sequence < 0:
         raise ValueError(f"chunk_sequence must be a non-negative int, got {chunk_sequence!r}")
-    return f"{record.staging_key}/cut/{checkpoint_id}/{chunk_sequence}"
+    return f"/cut/{checkpoint_id}/{chunk_sequence}"
+
+
+def generation_prefix_key(record: StagedCallRecord, checkpoint_id: str, chunk_sequence: int) -> str:
+    """Staging key of one generation-cut chunk: ``R/C/cut/<checkpoint_id>/<chunk_sequence>``."""
+    return record.staging_key + generation_prefix_suffix(checkpoint_id, chunk_sequence)
+
+
+def verified_record(record: StagedCallRecord) -> StagedCallRecord:
+    """*record* if its validated columns still prove its digest, else a freshly validated copy.
+
+    A record built by ``model_construct`` or changed after validation is
+    validated again, so the sink never stores a blob the source would reject.
+
+    :raises ValueError: the record is invalid (``pydantic.ValidationError`` is a ``ValueError``).
+    :raises TypeError: an extras value is unsupported.
+    """
+    packed = record._cached_packed_columns()
+    if (
+        packed is not None
+        and record._packed_digest(packed) == record.digest
+        and compute_extras_digest(record.extras) == record.extras_digest
+    ):
+        return record
+    try:
+        data = record.model_dump(warnings=False)
+    except PydanticSerializationError as exc:
+        raise ValueError(f"record cannot be serialized: {exc}") from exc
+    return StagedCallRecord.model_validate(data)
+
+
+def _key_or_none(record: StagedCallRecord, key_suffix: str) -> str | None:
+    try:
+        return record.staging_key + key_suffix
+    except (ValueError, TypeError):
+        return None
 
 
 @dataclass(slots=True)
@@ -211,7 +259,7 @@ class AsyncRedisStagingSink:
         """
         if not isinstance(record, StagedCallRecord):
             raise TypeError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
-        return await self._stage(record, record.staging_key)
+        return await self._stage(record, "")
 
     async def stage_generation_prefix(
         self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int
@@ -223,16 +271,18 @@ class AsyncRedisStagingSink:
         """
         if not isinstance(record, StagedCallRecord):
             raise TypeError(f"stage_generation_prefix() takes a StagedCallRecord, got {type(record).__name__}")
-        return await self._stage(record, generation_prefix_key(record, checkpoint_id, chunk_sequence))
+        return await self._stage(record, generation_prefix_suffix(checkpoint_id, chunk_sequence))
 
-    async def _stage(self, record: StagedCallRecord, staging_key: str) -> StageResult:
+    async def _stage(self, record: StagedCallRecord, key_suffix: str) -> StageResult:
         if self._send is None or self._closed:
             raise RuntimeError("the staging sink is not open: use 'async with sink:'")
         try:
+            record = verified_record(record)
+            staging_key = record.staging_key + key_suffix
             validate_rollout_id(record.rollout_id)
             blob = encode_record(record)
-        except (CodecError, ValueError) as exc:
-            return self._failed(staging_key, f"record cannot be staged: {exc}")
+        except (CodecError, ValueError, TypeError) as exc:
+            return self._failed(_key_or_none(record, key_suffix), f"record cannot be staged: {exc}")
         if len(blob) > self._settings.max_record_bytes:
             return self._failed(
                 staging_key,
@@ -365,7 +415,7 @@ class AsyncRedisStagingSink:
             chunk = [items[i] for i in indices]
             slot_items.append(chunk)
             keys: list[str] = []
-            args: list[Any] = [DIGEST_HEAD_BYTES]
+            args: list[Any] = [DIGEST_HEAD_BYTES, "1" if settings.min_replicas > 0 else "0"]
             for p in chunk:
                 keys += (p.record_key, p.calls_key)
                 args += (p.digest, p.blob, *p.entry)

@@ -38,6 +38,11 @@ class ConnectionSettings(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     command_timeout_s: float = Field(default=10.0, gt=0)
     """Socket read timeout for one command or pipeline (WAIT adds ``confirm_timeout_s``)."""
+    @property
+    def socket_timeout_s(self) -> float:
+        """Socket read timeout of this component's connections."""
+        return self.command_timeout_s
+
     max_connections: int = Field(default=64, ge=1, le=10_000)
     """Connections per server node; callers beyond it wait for a free one (up to ``connect_timeout_s``)."""
 
@@ -59,6 +64,11 @@ class SinkSettings(ConnectionSettings):
     """Encoded records larger than this are refused before any write."""
     durability_check_interval_s: float = Field(default=30.0, gt=0)
     """How often the server's persistence configuration is re-verified."""
+
+    @property
+    def socket_timeout_s(self) -> float:
+        # A write pipeline ends with WAIT/WAITAOF, which may block for confirm_timeout_s.
+        return self.command_timeout_s + self.confirm_timeout_s
 
 
 class SourceSettings(ConnectionSettings):

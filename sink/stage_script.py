@@ -30,7 +30,7 @@ STAGE_WRONG_TYPE: Final = -1
 CALLS_ENTRY_FIELDS: Final = ("key", "call", "parent", "digest", "prev_len", "delta_len", "cum_len", "weight", "bytes")
 
 # KEYS: rec_1, calls_1, rec_2, calls_2, ...
-# ARGV: head_bytes, then per record: digest, blob, then the values of
+# ARGV: head_bytes, rewrite_present ('1' or '0'), then per record: digest, blob, then the values of
 # CALLS_ENTRY_FIELDS. The codec places the digest inside the first head_bytes
 # bytes of every blob, so an existing record's digest is compared with
 # GETRANGE instead of transferring the whole record.
@@ -38,6 +38,7 @@ _SCRIPT_TEMPLATE = """
 local field_names = {@FIELDS@}
 local nfields = #field_names
 local head_len = tonumber(ARGV[1])
+local rewrite_present = ARGV[2] == '1'
 local per = 2 + nfields
 local n = #KEYS / 2
 local status = {}
@@ -52,7 +53,7 @@ end
 -- pass 2: write absent records with their calls entry; compare present ones
 for i = 1, n do
   if status[i] == nil then
-    local base = 1 + (i - 1) * per
+    local base = 2 + (i - 1) * per
     local digest = ARGV[base + 1]
     local head = redis.call('GETRANGE', KEYS[2 * i - 1], 0, head_len - 1)
     if head == '' then
@@ -65,6 +66,12 @@ for i = 1, n do
       redis.call('XADD', KEYS[2 * i], '*', unpack(entry))
       status[i] = 1
     elseif string.find(head, digest, 1, true) then
+      -- Same record. When replicas must confirm, write it again (same content by
+      -- digest) so this connection's WAIT covers a write the replica must have,
+      -- not just whatever this connection wrote last.
+      if rewrite_present then
+        redis.call('SET', KEYS[2 * i - 1], ARGV[base + 2])
+      end
       status[i] = 2
     else
       status[i] = 0

@@ -84,7 +84,7 @@ def test_the_two_commands_work_on_a_clean_clone(tmp_path: Path) -> None:
 
     # The test command, end to end (servers, fresh venv, ruff, mypy, pytest) on a small selection.
     tests = subprocess.run(
-        ["bash", "-c", f"{test_command} tests/test_digest.py -q"],
+        ["bash", "-c", f"{test_command} tests/test_digest.py"],
         cwd=clone,
         env=env,
         capture_output=True,
