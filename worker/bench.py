@@ -1,0 +1,229 @@
+"""Benchmark: the worker's per-call cost, side by side with the bare durable stage and the fetch floor.
+
+Run ``python -m worker.bench`` (or ``staging-sink bench worker``). For a 32-turn rollout with 2,048-token
+turns it measures, in one run:
+
+* worker CPU per token, begin -> coords with the stage excluded (a sink that acknowledges at once), per
+  delta token and per token of the full sequence (the contract's cumulative hash covers the whole sequence);
+* added latency per call over the bare durable ``stage`` of the same records on one durable server;
+* ``staging_chain`` resolution of a 31-call chain (fetch + verify) against the hash-and-fetch floor: a raw
+  ``MGET`` of the same bytes plus ``sha256`` over the bytes the contract requires hashing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+
+from sink.keys import record_key
+from sink.records import CaptureAdmission, StagedCallRecord, StageResult
+from sink.redis_sink import AsyncRedisStagingSink
+from sink.server import durable_server
+from sink.source import AsyncRedisStagingSource
+
+from .capture import RolloutTokenCapture
+from .prefix import aresolve_prefix
+
+__all__ = ("AcknowledgingSink", "main", "run_worker_benchmark")
+
+
+class AcknowledgingSink:
+    """A sink that acknowledges at once: isolates the worker's own CPU from storage."""
+
+    async def stage(self, record: StagedCallRecord) -> StageResult:
+        return StageResult(ok=True, staging_key=record.staging_key)
+
+
+def _turns(turns: int, tokens: int) -> list[tuple[list[int], list[int], list[float]]]:
+    """Per turn: (new prompt ids, generated ids, generated log-probs); 1/8 of a turn is prompt carry."""
+    carry = tokens // 8
+    out = []
+    for turn in range(turns):
+        prompt_new = [(turn * 7919 + i * 31) % 150_000 for i in range(carry if turn else carry * 2)]
+        generated = [(turn * 104729 + i * 17) % 150_000 for i in range(tokens - len(prompt_new))]
+        logprobs = [-((i % 97) + 1) / 64.0 for i in range(len(generated))]
+        out.append((prompt_new, generated, logprobs))
+    return out
+
+
+async def _run_rollout(
+    capture: RolloutTokenCapture, rollout_id: str, plan: list[tuple[list[int], list[int], list[float]]]
+) -> tuple[list[Any], list[float]]:
+    """Drive one rollout through *capture*; return the coords and each call's begin->coords seconds."""
+    sequence: list[int] = []
+    parent = None
+    coords_list, seconds = [], []
+    for turn, (prompt_new, generated, logprobs) in enumerate(plan):
+        if parent is None:
+            admission = CaptureAdmission(rollout_id=rollout_id, model_call_id=f"c{turn}", mode="text")
+        else:
+            admission = CaptureAdmission(
+                rollout_id=rollout_id,
+                model_call_id=f"c{turn}",
+                parent_call_id=parent.model_call_id,
+                prev_len=parent.cum_len,
+                mode="token_in",
+                staging_chain=[f"{rollout_id}/c{k}" for k in range(turn)],
+                parent_chain_hash=parent.chain_hash,
+            )
+        prompt = sequence + prompt_new
+        start = time.perf_counter()
+        call = await capture.abegin_call(admission, prefix_token_ids=sequence if parent is not None else None)
+        coords = await capture.acomplete_call(
+            call, prompt_token_ids=prompt, generated_token_ids=generated, generated_logprobs=logprobs
+        )
+        seconds.append(time.perf_counter() - start)
+        if coords.disposition != "staged":
+            raise RuntimeError(f"the benchmark's call {admission.model_call_id} was not staged")
+        coords_list.append(coords)
+        sequence = prompt + generated
+        parent = coords
+    return coords_list, seconds
+
+
+def _renamed(record: StagedCallRecord, rollout_id: str) -> StagedCallRecord:
+    """The same call staged under another rollout id (its digest recomputed)."""
+    return StagedCallRecord.from_components(
+        rollout_id=rollout_id,
+        model_call_id=record.model_call_id,
+        parent_call_id=record.parent_call_id,
+        mode=record.mode,
+        prev_len=record.prev_len,
+        delta_len=record.delta_len,
+        cum_len=record.cum_len,
+        weight_version=record.weight_version,
+        token_ids_delta=list(record.token_ids_delta),
+        token_mask_delta=list(record.token_mask_delta),
+        generation_log_probs_delta=list(record.generation_log_probs_delta),
+        extras=record.extras,
+        extras_digest=record.extras_digest,
+        chain_hash=record.chain_hash,
+        cumulative_hash=record.cumulative_hash,
+    )
+
+
+def _digest_bytes_per_record(tokens: int) -> int:
+    # call digest payload (16 B/token + header) + chain hash input (8 B/token) + cumulative share (8 B/token)
+    return 200 + 32 * tokens
+
+
+async def run_worker_benchmark(url: str, *, turns: int = 32, tokens: int = 2048, repeats: int = 3) -> dict[str, Any]:
+    """Run the three measurements against the durable server at *url* (flushed)."""
+    plan = _turns(turns, tokens)
+    delta_tokens = sum(len(p) + len(g) for p, g, _ in plan)
+    full_tokens = sum(sum(len(p) + len(g) for p, g, _ in plan[: k + 1]) for k in range(turns))
+    cpu = []
+    for repeat in range(repeats):
+        capture = RolloutTokenCapture(sink=AcknowledgingSink(), weight_version_fn=lambda: 1)
+        _, seconds = await _run_rollout(capture, f"cpu{repeat}", plan)
+        cpu.append(sum(seconds))
+    best_cpu = min(cpu)
+
+    admin = aioredis.Redis.from_url(url)
+    try:
+        await admin.flushall()
+        async with AsyncRedisStagingSink.from_url(url) as sink:
+            capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 1)
+            coords, with_capture = await _run_rollout(capture, "lat", plan)
+            async with AsyncRedisStagingSource.from_url(url) as source:
+                records = await source.fetch([c.staging_key for c in coords])
+                bare = []
+                for record in [_renamed(r, "bare") for r in records]:
+                    start = time.perf_counter()
+                    if not (await sink.stage(record)).ok:  # the same records, written fresh
+                        raise RuntimeError("a bare stage failed during the benchmark")
+                    bare.append(time.perf_counter() - start)
+                chain_admission = CaptureAdmission(
+                    rollout_id="lat",
+                    model_call_id="next",
+                    parent_call_id=coords[turns - 2].model_call_id,
+                    prev_len=coords[turns - 2].cum_len,
+                    mode="token_in",
+                    staging_chain=[c.staging_key for c in coords[: turns - 1]],
+                    parent_chain_hash=coords[turns - 2].chain_hash,
+                )
+                chain_keys = [record_key("stg", c.staging_key) for c in coords[: turns - 1]]
+                payload = bytes(sum(_digest_bytes_per_record(len(p) + len(g)) for p, g, _ in plan[: turns - 1]))
+                resolve, floor = [], []
+                for _ in range(repeats + 2):
+                    start = time.perf_counter()
+                    prefix = await aresolve_prefix(chain_admission, source)
+                    resolve.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    await admin.mget(chain_keys)
+                    hashlib.sha256(payload).digest()
+                    floor.append(time.perf_counter() - start)
+                if len(prefix) != chain_admission.prev_len:
+                    raise RuntimeError("chain resolution returned a prefix of the wrong length")
+        await admin.flushall()
+    finally:
+        await admin.aclose()
+    chain_tokens = coords[turns - 2].cum_len
+    return {
+        "turns": turns,
+        "tokens_per_turn": tokens,
+        "worker_cpu_ns_per_delta_token": best_cpu / delta_tokens * 1e9,
+        "worker_cpu_ns_per_full_token": best_cpu / full_tokens * 1e9,
+        "call_latency_ms_p50": statistics.median(with_capture) * 1e3,
+        "bare_stage_latency_ms_p50": statistics.median(bare) * 1e3,
+        "added_latency_ms_p50": (statistics.median(with_capture) - statistics.median(bare)) * 1e3,
+        "chain_resolution_ms": min(resolve) * 1e3,
+        "chain_floor_ms": min(floor) * 1e3,
+        "chain_ratio": min(resolve) / min(floor),
+        "chain_tokens": chain_tokens,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Human-readable lines with the ratios."""
+    r = report
+    lines = [
+        f"{r['turns']}-turn rollout, {r['tokens_per_turn']}-token turns",
+        (
+            f"  worker CPU, begin -> coords, stage excluded: {r['worker_cpu_ns_per_delta_token']:.1f} ns/delta token"
+            f" ({r['worker_cpu_ns_per_full_token']:.1f} ns per token of the full sequence the contract hashes)"
+        ),
+        (
+            f"  call latency p50 {r['call_latency_ms_p50']:.2f} ms vs bare durable stage p50 "
+            f"{r['bare_stage_latency_ms_p50']:.2f} ms: added {r['added_latency_ms_p50']:.2f} ms per call"
+        ),
+        (
+            f"  staging_chain resolution ({r['turns'] - 1} calls, {r['chain_tokens']} tokens): "
+            f"{r['chain_resolution_ms']:.2f} ms vs floor {r['chain_floor_ms']:.2f} ms = {r['chain_ratio']:.2f}x"
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: ``python -m worker.bench [--redis-url URL] [--json]``."""
+    parser = argparse.ArgumentParser(prog="staging-sink bench worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", help="a durable server to use, flushed (default: start a private one)")
+    parser.add_argument("--turns", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per turn")
+    parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    args = parser.parse_args(argv)
+
+    def run(url: str) -> dict[str, Any]:
+        return anyio.run(lambda: run_worker_benchmark(url, turns=args.turns, tokens=args.tokens))
+
+    if args.redis_url:
+        report = run(args.redis_url)
+    else:
+        with durable_server() as server:
+            report = run(server.url)
+    sys.stdout.write((json.dumps(report, indent=2) if args.json else format_report(report)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
