@@ -33,7 +33,7 @@ from sink.source import AsyncRedisStagingSource
 from .capture import RolloutTokenCapture
 from .prefix import aresolve_prefix
 
-__all__ = ("AcknowledgingSink", "main", "run_worker_benchmark")
+__all__ = ("AcknowledgingSink", "format_report", "main", "run_worker_benchmark")
 
 
 class AcknowledgingSink:
