@@ -215,15 +215,22 @@ class ColumnCache:
     compares private attributes) is unaffected.
     """
 
-    __slots__ = ("log_probs", "packed", "token_ids", "token_mask")
+    __slots__ = ("digest_inputs", "log_probs", "packed", "token_ids", "token_mask")
 
     def __init__(
-        self, packed: PackedColumns, token_ids: list[int], token_mask: list[float], log_probs: list[float]
+        self,
+        packed: PackedColumns,
+        token_ids: list[int],
+        token_mask: list[float],
+        log_probs: list[float],
+        digest_inputs: tuple[object, ...] = (),
     ) -> None:
         self.packed = packed
         self.token_ids = token_ids
         self.token_mask = token_mask
         self.log_probs = log_probs
+        # The record's scalar digest inputs (and digest) when it was validated.
+        self.digest_inputs = digest_inputs
 
     def __eq__(self, other: object) -> bool:
         return other is None or isinstance(other, ColumnCache)

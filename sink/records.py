@@ -322,6 +322,39 @@ class StagedCallBaseSnapshot(_DigestWireModel):
         packed_ids = pack_ids(ids)
         return None if packed_ids is None else trusted.packed.with_ids(*packed_ids)
 
+    def _scalar_digest_inputs(self) -> tuple[object, ...]:
+        """Every non-column input of the call digest, and the digest itself."""
+        return (
+            self.schema_version,
+            self.digest_version,
+            self.extras_digest_version,
+            self.rollout_id,
+            self.model_call_id,
+            self.parent_call_id,
+            self.mode,
+            self.prev_len,
+            self.delta_len,
+            self.cum_len,
+            self.weight_version,
+            self.extras_digest,
+            self.chain_hash,
+            self.cumulative_hash,
+            self.digest,
+        )
+
+    def _unchanged_since_validation(self) -> bool:
+        """Whether the columns (by identity and length) and every scalar digest input are as validated.
+
+        O(1): element assignment inside a column after validation is not seen
+        (records are values: do not mutate them).
+        """
+        cache = self._columns
+        return (
+            cache is not None
+            and cache.describes(self.token_ids_delta, self.token_mask_delta, self.generation_log_probs_delta)
+            and cache.digest_inputs == self._scalar_digest_inputs()
+        )
+
     def _cached_packed_columns(self) -> PackedColumns | None:
         """The packed columns proved at validation, if they still describe this record's column lists.
 
@@ -389,7 +422,13 @@ class StagedCallBaseSnapshot(_DigestWireModel):
         self._columns = (
             None
             if packed is None
-            else ColumnCache(packed, self.token_ids_delta, self.token_mask_delta, self.generation_log_probs_delta)
+            else ColumnCache(
+                packed,
+                self.token_ids_delta,
+                self.token_mask_delta,
+                self.generation_log_probs_delta,
+                self._scalar_digest_inputs(),
+            )
         )
         return self
 

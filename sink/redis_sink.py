@@ -82,19 +82,18 @@ def generation_prefix_key(record: StagedCallRecord, checkpoint_id: str, chunk_se
 
 
 def verified_record(record: StagedCallRecord) -> StagedCallRecord:
-    """*record* if its validated columns still prove its digest, else a freshly validated copy.
+    """*record* if it is unchanged since it was validated, else a freshly validated copy.
 
-    A record built by ``model_construct`` or changed after validation is
-    validated again, so the sink never stores a blob the source would reject.
+    A record built by ``model_construct``, or whose fields were reassigned
+    after validation, is validated again, so the sink never stores a blob the
+    source would reject. (Element assignment inside a column after validation
+    is not detected: records are values, do not mutate them.)
 
     :raises ValueError: the record is invalid (``pydantic.ValidationError`` is a ``ValueError``).
     :raises TypeError: an extras value is unsupported.
     """
-    packed = record._cached_packed_columns()
-    if (
-        packed is not None
-        and record._packed_digest(packed) == record.digest
-        and compute_extras_digest(record.extras) == record.extras_digest
+    if record._unchanged_since_validation() and (
+        record.extras is None or compute_extras_digest(record.extras) == record.extras_digest
     ):
         return record
     try:

@@ -329,3 +329,18 @@ def test_sync_facade_is_thread_safe(redis_url: str) -> None:
     assert errors == []
     with pytest.raises(RuntimeError, match="closed"):
         sink.stage(make_record())
+
+
+async def test_a_record_changed_after_validation_is_validated_again(redis_url: str) -> None:
+    record = make_record("r16", "c1")
+    record.weight_version = 99  # reassigned after validation: the digest no longer matches
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        result = await sink.stage(record)
+        assert not result.ok and result.error is not None and "digest does not match" in result.error
+        constructed = StagedCallRecord.model_construct(**make_record("r16", "c2").model_dump())
+        assert (await sink.stage(constructed)).ok  # valid contents: accepted after validation
+    with _client(redis_url) as client:
+        assert client.exists(record_key(NS, "r16/c1")) == 0
+    async with AsyncRedisStagingSource.from_url(redis_url) as source:
+        [fetched] = await source.fetch(["r16/c2"])
+    assert fetched.digest == constructed.digest
