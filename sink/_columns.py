@@ -48,6 +48,7 @@ __all__ = (
     "f32_exact",
     "finite_lanes",
     "ids_u64be",
+    "is_token_id_list",
     "mask_f32be",
     "mask_values_from_codes",
     "pack_ids",
@@ -305,6 +306,15 @@ def _marshal_list(values: object, lane: int, tag: bytes) -> bytes | None:
     if len(blob) != _HEAD + lane * n or blob[:1] != b"[" or blob[_HEAD::lane] != tag * n:
         return None
     return blob
+
+
+def is_token_id_list(values: object) -> bool:
+    """Fast, conservative check: *values* is a list of exact ints in ``[0, 2**31)``.
+
+    ``False`` means "not proved" (the caller falls back to a precise check).
+    """
+    blob = _marshal_list(values, _INT_LANE, b"i")
+    return blob is not None and not blob[9::5].translate(None, _NON_NEGATIVE_TOP_BYTES)
 
 
 def _ids_from_marshal(token_ids: list[int]) -> tuple[bytes, bytearray] | None:

@@ -25,6 +25,8 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
+from ._columns import _ids_from_marshal, is_token_id_list
+
 __all__ = (
     "CALL_DIGEST_DOMAIN",
     "CHAIN_HASH_DOMAIN",
@@ -45,6 +47,7 @@ __all__ = (
     "hash_packed_token_ids",
     "hash_token_ids",
     "is_digest_hex",
+    "is_token_id_list",
 )
 
 STAGING_SCHEMA_VERSION: Final = 2
@@ -99,6 +102,10 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     :raises ValueError: an id is not an exact ``int``, is negative or is
         ``>= 2**64``.
     """
+    # Fast path: marshal proves a list of exact ints in [0, 2**31) and hands over their bytes.
+    fast = _ids_from_marshal(token_ids) if type(token_ids) is list else None
+    if fast is not None:
+        return _U64.pack(len(token_ids)) + bytes(fast[1])
     # list.count compares by identity first: one C pass, no set building
     if list(map(type, token_ids)).count(int) != len(token_ids):
         raise ValueError("token ids must be exact ints")

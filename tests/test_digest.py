@@ -26,6 +26,7 @@ from sink.digest import (
     encode_token_ids,
     hash_token_ids,
     is_digest_hex,
+    is_token_id_list,
 )
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -589,3 +590,27 @@ def test_build_staging_delta_errors(
 ) -> None:
     with pytest.raises(ValueError):
         build_staging_delta(prompt, generated, logprobs, prev_len)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(min_value=0, max_value=2**31 - 1),
+            st.integers(min_value=-(2**70), max_value=2**70),
+            st.booleans(),
+        ),
+        max_size=40,
+    )
+)
+def test_encode_token_ids_fast_path_matches_the_reference(values: list[Any]) -> None:
+    """The marshal fast path and the reference encoding agree, including on what they reject."""
+    valid = all(type(v) is int and 0 <= v < 2**64 for v in values)
+    if valid:
+        expected = struct.pack(">Q", len(values)) + b"".join(struct.pack(">Q", v) for v in values)
+        assert encode_token_ids(values) == expected
+        assert is_token_id_list(values) == all(v < 2**31 for v in values)
+    else:
+        with pytest.raises(ValueError):
+            encode_token_ids(values)
+        assert not is_token_id_list(values)

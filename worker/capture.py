@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
+from sink.digest import is_token_id_list
 from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord, StageResult
 
 from .call import ActiveCall, build_call_record, failed_coords
@@ -75,7 +76,11 @@ def _validated_weight_version(value: object) -> int:
 
 
 def _checked_explicit_prefix(prefix: object) -> list[int]:
-    if type(prefix) is not list or not set(map(type, prefix)) <= _INT_ONLY or (prefix and min(prefix) < 0):
+    if type(prefix) is not list:
+        raise CaptureError("prefix_token_ids must be a list of non-negative ints")
+    if is_token_id_list(prefix):
+        return prefix
+    if not set(map(type, prefix)) <= _INT_ONLY or (prefix and min(prefix) < 0):
         raise CaptureError("prefix_token_ids must be a list of non-negative ints")
     return prefix
 
