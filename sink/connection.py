@@ -17,10 +17,25 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
-from .errors import StagingConnectionError
+from .errors import CodecError, StagingConnectionError
 from .settings import ConnectionSettings
 
-__all__ = ("Topology", "describe_redis_error", "map_redis_errors")
+__all__ = ("Topology", "describe_redis_error", "map_redis_errors", "reply_text")
+
+
+def reply_text(value: object, what: str = "reply") -> str:
+    """A server reply element as text (clients run with ``decode_responses`` off).
+
+    :raises CodecError: the element is not UTF-8 text; *what* names the reply in the message.
+    """
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CodecError(f"{what} is not UTF-8: {exc}") from exc
+    if isinstance(value, str):
+        return value
+    raise CodecError(f"unexpected {what} element {type(value).__name__}")
 
 
 def describe_redis_error(exc: BaseException) -> str:

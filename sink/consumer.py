@@ -39,8 +39,7 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from .connection import Topology, map_redis_errors
-from .errors import CodecError
+from .connection import Topology, map_redis_errors, reply_text
 from .keys import dead_letter_stream
 
 __all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
@@ -81,14 +80,7 @@ def default_consumer_name() -> str:
 
 
 def _text(value: object) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise CodecError(f"stream entry is not UTF-8: {exc}") from exc
-    if isinstance(value, str):
-        return value
-    raise CodecError(f"unexpected stream reply element {type(value).__name__}")
+    return reply_text(value, "stream entry")
 
 
 @dataclass(frozen=True, slots=True)

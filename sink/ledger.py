@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 
-from .connection import Topology, map_redis_errors
+from .connection import Topology, map_redis_errors, reply_text
 from .errors import CodecError, LedgerConflictError, RolloutRetiredError, StagingConnectionError
 from .fingerprint import assistant_fingerprint
 from .keys import DEFAULT_NAMESPACE, fence_key, ledger_ids_key, ledger_stream, validate_rollout_id
@@ -73,14 +73,7 @@ def _in_flight_limit(client: aioredis.Redis | RedisCluster) -> int:
 
 
 def _text(value: object) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise CodecError(f"ledger entry is not UTF-8: {exc}") from exc
-    if isinstance(value, str):
-        return value
-    raise CodecError(f"unexpected ledger reply element {type(value).__name__}")
+    return reply_text(value, "ledger entry")
 
 
 def _entries(xrange_reply: object) -> list[dict[str, str]]:

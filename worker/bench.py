@@ -24,10 +24,10 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 
+from sink.bench import on_server
 from sink.keys import record_key
 from sink.records import CaptureAdmission, StagedCallRecord, StageResult
 from sink.redis_sink import AsyncRedisStagingSink
-from sink.server import durable_server
 from sink.source import AsyncRedisStagingSource
 
 from .capture import RolloutTokenCapture
@@ -216,11 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run(url: str) -> dict[str, Any]:
         return anyio.run(lambda: run_worker_benchmark(url, turns=args.turns, tokens=args.tokens))
 
-    if args.redis_url:
-        report = run(args.redis_url)
-    else:
-        with durable_server() as server:
-            report = run(server.url)
+    report = on_server(args.redis_url, lambda url, _server: run(url))
     sys.stdout.write((json.dumps(report, indent=2) if args.json else format_report(report)) + "\n")
     return 0
 

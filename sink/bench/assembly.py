@@ -32,8 +32,8 @@ from ..assembler import Assembler, finished
 from ..keys import done_stream, receipt_key, receipts_stream
 from ..ledger import RedisCaptureLedger
 from ..records import CallRecord, CaptureLedgerCommit
-from ..server import durable_server
 from ..settings import DEFAULT_SHARDS, AssemblerSettings
+from . import on_server
 
 __all__ = ("AssemblyFigures", "format_report", "main", "run_assembly_benchmark")
 
@@ -278,11 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
 
-    if args.redis_url:
-        figures = run(args.redis_url)
-    else:
-        with durable_server() as server:
-            figures = run(server.url)
+    figures = on_server(args.redis_url, lambda url, _server: run(url))
     sys.stdout.write((json.dumps(asdict(figures), indent=2) if args.json else format_report(figures)) + "\n")
     return 0
 

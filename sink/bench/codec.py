@@ -33,7 +33,7 @@ from typing import Any
 
 import msgpack
 
-from ..codec import CODEC_VERSION, decode_record, encode_record
+from ..codec import _SCALAR_FIELDS, CODEC_VERSION, decode_record, encode_record
 from ..digest import CALL_DIGEST_DOMAIN, EMPTY_EXTRAS_DIGEST, build_staging_delta, compute_chain_hash, hash_token_ids
 from ..digest import _digest_head as digest_head
 from ..records import StagedCallRecord, StagedCallSnapshot
@@ -54,22 +54,7 @@ _VOCAB = 151_936
 _PREV_LEN = 4096
 _U64 = struct.Struct(">Q")
 _F32 = struct.Struct("<f")
-_SCALARS = (
-    "schema_version",
-    "digest_version",
-    "extras_digest_version",
-    "rollout_id",
-    "model_call_id",
-    "parent_call_id",
-    "mode",
-    "prev_len",
-    "delta_len",
-    "cum_len",
-    "weight_version",
-    "extras_digest",
-    "chain_hash",
-    "cumulative_hash",
-)
+_SCALARS = _SCALAR_FIELDS
 _CODE_VALUES = {0x00: 0.0, 0x80: -0.0, 0x3F: 1.0}
 
 

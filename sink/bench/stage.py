@@ -35,8 +35,8 @@ from ..digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
 from ..keys import record_key
 from ..records import StagedCallRecord
 from ..redis_sink import AsyncRedisStagingSink
-from ..server import durable_server
 from ..source import AsyncRedisStagingSource
+from . import on_server
 
 __all__ = ("StageFigures", "build_records", "format_report", "main", "run_stage_benchmark", "server_ceiling")
 
@@ -303,11 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lambda: run_stage_benchmark(url, records_per_run=args.records, connections=args.connections, port=port)
         )
 
-    if args.redis_url:
-        report = run(args.redis_url, None)
-    else:
-        with durable_server() as server:
-            report = run(server.url, server.port)
+    report = on_server(args.redis_url, lambda url, server: run(url, server.port if server else None))
     sys.stdout.write((json.dumps(report, indent=2) if args.json else format_report(report)) + "\n")
     return 0
 

@@ -39,9 +39,9 @@ from ..ledger import RedisCaptureLedger
 from ..rebuild import LinearizedRow, _verify_and_linearize
 from ..records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
 from ..redis_sink import AsyncRedisStagingSink
-from ..server import durable_server
 from ..source import AsyncRedisStagingSource
 from ..trainer import RolloutReader
+from . import on_server
 from .stage import build_records
 
 __all__ = ("TrainerFigures", "format_report", "main", "run_trainer_benchmark")
@@ -292,11 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
 
-    if args.redis_url:
-        figures = run(args.redis_url)
-    else:
-        with durable_server() as server:
-            figures = run(server.url)
+    figures = on_server(args.redis_url, lambda url, _server: run(url))
     sys.stdout.write((json.dumps(asdict(figures), indent=2) if args.json else format_report(figures)) + "\n")
     return 0
 
