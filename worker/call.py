@@ -16,6 +16,7 @@ from sink.digest import build_staging_delta, compute_chain_hash, compute_extras_
 from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord
 
 from .errors import CaptureError
+from .sequence_cache import SequenceHashCache
 
 __all__ = ("ActiveCall", "build_call_record", "failed_coords")
 
@@ -75,6 +76,7 @@ def build_call_record(
     generated_token_ids: Sequence[int],
     generated_logprobs: Sequence[float],
     extras: dict[str, Any] | None = None,
+    sequence_cache: SequenceHashCache | None = None,
 ) -> StagedCallRecord:
     """Build the staged record of *call* (contract §5.5 step 2, §9.4 final record).
 
@@ -120,5 +122,15 @@ def build_call_record(
         extras=extras,
         extras_digest=compute_extras_digest(extras),
         chain_hash=compute_chain_hash(admission.parent_chain_hash, ids),
-        cumulative_hash=hash_token_ids(prompt + generated),
+        cumulative_hash=(
+            hash_token_ids(prompt + generated)
+            if sequence_cache is None
+            else sequence_cache.cumulative_hash(
+                admission.rollout_id,
+                admission.model_call_id,
+                admission.parent_call_id,
+                prompt[:prev_len],
+                prompt[prev_len:] + generated,
+            )
+        ),
     )

@@ -25,6 +25,7 @@ from .call import ActiveCall, build_call_record, failed_coords
 from .errors import CaptureError, PrefixResolutionError, StreamingUnsupportedError
 from .generation_cut import check_cut_snapshot
 from .prefix import verify_staging_chain
+from .sequence_cache import SequenceHashCache
 
 if TYPE_CHECKING:
     from .adapters import CaptureAdapter
@@ -96,6 +97,8 @@ class RolloutTokenCapture:
         resolve ``staging_chain`` admissions inside ``begin_call``.
     :param adapter: optional :class:`~worker.adapters.CaptureAdapter` for
         ``complete_call_from_response``.
+    :param sequence_cache_rollouts: rollouts whose latest full sequence is kept packed, so a child
+        re-packs only its own tokens for its cumulative hash (about 16 bytes per remembered token; 0 disables).
     :raises TypeError: *sink* has no callable ``stage``, *source* no callable
         ``fetch``, or *weight_version_fn* is not callable.
     """
@@ -107,6 +110,7 @@ class RolloutTokenCapture:
         weight_version_fn: Callable[[], int],
         source: Any = None,
         adapter: CaptureAdapter | None = None,
+        sequence_cache_rollouts: int = 64,
     ) -> None:
         if not callable(getattr(sink, "stage", None)):
             raise TypeError(f"sink must have a callable stage(record), got {type(sink).__name__}")
@@ -120,6 +124,8 @@ class RolloutTokenCapture:
         self._source_is_async = source is not None and inspect.iscoroutinefunction(source.fetch)
         self._weight_version_fn = weight_version_fn
         self._adapter = adapter
+        # Children re-pack only their own tokens for the cumulative hash (0 disables the cache).
+        self._sequences = SequenceHashCache(sequence_cache_rollouts) if sequence_cache_rollouts > 0 else None
 
     def __repr__(self) -> str:
         return f"<RolloutTokenCapture sink={type(self._sink).__name__} source={type(self._source).__name__}>"
@@ -275,6 +281,7 @@ class RolloutTokenCapture:
                 generated_token_ids=generated_token_ids,
                 generated_logprobs=generated_logprobs,
                 extras=extras,
+                sequence_cache=self._sequences,
             )
         except (TypeError, ValueError, OverflowError) as exc:
             return self._failed(call, f"record build failed: {exc}")
