@@ -15,9 +15,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import redis
+from e2e_helpers import call_record_of
 
 from sink.ledger_rows import manifest_from_entries
-from sink.records import CallRecord, CaptureLedgerCommit, RolloutManifest, StagedCallRecord
+from sink.records import CaptureLedgerCommit, RolloutManifest, StagedCallRecord
 
 __all__ = (
     "KeyspaceAudit",
@@ -32,22 +33,7 @@ _KEY_RE = re.compile(r"^" + re.escape(NS) + r":\{([^}]*)\}:(.*)$")
 
 def commit_of(record: StagedCallRecord, *, staging_chain: Sequence[str] = ()) -> CaptureLedgerCommit:
     """The custody commit a gate records after *record* was staged (``ok=True``)."""
-    row = CallRecord(
-        model_call_id=record.model_call_id,
-        parent_call_id=record.parent_call_id,
-        prev_len=record.prev_len,
-        delta_len=record.delta_len,
-        cum_len=record.cum_len,
-        weight_version=record.weight_version,
-        digest=record.digest,
-        extras_digest=record.extras_digest,
-        staging_key=record.staging_key,
-        mode=record.mode,
-        chain_hash=record.chain_hash,
-        cumulative_hash=record.cumulative_hash,
-        response_id=f"resp-{record.model_call_id}",
-        admitted_at=1000.0,
-    )
+    row = call_record_of(record, admitted_at=1000.0)
     chain = tuple(staging_chain) or (record.staging_key,)
     return CaptureLedgerCommit(
         rollout_id=record.rollout_id, record=row, staging_chain=chain, request_items=[], response_items=[]
