@@ -10,6 +10,7 @@ digest is used instead.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from pydantic import BaseModel
 
 from sink import records
 from sink.digest import EMPTY_EXTRAS_DIGEST, compute_staging_digest
+from sink.fingerprint import FINGERPRINT_VERSION
 
 __all__ = (
     "GOLDEN_VECTOR",
@@ -27,6 +29,7 @@ __all__ = (
     "call_record_wire",
     "commit_coords_wire",
     "main_staged_wire",
+    "manifest_row",
     "receipt_wire",
     "root_staged_wire",
     "valid_wire_by_model",
@@ -188,3 +191,45 @@ def valid_wire_by_model() -> dict[type[BaseModel], dict[str, Any]]:
         records.RolloutRemoval: {"removed": ["r1"], "absent": []},
         records.RolloutReceipt: receipt_wire(),
     }
+
+
+def _hex(seed: str) -> str:
+    return hashlib.sha256(seed.encode()).hexdigest()
+
+
+def manifest_row(
+    call_id: str,
+    parent: str | None = None,
+    *,
+    rollout: str = "r",
+    capture_key: str | None = None,
+    admitted_at: float | None = None,
+    response_id: str | None = None,
+    same_as: str | None = None,
+    output_fp: str | None = None,
+    continuation_fp: str | None = None,
+    fingerprint_version: int = FINGERPRINT_VERSION,
+) -> records.CallRecord:
+    """A valid manifest row with made-up digests; rows built with the same ``same_as`` are identical retries."""
+    identity = same_as or call_id
+    prev_len = 0 if parent is None else 10
+    return records.CallRecord(
+        model_call_id=call_id,
+        parent_call_id=parent,
+        prev_len=prev_len,
+        delta_len=5,
+        cum_len=prev_len + 5,
+        weight_version=0,
+        digest=_hex("digest" + call_id),
+        extras_digest=EMPTY_EXTRAS_DIGEST,
+        staging_key=f"{rollout}/{call_id}",
+        mode="text" if parent is None else "token_in",
+        chain_hash=_hex("chain" + identity),
+        cumulative_hash=_hex("cumulative" + identity),
+        response_id=response_id or f"resp-{call_id}",
+        capture_key=capture_key,
+        admitted_at=admitted_at,
+        output_fingerprint=output_fp,
+        continuation_fingerprint=continuation_fp,
+        fingerprint_version=fingerprint_version,
+    )

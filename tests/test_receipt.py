@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
+from contract_examples import manifest_row
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sink.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
+from sink.fingerprint import assistant_fingerprint
 from sink.receipt import MANIFEST_UNAVAILABLE_REASON, build_receipt
 from sink.records import (
-    EMPTY_EXTRAS_DIGEST,
     INVALID_COMMIT_COORDS_REASON,
     TERMINAL_AMBIGUOUS,
     TERMINAL_DUPLICATE_CALL_ID,
@@ -29,40 +28,9 @@ ROLLOUT = "rollout-1"
 MSG = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "final answer"}]}
 
 
-def _hex(seed: str) -> str:
-    return hashlib.sha256(seed.encode()).hexdigest()
-
-
-def row(
-    call_id: str,
-    parent: str | None = None,
-    *,
-    admitted_at: float | None = None,
-    response_id: str | None = None,
-    same_as: str | None = None,
-    output_fp: str | None = None,
-) -> CallRecord:
-    identity = same_as or call_id
-    prev_len = 0 if parent is None else 10
-    return CallRecord(
-        model_call_id=call_id,
-        parent_call_id=parent,
-        prev_len=prev_len,
-        delta_len=5,
-        cum_len=prev_len + 5,
-        weight_version=0,
-        digest=_hex("digest" + call_id),
-        extras_digest=EMPTY_EXTRAS_DIGEST,
-        staging_key=f"{ROLLOUT}/{call_id}",
-        mode="text" if parent is None else "token_in",
-        chain_hash=_hex("chain" + identity),
-        cumulative_hash=_hex("cumulative" + identity),
-        response_id=response_id or f"resp-{call_id}",
-        capture_key=ROLLOUT,
-        admitted_at=admitted_at,
-        output_fingerprint=output_fp,
-        fingerprint_version=FINGERPRINT_VERSION,
-    )
+def row(call_id: str, parent: str | None = None, **fields: Any) -> CallRecord:
+    """A valid manifest row (see ``contract_examples.manifest_row``)."""
+    return manifest_row(call_id, parent, rollout=ROLLOUT, capture_key=ROLLOUT, **fields)
 
 
 def manifest(records: list[CallRecord], failures: list[tuple[str, str]] | None = None) -> RolloutManifest:

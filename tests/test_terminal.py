@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
+from contract_examples import manifest_row
 
-from sink.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
+from sink.fingerprint import assistant_fingerprint
 from sink.records import (
-    EMPTY_EXTRAS_DIGEST,
     TERMINAL_AMBIGUOUS,
     TERMINAL_DUPLICATE_CALL_ID,
     TERMINAL_NO_RECORDS,
@@ -27,43 +26,9 @@ from sink.terminal import (
 )
 
 
-def _hex(seed: str) -> str:
-    return hashlib.sha256(seed.encode()).hexdigest()
-
-
-def row(
-    call_id: str,
-    parent: str | None = None,
-    *,
-    admitted_at: float | None = None,
-    response_id: str | None = None,
-    same_as: str | None = None,
-    output_fp: str | None = None,
-    continuation_fp: str | None = None,
-    fingerprint_version: int = FINGERPRINT_VERSION,
-) -> CallRecord:
-    """A valid manifest row; rows built with the same ``same_as`` are identical retries."""
-    identity = same_as or call_id
-    prev_len = 0 if parent is None else 10
-    return CallRecord(
-        model_call_id=call_id,
-        parent_call_id=parent,
-        prev_len=prev_len,
-        delta_len=5,
-        cum_len=prev_len + 5,
-        weight_version=0,
-        digest=_hex("digest" + call_id),
-        extras_digest=EMPTY_EXTRAS_DIGEST,
-        staging_key=f"r/{call_id}",
-        mode="text" if parent is None else "token_in",
-        chain_hash=_hex("chain" + identity),
-        cumulative_hash=_hex("cumulative" + identity),
-        response_id=response_id or f"resp-{call_id}",
-        admitted_at=admitted_at,
-        output_fingerprint=output_fp,
-        continuation_fingerprint=continuation_fp,
-        fingerprint_version=fingerprint_version,
-    )
+def row(call_id: str, parent: str | None = None, **fields: Any) -> CallRecord:
+    """A valid manifest row (see ``contract_examples.manifest_row``)."""
+    return manifest_row(call_id, parent, **fields)
 
 
 # --- heuristic walk ---------------------------------------------------------------
