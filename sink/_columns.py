@@ -224,7 +224,7 @@ class ColumnCache:
         token_ids: list[int],
         token_mask: list[float],
         log_probs: list[float],
-        digest_inputs: tuple[object, ...] = (),
+        digest_inputs: tuple[object, ...],
     ) -> None:
         self.packed = packed
         self.token_ids = token_ids
@@ -308,27 +308,37 @@ def _marshal_list(values: object, lane: int, tag: bytes) -> bytes | None:
     return blob
 
 
+def _small_ids_blob(values: object) -> tuple[bytes, bytes] | None:
+    """``(marshal blob, top byte of every id)`` of a list of exact ints in ``[0, 2**31)``, else ``None``."""
+    blob = _marshal_list(values, _INT_LANE, b"i")
+    if blob is None:
+        return None
+    top = blob[9::5]
+    return None if top.translate(None, _NON_NEGATIVE_TOP_BYTES) else (blob, top)
+
+
 def is_token_id_list(values: object) -> bool:
     """Fast, conservative check: *values* is a list of exact ints in ``[0, 2**31)``.
 
     ``False`` means "not proved" (the caller falls back to a precise check).
     """
-    blob = _marshal_list(values, _INT_LANE, b"i")
-    return blob is not None and not blob[9::5].translate(None, _NON_NEGATIVE_TOP_BYTES)
+    return _small_ids_blob(values) is not None
 
 
-def _ids_from_marshal(token_ids: list[int]) -> tuple[bytes, bytearray] | None:
-    """``(u32 LE, u64 BE)`` of exact ints in ``[0, 2**31)``; ``None`` for anything else."""
-    blob = _marshal_list(token_ids, _INT_LANE, b"i")
-    if blob is None:
+def _ids_from_marshal(token_ids: list[int], *, with_le: bool = True) -> tuple[bytes, bytearray] | None:
+    """``(u32 LE, u64 BE)`` of exact ints in ``[0, 2**31)``; ``None`` for anything else.
+
+    With ``with_le=False`` only the u64 BE form is built (the first item is ``b""``).
+    """
+    proved = _small_ids_blob(token_ids)
+    if proved is None:
         return None
-    top = blob[9::5]
-    if top.translate(None, _NON_NEGATIVE_TOP_BYTES):
-        return None  # a negative id
+    blob, top = proved
     n = len(token_ids)
-    le, be = bytearray(4 * n), bytearray(8 * n)
+    le, be = bytearray(4 * n if with_le else 0), bytearray(8 * n)
     for k, byte_k in enumerate((blob[6::5], blob[7::5], blob[8::5], top)):
-        le[k::4] = byte_k
+        if with_le:
+            le[k::4] = byte_k
         be[7 - k :: 8] = byte_k
     return bytes(le), be
 
@@ -389,7 +399,7 @@ def _mask_from_marshal(blob: bytes, n: int) -> tuple[bytes, Buffers] | None:
 # --- log-probabilities ---------------------------------------------------------
 
 
-def _pack_f32be(values: list[float]) -> bytes | None:
+def _pack_f32be(values: Sequence[float]) -> bytes | None:
     try:
         return struct.pack(f">{len(values)}f", *values)
     except (OverflowError, struct.error):  # beyond binary32 (contract §4.2) or not a float

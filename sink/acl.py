@@ -51,12 +51,14 @@ __all__ = (
     "Grant",
     "KeyPattern",
     "RolePolicy",
+    "env_file_text",
     "generate_passwords",
     "main",
     "password_env_var",
     "password_hash",
     "render_acl_example",
     "render_acl_file",
+    "write_private_file",
 )
 
 Access = Literal["R", "W", "RW"]
@@ -350,7 +352,16 @@ def render_acl_example(*, namespace: str = DEFAULT_NAMESPACE, server_version: st
     return _render(namespace, dict.fromkeys(ROLE_NAMES, PLACEHOLDER_HASH), server_version)
 
 
-def _write_private(path: Path, text: str, mode: int) -> None:
+def env_file_text(passwords: Mapping[str, str]) -> str:
+    """``STG_<ROLE>_PASSWORD=...`` lines (an env file for docker compose) for *passwords* by role."""
+    return "".join(f"{password_env_var(role)}={password}\n" for role, password in passwords.items())
+
+
+def write_private_file(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write *text* to *path*, created (or truncated) with *mode* and then set to *mode*.
+
+    :raises OSError: the file cannot be written.
+    """
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(descriptor, "w") as handle:
         handle.write(text)
@@ -378,8 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--acl-file and --env-file are required (or --example)")
     passwords = generate_passwords((*ROLE_NAMES, ADMIN_ROLE) if args.admin else ROLE_NAMES)
     text = render_acl_file(namespace=args.namespace, passwords=passwords, server_version=args.server_version)
-    _write_private(args.env_file, "".join(f"{password_env_var(r)}={pw}\n" for r, pw in passwords.items()), 0o600)
-    _write_private(args.acl_file, text, 0o644)
+    write_private_file(args.env_file, env_file_text(passwords))
+    write_private_file(args.acl_file, text, 0o644)
     sys.stdout.write(f"wrote {args.acl_file} and {args.env_file} ({len(passwords)} users)\n")
     return 0
 

@@ -26,7 +26,6 @@ import logging
 import math
 import signal
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from typing import Any, NamedTuple, Self
 
 import anyio
@@ -36,7 +35,7 @@ from pydantic import ValidationError
 from redis.asyncio.cluster import RedisCluster
 
 from .connection import Topology, describe_redis_error, map_redis_errors
-from .consumer import GroupConsumer, StreamEntry, default_consumer_name
+from .consumer import AsyncResource, GroupConsumer, StreamEntry, default_consumer_name, settings_or_fields
 from .errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
 from .keys import DEFAULT_NAMESPACE, done_stream, receipt_key, receipts_stream, shard_of, validate_rollout_id
 from .ledger import RedisCaptureLedger
@@ -150,11 +149,11 @@ class AssemblerStatistics(NamedTuple):
     in_flight: int
 
 
-class Assembler:
+class Assembler(AsyncResource):
     """Turns ``done`` events into stored, published receipts (consumer group ``assemblers``).
 
     Use as an async context manager and call :meth:`run` (in a task group)
-    until :meth:`stop`::
+    until :meth:`stop` (stop it before :meth:`aclose`)::
 
         async with Assembler.from_url(url) as assembler, anyio.create_task_group() as tg:
             tg.start_soon(assembler.run)
@@ -176,7 +175,8 @@ class Assembler:
         *,
         before_ack: BeforeAck | None = None,
     ) -> None:
-        self._init(Topology.borrow(client, settings or AssemblerSettings()), settings, before_ack)
+        parsed = settings or AssemblerSettings()
+        self._init(Topology.borrow(client, parsed), parsed, before_ack)
 
     @classmethod
     def from_url(
@@ -186,15 +186,13 @@ class Assembler:
 
         :raises pydantic.ValidationError: an unknown or invalid setting.
         """
-        if settings is not None and fields:
-            raise TypeError("pass either settings or setting fields, not both")
-        parsed = settings or AssemblerSettings(**fields)
+        parsed = settings_or_fields(AssemblerSettings, settings, fields)
         self = cls.__new__(cls)
         self._init(Topology.from_url(url, parsed), parsed, before_ack)
         return self
 
-    def _init(self, topology: Topology, settings: AssemblerSettings | None, before_ack: BeforeAck | None) -> None:
-        self._settings = settings or AssemblerSettings()
+    def _init(self, topology: Topology, settings: AssemblerSettings, before_ack: BeforeAck | None) -> None:
+        self._settings = settings
         self._topology = topology
         self._ns = self._settings.namespace
         self._before_ack = before_ack
@@ -211,7 +209,6 @@ class Assembler:
         )
         self._stopping = False
         self._running = False
-        self._closed = False
         self._read_scopes: set[anyio.CancelScope] = set()
         self._stop_requested = anyio.Event()
         self._counts = {"events": 0, "created": 0, "reused": 0, "published": 0, "failures": 0, "in_flight": 0}
@@ -247,29 +244,12 @@ class Assembler:
 
     # --- lifecycle ----------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        try:
-            with map_redis_errors("load the cluster topology"):
-                await self._topology.initialize()
-            await self._consumer.ensure_groups()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
+    async def _open(self) -> None:
+        await self._consumer.prepare()
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the client if the assembler owns it; idempotent. Call :meth:`stop` first if running."""
-        if self._closed:
-            return
-        self._closed = True
-        with anyio.CancelScope(shield=True):
-            await self._ledger.aclose()
-            await self._topology.aclose()
+    async def _close_resources(self) -> None:
+        await self._ledger.aclose()
+        await self._topology.aclose()
 
     def stop(self) -> None:
         """Ask :meth:`run` to stop: reading stops now, in-flight events get ``shutdown_grace_s`` to finish.

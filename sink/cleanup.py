@@ -6,12 +6,9 @@ so ``clear`` never leaves a ``calls`` entry pointing at a deleted record.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
-import redis.exceptions as redis_errors
-
-from .connection import Topology, map_redis_errors
+from .connection import ServerScript, Topology, map_redis_errors
 from .keys import calls_stream, record_key, rollout_of_staging_key
 
 __all__ = ("CLEAR_SCRIPT", "clear_staged")
@@ -41,12 +38,13 @@ if redis.call('TYPE', KEYS[1])['ok'] == 'stream' then
 end
 return removed
 """
-_CLEAR_SHA = hashlib.sha1(CLEAR_SCRIPT.encode()).hexdigest()
+_CLEAR = ServerScript(CLEAR_SCRIPT)
 
 
 async def clear_staged(topology: Topology, namespace: str, staging_keys: Sequence[str]) -> int:
     """Delete the records named by *staging_keys* and their ``calls`` entries; return how many existed.
 
+    :raises TypeError: *staging_keys* is a single ``str``.
     :raises ValueError: a key was not minted by this sink (``R/...``).
     :raises StagingConnectionError: the server could not be reached.
     """
@@ -60,8 +58,5 @@ async def clear_staged(topology: Topology, namespace: str, staging_keys: Sequenc
         for rollout_id, keys in by_rollout.items():
             script_keys = [calls_stream(namespace, rollout_id), *(record_key(namespace, k) for k in keys)]
             client = topology.node_for_key(script_keys[0])
-            try:
-                removed += int(await client.evalsha(_CLEAR_SHA, len(script_keys), *script_keys, *keys))
-            except redis_errors.NoScriptError:
-                removed += int(await client.eval(CLEAR_SCRIPT, len(script_keys), *script_keys, *keys))
+            removed += int(await _CLEAR.run(client, script_keys, keys))
     return removed

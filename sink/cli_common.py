@@ -5,6 +5,7 @@ Nothing here reads environment variables; :mod:`sink.cli` resolves every default
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import sys
@@ -33,9 +34,14 @@ __all__ = (
     "RedisTarget",
     "cancel_on_signal",
     "check_redis_url",
+    "decode_text",
+    "int_at_least",
     "is_unreachable",
     "mask_url",
+    "non_negative_int",
     "open_topology",
+    "positive_int",
+    "positive_seconds",
     "stderr_console",
     "stdout_console",
     "write_json",
@@ -59,6 +65,56 @@ class CommandError(Exception):
     def __init__(self, message: str, *, exit_code: int = EXIT_FAILURE) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def int_at_least(text: str, minimum: int, expected: str) -> int:
+    """Parse an argparse integer argument that must be ``>= minimum``.
+
+    :raises argparse.ArgumentTypeError: *text* is not an integer, or is below *minimum*
+        (the message reads "expected {expected}, got ...").
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """Argparse type of a positive integer.
+
+    :raises argparse.ArgumentTypeError: not an integer >= 1.
+    """
+    return int_at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """Argparse type of an integer >= 0.
+
+    :raises argparse.ArgumentTypeError: not an integer >= 0.
+    """
+    return int_at_least(text, 0, "an integer >= 0")
+
+
+def positive_seconds(text: str) -> float:
+    """Argparse type of a finite positive number of seconds.
+
+    :raises argparse.ArgumentTypeError: not a number, or not in ``(0, inf)``.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def decode_text(value: object) -> str:
+    """A Redis reply value as text: bytes decoded as UTF-8 (invalid bytes replaced), anything else ``str()``."""
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def mask_url(url: str) -> str:

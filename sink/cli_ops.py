@@ -20,6 +20,7 @@ from .cli_common import (
     CommandError,
     RedisTarget,
     cancel_on_signal,
+    decode_text,
     open_topology,
     stderr_console,
     stdout_console,
@@ -42,10 +43,6 @@ __all__ = ("delete_rollouts", "inspect_rollout", "retire_rollouts", "stats", "ta
 _TAIL_BLOCK_MS = 1000
 
 
-def _text(value: object) -> str:
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
-
-
 def _checked_id(rollout_id: str) -> str:
     try:
         return validate_rollout_id(rollout_id)
@@ -57,7 +54,7 @@ def _checked_id(rollout_id: str) -> str:
 
 def _entry(raw: Any) -> tuple[str, dict[str, str]]:
     entry_id, fields = raw
-    return _text(entry_id), {_text(k): _text(v) for k, v in fields.items()}
+    return decode_text(entry_id), {decode_text(k): decode_text(v) for k, v in fields.items()}
 
 
 # --- stats -------------------------------------------------------------------------------------------
@@ -96,7 +93,7 @@ async def _rollout_state(topology: Topology, target: RedisTarget, rollout_id: st
     client = topology.client
     with map_redis_errors(f"read rollout {rollout_id!r}"):
         calls = [_entry(raw) for raw in await client.xrange(calls_stream(ns, rollout_id)) or []]
-        fenced = _text(await client.type(fence_key(ns, rollout_id))) != "none"
+        fenced = decode_text(await client.type(fence_key(ns, rollout_id))) != "none"
         ledger_entries = [_entry(raw)[1] for raw in await client.xrange(ledger_stream(ns, rollout_id)) or []]
         receipt_text = await client.get(receipt_key(ns, rollout_id))
     # A retired rollout has no ledger left (retire removes it with the fence set in one script).

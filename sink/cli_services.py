@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -17,7 +16,15 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from .acl import ADMIN_ROLE, ROLE_NAMES, generate_passwords, password_env_var, render_acl_example, render_acl_file
+from .acl import (
+    ADMIN_ROLE,
+    ROLE_NAMES,
+    env_file_text,
+    generate_passwords,
+    render_acl_example,
+    render_acl_file,
+    write_private_file,
+)
 from .assembler import run_assembler
 from .cli_common import (
     EXIT_FAILURE,
@@ -176,13 +183,6 @@ def _parse_passwords(pairs: Sequence[str]) -> dict[str, str]:
     return passwords
 
 
-def _write_private(path: Path, text: str) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(text)
-    os.chmod(path, 0o600)
-
-
 def acl_command(
     *,
     namespace: str,
@@ -207,17 +207,13 @@ def acl_command(
         raise CommandError(str(exc), exit_code=EXIT_USAGE) from exc
     sys.stdout.write(text)
     if generated:
-        env_lines = _env_lines(generated)
+        env_lines = env_file_text(generated)
         if env_file is not None:
-            _write_private(env_file, env_lines)
+            write_private_file(env_file, env_lines)
             sys.stderr.write(f"# generated passwords for {', '.join(generated)} written to {env_file}\n")
         else:
             sys.stderr.write("# generated passwords (keep them secret):\n" + env_lines)
     return EXIT_OK
-
-
-def _env_lines(passwords: Mapping[str, str]) -> str:
-    return "".join(f"{password_env_var(role)}={password}\n" for role, password in passwords.items())
 
 
 def bench_command(name: str, argv: Sequence[str]) -> int:

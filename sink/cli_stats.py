@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
-from .cli_common import RedisTarget
+from .cli_common import RedisTarget, decode_text
 from .connection import Topology, map_redis_errors
 from .durability import REQUIRED_CONFIG, verify_durability
 from .metrics import STREAM_KINDS, acollect_redis_gauges
@@ -23,10 +23,6 @@ from .metrics import STREAM_KINDS, acollect_redis_gauges
 __all__ = ("collect_stats", "render_stats", "scan_keys", "shared_stream_names")
 
 _SCAN_COUNT = 1000
-
-
-def _text(value: object) -> str:
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
 async def scan_keys(topology: Topology, pattern: str, key_type: str) -> list[str]:
@@ -37,7 +33,7 @@ async def scan_keys(topology: Topology, pattern: str, key_type: str) -> list[str
     found: set[str] = set()
     for node in topology.primaries():
         async for key in node.scan_iter(match=pattern, count=_SCAN_COUNT, _type=key_type):
-            found.add(_text(key))
+            found.add(decode_text(key))
     return sorted(found)
 
 

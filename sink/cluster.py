@@ -19,6 +19,7 @@ from pathlib import Path
 
 import redis
 
+from .connection import reply_text
 from .server import _INSTALL_HINT, DurableServer, ServerNotFoundError, ServerProcessError, find_server_binary
 
 __all__ = ("LocalCluster", "local_cluster")
@@ -87,7 +88,7 @@ class LocalCluster:
                     replication = connection.info("replication")
             except redis.RedisError as exc:
                 return f"node {node.port}: {exc}"
-            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            text = reply_text(raw, "CLUSTER INFO reply")
             info = dict(line.split(":", 1) for line in text.split() if ":" in line)
             if info.get("cluster_state") != "ok" or info.get("cluster_slots_ok") != "16384":
                 return f"node {node.port}: state {info.get('cluster_state')}, slots ok {info.get('cluster_slots_ok')}"

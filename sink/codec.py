@@ -44,7 +44,7 @@ from ._columns import (
     pack_validated_columns,
 )
 from .errors import CodecError
-from .records import _TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot
+from .records import _SCALAR_DIGEST_FIELDS, _TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot
 
 __all__ = ("CODEC_VERSION", "DEFAULT_MAX_RECORD_BYTES", "DIGEST_HEAD_BYTES", "decode_record", "encode_record")
 
@@ -58,22 +58,8 @@ _NATIVE_LITTLE: Final = sys.byteorder == "little"
 _ID_TYPECODES: Final = {4: next(code for code in "IL" if array(code).itemsize == 4), 8: "Q"}
 _FLOAT_TYPECODES: Final = {4: "f", 8: "d"}
 
-_SCALAR_FIELDS: Final = (
-    "schema_version",
-    "digest_version",
-    "extras_digest_version",
-    "rollout_id",
-    "model_call_id",
-    "parent_call_id",
-    "mode",
-    "prev_len",
-    "delta_len",
-    "cum_len",
-    "weight_version",
-    "extras_digest",
-    "chain_hash",
-    "cumulative_hash",
-)
+#: Stored as msgpack scalars under their record field names, in this order.
+_SCALAR_FIELDS: Final = _SCALAR_DIGEST_FIELDS
 _COLUMN_KEYS: Final = ("ids_width", "ids", "mask", "log_prob_width", "log_probs")
 _KEYS: Final = frozenset(("v", "digest", *_SCALAR_FIELDS, *_COLUMN_KEYS, "extras"))
 
@@ -83,11 +69,9 @@ _KEYS: Final = frozenset(("v", "digest", *_SCALAR_FIELDS, *_COLUMN_KEYS, "extras
 
 def _packed_columns(record: StagedCallRecord) -> PackedColumns:
     """The columns packed during validation, or packed again if the record's lists were replaced."""
-    ids, mask, log_probs = record.token_ids_delta, record.token_mask_delta, record.generation_log_probs_delta
-    cache = record._columns
-    if cache is not None and cache.describes(ids, mask, log_probs):
-        return cache.packed
-    packed = pack_validated_columns(ids, mask, log_probs)
+    packed = record._cached_packed_columns() or pack_validated_columns(
+        record.token_ids_delta, record.token_mask_delta, record.generation_log_probs_delta
+    )
     if packed is None:
         raise CodecError(
             "cannot encode record: its token columns do not satisfy the staging contract"
@@ -274,9 +258,8 @@ def decode_record(data: bytes, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYT
     ids_le = _column(fields, "ids", ids_width, length)
     codes = _column(fields, "mask", 1, length)
     lp_le = _column(fields, "log_probs", lp_width, length)
-    if codes.translate(None, MASK_CODES):
-        bad = codes.translate(None, MASK_CODES)[0]
-        raise CodecError(f"malformed record blob: mask code 0x{bad:02x} is not 0x00, 0x80 or 0x3f")
+    if bad_codes := codes.translate(None, MASK_CODES):
+        raise CodecError(f"malformed record blob: mask code 0x{bad_codes[0]:02x} is not 0x00, 0x80 or 0x3f")
     ids = _unpack_list(ids_le, _ID_TYPECODES[ids_width])
     mask = mask_values_from_codes(codes)
     log_probs = _unpack_list(lp_le, _FLOAT_TYPECODES[lp_width])

@@ -21,35 +21,39 @@ remove entries another group has not read yet.
 In a cluster every shard stream hashes to its own slot, so every command here
 names one stream; only on a single server does one ``XREADGROUP`` cover
 several shards.
+
+:class:`AsyncResource` is the open/close lifecycle shared by those two
+services and the Redis capture ledger.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
 import secrets
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
 import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from .connection import Topology, map_redis_errors, reply_text
+from .connection import ServerScript, Topology, map_redis_errors, reply_text
 from .keys import dead_letter_stream
+from .settings import ConnectionSettings
 
-__all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
+__all__ = ("AsyncResource", "GroupConsumer", "StreamEntry", "default_consumer_name", "settings_or_fields")
 
 logger = logging.getLogger(__name__)
 
 # KEYS: the stream; ARGV: group, consumer, ids. Resets the idle time of the ids
 # this consumer still owns (XCLAIM ... JUSTID keeps the delivery count) and
 # returns the ids it no longer owns (reclaimed by another consumer, or acked).
-_TOUCH_SCRIPT = """
+_TOUCH = ServerScript("""
 local lost = {}
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
@@ -60,23 +64,36 @@ for i = 3, #ARGV do
   end
 end
 return lost
-"""
+""")
 # KEYS: the stream; ARGV: group, consumer. Deletes the consumer only when it
 # owns no pending entry (deleting it would drop them from the PEL).
-_RETIRE_CONSUMER_SCRIPT = """
+_RETIRE_CONSUMER = ServerScript("""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
 if #p > 0 then return -1 end
 return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-"""
-_SHAS = {script: hashlib.sha1(script.encode()).hexdigest() for script in (_TOUCH_SCRIPT, _RETIRE_CONSUMER_SCRIPT)}
+""")
 _NAME_JUNK = re.compile(r"[^A-Za-z0-9._-]+")
+_Settings = TypeVar("_Settings", bound=ConnectionSettings)
 
 
 def default_consumer_name() -> str:
     """A consumer name unique to this process: ``<host>-<pid>-<random>``."""
     host = _NAME_JUNK.sub("-", socket.gethostname()).strip("-") or "host"
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def settings_or_fields(
+    settings_type: type[_Settings], settings: _Settings | None, fields: Mapping[str, Any]
+) -> _Settings:
+    """*settings*, or a *settings_type* built from setting *fields* (the two ways to call a ``from_url``).
+
+    :raises TypeError: both were given.
+    :raises pydantic.ValidationError: an unknown or invalid setting.
+    """
+    if settings is not None and fields:
+        raise TypeError("pass either settings or setting fields, not both")
+    return settings or settings_type(**fields)
 
 
 def _text(value: object) -> str:
@@ -94,11 +111,42 @@ class StreamEntry:
     deliveries: int
 
 
-async def _run_script(client: aioredis.Redis, script: str, keys: Sequence[str], args: Sequence[str]) -> Any:
-    try:
-        return await client.evalsha(_SHAS[script], len(keys), *keys, *args)
-    except redis_errors.NoScriptError:
-        return await client.eval(script, len(keys), *keys, *args)
+class AsyncResource:
+    """Async-context-manager lifecycle: :meth:`_open` on entry, :meth:`aclose` exactly once, shielded.
+
+    Subclasses implement :meth:`_close_resources` (what they own; a borrowed
+    client stays open) and may override :meth:`_open`; a failing ``_open``
+    closes again before the error propagates.
+    """
+
+    _closed = False
+
+    async def _open(self) -> None:
+        """Prepare on ``async with`` entry; nothing by default."""
+
+    async def _close_resources(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._open()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the clients this object owns (a borrowed client stays open); idempotent, shielded."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._close_resources()
 
 
 class GroupConsumer:
@@ -139,6 +187,12 @@ class GroupConsumer:
         return self._topology.node_for_key(self.streams[shard])
 
     # --- setup -------------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """Load the cluster topology, then :meth:`ensure_groups` (a service's ``async with`` entry)."""
+        with map_redis_errors("load the cluster topology"):
+            await self._topology.initialize()
+        await self.ensure_groups()
 
     async def ensure_groups(self) -> None:
         """``XGROUP CREATE <stream> <group> 0 MKSTREAM`` on every shard; an existing group is kept."""
@@ -349,7 +403,7 @@ class GroupConsumer:
             for stream, held in by_stream.items():
                 client = self._topology.node_for_key(stream)
                 ids = [entry.entry_id for entry in held]
-                reply = await _run_script(client, _TOUCH_SCRIPT, [stream], [self.group, self.consumer, *ids])
+                reply = await _TOUCH.run(client, [stream], [self.group, self.consumer, *ids])
                 gone = {_text(value) for value in reply}
                 lost.extend(entry for entry in held if entry.entry_id in gone)
         return lost
@@ -362,9 +416,7 @@ class GroupConsumer:
         deleted = 0
         with anyio.CancelScope(shield=True), map_redis_errors(f"retire consumer {self.consumer!r}"):
             for shard, stream in enumerate(self.streams):
-                reply = await _run_script(
-                    self._client(shard), _RETIRE_CONSUMER_SCRIPT, [stream], [self.group, self.consumer]
-                )
+                reply = await _RETIRE_CONSUMER.run(self._client(shard), [stream], [self.group, self.consumer])
                 if int(reply) >= 0:
                     deleted += 1
         return deleted

@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
-from ._columns import _ids_from_marshal, is_token_id_list
+from ._columns import _ids_from_marshal, _pack_f32be, is_token_id_list
 
 __all__ = (
     "CALL_DIGEST_DOMAIN",
@@ -103,9 +103,9 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
         ``>= 2**64``.
     """
     # Fast path: marshal proves a list of exact ints in [0, 2**31) and hands over their bytes.
-    fast = _ids_from_marshal(token_ids) if type(token_ids) is list else None
+    fast = _ids_from_marshal(token_ids, with_le=False) if type(token_ids) is list else None
     if fast is not None:
-        return _U64.pack(len(token_ids)) + bytes(fast[1])
+        return _U64.pack(len(token_ids)) + fast[1]
     # list.count compares by identity first: one C pass, no set building
     if list(map(type, token_ids)).count(int) != len(token_ids):
         raise ValueError("token ids must be exact ints")
@@ -130,12 +130,11 @@ def encode_f32s(values: Sequence[float]) -> bytes:
     # finite floats may overflow to inf too: that is then re-checked exactly).
     if not math.isfinite(sum(values)) and not all(map(math.isfinite, values)):
         raise ValueError("mask and log-probability values must be finite and within binary32 range")
-    try:
-        # struct rounds to nearest binary32 and raises OverflowError exactly when a
-        # finite float64 rounds to infinity.
-        packed = struct.pack(f">{len(values)}f", *values)
-    except OverflowError:
-        raise ValueError("mask and log-probability values must be finite and within binary32 range") from None
+    # struct rounds to nearest binary32 and fails exactly when a finite float64
+    # rounds to infinity.
+    packed = _pack_f32be(values)
+    if packed is None:
+        raise ValueError("mask and log-probability values must be finite and within binary32 range")
     return _U64.pack(len(values)) + packed
 
 
@@ -156,17 +155,20 @@ def hash_packed_token_ids(parts: Sequence[bytes], count: int) -> str:
     return digest.hexdigest()
 
 
+def _chain_parent(parent_chain_hash: str | None) -> bytes:
+    return b"\x00" if parent_chain_hash is None else b"\x01" + _hexbytes(parent_chain_hash)
+
+
 def chain_hash_of_packed(parent_chain_hash: str | None, ids_u64be: bytes) -> str:
     """:func:`compute_chain_hash` of a delta already packed as u64 big-endian ids."""
-    parent = b"\x00" if parent_chain_hash is None else b"\x01" + _hexbytes(parent_chain_hash)
-    digest = hashlib.sha256(CHAIN_HASH_DOMAIN + parent + _U64.pack(len(ids_u64be) // 8))
+    digest = hashlib.sha256(CHAIN_HASH_DOMAIN + _chain_parent(parent_chain_hash) + _U64.pack(len(ids_u64be) // 8))
     digest.update(ids_u64be)
     return digest.hexdigest()
 
 
 def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Sequence[int]) -> str:
     """Chain hash of one delta linked to its parent's chain hash (contract §4.5)."""
-    parent = b"\x00" if parent_chain_hash is None else b"\x01" + _hexbytes(parent_chain_hash)
+    parent = _chain_parent(parent_chain_hash)
     return hashlib.sha256(CHAIN_HASH_DOMAIN + parent + encode_token_ids(token_ids_delta)).hexdigest()
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from .connection import describe_redis_error
+from .connection import describe_redis_error, reply_text
 
 __all__ = ("REQUIRED_CONFIG", "DurabilityReport", "verify_durability")
 
@@ -33,10 +33,6 @@ class DurabilityReport:
     supports_waitaof: bool
 
 
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 async def _check_node(client: aioredis.Redis) -> tuple[str | None, bool]:
     address = _address(client)
     try:
@@ -44,7 +40,8 @@ async def _check_node(client: aioredis.Redis) -> tuple[str | None, bool]:
         for name in REQUIRED_CONFIG:
             # One name per CONFIG GET: Redis 6.2 takes a single pattern.
             reply = await client.config_get(name)
-            values.update({_text(k): _text(v) for k, v in reply.items()})
+            for key, value in reply.items():
+                values[reply_text(key, "CONFIG GET reply")] = reply_text(value, "CONFIG GET reply")
         server_info = await client.info("server")
     except redis_errors.ResponseError as exc:
         return f"cannot verify durability of {address}: CONFIG GET refused ({describe_redis_error(exc)})", False
@@ -64,7 +61,8 @@ def _supports_waitaof(server_info: dict[str, object]) -> bool:
     # WAITAOF exists in Valkey and in Redis >= 7.2.
     if "valkey_version" in server_info:
         return True
-    parts = _text(server_info.get("redis_version", "0")).split(".")
+    # redis-py parses INFO into text and numbers, never bytes.
+    parts = str(server_info.get("redis_version", "0")).split(".")
     try:
         major, minor = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
     except ValueError:

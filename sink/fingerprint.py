@@ -101,6 +101,18 @@ class _FieldHasher:
         raw = text.encode("utf-8")
         self._hash.update(bytes((tag,)) + _U64.pack(len(raw)) + raw)
 
+    def item_body(self, item: Mapping[str, Any], part_tags: tuple[int, int], call_tags: tuple[int, int, int]) -> None:
+        """Stream *item*'s content parts, then its tool calls, with the given tags."""
+        type_tag, payload_tag = part_tags
+        for part_type, payload in _content_parts(item.get("content")):
+            self.field(type_tag, part_type)
+            self.field(payload_tag, payload)
+        id_tag, name_tag, args_tag = call_tags
+        for call_id, name, args in _tool_calls(item):
+            self.field(id_tag, call_id)
+            self.field(name_tag, name)
+            self.field(args_tag, args)
+
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
 
@@ -246,21 +258,13 @@ def assistant_fingerprint(items: Iterable[object]) -> str:
     :raises FingerprintInputError: an item is not a dict, or has an unsupported shape (a ``ValueError``).
     """
     hasher = _FieldHasher(ASSISTANT_FINGERPRINT_DOMAIN)
-    type_tag, payload_tag = _AF_PART_TAGS
-    id_tag, name_tag, args_tag = _AF_CALL_TAGS
     found = False
     for raw_item in items:
         item = _check_item(raw_item)
         if not is_model_authored(item):
             continue
         found = True
-        for part_type, payload in _content_parts(item.get("content")):
-            hasher.field(type_tag, part_type)
-            hasher.field(payload_tag, payload)
-        for call_id, name, args in _tool_calls(item):
-            hasher.field(id_tag, call_id)
-            hasher.field(name_tag, name)
-            hasher.field(args_tag, args)
+        hasher.item_body(item, _AF_PART_TAGS, _AF_CALL_TAGS)
     return hasher.hexdigest() if found else ""
 
 
@@ -275,21 +279,13 @@ def conversation_digest(items: Iterable[object]) -> str:
     :raises FingerprintInputError: an item is not a dict, or has an unsupported shape (a ``ValueError``).
     """
     hasher = _FieldHasher(CONVERSATION_DIGEST_DOMAIN)
-    type_tag, payload_tag = _CD_PART_TAGS
-    id_tag, name_tag, args_tag = _CD_CALL_TAGS
     result_id_tag, result_payload_tag = _CD_RESULT_TAGS
     for raw_item in items:
         item = _check_item(raw_item)
         hasher.field(_CD_ROLE_TAG, _optional_str(item, "role") or _optional_str(item, "type"))
         if is_instruction_item(item):
             continue  # instruction content is volatile (dates, budgets)
-        for part_type, payload in _content_parts(item.get("content")):
-            hasher.field(type_tag, part_type)
-            hasher.field(payload_tag, payload)
-        for call_id, name, args in _tool_calls(item):
-            hasher.field(id_tag, call_id)
-            hasher.field(name_tag, name)
-            hasher.field(args_tag, args)
+        hasher.item_body(item, _CD_PART_TAGS, _CD_CALL_TAGS)
         for result_id, payload in _tool_results(item):
             hasher.field(result_id_tag, result_id)
             hasher.field(result_payload_tag, payload)

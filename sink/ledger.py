@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from types import TracebackType
 from typing import Any, Self
 
 import anyio
@@ -22,10 +21,13 @@ from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 
 from .connection import Topology, map_redis_errors, reply_text
+from .consumer import AsyncResource
 from .errors import CodecError, LedgerConflictError, RolloutRetiredError, StagingConnectionError
 from .fingerprint import assistant_fingerprint
 from .keys import DEFAULT_NAMESPACE, fence_key, ledger_ids_key, ledger_stream, validate_rollout_id
 from .ledger_rows import (
+    check_failure_args,
+    commit_rollout_id,
     conflict_message,
     custody_entry,
     custody_id_field,
@@ -87,7 +89,7 @@ def _entries(xrange_reply: object) -> list[dict[str, str]]:
     return entries
 
 
-class RedisCaptureLedger:
+class RedisCaptureLedger(AsyncResource):
     """Async capture ledger shared by every gate process through one Redis/Valkey deployment.
 
     ``RedisCaptureLedger(client)`` borrows a ``redis.asyncio`` client (plain
@@ -99,17 +101,7 @@ class RedisCaptureLedger:
     """
 
     def __init__(self, client: aioredis.Redis | RedisCluster, *, namespace: str = DEFAULT_NAMESPACE) -> None:
-        self._settings = ConnectionSettings(namespace=namespace)
-        self._topology = Topology.borrow(client, self._settings)
-        self._ns = self._settings.namespace
-        self._closed = False
-        self._in_flight = anyio.CapacityLimiter(_in_flight_limit(client))
-        self._appended = self._duplicates = self._discarded = 0
-        self._append_script: AsyncScript = client.register_script(APPEND_SCRIPT)
-        self._read_script: AsyncScript = client.register_script(READ_SCRIPT)
-        self._has_rows_script: AsyncScript = client.register_script(HAS_ROWS_SCRIPT)
-        self._retire_script: AsyncScript = client.register_script(RETIRE_SCRIPT)
-        self._delete_script: AsyncScript = client.register_script(DELETE_SCRIPT)
+        self._init(Topology.borrow(client, ConnectionSettings(namespace=namespace)), namespace)
 
     @classmethod
     def from_url(cls, url: str, **settings: Any) -> Self:
@@ -120,10 +112,21 @@ class RedisCaptureLedger:
         :raises pydantic.ValidationError: an unknown or invalid setting.
         """
         parsed = ConnectionSettings(**settings)
-        topology = Topology.from_url(url, parsed)
-        ledger = cls(topology.client, namespace=parsed.namespace)
-        ledger._settings, ledger._topology = parsed, topology
+        ledger = cls.__new__(cls)
+        ledger._init(Topology.from_url(url, parsed), parsed.namespace)
         return ledger
+
+    def _init(self, topology: Topology, namespace: str) -> None:
+        self._topology = topology
+        self._ns = namespace
+        client = topology.client
+        self._in_flight = anyio.CapacityLimiter(_in_flight_limit(client))
+        self._appended = self._duplicates = self._discarded = 0
+        self._append_script: AsyncScript = client.register_script(APPEND_SCRIPT)
+        self._read_script: AsyncScript = client.register_script(READ_SCRIPT)
+        self._has_rows_script: AsyncScript = client.register_script(HAS_ROWS_SCRIPT)
+        self._retire_script: AsyncScript = client.register_script(RETIRE_SCRIPT)
+        self._delete_script: AsyncScript = client.register_script(DELETE_SCRIPT)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -132,21 +135,8 @@ class RedisCaptureLedger:
             f"duplicates={self._duplicates} discarded={self._discarded}>"
         )
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the client if the ledger owns it; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        with anyio.CancelScope(shield=True):
-            await self._topology.aclose()
+    async def _close_resources(self) -> None:
+        await self._topology.aclose()
 
     async def close(self) -> None:
         """Alias of :meth:`aclose` (the contract's name)."""
@@ -211,9 +201,7 @@ class RedisCaptureLedger:
         :raises ValueError: invalid rollout id, or unfingerprintable items.
         :raises LedgerConflictError: a different row exists for the same ``model_call_id`` (nothing changed).
         """
-        if not isinstance(commit, CaptureLedgerCommit):
-            raise TypeError(f"record() takes a CaptureLedgerCommit, got {type(commit).__name__}")
-        rollout_id = validate_rollout_id(commit.rollout_id)
+        rollout_id = commit_rollout_id(commit)
         text = encode_row(custody_row(commit))
         call_id = commit.record.model_call_id
         reply = await self._append(rollout_id, custody_id_field(call_id), text, custody_entry(text))
@@ -227,9 +215,7 @@ class RedisCaptureLedger:
 
         :raises ValueError: invalid rollout id, or an empty call id or reason.
         """
-        validate_rollout_id(rollout_id)
-        if not (isinstance(model_call_id, str) and model_call_id and isinstance(reason, str) and reason):
-            raise ValueError("record_failure needs a non-empty model_call_id and reason")
+        check_failure_args(rollout_id, model_call_id, reason)
         reply = await self._append(
             rollout_id, failure_id_field(model_call_id, reason), "1", failure_entry(model_call_id, reason)
         )

@@ -20,6 +20,8 @@ from .errors import LedgerConflictError, RolloutRetiredError
 from .fingerprint import assistant_fingerprint
 from .keys import validate_rollout_id
 from .ledger_rows import (
+    check_failure_args,
+    commit_rollout_id,
     conflict_message,
     custody_entry,
     custody_id_field,
@@ -122,9 +124,7 @@ class MemoryCaptureLedger:
         :raises ValueError: invalid rollout id, or unfingerprintable items.
         :raises LedgerConflictError: a different row exists for the same ``model_call_id``.
         """
-        if not isinstance(commit, CaptureLedgerCommit):
-            raise TypeError(f"record() takes a CaptureLedgerCommit, got {type(commit).__name__}")
-        rollout_id = validate_rollout_id(commit.rollout_id)
+        rollout_id = commit_rollout_id(commit)
         self._check_open()
         text = encode_row(custody_row(commit))
         call_id = commit.record.model_call_id
@@ -139,9 +139,7 @@ class MemoryCaptureLedger:
 
         :raises ValueError: invalid rollout id, or an empty call id or reason.
         """
-        validate_rollout_id(rollout_id)
-        if not (isinstance(model_call_id, str) and model_call_id and isinstance(reason, str) and reason):
-            raise ValueError("record_failure needs a non-empty model_call_id and reason")
+        check_failure_args(rollout_id, model_call_id, reason)
         self._check_open()
         entry = failure_entry(model_call_id, reason)
         if self.store.append(rollout_id, failure_id_field(model_call_id, reason), "1", entry) == "fenced":

@@ -40,6 +40,8 @@ __all__ = (
     "FAILURE_KIND",
     "KIND_FIELD",
     "ROW_FIELD",
+    "check_failure_args",
+    "commit_rollout_id",
     "conflict_message",
     "custody_entry",
     "custody_id_field",
@@ -61,6 +63,27 @@ CUSTODY_KIND = "call"
 FAILURE_KIND = "failure"
 
 _log = logging.getLogger("sink.ledger")
+
+
+def commit_rollout_id(commit: CaptureLedgerCommit) -> str:
+    """The validated rollout id of a commit passed to ``record()``.
+
+    :raises TypeError: *commit* is not a :class:`CaptureLedgerCommit`.
+    :raises ValueError: its rollout id is invalid.
+    """
+    if not isinstance(commit, CaptureLedgerCommit):
+        raise TypeError(f"record() takes a CaptureLedgerCommit, got {type(commit).__name__}")
+    return validate_rollout_id(commit.rollout_id)
+
+
+def check_failure_args(rollout_id: str, model_call_id: str, reason: str) -> None:
+    """Validate the arguments of ``record_failure()``.
+
+    :raises ValueError: invalid rollout id, or an empty call id or reason.
+    """
+    validate_rollout_id(rollout_id)
+    if not (isinstance(model_call_id, str) and model_call_id and isinstance(reason, str) and reason):
+        raise ValueError("record_failure needs a non-empty model_call_id and reason")
 
 
 def custody_row(commit: CaptureLedgerCommit) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from ._columns import PackedColumns, ids_u64be
+from ._columns import PackedColumns
 from .digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
 from .errors import RebuildError, ReceiptVerificationError
 from .records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
@@ -87,6 +87,13 @@ class ExtrasCommitment(NamedTuple):
     model_call_id: str
     extras_digest_version: int
     extras_digest: str
+
+
+class _PackedCall(NamedTuple):
+    """A snapshot's packed columns (proved at decode time) and its ids in digest form, hashed at step 8."""
+
+    packed: PackedColumns
+    ids_u64be: bytes
 
 
 class NumpyColumns(NamedTuple):
@@ -237,8 +244,9 @@ def _verify_snapshot(
     index_by_id: dict[str, int],
     seen_ids: set[object],
     packed: PackedColumns | None,
-) -> None:
-    # Steps 8a-8h for one manifest position.
+) -> _PackedCall | None:
+    # Steps 8a-8h for one manifest position. With packed columns, returns them
+    # with the ids' digest form, which the chain and row hashes reuse.
     if not isinstance(snapshot, StagedCallBaseSnapshot):
         raise TypeError(f"snapshot {position} is a {type(snapshot).__name__}, not a StagedCallBaseSnapshot")
     call_id = getattr(snapshot, "model_call_id", _MISSING)
@@ -262,14 +270,21 @@ def _verify_snapshot(
         values = (getattr(snapshot, name, _MISSING), getattr(record, name), getattr(receipt, name))
         if not values[0] == values[1] == values[2]:
             raise _fail(f"wrong_{name}", f"{where}: {name} differs (snapshot, manifest, receipt) = {values!r}")
+    packed_call = None
     try:
         # With packed columns proved at decode time the digest is hashed from
         # them; the result is the same digest, only the packing is skipped.
-        recomputed = (packed is not None and snapshot._packed_digest(packed)) or snapshot.recompute_digest()
+        recomputed = None
+        if packed is not None:
+            forms = packed.digest_forms()
+            packed_call = _PackedCall(packed, b"".join(forms[0]))
+            recomputed = snapshot._packed_digest(forms)
+        recomputed = recomputed or snapshot.recompute_digest()
     except Exception as exc:  # any failure to recompute is reported, typed, with its cause chained
         raise _fail("invalid_snapshot", f"{where}: cannot recompute the call digest: {exc}") from exc
     if recomputed != snapshot.digest:
         raise _fail("corrupt_digest", f"{where}: recorded digest {snapshot.digest} != recomputed {recomputed}")
+    return packed_call
 
 
 def _verify_lineage(manifest: Sequence[CallRecord], index_by_id: dict[str, int]) -> None:
@@ -331,7 +346,7 @@ def _linearize_chain(
     receipt: RolloutReceipt,
     snapshots: Sequence[StagedCallBaseSnapshot],
     chain: list[int],
-    packed_columns: Sequence[PackedColumns | None],
+    packed_calls: Sequence[_PackedCall | None],
 ) -> LinearizedRow:
     # Steps 11-13 while concatenating the chain's columns. Where a call's
     # packed columns are known (decoded just now), hashes run over those bytes.
@@ -339,29 +354,26 @@ def _linearize_chain(
     ids_parts: list[list[int]] = []
     mask_parts: list[list[float]] = []
     logprob_parts: list[list[float]] = []
-    packed_ids: list[bytes] = []
     spans: list[WeightVersionSpan] = []
     links: list[LinkSpan] = []
     commitments: list[ExtrasCommitment] = []
     running_chain_hash: str | None = None
     offset = 0
-    all_packed = all(packed_columns[position] is not None for position in chain)
-    for position in chain:
-        record, snapshot, packed = manifest[position], snapshots[position], packed_columns[position]
+    chain_calls = [packed_calls[position] for position in chain]
+    for position, packed_call in zip(chain, chain_calls, strict=True):
+        record, snapshot = manifest[position], snapshots[position]
         call_id = record.model_call_id
-        if all_packed and packed is not None:
-            ids_be = ids_u64be(packed.ids_le, packed.ids_width, packed.length)
-            packed_ids.append(ids_be)
-            running_chain_hash = chain_hash_of_packed(running_chain_hash, ids_be)
-        else:
+        if packed_call is None:
             running_chain_hash = compute_chain_hash(running_chain_hash, snapshot.token_ids_delta)
+        else:
+            running_chain_hash = chain_hash_of_packed(running_chain_hash, packed_call.ids_u64be)
         if running_chain_hash != record.chain_hash:
             raise RebuildError(
                 "chain_hash_mismatch", f"{call_id!r}: chain hash {record.chain_hash} != recomputed {running_chain_hash}"
             )
         masks = snapshot.token_mask_delta
         # "Zeros then ones" holds iff the first 1.0 sits right after the zeros.
-        carry, generated, first_one = _mask_counts(masks, packed if all_packed else None)
+        carry, generated, first_one = _mask_counts(masks, None if packed_call is None else packed_call.packed)
         if generated and first_one != carry:
             raise RebuildError("invalid_mask_order", f"{call_id!r}: masks are not carry zeros followed by ones")
         if not generated:
@@ -378,7 +390,12 @@ def _linearize_chain(
         raise RebuildError("empty_training_row", f"rollout {receipt.rollout_id!r}: no mask in the row is 1.0")
     token_ids = tuple(itertools.chain.from_iterable(ids_parts))
     terminal = manifest[chain[-1]]
-    row_hash = hash_packed_token_ids(packed_ids, offset) if all_packed else hash_token_ids(token_ids)
+    # The row hash and as_numpy run over packed bytes only when every chain call has them.
+    known = [packed_call for packed_call in chain_calls if packed_call is not None]
+    all_packed = len(known) == len(chain_calls)
+    row_hash = (
+        hash_packed_token_ids([call.ids_u64be for call in known], offset) if all_packed else hash_token_ids(token_ids)
+    )
     if row_hash != terminal.cumulative_hash:
         raise RebuildError(
             "cumulative_hash_mismatch",
@@ -395,7 +412,7 @@ def _linearize_chain(
         weight_version_spans=tuple(spans),
         link_spans=tuple(links),
         extras_commitments=tuple(commitments),
-        _packed_columns=tuple(p for p in (packed_columns[i] for i in chain) if p is not None) if all_packed else None,
+        _packed_columns=tuple(call.packed for call in known) if all_packed else None,
     )
 
 
@@ -434,14 +451,13 @@ def _verify_and_linearize(
     if len(snapshots) != len(manifest):
         raise _fail("row_count_mismatch", f"{len(snapshots)} snapshots for {len(manifest)} manifest rows")
     seen_ids: set[object] = set()
-    packed_columns: list[PackedColumns | None] = []
+    packed_calls: list[_PackedCall | None] = []
     for position, (snapshot, record) in enumerate(zip(snapshots, manifest, strict=True)):
         packed = _cached_columns(snapshot) if use_cached_columns else None
-        _verify_snapshot(position, snapshot, record, receipt, index_by_id, seen_ids, packed)
-        packed_columns.append(packed)
+        packed_calls.append(_verify_snapshot(position, snapshot, record, receipt, index_by_id, seen_ids, packed))
     _verify_lineage(manifest, index_by_id)
     chain = _chain_positions(receipt, index_by_id)
-    return _linearize_chain(receipt, snapshots, chain, packed_columns)
+    return _linearize_chain(receipt, snapshots, chain, packed_calls)
 
 
 def _cached_columns(snapshot: object) -> PackedColumns | None:

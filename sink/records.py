@@ -8,7 +8,8 @@ only :meth:`StagedCallRecord.from_components` computes it instead (once).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Self
+import operator
+from typing import Annotated, Any, Final, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -25,6 +26,7 @@ from pydantic import (
 )
 
 from ._columns import (
+    Buffers,
     ColumnCache,
     PackedColumns,
     TrustedColumns,
@@ -107,6 +109,29 @@ _BUILD_STAGING_DIGEST = object()
 # package built itself (copies in from_components, lists decoded by sink.codec)
 # with their packed bytes. Like the sentinel, it only exists in-process.
 _TRUSTED_COLUMNS_KEY = "columns"
+
+
+# Every non-column input of the call digest, in payload order; sink.codec stores
+# them under these names, in this order.
+_SCALAR_DIGEST_FIELDS: Final = (
+    "schema_version",
+    "digest_version",
+    "extras_digest_version",
+    "rollout_id",
+    "model_call_id",
+    "parent_call_id",
+    "mode",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "weight_version",
+    "extras_digest",
+    "chain_hash",
+    "cumulative_hash",
+)
+_COLUMN_FIELDS: Final = ("token_ids_delta", "token_mask_delta", "generation_log_probs_delta")
+# A record's scalar digest inputs and its digest, as one tuple (see ColumnCache).
+_scalar_digest_inputs: Final = operator.attrgetter(*_SCALAR_DIGEST_FIELDS, "digest")
 
 
 def _trusted_columns(context: object) -> TrustedColumns | None:
@@ -270,36 +295,15 @@ class StagedCallBaseSnapshot(_DigestWireModel):
         """The default key ``rollout_id/model_call_id`` (not necessarily the sink's key)."""
         return staging_key(self.rollout_id, self.model_call_id)
 
-    def _digest_fields(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "digest_version": self.digest_version,
-            "extras_digest_version": self.extras_digest_version,
-            "rollout_id": self.rollout_id,
-            "model_call_id": self.model_call_id,
-            "parent_call_id": self.parent_call_id,
-            "mode": self.mode,
-            "prev_len": self.prev_len,
-            "delta_len": self.delta_len,
-            "cum_len": self.cum_len,
-            "weight_version": self.weight_version,
-            "token_ids_delta": self.token_ids_delta,
-            "token_mask_delta": self.token_mask_delta,
-            "generation_log_probs_delta": self.generation_log_probs_delta,
-            "extras_digest": self.extras_digest,
-            "chain_hash": self.chain_hash,
-            "cumulative_hash": self.cumulative_hash,
-        }
-
     def recompute_digest(self) -> str:
         """Recompute the call digest from the fields (raises ``ValueError`` on a pre-check failure)."""
-        return compute_staging_digest(**self._digest_fields())
+        return compute_staging_digest(**{name: getattr(self, name) for name in _SCALAR_DIGEST_FIELDS + _COLUMN_FIELDS})
 
     # Packed columns proved during validation; sink.codec reuses them. Not part
     # of the record's value (see ColumnCache).
     _columns: ColumnCache | None = PrivateAttr(default=None)
 
-    @field_validator("token_ids_delta", "token_mask_delta", "generation_log_probs_delta", mode="wrap")
+    @field_validator(*_COLUMN_FIELDS, mode="wrap")
     @classmethod
     def _accept_trusted_columns(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
         # A list this package built and proved (exact, finite elements) is taken
@@ -322,39 +326,6 @@ class StagedCallBaseSnapshot(_DigestWireModel):
         packed_ids = pack_ids(ids)
         return None if packed_ids is None else trusted.packed.with_ids(*packed_ids)
 
-    def _scalar_digest_inputs(self) -> tuple[object, ...]:
-        """Every non-column input of the call digest, and the digest itself."""
-        return (
-            self.schema_version,
-            self.digest_version,
-            self.extras_digest_version,
-            self.rollout_id,
-            self.model_call_id,
-            self.parent_call_id,
-            self.mode,
-            self.prev_len,
-            self.delta_len,
-            self.cum_len,
-            self.weight_version,
-            self.extras_digest,
-            self.chain_hash,
-            self.cumulative_hash,
-            self.digest,
-        )
-
-    def _unchanged_since_validation(self) -> bool:
-        """Whether the columns (by identity and length) and every scalar digest input are as validated.
-
-        O(1): element assignment inside a column after validation is not seen
-        (records are values: do not mutate them).
-        """
-        cache = self._columns
-        return (
-            cache is not None
-            and cache.describes(self.token_ids_delta, self.token_mask_delta, self.generation_log_probs_delta)
-            and cache.digest_inputs == self._scalar_digest_inputs()
-        )
-
     def _cached_packed_columns(self) -> PackedColumns | None:
         """The packed columns proved at validation, if they still describe this record's column lists.
 
@@ -369,8 +340,21 @@ class StagedCallBaseSnapshot(_DigestWireModel):
             return None
         return cache.packed
 
-    def _packed_digest(self, packed: PackedColumns) -> str | None:
-        ids_u64be, mask_f32be, lp_f32be = packed.digest_forms()
+    def _unchanged_since_validation(self) -> bool:
+        """Whether the columns (by identity and length) and every scalar digest input are as validated.
+
+        O(1), with the limits of :meth:`_cached_packed_columns` (records are values: do not mutate them).
+        """
+        cache = self._columns
+        return (
+            cache is not None
+            and cache.digest_inputs == _scalar_digest_inputs(self)
+            and self._cached_packed_columns() is not None
+        )
+
+    def _packed_digest(self, digest_forms: tuple[Buffers, Buffers, Buffers]) -> str | None:
+        """The call digest over ``PackedColumns.digest_forms()`` of proved columns, or ``None`` if a pre-check fails."""
+        ids_u64be, mask_f32be, lp_f32be = digest_forms
         try:
             return _staging_digest_from_packed(
                 versions=(self.schema_version, self.digest_version, self.extras_digest_version),
@@ -411,7 +395,7 @@ class StagedCallBaseSnapshot(_DigestWireModel):
         # columns. Anything it cannot prove goes to the reference path, which
         # raises exactly the error the contract names.
         packed = self._pack_columns(_trusted_columns(info.context))
-        computed = None if packed is None else self._packed_digest(packed)
+        computed = None if packed is None else self._packed_digest(packed.digest_forms())
         if computed is None:
             packed = None
             computed = self._reference_digest()
@@ -427,7 +411,7 @@ class StagedCallBaseSnapshot(_DigestWireModel):
                 self.token_ids_delta,
                 self.token_mask_delta,
                 self.generation_log_probs_delta,
-                self._scalar_digest_inputs(),
+                _scalar_digest_inputs(self),
             )
         )
         return self

@@ -15,7 +15,6 @@ one fsync covers many records.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -35,11 +34,12 @@ from redis.asyncio.cluster import RedisCluster
 from .blocking import PortalOwner
 from .cleanup import clear_staged
 from .codec import DIGEST_HEAD_BYTES, encode_record
-from .connection import Topology, describe_redis_error
+from .connection import ServerScript, Topology, describe_redis_error
 from .digest import compute_extras_digest
 from .durability import DurabilityReport, verify_durability
 from .errors import CodecError
 from .keys import calls_stream, record_key, validate_rollout_id
+from .memory import CONFLICT_ERROR
 from .records import StagedCallRecord, StageResult
 from .settings import SinkSettings
 from .stage_script import STAGE_CONFLICT, STAGE_SAME, STAGE_SCRIPT, STAGE_WRITTEN
@@ -56,7 +56,7 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-CONFLICT_ERROR = "conflicting staged record"
+_STAGE = ServerScript(STAGE_SCRIPT)
 _TOPOLOGY_ERRORS = (
     redis_errors.MovedError,
     redis_errors.AskError,
@@ -153,21 +153,21 @@ class AsyncRedisStagingSink:
     """
 
     def __init__(self, client: aioredis.Redis | RedisCluster, settings: SinkSettings | None = None) -> None:
-        self._settings = settings or SinkSettings()
-        self._topology = Topology.borrow(client, self._settings)
-        self._init_state()
+        settings = settings or SinkSettings()
+        self._bind(settings, Topology.borrow(client, settings))
 
     @classmethod
     def from_url(cls, url: str, **settings: Any) -> Self:
         """Create a sink that owns its connection(s) to *url*; keyword arguments are :class:`SinkSettings`."""
         parsed = SinkSettings(**settings)
         self = cls.__new__(cls)
-        self._settings = parsed
-        self._topology = Topology.from_url(url, parsed)
-        self._init_state()
+        self._bind(parsed, Topology.from_url(url, parsed))
         return self
 
-    def _init_state(self) -> None:
+    def _bind(self, settings: SinkSettings, topology: Topology) -> None:
+        """The one initialisation both constructors share."""
+        self._settings = settings
+        self._topology = topology
         self._send: MemoryObjectSendStream[_Pending] | None = None
         self._task_group: TaskGroup | None = None
         self._durability: DurabilityReport | None = None
@@ -345,7 +345,9 @@ class AsyncRedisStagingSink:
         try:
             nodes = await self._topology.all_nodes()
         except (redis_errors.RedisError, OSError) as exc:
-            return DurabilityReport(problem=f"cannot verify durability: {describe_redis_error(exc)}", supports_waitaof=False)
+            return DurabilityReport(
+                problem=f"cannot verify durability: {describe_redis_error(exc)}", supports_waitaof=False
+            )
         return await verify_durability(nodes)
 
     # --- group commit -----------------------------------------------------------
@@ -381,7 +383,7 @@ class AsyncRedisStagingSink:
         except redis_errors.NoScriptError:
             # The script cache is empty (server restarted): nothing ran; load and retry once.
             try:
-                await client.script_load(STAGE_SCRIPT)
+                await client.script_load(_STAGE.source)
                 await self._write_node_once(client, items)
             except (redis_errors.RedisError, OSError) as exc:
                 self._fail_all(items, describe_redis_error(exc))
@@ -418,7 +420,7 @@ class AsyncRedisStagingSink:
             for p in chunk:
                 keys += (p.record_key, p.calls_key)
                 args += (p.digest, p.blob, *p.entry)
-            pipe.evalsha(_STAGE_SHA, len(keys), *keys, *args)
+            pipe.evalsha(_STAGE.sha, len(keys), *keys, *args)
         if settings.min_replicas > 0:
             pipe.execute_command("WAIT", settings.min_replicas, timeout_ms)
         waitaof = self._durability is not None and self._durability.supports_waitaof and settings.durability == "fsync"
@@ -500,9 +502,6 @@ class AsyncRedisStagingSink:
         return await clear_staged(self._topology, self._settings.namespace, staging_keys)
 
 
-_STAGE_SHA = hashlib.sha1(STAGE_SCRIPT.encode()).hexdigest()
-
-
 class RedisStagingSink(PortalOwner):
     """Synchronous, thread-safe facade implementing the reference ``StagingSink`` protocol.
 
@@ -523,7 +522,9 @@ class RedisStagingSink(PortalOwner):
         """Thread-safe :meth:`AsyncRedisStagingSink.stage`."""
         return self._call(self._sink.stage, record)
 
-    def stage_generation_prefix(self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int) -> StageResult:
+    def stage_generation_prefix(
+        self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int
+    ) -> StageResult:
         """Thread-safe :meth:`AsyncRedisStagingSink.stage_generation_prefix`."""
 
         async def run() -> StageResult:

@@ -265,8 +265,11 @@ class DurableServer:
         if replica_of is not None:
             self._settings["replicaof"] = f"{replica_of[0]} {replica_of[1]}"
         if cluster_enabled:
-            self._settings |= {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"}
-            self._settings["cluster-node-timeout"] = "2000"
+            self._settings |= {
+                "cluster-enabled": "yes",
+                "cluster-config-file": "nodes.conf",
+                "cluster-node-timeout": "2000",
+            }
         self._settings |= dict(extra_config or {})
         self._cluster_enabled = cluster_enabled
         self._startup_timeout_s = startup_timeout_s

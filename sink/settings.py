@@ -38,13 +38,13 @@ class ConnectionSettings(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     command_timeout_s: float = Field(default=10.0, gt=0)
     """Socket read timeout for one command or pipeline (WAIT adds ``confirm_timeout_s``)."""
+    max_connections: int = Field(default=64, ge=1, le=10_000)
+    """Connections per server node; callers beyond it wait for a free one (up to ``connect_timeout_s``)."""
+
     @property
     def socket_timeout_s(self) -> float:
         """Socket read timeout of this component's connections."""
         return self.command_timeout_s
-
-    max_connections: int = Field(default=64, ge=1, le=10_000)
-    """Connections per server node; callers beyond it wait for a free one (up to ``connect_timeout_s``)."""
 
 
 class SinkSettings(ConnectionSettings):
@@ -67,6 +67,7 @@ class SinkSettings(ConnectionSettings):
 
     @property
     def socket_timeout_s(self) -> float:
+        """``command_timeout_s``, plus ``confirm_timeout_s`` when ``min_replicas > 0``."""
         # With replicas required, a write pipeline ends with WAIT, which may block for
         # confirm_timeout_s. (WAITAOF returns at once under appendfsync always.)
         return self.command_timeout_s + (self.confirm_timeout_s if self.min_replicas > 0 else 0.0)

@@ -25,7 +25,6 @@ import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, NamedTuple, Self
 
 import anyio
@@ -35,7 +34,7 @@ from redis.commands.core import AsyncScript
 
 from .cleanup import clear_staged
 from .connection import Topology, map_redis_errors
-from .consumer import GroupConsumer, StreamEntry, default_consumer_name
+from .consumer import AsyncResource, GroupConsumer, StreamEntry, default_consumer_name, settings_or_fields
 from .errors import CodecError, ReceiptVerificationError
 from .keys import claim_key, fence_key, receipts_stream, validate_rollout_id
 from .ledger import RedisCaptureLedger
@@ -129,11 +128,12 @@ def _skip(receipt: RolloutReceipt, code: str, reason: str) -> PulledRollout:
     return PulledRollout(receipt=receipt, skip_code=code, skip_reason=reason)
 
 
-class RolloutReader:
+class RolloutReader(AsyncResource):
     """Pulls verified training rows for one trainer rank (consumer group ``trainers``).
 
     ``from_url`` owns its client; the constructor borrows one. Use as an
-    async context manager. Methods raise
+    async context manager; rollouts still held at :meth:`aclose` stay
+    pending (reclaimable). Methods raise
     :class:`~sink.errors.StagingConnectionError` when the server cannot be
     reached; entries in hand then stay pending and are retried by the next
     :meth:`pull`.
@@ -149,9 +149,7 @@ class RolloutReader:
 
         :raises pydantic.ValidationError: an unknown or invalid setting.
         """
-        if settings is not None and fields:
-            raise TypeError("pass either settings or setting fields, not both")
-        parsed = settings or ReaderSettings(**fields)
+        parsed = settings_or_fields(ReaderSettings, settings, fields)
         self = cls.__new__(cls)
         self._init(Topology.from_url(url, parsed), parsed)
         return self
@@ -186,7 +184,6 @@ class RolloutReader:
         self._backlog: list[StreamEntry] = []
         self._recovered = False
         self._next_claim_at = -math.inf
-        self._closed = False
         self._counts = {"pulled": 0, "trainable": 0, "skipped": 0, "duplicates": 0, "lost": 0}
 
     @property
@@ -224,30 +221,13 @@ class RolloutReader:
 
     # --- lifecycle ----------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        try:
-            with map_redis_errors("load the cluster topology"):
-                await self._topology.initialize()
-            await self._consumer.ensure_groups()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
+    async def _open(self) -> None:
+        await self._consumer.prepare()
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the client if the reader owns it; idempotent. Held rollouts stay pending (reclaimable)."""
-        if self._closed:
-            return
-        self._closed = True
-        with anyio.CancelScope(shield=True):
-            await self._source.aclose()
-            await self._ledger.aclose()
-            await self._topology.aclose()
+    async def _close_resources(self) -> None:
+        await self._source.aclose()
+        await self._ledger.aclose()
+        await self._topology.aclose()
 
     # --- pulling ------------------------------------------------------------------
 

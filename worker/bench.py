@@ -25,7 +25,7 @@ import anyio
 import redis.asyncio as aioredis
 
 from sink.bench import on_server
-from sink.keys import record_key
+from sink.keys import DEFAULT_NAMESPACE, record_key
 from sink.records import CaptureAdmission, StagedCallRecord, StageResult
 from sink.redis_sink import AsyncRedisStagingSink
 from sink.source import AsyncRedisStagingSource
@@ -151,7 +151,7 @@ async def run_worker_benchmark(url: str, *, turns: int = 32, tokens: int = 2048,
                     staging_chain=[c.staging_key for c in coords[: turns - 1]],
                     parent_chain_hash=coords[turns - 2].chain_hash,
                 )
-                chain_keys = [record_key("stg", c.staging_key) for c in coords[: turns - 1]]
+                chain_keys = [record_key(DEFAULT_NAMESPACE, c.staging_key) for c in coords[: turns - 1]]
                 payload = bytes(sum(_digest_bytes_per_record(len(p) + len(g)) for p, g, _ in plan[: turns - 1]))
                 resolve, floor = [], []
                 for _ in range(repeats + 2):

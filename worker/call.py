@@ -92,17 +92,21 @@ def build_call_record(
     prev_len = admission.prev_len
     prompt = _as_list(prompt_token_ids)
     generated = _as_list(generated_token_ids)
-    if prompt[:prev_len] != call.prefix_token_ids:
+    prefix = prompt[:prev_len]
+    if prefix != call.prefix_token_ids:
         raise ValueError("prompt does not begin with the gate-authorized prefix")
     cut = call.generation_cut
     if cut is None:
         ids, mask, logprobs = build_staging_delta(prompt, generated, generated_logprobs, prev_len)
+        rest = ids  # prompt[prev_len:] + generated, the prompt's own ids
         weight_version = call.weight_version
     else:
-        if prompt[prev_len:] != cut.token_ids_delta:
+        rest = prompt[prev_len:]
+        if rest != cut.token_ids_delta:
             raise ValueError("engine prompt is not the prefix followed by the generation-cut delta")
         if len(generated) != len(generated_logprobs):
             raise ValueError("generated ids and log-probabilities differ in length")
+        rest += generated  # hashed as the prompt's own ids, exactly as without the cache
         ids = cut.token_ids_delta + generated
         mask = cut.token_mask_delta + [1.0] * len(generated)
         logprobs = cut.generation_log_probs_delta + _as_list(generated_logprobs)
@@ -126,11 +130,7 @@ def build_call_record(
             hash_token_ids(prompt + generated)
             if sequence_cache is None
             else sequence_cache.cumulative_hash(
-                admission.rollout_id,
-                admission.model_call_id,
-                admission.parent_call_id,
-                prompt[:prev_len],
-                prompt[prev_len:] + generated,
+                admission.rollout_id, admission.model_call_id, admission.parent_call_id, prefix, rest
             )
         ),
     )

@@ -2,24 +2,26 @@
 
 :class:`RolloutTokenCapture` turns one admitted model call into one staged
 delta and a token-free :class:`~sink.records.CommitCoords`. The pure steps
-(argument checks, prefix checks, the record build, the coords) are shared by
-the synchronous methods and their ``a``-prefixed async twins; only the I/O
-(``source.fetch``, ``sink.stage``) differs. Operational failures never raise:
-they return the failed coordinates of §5.8 and are logged.
+(argument checks, prefix checks, the record build, the coords) are written
+once, as step generators that yield their single I/O request
+(``source.fetch`` or ``sink.stage``); the synchronous methods and their
+``a``-prefixed async twins differ only in the driver that performs it.
+Operational failures never raise: they return the failed coordinates of §5.8
+and are logged.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio.to_thread
 
 from sink.digest import is_token_id_list
-from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord, StageResult
+from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StageResult
 
 from .call import ActiveCall, build_call_record, failed_coords
 from .errors import CaptureError, PrefixResolutionError, StreamingUnsupportedError
@@ -37,37 +39,86 @@ logger = logging.getLogger(__name__)
 _INT_ONLY = frozenset({int})
 
 
-@dataclass
-class _PendingChain:
-    """A call whose prefix still has to be fetched from the staging chain."""
-
-    admission: CaptureAdmission
-    weight_version: int
-    generation_cut: StagedCallBaseSnapshot | None
-
-    def resolve(self, snapshots: Sequence[StagedCallBaseSnapshot]) -> ActiveCall:
-        try:
-            prefix = verify_staging_chain(self.admission, snapshots)
-        except PrefixResolutionError as exc:
-            return self.fail(str(exc))
-        return ActiveCall(self.admission, self.weight_version, prefix, self.generation_cut)
-
-    def fail(self, reason: str) -> ActiveCall:
-        logger.warning(
-            "capture disabled for rollout %s call %s: %s",
-            self.admission.rollout_id,
-            self.admission.model_call_id,
-            reason,
-        )
-        return ActiveCall(self.admission, self.weight_version, [], self.generation_cut, capture_failure=reason)
+_T = TypeVar("_T")
+_ASYNC_SOURCE = "the configured source is asynchronous: use abegin_call"
+_ASYNC_SINK = "the configured sink is asynchronous: use acomplete_call"
 
 
-@dataclass
-class _Extracted:
-    prompt_token_ids: list[int]
-    generated_token_ids: list[int]
-    generated_logprobs: list[float]
+@dataclass(frozen=True, slots=True)
+class _Io:
+    """The one I/O request of a capture step: ``operation(argument)``, awaited when ``is_async``."""
+
+    operation: Callable[[Any], Any]
+    argument: object
+    is_async: bool
+
+
+_Steps = Generator[_Io, Any, _T]
+"""Pure capture steps that yield at most one :class:`_Io` and receive its result (or its exception)."""
+
+
+def _resume(steps: _Steps[_T], *, result: object = None, error: Exception | None = None) -> _T:
+    try:
+        if error is None:
+            steps.send(result)
+        else:
+            steps.throw(error)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    raise AssertionError("a capture step makes at most one I/O request")
+
+
+def _run_blocking(steps: _Steps[_T], async_misuse: str) -> _T:
+    """Drive *steps*, performing their I/O in this thread.
+
+    :raises CaptureError: *async_misuse*, when the step asks for an asynchronous operation.
+    """
+    try:
+        io = next(steps)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    if io.is_async:
+        steps.close()
+        raise CaptureError(async_misuse)
+    try:
+        result = io.operation(io.argument)
+    except Exception as exc:  # noqa: BLE001 -- the steps turn any I/O failure into failed coordinates (§5.1)
+        return _resume(steps, error=exc)
+    return _resume(steps, result=result)
+
+
+async def _run_async(steps: _Steps[_T]) -> _T:
+    """Drive *steps*, awaiting an async operation or running a blocking one in a worker thread."""
+    try:
+        io = next(steps)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    try:
+        if io.is_async:
+            result = await io.operation(io.argument)
+        else:
+            result = await anyio.to_thread.run_sync(io.operation, io.argument)
+    except Exception as exc:  # noqa: BLE001 -- cancellation is a BaseException and propagates
+        return _resume(steps, error=exc)
+    return _resume(steps, result=result)
+
+
+@dataclass(frozen=True, slots=True)
+class _Completion:
+    """What the engine produced for one call (given directly or extracted by the adapter)."""
+
+    prompt_token_ids: Sequence[int]
+    generated_token_ids: Sequence[int]
+    generated_logprobs: Sequence[float]
     extras: dict[str, Any] | None
+
+
+def _uncaptured(
+    admission: CaptureAdmission, weight_version: int, cut: StagedCallBaseSnapshot | None, reason: str
+) -> ActiveCall:
+    """A call served without capture because its prefix did not resolve (completing it returns failed coords)."""
+    logger.warning("capture disabled for rollout %s call %s: %s", admission.rollout_id, admission.model_call_id, reason)
+    return ActiveCall(admission, weight_version, [], cut, capture_failure=reason)
 
 
 def _validated_weight_version(value: object) -> int:
@@ -142,9 +193,9 @@ class RolloutTokenCapture:
         """
         return _validated_weight_version(self._weight_version_fn())
 
-    # --- begin -------------------------------------------------------------
+    # --- begin ---------------------------------------------------------------
 
-    def _prepare(
+    def _begin_steps(
         self,
         admission: CaptureAdmission,
         prefix_token_ids: list[int] | None,
@@ -152,8 +203,8 @@ class RolloutTokenCapture:
         weight_version: int | None,
         generation_cut: StagedCallBaseSnapshot | None,
         generation_cut_staging_keys: Sequence[str] | None,
-    ) -> ActiveCall | _PendingChain:
-        """Steps 1–5 of §5.3; a by-reference prefix is left for the caller's fetch."""
+    ) -> _Steps[ActiveCall]:
+        """§5.3: check the arguments, stamp the weight version, resolve the prefix (a fetch when by reference)."""
         if not isinstance(admission, CaptureAdmission):
             raise TypeError(f"begin_call takes a CaptureAdmission, got {type(admission).__name__}")
         if stream:
@@ -183,7 +234,14 @@ class RolloutTokenCapture:
         elif generation_cut is not None or generation_cut_staging_keys is not None:
             raise CaptureError("a generation-cut snapshot needs an admission with generation_cut set")
         if prefix is None:
-            return _PendingChain(admission, stamped, cut)
+            try:
+                snapshots = yield _Io(self._source.fetch, list(admission.staging_chain), self._source_is_async)
+            except Exception as exc:  # noqa: BLE001 -- any source failure disables capture of this call (§5.2)
+                return _uncaptured(admission, stamped, cut, f"staging chain fetch failed: {exc!r}")
+            try:
+                prefix = verify_staging_chain(admission, snapshots)
+            except PrefixResolutionError as exc:
+                return _uncaptured(admission, stamped, cut, str(exc))
         return ActiveCall(admission, stamped, prefix, cut)
 
     def begin_call(
@@ -208,18 +266,10 @@ class RolloutTokenCapture:
         :raises GenerationCutError: the cut snapshot does not match (§9.4).
         :raises CaptureError: any other invalid argument, or an async source.
         """
-        pending = self._prepare(
+        steps = self._begin_steps(
             admission, prefix_token_ids, stream, weight_version, generation_cut, generation_cut_staging_keys
         )
-        if isinstance(pending, ActiveCall):
-            return pending
-        if self._source_is_async:
-            raise CaptureError("the configured source is asynchronous: use abegin_call")
-        try:
-            snapshots = self._source.fetch(list(admission.staging_chain))
-        except Exception as exc:  # noqa: BLE001 -- any source failure disables capture of this call (§5.2)
-            return pending.fail(f"staging chain fetch failed: {exc!r}")
-        return pending.resolve(snapshots)
+        return _run_blocking(steps, _ASYNC_SOURCE)
 
     async def abegin_call(
         self,
@@ -236,20 +286,10 @@ class RolloutTokenCapture:
         :raises TypeError: as :meth:`begin_call`.
         :raises CaptureError: as :meth:`begin_call`.
         """
-        pending = self._prepare(
+        steps = self._begin_steps(
             admission, prefix_token_ids, stream, weight_version, generation_cut, generation_cut_staging_keys
         )
-        if isinstance(pending, ActiveCall):
-            return pending
-        keys = list(admission.staging_chain)
-        try:
-            if self._source_is_async:
-                snapshots = await self._source.fetch(keys)
-            else:
-                snapshots = await anyio.to_thread.run_sync(self._source.fetch, keys)
-        except Exception as exc:  # noqa: BLE001 -- cancellation is a BaseException and propagates
-            return pending.fail(f"staging chain fetch failed: {exc!r}")
-        return pending.resolve(snapshots)
+        return await _run_async(steps)
 
     # --- completion --------------------------------------------------------
 
@@ -260,34 +300,28 @@ class RolloutTokenCapture:
         )
         return failed_coords(admission, weight_version=call.weight_version)
 
-    def _start_completion(
-        self,
-        call: ActiveCall,
-        prompt_token_ids: Sequence[int],
-        generated_token_ids: Sequence[int],
-        generated_logprobs: Sequence[float],
-        extras: dict[str, Any] | None,
-    ) -> StagedCallRecord | CommitCoords:
-        """Claim the call and build its record, or return failed coords (§5.5 steps 1–2)."""
+    def _completion_steps(self, call: ActiveCall, completion: _Completion) -> _Steps[CommitCoords]:
+        """§5.5: claim the call, build its record, stage it, turn the sink's answer into coords."""
         if not isinstance(call, ActiveCall):
             raise TypeError(f"expected an ActiveCall, got {type(call).__name__}")
         call._claim()
         if call.capture_failure is not None:
             return self._failed(call, call.capture_failure)
         try:
-            return build_call_record(
+            record = build_call_record(
                 call,
-                prompt_token_ids=prompt_token_ids,
-                generated_token_ids=generated_token_ids,
-                generated_logprobs=generated_logprobs,
-                extras=extras,
+                prompt_token_ids=completion.prompt_token_ids,
+                generated_token_ids=completion.generated_token_ids,
+                generated_logprobs=completion.generated_logprobs,
+                extras=completion.extras,
                 sequence_cache=self._sequences,
             )
         except (TypeError, ValueError, OverflowError) as exc:
             return self._failed(call, f"record build failed: {exc}")
-
-    def _finish_completion(self, call: ActiveCall, record: StagedCallRecord, result: object) -> CommitCoords:
-        """Turn the sink's answer into coords (§5.5 steps 3–4)."""
+        try:
+            result = yield _Io(self._sink.stage, record, self._sink_is_async)
+        except Exception as exc:  # noqa: BLE001 -- the worker catches every sink failure (§5.1)
+            return self._failed(call, f"sink raised {exc!r}")
         if not isinstance(result, StageResult):
             return self._failed(call, f"sink returned {type(result).__name__}, not a StageResult")
         if not result.ok or result.staging_key is None:
@@ -308,6 +342,11 @@ class RolloutTokenCapture:
             cumulative_hash=record.cumulative_hash,
         )
 
+    def _complete_blocking(self, call: ActiveCall, completion: _Completion) -> CommitCoords:
+        if self._sink_is_async:  # checked before the call is claimed, so the async twin can still complete it
+            raise CaptureError(_ASYNC_SINK)
+        return _run_blocking(self._completion_steps(call, completion), _ASYNC_SINK)
+
     def complete_call(
         self,
         call: ActiveCall,
@@ -321,16 +360,8 @@ class RolloutTokenCapture:
 
         :raises CaptureError: the call was already completed, or the sink is async.
         """
-        if self._sink_is_async:
-            raise CaptureError("the configured sink is asynchronous: use acomplete_call")
-        outcome = self._start_completion(call, prompt_token_ids, generated_token_ids, generated_logprobs, extras)
-        if isinstance(outcome, CommitCoords):
-            return outcome
-        try:
-            result = self._sink.stage(outcome)
-        except Exception as exc:  # noqa: BLE001 -- the worker catches every sink failure (§5.1)
-            return self._failed(call, f"sink raised {exc!r}")
-        return self._finish_completion(call, outcome, result)
+        completion = _Completion(prompt_token_ids, generated_token_ids, generated_logprobs, extras)
+        return self._complete_blocking(call, completion)
 
     async def acomplete_call(
         self,
@@ -345,19 +376,10 @@ class RolloutTokenCapture:
 
         :raises CaptureError: the call was already completed.
         """
-        outcome = self._start_completion(call, prompt_token_ids, generated_token_ids, generated_logprobs, extras)
-        if isinstance(outcome, CommitCoords):
-            return outcome
-        try:
-            if self._sink_is_async:
-                result = await self._sink.stage(outcome)
-            else:
-                result = await anyio.to_thread.run_sync(self._sink.stage, outcome)
-        except Exception as exc:  # noqa: BLE001 -- cancellation is a BaseException and propagates
-            return self._failed(call, f"sink raised {exc!r}")
-        return self._finish_completion(call, outcome, result)
+        completion = _Completion(prompt_token_ids, generated_token_ids, generated_logprobs, extras)
+        return await _run_async(self._completion_steps(call, completion))
 
-    def _extract(self, call: ActiveCall, response_payload: object) -> _Extracted | CommitCoords:
+    def _extract(self, call: ActiveCall, response_payload: object) -> _Completion | CommitCoords:
         """Run the adapter (§5.6); an extraction failure claims the call and fails it."""
         adapter = self._adapter
         if adapter is None:
@@ -371,7 +393,7 @@ class RolloutTokenCapture:
         except Exception as exc:  # noqa: BLE001 -- any adapter failure poisons, never fails the completion
             call._claim()
             return self._failed(call, f"adapter extraction failed: {exc!r}")
-        return _Extracted(prompt, generated, logprobs, extras)
+        return _Completion(prompt, generated, logprobs, extras)
 
     def complete_call_from_response(self, call: ActiveCall, response_payload: object) -> CommitCoords:
         """Extract ids, log-probs and extras with the adapter, then :meth:`complete_call`.
@@ -381,13 +403,7 @@ class RolloutTokenCapture:
         extracted = self._extract(call, response_payload)
         if isinstance(extracted, CommitCoords):
             return extracted
-        return self.complete_call(
-            call,
-            prompt_token_ids=extracted.prompt_token_ids,
-            generated_token_ids=extracted.generated_token_ids,
-            generated_logprobs=extracted.generated_logprobs,
-            extras=extracted.extras,
-        )
+        return self._complete_blocking(call, extracted)
 
     async def acomplete_call_from_response(self, call: ActiveCall, response_payload: object) -> CommitCoords:
         """Async twin of :meth:`complete_call_from_response`.
@@ -397,13 +413,7 @@ class RolloutTokenCapture:
         extracted = self._extract(call, response_payload)
         if isinstance(extracted, CommitCoords):
             return extracted
-        return await self.acomplete_call(
-            call,
-            prompt_token_ids=extracted.prompt_token_ids,
-            generated_token_ids=extracted.generated_token_ids,
-            generated_logprobs=extracted.generated_logprobs,
-            extras=extracted.extras,
-        )
+        return await _run_async(self._completion_steps(call, extracted))
 
     def fail_call(self, call: ActiveCall, *, reason: str) -> CommitCoords:
         """Claim the call and acknowledge it as not captured (§5.6); *reason* is only logged.

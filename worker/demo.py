@@ -30,8 +30,12 @@ from sink.cli_common import (
     CommandError,
     RedisTarget,
     check_redis_url,
+    int_at_least,
     mask_url,
+    non_negative_int,
     open_topology,
+    positive_int,
+    positive_seconds,
     stderr_console,
     stdout_console,
     write_json,
@@ -86,34 +90,8 @@ class DemoOptions:
     as_json: bool = False
 
 
-def _positive(text: str) -> int:
-    value = int(text) if text.lstrip("-").isdigit() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _at_least_two(text: str) -> int:
-    value = int(text) if text.isdigit() else 0
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return int(text)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+    return int_at_least(text, 2, "an integer >= 2")
 
 
 def add_demo_parser(commands: Any, redis_options: argparse.ArgumentParser, *, gate_url_default: str | None) -> None:
@@ -139,11 +117,11 @@ def add_demo_parser(commands: Any, redis_options: argparse.ArgumentParser, *, ga
         help="URL for the gate's ledger and done events (default: --redis-url; $STAGING_SINK_GATE_REDIS_URL)",
     )
     demo.add_argument(
-        "--rollouts", type=_positive, default=defaults.rollouts, help="rollouts in the step (default: %(default)s)"
+        "--rollouts", type=positive_int, default=defaults.rollouts, help="rollouts in the step (default: %(default)s)"
     )
     demo.add_argument(
         "--turns",
-        type=_positive,
+        type=positive_int,
         default=defaults.turns,
         help="model calls per rollout on its main path (default: %(default)s)",
     )
@@ -154,32 +132,35 @@ def add_demo_parser(commands: Any, redis_options: argparse.ArgumentParser, *, ga
         help="max generated tokens per call (>= 2) (default: %(default)s)",
     )
     demo.add_argument(
-        "--workers", type=_positive, default=defaults.workers, help="worker processes (default: %(default)s)"
+        "--workers", type=positive_int, default=defaults.workers, help="worker processes (default: %(default)s)"
     )
     demo.add_argument(
         "--concurrency",
-        type=_positive,
+        type=positive_int,
         default=defaults.concurrency,
         help="rollouts in flight per worker (default: %(default)s)",
     )
     demo.add_argument(
         "--seed",
-        type=_count,
+        type=non_negative_int,
         default=defaults.seed,
         help="seed of the rollout plans and the engine (default: %(default)s)",
     )
     demo.add_argument(
         "--inject-failures",
-        type=_count,
+        type=non_negative_int,
         default=defaults.inject_failures,
         help="rollouts that get an injected capture failure (and must be skipped) (default: %(default)s)",
     )
     demo.add_argument(
-        "--shards", type=_positive, default=defaults.shards, help="done/receipts stream shards (default: %(default)s)"
+        "--shards",
+        type=positive_int,
+        default=defaults.shards,
+        help="done/receipts stream shards (default: %(default)s)",
     )
     demo.add_argument(
         "--timeout-s",
-        type=_seconds,
+        type=positive_seconds,
         default=defaults.timeout_s,
         help="deadline of the whole run (default: %(default)s)",
     )

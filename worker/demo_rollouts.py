@@ -146,15 +146,10 @@ class _RolloutDriver:
         gate_client: Any,
     ) -> None:
         self._config = config
-        self._ledger = ledger
         self._gate = CaptureGate(ledger)
         self._capture = capture
         self._counters = counters
         self._gate_client = gate_client
-
-    async def _admit(self, rollout_id: str, model_call_id: str, items: list[dict[str, Any]]) -> CaptureAdmission | None:
-        """The gate's admission (contract §6.6); ``None`` serves the call uncaptured."""
-        return await self._gate.admit(rollout_id, items, model_call_id=model_call_id)
 
     async def _commit(
         self,
@@ -192,7 +187,7 @@ class _RolloutDriver:
         rollout_id, model_call_id = plan.rollout_id, f"c{number:03d}"
         request_items = history + new_items
         admitted_at = time.time()
-        admission = await self._admit(rollout_id, model_call_id, request_items)
+        admission = await self._gate.admit(rollout_id, request_items, model_call_id=model_call_id)  # None: uncaptured
         render = engine.tokenizer.render_chat
         prompt = render(request_items)
         active: ActiveCall | None = None

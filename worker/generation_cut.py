@@ -16,7 +16,8 @@ prompt and the remaining budget, and completes the call as usual. On any
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -225,6 +226,13 @@ def build_cut_continuation(
 # --- on the replacement attempt (§9.4) ---------------------------------------
 
 
+def _required_cut(admission: CaptureAdmission) -> GenerationCutContinuation:
+    cut = admission.generation_cut
+    if cut is None:
+        raise GenerationCutError("the admission carries no generation cut")
+    return cut
+
+
 def _cut_prefix_ids(admission: CaptureAdmission, prefix_token_ids: Sequence[int] | None) -> list[int]:
     if prefix_token_ids is not None:
         return list(prefix_token_ids)
@@ -250,9 +258,7 @@ def rebuild_cut_prefix(
         decreasing or newer weight versions, carry tokens outside the first
         chunk, or a generated count or digest other than the continuation's.
     """
-    cut = admission.generation_cut
-    if cut is None:
-        raise GenerationCutError("the admission carries no generation cut")
+    cut = _required_cut(admission)
     if len(snapshots) != len(cut.staging_keys):
         raise GenerationCutError(f"fetched {len(snapshots)} cut rows for {len(cut.staging_keys)} staging keys")
     rebuilt = _rebuild(
@@ -270,6 +276,16 @@ def rebuild_cut_prefix(
     return rebuilt
 
 
+@contextmanager
+def _cut_rows_fetched(admission: CaptureAdmission) -> Iterator[list[str]]:
+    """Yield the keys of the admission's cut rows; a ``KeyError`` from the fetch becomes a cut error."""
+    keys = list(_required_cut(admission).staging_keys)
+    try:
+        yield keys
+    except KeyError as exc:
+        raise GenerationCutError(f"generation-cut row missing: {exc}") from exc
+
+
 def fetch_cut_prefix(
     admission: CaptureAdmission,
     source: Any,
@@ -281,13 +297,8 @@ def fetch_cut_prefix(
 
     :raises GenerationCutError: a key is missing, or the rebuild fails.
     """
-    cut = admission.generation_cut
-    if cut is None:
-        raise GenerationCutError("the admission carries no generation cut")
-    try:
-        snapshots = source.fetch(list(cut.staging_keys))
-    except KeyError as exc:
-        raise GenerationCutError(f"generation-cut row missing: {exc}") from exc
+    with _cut_rows_fetched(admission) as keys:
+        snapshots = source.fetch(keys)
     return rebuild_cut_prefix(
         admission, snapshots, current_weight_version=current_weight_version, prefix_token_ids=prefix_token_ids
     )
@@ -304,13 +315,8 @@ async def afetch_cut_prefix(
 
     :raises GenerationCutError: a key is missing, or the rebuild fails.
     """
-    cut = admission.generation_cut
-    if cut is None:
-        raise GenerationCutError("the admission carries no generation cut")
-    try:
-        snapshots = await source.fetch(list(cut.staging_keys))
-    except KeyError as exc:
-        raise GenerationCutError(f"generation-cut row missing: {exc}") from exc
+    with _cut_rows_fetched(admission) as keys:
+        snapshots = await source.fetch(keys)
     return rebuild_cut_prefix(
         admission, snapshots, current_weight_version=current_weight_version, prefix_token_ids=prefix_token_ids
     )
@@ -332,9 +338,7 @@ def check_cut_snapshot(
     :raises GenerationCutError: keys, identity, digest, lineage, generated
         count or weight version do not match.
     """
-    cut = admission.generation_cut
-    if cut is None:
-        raise GenerationCutError("the admission carries no generation cut")
+    cut = _required_cut(admission)
     if not isinstance(snapshot, StagedCallBaseSnapshot):
         raise GenerationCutError(f"generation cut must be a StagedCallBaseSnapshot, got {type(snapshot).__name__}")
     if staging_keys is None or tuple(staging_keys) != cut.staging_keys:

@@ -12,7 +12,8 @@ length must be ``prev_len``, the last link must be the admission's
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from sink._columns import ids_u64be
@@ -85,6 +86,15 @@ def inline_prefix(admission: CaptureAdmission) -> list[int] | None:
     return None
 
 
+@contextmanager
+def _missing_chain_record() -> Iterator[None]:
+    """A ``KeyError`` from the chain fetch becomes a :class:`PrefixResolutionError`."""
+    try:
+        yield
+    except KeyError as exc:
+        raise PrefixResolutionError(f"staging chain record missing: {exc}") from exc
+
+
 def resolve_prefix(admission: CaptureAdmission, source: Any) -> list[int]:
     """Resolve *admission*'s prefix, fetching and verifying its staging chain if needed (§5.2).
 
@@ -95,10 +105,8 @@ def resolve_prefix(admission: CaptureAdmission, source: Any) -> list[int]:
     prefix = inline_prefix(admission)
     if prefix is not None:
         return prefix
-    try:
+    with _missing_chain_record():
         snapshots = source.fetch(list(admission.staging_chain))
-    except KeyError as exc:
-        raise PrefixResolutionError(f"staging chain record missing: {exc}") from exc
     return verify_staging_chain(admission, snapshots)
 
 
@@ -111,8 +119,6 @@ async def aresolve_prefix(admission: CaptureAdmission, source: Any) -> list[int]
     prefix = inline_prefix(admission)
     if prefix is not None:
         return prefix
-    try:
+    with _missing_chain_record():
         snapshots = await source.fetch(list(admission.staging_chain))
-    except KeyError as exc:
-        raise PrefixResolutionError(f"staging chain record missing: {exc}") from exc
     return verify_staging_chain(admission, snapshots)

@@ -61,9 +61,8 @@ class SequenceHashCache:
             parent_packed = entry[2]
         if parent_packed is None:
             parent_packed = encode_token_ids(prefix)[_COUNT_BYTES:]
-        rest_list = list(rest)
-        packed = parent_packed + encode_token_ids(rest_list)[_COUNT_BYTES:]
-        sequence = [*prefix, *rest_list]
+        packed = parent_packed + encode_token_ids(rest)[_COUNT_BYTES:]
+        sequence = [*prefix, *rest]
         with self._lock:
             self._entries[rollout_id] = (model_call_id, sequence, packed)
             self._entries.move_to_end(rollout_id)

@@ -54,7 +54,6 @@ _VOCAB = 151_936
 _PREV_LEN = 4096
 _U64 = struct.Struct(">Q")
 _F32 = struct.Struct("<f")
-_SCALARS = _SCALAR_FIELDS
 _CODE_VALUES = {0x00: 0.0, 0x80: -0.0, 0x3F: 1.0}
 
 
@@ -120,10 +119,8 @@ def _baseline_digest(fields: dict[str, Any], ids: list[int], mask: list[float], 
     payload = [head]
     for column in (id_bytes, mask_bytes, lp_bytes):
         payload += [_U64.pack(8 + len(column)), count, column]
-    for name in ("extras_digest", "chain_hash", "cumulative_hash"):
-        payload.append(
-            bytes.fromhex(fields[name]) if name == "extras_digest" else b"\x01" + bytes.fromhex(fields[name])
-        )
+    payload.append(bytes.fromhex(fields["extras_digest"]))
+    payload += [b"\x01" + bytes.fromhex(fields[name]) for name in ("chain_hash", "cumulative_hash")]
     return hashlib.sha256(CALL_DIGEST_DOMAIN + b"".join(payload)).hexdigest()
 
 
@@ -136,7 +133,7 @@ def baseline_encode(components: dict[str, Any]) -> bytes:
     wide = any(token >= 1 << 32 for token in ids)
     exact = all(_F32.unpack(_F32.pack(lp))[0] == lp for lp in log_probs)
     payload: dict[str, Any] = {"v": CODEC_VERSION, "digest": digest}
-    payload.update((name, fields[name]) for name in _SCALARS)
+    payload.update((name, fields[name]) for name in _SCALAR_FIELDS)
     payload["ids_width"] = 8 if wide else 4
     payload["ids"] = b"".join([struct.pack("<Q" if wide else "<I", token) for token in ids])
     payload["mask"] = bytes([struct.pack(">f", m)[0] for m in mask])
@@ -159,7 +156,7 @@ def baseline_decode(blob: bytes) -> StagedCallSnapshot:
     _baseline_check_columns(ids, mask, log_probs)
     if _baseline_digest(obj, ids, mask, log_probs) != obj["digest"]:
         raise ValueError("digest does not match staged call contents")
-    fields = {name: obj[name] for name in _SCALARS}
+    fields = {name: obj[name] for name in _SCALAR_FIELDS}
     return StagedCallSnapshot.model_construct(
         **fields,
         digest=obj["digest"],

@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 
 from ..codec import encode_record
 from ..digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
-from ..keys import record_key
+from ..keys import DEFAULT_NAMESPACE, record_key
 from ..records import StagedCallRecord
 from ..redis_sink import AsyncRedisStagingSink
 from ..source import AsyncRedisStagingSource
@@ -142,7 +142,9 @@ async def _bench_sink(url: str, records: list[StagedCallRecord], concurrency: in
     return _figures("sink", records[0].delta_len, concurrency, nbytes, elapsed, lat)
 
 
-async def _bench_plain_set(url: str, records: list[StagedCallRecord], concurrency: int, connections: int) -> StageFigures:
+async def _bench_plain_set(
+    url: str, records: list[StagedCallRecord], concurrency: int, connections: int
+) -> StageFigures:
     """Baseline: encode_record + plain SETs, pipelined per connection, no script, no checks.
 
     Encoding is timed on both sides: the sink also encodes inside ``stage``.
@@ -205,7 +207,7 @@ def _digest_payload_bytes(record: StagedCallRecord) -> int:
 async def _bench_chain_fetch(url: str, chain: list[StagedCallRecord], repeats: int) -> dict[str, float]:
     keys = [r.staging_key for r in chain]
     payloads = [bytes(_digest_payload_bytes(r)) for r in chain]
-    redis_keys = [record_key("stg", k) for k in keys]
+    redis_keys = [record_key(DEFAULT_NAMESPACE, k) for k in keys]
     async with AsyncRedisStagingSource.from_url(url) as source:
         client = aioredis.Redis.from_url(url)
         try:
