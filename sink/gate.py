@@ -145,7 +145,14 @@ class CaptureGate:
             request_items=list(request_items),
             response_items=list(response_items),
         )
-        await self._ledger.record(commit)
+        try:
+            await self._ledger.record(commit)
+        except ValueError as exc:
+            # Step 10 failed without a connection problem: items the ledger cannot
+            # fingerprint, or a conflicting row. Poison the rollout; never fail the call (INV-4).
+            logger.warning("cannot commit %s/%s: %s", rollout_id, call_id, exc)
+            await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
+            return None
         return row
 
     @staticmethod

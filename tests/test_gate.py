@@ -143,3 +143,27 @@ async def test_retired_rollouts_are_not_admitted(ledger: Any) -> None:
     gate = CaptureGate(ledger)
     assert await gate.admit("g5", [SYSTEM, USER]) is None  # a root request too (§6.6 step 1)
     assert await gate.admit("g5", [SYSTEM, USER, _assistant("x")]) is None
+
+
+async def test_unfingerprintable_items_poison_the_rollout_instead_of_failing_the_call(ledger: Any) -> None:
+    _prefix.clear()
+    store = MemoryStagingStore()
+    gate = CaptureGate(ledger)
+    capture = RolloutTokenCapture(sink=store, weight_version_fn=lambda: 0)
+    admission = await gate.admit("g6", [SYSTEM, USER])
+    assert admission is not None
+    call = await capture.abegin_call(admission)
+    coords = await capture.acomplete_call(
+        call, prompt_token_ids=[1, 2], generated_token_ids=[3], generated_logprobs=[-0.5]
+    )
+    row = await gate.commit(
+        admission,
+        coords,
+        response_id="resp-x",
+        request_items=[SYSTEM, USER],
+        response_items=[{"role": "assistant", "content": 5}],  # not a valid content shape
+    )
+    assert row is None
+    manifest = await ledger.manifest("g6")
+    assert manifest.records == []
+    assert [f.reason for f in manifest.failures] == [INVALID_COMMIT_COORDS_REASON]
