@@ -1,40 +1,324 @@
-"""The worker's sequence cache never changes a cumulative hash; it only skips re-packing."""
+"""The worker's sequence cache never changes an outcome; it only skips checks it can prove another way.
+
+Proofs match item *objects* (addresses of objects they keep alive), so equal-but-distinct ids, ``True``,
+``1.0`` or int subclasses always fall back to the reference path. The property test drives a cached and an
+uncached capture through the same random rollouts (branches, retries, evictions, bad input) and requires the
+same outcome for every call, byte for byte.
+"""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sink.digest import hash_token_ids
-from worker.sequence_cache import SequenceHashCache
+from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
+from worker import CaptureError, RolloutTokenCapture
+from worker import sequence_cache as sc
+from worker.sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 
-ids = st.lists(st.integers(min_value=0, max_value=2**40), max_size=30)
+
+class _Sub(int):
+    """An int subclass: equal to an int, yet not an exact int (the contract rejects it)."""
 
 
-@settings(max_examples=200, deadline=None)
+def _fresh(values: list[int]) -> list[int]:
+    """Equal ids as distinct objects (for ids beyond the interpreter's small-int cache)."""
+    return [int(str(value)) for value in values]
+
+
+class AcknowledgingSink:
+    def stage(self, record: StagedCallRecord) -> StageResult:
+        return StageResult(ok=True, staging_key=record.staging_key)
+
+
+# --- ProvenSequence ------------------------------------------------------------------------------------
+
+
+def test_the_address_layout_is_verified_on_this_interpreter() -> None:
+    assert sc._ADDRESSES_READABLE  # CPython with a GIL: the fast path is live in these tests
+    values = [1000, 2000, 3000]
+    assert sc.item_addresses(values) == b"".join(id(v).to_bytes(sc._ADDRESS_BYTES, "little") for v in values)
+    assert sc.item_addresses([]) == b""
+
+
+def test_a_proof_hashes_like_the_reference_and_holds_only_for_the_same_objects() -> None:
+    first, second = [500, 600, 700], [800, 0, 1]
+    proof = EMPTY_SEQUENCE.extended(first)
+    assert proof is not None
+    proof = proof.extended(second)
+    assert proof is not None
+    assert proof.length == 6 and len(proof.packed) == 2
+    assert proof.cumulative_hash() == hash_token_ids(first + second)
+    assert proof.holds(first + second)
+    assert not proof.holds(_fresh(first) + second)  # equal values, distinct objects: not proved
+    assert not proof.holds(first + second[:2])  # wrong length
+    assert not proof.holds([*first, 800, 0, True])  # True == 1, but it is not the proved object
+    assert not proof.holds([*first, 800, 0.0, 1])
+    assert EMPTY_SEQUENCE.holds([]) and EMPTY_SEQUENCE.cumulative_hash() == hash_token_ids([])
+
+
+def test_a_proof_survives_changes_to_the_callers_list() -> None:
+    ids = [5000, 6000]
+    originals = list(ids)
+    proof = EMPTY_SEQUENCE.extended(ids)
+    assert proof is not None
+    ids[0] = 7000  # the proof owns a private copy of the objects it proved
+    assert proof.holds(list(originals)) and not proof.holds(list(ids))
+    assert proof.cumulative_hash() == hash_token_ids([5000, 6000])
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, -1, _Sub(3), 2**64, "1", None])
+def test_a_proof_applies_the_reference_type_gate(bad: Any) -> None:
+    with pytest.raises(ValueError):
+        EMPTY_SEQUENCE.extended([1, bad])
+
+
+def test_without_readable_addresses_nothing_is_proved(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sc, "_ADDRESSES_READABLE", False)
+    assert sc.item_addresses([1]) is None
+    assert EMPTY_SEQUENCE.extended([1, 2]) is None
+    assert not ProvenSequence(1, (b"",), (b"",), ([1],)).holds([1])
+
+
+def test_without_readable_addresses_the_capture_takes_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sc, "_ADDRESSES_READABLE", False)
+    rollout = _Rollout(rollout_id="r", caches=(4, 0))
+    root = rollout.call(None, carry=[300, 301], generated=[302])
+    child = rollout.call(root, carry=[303], generated=[304, 305])
+    assert root.disposition == child.disposition == "staged"
+
+
+# --- SequenceHashCache ---------------------------------------------------------------------------------
+
+
+def _proof(*ids: int) -> ProvenSequence:
+    proof = EMPTY_SEQUENCE.extended(list(ids))
+    assert proof is not None
+    return proof
+
+
+def test_the_cache_is_an_lru_over_rollouts_and_over_calls() -> None:
+    cache = SequenceHashCache(max_rollouts=2, calls_per_rollout=2)
+    a, b, c = _proof(1), _proof(2), _proof(3)
+    cache.remember("r1", "c1", a)
+    cache.remember("r1", "c2", b)
+    cache.remember("r1", "c3", c)  # evicts r1/c1
+    assert cache.lookup("r1", "c1") is None and cache.lookup("r1", "c2") is b and cache.lookup("r1", "c3") is c
+    cache.remember("r2", "c1", a)
+    cache.remember("r3", "c1", b)  # evicts r1, the least recently remembered rollout
+    assert len(cache) == 2 and cache.lookup("r1", "c3") is None and cache.lookup("r3", "c1") is b
+    assert cache.lookup("r2", None) is EMPTY_SEQUENCE  # a root's prefix is the empty sequence
+    with pytest.raises(ValueError):
+        SequenceHashCache(0)
+
+
+def test_the_cache_is_thread_safe() -> None:
+    cache = SequenceHashCache(max_rollouts=8)
+    proofs = [_proof(n) for n in range(16)]
+    errors: list[BaseException] = []
+
+    def worker(offset: int) -> None:
+        try:
+            for n in range(2000):
+                cache.remember(f"r{(n + offset) % 12}", f"c{n % 5}", proofs[n % 16])
+                found = cache.lookup(f"r{n % 12}", f"c{n % 5}")
+                assert found is None or isinstance(found, ProvenSequence)
+        except BaseException as exc:  # noqa: BLE001 -- surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(cache) <= 8
+
+
+# --- the capture: cached == uncached ------------------------------------------------------------------
+
+
+@dataclass
+class _Rollout:
+    """Drives the same calls through a cached and an uncached capture and checks they agree."""
+
+    rollout_id: str
+    caches: tuple[int, ...] = (64, 0)
+
+    def __post_init__(self) -> None:
+        self.captures = [
+            RolloutTokenCapture(sink=AcknowledgingSink(), weight_version_fn=lambda: 3, sequence_cache_rollouts=n)
+            for n in self.caches
+        ]
+        self.count = 0
+        self.full: dict[str, list[int]] = {}  # staged call id -> its full sequence (the engine's objects)
+
+    def call(
+        self,
+        parent: CommitCoords | None,
+        *,
+        carry: list[int],
+        generated: list[int],
+        prefix: Any = "same",
+        prompt_head: list[Any] | None = None,
+        inline: bool = False,
+    ) -> CommitCoords:
+        """One call; *prefix* is ``"same"`` (the parent's objects), ``None`` or an explicit list."""
+        self.count += 1
+        call_id = f"c{self.count}"
+        if parent is None:
+            admission = CaptureAdmission(rollout_id=self.rollout_id, model_call_id=call_id, mode="text")
+            explicit = None
+            parent_full: list[int] = []
+        else:
+            parent_full = self.full[parent.model_call_id]
+            admission = CaptureAdmission(
+                rollout_id=self.rollout_id,
+                model_call_id=call_id,
+                parent_call_id=parent.model_call_id,
+                prev_len=parent.cum_len,
+                mode="token_in",
+                required_prefix_token_ids=list(parent_full) if inline else [],
+                staging_chain=[] if inline else ["unused"],
+                parent_chain_hash=parent.chain_hash,
+            )
+            explicit = parent_full if prefix == "same" else prefix
+        head = parent_full if prompt_head is None else prompt_head
+        prompt = head + carry
+        logprobs = [-0.5] * len(generated)
+        outcomes = []
+        for capture in self.captures:
+            try:
+                active = capture.begin_call(admission, prefix_token_ids=explicit)
+            except CaptureError as exc:
+                outcomes.append(("CaptureError", type(exc).__name__))
+                continue
+            coords = capture.complete_call(
+                active, prompt_token_ids=prompt, generated_token_ids=generated, generated_logprobs=logprobs
+            )
+            outcomes.append(("coords", coords))
+        assert all(outcome == outcomes[0] for outcome in outcomes), outcomes
+        kind, result = outcomes[0]
+        if kind != "coords":
+            return CommitCoords(
+                rollout_id=self.rollout_id,
+                model_call_id=call_id,
+                parent_call_id=admission.parent_call_id,
+                prev_len=admission.prev_len,
+                delta_len=0,
+                cum_len=admission.prev_len,
+                weight_version=3,
+                disposition="capture_failed",
+            )
+        assert isinstance(result, CommitCoords)
+        if result.disposition == "staged":
+            self.full[call_id] = prompt + generated
+        return result
+
+
+_IDS = st.lists(st.sampled_from([0, 1, 2, 255, 300, 7_000, 150_000, 2**31 + 5, 2**40]), max_size=6)
+_CORRUPT = st.sampled_from(["none"] * 6 + ["fresh", "bool", "float", "negative", "subclass", "value"])
+
+
+def _corrupted(values: list[int], how: str, position: int) -> list[Any]:
+    """*values* with one id replaced as *how* says (equal in value where the bad type allows it)."""
+    out: list[Any] = list(values) if how != "fresh" else _fresh(values)
+    if not values or how in ("none", "fresh"):
+        return out
+    at = position % len(values)
+    value = values[at]
+    out[at] = {
+        "bool": bool(value) if value in (0, 1) else True,
+        "float": float(value),
+        "negative": -1 - value,
+        "subclass": _Sub(value),
+        "value": value + 1,
+    }[how]
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(
-        st.tuples(st.sampled_from(["r1", "r2"]), st.integers(min_value=0, max_value=3), ids, ids),
+    caches=st.sampled_from([(64, 0), (1, 0), (2, 0)]),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["r1", "r2", "r3"]),
+            st.integers(min_value=0, max_value=50),  # which staged call is the parent (0: a new root)
+            _IDS,
+            st.lists(st.sampled_from([3, 301, 9_999]), min_size=1, max_size=4),
+            st.sampled_from(["same"] * 4 + ["fresh", "bad", "inline", "none"]),  # the explicit prefix
+            st.tuples(_CORRUPT, st.integers(min_value=0, max_value=99)),  # the prompt's head
+            st.tuples(_CORRUPT, st.integers(min_value=0, max_value=99)),  # a bad explicit prefix
+        ),
         min_size=1,
-        max_size=12,
-    )
+        max_size=14,
+    ),
 )
-def test_cached_hashes_equal_the_reference(steps: list[tuple[str, int, list[int], list[int]]]) -> None:
-    cache = SequenceHashCache(max_rollouts=1)  # evictions happen too
-    sequences: dict[tuple[str, str], list[int]] = {}
-    for index, (rollout, parent_pick, fallback_prefix, rest) in enumerate(steps):
-        known = [key for key in sequences if key[0] == rollout]
-        parent = known[parent_pick % len(known)] if known else None
-        prefix = sequences[parent] if parent is not None else fallback_prefix
-        call_id = f"c{index}"
-        digest = cache.cumulative_hash(rollout, call_id, parent[1] if parent else None, prefix, rest)
-        assert digest == hash_token_ids(prefix + rest)
-        sequences[(rollout, call_id)] = prefix + rest
+def test_cached_and_uncached_captures_agree(caches: tuple[int, int], steps: list[Any]) -> None:
+    rollouts: dict[str, _Rollout] = {}
+    staged: dict[str, list[CommitCoords]] = {}
+    for rollout_id, pick, carry, generated, prefix_kind, (head_how, head_at), (bad_how, bad_at) in steps:
+        rollout = rollouts.setdefault(rollout_id, _Rollout(rollout_id, caches))
+        known = staged.setdefault(rollout_id, [])
+        parent = known[(pick - 1) % len(known)] if known and pick else None  # older calls: retries, siblings
+        full = rollout.full[parent.model_call_id] if parent is not None else []
+        prefix: Any = "same"
+        if prefix_kind == "fresh":
+            prefix = _fresh(full)
+        elif prefix_kind == "bad":
+            prefix = _corrupted(full, bad_how, bad_at)
+        elif prefix_kind in ("inline", "none"):
+            prefix = None
+        head = _corrupted(full, head_how, head_at) if head_how != "none" else None
+        coords = rollout.call(
+            parent, carry=carry, generated=generated, prefix=prefix, prompt_head=head, inline=prefix_kind == "inline"
+        )
+        if coords.disposition == "staged":
+            known.append(coords)
 
 
-def test_a_prefix_that_differs_from_the_cached_parent_is_packed_in_full() -> None:
-    cache = SequenceHashCache()
-    cache.cumulative_hash("r", "c0", None, [], [1, 2, 3])
-    # Same parent id, different contents (e.g. a caller bug): the value check prevents re-use.
-    assert cache.cumulative_hash("r", "c1", "c0", [9, 9, 9], [4]) == hash_token_ids([9, 9, 9, 4])
-    assert cache.cumulative_hash("r", "c2", "c1", [9, 9, 9, 4], [5]) == hash_token_ids([9, 9, 9, 4, 5])
+def test_a_prompt_with_true_for_one_in_its_prefix_fails_as_without_the_cache() -> None:
+    """The old value-keyed cache re-used the parent's bytes here; the reference path rejects the bool."""
+    rollout = _Rollout("r")
+    root = rollout.call(None, carry=[1, 500], generated=[600])
+    child = rollout.call(root, carry=[700], generated=[800], prompt_head=[True, 500, 600])
+    assert child.disposition == "capture_failed"
+
+
+def test_a_bool_in_an_explicit_prefix_raises_as_without_the_cache() -> None:
+    rollout = _Rollout("r")
+    root = rollout.call(None, carry=[1, 500], generated=[600])
+    failed = rollout.call(root, carry=[700], generated=[800], prefix=[True, 500, 600])
+    assert failed.disposition == "capture_failed"  # both captures raised CaptureError at begin
+
+
+def test_the_parents_own_objects_take_the_proved_path() -> None:
+    capture = RolloutTokenCapture(sink=AcknowledgingSink(), weight_version_fn=lambda: 1)
+    prompt, generated = [400, 401], [402]
+    root = capture.complete_call(
+        capture.begin_call(CaptureAdmission(rollout_id="r", model_call_id="c1", mode="text")),
+        prompt_token_ids=prompt,
+        generated_token_ids=generated,
+        generated_logprobs=[-0.5],
+    )
+    sequence = prompt + generated
+    admission = CaptureAdmission(
+        rollout_id="r",
+        model_call_id="c2",
+        parent_call_id="c1",
+        prev_len=3,
+        mode="token_in",
+        staging_chain=["unused"],
+        parent_chain_hash=root.chain_hash,
+    )
+    proved = capture.begin_call(admission, prefix_token_ids=sequence)
+    assert proved._prefix_proof is not None and proved.prefix_token_ids is not sequence  # a private snapshot
+    sequence.append(403)  # later changes to the caller's list cannot reach the call
+    assert proved.prefix_token_ids == [400, 401, 402]
+    distinct = capture.begin_call(admission, prefix_token_ids=_fresh([400, 401, 402]))
+    assert distinct._prefix_proof is None  # equal values are checked the reference way

@@ -12,11 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sink.digest import build_staging_delta, compute_chain_hash, compute_extras_digest, hash_token_ids
+from sink.digest import (
+    build_staging_delta,
+    chain_hash_of_packed,
+    compute_chain_hash,
+    compute_extras_digest,
+    hash_token_ids,
+)
 from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord
 
 from .errors import CaptureError
-from .sequence_cache import SequenceHashCache
+from .sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 
 __all__ = ("ActiveCall", "build_call_record", "failed_coords")
 
@@ -29,6 +35,10 @@ class ActiveCall:
     ``staging_chain`` did not resolve); the host still serves the completion
     without a prefix, and completing the call returns failed coordinates
     without staging. A per-call lock guards only ``completed``.
+
+    ``_prefix_proof``, when set by ``begin_call``, is a proof whose objects
+    are exactly the items of ``prefix_token_ids`` (then the capture's own
+    snapshot of the caller's list): see :mod:`worker.sequence_cache`.
     """
 
     admission: CaptureAdmission
@@ -38,6 +48,7 @@ class ActiveCall:
     completed: bool = False
     capture_failure: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _prefix_proof: ProvenSequence | None = field(default=None, repr=False)
 
     @property
     def capture_failed(self) -> bool:
@@ -84,6 +95,11 @@ def build_call_record(
     must be the resolved prefix followed by the cut delta; the record keeps
     the cut's masks and log-probabilities and takes the older weight version.
 
+    With *sequence_cache*, a prompt whose first ``prev_len`` items are the
+    very objects of a proved sequence skips the O(full) checks and packing
+    (see :mod:`worker.sequence_cache`); any other prompt takes the reference
+    path. The record is byte-identical either way.
+
     :raises ValueError: the prompt does not begin with the authorized prefix,
         the columns are inconsistent, or record validation fails.
     :raises TypeError: an extras value is unsupported.
@@ -92,8 +108,10 @@ def build_call_record(
     prev_len = admission.prev_len
     prompt = _as_list(prompt_token_ids)
     generated = _as_list(generated_token_ids)
-    prefix = prompt[:prev_len]
-    if prefix != call.prefix_token_ids:
+    head = prompt[:prev_len]  # a private slice: the one O(full) pass over the prompt
+    parent = None if sequence_cache is None else _proof_of_head(call, head, sequence_cache)
+    # A head proved identical to the proof begin_call matched against the prefix is the prefix, item by item.
+    if (parent is None or parent is not call._prefix_proof) and head != call.prefix_token_ids:
         raise ValueError("prompt does not begin with the gate-authorized prefix")
     cut = call.generation_cut
     if cut is None:
@@ -111,6 +129,11 @@ def build_call_record(
         mask = cut.token_mask_delta + [1.0] * len(generated)
         logprobs = cut.generation_log_probs_delta + _as_list(generated_logprobs)
         weight_version = min(cut.weight_version, call.weight_version)
+    if sequence_cache is None:
+        chain_hash = compute_chain_hash(admission.parent_chain_hash, ids)
+        cumulative_hash = hash_token_ids(prompt + generated)
+    else:
+        chain_hash, cumulative_hash = _cached_hashes(call, sequence_cache, parent, ids, rest, prompt, generated)
     return StagedCallRecord.from_components(
         rollout_id=admission.rollout_id,
         model_call_id=admission.model_call_id,
@@ -125,12 +148,47 @@ def build_call_record(
         generation_log_probs_delta=logprobs,
         extras=extras,
         extras_digest=compute_extras_digest(extras),
-        chain_hash=compute_chain_hash(admission.parent_chain_hash, ids),
-        cumulative_hash=(
-            hash_token_ids(prompt + generated)
-            if sequence_cache is None
-            else sequence_cache.cumulative_hash(
-                admission.rollout_id, admission.model_call_id, admission.parent_call_id, prefix, rest
-            )
-        ),
+        chain_hash=chain_hash,
+        cumulative_hash=cumulative_hash,
     )
+
+
+def _proof_of_head(call: ActiveCall, head: list[int], cache: SequenceHashCache) -> ProvenSequence | None:
+    """A proof whose objects are exactly the items of *head* (a private slice), or ``None``.
+
+    Tries the proof ``begin_call`` matched against the prefix, else the parent's remembered sequence.
+    """
+    admission = call.admission
+    proof = call._prefix_proof
+    if proof is None:
+        proof = cache.lookup(admission.rollout_id, admission.parent_call_id)
+    return proof if proof is not None and proof.holds(head) else None
+
+
+def _cached_hashes(
+    call: ActiveCall,
+    cache: SequenceHashCache,
+    parent: ProvenSequence | None,
+    ids: list[int],
+    rest: list[int],
+    prompt: list[int],
+    generated: list[int],
+) -> tuple[str, str]:
+    """``(chain_hash, cumulative_hash)`` of the record, packing only *rest* when *parent* proves the head.
+
+    *rest* is ``prompt[prev_len:] + generated`` (a list private to the caller). Without a proved head the
+    whole sequence is packed, which applies the reference type gate to every prompt id. The full sequence's
+    proof is remembered for the call's children.
+
+    :raises ValueError: an id is not an exact int in ``[0, 2**64)``.
+    """
+    admission = call.admission
+    proof = EMPTY_SEQUENCE.extended(prompt + generated) if parent is None else parent.extended(rest)
+    if proof is None:  # object addresses are unreadable on this interpreter: the reference path
+        return compute_chain_hash(admission.parent_chain_hash, ids), hash_token_ids(prompt + generated)
+    if parent is not None and rest is ids:
+        chain_hash = chain_hash_of_packed(admission.parent_chain_hash, proof.packed[-1])
+    else:
+        chain_hash = compute_chain_hash(admission.parent_chain_hash, ids)
+    cache.remember(admission.rollout_id, admission.model_call_id, proof)
+    return chain_hash, proof.cumulative_hash()

@@ -27,7 +27,7 @@ from .call import ActiveCall, build_call_record, failed_coords
 from .errors import CaptureError, PrefixResolutionError, StreamingUnsupportedError
 from .generation_cut import check_cut_snapshot
 from .prefix import verify_staging_chain
-from .sequence_cache import SequenceHashCache
+from .sequence_cache import ProvenSequence, SequenceHashCache
 
 if TYPE_CHECKING:
     from .adapters import CaptureAdapter
@@ -148,8 +148,9 @@ class RolloutTokenCapture:
         resolve ``staging_chain`` admissions inside ``begin_call``.
     :param adapter: optional :class:`~worker.adapters.CaptureAdapter` for
         ``complete_call_from_response``.
-    :param sequence_cache_rollouts: rollouts whose latest full sequence is kept packed, so a child
-        re-packs only its own tokens for its cumulative hash (about 16 bytes per remembered token; 0 disables).
+    :param sequence_cache_rollouts: rollouts whose recent full sequences are kept proved and packed, so a
+        child whose prefix and prompt hold the very same id objects skips the O(full) type checks and packs
+        only its own tokens (about 24 bytes per remembered token plus the ids kept alive; 0 disables).
     :raises TypeError: *sink* has no callable ``stage``, *source* no callable
         ``fetch``, or *weight_version_fn* is not callable.
     """
@@ -210,6 +211,7 @@ class RolloutTokenCapture:
         if stream:
             raise StreamingUnsupportedError("streaming capture is not supported (non-streaming, n == 1 only)")
         prefix: list[int] | None
+        proof: ProvenSequence | None = None
         if admission.mode == "text":
             if prefix_token_ids is not None and _checked_explicit_prefix(prefix_token_ids):
                 raise CaptureError("a text root takes no prefix")
@@ -219,7 +221,7 @@ class RolloutTokenCapture:
             if prefix is None and self._source is None:
                 raise CaptureError("by-reference admission: the caller must pass the resolved prefix")
         else:
-            prefix = _checked_explicit_prefix(prefix_token_ids)
+            prefix, proof = self._explicit_prefix(admission, prefix_token_ids)
             if len(prefix) != admission.prev_len:
                 raise CaptureError(f"prefix has {len(prefix)} ids, admission prev_len is {admission.prev_len}")
             inline = admission.required_prefix_token_ids
@@ -242,7 +244,28 @@ class RolloutTokenCapture:
                 prefix = verify_staging_chain(admission, snapshots)
             except PrefixResolutionError as exc:
                 return _uncaptured(admission, stamped, cut, str(exc))
-        return ActiveCall(admission, stamped, prefix, cut)
+        return ActiveCall(admission, stamped, prefix, cut, _prefix_proof=proof)
+
+    def _explicit_prefix(
+        self, admission: CaptureAdmission, prefix_token_ids: object
+    ) -> tuple[list[int], ProvenSequence | None]:
+        """A ``token_in`` call's explicit prefix, checked (§5.3), and the proof that checked it, if any.
+
+        When the items of the caller's list are the very objects of the parent's remembered sequence
+        (an address match on a private snapshot, see :mod:`worker.sequence_cache`), they are proved exact
+        non-negative ints without a per-item type pass; the snapshot becomes the call's prefix, so later
+        changes to the caller's list cannot reach the call. Otherwise the reference type gate decides.
+
+        :raises CaptureError: the prefix is not a list of non-negative exact ints.
+        """
+        sequences = self._sequences
+        if sequences is not None and type(prefix_token_ids) is list:
+            proof = sequences.lookup(admission.rollout_id, admission.parent_call_id)
+            if proof is not None and proof.length == len(prefix_token_ids):
+                snapshot: list[int] = prefix_token_ids[:]  # private: nobody can resize it while it is read
+                if proof.holds(snapshot):
+                    return snapshot, proof
+        return _checked_explicit_prefix(prefix_token_ids), None
 
     def begin_call(
         self,
