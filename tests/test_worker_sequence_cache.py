@@ -322,3 +322,18 @@ def test_the_parents_own_objects_take_the_proved_path() -> None:
     assert proved.prefix_token_ids == [400, 401, 402]
     distinct = capture.begin_call(admission, prefix_token_ids=_fresh([400, 401, 402]))
     assert distinct._prefix_proof is None  # equal values are checked the reference way
+
+
+def test_an_engine_echoing_fresh_prompt_objects_keeps_the_proof_and_the_hashes() -> None:
+    """A prompt head of equal-but-new objects is type-checked once and re-uses the parent's packed ids."""
+    rollout = _Rollout("r")
+    root = rollout.call(None, carry=[400, 401], generated=[402])
+    parent_full = rollout.full[root.model_call_id]
+    child = rollout.call(root, carry=[403], generated=[404], prompt_head=_fresh(parent_full))
+    assert child.disposition == "staged"
+    cached = rollout.captures[0]._sequences
+    assert cached is not None
+    proof = cached.lookup("r", child.model_call_id)
+    assert proof is not None and proof.holds(list(rollout.full[child.model_call_id]))  # the next call hits
+    bad = rollout.call(root, carry=[403], generated=[404], prompt_head=[400, 401, _Sub(402)])
+    assert bad.disposition == "capture_failed"

@@ -111,8 +111,11 @@ def build_call_record(
     head = prompt[:prev_len]  # a private slice: the one O(full) pass over the prompt
     parent = None if sequence_cache is None else _proof_of_head(call, head, sequence_cache)
     # A head proved identical to the proof begin_call matched against the prefix is the prefix, item by item.
-    if (parent is None or parent is not call._prefix_proof) and head != call.prefix_token_ids:
-        raise ValueError("prompt does not begin with the gate-authorized prefix")
+    if parent is None or parent is not call._prefix_proof:
+        if head != call.prefix_token_ids:
+            raise ValueError("prompt does not begin with the gate-authorized prefix")
+        if parent is None and sequence_cache is not None:
+            parent = _proof_for_equal_head(call, head)
     cut = call.generation_cut
     if cut is None:
         ids, mask, logprobs = build_staging_delta(prompt, generated, generated_logprobs, prev_len)
@@ -163,6 +166,21 @@ def _proof_of_head(call: ActiveCall, head: list[int], cache: SequenceHashCache) 
     if proof is None:
         proof = cache.lookup(admission.rollout_id, admission.parent_call_id)
     return proof if proof is not None and proof.holds(head) else None
+
+
+def _proof_for_equal_head(call: ActiveCall, head: list[int]) -> ProvenSequence | None:
+    """After the check ``head == call.prefix_token_ids``: the begin proof, held by *head*'s own objects.
+
+    Sound because ``begin_call`` matched the prefix (the capture's own snapshot) item for item to the objects
+    of ``call._prefix_proof``, so the prefix holds exactly the proved ids; ``head == prefix`` then gives equal
+    values once every item of *head* is proved an exact ``int`` (one type pass, cheaper than packing), and
+    the proof's packed bytes are *head*'s. Engines echo the prompt as fresh int objects: this keeps a child's
+    hash to its new ids even then.
+    """
+    proof = call._prefix_proof
+    if proof is None or list(map(type, head)).count(int) != len(head):
+        return None
+    return proof.held_by(head)
 
 
 def _cached_hashes(

@@ -133,6 +133,17 @@ class ProvenSequence:
             (*self.owners, owner),
         )
 
+    def held_by(self, values: list[int]) -> ProvenSequence | None:
+        """The same ids, proved for the objects of *values* instead (``None`` when addresses are unreadable).
+
+        The caller must already have proved that every item of *values* is an exact ``int`` equal to the id at
+        its position; *values* must be a list the caller just created and shares with no one.
+        """
+        addresses = item_addresses(values)
+        if addresses is None or len(values) != self.length:
+            return None
+        return ProvenSequence(self.length, self.packed, (addresses,), (values,))
+
     def holds(self, values: list[int]) -> bool:
         """Whether every item of *values* is the very object proved at its position (``False``: not proved).
 
@@ -189,14 +200,18 @@ class SequenceHashCache:
 
     def remember(self, rollout_id: str, model_call_id: str, proof: ProvenSequence) -> None:
         """Remember *proof* as *model_call_id*'s full sequence, evicting the least recently used entries."""
+        evicted: list[object] = []
         with self._lock:
             calls = self._rollouts.get(rollout_id)
             if calls is None:
                 calls = self._rollouts[rollout_id] = OrderedDict()
             self._rollouts.move_to_end(rollout_id)
+            evicted.append(calls.get(model_call_id))
             calls[model_call_id] = proof
             calls.move_to_end(model_call_id)
             while len(calls) > self._calls_per_rollout:
-                calls.popitem(last=False)
+                evicted.append(calls.popitem(last=False))
             while len(self._rollouts) > self._max_rollouts:
-                self._rollouts.popitem(last=False)
+                evicted.append(self._rollouts.popitem(last=False))
+        # Dropping a proof can free thousands of ids: let that happen here, outside the lock.
+        evicted.clear()
