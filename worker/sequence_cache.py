@@ -87,6 +87,9 @@ def _layout_verified() -> bool:
     """Whether this interpreter stores list items as :func:`_read_list_items` expects (checked against ``id``)."""
     if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
         return False
+    # An empty list is exactly the five words of the expected layout (nothing is dereferenced before this).
+    if [].__sizeof__() != _LIST_ITEMS_OFFSET + 2 * _ADDRESS_BYTES:
+        return False
     probe: list[object] = [object(), 3**50, "probe", None]
     expected = b"".join(id(item).to_bytes(_ADDRESS_BYTES, sys.byteorder) for item in probe)
     return _read_list_items(probe) == expected
