@@ -28,12 +28,13 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgpack
 from pydantic import ValidationError
 
 from ._columns import (
+    ID_TYPECODES,
     MASK_CODES,
     PackedColumns,
     TrustedColumns,
@@ -44,9 +45,17 @@ from ._columns import (
     pack_validated_columns,
 )
 from .errors import CodecError
+from .packed_snapshot import PackedSnapshot, verified_packed_snapshot
 from .records import _SCALAR_DIGEST_FIELDS, _TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot
 
-__all__ = ("CODEC_VERSION", "DEFAULT_MAX_RECORD_BYTES", "DIGEST_HEAD_BYTES", "decode_record", "encode_record")
+__all__ = (
+    "CODEC_VERSION",
+    "DEFAULT_MAX_RECORD_BYTES",
+    "DIGEST_HEAD_BYTES",
+    "decode_packed_record",
+    "decode_record",
+    "encode_record",
+)
 
 CODEC_VERSION: Final = 1
 DEFAULT_MAX_RECORD_BYTES: Final = 64 * 1024 * 1024
@@ -55,7 +64,6 @@ DEFAULT_MAX_RECORD_BYTES: Final = 64 * 1024 * 1024
 DIGEST_HEAD_BYTES: Final = 79
 
 _NATIVE_LITTLE: Final = sys.byteorder == "little"
-_ID_TYPECODES: Final = {4: next(code for code in "IL" if array(code).itemsize == 4), 8: "Q"}
 _FLOAT_TYPECODES: Final = {4: "f", 8: "d"}
 
 #: Stored as msgpack scalars under their record field names, in this order.
@@ -223,18 +231,21 @@ def _validation_summary(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def decode_record(data: bytes, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> StagedCallSnapshot:
-    """Decode and fully verify a codec blob.
+class _Blob(NamedTuple):
+    """A structurally valid blob: its fields and its column bytes (sizes and mask codes checked)."""
 
-    Every record rule runs and the call digest is recomputed and compared.
+    fields: dict[str, Any]
+    ids_width: int
+    ids_le: bytes
+    codes: bytes
+    lp_width: int
+    lp_le: bytes
 
-    :raises TypeError: *data* is not bytes-like or *max_record_bytes* is not an int.
-    :raises ValueError: *max_record_bytes* is not positive.
-    :raises CodecError: the blob is oversized, malformed, truncated, of
-        another codec version, or tampered with; the message names what is wrong.
-    """
+
+def _parse(data: bytes, max_record_bytes: int) -> _Blob:
+    """Unpack *data* and check its structure; the record rules are not checked here."""
     if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"decode_record() takes bytes, got {type(data).__name__}")
+        raise TypeError(f"a record blob must be bytes, got {type(data).__name__}")
     if type(max_record_bytes) is not int:
         raise TypeError(f"max_record_bytes must be an int, got {type(max_record_bytes).__name__}")
     if max_record_bytes < 1:
@@ -260,7 +271,13 @@ def decode_record(data: bytes, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYT
     lp_le = _column(fields, "log_probs", lp_width, length)
     if bad_codes := codes.translate(None, MASK_CODES):
         raise CodecError(f"malformed record blob: mask code 0x{bad_codes[0]:02x} is not 0x00, 0x80 or 0x3f")
-    ids = _unpack_list(ids_le, _ID_TYPECODES[ids_width])
+    return _Blob(fields, ids_width, ids_le, codes, lp_width, lp_le)
+
+
+def _snapshot(blob: _Blob) -> StagedCallSnapshot:
+    """The reference decode: build the lists and validate every record rule."""
+    fields, ids_width, ids_le, codes, lp_width, lp_le = blob
+    ids = _unpack_list(ids_le, ID_TYPECODES[ids_width])
     mask = mask_values_from_codes(codes)
     log_probs = _unpack_list(lp_le, _FLOAT_TYPECODES[lp_width])
     trusted = _trust(ids, ids_width, ids_le, mask, codes, log_probs, lp_width, lp_le)
@@ -279,3 +296,32 @@ def decode_record(data: bytes, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYT
         raise CodecError(f"record failed verification: {_validation_summary(exc)}") from exc
     except (ValueError, TypeError) as exc:  # TypeError: unsupported extras value (contract §2.2)
         raise CodecError(f"record failed verification: {exc}") from exc
+
+
+def decode_record(data: bytes, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> StagedCallSnapshot:
+    """Decode and fully verify a codec blob.
+
+    Every record rule runs and the call digest is recomputed and compared.
+
+    :raises TypeError: *data* is not bytes-like or *max_record_bytes* is not an int.
+    :raises ValueError: *max_record_bytes* is not positive.
+    :raises CodecError: the blob is oversized, malformed, truncated, of
+        another codec version, or tampered with; the message names what is wrong.
+    """
+    return _snapshot(_parse(data, max_record_bytes))
+
+
+def decode_packed_record(data: bytes, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> PackedSnapshot:
+    """Decode and fully verify a codec blob into a :class:`~sink.packed_snapshot.PackedSnapshot`.
+
+    The same checks as :func:`decode_record`, proved on the stored bytes
+    without building per-token Python objects; a blob this path cannot prove
+    is decoded by :func:`decode_record` (which raises the precise error).
+
+    :raises TypeError: as :func:`decode_record`.
+    :raises ValueError: as :func:`decode_record`.
+    :raises CodecError: as :func:`decode_record`.
+    """
+    blob = _parse(data, max_record_bytes)
+    packed = verified_packed_snapshot(blob.fields, blob.ids_le, blob.ids_width, blob.codes, blob.lp_le, blob.lp_width)
+    return packed if packed is not None else PackedSnapshot.of(_snapshot(blob))

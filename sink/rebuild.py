@@ -9,25 +9,25 @@ the order of contract §8.1; the first failure raises a
 (steps 9-13) whose ``code`` names the check. Verification reads no extras, has
 no side effects, and is deterministic, so it is safe to retry.
 
-numpy is optional (``pip install staging-sink[numpy]``): this module never
-imports it at import time; only :meth:`LinearizedRow.as_numpy` does.
+Snapshots come as :class:`~sink.records.StagedCallBaseSnapshot` models or as
+:class:`~sink.packed_snapshot.PackedSnapshot` (the trainer's decode form,
+whose digest was recomputed over its bytes when it was decoded and which is
+immutable). A row built only from packed snapshots keeps their bytes and
+builds Python tuples only when a column is read (see :mod:`sink.row`).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import Final, NamedTuple, TypeAlias
 
 from ._columns import PackedColumns
 from .digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
 from .errors import RebuildError, ReceiptVerificationError
+from .packed_snapshot import PackedSnapshot
 from .records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
-
-if TYPE_CHECKING:
-    import numpy as np
-    import numpy.typing as npt
+from .row import ExtrasCommitment, LinearizedRow, LinkSpan, NumpyColumns, RowColumns, WeightVersionSpan
 
 __all__ = (
     "ExtrasCommitment",
@@ -63,30 +63,8 @@ _RECEIPT_VERSIONS: Final = (
 )
 _MISSING: Final = object()
 
-
-class WeightVersionSpan(NamedTuple):
-    """Row positions ``[start, end)`` produced by one call under one weight version."""
-
-    model_call_id: str
-    start: int
-    end: int
-    weight_version: int
-
-
-class LinkSpan(NamedTuple):
-    """How one chain call contributes to the row: carried prompt tokens, then generated ones."""
-
-    model_call_id: str
-    carry_count: int
-    generated_count: int
-
-
-class ExtrasCommitment(NamedTuple):
-    """The extras digest a chain call committed to; verify fetched extras against it at point of use."""
-
-    model_call_id: str
-    extras_digest_version: int
-    extras_digest: str
+#: What verification takes per manifest row.
+Snapshot: TypeAlias = StagedCallBaseSnapshot | PackedSnapshot
 
 
 class _PackedCall(NamedTuple):
@@ -94,100 +72,6 @@ class _PackedCall(NamedTuple):
 
     packed: PackedColumns
     ids_u64be: bytes
-
-
-class NumpyColumns(NamedTuple):
-    """The token columns of a :class:`LinearizedRow` as fresh numpy arrays."""
-
-    token_ids: npt.NDArray[np.int64]
-    token_mask: npt.NDArray[np.float32]
-    logprobs: npt.NDArray[np.float32]
-
-
-@dataclass(frozen=True, slots=True, repr=False)
-class LinearizedRow:
-    """One verified training row: the terminal call's ancestry, root first.
-
-    A frozen, slotted dataclass (not a pydantic model: it is built only by
-    this module from verified data, so re-validation would be pure cost).
-    Every field is a tuple, so the row is deeply immutable and hashable.
-    Column values are exactly the objects the snapshots hold (a ``-0.0`` mask
-    or log-probability keeps its sign). Equal inputs give equal rows.
-    """
-
-    rollout_id: str
-    token_ids: tuple[int, ...]
-    token_mask: tuple[float, ...]
-    logprobs: tuple[float, ...]
-    model_call_ids: tuple[str, ...]
-    prompt_len: int
-    weight_versions: tuple[int, ...]
-    weight_version_spans: tuple[WeightVersionSpan, ...]
-    link_spans: tuple[LinkSpan, ...]
-    extras_commitments: tuple[ExtrasCommitment, ...]
-    # Packed column bytes of the chain calls, when verification had them: as_numpy
-    # then reads bytes instead of Python objects. Not part of the row's value.
-    _packed_columns: tuple[PackedColumns, ...] | None = field(default=None, compare=False, hash=False)
-
-    @property
-    def call_ids(self) -> tuple[str, ...]:
-        """Alias of :attr:`model_call_ids` (root to terminal)."""
-        return self.model_call_ids
-
-    def as_numpy(self) -> NumpyColumns:
-        """Return ``(token_ids int64, token_mask float32, logprobs float32)`` as new arrays.
-
-        The arrays are fresh on every call, so callers may mutate them.
-        Float32 keeps the sign of ``-0.0`` and is exactly what the digests cover.
-
-        :raises ImportError: numpy is not installed (``pip install staging-sink[numpy]``).
-        :raises OverflowError: a token id does not fit in int64.
-        """
-        if self._packed_columns is not None:
-            return _packed_to_numpy(self._packed_columns)
-        return _columns_to_numpy(self.token_ids, self.token_mask, self.logprobs)
-
-    def __repr__(self) -> str:
-        # The columns can hold tens of thousands of tokens; keep logs readable.
-        return (
-            f"LinearizedRow(rollout_id={self.rollout_id!r}, tokens={len(self.token_ids)}, "
-            f"prompt_len={self.prompt_len}, model_call_ids={self.model_call_ids!r}, "
-            f"weight_versions={self.weight_versions!r})"
-        )
-
-
-def _import_numpy() -> Any:
-    try:
-        import numpy
-    except ImportError as exc:
-        raise ImportError(
-            "LinearizedRow.as_numpy needs numpy, an optional extra: pip install 'staging-sink[numpy]'"
-        ) from exc
-    return numpy
-
-
-def _packed_to_numpy(parts: Sequence[PackedColumns]) -> NumpyColumns:
-    """Columns straight from packed bytes: no per-token Python object is touched."""
-    np = _import_numpy()
-    ids = np.concatenate([np.frombuffer(p.ids_le, dtype="<u4" if p.ids_width == 4 else "<u8") for p in parts])
-    if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 1 << 63:
-        raise OverflowError("a token id does not fit in int64")
-    mask_table = np.zeros(256, dtype=np.float32)
-    mask_table[0x80] = -0.0
-    mask_table[0x3F] = 1.0
-    codes = np.frombuffer(b"".join(p.mask_codes for p in parts), dtype=np.uint8)
-    logprobs = np.frombuffer(b"".join(p.lp_f32be for p in parts), dtype=">f4")
-    return NumpyColumns(ids.astype(np.int64), mask_table[codes], logprobs.astype(np.float32))
-
-
-def _columns_to_numpy(token_ids: Sequence[int], token_mask: Sequence[float], logprobs: Sequence[float]) -> NumpyColumns:
-    """Columns from the Python sequences (one C-level pass per column)."""
-    np = _import_numpy()
-    return NumpyColumns(
-        np.array(token_ids, dtype=np.int64),
-        np.array(token_mask, dtype=np.float32),
-        np.array(logprobs, dtype=np.float32),
-    )
 
 
 # --- verification steps ----------------------------------------------------------
@@ -243,11 +127,11 @@ def _verify_snapshot(
     receipt: RolloutReceipt,
     index_by_id: dict[str, int],
     seen_ids: set[object],
-    packed: PackedColumns | None,
+    own_decode: bool,
 ) -> _PackedCall | None:
     # Steps 8a-8h for one manifest position. With packed columns, returns them
     # with the ids' digest form, which the chain and row hashes reuse.
-    if not isinstance(snapshot, StagedCallBaseSnapshot):
+    if not isinstance(snapshot, StagedCallBaseSnapshot) and not (own_decode and isinstance(snapshot, PackedSnapshot)):
         raise TypeError(f"snapshot {position} is a {type(snapshot).__name__}, not a StagedCallBaseSnapshot")
     call_id = getattr(snapshot, "model_call_id", _MISSING)
     where = f"position {position} ({record.model_call_id!r})"
@@ -270,7 +154,12 @@ def _verify_snapshot(
         values = (getattr(snapshot, name, _MISSING), getattr(record, name), getattr(receipt, name))
         if not values[0] == values[1] == values[2]:
             raise _fail(f"wrong_{name}", f"{where}: {name} differs (snapshot, manifest, receipt) = {values!r}")
+    if isinstance(snapshot, PackedSnapshot):
+        # Step 8h ran when the caller decoded it: its digest was recomputed over
+        # exactly these (immutable) bytes and compared.
+        return _PackedCall(snapshot.columns, snapshot.ids_u64be)
     packed_call = None
+    packed = _cached_columns(snapshot) if own_decode else None
     try:
         # With packed columns proved at decode time the digest is hashed from
         # them; the result is the same digest, only the packing is skipped.
@@ -344,16 +233,13 @@ def _mask_counts(masks: Sequence[float], packed: PackedColumns | None) -> tuple[
 
 def _linearize_chain(
     receipt: RolloutReceipt,
-    snapshots: Sequence[StagedCallBaseSnapshot],
+    snapshots: Sequence[Snapshot],
     chain: list[int],
     packed_calls: Sequence[_PackedCall | None],
 ) -> LinearizedRow:
-    # Steps 11-13 while concatenating the chain's columns. Where a call's
-    # packed columns are known (decoded just now), hashes run over those bytes.
+    # Steps 11-13 while laying out the chain's columns. Where a call's packed
+    # columns are known (decoded just now), hashes run over those bytes.
     manifest = receipt.manifest
-    ids_parts: list[list[int]] = []
-    mask_parts: list[list[float]] = []
-    logprob_parts: list[list[float]] = []
     spans: list[WeightVersionSpan] = []
     links: list[LinkSpan] = []
     commitments: list[ExtrasCommitment] = []
@@ -365,37 +251,31 @@ def _linearize_chain(
         call_id = record.model_call_id
         if packed_call is None:
             running_chain_hash = compute_chain_hash(running_chain_hash, snapshot.token_ids_delta)
+            masks = snapshot.token_mask_delta
+            carry, generated, first_one = _mask_counts(masks, None)
+            length = len(masks)
         else:
             running_chain_hash = chain_hash_of_packed(running_chain_hash, packed_call.ids_u64be)
+            carry, generated, first_one = _mask_counts((), packed_call.packed)
+            length = packed_call.packed.length
         if running_chain_hash != record.chain_hash:
             raise RebuildError(
                 "chain_hash_mismatch", f"{call_id!r}: chain hash {record.chain_hash} != recomputed {running_chain_hash}"
             )
-        masks = snapshot.token_mask_delta
         # "Zeros then ones" holds iff the first 1.0 sits right after the zeros.
-        carry, generated, first_one = _mask_counts(masks, None if packed_call is None else packed_call.packed)
         if generated and first_one != carry:
             raise RebuildError("invalid_mask_order", f"{call_id!r}: masks are not carry zeros followed by ones")
         if not generated:
             raise RebuildError("empty_generation", f"{call_id!r}: the delta has no generated (mask 1.0) token")
-        ids_parts.append(snapshot.token_ids_delta)
-        mask_parts.append(masks)
-        logprob_parts.append(snapshot.generation_log_probs_delta)
-        end = offset + len(masks)
+        end = offset + length
         spans.append(WeightVersionSpan(call_id, offset, end, record.weight_version))
         links.append(LinkSpan(call_id, carry, generated))
         commitments.append(ExtrasCommitment(call_id, record.extras_digest_version, record.extras_digest))
         offset = end
     if not any(link.generated_count for link in links):
         raise RebuildError("empty_training_row", f"rollout {receipt.rollout_id!r}: no mask in the row is 1.0")
-    token_ids = tuple(itertools.chain.from_iterable(ids_parts))
+    columns, row_hash = _row_columns([snapshots[position] for position in chain], chain_calls, offset)
     terminal = manifest[chain[-1]]
-    # The row hash and as_numpy run over packed bytes only when every chain call has them.
-    known = [packed_call for packed_call in chain_calls if packed_call is not None]
-    all_packed = len(known) == len(chain_calls)
-    row_hash = (
-        hash_packed_token_ids([call.ids_u64be for call in known], offset) if all_packed else hash_token_ids(token_ids)
-    )
     if row_hash != terminal.cumulative_hash:
         raise RebuildError(
             "cumulative_hash_mismatch",
@@ -403,17 +283,37 @@ def _linearize_chain(
         )
     return LinearizedRow(
         rollout_id=receipt.rollout_id,
-        token_ids=token_ids,
-        token_mask=tuple(itertools.chain.from_iterable(mask_parts)),
-        logprobs=tuple(itertools.chain.from_iterable(logprob_parts)),
+        columns=columns,
         model_call_ids=tuple(link.model_call_id for link in links),
         prompt_len=links[0].carry_count,
         weight_versions=tuple(span.weight_version for span in spans),
         weight_version_spans=tuple(spans),
         link_spans=tuple(links),
         extras_commitments=tuple(commitments),
-        _packed_columns=tuple(call.packed for call in known) if all_packed else None,
     )
+
+
+def _row_columns(
+    chain_snapshots: Sequence[Snapshot], chain_calls: Sequence[_PackedCall | None], length: int
+) -> tuple[RowColumns, str]:
+    """The row's columns and the hash of its ids (step 13's input).
+
+    Packed, without a Python object per token, when every chain call has packed
+    columns that hold its values exactly (float32 log-probabilities); else tuples
+    of the snapshots' own values.
+    """
+    packed = [call for call in chain_calls if call is not None and call.packed.lp_f32_exact is True]
+    if len(packed) == len(chain_calls):
+        return RowColumns(parts=[call.packed for call in packed]), hash_packed_token_ids(
+            [call.ids_u64be for call in packed], length
+        )
+    token_ids = tuple(itertools.chain.from_iterable(snapshot.token_ids_delta for snapshot in chain_snapshots))
+    tuples = (
+        token_ids,
+        tuple(itertools.chain.from_iterable(snapshot.token_mask_delta for snapshot in chain_snapshots)),
+        tuple(itertools.chain.from_iterable(snapshot.generation_log_probs_delta for snapshot in chain_snapshots)),
+    )
+    return RowColumns(tuples=tuples), hash_token_ids(token_ids)
 
 
 # --- public entry points ---------------------------------------------------------
@@ -435,14 +335,17 @@ def verify_and_linearize(receipt: RolloutReceipt, snapshots: Sequence[StagedCall
 
 
 def _verify_and_linearize(
-    receipt: RolloutReceipt, snapshots: Sequence[StagedCallBaseSnapshot], *, use_cached_columns: bool
+    receipt: RolloutReceipt, snapshots: Sequence[Snapshot], *, use_cached_columns: bool
 ) -> LinearizedRow:
-    """:func:`verify_and_linearize`; with *use_cached_columns*, hash the packed columns a
-    snapshot proved at decode time instead of re-packing its lists.
+    """:func:`verify_and_linearize`; with *use_cached_columns*, for snapshots the caller decoded itself.
 
-    Only the trainer reader sets it, for snapshots it decoded itself and never
-    handed out: a record's cache cannot notice element assignment after
-    validation, so callers holding arbitrary snapshots use the public function.
+    Then a :class:`PackedSnapshot` is accepted (its digest was checked when it
+    was decoded), and a model snapshot's packed columns, proved at decode
+    time, are hashed instead of re-packing its lists. Only the trainer reader
+    and its benchmark set it, for snapshots they decoded and never handed out:
+    a record's cache cannot notice element assignment after validation, and a
+    ``PackedSnapshot`` built by hand is not checked, so callers holding
+    arbitrary snapshots use the public function.
     """
     _check_argument_types(receipt, snapshots)
     _check_receipt_state(receipt)
@@ -451,10 +354,10 @@ def _verify_and_linearize(
     if len(snapshots) != len(manifest):
         raise _fail("row_count_mismatch", f"{len(snapshots)} snapshots for {len(manifest)} manifest rows")
     seen_ids: set[object] = set()
-    packed_calls: list[_PackedCall | None] = []
-    for position, (snapshot, record) in enumerate(zip(snapshots, manifest, strict=True)):
-        packed = _cached_columns(snapshot) if use_cached_columns else None
-        packed_calls.append(_verify_snapshot(position, snapshot, record, receipt, index_by_id, seen_ids, packed))
+    packed_calls = [
+        _verify_snapshot(position, snapshot, record, receipt, index_by_id, seen_ids, use_cached_columns)
+        for position, (snapshot, record) in enumerate(zip(snapshots, manifest, strict=True))
+    ]
     _verify_lineage(manifest, index_by_id)
     chain = _chain_positions(receipt, index_by_id)
     return _linearize_chain(receipt, snapshots, chain, packed_calls)

@@ -8,26 +8,29 @@ naming every missing key, a corrupt blob a :class:`CodecError`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from .blocking import PortalOwner
-from .codec import decode_record
+from .codec import decode_packed_record, decode_record
 from .connection import Topology, map_redis_errors
 from .errors import CodecError
 from .keys import record_key
+from .packed_snapshot import PackedSnapshot
 from .records import StagedCallSnapshot
 from .settings import SourceSettings
 
 __all__ = ("AsyncRedisStagingSource", "RedisStagingSource", "check_snapshot_key")
 
+_Decoded = TypeVar("_Decoded", StagedCallSnapshot, PackedSnapshot)
 
-def check_snapshot_key(staging_key: str, snapshot: StagedCallSnapshot) -> None:
+
+def check_snapshot_key(staging_key: str, snapshot: StagedCallSnapshot | PackedSnapshot) -> None:
     """Reject a record stored under a key that is not its own.
 
     Keys minted by the sink are ``R/C`` or ``R/C/cut/<checkpoint>/<seq>``.
@@ -104,6 +107,21 @@ class AsyncRedisStagingSource:
         :raises CodecError: a stored blob is corrupt or stored under a foreign key.
         :raises StagingConnectionError: the server could not be reached.
         """
+        return await self._fetch_decoded(staging_keys, decode_record)
+
+    async def fetch_packed(self, staging_keys: Sequence[str]) -> list[PackedSnapshot]:
+        """Like :meth:`fetch`, as :class:`~sink.packed_snapshot.PackedSnapshot` (columns kept as bytes).
+
+        The same checks; no Python object per token is built, which makes it
+        several times cheaper for long chains (the trainer, chain resolution).
+
+        :raises KeyError: as :meth:`fetch`.
+        :raises CodecError: as :meth:`fetch`.
+        :raises StagingConnectionError: as :meth:`fetch`.
+        """
+        return await self._fetch_decoded(staging_keys, decode_packed_record)
+
+    async def _fetch_decoded(self, staging_keys: Sequence[str], decode: Callable[..., _Decoded]) -> list[_Decoded]:
         blobs = await self.fetch_blobs(staging_keys)
         missing = [key for key, blob in zip(staging_keys, blobs, strict=True) if blob is None]
         if missing:
@@ -112,7 +130,7 @@ class AsyncRedisStagingSource:
         for key, blob in zip(staging_keys, blobs, strict=True):
             assert blob is not None
             try:
-                snapshot = decode_record(blob, max_record_bytes=self._settings.max_record_bytes)
+                snapshot = decode(blob, max_record_bytes=self._settings.max_record_bytes)
             except CodecError as exc:
                 raise CodecError(f"staged record {key!r}: {exc}") from exc
             check_snapshot_key(key, snapshot)
@@ -135,3 +153,7 @@ class RedisStagingSource(PortalOwner):
     def fetch(self, staging_keys: Sequence[str]) -> list[StagedCallSnapshot]:
         """Thread-safe :meth:`AsyncRedisStagingSource.fetch`."""
         return self._call(self._source.fetch, list(staging_keys))
+
+    def fetch_packed(self, staging_keys: Sequence[str]) -> list[PackedSnapshot]:
+        """Thread-safe :meth:`AsyncRedisStagingSource.fetch_packed`."""
+        return self._call(self._source.fetch_packed, list(staging_keys))

@@ -500,7 +500,7 @@ def test_wrong_input_types_raise_type_error() -> None:
             encode_record(value)  # type: ignore[arg-type]
     blob = encode_record(record)
     for data in (None, "text", [1, 2], 5):
-        with pytest.raises(TypeError, match="takes bytes"):
+        with pytest.raises(TypeError, match="must be bytes"):
             decode_record(data)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="max_record_bytes"):
         decode_record(blob, max_record_bytes="1024")  # type: ignore[arg-type]

@@ -641,7 +641,7 @@ def test_cached_columns_give_the_same_row_and_numpy_columns() -> None:
     slow = verify_and_linearize(receipt, snapshots)
     fast = _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
     assert fast == slow
-    assert fast._packed_columns is not None and slow._packed_columns is None
+    assert fast.columns.packed_parts is not None and slow.columns.packed_parts is None
     np = pytest.importorskip("numpy")
     for a, b in zip(fast.as_numpy(), slow.as_numpy(), strict=True):
         assert a.dtype == b.dtype
