@@ -14,9 +14,12 @@ receipt entry and reader that own the rollout; another entry for the same
 rollout is acknowledged and dropped, across ranks too, and once a rollout was
 consumed its ledger fence (left by ``retire``) marks every later duplicate.
 The same entry redelivered after a reader crash (``XAUTOCLAIM``) takes the
-claim over. Delivery is at least once: a rank that holds a rollout longer
-than ``claim_idle_ms`` without calling :meth:`~RolloutReader.pull` or
-:meth:`~RolloutReader.heartbeat` may see it reclaimed by another rank.
+claim over. Delivery is at least once: :meth:`~RolloutReader.heartbeat`
+refreshes the rollouts a rank holds, and :meth:`~RolloutReader.pull` does so
+when the last refresh is older than ``claim_idle_ms / 8`` (a lease renewed
+well before it expires, without a round trip on every pull). A rank that
+calls neither for longer than ``7/8 * claim_idle_ms`` may see its rollouts
+reclaimed by another rank (ranks share one ``claim_idle_ms``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ __all__ = (
 logger = logging.getLogger(__name__)
 
 TRAINER_GROUP = "trainers"
+# pull() refreshes held rollouts when the last refresh is older than claim_idle_ms / this.
+_RENEWALS_PER_IDLE = 8
 MISSING_RECORD = "missing_record"
 """Skip code: a staged record named by the manifest is gone (``KeyError`` from the source)."""
 CORRUPT_RECORD = "corrupt_record"
@@ -184,6 +189,7 @@ class RolloutReader(AsyncResource):
         self._backlog: list[StreamEntry] = []
         self._recovered = False
         self._next_claim_at = -math.inf
+        self._touched_at = -math.inf
         self._counts = {"pulled": 0, "trainable": 0, "skipped": 0, "duplicates": 0, "lost": 0}
 
     @property
@@ -249,7 +255,8 @@ class RolloutReader(AsyncResource):
             raise ValueError(f"max_rollouts must be a positive int, got {max_rollouts!r}")
         if block_ms < 0 or block_ms >= self._settings.command_timeout_s * 1000:
             raise ValueError("block_ms must be >= 0 and shorter than command_timeout_s")
-        await self.heartbeat()
+        if anyio.current_time() - self._touched_at >= self._settings.claim_idle_ms / _RENEWALS_PER_IDLE / 1000:
+            await self.heartbeat()
         await self._refill_backlog(max_rollouts)
         if len(self._backlog) < max_rollouts:
             wanted = max_rollouts - len(self._backlog)
@@ -271,6 +278,7 @@ class RolloutReader(AsyncResource):
 
         :returns: how many held rollouts were lost to another rank (idle past ``claim_idle_ms``).
         """
+        self._touched_at = anyio.current_time()
         if not self._held:
             return 0
         lost = await self._consumer.touch([held.entry for held in self._held.values()])
@@ -321,13 +329,7 @@ class RolloutReader(AsyncResource):
                 settled.add((entry.stream, entry.entry_id))
                 continue
             parsed.append((entry, receipt))
-        claimed: list[tuple[StreamEntry, RolloutReceipt]] = []
-        # Claims run in delivery order so the first entry of a rollout wins within one pull.
-        for entry, receipt in parsed:
-            if await self._claim(entry, receipt):
-                claimed.append((entry, receipt))
-            else:
-                settled.add((entry.stream, entry.entry_id))
+        claimed = await self._claim_all(parsed, settled)
         results: list[PulledRollout | None] = [None] * len(claimed)
         limiter = anyio.CapacityLimiter(self._settings.fetch_concurrency)
 
@@ -346,6 +348,39 @@ class RolloutReader(AsyncResource):
             self._counts["trainable" if result.trainable else "skipped"] += 1
             pulled.append(result)
         return pulled
+
+    async def _claim_all(
+        self, parsed: list[tuple[StreamEntry, RolloutReceipt]], settled: set[tuple[str, str]]
+    ) -> list[tuple[StreamEntry, RolloutReceipt]]:
+        """Claim every parsed entry's rollout; return the claimed ones in delivery order.
+
+        The first entry of each rollout claims concurrently with the other rollouts' (one round
+        trip for all); a later entry of the same rollout in this pull claims after them, so the
+        first entry in delivery order wins.
+        """
+        firsts: dict[str, int] = {}
+        for index, (_entry, receipt) in enumerate(parsed):
+            firsts.setdefault(receipt.rollout_id, index)
+        won = [False] * len(parsed)
+
+        async def claim(index: int) -> None:
+            entry, receipt = parsed[index]
+            won[index] = await self._claim(entry, receipt)
+
+        first_indices = set(firsts.values())
+        async with anyio.create_task_group() as group:
+            for index in first_indices:
+                group.start_soon(claim, index)
+        for index in range(len(parsed)):
+            if index not in first_indices:
+                await claim(index)
+        claimed = []
+        for (entry, receipt), ours in zip(parsed, won, strict=True):
+            if ours:
+                claimed.append((entry, receipt))
+            else:
+                settled.add((entry.stream, entry.entry_id))
+        return claimed
 
     async def _claim(self, entry: StreamEntry, receipt: RolloutReceipt) -> bool:
         """Claim *receipt*'s rollout for this entry; acknowledge and drop the entry if it is a duplicate."""
@@ -378,14 +413,14 @@ class RolloutReader(AsyncResource):
             return _skip(receipt, "capture_poisoned", receipt.terminal_attribution_reason or "capture_poisoned")
         try:
             # One fetch per rollout: one MGET per slot, and a rollout lives in one slot.
-            snapshots = await self._source.fetch([row.staging_key for row in receipt.manifest])
+            snapshots = await self._source.fetch_packed([row.staging_key for row in receipt.manifest])
         except KeyError as exc:
             return _skip(receipt, MISSING_RECORD, str(exc.args[0]) if exc.args else str(exc))
         except CodecError as exc:
             return _skip(receipt, CORRUPT_RECORD, str(exc))
         try:
-            # The snapshots were decoded just now and are not shared: their
-            # packed columns can be hashed directly (same checks, same digests).
+            # Decoded just now, packed, and not shared: verified at decode (same
+            # checks, same digests), and the row keeps their bytes.
             row = _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
         except ReceiptVerificationError as exc:
             return _skip(receipt, exc.code, exc.detail)

@@ -24,19 +24,17 @@ import hashlib
 import json
 import sys
 import time
-from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import anyio
 import redis.asyncio as aioredis
 
-from .._columns import mask_values_from_codes
 from ..assembler import Assembler, finished
 from ..consumer import StreamEntry
 from ..keys import record_key
 from ..ledger import RedisCaptureLedger
-from ..rebuild import LinearizedRow, _verify_and_linearize
+from ..rebuild import LinearizedRow, NumpyColumns, _verify_and_linearize
 from ..records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
 from ..redis_sink import AsyncRedisStagingSink
 from ..source import AsyncRedisStagingSource
@@ -52,6 +50,7 @@ class TrainerFigures:
     """ns per linearized token for each measured path (``tokens`` = total linearized tokens)."""
 
     rollouts: int
+    keep_all: bool
     calls: int
     tokens_per_call: int
     tokens: int
@@ -128,22 +127,16 @@ async def _stage_and_assemble(url: str, records: list[StagedCallRecord], calls: 
 
 def _columns_as_lists(row: LinearizedRow) -> tuple[list[int], list[float], list[float]]:
     """The same columns as plain Python lists, built from the same packed bytes as ``as_numpy``."""
-    parts = row._packed_columns
+    parts = row.columns.packed_parts
     if parts is None:
         return list(row.token_ids), list(row.token_mask), list(row.logprobs)
     ids: list[int] = []
     masks: list[float] = []
     logprobs: list[float] = []
     for part in parts:
-        column = array("I" if part.ids_width == 4 else "Q")
-        column.frombytes(part.ids_le)
-        ids += column.tolist()
-        masks += mask_values_from_codes(part.mask_codes)
-        floats = array("f")
-        floats.frombytes(part.lp_f32be)
-        if sys.byteorder == "little":
-            floats.byteswap()
-        logprobs += floats.tolist()
+        ids += part.token_ids_list()
+        masks += part.token_mask_list()
+        logprobs += part.log_probs_list()
     return ids, masks, logprobs
 
 
@@ -153,7 +146,7 @@ async def _split_path(url: str, receipts: list[RolloutReceipt]) -> dict[str, flo
     async with AsyncRedisStagingSource.from_url(url) as source:
         for receipt in receipts:
             start = time.perf_counter()
-            snapshots = await source.fetch([row.staging_key for row in receipt.manifest])
+            snapshots = await source.fetch_packed([row.staging_key for row in receipt.manifest])
             fetched = time.perf_counter()
             row = _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
             verified = time.perf_counter()
@@ -202,9 +195,13 @@ async def _published_receipts(url: str, rollouts: int) -> list[RolloutReceipt]:
 
 
 async def run_trainer_benchmark(
-    url: str, *, rollouts: int = 64, calls: int = 32, tokens: int = 2048, repeats: int = 3
+    url: str, *, rollouts: int = 64, calls: int = 32, tokens: int = 2048, repeats: int = 3, keep_all: bool = False
 ) -> TrainerFigures:
-    """Stage, assemble and measure on *url* (flushed before and after)."""
+    """Stage, assemble and measure on *url* (flushed before and after).
+
+    With *keep_all*, the trainer loop keeps every batch's numpy columns alive until it ends (16 bytes per
+    token of memory that must be fresh), instead of one batch at a time.
+    """
     async with aioredis.Redis.from_url(url) as admin:
         await admin.flushall()
     records = build_records(rollouts, calls, tokens, tag="trainer")
@@ -217,18 +214,21 @@ async def run_trainer_benchmark(
     split = [await _split_path(url, receipts) for _ in range(repeats)]
     floors = [await _floor(url, receipts, by_key) for _ in range(repeats)]
     async with RolloutReader.from_url(url) as reader:
-        # A trainer loop: pull a batch, turn it into numpy columns, keep only those.
+        # A trainer loop: pull a batch and turn it into numpy columns, which live until the next
+        # batch replaces them (keep_all: every batch's columns stay alive to the end).
         start = time.perf_counter()
-        columns = []
+        kept: list[list[NumpyColumns]] = []
         pulled_ids: list[str] = []
         while len(pulled_ids) < rollouts:
+            batch = []
             for item in await reader.pull(_PULL_BATCH, block_ms=1_000):
                 if item.row is None:
                     raise RuntimeError(f"rollout {item.rollout_id} was not trainable: {item.skip_code}")
-                columns.append(item.row.as_numpy())
+                batch.append(item.row.as_numpy())
                 pulled_ids.append(item.rollout_id)
+            kept = [*kept, batch] if keep_all else [batch]
         pull_s = time.perf_counter() - start
-        del columns
+        del kept
         await reader.ack(pulled_ids)
     async with aioredis.Redis.from_url(url) as admin:
         await admin.flushall()
@@ -240,6 +240,7 @@ async def run_trainer_benchmark(
     mget_s, sha_s = min(floors, key=sum)
     return TrainerFigures(
         rollouts=rollouts,
+        keep_all=keep_all,
         calls=calls,
         tokens_per_call=tokens,
         tokens=total_tokens,
@@ -261,7 +262,10 @@ def format_report(f: TrainerFigures) -> str:
     return "\n".join(
         [
             f"{f.rollouts} rollouts x {f.calls} calls x {f.tokens_per_call} tokens = {f.tokens:,} tokens (ns/token)",
-            f"  trainer loop: pull 8 at a time (claim+fetch+decode+verify+linearize) + as_numpy : {f.pull_numpy_ns:7.1f}",
+            (
+                f"  trainer loop: pull 8 at a time (claim+fetch+decode+verify+linearize) + as_numpy "
+                f"({'every batch kept' if f.keep_all else 'one batch alive at a time'}): {f.pull_numpy_ns:7.1f}"
+            ),
             (
                 f"  split: fetch+decode {f.fetch_decode_ns:.1f}, verify+linearize {f.verify_linearize_ns:.1f}, "
                 f"as_numpy {f.to_numpy_ns:.1f}, plain lists {f.to_lists_ns:.1f}"
@@ -270,6 +274,8 @@ def format_report(f: TrainerFigures) -> str:
             f"  path ending in lists  : {f.path_lists_ns:7.1f}",
             f"  floor (MGET {f.floor_mget_ns:.1f} + sha256 {f.floor_sha256_ns:.1f}): {f.floor_ns:7.1f}",
             f"  numpy path / floor    : {f.path_numpy_ns / f.floor_ns:7.2f}x",
+            f"  trainer loop / floor  : {f.pull_numpy_ns / f.floor_ns:7.2f}x",
+            f"  numpy vs plain lists  : {f.to_lists_ns / f.to_numpy_ns:7.2f}x faster",
         ]
     )
 
@@ -282,13 +288,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per call")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the split and floor measurements")
+    parser.add_argument(
+        "--keep-all", action="store_true", help="keep every batch's numpy columns alive in the trainer loop"
+    )
     parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     args = parser.parse_args(argv)
 
     def run(url: str) -> TrainerFigures:
         return anyio.run(
             lambda: run_trainer_benchmark(
-                url, rollouts=args.rollouts, calls=args.calls, tokens=args.tokens, repeats=args.repeats
+                url,
+                rollouts=args.rollouts,
+                calls=args.calls,
+                tokens=args.tokens,
+                repeats=args.repeats,
+                keep_all=args.keep_all,
             )
         )
 
