@@ -15,6 +15,7 @@ from staging_helpers import make_chain, make_record
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import calls_stream, record_key
 from sink.memory import MemoryStagingStore
+from sink.packed_snapshot import PackedSnapshot
 from sink.records import StagedCallRecord
 from sink.redis_sink import CONFLICT_ERROR, AsyncRedisStagingSink, RedisStagingSink
 from sink.server import DurableServer, durable_server, free_port
@@ -34,15 +35,26 @@ def _calls_len(url: str, rollout_id: str) -> int:
         return int(client.xlen(calls_stream(NS, rollout_id))) if client.exists(calls_stream(NS, rollout_id)) else 0
 
 
-async def test_stage_then_fetch_returns_the_exact_record(redis_url: str) -> None:
+FETCHES = pytest.mark.parametrize("fetch", ["fetch", "fetch_packed"])
+
+
+def _dump(snapshot: Any) -> dict[str, Any]:
+    """A fetched snapshot's values (a packed one as the model it verifies as)."""
+    model = snapshot.to_snapshot() if isinstance(snapshot, PackedSnapshot) else snapshot
+    dumped: dict[str, Any] = model.model_dump()
+    return dumped
+
+
+@FETCHES
+async def test_stage_then_fetch_returns_the_exact_record(redis_url: str, fetch: str) -> None:
     root, child = make_chain("r1", 2, n_tokens=32)
     async with AsyncRedisStagingSink.from_url(redis_url) as sink:
         results = [await sink.stage(root), await sink.stage(child)]
     assert [r.ok for r in results] == [True, True]
     assert [r.staging_key for r in results] == ["r1/c0", "r1/c1"]
     async with AsyncRedisStagingSource.from_url(redis_url) as source:
-        fetched = await source.fetch(["r1/c1", "r1/c0", "r1/c1"])
-    assert [s.model_dump() for s in fetched] == [child.model_dump(), root.model_dump(), child.model_dump()]
+        fetched = await getattr(source, fetch)(["r1/c1", "r1/c0", "r1/c1"])
+    assert [_dump(s) for s in fetched] == [child.model_dump(), root.model_dump(), child.model_dump()]
     with _client(redis_url) as client:
         entries = client.xrange(calls_stream(NS, "r1"))
     assert [e[1][b"key"] for e in entries] == [b"r1/c0", b"r1/c1"]
@@ -229,16 +241,18 @@ async def test_generation_prefix_chunks_and_clear(redis_url: str) -> None:
     assert _calls_len(redis_url, "r13") == 0
 
 
-async def test_fetch_names_every_missing_key(redis_url: str) -> None:
+@FETCHES
+async def test_fetch_names_every_missing_key(redis_url: str, fetch: str) -> None:
     async with AsyncRedisStagingSink.from_url(redis_url) as sink:
         assert (await sink.stage(make_record("r14", "c1"))).ok
     async with AsyncRedisStagingSource.from_url(redis_url) as source:
         with pytest.raises(KeyError) as caught:
-            await source.fetch(["r14/c1", "r14/x", "r14/y"])
+            await getattr(source, fetch)(["r14/c1", "r14/x", "r14/y"])
     assert "r14/x" in str(caught.value) and "r14/y" in str(caught.value)
 
 
-async def test_fetch_rejects_corrupt_and_foreign_blobs(redis_url: str) -> None:
+@FETCHES
+async def test_fetch_rejects_corrupt_and_foreign_blobs(redis_url: str, fetch: str) -> None:
     async with AsyncRedisStagingSink.from_url(redis_url) as sink:
         assert (await sink.stage(make_record("r15", "c1"))).ok
     with _client(redis_url) as client:
@@ -248,9 +262,9 @@ async def test_fetch_rejects_corrupt_and_foreign_blobs(redis_url: str) -> None:
         client.set(record_key(NS, "r15/bad"), blob[:-3])
     async with AsyncRedisStagingSource.from_url(redis_url) as source:
         with pytest.raises(CodecError, match="belongs to"):
-            await source.fetch(["r15/copy"])
+            await getattr(source, fetch)(["r15/copy"])
         with pytest.raises(CodecError, match="r15/bad"):
-            await source.fetch(["r15/bad"])
+            await getattr(source, fetch)(["r15/bad"])
 
 
 async def test_fetch_from_an_unreachable_server_raises_a_connection_error() -> None:
@@ -307,6 +321,10 @@ def test_sync_contract_on_the_memory_store() -> None:
 def test_sync_contract_on_redis(redis_url: str) -> None:
     with RedisStagingSink.from_url(redis_url) as sink, RedisStagingSource.from_url(redis_url) as source:
         _check_sync_contract(sink, source)
+        record = make_record("s2", "c1")
+        assert sink.stage(record).ok
+        [packed] = source.fetch_packed(["s2/c1"])
+        assert _dump(packed) == record.model_dump()
 
 
 def test_sync_facade_is_thread_safe(redis_url: str) -> None:

@@ -17,6 +17,7 @@ import pytest
 from sink.digest import compute_chain_hash, compute_extras_digest, hash_token_ids
 from sink.errors import StagingError
 from sink.memory import MemoryStagingStore
+from sink.packed_snapshot import PackedSnapshot
 from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StagedCallSnapshot, StageResult
 from worker import (
     ActiveCall,
@@ -163,9 +164,17 @@ def test_root_and_child_match_the_contract_check_values() -> None:
     assert snapshot.generation_log_probs_delta == [0.0, 0.0, -0.3, -0.4]
 
 
-def test_inline_and_staging_chain_admissions_give_byte_identical_coords() -> None:
+class PackedMemoryStore(MemoryStagingStore):
+    """A memory store whose source side also serves packed snapshots."""
+
+    def fetch_packed(self, staging_keys: Sequence[str]) -> list[PackedSnapshot]:
+        return [PackedSnapshot.of(snapshot) for snapshot in self.fetch(staging_keys)]
+
+
+@pytest.mark.parametrize("store_class", [MemoryStagingStore, PackedMemoryStore], ids=["snapshots", "packed"])
+def test_inline_and_staging_chain_admissions_give_byte_identical_coords(store_class: type[MemoryStagingStore]) -> None:
     inline = run_three_calls(make_capture())
-    chain_store = MemoryStagingStore()
+    chain_store = store_class()
     by_reference = run_three_calls(make_capture(chain_store, source=chain_store), by_reference=True)
     assert [c.model_dump_json() for c in inline] == [c.model_dump_json() for c in by_reference]
     assert all(c.disposition == "staged" for c in by_reference)
@@ -344,7 +353,15 @@ class ListSource:
         return [self.snapshots[key] for key in staging_keys]
 
 
-def _tampered_sources(store: MemoryStagingStore) -> dict[str, Any]:
+class PackedListSource(ListSource):
+    """The same, also serving :class:`PackedSnapshot` through ``fetch_packed`` (which the capture prefers)."""
+
+    def fetch_packed(self, staging_keys: Sequence[str]) -> list[PackedSnapshot]:
+        return [PackedSnapshot.of(snapshot) for snapshot in self.fetch(staging_keys)]
+
+
+def _tampered_sources(store: MemoryStagingStore, packed: bool = False) -> dict[str, Any]:
+    source = PackedListSource if packed else ListSource
     good = {key: store.fetch([key])[0] for key in ("rollout-1/c1", "rollout-1/c2")}
     root = good["rollout-1/c1"]
     # A valid record whose cumulative hash is not the hash of its ids.
@@ -354,11 +371,11 @@ def _tampered_sources(store: MemoryStagingStore) -> dict[str, Any]:
     # A valid record whose chain hash does not link to the root.
     wrong_chain = StagedCallSnapshot.from_components(**{**_components(good["rollout-1/c2"]), "chain_hash": "1" * 64})
     return {
-        "missing-key": ListSource({"rollout-1/c1": root}),
-        "source-error": ListSource(good, error=RuntimeError("source down")),
-        "swapped-order": ListSource({"rollout-1/c1": good["rollout-1/c2"], "rollout-1/c2": root}),
-        "wrong-chain": ListSource({"rollout-1/c1": root, "rollout-1/c2": wrong_chain}),
-        "wrong-cumulative": ListSource({"rollout-1/c1": root, "rollout-1/c2": wrong_cumulative}),
+        "missing-key": source({"rollout-1/c1": root}),
+        "source-error": source(good, error=RuntimeError("source down")),
+        "swapped-order": source({"rollout-1/c1": good["rollout-1/c2"], "rollout-1/c2": root}),
+        "wrong-chain": source({"rollout-1/c1": root, "rollout-1/c2": wrong_chain}),
+        "wrong-cumulative": source({"rollout-1/c1": root, "rollout-1/c2": wrong_cumulative}),
     }
 
 
@@ -369,11 +386,14 @@ def _components(snapshot: StagedCallSnapshot) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["snapshots", "packed"])
 @pytest.mark.parametrize("case", ["missing-key", "source-error", "swapped-order", "wrong-chain", "wrong-cumulative"])
-def test_unresolvable_chains_fail_the_capture_not_the_call(case: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_unresolvable_chains_fail_the_capture_not_the_call(
+    case: str, packed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     store = MemoryStagingStore()
     _, child, _ = run_three_calls(make_capture(store))
-    source = _tampered_sources(store)[case]
+    source = _tampered_sources(store, packed)[case]
     sink = RecordingSink()
     capture = make_capture(sink, source=source)
     admission = child_admission(child, [], "c9", ["rollout-1/c1", "rollout-1/c2"])

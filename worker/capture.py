@@ -26,7 +26,7 @@ from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot,
 from .call import ActiveCall, build_call_record, failed_coords
 from .errors import CaptureError, PrefixResolutionError, StreamingUnsupportedError
 from .generation_cut import check_cut_snapshot
-from .prefix import verify_staging_chain
+from .prefix import fetch_operation, verify_staging_chain
 from .sequence_cache import ProvenSequence, SequenceHashCache
 
 if TYPE_CHECKING:
@@ -173,7 +173,8 @@ class RolloutTokenCapture:
         self._sink = sink
         self._sink_is_async = inspect.iscoroutinefunction(sink.stage)
         self._source = source
-        self._source_is_async = source is not None and inspect.iscoroutinefunction(source.fetch)
+        self._fetch = None if source is None else fetch_operation(source)
+        self._source_is_async = self._fetch is not None and inspect.iscoroutinefunction(self._fetch)
         self._weight_version_fn = weight_version_fn
         self._adapter = adapter
         # Children re-pack only their own tokens for the cumulative hash (0 disables the cache).
@@ -236,8 +237,11 @@ class RolloutTokenCapture:
         elif generation_cut is not None or generation_cut_staging_keys is not None:
             raise CaptureError("a generation-cut snapshot needs an admission with generation_cut set")
         if prefix is None:
+            fetch = self._fetch
+            if fetch is None:  # ruled out above: a by-reference admission without a source raises
+                raise CaptureError("by-reference admission: the caller must pass the resolved prefix")
             try:
-                snapshots = yield _Io(self._source.fetch, list(admission.staging_chain), self._source_is_async)
+                snapshots = yield _Io(fetch, list(admission.staging_chain), self._source_is_async)
             except Exception as exc:  # noqa: BLE001 -- any source failure disables capture of this call (§5.2)
                 return _uncaptured(admission, stamped, cut, f"staging chain fetch failed: {exc!r}")
             try:

@@ -12,21 +12,55 @@ length must be ``prev_len``, the last link must be the admission's
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+import sys
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from sink._columns import ids_u64be
 from sink.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
+from sink.packed_snapshot import PackedSnapshot
 from sink.records import CaptureAdmission, StagedCallBaseSnapshot
 
 from .errors import PrefixResolutionError
 
-__all__ = ("aresolve_prefix", "inline_prefix", "resolve_prefix", "verify_staging_chain")
+__all__ = ("aresolve_prefix", "fetch_operation", "inline_prefix", "resolve_prefix", "verify_staging_chain")
 
 
-def verify_staging_chain(admission: CaptureAdmission, snapshots: Sequence[StagedCallBaseSnapshot]) -> list[int]:
+def _packed_chain_ids(position: int, snapshot: object) -> tuple[int, bytes | None]:
+    """``(delta_len, ids as u64 big-endian or None)`` of one fetched chain record.
+
+    A :class:`~sink.packed_snapshot.PackedSnapshot` (from ``fetch_packed``) carries the digest form of
+    its ids; a model snapshot fresh from a source carries the packed columns its decoding proved.
+    """
+    if isinstance(snapshot, PackedSnapshot):
+        return snapshot.delta_len, snapshot.ids_u64be
+    if not isinstance(snapshot, StagedCallBaseSnapshot):
+        raise PrefixResolutionError(f"chain record {position} is a {type(snapshot).__name__}, not a snapshot")
+    packed = snapshot._cached_packed_columns()
+    if packed is None:
+        return len(snapshot.token_ids_delta), None
+    return len(snapshot.token_ids_delta), ids_u64be(packed.ids_le, packed.ids_width, packed.length)
+
+
+def _ids_of(pieces: Sequence[bytes]) -> list[int]:
+    """The ids of u64 big-endian pieces, as one new list."""
+    ids = array("Q")
+    for piece in pieces:
+        ids.frombytes(piece)
+    if sys.byteorder == "little":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def verify_staging_chain(
+    admission: CaptureAdmission, snapshots: Sequence[StagedCallBaseSnapshot | PackedSnapshot]
+) -> list[int]:
     """Check fetched chain snapshots against *admission* and return the prefix ids (§5.2).
+
+    Snapshots may be models (``fetch``) or :class:`~sink.packed_snapshot.PackedSnapshot` (``fetch_packed``):
+    for packed ones the hashes run over their bytes and the prefix is built from the very bytes hashed.
 
     :raises PrefixResolutionError: wrong count, a gap in the chain, a
         snapshot whose chain hash does not link, a total length other than
@@ -38,19 +72,15 @@ def verify_staging_chain(admission: CaptureAdmission, snapshots: Sequence[Staged
         raise PrefixResolutionError(f"fetched {len(snapshots)} chain records for {len(chain)} staging keys")
     running_hash: str | None = None
     running_len = 0
-    # Snapshots fresh from the source carry the packed ids their decoding proved;
-    # hashing those bytes skips re-packing every id (same hashes, same checks).
+    # Hashing packed ids skips re-packing every id (same hashes, same checks).
     packed_ids: list[bytes] | None = []
     for position, snapshot in enumerate(snapshots):
-        if not isinstance(snapshot, StagedCallBaseSnapshot):
-            raise PrefixResolutionError(f"chain record {position} is a {type(snapshot).__name__}, not a snapshot")
+        length, ids_be = _packed_chain_ids(position, snapshot)
         if snapshot.prev_len != running_len:
             raise PrefixResolutionError(
                 f"chain record {position} starts at {snapshot.prev_len}, expected {running_len}"
             )
-        packed = snapshot._cached_packed_columns()
-        if packed is not None and packed_ids is not None:
-            ids_be = ids_u64be(packed.ids_le, packed.ids_width, packed.length)
+        if ids_be is not None and packed_ids is not None:
             packed_ids.append(ids_be)
             running_hash = chain_hash_of_packed(running_hash, ids_be)
         else:
@@ -60,16 +90,26 @@ def verify_staging_chain(admission: CaptureAdmission, snapshots: Sequence[Staged
             raise PrefixResolutionError(
                 f"chain record {position} ({chain[position]!r}) does not link: chain hash mismatch"
             )
-        running_len += len(snapshot.token_ids_delta)
+        running_len += length
     if running_len != admission.prev_len:
         raise PrefixResolutionError(f"chain length {running_len} != prev_len {admission.prev_len}")
     if running_hash != admission.parent_chain_hash:
         raise PrefixResolutionError("chain hash of the fetched chain != the admission's parent_chain_hash")
-    prefix = list(itertools.chain.from_iterable(snapshot.token_ids_delta for snapshot in snapshots))
-    cumulative = hash_packed_token_ids(packed_ids, running_len) if packed_ids is not None else hash_token_ids(prefix)
+    if packed_ids is not None:
+        cumulative = hash_packed_token_ids(packed_ids, running_len)
+        prefix = _ids_of(packed_ids)
+    else:
+        prefix = list(itertools.chain.from_iterable(snapshot.token_ids_delta for snapshot in snapshots))
+        cumulative = hash_token_ids(prefix)
     if cumulative != snapshots[-1].cumulative_hash:
         raise PrefixResolutionError("cumulative hash of the fetched chain != the parent's cumulative_hash")
     return prefix
+
+
+def fetch_operation(source: Any) -> Callable[[list[str]], Any]:
+    """The source's ``fetch_packed`` when it has one (no per-token objects until the prefix list), else ``fetch``."""
+    packed = getattr(source, "fetch_packed", None)
+    return packed if callable(packed) else source.fetch  # type: ignore[no-any-return]
 
 
 def inline_prefix(admission: CaptureAdmission) -> list[int] | None:
@@ -106,7 +146,7 @@ def resolve_prefix(admission: CaptureAdmission, source: Any) -> list[int]:
     if prefix is not None:
         return prefix
     with _missing_chain_record():
-        snapshots = source.fetch(list(admission.staging_chain))
+        snapshots = fetch_operation(source)(list(admission.staging_chain))
     return verify_staging_chain(admission, snapshots)
 
 
@@ -120,5 +160,5 @@ async def aresolve_prefix(admission: CaptureAdmission, source: Any) -> list[int]
     if prefix is not None:
         return prefix
     with _missing_chain_record():
-        snapshots = await source.fetch(list(admission.staging_chain))
+        snapshots = await fetch_operation(source)(list(admission.staging_chain))
     return verify_staging_chain(admission, snapshots)
