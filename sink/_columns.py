@@ -57,6 +57,7 @@ __all__ = (
     "pack_ids",
     "pack_validated_columns",
     "prove_stored_columns",
+    "staging_delta_columns",
     "trusted_components",
 )
 
@@ -641,3 +642,43 @@ def trusted_components(token_ids: object, token_mask: object, log_probs: object)
         return TrustedColumns(packed, mask_copy, lp_copy, None)
     packed.ids_width, packed.ids_le, packed.ids_u64be = 4, ids[0], (ids[1],)
     return TrustedColumns(packed, mask_copy, lp_copy, ids_copy)
+
+
+def staging_delta_columns(
+    prompt_tail: Sequence[int], generated_ids: Sequence[int], generated_log_probs: object
+) -> TrustedColumns | None:
+    """A call's delta (contract §5.4) built and proved in one go, for :meth:`StagedCallRecord._from_trusted`.
+
+    ids ``prompt_tail + generated_ids``; masks ``0.0`` per carried id then ``1.0`` per generated one;
+    log-probabilities ``0.0`` per carried id then *generated_log_probs*. The three lists are new and owned
+    by the result. The masks and the carry zeros are exact by construction, so only the generated
+    log-probabilities are proved (exact finite floats within binary32) and the ids packed (exact ints in
+    ``[0, 2**31)``, their digest form kept in ``packed.ids_u64be``). ``None`` when anything is not proved,
+    or the delta is empty or the generation columns differ in length: the caller then builds the delta
+    the reference way (:func:`sink.digest.build_staging_delta` and ``from_components``), which raises the
+    precise error or accepts values this path does not prove (ids beyond ``2**31``).
+    """
+    carry, generated = len(prompt_tail), len(generated_ids)
+    if type(generated_log_probs) is not list or len(generated_log_probs) != generated or carry + generated == 0:
+        return None
+    lp_blob = _marshal_list(generated_log_probs, _FLOAT_LANE, b"g")
+    if lp_blob is None or not finite_lanes(lp_blob[13::9]):
+        return None
+    generated_f32be = _pack_f32be(generated_log_probs)
+    token_ids = [*prompt_tail, *generated_ids]
+    ids = _ids_from_marshal(token_ids)
+    if generated_f32be is None or ids is None:
+        return None
+    packed = PackedColumns(
+        length=carry + generated,
+        ids_width=4,
+        ids_le=ids[0],
+        ids_u64be=(bytes(ids[1]),),
+        mask_codes=b"\x00" * carry + b"\x3f" * generated,
+        mask_f32be=[*_repeat_views(bytes(4), carry), *_repeat_views(_F32BE_ONE, generated)],
+        lp_f32be=bytes(4 * carry) + generated_f32be,
+        lp_f32_exact=_f32_exact_from_marshal(lp_blob, generated, 0),
+    )
+    mask = [0.0] * carry + [1.0] * generated
+    log_probs = [0.0] * carry + generated_log_probs
+    return TrustedColumns(packed, mask, log_probs, token_ids)

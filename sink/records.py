@@ -492,6 +492,32 @@ class StagedCallRecord(StagedCallBaseSnapshot):
             context=context,
         )
 
+    @classmethod
+    def _from_trusted(cls, columns: TrustedColumns, **scalars: Any) -> Self:
+        """:meth:`from_components` for columns that :mod:`sink._columns` built and proved itself.
+
+        For the worker, with :func:`sink._columns.staging_delta_columns`. *scalars* are the other
+        components except the lengths, which are derived; every one is validated as usual and the
+        digest computed once. The columns' lists become the record's: the caller must not reuse them.
+
+        :raises TypeError: *columns* vouches for no ids (build through ``from_components`` then).
+        :raises pydantic.ValidationError: a component fails validation.
+        """
+        if type(columns) is not TrustedColumns or columns.token_ids is None:
+            raise TypeError("_from_trusted takes TrustedColumns that vouch for their ids")
+        length = columns.packed.length
+        prev_len = scalars.get("prev_len")
+        fields = {
+            **scalars,
+            "delta_len": length,
+            "cum_len": prev_len + length if type(prev_len) is int else None,  # None: prev_len fails validation
+            "digest": _PLACEHOLDER_DIGEST,
+            "token_ids_delta": columns.token_ids,
+            "token_mask_delta": columns.token_mask,
+            "generation_log_probs_delta": columns.log_probs,
+        }
+        return cls.model_validate(fields, context={"build": _BUILD_STAGING_DIGEST, _TRUSTED_COLUMNS_KEY: columns})
+
 
 _PLACEHOLDER_DIGEST = "0" * 64
 

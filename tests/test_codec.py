@@ -515,3 +515,64 @@ def test_empty_extras_and_no_extras_are_distinct() -> None:
         assert decoded.extras == extras
         assert decoded.extras_digest == compute_extras_digest(extras)
     assert compute_extras_digest(None) == EMPTY_EXTRAS_DIGEST
+
+
+@st.composite
+def engine_outputs(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[Any]]:
+    """(prompt tail, generated ids, generated log-probs) as an engine returns them, half the time broken."""
+    tail = draw(st.lists(token_ids, max_size=5))
+    n = draw(st.integers(0, 6))
+    generated = draw(st.lists(token_ids, min_size=n, max_size=n))
+    log_probs = draw(st.lists(generated_log_probs, min_size=n, max_size=n))
+    damage = draw(st.sampled_from(["none", "none", "tail", "generated", "log_probs", "length"]))
+    if damage == "length":
+        log_probs.append(-0.5)
+    elif damage != "none":
+        column = {"tail": tail, "generated": generated, "log_probs": log_probs}[damage]
+        column.insert(draw(st.integers(0, len(column))), draw(junk_ids if damage != "log_probs" else junk_floats))
+    return tail, generated, log_probs
+
+
+@settings(max_examples=400, deadline=None)
+@given(engine_outputs())
+def test_the_workers_delta_build_agrees_with_build_staging_delta_and_from_components(
+    outputs: tuple[list[Any], list[Any], list[Any]],
+) -> None:
+    from sink.digest import build_staging_delta
+
+    tail, generated, log_probs = outputs
+    prefix = [1, 2, 3]
+    scalars = {k: v for k, v in components().items() if not k.endswith("_delta") and k not in ("delta_len", "cum_len")}
+    scalars["extras"], scalars["extras_digest"] = None, EMPTY_EXTRAS_DIGEST
+
+    def reference() -> StagedCallRecord:
+        ids, mask, lps = build_staging_delta(prefix + tail, generated, log_probs, len(prefix))
+        return StagedCallRecord.from_components(
+            **scalars,
+            token_ids_delta=ids,
+            token_mask_delta=mask,
+            generation_log_probs_delta=lps,
+            delta_len=len(ids),
+            cum_len=3 + len(ids),
+        )
+
+    proved = _columns.staging_delta_columns(list(tail), list(generated), list(log_probs))
+    if proved is None or proved.token_ids is None:
+        return  # not proved: the worker takes the reference path itself
+    fast = _outcome(lambda: StagedCallRecord._from_trusted(proved, **scalars))
+    assert fast == _outcome(reference)
+    assert fast[0] == "ok"
+
+
+def test_ordinary_engine_output_takes_the_proved_delta_build() -> None:
+    proved = _columns.staging_delta_columns([5, 6], [7, 8, 9], [-0.5, -0.25, -1 / 3])
+    assert proved is not None and proved.token_ids == [5, 6, 7, 8, 9]
+    assert proved.token_mask == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert proved.log_probs == [0.0, 0.0, -0.5, -0.25, -1 / 3]
+    record = StagedCallRecord._from_trusted(
+        proved, **{**components(), "extras": None, "extras_digest": EMPTY_EXTRAS_DIGEST, "delta_len": None}
+    )
+    assert record.delta_len == 5 and record.cum_len == 8
+    assert record.digest == public_digest(record)
+    assert _columns.staging_delta_columns([], [], []) is None  # an empty delta: the reference path raises
+    assert _columns.staging_delta_columns([1], [2], [1]) is None  # an int log-prob is not an exact float

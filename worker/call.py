@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sink._columns import TrustedColumns, staging_delta_columns
 from sink.digest import (
     build_staging_delta,
     chain_hash_of_packed,
@@ -117,8 +118,15 @@ def build_call_record(
         if parent is None and sequence_cache is not None:
             parent = _proof_for_equal_head(call, head)
     cut = call.generation_cut
+    proved: TrustedColumns | None = None
     if cut is None:
-        ids, mask, logprobs = build_staging_delta(prompt, generated, generated_logprobs, prev_len)
+        # The delta built and proved in one pass (masks by construction); else the reference build.
+        proved = staging_delta_columns(prompt[prev_len:], generated, _as_list(generated_logprobs))
+        if proved is not None and proved.token_ids is not None:
+            ids, mask, logprobs = proved.token_ids, proved.token_mask, proved.log_probs
+        else:
+            proved = None
+            ids, mask, logprobs = build_staging_delta(prompt, generated, generated_logprobs, prev_len)
         rest = ids  # prompt[prev_len:] + generated, the prompt's own ids
         weight_version = call.weight_version
     else:
@@ -133,10 +141,26 @@ def build_call_record(
         logprobs = cut.generation_log_probs_delta + _as_list(generated_logprobs)
         weight_version = min(cut.weight_version, call.weight_version)
     if sequence_cache is None:
-        chain_hash = compute_chain_hash(admission.parent_chain_hash, ids)
+        chain_hash = _chain_hash(admission, ids, proved)
         cumulative_hash = hash_token_ids(prompt + generated)
     else:
-        chain_hash, cumulative_hash = _cached_hashes(call, sequence_cache, parent, ids, rest, prompt, generated)
+        chain_hash, cumulative_hash = _cached_hashes(
+            call, sequence_cache, parent, ids, rest, prompt, generated, proved
+        )
+    if proved is not None:
+        return StagedCallRecord._from_trusted(
+            proved,
+            rollout_id=admission.rollout_id,
+            model_call_id=admission.model_call_id,
+            parent_call_id=admission.parent_call_id,
+            mode=admission.mode,
+            prev_len=prev_len,
+            weight_version=weight_version,
+            extras=extras,
+            extras_digest=compute_extras_digest(extras),
+            chain_hash=chain_hash,
+            cumulative_hash=cumulative_hash,
+        )
     return StagedCallRecord.from_components(
         rollout_id=admission.rollout_id,
         model_call_id=admission.model_call_id,
@@ -191,6 +215,7 @@ def _cached_hashes(
     rest: list[int],
     prompt: list[int],
     generated: list[int],
+    proved: TrustedColumns | None = None,
 ) -> tuple[str, str]:
     """``(chain_hash, cumulative_hash)`` of the record, packing only *rest* when *parent* proves the head.
 
@@ -201,12 +226,20 @@ def _cached_hashes(
     :raises ValueError: an id is not an exact int in ``[0, 2**64)``.
     """
     admission = call.admission
-    proof = EMPTY_SEQUENCE.extended(prompt + generated) if parent is None else parent.extended(rest)
+    proof = EMPTY_SEQUENCE.extended(prompt + generated) if parent is None else parent.extended(rest, proved=proved)
     if proof is None:  # object addresses are unreadable on this interpreter: the reference path
-        return compute_chain_hash(admission.parent_chain_hash, ids), hash_token_ids(prompt + generated)
+        return _chain_hash(admission, ids, proved), hash_token_ids(prompt + generated)
     if parent is not None and rest is ids:
         chain_hash = chain_hash_of_packed(admission.parent_chain_hash, proof.packed[-1])
     else:
-        chain_hash = compute_chain_hash(admission.parent_chain_hash, ids)
+        chain_hash = _chain_hash(admission, ids, proved)
     cache.remember(admission.rollout_id, admission.model_call_id, proof)
     return chain_hash, proof.cumulative_hash()
+
+
+def _chain_hash(admission: CaptureAdmission, ids: list[int], proved: TrustedColumns | None) -> str:
+    """``compute_chain_hash(parent_chain_hash, ids)``, over the packed ids when *proved* holds exactly *ids*."""
+    packed = None if proved is None or proved.token_ids is not ids else proved.packed.ids_u64be
+    if packed is None:
+        return compute_chain_hash(admission.parent_chain_hash, ids)
+    return chain_hash_of_packed(admission.parent_chain_hash, b"".join(packed))

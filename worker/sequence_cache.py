@@ -52,6 +52,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from sink._columns import TrustedColumns
 from sink.digest import encode_token_ids, hash_packed_token_ids
 
 __all__ = ("EMPTY_SEQUENCE", "ProvenSequence", "SequenceHashCache", "item_addresses")
@@ -119,13 +120,17 @@ class ProvenSequence:
     addresses: tuple[bytes, ...]  # object addresses, per piece
     owners: tuple[list[int], ...]  # private lists holding the objects, per piece
 
-    def extended(self, token_ids: list[int]) -> ProvenSequence | None:
+    def extended(self, token_ids: list[int], *, proved: TrustedColumns | None = None) -> ProvenSequence | None:
         """This sequence followed by *token_ids*, or ``None`` when addresses are unreadable here.
+
+        *proved*, if given, holds exactly this list as its ids (``proved.token_ids is token_ids``):
+        :mod:`sink._columns` proved them exact ints and packed them, so they are not packed again.
 
         :raises ValueError: an id is not an exact int in ``[0, 2**64)`` (the reference type gate).
         """
         owner = list(token_ids)  # private: nobody else can replace or drop these objects
-        packed = encode_token_ids(owner)[_COUNT_BYTES:]
+        proved_ids = None if proved is None or proved.token_ids is not token_ids else proved.packed.ids_u64be
+        packed = b"".join(proved_ids) if proved_ids else encode_token_ids(owner)[_COUNT_BYTES:]
         addresses = item_addresses(owner)
         if addresses is None:
             return None
