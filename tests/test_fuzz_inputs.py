@@ -1,7 +1,8 @@
 """Bad-input suite (hypothesis): decoders, wire models and the sink meet garbage.
 
-- ``decode_record`` on random bytes, mutated and truncated valid blobs, and msgpack of random
-  structures: only :class:`CodecError`, never another exception, never a record that does not verify.
+- ``decode_record`` (and ``decode_packed_record``, which must agree) on random bytes, mutated and
+  truncated valid blobs, and msgpack of random structures: only :class:`CodecError`, never another
+  exception, never a record that does not verify.
 - ``model_validate`` of the wire models on random JSON-like dicts: only ``pydantic.ValidationError``
   (and ``TypeError`` for ``StagedCallRecord``'s extras, as contract §2 documents).
 - ``stage()`` of records built with ``model_construct`` and garbage fields: ``ok=False`` or
@@ -27,7 +28,7 @@ from reliability_helpers import audit_keyspace, record_measurement
 from staging_helpers import make_chain, make_record
 
 from sink import cli
-from sink.codec import decode_record, encode_record
+from sink.codec import decode_packed_record, decode_record, encode_record
 from sink.errors import CodecError
 from sink.records import (
     CallRecord,
@@ -88,9 +89,13 @@ def _decode_or_codec_error(blob: bytes) -> None:
     try:
         snapshot = decode_record(blob)
     except CodecError:
+        # The packed decode reaches the same verdict.
+        with pytest.raises(CodecError):
+            decode_packed_record(blob)
         return
     # Anything that decodes was fully verified: its digest is the recomputed one.
     assert snapshot.digest == snapshot.recompute_digest()
+    assert decode_packed_record(blob).to_snapshot() == snapshot
 
 
 # --- decode_record ------------------------------------------------------------------------------------
