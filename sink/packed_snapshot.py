@@ -30,7 +30,14 @@ from ._columns import (
 )
 from .digest import _staging_digest_from_packed, compute_extras_digest
 from .errors import CodecError
-from .records import _COLUMN_FIELDS, StagedCallBaseSnapshot, StagedCallSnapshot, _DigestWireModel, staging_key
+from .records import (
+    _COLUMN_FIELDS,
+    _SCALAR_DIGEST_FIELDS,
+    StagedCallBaseSnapshot,
+    StagedCallSnapshot,
+    _DigestWireModel,
+    staging_key,
+)
 
 __all__ = ("PackedSnapshot", "verified_packed_snapshot")
 
@@ -178,17 +185,6 @@ def verified_packed_snapshot(
     return PackedSnapshot(**scalars, extras=extras, columns=columns, ids_u64be=ids_be)
 
 
-# Keyword inputs of _staging_digest_from_packed besides the versions and the columns.
-_DIGEST_SCALARS: Final = (
-    "rollout_id",
-    "model_call_id",
-    "parent_call_id",
-    "mode",
-    "prev_len",
-    "delta_len",
-    "cum_len",
-    "weight_version",
-    "extras_digest",
-    "chain_hash",
-    "cumulative_hash",
-)
+# Keyword inputs of _staging_digest_from_packed besides the versions and the columns: the
+# digest's scalar inputs after the three versions.
+_DIGEST_SCALARS: Final = _SCALAR_DIGEST_FIELDS[3:]

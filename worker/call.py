@@ -147,36 +147,27 @@ def build_call_record(
         chain_hash, cumulative_hash = _cached_hashes(
             call, sequence_cache, parent, ids, rest, prompt, generated, proved
         )
+    scalars: dict[str, Any] = {
+        "rollout_id": admission.rollout_id,
+        "model_call_id": admission.model_call_id,
+        "parent_call_id": admission.parent_call_id,
+        "mode": admission.mode,
+        "prev_len": prev_len,
+        "weight_version": weight_version,
+        "extras": extras,
+        "extras_digest": compute_extras_digest(extras),
+        "chain_hash": chain_hash,
+        "cumulative_hash": cumulative_hash,
+    }
     if proved is not None:
-        return StagedCallRecord._from_trusted(
-            proved,
-            rollout_id=admission.rollout_id,
-            model_call_id=admission.model_call_id,
-            parent_call_id=admission.parent_call_id,
-            mode=admission.mode,
-            prev_len=prev_len,
-            weight_version=weight_version,
-            extras=extras,
-            extras_digest=compute_extras_digest(extras),
-            chain_hash=chain_hash,
-            cumulative_hash=cumulative_hash,
-        )
+        return StagedCallRecord._from_trusted(proved, **scalars)
     return StagedCallRecord.from_components(
-        rollout_id=admission.rollout_id,
-        model_call_id=admission.model_call_id,
-        parent_call_id=admission.parent_call_id,
-        mode=admission.mode,
-        prev_len=prev_len,
+        **scalars,
         delta_len=len(ids),
         cum_len=prev_len + len(ids),
-        weight_version=weight_version,
         token_ids_delta=ids,
         token_mask_delta=mask,
         generation_log_probs_delta=logprobs,
-        extras=extras,
-        extras_digest=compute_extras_digest(extras),
-        chain_hash=chain_hash,
-        cumulative_hash=cumulative_hash,
     )
 
 
