@@ -52,7 +52,6 @@ __all__ = (
     "ids_u64be_plain",
     "is_token_id_list",
     "mask_f32be",
-    "mask_f32be_pieces",
     "mask_values_from_codes",
     "pack_ids",
     "pack_validated_columns",
@@ -404,9 +403,9 @@ def mask_f32be(codes: bytes) -> bytes:
     return bytes(out)
 
 
-def mask_f32be_pieces(codes: bytes) -> Buffers:
-    """:func:`mask_f32be` in pieces; the usual shape (+0.0 carry, then 1.0) costs no copy."""
-    carry = _carry_prefix(codes)
+def _mask_pieces(codes: bytes, carry: int | None) -> Buffers:
+    """:func:`mask_f32be` in pieces, given ``_carry_prefix(codes)``; the usual shape (+0.0 carry, then 1.0)
+    costs no copy."""
     if carry is not None and codes.count(0) == carry:
         return [*_repeat_views(bytes(4), carry), *_repeat_views(_F32BE_ONE, len(codes) - carry)]
     return (mask_f32be(codes),)
@@ -601,6 +600,7 @@ def prove_stored_columns(
         ids_width=ids_width,
         ids_le=ids_le,
         mask_codes=mask_codes,
+        mask_f32be=_mask_pieces(mask_codes, carry),
         lp_f32be=lp.tobytes(),
         lp_f32_exact=True,
     )

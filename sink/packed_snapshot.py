@@ -8,10 +8,12 @@ object per token is created unless a caller asks for a column as a list, so
 fetching and verifying a 64k-token chain costs little more than hashing it.
 
 It is immutable (strings, ints and ``bytes``), so what was proved when it was
-built stays true: :func:`sink.rebuild.verify_and_linearize` accepts it and
-does not hash its digest a second time. Build one only through
-:func:`sink.codec.decode_packed_record` (or :meth:`PackedSnapshot.of` from a
-validated snapshot); the constructor does no checking.
+built stays true: the trainer reader verifies receipts against the packed
+snapshots it fetched itself without hashing their digests a second time.
+Build one only through :func:`sink.codec.decode_packed_record` (or
+:meth:`PackedSnapshot.of` from a validated snapshot); the constructor does no
+checking, which is why the public :func:`sink.rebuild.verify_and_linearize`
+takes model snapshots only (:meth:`PackedSnapshot.to_snapshot` converts).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from ._columns import (
     PackedColumns,
     f32_exact,
     ids_u64be,
-    mask_f32be_pieces,
     pack_validated_columns,
     prove_stored_columns,
 )
@@ -175,7 +176,7 @@ def verified_packed_snapshot(
             versions=(scalars["schema_version"], scalars["digest_version"], scalars["extras_digest_version"]),
             **{name: scalars[name] for name in _DIGEST_SCALARS},
             ids_u64be=(ids_be,),
-            mask_f32be=mask_f32be_pieces(mask_codes),
+            mask_f32be=columns.mask_f32be or (),
             lp_f32be=(columns.lp_f32be,),
         )
         if digest != scalars["digest"] or compute_extras_digest(extras) != scalars["extras_digest"]:
