@@ -365,6 +365,16 @@ def test_bench_codec_runs_with_tiny_sizes(capsys: pytest.CaptureFixture[str]) ->
     assert json.loads(capsys.readouterr().out)
 
 
+def test_bench_trainer_and_worker_run_with_tiny_sizes(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    trainer_args = ["--rollouts", "3", "--calls", "3", "--tokens", "512", "--repeats", "2", "--json"]
+    assert main(["bench", "trainer", "--redis-url", redis_url, *trainer_args]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["tokens"] == 3 * 3 * 512 and figures["pull_numpy_ns"] > 0 and figures["floor_ns"] > 0
+    assert main(["bench", "worker", "--redis-url", redis_url, "--turns", "3", "--tokens", "64", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["turns"] == 3 and report["chain_ratio"] > 0
+
+
 def test_environment_variable_is_used_by_a_subprocess(staged: str) -> None:
     done = subprocess.run(
         sink_command("inspect", "r1", "--json"),
