@@ -126,10 +126,15 @@ class PackedSnapshot(NamedTuple):
 
     @classmethod
     def of(cls, snapshot: StagedCallSnapshot) -> PackedSnapshot:
-        """The packed form of a validated snapshot.
+        """The packed form of a snapshot, validated again unless it is provably unchanged since validation.
 
-        :raises CodecError: its columns no longer satisfy the contract (mutated after validation).
+        :raises CodecError: it is not a valid record (built unvalidated, or mutated after validation).
         """
+        if not snapshot._unchanged_since_validation():
+            try:
+                snapshot = StagedCallSnapshot.model_validate(snapshot.model_dump())
+            except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+                raise CodecError(f"snapshot {snapshot.staging_key!r} does not verify: {exc}") from exc
         columns = snapshot._cached_packed_columns() or pack_validated_columns(
             snapshot.token_ids_delta, snapshot.token_mask_delta, snapshot.generation_log_probs_delta
         )

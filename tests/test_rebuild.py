@@ -391,6 +391,42 @@ def test_mutation_table(name: str) -> None:
     assert str(error).startswith(f"{code}: ")
 
 
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_mutation_table_through_the_trainers_packed_path(name: str) -> None:
+    from sink.errors import CodecError
+    from sink.packed_snapshot import PackedSnapshot
+    from sink.rebuild import _verify_and_linearize
+
+    build, code = MUTATIONS[name]
+    receipt, snapshots = build()
+    packed: list[Any] = []
+    for snapshot in snapshots:
+        try:
+            packed.append(PackedSnapshot.of(snapshot) if isinstance(snapshot, StagedCallSnapshot) else snapshot)
+        except CodecError:
+            # The reader decodes before it verifies: only a snapshot that is no valid record on its own
+            # is refused here (the reader then skips the rollout as corrupt_record).
+            with pytest.raises((ValueError, TypeError)):
+                StagedCallSnapshot.model_validate(snapshot.model_dump())
+            return
+    # The packed path reaches the public path's verdict on the models the packed snapshots verify as
+    # (PackedSnapshot.of re-validates a snapshot changed since validation, which may normalize it the way
+    # the model rules allow: an int mask [0, 0, 1] becomes [0.0, 0.0, 1.0]).
+    models = [p.to_snapshot() if isinstance(p, PackedSnapshot) else p for p in packed]
+    expected = _verdict(lambda: verify_and_linearize(receipt, models))
+    assert _verdict(lambda: _verify_and_linearize(receipt, packed, use_cached_columns=True)) == expected
+    if all(s._unchanged_since_validation() for s in snapshots if isinstance(s, StagedCallSnapshot)):
+        assert expected == code  # nothing was normalized: the table's own code
+
+
+def _verdict(verify: Callable[[], Any]) -> str | None:
+    try:
+        verify()
+    except ReceiptVerificationError as exc:
+        return exc.code
+    return None
+
+
 def test_unmutated_cases_pass() -> None:
     # Guards the table: the builders produce a valid case until mutated.
     assert verify_and_linearize(*restaged()()).token_ids == (10, 11, 12, 20, 21)
