@@ -42,8 +42,8 @@ from ._columns import (
     f32_exact,
     finite_lanes,
     mask_values_from_codes,
-    pack_validated_columns,
 )
+from ._record_columns import pack_validated_columns
 from .errors import CodecError
 from .packed_snapshot import PackedSnapshot, verified_packed_snapshot
 from .records import _SCALAR_DIGEST_FIELDS, _TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot

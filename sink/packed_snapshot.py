@@ -22,13 +22,8 @@ from typing import Any, Final, NamedTuple
 
 from pydantic import BaseModel, ValidationError, create_model
 
-from ._columns import (
-    PackedColumns,
-    f32_exact,
-    ids_u64be,
-    pack_validated_columns,
-    prove_stored_columns,
-)
+from ._columns import PackedColumns, f32_exact, ids_u64be
+from ._record_columns import pack_validated_columns, prove_stored_columns
 from .digest import _staging_digest_from_packed, compute_extras_digest
 from .errors import CodecError
 from .records import (

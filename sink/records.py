@@ -31,9 +31,9 @@ from ._columns import (
     PackedColumns,
     TrustedColumns,
     pack_ids,
-    pack_validated_columns,
 )
-from ._columns import trusted_components as _trusted_components
+from ._record_columns import pack_validated_columns
+from ._record_columns import trusted_components as _trusted_components
 from .digest import (
     EMPTY_EXTRAS_DIGEST,
     EXTRAS_DIGEST_VERSION,
@@ -496,7 +496,7 @@ class StagedCallRecord(StagedCallBaseSnapshot):
     def _from_trusted(cls, columns: TrustedColumns, **scalars: Any) -> Self:
         """:meth:`from_components` for columns that :mod:`sink._columns` built and proved itself.
 
-        For the worker, with :func:`sink._columns.staging_delta_columns`. *scalars* are the other
+        For the worker, with :func:`sink._record_columns.staging_delta_columns`. *scalars* are the other
         components except the lengths, which are derived; every one is validated as usual and the
         digest computed once. The columns' lists become the record's: the caller must not reuse them.
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sink.records as R
-from sink import _columns
+from sink import _columns, _record_columns
 from sink.codec import CODEC_VERSION, DIGEST_HEAD_BYTES, decode_record, encode_record
 from sink.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest, compute_staging_digest
 from sink.errors import CodecError
@@ -556,7 +556,7 @@ def test_the_workers_delta_build_agrees_with_build_staging_delta_and_from_compon
             cum_len=3 + len(ids),
         )
 
-    proved = _columns.staging_delta_columns(list(tail), list(generated), list(log_probs))
+    proved = _record_columns.staging_delta_columns(list(tail), list(generated), list(log_probs))
     if proved is None or proved.token_ids is None:
         return  # not proved: the worker takes the reference path itself
     fast = _outcome(lambda: StagedCallRecord._from_trusted(proved, **scalars))
@@ -565,7 +565,7 @@ def test_the_workers_delta_build_agrees_with_build_staging_delta_and_from_compon
 
 
 def test_ordinary_engine_output_takes_the_proved_delta_build() -> None:
-    proved = _columns.staging_delta_columns([5, 6], [7, 8, 9], [-0.5, -0.25, -1 / 3])
+    proved = _record_columns.staging_delta_columns([5, 6], [7, 8, 9], [-0.5, -0.25, -1 / 3])
     assert proved is not None and proved.token_ids == [5, 6, 7, 8, 9]
     assert proved.token_mask == [0.0, 0.0, 1.0, 1.0, 1.0]
     assert proved.log_probs == [0.0, 0.0, -0.5, -0.25, -1 / 3]
@@ -574,5 +574,5 @@ def test_ordinary_engine_output_takes_the_proved_delta_build() -> None:
     )
     assert record.delta_len == 5 and record.cum_len == 8
     assert record.digest == public_digest(record)
-    assert _columns.staging_delta_columns([], [], []) is None  # an empty delta: the reference path raises
-    assert _columns.staging_delta_columns([1], [2], [1]) is None  # an int log-prob is not an exact float
+    assert _record_columns.staging_delta_columns([], [], []) is None  # an empty delta: the reference path raises
+    assert _record_columns.staging_delta_columns([1], [2], [1]) is None  # an int log-prob is not an exact float
