@@ -56,6 +56,7 @@ __all__ = (
     "mask_f32be",
     "mask_values_from_codes",
     "pack_ids",
+    "unpack_list",
 )
 
 _NATIVE_LITTLE: Final = sys.byteorder == "little"
@@ -112,6 +113,21 @@ def _is_repeat(buf: bytes, start: int, count: int, lane: bytes) -> bool:
             return False
         start += len(chunk)
     return buf.startswith(memoryview(chunk)[: end - start], start)
+
+
+def unpack_list(data: Buffers, typecode: str, *, big_endian: bool = False) -> list[Any]:
+    """The values of packed pieces (little-endian unless *big_endian*) as one new list."""
+    values = array(typecode)
+    for piece in data:
+        values.frombytes(piece)
+    if big_endian == _NATIVE_LITTLE:  # stored order differs from the host's
+        values.byteswap()
+    return values.tolist()
+
+
+def _usual_mask_pieces(carry: int, generated: int) -> Buffers:
+    """The float32 big-endian mask of *carry* ``+0.0`` then *generated* ``1.0``, as views (no copy)."""
+    return [*_repeat_views(bytes(4), carry), *_repeat_views(_F32BE_ONE, generated)]
 
 
 def _repeat_views(lane: bytes, count: int) -> list[memoryview]:
@@ -172,11 +188,8 @@ class PackedColumns:
 
     def token_ids_list(self) -> list[int]:
         """The ids as a new list of Python ints."""
-        values = array(ID_TYPECODES[self.ids_width])
-        values.frombytes(self.ids_le)
-        if not _NATIVE_LITTLE:
-            values.byteswap()
-        return values.tolist()
+        ids: list[int] = unpack_list((self.ids_le,), ID_TYPECODES[self.ids_width])
+        return ids
 
     def token_mask_list(self) -> list[float]:
         """The mask as a new list of floats (0.0, -0.0, 1.0)."""
@@ -184,11 +197,8 @@ class PackedColumns:
 
     def log_probs_list(self) -> list[float]:
         """The log-probabilities as a new list of floats (their float32 values)."""
-        values = array("f")
-        values.frombytes(self.lp_f32be)
-        if _NATIVE_LITTLE:
-            values.byteswap()
-        return values.tolist()
+        log_probs: list[float] = unpack_list((self.lp_f32be,), "f", big_endian=True)
+        return log_probs
 
     def digest_forms(self) -> tuple[Buffers, Buffers, Buffers]:
         """``(ids u64 BE, mask f32 BE, log-probs f32 BE)`` in pieces; releases the transient forms."""
@@ -405,7 +415,7 @@ def _mask_pieces(codes: bytes, carry: int | None) -> Buffers:
     """:func:`mask_f32be` in pieces, given ``_carry_prefix(codes)``; the usual shape (+0.0 carry, then 1.0)
     costs no copy."""
     if carry is not None and codes.count(0) == carry:
-        return [*_repeat_views(bytes(4), carry), *_repeat_views(_F32BE_ONE, len(codes) - carry)]
+        return _usual_mask_pieces(carry, len(codes) - carry)
     return (mask_f32be(codes),)
 
 
@@ -436,7 +446,7 @@ def _mask_from_marshal(blob: bytes, n: int) -> tuple[bytes, Buffers] | None:
     split = _HEAD + _FLOAT_LANE * carry
     if _is_repeat(blob, _HEAD, carry, _LANE_POS_ZERO) and _is_repeat(blob, split, n - carry, _LANE_ONE):
         # the usual shape: +0.0 carry, then generated
-        pieces = [*_repeat_views(bytes(4), carry), *_repeat_views(_F32BE_ONE, n - carry)]
+        pieces = _usual_mask_pieces(carry, n - carry)
         return b"\x00" * carry + b"\x3f" * (n - carry), pieces
     codes = blob[13::9]  # byte 7 of every float64 lane
     if codes.translate(None, MASK_CODES):

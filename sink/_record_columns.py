@@ -17,7 +17,6 @@ from array import array
 from collections.abc import Sequence
 
 from ._columns import (
-    _F32BE_ONE,
     _FLOAT_LANE,
     _HEAD,
     _LANE_POS_ZERO,
@@ -33,7 +32,7 @@ from ._columns import (
     _mask_from_marshal,
     _mask_pieces,
     _pack_f32be,
-    _repeat_views,
+    _usual_mask_pieces,
     finite_lanes,
     pack_ids,
 )
@@ -167,7 +166,7 @@ def staging_delta_columns(
         ids_le=ids[0],
         ids_u64be=(bytes(ids[1]),),
         mask_codes=b"\x00" * carry + b"\x3f" * generated,
-        mask_f32be=[*_repeat_views(bytes(4), carry), *_repeat_views(_F32BE_ONE, generated)],
+        mask_f32be=_usual_mask_pieces(carry, generated),
         lp_f32be=bytes(4 * carry) + generated_f32be,
         lp_f32_exact=_f32_exact_from_marshal(lp_blob, generated, 0),
     )

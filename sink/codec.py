@@ -25,7 +25,6 @@ and compared, so a tampered blob is rejected. Every failure is a
 from __future__ import annotations
 
 import struct
-import sys
 from array import array
 from collections.abc import Iterable
 from typing import Any, Final, NamedTuple
@@ -42,6 +41,7 @@ from ._columns import (
     f32_exact,
     finite_lanes,
     mask_values_from_codes,
+    unpack_list,
 )
 from ._record_columns import pack_validated_columns
 from .errors import CodecError
@@ -63,7 +63,6 @@ DEFAULT_MAX_RECORD_BYTES: Final = 64 * 1024 * 1024
 #: (map16 header 3 + "v" 2 + version 1 + "digest" 7 + str8 header 2 + 64).
 DIGEST_HEAD_BYTES: Final = 79
 
-_NATIVE_LITTLE: Final = sys.byteorder == "little"
 _FLOAT_TYPECODES: Final = {4: "f", 8: "d"}
 
 #: Stored as msgpack scalars under their record field names, in this order.
@@ -179,14 +178,6 @@ def _width(obj: dict[str, Any], key: str) -> int:
     return width
 
 
-def _unpack_list(data: bytes, typecode: str) -> list[Any]:
-    values = array(typecode)
-    values.frombytes(data)
-    if not _NATIVE_LITTLE:
-        values.byteswap()
-    return values.tolist()
-
-
 def _trust(
     ids: list[int],
     ids_width: int,
@@ -277,9 +268,9 @@ def _parse(data: bytes, max_record_bytes: int) -> _Blob:
 def _snapshot(blob: _Blob) -> StagedCallSnapshot:
     """The reference decode: build the lists and validate every record rule."""
     fields, ids_width, ids_le, codes, lp_width, lp_le = blob
-    ids = _unpack_list(ids_le, ID_TYPECODES[ids_width])
+    ids = unpack_list((ids_le,), ID_TYPECODES[ids_width])
     mask = mask_values_from_codes(codes)
-    log_probs = _unpack_list(lp_le, _FLOAT_TYPECODES[lp_width])
+    log_probs = unpack_list((lp_le,), _FLOAT_TYPECODES[lp_width])
     trusted = _trust(ids, ids_width, ids_le, mask, codes, log_probs, lp_width, lp_le)
     record = {name: fields[name] for name in _SCALAR_FIELDS}
     record.update(

@@ -221,12 +221,12 @@ def _chain_positions(receipt: RolloutReceipt, index_by_id: dict[str, int]) -> li
     return chain
 
 
-def _mask_counts(masks: Sequence[float], packed: PackedColumns | None) -> tuple[int, int, int]:
-    """``(carry, generated, index of the first 1.0 or -1)``; masks are exactly 0.0/1.0 here (step 8h)."""
-    if packed is not None:
-        codes = packed.mask_codes
-        generated = codes.count(0x3F)
-        return len(codes) - generated, generated, codes.find(0x3F)
+def _mask_counts(masks: Sequence[float] | bytes) -> tuple[int, int, int]:
+    """``(carry, generated, index of the first 1.0 or -1)`` of a mask column, or of its codes (``bytes``);
+    masks are exactly 0.0/1.0 here (step 8h)."""
+    if isinstance(masks, bytes):
+        generated = masks.count(0x3F)
+        return len(masks) - generated, generated, masks.find(0x3F)
     generated = masks.count(1.0)
     return len(masks) - generated, generated, masks.index(1.0) if generated else -1
 
@@ -252,11 +252,11 @@ def _linearize_chain(
         if packed_call is None:
             running_chain_hash = compute_chain_hash(running_chain_hash, snapshot.token_ids_delta)
             masks = snapshot.token_mask_delta
-            carry, generated, first_one = _mask_counts(masks, None)
+            carry, generated, first_one = _mask_counts(masks)
             length = len(masks)
         else:
             running_chain_hash = chain_hash_of_packed(running_chain_hash, packed_call.ids_u64be)
-            carry, generated, first_one = _mask_counts((), packed_call.packed)
+            carry, generated, first_one = _mask_counts(packed_call.packed.mask_codes)
             length = packed_call.packed.length
         if running_chain_hash != record.chain_hash:
             raise RebuildError(

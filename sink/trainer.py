@@ -358,22 +358,23 @@ class RolloutReader(AsyncResource):
         trip for all); a later entry of the same rollout in this pull claims after them, so the
         first entry in delivery order wins.
         """
-        firsts: dict[str, int] = {}
+        firsts: list[int] = []
+        later: list[int] = []
+        seen: set[str] = set()
         for index, (_entry, receipt) in enumerate(parsed):
-            firsts.setdefault(receipt.rollout_id, index)
+            (later if receipt.rollout_id in seen else firsts).append(index)
+            seen.add(receipt.rollout_id)
         won = [False] * len(parsed)
 
         async def claim(index: int) -> None:
             entry, receipt = parsed[index]
             won[index] = await self._claim(entry, receipt)
 
-        first_indices = set(firsts.values())
         async with anyio.create_task_group() as group:
-            for index in first_indices:
+            for index in firsts:
                 group.start_soon(claim, index)
-        for index in range(len(parsed)):
-            if index not in first_indices:
-                await claim(index)
+        for index in later:
+            await claim(index)
         claimed = []
         for (entry, receipt), ours in zip(parsed, won, strict=True):
             if ours:

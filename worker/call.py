@@ -145,9 +145,7 @@ def build_call_record(
         chain_hash = _chain_hash(admission, ids, proved)
         cumulative_hash = hash_token_ids(prompt + generated)
     else:
-        chain_hash, cumulative_hash = _cached_hashes(
-            call, sequence_cache, parent, ids, rest, prompt, generated, proved
-        )
+        chain_hash, cumulative_hash = _cached_hashes(call, sequence_cache, parent, ids, rest, prompt, generated, proved)
     scalars: dict[str, Any] = {
         "rollout_id": admission.rollout_id,
         "model_call_id": admission.model_call_id,

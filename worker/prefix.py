@@ -12,13 +12,11 @@ length must be ``prev_len``, the last link must be the admission's
 from __future__ import annotations
 
 import itertools
-import sys
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sink._columns import ids_u64be
+from sink._columns import ids_u64be, unpack_list
 from sink.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
 from sink.packed_snapshot import PackedSnapshot
 from sink.records import CaptureAdmission, StagedCallBaseSnapshot
@@ -42,16 +40,6 @@ def _packed_chain_ids(position: int, snapshot: object) -> tuple[int, bytes | Non
     if packed is None:
         return len(snapshot.token_ids_delta), None
     return len(snapshot.token_ids_delta), ids_u64be(packed.ids_le, packed.ids_width, packed.length)
-
-
-def _ids_of(pieces: Sequence[bytes]) -> list[int]:
-    """The ids of u64 big-endian pieces, as one new list."""
-    ids = array("Q")
-    for piece in pieces:
-        ids.frombytes(piece)
-    if sys.byteorder == "little":
-        ids.byteswap()
-    return ids.tolist()
 
 
 def verify_staging_chain(
@@ -97,7 +85,7 @@ def verify_staging_chain(
         raise PrefixResolutionError("chain hash of the fetched chain != the admission's parent_chain_hash")
     if packed_ids is not None:
         cumulative = hash_packed_token_ids(packed_ids, running_len)
-        prefix = _ids_of(packed_ids)
+        prefix = unpack_list(packed_ids, "Q", big_endian=True)
     else:
         prefix = list(itertools.chain.from_iterable(snapshot.token_ids_delta for snapshot in snapshots))
         cumulative = hash_token_ids(prefix)
