@@ -16,16 +16,16 @@ from .errors import DurabilityError as DurabilityError
 from .errors import ReceiptVerificationError as ReceiptVerificationError
 from .errors import StagingConnectionError as StagingConnectionError
 from .errors import StagingError as StagingError
-from .gate import CaptureGate as CaptureGate
-from .ledger import RedisCaptureLedger as RedisCaptureLedger
-from .rebuild import LinearizedRow as LinearizedRow
-from .rebuild import verify_and_linearize as verify_and_linearize
-from .redis_sink import AsyncRedisStagingSink as AsyncRedisStagingSink
-from .redis_sink import RedisStagingSink as RedisStagingSink
+from .ledger.gate import CaptureGate as CaptureGate
+from .ledger.redis import RedisCaptureLedger as RedisCaptureLedger
+from .reader import RolloutReader as RolloutReader
 from .server import durable_server as durable_server
-from .source import AsyncRedisStagingSource as AsyncRedisStagingSource
-from .source import RedisStagingSource as RedisStagingSource
-from .trainer import RolloutReader as RolloutReader
+from .store.sink import AsyncRedisStagingSink as AsyncRedisStagingSink
+from .store.sink import RedisStagingSink as RedisStagingSink
+from .store.source import AsyncRedisStagingSource as AsyncRedisStagingSource
+from .store.source import RedisStagingSource as RedisStagingSource
+from .verify import LinearizedRow as LinearizedRow
+from .verify import verify_and_linearize as verify_and_linearize
 
 __all__ = (
     "Assembler",

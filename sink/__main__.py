@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sink.cli import main
+from .cli.main import main
 
 __all__ = ()
 

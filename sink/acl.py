@@ -141,7 +141,7 @@ CONNECTION_COMMANDS: tuple[str, ...] = (
 
 _SCRIPTS = ("evalsha", "eval")
 _TRANSACTIONS = ("multi", "exec", "discard")
-# sink.consumer: read, reclaim, acknowledge (XACK + XDEL in one MULTI), count deliveries, and its scripts
+# sink.store.streams: read, reclaim, acknowledge (XACK + XDEL in one MULTI), count deliveries, and its scripts
 # (touch: XPENDING, XCLAIM; retire a consumer: EXISTS, XPENDING, XGROUP DELCONSUMER).
 _CONSUMER = (
     "xreadgroup",

@@ -34,14 +34,14 @@ import redis.exceptions as redis_errors
 from pydantic import ValidationError
 from redis.asyncio.cluster import RedisCluster
 
-from .connection import Topology, describe_redis_error, map_redis_errors
-from .consumer import AsyncResource, GroupConsumer, StreamEntry, default_consumer_name, settings_or_fields
 from .errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
 from .keys import DEFAULT_NAMESPACE, done_stream, receipt_key, receipts_stream, shard_of, validate_rollout_id
-from .ledger import RedisCaptureLedger
+from .ledger.redis import RedisCaptureLedger
 from .receipt import build_receipt
 from .records import RolloutManifest, RolloutReceipt
 from .settings import DEFAULT_SHARDS, AssemblerSettings
+from .store.connection import Topology, describe_redis_error, map_redis_errors
+from .store.streams import AsyncResource, GroupConsumer, StreamEntry, default_consumer_name, settings_or_fields
 
 __all__ = (
     "ASSEMBLER_GROUP",

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import redis
 
-from .connection import reply_text
 from .server import _INSTALL_HINT, DurableServer, ServerNotFoundError, ServerProcessError, find_server_binary
+from .store.connection import reply_text
 
 __all__ = ("LocalCluster", "local_cluster")
 

@@ -32,7 +32,7 @@ from typing import Any, Final, NamedTuple
 import msgpack
 from pydantic import ValidationError
 
-from ._columns import (
+from ._packed.columns import (
     ID_TYPECODES,
     MASK_CODES,
     PackedColumns,
@@ -43,9 +43,9 @@ from ._columns import (
     mask_values_from_codes,
     unpack_list,
 )
-from ._record_columns import pack_validated_columns
+from ._packed.record_columns import pack_validated_columns
 from .errors import CodecError
-from .packed_snapshot import PackedSnapshot, verified_packed_snapshot
+from .packed import PackedSnapshot, verified_packed_snapshot
 from .records import _SCALAR_DIGEST_FIELDS, _TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot
 
 __all__ = (

@@ -8,7 +8,7 @@ done with map/count/compress pipelines that also run in C.
 
 The public functions check everything (contract §4.3). Record validators,
 which have already proved types and rules 1-8, hash pre-packed columns via
-``_staging_digest_from_packed`` (see :mod:`sink._columns`); the payload
+``_staging_digest_from_packed`` (see :mod:`sink._packed.columns`); the payload
 layout is the same ``_digest_head`` + framed columns + tail either way.
 """
 
@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
-from ._columns import _ids_from_marshal, _pack_f32be, is_token_id_list
+from ._packed.columns import _ids_from_marshal, _pack_f32be, is_token_id_list
 
 __all__ = (
     "CALL_DIGEST_DOMAIN",

@@ -25,15 +25,15 @@ from pydantic import (
     model_validator,
 )
 
-from ._columns import (
+from ._packed.columns import (
     Buffers,
     ColumnCache,
     PackedColumns,
     TrustedColumns,
     pack_ids,
 )
-from ._record_columns import pack_validated_columns
-from ._record_columns import trusted_components as _trusted_components
+from ._packed.record_columns import pack_validated_columns
+from ._packed.record_columns import trusted_components as _trusted_components
 from .digest import (
     EMPTY_EXTRAS_DIGEST,
     EXTRAS_DIGEST_VERSION,
@@ -494,7 +494,7 @@ class StagedCallRecord(StagedCallBaseSnapshot):
 
     @classmethod
     def _from_trusted(cls, columns: TrustedColumns, **scalars: Any) -> Self:
-        """:meth:`from_components` for columns that :mod:`sink._columns` built and proved itself.
+        """:meth:`from_components` for columns that :mod:`sink._packed.columns` built and proved itself.
 
         For the worker, with :func:`sink._record_columns.staging_delta_columns`. *scalars* are the other
         components except the lengths, which are derived; every one is validated as usual and the

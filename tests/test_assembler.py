@@ -13,12 +13,10 @@ import anyio
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
-from e2e_helpers import EventCounter, pull_until, running_assembler, stage_rollouts
 from redis.asyncio.cluster import RedisCluster
 
 from sink.assembler import ASSEMBLER_GROUP, Assembler, finished, parse_done_event
 from sink.cluster import LocalCluster
-from sink.consumer import StreamEntry
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import (
     calls_stream,
@@ -32,10 +30,12 @@ from sink.keys import (
     record_key,
     shard_of,
 )
-from sink.ledger import RedisCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
+from sink.reader import TRAINER_GROUP, RolloutReader
 from sink.records import RolloutReceipt
 from sink.settings import AssemblerSettings
-from sink.trainer import TRAINER_GROUP, RolloutReader
+from sink.store.streams import StreamEntry
+from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 
 SHARDS = 4
 FAST = {"block_ms": 50, "claim_idle_ms": 60_000}

@@ -18,18 +18,18 @@ import anyio
 import pytest
 import redis
 import yaml
-from e2e_helpers import stage_rollouts
-from staging_helpers import make_chain
-from test_acl import AclServer, start_acl_server
 
 from sink.acl import ADMIN_ROLE, ROLE_NAMES
 from sink.assembler import finished
-from sink.cli import ENV_REDIS_URL, build_parser, main
-from sink.cli_common import EXIT_FAILURE, EXIT_UNREACHABLE, EXIT_USAGE, mask_url
-from sink.cli_services import BENCHMARKS
+from sink.cli.common import EXIT_FAILURE, EXIT_UNREACHABLE, EXIT_USAGE, mask_url
+from sink.cli.main import ENV_REDIS_URL, build_parser, main
+from sink.cli.services import BENCHMARKS
 from sink.keys import record_key
-from sink.redis_sink import AsyncRedisStagingSink
 from sink.server import DurableServer, free_port
+from sink.store.sink import AsyncRedisStagingSink
+from tests.helpers.acl import AclServer, start_acl_server
+from tests.helpers.e2e import stage_rollouts
+from tests.helpers.staging import make_chain
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBCOMMANDS = (

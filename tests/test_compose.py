@@ -12,11 +12,11 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 import yaml
-from conftest import require_binary, skip_or_fail
-from test_acl import AclServer
 
 from sink.acl import ADMIN_ROLE, ROLE_NAMES, main, password_env_var, render_acl_example
-from sink.durability import REQUIRED_CONFIG, verify_durability
+from sink.store.durability import REQUIRED_CONFIG, verify_durability
+from tests.helpers.acl import AclServer
+from tests.helpers.servers import require_binary, skip_or_fail
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"

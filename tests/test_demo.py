@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import redis
-from test_acl import start_acl_server
 
-from sink.cli import main
-from sink.cli_common import EXIT_FAILURE
+from sink.cli.common import EXIT_FAILURE
+from sink.cli.main import main
 from sink.cluster import LocalCluster
-from worker.demo import DemoOptions, make_plans
-from worker.demo_report import EXPECTED_SKIP, DemoTally, percentile
+from tests.helpers.acl import start_acl_server
+from worker.demo.main import DemoOptions, make_plans
+from worker.demo.report import EXPECTED_SKIP, DemoTally, percentile
 
 SMALL = ["--rollouts", "6", "--turns", "3", "--tokens", "16", "--workers", "2", "--inject-failures", "2"]
 

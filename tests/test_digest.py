@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from contract_examples import GOLDEN_VECTOR, root_staged_wire
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +27,7 @@ from sink.digest import (
     is_digest_hex,
     is_token_id_list,
 )
+from tests.helpers.contract_examples import GOLDEN_VECTOR, root_staged_wire
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Above the midpoint between FLOAT32_MAX and 2**128: rounds to inf in binary32.

@@ -24,10 +24,8 @@ from anyio.from_thread import start_blocking_portal
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
-from reliability_helpers import audit_keyspace, record_measurement
-from staging_helpers import make_chain, make_record
 
-from sink import cli
+from sink.cli import main as cli
 from sink.codec import decode_packed_record, decode_record, encode_record
 from sink.errors import CodecError
 from sink.records import (
@@ -38,9 +36,11 @@ from sink.records import (
     StagedCallRecord,
     StageResult,
 )
-from sink.redis_sink import AsyncRedisStagingSink
 from sink.server import free_port
-from sink.source import AsyncRedisStagingSource
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
+from tests.helpers.reliability import audit_keyspace, record_measurement
+from tests.helpers.staging import make_chain, make_record
 
 EXAMPLES = 250
 # derandomize: the same examples on every run, so a CI failure reproduces and the table's counts are stable.

@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 
-from sink.gate import CaptureGate
-from sink.ledger import RedisCaptureLedger
-from sink.ledger_memory import MemoryCaptureLedger
-from sink.memory import MemoryStagingStore
+from sink.ledger.gate import CaptureGate
+from sink.ledger.memory import MemoryCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
 from sink.records import (
     INVALID_COMMIT_COORDS_REASON,
     UNRESOLVED_PARENT_REASON,
@@ -19,6 +18,7 @@ from sink.records import (
     CommitCoords,
 )
 from sink.server import DurableServer, durable_server
+from sink.store.memory import MemoryStagingStore
 from worker import RolloutTokenCapture
 
 pytestmark = pytest.mark.anyio

@@ -25,10 +25,10 @@ from sink.cluster import LocalCluster
 from sink.errors import CodecError, LedgerConflictError, RolloutRetiredError, StagingConnectionError
 from sink.fingerprint import FINGERPRINT_VERSION
 from sink.keys import fence_key, ledger_ids_key, ledger_stream
-from sink.ledger import RedisCaptureLedger
-from sink.ledger_memory import MemoryCaptureLedger
-from sink.ledger_rows import custody_entry, custody_row, encode_row
-from sink.lineage import AMBIGUOUS_REASON, NO_MATCH_REASON, LineageMatch, LineageResolution, LineageStatus
+from sink.ledger.lineage import AMBIGUOUS_REASON, NO_MATCH_REASON, LineageMatch, LineageResolution, LineageStatus
+from sink.ledger.memory import MemoryCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
+from sink.ledger.rows import custody_entry, custody_row, encode_row
 from sink.records import (
     EMPTY_EXTRAS_DIGEST,
     LEDGER_ROW_MISSING_CHAIN_HASH_REASON,

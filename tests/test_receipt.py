@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from contract_examples import manifest_row
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +22,7 @@ from sink.records import (
     RolloutManifest,
     RolloutReceipt,
 )
+from tests.helpers.contract_examples import manifest_row
 
 ROLLOUT = "rollout-1"
 MSG = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "final answer"}]}

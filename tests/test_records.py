@@ -9,17 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from contract_examples import (
-    GOLDEN_VECTOR,
-    ROOT_CHAIN_HASH,
-    ROOT_DIGEST,
-    call_record_wire,
-    commit_coords_wire,
-    main_staged_wire,
-    receipt_wire,
-    root_staged_wire,
-    valid_wire_by_model,
-)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
@@ -31,6 +20,17 @@ from sink.digest import (
     compute_extras_digest,
     compute_staging_digest,
     hash_token_ids,
+)
+from tests.helpers.contract_examples import (
+    GOLDEN_VECTOR,
+    ROOT_CHAIN_HASH,
+    ROOT_DIGEST,
+    call_record_wire,
+    commit_coords_wire,
+    main_staged_wire,
+    receipt_wire,
+    root_staged_wire,
+    valid_wire_by_model,
 )
 
 ALL_MODELS = list(valid_wire_by_model())

@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 import anyio
 import pytest
 import redis.asyncio as aioredis
-from e2e_helpers import EventCounter, pull_until, running_assembler, stage_rollouts
-from reliability_helpers import audit_keyspace, commit_of, record_measurement
-from staging_helpers import make_record
 
 from sink.assembler import finished
 from sink.errors import StagingConnectionError
-from sink.ledger import RedisCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
+from sink.reader import RolloutReader
 from sink.records import StagedCallRecord
-from sink.redis_sink import AsyncRedisStagingSink
 from sink.server import DurableServer
-from sink.source import AsyncRedisStagingSource
-from sink.trainer import RolloutReader
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
+from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
+from tests.helpers.reliability import audit_keyspace, commit_of, record_measurement
+from tests.helpers.staging import make_record
 
 pytestmark = pytest.mark.anyio
 

@@ -22,15 +22,15 @@ from pathlib import Path
 import anyio
 import pytest
 import redis
-from reliability_helpers import audit_keyspace, record_measurement
-from staging_helpers import make_record
 
 from sink.cluster import LocalCluster
 from sink.keys import calls_stream, record_key
 from sink.records import StagedCallRecord
-from sink.redis_sink import AsyncRedisStagingSink
 from sink.server import DurableServer, durable_server, find_server_binary
-from sink.source import AsyncRedisStagingSource
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
+from tests.helpers.reliability import audit_keyspace, record_measurement
+from tests.helpers.staging import make_record
 
 pytestmark = pytest.mark.anyio
 

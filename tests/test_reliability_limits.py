@@ -13,16 +13,16 @@ from __future__ import annotations
 import anyio
 import pytest
 import redis
-from reliability_helpers import audit_keyspace, commit_of, record_measurement
-from staging_helpers import make_record
 
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import calls_stream, record_key
-from sink.ledger import RedisCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
 from sink.records import StagedCallRecord
-from sink.redis_sink import AsyncRedisStagingSink
 from sink.server import DurableServer
-from sink.source import AsyncRedisStagingSource
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
+from tests.helpers.reliability import audit_keyspace, commit_of, record_measurement
+from tests.helpers.staging import make_record
 
 pytestmark = pytest.mark.anyio
 

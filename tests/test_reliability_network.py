@@ -20,17 +20,17 @@ from pathlib import Path
 
 import anyio
 import pytest
-from reliability_helpers import audit_keyspace, commit_of, record_measurement
-from staging_helpers import make_record
-from tcp_proxy import FaultProxy, tcp_proxy
 
 from sink.errors import StagingConnectionError
 from sink.keys import calls_stream
-from sink.ledger import RedisCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
 from sink.records import StagedCallRecord
-from sink.redis_sink import AsyncRedisStagingSink
 from sink.server import DurableServer, durable_server, find_server_binary
-from sink.source import AsyncRedisStagingSource
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
+from tests.helpers.reliability import audit_keyspace, commit_of, record_measurement
+from tests.helpers.staging import make_record
+from tests.helpers.tcp_proxy import FaultProxy, tcp_proxy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import anyio
 import pytest
 import redis
-from staging_helpers import make_chain
 
 from sink.cluster import LocalCluster
 from sink.keys import calls_stream
-from sink.redis_sink import AsyncRedisStagingSink
-from sink.source import AsyncRedisStagingSource
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
+from tests.helpers.staging import make_chain
 
 pytestmark = pytest.mark.anyio
 

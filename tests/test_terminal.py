@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from contract_examples import manifest_row
 
 from sink.fingerprint import assistant_fingerprint
 from sink.records import (
@@ -24,6 +23,7 @@ from sink.terminal import (
     resolve_terminal,
     select_terminal_call,
 )
+from tests.helpers.contract_examples import manifest_row
 
 
 def row(call_id: str, parent: str | None = None, **fields: Any) -> CallRecord:

@@ -17,11 +17,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 import trustme
-from conftest import skip_or_fail
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from sink.server import DurableServer, free_port
+from tests.helpers.servers import skip_or_fail
 
 TLS_FAILURE = r"(?i)certificate|ssl|tls"
 
@@ -126,9 +126,9 @@ def _import_or_skip(module: str) -> Any:
 
 @pytest.mark.anyio
 async def test_sink_and_source_work_over_tls(tls_server: TlsServer) -> None:
-    redis_sink = _import_or_skip("sink.redis_sink")
-    source_module = _import_or_skip("sink.source")
-    from staging_helpers import make_chain
+    redis_sink = _import_or_skip("sink.store.sink")
+    source_module = _import_or_skip("sink.store.source")
+    from tests.helpers.staging import make_chain
 
     root, child = make_chain("t1", 2)
     async with redis_sink.AsyncRedisStagingSink.from_url(tls_server.tls_url()) as sink:
@@ -141,11 +141,10 @@ async def test_sink_and_source_work_over_tls(tls_server: TlsServer) -> None:
 
 @pytest.mark.anyio
 async def test_a_wrong_ca_fails_cleanly(tls_server: TlsServer, pki: Pki) -> None:
-    redis_sink = _import_or_skip("sink.redis_sink")
-    source_module = _import_or_skip("sink.source")
-    from staging_helpers import make_record
-
+    redis_sink = _import_or_skip("sink.store.sink")
+    source_module = _import_or_skip("sink.store.source")
     from sink.errors import StagingConnectionError
+    from tests.helpers.staging import make_record
 
     url = tls_server.tls_url(pki.foreign_ca)
     async with redis_sink.AsyncRedisStagingSink.from_url(url, connect_timeout_s=2.0) as sink:
@@ -159,8 +158,8 @@ async def test_a_wrong_ca_fails_cleanly(tls_server: TlsServer, pki: Pki) -> None
 
 @pytest.mark.anyio
 async def test_a_plain_url_against_the_tls_port_fails_cleanly(tls_server: TlsServer) -> None:
-    redis_sink = _import_or_skip("sink.redis_sink")
-    from staging_helpers import make_record
+    redis_sink = _import_or_skip("sink.store.sink")
+    from tests.helpers.staging import make_record
 
     plain = f"redis://{tls_server.host}:{tls_server.port}"
     async with redis_sink.AsyncRedisStagingSink.from_url(plain, connect_timeout_s=2.0, command_timeout_s=2.0) as sink:

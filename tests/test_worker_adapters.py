@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sink.memory import MemoryStagingStore
 from sink.records import CaptureAdmission
+from sink.store.memory import MemoryStagingStore
 from worker import CaptureAdapter, MegatronAdapter, RolloutTokenCapture, VLLMChatAdapter, install_capture
 from worker.adapters import PREFIX_REQUEST_KEY, logprob_list, token_id_list
 from worker.engine import SimulatedEngine

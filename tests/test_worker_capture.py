@@ -16,9 +16,9 @@ import pytest
 
 from sink.digest import compute_chain_hash, compute_extras_digest, hash_token_ids
 from sink.errors import StagingError
-from sink.memory import MemoryStagingStore
-from sink.packed_snapshot import PackedSnapshot
+from sink.packed import PackedSnapshot
 from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StagedCallSnapshot, StageResult
+from sink.store.memory import MemoryStagingStore
 from worker import (
     ActiveCall,
     CaptureError,

@@ -9,7 +9,7 @@ from array import array
 import pytest
 
 from sink.digest import compute_chain_hash, hash_token_ids
-from sink.memory import MemoryStagingStore
+from sink.store.memory import MemoryStagingStore
 from worker import RolloutTokenCapture, VLLMChatAdapter
 from worker.engine import BYTE_OFFSET, IM_END, IM_START, ByteTokenizer, RolloutTrace, SimulatedEngine, simulate_rollout
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from sink.memory import MemoryStagingStore
 from sink.records import (
     CaptureAdmission,
     CommitCoords,
@@ -22,6 +21,7 @@ from sink.records import (
     StagedCallSnapshot,
     StageResult,
 )
+from sink.store.memory import MemoryStagingStore
 from worker import CaptureError, GenerationCutError, RolloutTokenCapture, resolve_prefix
 from worker.engine import BYTE_OFFSET, ByteTokenizer, Generation, SimulatedEngine
 from worker.generation_cut import (

@@ -39,8 +39,8 @@ from sink.digest import (
 )
 from sink.keys import DEFAULT_NAMESPACE, record_key
 from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
-from sink.redis_sink import AsyncRedisStagingSink
-from sink.source import AsyncRedisStagingSource
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
 
 from .capture import RolloutTokenCapture
 from .prefix import aresolve_prefix

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sink._columns import TrustedColumns
-from sink._record_columns import staging_delta_columns
+from sink._packed.columns import TrustedColumns
+from sink._packed.record_columns import staging_delta_columns
 from sink.digest import (
     build_staging_delta,
     chain_hash_of_packed,

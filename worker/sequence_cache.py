@@ -52,7 +52,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sink._columns import TrustedColumns
+from sink._packed.columns import TrustedColumns
 from sink.digest import encode_token_ids, hash_packed_token_ids
 
 __all__ = ("EMPTY_SEQUENCE", "ProvenSequence", "SequenceHashCache", "item_addresses")
@@ -124,7 +124,7 @@ class ProvenSequence:
         """This sequence followed by *token_ids*, or ``None`` when addresses are unreadable here.
 
         *proved*, if given, holds exactly this list as its ids (``proved.token_ids is token_ids``):
-        :mod:`sink._columns` proved them exact ints and packed them, so they are not packed again.
+        :mod:`sink._packed.columns` proved them exact ints and packed them, so they are not packed again.
 
         :raises ValueError: an id is not an exact int in ``[0, 2**64)`` (the reference type gate).
         """

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 
 from ..assembler import Assembler, finished
 from ..keys import done_stream, receipt_key, receipts_stream
-from ..ledger import RedisCaptureLedger
+from ..ledger.redis import RedisCaptureLedger
 from ..records import CallRecord, CaptureLedgerCommit
 from ..settings import DEFAULT_SHARDS, AssemblerSettings
 from . import on_server

@@ -34,8 +34,8 @@ from ..codec import encode_record
 from ..digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
 from ..keys import DEFAULT_NAMESPACE, record_key
 from ..records import StagedCallRecord
-from ..redis_sink import AsyncRedisStagingSink
-from ..source import AsyncRedisStagingSource
+from ..store.sink import AsyncRedisStagingSink
+from ..store.source import AsyncRedisStagingSource
 from . import on_server
 
 __all__ = ("StageFigures", "build_records", "format_report", "main", "run_stage_benchmark", "server_ceiling")

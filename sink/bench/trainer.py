@@ -32,15 +32,15 @@ import anyio
 import redis.asyncio as aioredis
 
 from ..assembler import Assembler, finished
-from ..consumer import StreamEntry
 from ..keys import claim_key, receipts_stream, record_key
-from ..ledger import RedisCaptureLedger
-from ..rebuild import LinearizedRow, NumpyColumns, _verify_and_linearize
+from ..ledger.redis import RedisCaptureLedger
+from ..reader import TRAINER_GROUP, RolloutReader
 from ..records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
-from ..redis_sink import AsyncRedisStagingSink
 from ..settings import DEFAULT_SHARDS
-from ..source import AsyncRedisStagingSource
-from ..trainer import TRAINER_GROUP, RolloutReader
+from ..store.sink import AsyncRedisStagingSink
+from ..store.source import AsyncRedisStagingSource
+from ..store.streams import StreamEntry
+from ..verify import LinearizedRow, NumpyColumns, _verify_and_linearize
 from . import on_server
 from .stage import build_records
 

@@ -1,0 +1,227 @@
+"""Shared pieces of the ``staging-sink`` commands: the Redis target, exit codes, errors and output helpers.
+
+Nothing here reads environment variables; :mod:`sink.cli` resolves every default before a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import redis.exceptions as redis_errors
+from anyio.abc import TaskStatus
+from rich.console import Console
+
+from ..keys import DEFAULT_NAMESPACE
+from ..settings import ConnectionSettings
+from ..store.connection import Topology, map_redis_errors
+
+__all__ = (
+    "EXIT_FAILURE",
+    "EXIT_OK",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "URL_SCHEMES",
+    "CommandError",
+    "RedisTarget",
+    "cancel_on_signal",
+    "check_redis_url",
+    "decode_text",
+    "int_at_least",
+    "is_unreachable",
+    "mask_url",
+    "non_negative_int",
+    "open_topology",
+    "positive_int",
+    "positive_seconds",
+    "stderr_console",
+    "stdout_console",
+    "write_json",
+)
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+"""An operation failed, a rollout does not exist or did not verify, or the server refused a command."""
+EXIT_USAGE = 2
+"""Bad arguments (argparse's own code), a malformed URL or rollout id."""
+EXIT_UNREACHABLE = 3
+"""The server could not be reached (connection refused, timeout, DNS)."""
+
+URL_SCHEMES = ("redis", "rediss", "unix")
+_CLI_CONNECT_TIMEOUT_S = 3.0
+
+
+class CommandError(Exception):
+    """Raised by a command to end with a one-line message (no traceback) and ``exit_code``."""
+
+    def __init__(self, message: str, *, exit_code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def int_at_least(text: str, minimum: int, expected: str) -> int:
+    """Parse an argparse integer argument that must be ``>= minimum``.
+
+    :raises argparse.ArgumentTypeError: *text* is not an integer, or is below *minimum*
+        (the message reads "expected {expected}, got ...").
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """Argparse type of a positive integer.
+
+    :raises argparse.ArgumentTypeError: not an integer >= 1.
+    """
+    return int_at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """Argparse type of an integer >= 0.
+
+    :raises argparse.ArgumentTypeError: not an integer >= 0.
+    """
+    return int_at_least(text, 0, "an integer >= 0")
+
+
+def positive_seconds(text: str) -> float:
+    """Argparse type of a finite positive number of seconds.
+
+    :raises argparse.ArgumentTypeError: not a number, or not in ``(0, inf)``.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def decode_text(value: object) -> str:
+    """A Redis reply value as text: bytes decoded as UTF-8 (invalid bytes replaced), anything else ``str()``."""
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def mask_url(url: str) -> str:
+    """*url* with any password replaced by ``***`` (for messages and logs)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<malformed url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit((parts.scheme, f"{user}:***@{host}{port}", parts.path, parts.query, parts.fragment))
+
+
+def check_redis_url(url: str) -> str:
+    """Return *url* if it looks like a Redis URL (``redis://``, ``rediss://`` or ``unix://``).
+
+    :raises CommandError: (exit 2) it does not; the message says what a valid URL looks like.
+    """
+    hint = "expected e.g. redis://127.0.0.1:6379 or rediss://user:password@host:6380/0"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError for a non-numeric or out-of-range port
+    except ValueError as exc:
+        raise CommandError(f"malformed Redis URL {mask_url(url)!r}: {exc}; {hint}", exit_code=EXIT_USAGE) from exc
+    if parts.scheme not in URL_SCHEMES:
+        raise CommandError(
+            f"malformed Redis URL {mask_url(url)!r}: the scheme must be one of {', '.join(URL_SCHEMES)}; {hint}",
+            exit_code=EXIT_USAGE,
+        )
+    if parts.scheme != "unix" and not parts.hostname:
+        raise CommandError(f"malformed Redis URL {mask_url(url)!r}: no host; {hint}", exit_code=EXIT_USAGE)
+    if port == 0:
+        raise CommandError(f"malformed Redis URL {mask_url(url)!r}: port 0; {hint}", exit_code=EXIT_USAGE)
+    return url
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """Whether *exc* (or the redis-py error it wraps) means the server could not be reached at all."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, redis_errors.ConnectionError | redis_errors.TimeoutError | OSError):
+            return not isinstance(seen, redis_errors.AuthenticationError)
+        seen = seen.__cause__
+    return False
+
+
+async def cancel_on_signal(
+    scope: anyio.CancelScope, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Cancel *scope* on the first SIGINT/SIGTERM (a normal stop for services and followers); reports
+    started (``await group.start(...)``) once the handlers are installed."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for _signum in signals:
+            scope.cancel()
+            return
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """Where a command talks to: URL, key namespace and whether the URL is a cluster node."""
+
+    url: str
+    namespace: str = DEFAULT_NAMESPACE
+    cluster: bool = False
+
+    @property
+    def display_url(self) -> str:
+        """The URL with its password masked."""
+        return mask_url(self.url)
+
+    def settings(self) -> ConnectionSettings:
+        """Connection settings with the CLI's short connect timeout."""
+        return ConnectionSettings(
+            namespace=self.namespace, cluster=self.cluster, connect_timeout_s=_CLI_CONNECT_TIMEOUT_S
+        )
+
+
+@asynccontextmanager
+async def open_topology(target: RedisTarget) -> AsyncIterator[Topology]:
+    """Connect to *target* and check it answers ``PING``; the topology is closed on exit.
+
+    :raises StagingConnectionError: the server cannot be reached or refuses ``PING``.
+    """
+    topology = Topology.from_url(target.url, target.settings())
+    try:
+        with map_redis_errors(f"connect to {target.display_url}"):
+            await topology.initialize()
+            await topology.client.ping()
+        yield topology
+    finally:
+        await topology.aclose()
+
+
+def stdout_console() -> Console:
+    """A rich console on stdout (plain text when it is not a terminal; wide enough for tables in logs)."""
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120, highlight=False)
+
+
+def stderr_console() -> Console:
+    """A rich console on stderr for progress and notes."""
+    return Console(file=sys.stderr, highlight=False)
+
+
+def write_json(value: Any) -> None:
+    """Print *value* as indented JSON on stdout."""
+    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")

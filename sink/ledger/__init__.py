@@ -1,0 +1,5 @@
+"""The capture ledger (contract section 6): lineage, committed and failure rows, the gate, Redis and in-memory backends."""
+
+from __future__ import annotations
+
+__all__ = ()

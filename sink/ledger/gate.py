@@ -1,0 +1,194 @@
+"""The gate side of capture: admission and commit (contract §6.6).
+
+The model server's middleware uses a :class:`CaptureGate` around every
+captured model call: :meth:`~CaptureGate.admit` resolves the parent call in
+the ledger and returns the admission to attach to the engine request (or
+``None``: serve the call uncaptured); :meth:`~CaptureGate.commit` validates
+the worker's commit coordinates and records the token-free ledger row, or a
+failure row that poisons the rollout. A capture failure never fails the model
+call (INV-4); only a failing ledger read does (§6.6 step 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from ..errors import RolloutRetiredError
+from ..fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
+from ..records import (
+    INVALID_COMMIT_COORDS_REASON,
+    UNRESOLVED_PARENT_REASON,
+    WORKER_CAPTURE_FAILED_REASON,
+    WORKER_MISSING_COMMIT_COORDS_REASON,
+    CallRecord,
+    CaptureAdmission,
+    CaptureLedgerCommit,
+    CommitCoords,
+)
+from .lineage import LineageResolution, LineageStatus
+
+__all__ = ("CaptureGate", "CaptureLedgerProtocol", "new_model_call_id")
+
+logger = logging.getLogger(__name__)
+
+
+class CaptureLedgerProtocol(Protocol):
+    """What the gate needs from a capture ledger (Redis or in-memory)."""
+
+    async def resolve(self, rollout_id: str, request_items: Sequence[dict[str, Any]]) -> LineageResolution: ...
+
+    async def has_rows(self, rollout_id: str) -> bool: ...
+
+    async def record(self, commit: CaptureLedgerCommit) -> None: ...
+
+    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None: ...
+
+
+def new_model_call_id() -> str:
+    """A fresh model call id (uuid4 hex), as the gate mints them."""
+    return uuid.uuid4().hex
+
+
+def _fingerprint_or_none(items: Sequence[dict[str, Any]]) -> str | None:
+    return assistant_fingerprint(items) or None
+
+
+class CaptureGate:
+    """Admission and commit for one gate process over a shared capture ledger."""
+
+    def __init__(self, ledger: CaptureLedgerProtocol) -> None:
+        self._ledger = ledger
+
+    async def admit(
+        self, rollout_id: str, request_items: Sequence[dict[str, Any]], *, model_call_id: str | None = None
+    ) -> CaptureAdmission | None:
+        """Resolve the request's parent and build its admission (contract §6.6 steps 1-6).
+
+        :returns: a ``text`` root or a by-reference ``token_in`` admission, or
+            ``None`` when the call must be served uncaptured (retired rollout,
+            or an unresolved parent, recorded as ``unresolved_parent``).
+        :raises StagingError: the ledger could not be read (the request fails).
+        """
+        call_id = model_call_id or new_model_call_id()
+        resolution = await self._ledger.resolve(rollout_id, request_items)
+        if resolution.status is LineageStatus.ROOT:
+            return CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text")
+        if resolution.status is LineageStatus.RESOLVED:
+            match = resolution.match
+            assert match is not None
+            return CaptureAdmission(
+                rollout_id=rollout_id,
+                model_call_id=call_id,
+                parent_call_id=match.model_call_id,
+                prev_len=match.prev_len,
+                mode="token_in",
+                staging_chain=list(match.staging_chain),
+                parent_chain_hash=match.chain_hash,
+            )
+        try:
+            has_rows = await self._ledger.has_rows(rollout_id)
+        except RolloutRetiredError:
+            return None
+        if not has_rows:
+            # Seeded history on a fresh rollout: a new root (§6.6 step 5).
+            return CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text")
+        # Never silently turn an unresolved continuation into a root (§6.6 step 6).
+        await self._ledger.record_failure(rollout_id, call_id, UNRESOLVED_PARENT_REASON)
+        return None
+
+    async def commit(
+        self,
+        admission: CaptureAdmission,
+        coords: CommitCoords | Mapping[str, Any] | None,
+        *,
+        response_id: str,
+        request_items: Sequence[dict[str, Any]],
+        response_items: Sequence[dict[str, Any]],
+        admitted_at: float | None = None,
+    ) -> CallRecord | None:
+        """Record the worker's coordinates as a ledger row (contract §6.6 commit steps 3-11).
+
+        :returns: the committed row, or ``None`` when a failure row was written instead.
+        :raises StagingError: the ledger could not be written.
+        """
+        rollout_id, call_id = admission.rollout_id, admission.model_call_id
+        if coords is None:
+            await self._ledger.record_failure(rollout_id, call_id, WORKER_MISSING_COMMIT_COORDS_REASON)
+            return None
+        try:
+            parsed = coords if isinstance(coords, CommitCoords) else CommitCoords.model_validate(coords)
+            if (parsed.rollout_id, parsed.model_call_id) != (rollout_id, call_id):
+                raise ValueError("coordinates name another call")
+        except (ValidationError, ValueError, TypeError) as exc:
+            logger.warning("invalid commit coordinates for %s/%s: %s", rollout_id, call_id, exc)
+            await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
+            return None
+        if parsed.disposition == "capture_failed":
+            await self._ledger.record_failure(rollout_id, call_id, WORKER_CAPTURE_FAILED_REASON)
+            return None
+        try:
+            row = self._call_record(admission, parsed, response_id, request_items, response_items, admitted_at)
+        except (ValidationError, ValueError, TypeError) as exc:
+            logger.warning("cannot commit %s/%s: %s", rollout_id, call_id, exc)
+            await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
+            return None
+        assert parsed.staging_key is not None
+        commit = CaptureLedgerCommit(
+            rollout_id=rollout_id,
+            record=row,
+            staging_chain=(*admission.staging_chain, parsed.staging_key),
+            request_items=list(request_items),
+            response_items=list(response_items),
+        )
+        try:
+            await self._ledger.record(commit)
+        except ValueError as exc:
+            # Step 10 failed without a connection problem: items the ledger cannot
+            # fingerprint, or a conflicting row. Poison the rollout; never fail the call (INV-4).
+            logger.warning("cannot commit %s/%s: %s", rollout_id, call_id, exc)
+            await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
+            return None
+        return row
+
+    @staticmethod
+    def _call_record(
+        admission: CaptureAdmission,
+        coords: CommitCoords,
+        response_id: str,
+        request_items: Sequence[dict[str, Any]],
+        response_items: Sequence[dict[str, Any]],
+        admitted_at: float | None,
+    ) -> CallRecord:
+        if (coords.parent_call_id, coords.prev_len) != (admission.parent_call_id, admission.prev_len):
+            raise ValueError("coordinates disagree with the admission's parent or prev_len")
+        if not response_id:
+            raise ValueError("the served response has no id")
+        try:
+            output_fp = _fingerprint_or_none(response_items)
+            continuation_fp = _fingerprint_or_none([*request_items, *response_items])
+        except ValueError:
+            output_fp = continuation_fp = None
+        return CallRecord(
+            model_call_id=coords.model_call_id,
+            parent_call_id=coords.parent_call_id,
+            prev_len=coords.prev_len,
+            delta_len=coords.delta_len,
+            cum_len=coords.cum_len,
+            weight_version=coords.weight_version,
+            digest=coords.digest,
+            extras_digest=coords.extras_digest,
+            staging_key=coords.staging_key,
+            mode=admission.mode,
+            chain_hash=coords.chain_hash,
+            cumulative_hash=coords.cumulative_hash,
+            response_id=response_id,
+            admitted_at=admitted_at,
+            output_fingerprint=output_fp,
+            continuation_fingerprint=continuation_fp,
+            fingerprint_version=FINGERPRINT_VERSION,
+        )

@@ -1,0 +1,137 @@
+"""Parent resolution over a rollout's custody rows (contract §6.5).
+
+Storage-neutral: both capture ledgers read a rollout's rows (in append order)
+and hand the decoded custody rows to :func:`resolve_from_rows`, so the
+in-memory and the Redis ledger cannot disagree on which parent a request
+continues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from ..fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
+
+__all__ = (
+    "AMBIGUOUS_REASON",
+    "NO_MATCH_REASON",
+    "RETIRED_REASON",
+    "LineageMatch",
+    "LineageResolution",
+    "LineageStatus",
+    "resolve_from_rows",
+)
+
+NO_MATCH_REASON = "no_match"
+AMBIGUOUS_REASON = "ambiguous"
+RETIRED_REASON = "retired"
+
+
+class LineageStatus(StrEnum):
+    """Outcome of :meth:`CaptureLedger.resolve`."""
+
+    ROOT = "ROOT"
+    """The request carries no model-authored item: a new text root."""
+    RESOLVED = "RESOLVED"
+    """Exactly one parent (after collapsing identical retries) continues into the request."""
+    UNRESOLVED = "UNRESOLVED"
+    """No parent, several distinct parents, or a retired rollout."""
+
+
+@dataclass(frozen=True, slots=True)
+class LineageMatch:
+    """The parent a request continues, as the gate needs it for a ``token_in`` admission.
+
+    ``digest`` is the parent's ``cumulative_hash`` and ``prev_len`` its
+    ``cum_len``; ``cumulative_token_ids`` is always empty for custody rows
+    (the tokens live in the staging store, reachable via ``staging_chain``).
+    """
+
+    model_call_id: str
+    cumulative_token_ids: tuple[int, ...]
+    digest: str
+    staging_chain: tuple[str, ...]
+    prev_len: int
+    chain_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class LineageResolution:
+    """``status`` plus the ``match`` (only when ``RESOLVED``) and an informational ``reason``.
+
+    :raises ValueError: ``match`` is present without ``RESOLVED`` or missing with it.
+    """
+
+    status: LineageStatus
+    match: LineageMatch | None = None
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.status is LineageStatus.RESOLVED) != (self.match is not None):
+            raise ValueError("a lineage match is present exactly when the status is RESOLVED")
+
+
+def _candidate(row: Mapping[str, Any]) -> tuple[str, int, str, tuple[str, ...], str] | None:
+    """``(model_call_id, cum_len, cumulative_hash, staging_chain, chain_hash)`` of a usable row."""
+    record = row.get("record")
+    chain = row.get("staging_chain")
+    if not isinstance(record, Mapping) or not isinstance(chain, list):
+        return None
+    call_id = record.get("model_call_id")
+    cum_len = record.get("cum_len")
+    cumulative_hash = record.get("cumulative_hash")
+    chain_hash = record.get("chain_hash")
+    if not (isinstance(call_id, str) and call_id and type(cum_len) is int):
+        return None
+    if not (isinstance(cumulative_hash, str) and cumulative_hash and isinstance(chain_hash, str) and chain_hash):
+        return None  # a malformed row is reported by the manifest; it can never be a parent
+    if not all(isinstance(key, str) for key in chain):
+        return None
+    return call_id, cum_len, cumulative_hash, tuple(chain), chain_hash
+
+
+def resolve_from_rows(request_items: Sequence[dict[str, Any]], rows: Iterable[Mapping[str, Any]]) -> LineageResolution:
+    """Resolve the parent of a request from a rollout's decoded custody rows (contract §6.5 steps 2-4).
+
+    The retired check (step 1) is the caller's: it must read the fence and
+    the rows atomically.
+
+    :raises ValueError: an item is not a dict or has an unfingerprintable shape.
+    """
+    items = list(request_items)
+    fingerprint = assistant_fingerprint(items)
+    if fingerprint == "":
+        return LineageResolution(LineageStatus.ROOT)
+    context_digests: dict[int, str] = {}
+    candidates: list[tuple[str, int, str, tuple[str, ...], str]] = []
+    for row in rows:
+        if row.get("fingerprint_version") != FINGERPRINT_VERSION or row.get("fingerprint") != fingerprint:
+            continue
+        context_len = row.get("context_len")
+        if type(context_len) is not int or context_len < 0 or context_len > len(items):
+            continue
+        if context_len not in context_digests:
+            context_digests[context_len] = conversation_digest(items[:context_len])
+        if row.get("context_digest") != context_digests[context_len]:
+            continue
+        candidate = _candidate(row)
+        if candidate is not None:
+            candidates.append(candidate)
+    if not candidates:
+        return LineageResolution(LineageStatus.UNRESOLVED, reason=NO_MATCH_REASON)
+    if len({(cumulative_hash, cum_len) for _, cum_len, cumulative_hash, _, _ in candidates}) > 1:
+        return LineageResolution(LineageStatus.UNRESOLVED, reason=AMBIGUOUS_REASON)
+    # Identical retries (same full token sequence) are interchangeable: take the smallest id.
+    call_id, cum_len, cumulative_hash, chain, chain_hash = min(candidates, key=lambda c: c[0])
+    match = LineageMatch(
+        model_call_id=call_id,
+        cumulative_token_ids=(),
+        digest=cumulative_hash,
+        staging_chain=chain,
+        prev_len=cum_len,
+        chain_hash=chain_hash,
+    )
+    return LineageResolution(LineageStatus.RESOLVED, match=match)

@@ -1,0 +1,191 @@
+"""Staged calls whose token columns stay packed: the decode form of the trainer and the chain resolver.
+
+A :class:`PackedSnapshot` holds the same verified content as a
+:class:`~sink.records.StagedCallSnapshot` (record rules 1-10 hold and the
+call digest was recomputed over the stored column bytes and compared), but it
+keeps the three token columns as the bytes they were stored as. No Python
+object per token is created unless a caller asks for a column as a list, so
+fetching and verifying a 64k-token chain costs little more than hashing it.
+
+It is immutable (strings, ints and ``bytes``), so what was proved when it was
+built stays true: the trainer reader verifies receipts against the packed
+snapshots it fetched itself without hashing their digests a second time.
+Build one only through :func:`sink.codec.decode_packed_record` (or
+:meth:`PackedSnapshot.of` from a validated snapshot); the constructor does no
+checking, which is why the public :func:`sink.rebuild.verify_and_linearize`
+takes model snapshots only (:meth:`PackedSnapshot.to_snapshot` converts).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, NamedTuple
+
+from pydantic import BaseModel, ValidationError, create_model
+
+from ._packed.columns import PackedColumns, f32_exact, ids_u64be
+from ._packed.record_columns import pack_validated_columns, prove_stored_columns
+from .digest import _staging_digest_from_packed, compute_extras_digest
+from .errors import CodecError
+from .records import (
+    _COLUMN_FIELDS,
+    _SCALAR_DIGEST_FIELDS,
+    StagedCallBaseSnapshot,
+    StagedCallSnapshot,
+    _DigestWireModel,
+    staging_key,
+)
+
+__all__ = ("PackedSnapshot", "verified_packed_snapshot")
+
+# The scalar fields of a staged call with exactly the types and constraints of
+# StagedCallBaseSnapshot (taken from it, so the two cannot drift apart).
+_Scalars: Final[type[BaseModel]] = create_model(
+    "_StagedCallScalars",
+    __base__=_DigestWireModel,
+    **{  # type: ignore[call-overload]
+        name: (field.annotation, field)
+        for name, field in StagedCallBaseSnapshot.model_fields.items()
+        if name not in _COLUMN_FIELDS and name not in _DigestWireModel.model_fields
+    },
+)
+#: Scalar names read from a stored blob, versions included.
+SCALAR_NAMES: Final = tuple(_Scalars.model_fields)
+
+
+class PackedSnapshot(NamedTuple):
+    """One verified staged call with its token columns packed (see the module docstring).
+
+    A named tuple: immutable and cheap to build (one per staged call on the trainer's hot path).
+
+    ``columns`` holds the stored forms (ids little-endian u32/u64, one mask
+    code per token, log-probabilities float32 big-endian); ``ids_u64be`` the
+    ids as the digests hash them. The ``token_*`` properties build a new
+    list on every access.
+    """
+
+    schema_version: int
+    digest_version: int
+    extras_digest_version: int
+    rollout_id: str
+    model_call_id: str
+    parent_call_id: str | None
+    mode: str
+    prev_len: int
+    delta_len: int
+    cum_len: int
+    weight_version: int
+    digest: str
+    extras_digest: str
+    chain_hash: str
+    cumulative_hash: str
+    extras: dict[str, Any] | None
+    columns: PackedColumns
+    ids_u64be: bytes
+    #: The log-probabilities when float32 cannot hold them exactly (``columns.lp_f32_exact`` is then False).
+    exact_log_probs: tuple[float, ...] | None = None
+
+    @property
+    def staging_key(self) -> str:
+        """The default key ``rollout_id/model_call_id`` (not necessarily the sink's key)."""
+        return staging_key(self.rollout_id, self.model_call_id)
+
+    @property
+    def token_ids_delta(self) -> list[int]:
+        """The ids as a new list."""
+        return self.columns.token_ids_list()
+
+    @property
+    def token_mask_delta(self) -> list[float]:
+        """The mask as a new list."""
+        return self.columns.token_mask_list()
+
+    @property
+    def generation_log_probs_delta(self) -> list[float]:
+        """The log-probabilities as a new list."""
+        if self.exact_log_probs is not None:
+            return list(self.exact_log_probs)
+        return self.columns.log_probs_list()
+
+    def to_snapshot(self) -> StagedCallSnapshot:
+        """The same call as a (fully re-validated) :class:`~sink.records.StagedCallSnapshot`."""
+        scalars = {name: getattr(self, name) for name in SCALAR_NAMES}
+        return StagedCallSnapshot.model_validate(
+            {
+                **scalars,
+                "token_ids_delta": self.token_ids_delta,
+                "token_mask_delta": self.token_mask_delta,
+                "generation_log_probs_delta": self.generation_log_probs_delta,
+                "extras": self.extras,
+            }
+        )
+
+    @classmethod
+    def of(cls, snapshot: StagedCallSnapshot) -> PackedSnapshot:
+        """The packed form of a snapshot, validated again unless it is provably unchanged since validation.
+
+        :raises CodecError: it is not a valid record (built unvalidated, or mutated after validation).
+        """
+        if not snapshot._unchanged_since_validation():
+            try:
+                snapshot = StagedCallSnapshot.model_validate(snapshot.model_dump())
+            except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+                raise CodecError(f"snapshot {snapshot.staging_key!r} does not verify: {exc}") from exc
+        columns = snapshot._cached_packed_columns() or pack_validated_columns(
+            snapshot.token_ids_delta, snapshot.token_mask_delta, snapshot.generation_log_probs_delta
+        )
+        if columns is None:
+            raise CodecError(f"snapshot {snapshot.staging_key!r}: its token columns do not satisfy the contract")
+        log_probs = snapshot.generation_log_probs_delta
+        if columns.lp_f32_exact is None:
+            columns.lp_f32_exact = f32_exact(log_probs)
+        return PackedSnapshot(
+            **{name: getattr(snapshot, name) for name in SCALAR_NAMES},
+            extras=snapshot.extras,
+            columns=columns,
+            ids_u64be=ids_u64be(columns.ids_le, columns.ids_width, columns.length),
+            exact_log_probs=None if columns.lp_f32_exact else tuple(log_probs),
+        )
+
+    def __repr__(self) -> str:  # the columns are large: keep logs readable
+        return f"PackedSnapshot({self.staging_key!r}, delta_len={self.delta_len}, digest={self.digest[:12]}...)"
+
+
+def verified_packed_snapshot(
+    fields: dict[str, Any], ids_le: bytes, ids_width: int, mask_codes: bytes, lp_le: bytes, lp_width: int
+) -> PackedSnapshot | None:
+    """Prove a decoded blob's record rules on its bytes and build the snapshot, or ``None``.
+
+    *fields* are the blob's scalars and ``extras``; the column bytes have the
+    sizes ``delta_len`` requires and every mask code is valid (the codec checked
+    both). ``None`` means "not proved here": the record is invalid, or merely
+    of a shape this path does not handle (float64 log-probabilities, masks
+    that are not carry zeros then ones); the caller then decodes it the
+    reference way, which raises the precise error or returns a valid snapshot.
+    """
+    columns = prove_stored_columns(ids_le, ids_width, mask_codes, lp_le, lp_width)
+    if columns is None:
+        return None
+    extras = fields["extras"]
+    try:
+        validated = _Scalars.model_validate({name: fields[name] for name in SCALAR_NAMES})
+        if extras is not None and type(extras) is not dict:
+            return None
+        scalars = dict(validated.__dict__)  # the validated field values (dict(model) is ~30x slower)
+        ids_be = ids_u64be(ids_le, ids_width, columns.length)
+        digest = _staging_digest_from_packed(
+            versions=(scalars["schema_version"], scalars["digest_version"], scalars["extras_digest_version"]),
+            **{name: scalars[name] for name in _DIGEST_SCALARS},
+            ids_u64be=(ids_be,),
+            mask_f32be=columns.mask_f32be or (),
+            lp_f32be=(columns.lp_f32be,),
+        )
+        if digest != scalars["digest"] or compute_extras_digest(extras) != scalars["extras_digest"]:
+            return None
+    except (ValidationError, ValueError, TypeError):  # the reference decode reports it precisely
+        return None
+    return PackedSnapshot(**scalars, extras=extras, columns=columns, ids_u64be=ids_be)
+
+
+# Keyword inputs of _staging_digest_from_packed besides the versions and the columns: the
+# digest's scalar inputs after the three versions.
+_DIGEST_SCALARS: Final = _SCALAR_DIGEST_FIELDS[3:]

@@ -1,0 +1,233 @@
+"""Redis clients, cluster routing and the one place redis-py errors are translated.
+
+A :class:`Topology` hides the difference between one server and a cluster:
+it maps keys to the primary that owns their slot and hands out a plain
+``redis.asyncio.Redis`` client per primary, so a caller can pipeline a write
+and its ``WAIT`` on one connection of that node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+from redis.asyncio.cluster import RedisCluster
+
+from ..errors import CodecError, StagingConnectionError
+from ..settings import ConnectionSettings
+
+__all__ = ("ServerScript", "Topology", "describe_redis_error", "map_redis_errors", "reply_text")
+
+
+def reply_text(value: object, what: str = "reply") -> str:
+    """A server reply element as text (clients run with ``decode_responses`` off).
+
+    :raises CodecError: the element is not UTF-8 text; *what* names the reply in the message.
+    """
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CodecError(f"{what} is not UTF-8: {exc}") from exc
+    if isinstance(value, str):
+        return value
+    raise CodecError(f"unexpected {what} element {type(value).__name__}")
+
+
+def describe_redis_error(exc: BaseException) -> str:
+    """A one-line description of a redis-py error that names its kind."""
+    kind = type(exc).__name__
+    text = str(exc).strip() or repr(exc)
+    return f"{kind}: {text}"
+
+
+@contextlib.contextmanager
+def map_redis_errors(action: str) -> Iterator[None]:
+    """Translate redis-py errors raised inside the block into :class:`StagingConnectionError`.
+
+    :param action: what was being done, for the message (``"fetch records"``).
+    """
+    try:
+        yield
+    except (redis_errors.RedisError, OSError) as exc:
+        raise StagingConnectionError(f"could not {action}: {describe_redis_error(exc)}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ServerScript:
+    """A Lua script run by its SHA1, so its source crosses the network only when the server lacks it."""
+
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+    async def run(self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """``EVALSHA``, falling back to ``EVAL`` when the server's script cache lacks it (after a restart).
+
+        :raises redis.exceptions.RedisError: the server refused the script or could not be reached.
+        """
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis_errors.NoScriptError:
+            return await client.eval(self.source, len(keys), *keys, *args)
+
+
+def _init_parameters(cls: type) -> frozenset[str]:
+    """Keyword parameters accepted by ``cls.__init__`` along its MRO (they chain via ``**kwargs``)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names |= set(inspect.signature(init).parameters)
+    return frozenset(names - {"self", "args", "kwargs"})
+
+
+def _timeouts(settings: ConnectionSettings) -> dict[str, Any]:
+    return {
+        "socket_connect_timeout": settings.connect_timeout_s,
+        "socket_timeout": settings.socket_timeout_s,
+    }
+
+
+class Topology:
+    """Routes keys to per-primary clients, for one server or a cluster.
+
+    Build with :meth:`from_url` (owns its clients) or :meth:`borrow`, and
+    close with :meth:`aclose`; per-node clients it creates are always its own.
+    """
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, settings: ConnectionSettings, *, owned: bool) -> None:
+        self._settings = settings
+        self._owned = owned
+        self._cluster: RedisCluster | None = client if isinstance(client, RedisCluster) else None
+        self._single: aioredis.Redis | None = client if isinstance(client, aioredis.Redis) else None
+        self._node_clients: dict[tuple[str, int], aioredis.Redis] = {}
+        self._client_kwargs: dict[str, Any] = _timeouts(settings)
+
+    @classmethod
+    def from_url(cls, url: str, settings: ConnectionSettings) -> Topology:
+        """Create clients for *url*; :meth:`aclose` closes them."""
+        client: aioredis.Redis | RedisCluster
+        if settings.cluster:
+            client = RedisCluster.from_url(url, max_connections=settings.max_connections, **_timeouts(settings))
+        else:
+            # A blocking pool makes callers beyond max_connections wait instead of failing.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=settings.max_connections, timeout=settings.connect_timeout_s, **_timeouts(settings)
+            )
+            client = aioredis.Redis.from_pool(pool)
+        return cls(client, settings, owned=True)
+
+    @classmethod
+    def borrow(cls, client: aioredis.Redis | RedisCluster, settings: ConnectionSettings) -> Topology:
+        """Use a caller's client; :meth:`aclose` leaves it open."""
+        if not isinstance(client, aioredis.Redis | RedisCluster):
+            raise TypeError(f"expected a redis.asyncio client, got {type(client).__name__}")
+        return cls(client, settings, owned=False)
+
+    @property
+    def is_cluster(self) -> bool:
+        return self._cluster is not None
+
+    @property
+    def client(self) -> aioredis.Redis | RedisCluster:
+        """A client for keyed single-slot commands (the cluster client routes by key)."""
+        client = self._cluster if self._cluster is not None else self._single
+        assert client is not None
+        return client
+
+    async def initialize(self) -> None:
+        """Load the cluster topology (no-op for a single server)."""
+        if self._cluster is not None:
+            await self._cluster.initialize()
+
+    async def refresh(self) -> None:
+        """Reload the slot map after MOVED/failover errors (no-op for a single server)."""
+        if self._cluster is not None:
+            await self._cluster.nodes_manager.initialize()
+
+    def _node_client(self, host: str, port: int) -> aioredis.Redis:
+        key = (host, port)
+        client = self._node_clients.get(key)
+        if client is None:
+            assert self._cluster is not None
+            # Same credentials/TLS/timeouts as the cluster client, for one node.
+            inherited = self._cluster.get_connection_kwargs()
+            connection_class: type[aioredis.Connection] = inherited.get("connection_class") or aioredis.Connection
+            accepted = _init_parameters(connection_class)
+            kwargs: dict[str, Any] = {k: v for k, v in inherited.items() if k in accepted}
+            kwargs.update(self._client_kwargs)
+            kwargs.update(host=host, port=port)
+            pool = aioredis.BlockingConnectionPool(
+                connection_class=connection_class,
+                max_connections=self._settings.max_connections,
+                timeout=self._settings.connect_timeout_s,
+                **kwargs,
+            )
+            client = aioredis.Redis.from_pool(pool)
+            self._node_clients[key] = client
+        return client
+
+    def node_for_key(self, key: str) -> aioredis.Redis:
+        """The client of the primary that owns *key*'s slot."""
+        if self._single is not None:
+            return self._single
+        assert self._cluster is not None
+        node = self._cluster.nodes_manager.get_node_from_slot(self._cluster.keyslot(key))
+        return self._node_client(node.host, int(node.port))
+
+    def slot_of(self, key: str) -> int:
+        """The cluster slot of *key* (0 for a single server)."""
+        if self._cluster is None:
+            return 0
+        return int(self._cluster.keyslot(key))
+
+    def primaries(self) -> list[aioredis.Redis]:
+        """One client per primary."""
+        if self._single is not None:
+            return [self._single]
+        assert self._cluster is not None
+        return [self._node_client(node.host, int(node.port)) for node in self._cluster.get_primaries()]
+
+    async def all_nodes(self) -> list[aioredis.Redis]:
+        """One client per node, primaries and replicas (from ``CLUSTER NODES``)."""
+        if self._single is not None:
+            return [self._single]
+        assert self._cluster is not None
+        nodes = await self._cluster.cluster_nodes()
+        clients = []
+        for address, info in sorted(nodes.items()):
+            flags = str(info.get("flags", ""))
+            if "fail" in flags or "noaddr" in flags or "handshake" in flags:
+                continue
+            host, _, port = address.rpartition(":")
+            clients.append(self._node_client(host, int(port.split("@")[0])))
+        return clients
+
+    def group_by_slot(self, keys: Sequence[str]) -> dict[int, list[int]]:
+        """Indices of *keys* grouped by cluster slot, in first-seen order."""
+        groups: dict[int, list[int]] = {}
+        for index, key in enumerate(keys):
+            groups.setdefault(self.slot_of(key), []).append(index)
+        return groups
+
+    async def aclose(self) -> None:
+        """Close every client this topology created."""
+        clients: list[aioredis.Redis] = list(self._node_clients.values())
+        self._node_clients.clear()
+        for client in clients:
+            await client.aclose()
+        if not self._owned:
+            return
+        if self._single is not None:
+            await self._single.aclose()
+        if self._cluster is not None:
+            await self._cluster.aclose()

@@ -1,0 +1,55 @@
+"""In-process staging store: the second implementation of the sink/source contract.
+
+It exists for unit tests and for the contract test suite that runs the same
+cases against Redis, so the two cannot drift. It is not durable; never use it
+in production.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from ..records import StagedCallRecord, StagedCallSnapshot, StageResult
+
+__all__ = ("CONFLICT_ERROR", "MemoryStagingStore")
+
+CONFLICT_ERROR = "conflicting staged record"
+
+
+class MemoryStagingStore:
+    """A thread-safe dict of staging key -> record implementing ``stage``/``fetch``/``clear``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[str, StagedCallSnapshot] = {}
+
+    def stage(self, record: StagedCallRecord) -> StageResult:
+        """Store *record* under its default staging key (idempotent by digest)."""
+        if not isinstance(record, StagedCallRecord):
+            raise TypeError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
+        key = record.staging_key
+        snapshot = StagedCallSnapshot.model_validate(record.model_dump())
+        with self._lock:
+            existing = self._records.get(key)
+            if existing is not None and existing.digest != record.digest:
+                return StageResult(ok=False, staging_key=key, error=CONFLICT_ERROR)
+            self._records.setdefault(key, snapshot)
+        return StageResult(ok=True, staging_key=key)
+
+    def fetch(self, staging_keys: Sequence[str]) -> list[StagedCallSnapshot]:
+        """One snapshot per key in request order; ``KeyError`` naming every missing key."""
+        with self._lock:
+            missing = [key for key in staging_keys if key not in self._records]
+            if missing:
+                raise KeyError(f"no staged record for keys: {missing}")
+            return [self._records[key].model_copy(deep=True) for key in staging_keys]
+
+    def clear(self, staging_keys: Sequence[str]) -> int:
+        """Delete the named records; return how many existed."""
+        with self._lock:
+            return sum(self._records.pop(key, None) is not None for key in staging_keys)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)

@@ -1,0 +1,431 @@
+"""Consumer-group machinery shared by the assembler and the trainer reader.
+
+Both services consume sharded streams (``ns:done:<k>``, ``ns:receipts:<k>``)
+through a Redis consumer group. The delivery guarantee is **at least once**:
+
+* an entry is acknowledged only after the work it triggered is durable, and
+  the acknowledgement is ``XACK`` plus ``XDEL`` of the same ids in one
+  ``MULTI`` on the stream's own slot, so acknowledged entries never pile up
+  and an unacknowledged entry is never trimmed or deleted (nothing here ever
+  runs ``XTRIM``/``MAXLEN``);
+* entries left pending by a consumer that died are reclaimed by any live one
+  with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``;
+* an entry delivered more than ``max_deliveries`` times is copied to
+  ``ns:dead:<role>-<shard>`` and only then acknowledged, so a poison entry
+  cannot crash consumers forever and is never lost;
+* a consumer is deleted from its group only if it owns no pending entry.
+
+Each stream uses exactly one consumer group: ``XDEL`` after ``XACK`` would
+remove entries another group has not read yet.
+
+In a cluster every shard stream hashes to its own slot, so every command here
+names one stream; only on a single server does one ``XREADGROUP`` cover
+several shards.
+
+:class:`AsyncResource` is the open/close lifecycle shared by those two
+services and the Redis capture ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import anyio
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+
+from ..keys import dead_letter_stream
+from ..settings import ConnectionSettings
+from .connection import ServerScript, Topology, map_redis_errors, reply_text
+
+__all__ = ("AsyncResource", "GroupConsumer", "StreamEntry", "default_consumer_name", "settings_or_fields")
+
+logger = logging.getLogger(__name__)
+
+# KEYS: the stream; ARGV: group, consumer, ids. Resets the idle time of the ids
+# this consumer still owns (XCLAIM ... JUSTID keeps the delivery count) and
+# returns the ids it no longer owns (reclaimed by another consumer, or acked).
+_TOUCH = ServerScript("""
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+""")
+# KEYS: the stream; ARGV: group, consumer. Deletes the consumer only when it
+# owns no pending entry (deleting it would drop them from the PEL).
+_RETIRE_CONSUMER = ServerScript("""
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if #p > 0 then return -1 end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+""")
+_NAME_JUNK = re.compile(r"[^A-Za-z0-9._-]+")
+_Settings = TypeVar("_Settings", bound=ConnectionSettings)
+
+
+def default_consumer_name() -> str:
+    """A consumer name unique to this process: ``<host>-<pid>-<random>``."""
+    host = _NAME_JUNK.sub("-", socket.gethostname()).strip("-") or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def settings_or_fields(
+    settings_type: type[_Settings], settings: _Settings | None, fields: Mapping[str, Any]
+) -> _Settings:
+    """*settings*, or a *settings_type* built from setting *fields* (the two ways to call a ``from_url``).
+
+    :raises TypeError: both were given.
+    :raises pydantic.ValidationError: an unknown or invalid setting.
+    """
+    if settings is not None and fields:
+        raise TypeError("pass either settings or setting fields, not both")
+    return settings or settings_type(**fields)
+
+
+def _text(value: object) -> str:
+    return reply_text(value, "stream entry")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    """One delivered stream entry: where it lives, its fields, and how often it was delivered."""
+
+    stream: str
+    shard: int
+    entry_id: str
+    fields: dict[str, str]
+    deliveries: int
+
+
+class AsyncResource:
+    """Async-context-manager lifecycle: :meth:`_open` on entry, :meth:`aclose` exactly once, shielded.
+
+    Subclasses implement :meth:`_close_resources` (what they own; a borrowed
+    client stays open) and may override :meth:`_open`; a failing ``_open``
+    closes again before the error propagates.
+    """
+
+    _closed = False
+
+    async def _open(self) -> None:
+        """Prepare on ``async with`` entry; nothing by default."""
+
+    async def _close_resources(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._open()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the clients this object owns (a borrowed client stays open); idempotent, shielded."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._close_resources()
+
+
+class GroupConsumer:
+    """One consumer in one consumer group over a list of shard streams (index = shard).
+
+    It borrows *topology*. Counters (``read``, ``reclaimed``, ``acked``,
+    ``dead_lettered``) are plain attributes for the owning service's statistics.
+    Every method raises :class:`~sink.errors.StagingConnectionError` when the
+    server cannot be reached or refuses a command.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        namespace: str,
+        role: str,
+        streams: Sequence[str],
+        group: str,
+        consumer: str,
+        claim_idle_ms: int,
+        max_deliveries: int,
+    ) -> None:
+        self._topology = topology
+        self._namespace = namespace
+        self._role = role
+        self.streams = tuple(streams)
+        self.group = group
+        self.consumer = consumer
+        self._claim_idle_ms = claim_idle_ms
+        self._max_deliveries = max_deliveries
+        self._claim_cursor = ["0-0"] * len(self.streams)
+        self._shard_of_stream = {stream: shard for shard, stream in enumerate(self.streams)}
+        self._suspect: set[int] = set()
+        self.read = self.reclaimed = self.acked = self.dead_lettered = 0
+
+    def _client(self, shard: int) -> aioredis.Redis:
+        return self._topology.node_for_key(self.streams[shard])
+
+    # --- setup -------------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """Load the cluster topology, then :meth:`ensure_groups` (a service's ``async with`` entry)."""
+        with map_redis_errors("load the cluster topology"):
+            await self._topology.initialize()
+        await self.ensure_groups()
+
+    async def ensure_groups(self) -> None:
+        """``XGROUP CREATE <stream> <group> 0 MKSTREAM`` on every shard; an existing group is kept."""
+        with map_redis_errors(f"create consumer group {self.group!r}"):
+            for shard, stream in enumerate(self.streams):
+                try:
+                    # Start at 0: events written before the group existed are delivered too.
+                    await self._client(shard).xgroup_create(stream, self.group, id="0", mkstream=True)
+                except redis_errors.ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+
+    # --- reading -----------------------------------------------------------------
+
+    def _entries(self, shard: int, raw: Iterable[Any], deliveries: int) -> list[StreamEntry]:
+        entries = []
+        for entry_id, fields in raw:
+            if fields is None:
+                continue  # history of an entry deleted after delivery; nothing to process
+            decoded = {_text(k): _text(v) for k, v in fields.items()}
+            entries.append(StreamEntry(self.streams[shard], shard, _text(entry_id), decoded, deliveries))
+        return entries
+
+    def _parse_read(self, reply: Any, deliveries: int) -> tuple[list[StreamEntry], list[str]]:
+        """Entries of an ``XREADGROUP`` reply, and every raw id it held (deleted entries included)."""
+        items = reply.items() if isinstance(reply, dict) else (reply or [])
+        entries: list[StreamEntry] = []
+        raw_ids: list[str] = []
+        for stream, raw in items:
+            raw_ids.extend(_text(entry_id) for entry_id, _fields in raw or [])
+            entries.extend(self._entries(self._shard_of_stream[_text(stream)], raw or [], deliveries))
+        return entries, raw_ids
+
+    async def read_new(self, shards: Sequence[int], *, count: int, block_ms: int | None) -> list[StreamEntry]:
+        """New entries (``>``) for this consumer, up to *count* per shard.
+
+        On a single server one ``XREADGROUP`` covers every shard and returns as
+        soon as any has entries. In a cluster each shard is read with its own
+        command, concurrently; with *block_ms* the first shard that delivers
+        ends the wait and the other reads are cancelled. A cancelled read may
+        have been served by the server already: its entries stay pending for
+        this consumer and the shard is remembered for :meth:`take_suspect_shards`.
+
+        :param block_ms: ``None`` or ``0`` for a non-blocking read.
+        """
+        block = block_ms or None
+        if not shards:
+            return []
+        if not self._topology.is_cluster or len(shards) == 1:
+            client = self._client(shards[0])
+            streams: dict[Any, Any] = {self.streams[shard]: ">" for shard in shards}
+            with map_redis_errors(f"read {self._role} streams"):
+                reply = await client.xreadgroup(self.group, self.consumer, streams, count=count, block=block)
+            entries, _ = self._parse_read(reply, 1)
+        else:
+            entries = await self._read_cluster(shards, count=count, block=block)
+        self.read += len(entries)
+        return entries
+
+    async def _read_cluster(self, shards: Sequence[int], *, count: int, block: int | None) -> list[StreamEntry]:
+        entries: list[StreamEntry] = []
+        unfinished = set(shards)
+
+        async def read_one(shard: int, scope: anyio.CancelScope) -> None:
+            with map_redis_errors(f"read {self.streams[shard]}"):
+                reply = await self._client(shard).xreadgroup(
+                    self.group, self.consumer, {self.streams[shard]: ">"}, count=count, block=block
+                )
+            unfinished.discard(shard)
+            got, _ = self._parse_read(reply, 1)
+            entries.extend(got)
+            if got and block is not None:
+                scope.cancel()  # the first shard that delivers ends the wait
+
+        async with anyio.create_task_group() as group:
+            for shard in shards:
+                group.start_soon(read_one, shard, group.cancel_scope)
+        self._suspect |= unfinished
+        return entries
+
+    def take_suspect_shards(self) -> list[int]:
+        """Shards whose read was cancelled since the last call (see :meth:`read_new`)."""
+        suspect, self._suspect = sorted(self._suspect), set()
+        return suspect
+
+    async def read_own_pending(self, shard: int, *, count: int = 256) -> list[StreamEntry]:
+        """Every entry pending for this consumer on *shard* (``XREADGROUP ... 0``), e.g. after a restart.
+
+        Reading history counts as a delivery; entries past ``max_deliveries``
+        are dead-lettered here and not returned.
+        """
+        collected: list[StreamEntry] = []
+        start = "0"
+        with map_redis_errors(f"read own pending entries of {self.streams[shard]}"):
+            while True:
+                reply = await self._client(shard).xreadgroup(
+                    self.group, self.consumer, {self.streams[shard]: start}, count=count
+                )
+                batch, raw_ids = self._parse_read(reply, 1)
+                collected.extend(batch)
+                if len(raw_ids) < count:
+                    break
+                start = raw_ids[-1]
+        return await self._screen(shard, collected)
+
+    async def reclaim(self, shard: int, *, count: int) -> list[StreamEntry]:
+        """``XAUTOCLAIM`` entries idle longer than ``claim_idle_ms`` (from any consumer) on *shard*.
+
+        Entries past ``max_deliveries`` are dead-lettered and not returned.
+        """
+        client = self._client(shard)
+        claimed: list[StreamEntry] = []
+        with map_redis_errors(f"reclaim idle entries of {self.streams[shard]}"):
+            while len(claimed) < count:
+                cursor, raw, *_deleted = await client.xautoclaim(
+                    self.streams[shard],
+                    self.group,
+                    self.consumer,
+                    self._claim_idle_ms,
+                    start_id=self._claim_cursor[shard],
+                    count=count - len(claimed),
+                )
+                self._claim_cursor[shard] = _text(cursor)
+                claimed.extend(self._entries(shard, raw, 0))
+                if self._claim_cursor[shard] == "0-0":
+                    break  # one full pass over the pending list
+        if not claimed:
+            return []
+        self.reclaimed += len(claimed)
+        logger.info("%s reclaimed %d idle entries of %s", self.consumer, len(claimed), self.streams[shard])
+        return await self._screen(shard, claimed)
+
+    async def _screen(self, shard: int, entries: list[StreamEntry]) -> list[StreamEntry]:
+        """Attach delivery counts (``XPENDING`` per id, one pipeline); dead-letter entries past the limit."""
+        if not entries:
+            return []
+        with map_redis_errors(f"read delivery counts of {self.streams[shard]}"):
+            pipe = self._client(shard).pipeline(transaction=False)
+            for entry in entries:
+                pipe.xpending_range(entry.stream, self.group, entry.entry_id, entry.entry_id, 1)
+            replies = await pipe.execute()
+        kept: list[StreamEntry] = []
+        for entry, reply in zip(entries, replies, strict=True):
+            deliveries = int(reply[0]["times_delivered"]) if reply else 1
+            counted = StreamEntry(entry.stream, entry.shard, entry.entry_id, entry.fields, deliveries)
+            if deliveries > self._max_deliveries:
+                await self.dead_letter(counted, f"delivered {deliveries} times (max_deliveries={self._max_deliveries})")
+            else:
+                kept.append(counted)
+        return kept
+
+    # --- settling ----------------------------------------------------------------
+
+    async def ack(self, entries: Sequence[StreamEntry]) -> int:
+        """Acknowledge and delete *entries*: ``XACK`` + ``XDEL`` of the same ids in one ``MULTI`` per stream.
+
+        Runs shielded from cancellation, so a settled batch is never half-acknowledged.
+
+        :returns: how many entries were still pending (``XACK``'s count).
+        """
+        by_stream: dict[str, list[str]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry.entry_id)
+        acked = 0
+        with anyio.CancelScope(shield=True), map_redis_errors(f"acknowledge {self._role} entries"):
+            for stream, ids in by_stream.items():
+                pipe = self._topology.node_for_key(stream).pipeline(transaction=True)
+                pipe.xack(stream, self.group, *ids)
+                pipe.xdel(stream, *ids)
+                xack_count, _deleted = await pipe.execute()
+                acked += int(xack_count)
+        self.acked += acked
+        return acked
+
+    async def dead_letter(self, entry: StreamEntry, reason: str) -> None:
+        """Copy *entry* to ``ns:dead:<role>-<shard>`` (with its origin and *reason*), then acknowledge it.
+
+        The two streams live on different slots: a crash between the copy and
+        the acknowledgement leaves the entry pending, so it may be copied twice,
+        never lost.
+        """
+        dead = dead_letter_stream(self._namespace, f"{self._role}-{entry.shard}")
+        record = {
+            **entry.fields,
+            "dead_source": entry.stream,
+            "dead_entry_id": entry.entry_id,
+            "dead_deliveries": str(entry.deliveries),
+            "dead_reason": reason,
+            "dead_consumer": self.consumer,
+        }
+        with anyio.CancelScope(shield=True), map_redis_errors(f"dead-letter {entry.stream} {entry.entry_id}"):
+            await self._topology.node_for_key(dead).xadd(dead, record)  # type: ignore[arg-type]
+        logger.warning("dead-lettered %s %s to %s: %s", entry.stream, entry.entry_id, dead, reason)
+        self.dead_lettered += 1
+        await self.ack([entry])
+
+    async def touch(self, entries: Sequence[StreamEntry]) -> list[StreamEntry]:
+        """Reset the idle time of held *entries* so no other consumer reclaims them (a heartbeat).
+
+        :returns: the entries this consumer no longer owns (reclaimed by another consumer after
+            ``claim_idle_ms``, or already acknowledged).
+        """
+        by_stream: dict[str, list[StreamEntry]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry)
+        lost: list[StreamEntry] = []
+        with map_redis_errors(f"refresh held {self._role} entries"):
+            for stream, held in by_stream.items():
+                client = self._topology.node_for_key(stream)
+                ids = [entry.entry_id for entry in held]
+                reply = await _TOUCH.run(client, [stream], [self.group, self.consumer, *ids])
+                gone = {_text(value) for value in reply}
+                lost.extend(entry for entry in held if entry.entry_id in gone)
+        return lost
+
+    async def retire_consumer(self) -> int:
+        """Delete this consumer from the group on every shard where it owns no pending entry.
+
+        :returns: on how many shards it was deleted.
+        """
+        deleted = 0
+        with anyio.CancelScope(shield=True), map_redis_errors(f"retire consumer {self.consumer!r}"):
+            for shard, stream in enumerate(self.streams):
+                reply = await _RETIRE_CONSUMER.run(self._client(shard), [stream], [self.group, self.consumer])
+                if int(reply) >= 0:
+                    deleted += 1
+        return deleted
+
+    async def pending_count(self) -> int:
+        """Entries pending in the group over every shard (all consumers)."""
+        total = 0
+        with map_redis_errors(f"count pending {self._role} entries"):
+            for shard, stream in enumerate(self.streams):
+                summary = await self._client(shard).xpending(stream, self.group)
+                total += int(summary["pending"])
+        return total

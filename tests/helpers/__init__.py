@@ -1,0 +1,1 @@
+"""Shared test helpers: contract examples, staging builders, reliability and end-to-end harnesses, a TCP fault proxy."""

@@ -1,0 +1,31 @@
+"""Server availability: find a server binary, or skip the test locally and fail it in CI."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+from sink import server as sink_server
+
+
+def running_in_ci() -> bool:
+    """Whether the ``CI`` environment variable asks for no skipped server tests."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip locally; fail in CI, where every server test must run."""
+    if running_in_ci():
+        pytest.fail(f"{reason} (CI is set, so server tests may not be skipped)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_binary(name: str) -> Path:
+    """The path of server binary ``name``, or skip/fail the test."""
+    try:
+        return sink_server.find_server_binary(name)
+    except sink_server.ServerNotFoundError as exc:
+        skip_or_fail(str(exc))

@@ -1,0 +1,155 @@
+"""The packed decode path (``decode_packed_record``) accepts exactly what ``decode_record`` accepts, with equal values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sink.codec import decode_packed_record, decode_record, encode_record
+from sink.errors import CodecError
+from sink.packed import PackedSnapshot
+from sink.records import StagedCallRecord
+from tests.helpers.codec import SETTINGS, exact, record_of, repack, small_blob, staged_records
+
+
+def _decoded(decode: Any, blob: bytes) -> tuple[str, Any]:
+    """What a decoder makes of *blob*: the values it returns (columns as lists), or that it raised CodecError."""
+    try:
+        snapshot = decode(blob)
+    except CodecError:
+        return ("rejected", None)
+    columns = {
+        name: exact(getattr(snapshot, name))
+        for name in ("token_ids_delta", "token_mask_delta", "generation_log_probs_delta")
+    }
+    scalars = {name: exact(getattr(snapshot, name)) for name in ("rollout_id", "digest", "extras", "cum_len")}
+    return ("accepted", (columns, scalars))
+
+
+def assert_same_outcome(blob: bytes) -> None:
+    reference = _decoded(decode_record, blob)
+    assert _decoded(decode_packed_record, blob) == reference
+    if reference[0] == "accepted":
+        packed = decode_packed_record(blob)
+        assert type(packed) is PackedSnapshot
+        assert packed.to_snapshot() == decode_record(blob)
+
+
+@SETTINGS
+@given(staged_records())
+def test_packed_decode_returns_the_same_values(record: StagedCallRecord) -> None:
+    assert_same_outcome(encode_record(record))
+
+
+def test_every_single_byte_flip_gets_the_same_verdict_from_both_decoders() -> None:
+    _, blob = small_blob()
+    for position in range(len(blob)):
+        for flip in (0x01, 0x80, 0xFF):
+            tampered = bytearray(blob)
+            tampered[position] ^= flip
+            assert_same_outcome(bytes(tampered))
+
+
+def _column_edits() -> list[tuple[str, Any]]:
+    def set_key(key: str, value: Any) -> Any:
+        def edit(obj: dict[str, Any]) -> None:
+            obj[key] = value
+
+        return edit
+
+    return [
+        ("carry log-prob not zero", set_key("log_probs", b"\x00\x00\x80\xbf" + bytes(4) * 2)),
+        ("mask code invalid", set_key("mask", b"\x00\x3f\x01")),
+        ("log-prob infinite", set_key("log_probs", bytes(4) + b"\x00\x00\x80\x7f" + bytes(4))),
+        ("log-prob nan", set_key("log_probs", bytes(4) + b"\x00\x00\xc0\x7f" + bytes(4))),
+        ("ids column short", set_key("ids", bytes(8))),
+        ("rollout id empty", set_key("rollout_id", "")),
+        ("digest upper case", lambda obj: obj.update(digest=obj["digest"].upper())),
+        ("extras not a map", set_key("extras", [1])),
+        ("extras changed", set_key("extras", {"a": 2})),
+        ("version bool", set_key("schema_version", True)),
+        ("prev_len negative", set_key("prev_len", -1)),
+    ]
+
+
+@pytest.mark.parametrize(("what", "edit"), _column_edits(), ids=[name for name, _ in _column_edits()])
+def test_a_broken_blob_is_rejected_by_both_decoders(what: str, edit: Any) -> None:
+    record = record_of([7, 8, 9], [0.0, 1.0, 1.0], [0.0, -0.5, -0.25], extras={"a": 1})
+    tampered = repack(encode_record(record), edit)
+    with pytest.raises(CodecError):
+        decode_record(tampered)
+    with pytest.raises(CodecError):
+        decode_packed_record(tampered)
+
+
+@pytest.mark.parametrize(
+    ("mask", "log_probs"),
+    [
+        ([0.0, 1.0, 0.0, 1.0], [0.0, -0.5, 0.0, -0.25]),  # interleaved: not provable on bytes, reference path
+        ([0.0, 1.0, 1.0, 1.0], [0.0, 0.1, -0.3, -1e-40]),  # float64 column: reference path, exact values kept
+        ([-0.0, 0.0, 1.0, 1.0], [-0.0, 0.0, -0.5, -0.25]),  # signed zeros survive
+        ([0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]),  # all carry: a valid record
+    ],
+)
+def test_shapes_outside_the_byte_proof_fall_back_and_keep_exact_values(
+    mask: list[float], log_probs: list[float]
+) -> None:
+    record = record_of([1, 2, 3, 2**40], mask, log_probs)
+    blob = encode_record(record)
+    assert_same_outcome(blob)
+    packed = decode_packed_record(blob)
+    assert exact(packed.generation_log_probs_delta) == exact(record.generation_log_probs_delta)
+    assert exact(packed.token_mask_delta) == exact(record.token_mask_delta)
+
+
+def test_a_packed_snapshot_is_immutable() -> None:
+    _, blob = small_blob()
+    packed = decode_packed_record(blob)
+    with pytest.raises(AttributeError):
+        packed.digest = "0" * 64  # type: ignore[misc]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_get_the_same_verdict(data: bytes) -> None:
+    assert_same_outcome(data)
+    _, blob = small_blob()
+    assert_same_outcome(blob[: len(data) % len(blob)] + data)
+
+
+def test_oversize_and_wrong_types_raise_like_the_reference() -> None:
+    _, blob = small_blob()
+    with pytest.raises(CodecError):
+        decode_packed_record(blob, max_record_bytes=len(blob) - 1)
+    with pytest.raises(TypeError):
+        decode_packed_record("text")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        decode_packed_record(blob, max_record_bytes=0)
+    assert msgpack.unpackb(blob)["v"] == 1
+
+
+def test_the_usual_shape_is_proved_on_the_bytes_without_the_reference_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sink.codec
+
+    def no_reference_decode(blob: Any) -> Any:
+        raise AssertionError("the reference decode ran")
+
+    record, blob = small_blob()
+    monkeypatch.setattr(sink.codec, "_snapshot", no_reference_decode)
+    packed = decode_packed_record(blob)
+    assert packed.digest == record.digest
+    assert exact(packed.token_ids_delta) == exact(record.token_ids_delta)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([4, 8]), st.integers(0, 700), st.randoms(use_true_random=False))
+def test_numpy_and_plain_id_widening_agree(width: int, length: int, rng: Any) -> None:
+    from sink._packed.columns import ids_u64be, ids_u64be_plain
+
+    ids_le = rng.randbytes(width * length)
+    assert ids_u64be(ids_le, width, length) == ids_u64be_plain(ids_le, width, length)
+    assert len(ids_u64be_plain(ids_le, width, length)) == 8 * length

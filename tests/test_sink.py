@@ -1,0 +1,364 @@
+"""The durable Redis sink and source against real servers (Valkey 8 and Redis 7.0)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+import redis
+
+from sink.errors import CodecError, StagingConnectionError
+from sink.keys import calls_stream, record_key
+from sink.packed import PackedSnapshot
+from sink.records import StagedCallRecord
+from sink.server import DurableServer, durable_server, free_port
+from sink.store.memory import MemoryStagingStore
+from sink.store.sink import CONFLICT_ERROR, AsyncRedisStagingSink, RedisStagingSink
+from sink.store.source import AsyncRedisStagingSource, RedisStagingSource
+from tests.helpers.staging import make_chain, make_record
+
+pytestmark = pytest.mark.anyio
+
+NS = "stg"
+
+
+def _client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url)
+
+
+def _calls_len(url: str, rollout_id: str) -> int:
+    with _client(url) as client:
+        return int(client.xlen(calls_stream(NS, rollout_id))) if client.exists(calls_stream(NS, rollout_id)) else 0
+
+
+FETCHES = pytest.mark.parametrize("fetch", ["fetch", "fetch_packed"])
+
+
+def _dump(snapshot: Any) -> dict[str, Any]:
+    """A fetched snapshot's values (a packed one as the model it verifies as)."""
+    model = snapshot.to_snapshot() if isinstance(snapshot, PackedSnapshot) else snapshot
+    dumped: dict[str, Any] = model.model_dump()
+    return dumped
+
+
+@FETCHES
+async def test_stage_then_fetch_returns_the_exact_record(redis_url: str, fetch: str) -> None:
+    root, child = make_chain("r1", 2, n_tokens=32)
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        results = [await sink.stage(root), await sink.stage(child)]
+    assert [r.ok for r in results] == [True, True]
+    assert [r.staging_key for r in results] == ["r1/c0", "r1/c1"]
+    async with AsyncRedisStagingSource.from_url(redis_url) as source:
+        fetched = await getattr(source, fetch)(["r1/c1", "r1/c0", "r1/c1"])
+    assert [_dump(s) for s in fetched] == [child.model_dump(), root.model_dump(), child.model_dump()]
+    with _client(redis_url) as client:
+        entries = client.xrange(calls_stream(NS, "r1"))
+    assert [e[1][b"key"] for e in entries] == [b"r1/c0", b"r1/c1"]
+    assert entries[0][1][b"digest"].decode() == root.digest
+    assert b"token_ids_delta" not in str(entries).encode()  # the calls stream is token-free
+
+
+async def test_restaging_the_same_record_is_idempotent(redis_url: str) -> None:
+    record = make_record("r2", "c1")
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        first = await sink.stage(record)
+        again = await sink.stage(record.model_copy(deep=True))
+        stats = sink.statistics()
+    assert first.ok and again.ok and again.staging_key == first.staging_key
+    assert _calls_len(redis_url, "r2") == 1
+    assert (stats.staged, stats.already_present) == (1, 1)
+
+
+async def test_a_different_record_under_the_same_key_is_a_conflict_and_writes_nothing(redis_url: str) -> None:
+    original = make_record("r3", "c1", weight_version=1)
+    other = make_record("r3", "c1", weight_version=2)
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        assert (await sink.stage(original)).ok
+        conflict = await sink.stage(other)
+    assert not conflict.ok and conflict.error == CONFLICT_ERROR
+    assert conflict.staging_key == "r3/c1"
+    assert _calls_len(redis_url, "r3") == 1
+    async with AsyncRedisStagingSource.from_url(redis_url) as source:
+        [stored] = await source.fetch(["r3/c1"])
+    assert stored.weight_version == 1
+
+
+async def test_a_non_durable_server_is_refused_naming_the_setting(everysec_server: DurableServer) -> None:
+    record = make_record("r4", "c1")
+    async with AsyncRedisStagingSink.from_url(everysec_server.url) as sink:
+        result = await sink.stage(record)
+    assert not result.ok and result.error is not None
+    assert "appendfsync" in result.error and "'everysec'" in result.error
+    with _client(everysec_server.url) as client:
+        assert client.dbsize() == 0
+    async with AsyncRedisStagingSink.from_url(everysec_server.url, durability="none") as sink:
+        assert (await sink.stage(record)).ok
+
+
+async def test_an_unverifiable_server_is_refused(redis_url: str) -> None:
+    with _client(redis_url) as admin:
+        admin.acl_setuser("noconfig", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-config"])
+    url = redis_url.replace("redis://", "redis://noconfig:pw@")
+    async with AsyncRedisStagingSink.from_url(url) as sink:
+        result = await sink.stage(make_record("r5", "c1"))
+    assert not result.ok and result.error is not None and "cannot verify durability" in result.error
+
+
+async def test_an_unreachable_server_is_a_failed_result_not_an_exception() -> None:
+    url = f"redis://127.0.0.1:{free_port()}"
+    async with AsyncRedisStagingSink.from_url(url, connect_timeout_s=0.5) as sink:
+        result = await sink.stage(make_record("r6", "c1"))
+    assert not result.ok and result.error is not None and "Connection" in result.error
+    async with AsyncRedisStagingSink.from_url(url, durability="none", connect_timeout_s=0.5) as sink:
+        result = await sink.stage(make_record("r6", "c1"))
+    assert not result.ok and result.error is not None and "Connection" in result.error
+
+
+async def test_missing_replicas_fail_within_the_confirm_timeout(redis_url: str) -> None:
+    async with AsyncRedisStagingSink.from_url(redis_url, min_replicas=1, confirm_timeout_s=0.2) as sink:
+        with anyio.fail_after(5):
+            result = await sink.stage(make_record("r7", "c1"))
+    assert not result.ok and result.error is not None
+    assert "only 0 of 1 required replicas" in result.error
+
+
+async def test_a_paused_replica_fails_stages_until_it_resumes(fresh_server: DurableServer, tmp_path: Path) -> None:
+    with durable_server(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
+        with _client(replica.url) as client:
+            for _ in range(100):
+                if client.info("replication").get("master_link_status") == "up":
+                    break
+                await anyio.sleep(0.05)
+        async with AsyncRedisStagingSink.from_url(fresh_server.url, min_replicas=1, confirm_timeout_s=0.5) as sink:
+            assert (await sink.stage(make_record("r8", "c1"))).ok
+            replica.pause()
+            try:
+                with anyio.fail_after(5):
+                    stalled = await sink.stage(make_record("r8", "c2"))
+            finally:
+                replica.resume()
+            assert not stalled.ok and stalled.error is not None and "replicas" in stalled.error
+            retried = await sink.stage(make_record("r8", "c2"))
+            assert retried.ok
+            assert (await sink.stage(make_record("r8", "c3"))).ok
+    assert _calls_len(fresh_server.url, "r8") == 3  # the failed stage's retry did not duplicate its entry
+
+
+async def test_an_oversized_record_is_refused_before_any_write(redis_url: str) -> None:
+    async with AsyncRedisStagingSink.from_url(redis_url, max_record_bytes=4096) as sink:
+        result = await sink.stage(make_record("r9", "c1", n_tokens=2000))
+    assert not result.ok and result.error is not None and "max_record_bytes=4096" in result.error
+    with _client(redis_url) as client:
+        assert client.dbsize() == 0
+
+
+async def test_out_of_memory_fails_cleanly_and_evicts_nothing(redis_url: str) -> None:
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        assert (await sink.stage(make_record("r10", "c1"))).ok
+        with _client(redis_url) as client:
+            used = int(client.info("memory")["used_memory"])
+            client.config_set("maxmemory", str(used + 10_000))
+        result = await sink.stage(make_record("r10", "c2", n_tokens=50_000))
+    assert not result.ok and result.error is not None and "OutOfMemoryError" in result.error
+    with _client(redis_url) as client:
+        client.config_set("maxmemory", "0")
+        assert client.exists(record_key(NS, "r10/c1")) == 1
+        assert client.exists(record_key(NS, "r10/c2")) == 0
+    assert _calls_len(redis_url, "r10") == 1
+
+
+async def test_a_wrong_key_type_fails_without_writing(redis_url: str) -> None:
+    with _client(redis_url) as client:
+        client.set(calls_stream(NS, "r11"), "not a stream")
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        result = await sink.stage(make_record("r11", "c1"))
+    assert not result.ok and result.error is not None and "wrong type" in result.error
+    with _client(redis_url) as client:
+        assert client.exists(record_key(NS, "r11/c1")) == 0
+
+
+async def test_stage_rejects_a_wrong_argument_type(redis_url: str) -> None:
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        with pytest.raises(TypeError):
+            await sink.stage(make_record().model_dump())  # type: ignore[arg-type]
+
+
+async def test_stage_on_a_closed_sink_raises(redis_url: str) -> None:
+    sink = AsyncRedisStagingSink.from_url(redis_url)
+    with pytest.raises(RuntimeError, match="not open"):
+        await sink.stage(make_record())
+
+
+async def test_concurrent_stages_are_group_committed(redis_url: str) -> None:
+    records = [make_record(f"g{i % 8}", f"c{i}", n_tokens=64) for i in range(200)]
+    results: list[Any] = [None] * len(records)
+    async with AsyncRedisStagingSink.from_url(redis_url, writer_connections=2) as sink:
+
+        async def stage(i: int) -> None:
+            results[i] = await sink.stage(records[i])
+
+        async with anyio.create_task_group() as group:
+            for i in range(len(records)):
+                group.start_soon(stage, i)
+        stats = sink.statistics()
+    assert all(r.ok for r in results)
+    assert stats.staged == 200
+    assert stats.batches < 100, stats  # many records shared one script call and one fsync
+    assert sum(_calls_len(redis_url, f"g{k}") for k in range(8)) == 200
+
+
+async def test_a_cancelled_stage_leaves_all_or_nothing(redis_url: str) -> None:
+    records = [make_record("r12", f"c{i}", n_tokens=256) for i in range(50)]
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink, anyio.create_task_group() as group:
+        for record in records:
+            group.start_soon(sink.stage, record)
+        await anyio.lowlevel.checkpoint()
+        group.cancel_scope.cancel()
+    with _client(redis_url) as client:
+        stored = {k.decode() for k in client.keys(record_key(NS, "r12/*"))}
+        entries = {e[1][b"key"].decode() for e in client.xrange(calls_stream(NS, "r12"))}
+    assert {record_key(NS, key) for key in entries} == stored
+
+
+async def test_generation_prefix_chunks_and_clear(redis_url: str) -> None:
+    record = make_record("r13", "c1")
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        chunk = await sink.stage_generation_prefix(record, checkpoint_id="ckpt-1", chunk_sequence=0)
+        staged = await sink.stage(record)
+        assert chunk.staging_key == "r13/c1/cut/ckpt-1/0"
+        with pytest.raises(ValueError):
+            await sink.stage_generation_prefix(record, checkpoint_id="bad id", chunk_sequence=0)
+        async with AsyncRedisStagingSource.from_url(redis_url) as source:
+            [a, b] = await source.fetch([chunk.staging_key or "", staged.staging_key or ""])
+            assert a.model_dump() == b.model_dump() == record.model_dump()
+            assert await sink.clear([chunk.staging_key or "", staged.staging_key or "", "r13/absent"]) == 2
+            with pytest.raises(KeyError):
+                await source.fetch(["r13/c1"])
+    assert _calls_len(redis_url, "r13") == 0
+
+
+@FETCHES
+async def test_fetch_names_every_missing_key(redis_url: str, fetch: str) -> None:
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        assert (await sink.stage(make_record("r14", "c1"))).ok
+    async with AsyncRedisStagingSource.from_url(redis_url) as source:
+        with pytest.raises(KeyError) as caught:
+            await getattr(source, fetch)(["r14/c1", "r14/x", "r14/y"])
+    assert "r14/x" in str(caught.value) and "r14/y" in str(caught.value)
+
+
+@FETCHES
+async def test_fetch_rejects_corrupt_and_foreign_blobs(redis_url: str, fetch: str) -> None:
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        assert (await sink.stage(make_record("r15", "c1"))).ok
+    with _client(redis_url) as client:
+        blob = client.get(record_key(NS, "r15/c1"))
+        assert blob is not None
+        client.set(record_key(NS, "r15/copy"), blob)
+        client.set(record_key(NS, "r15/bad"), blob[:-3])
+    async with AsyncRedisStagingSource.from_url(redis_url) as source:
+        with pytest.raises(CodecError, match="belongs to"):
+            await getattr(source, fetch)(["r15/copy"])
+        with pytest.raises(CodecError, match="r15/bad"):
+            await getattr(source, fetch)(["r15/bad"])
+
+
+async def test_fetch_from_an_unreachable_server_raises_a_connection_error() -> None:
+    async with AsyncRedisStagingSource.from_url(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.5) as source:
+        with pytest.raises(StagingConnectionError):
+            await source.fetch(["r/c"])
+
+
+async def test_acknowledged_records_survive_sigkill(fresh_server: DurableServer) -> None:
+    acknowledged: list[StagedCallRecord] = []
+    async with AsyncRedisStagingSink.from_url(fresh_server.url) as sink:
+
+        async def stager(task: int) -> None:
+            for i in range(10):
+                record = make_record(f"crash{task % 16}", f"t{task}-{i}", n_tokens=128)
+                if (await sink.stage(record)).ok:
+                    acknowledged.append(record)
+
+        async with anyio.create_task_group() as group:
+            for task in range(64):
+                group.start_soon(stager, task)
+        fresh_server.kill()  # right after the last ok=True
+    fresh_server.restart()
+    assert len(acknowledged) == 640
+    async with AsyncRedisStagingSource.from_url(fresh_server.url) as source:
+        fetched = await source.fetch([r.staging_key for r in acknowledged])
+    assert [f.digest for f in fetched] == [r.digest for r in acknowledged]
+    assert sum(_calls_len(fresh_server.url, f"crash{k}") for k in range(16)) == 640
+
+
+# --- the synchronous facades, and the contract shared with the in-memory store ---------------
+
+
+def _check_sync_contract(sink: Any, source: Any) -> None:
+    record = make_record("s1", "c1", weight_version=1)
+    assert sink.stage(record).ok
+    assert sink.stage(record).ok
+    conflict = sink.stage(make_record("s1", "c1", weight_version=2))
+    assert not conflict.ok and conflict.error == CONFLICT_ERROR
+    [snapshot] = source.fetch(["s1/c1"])
+    assert snapshot.model_dump() == record.model_dump()
+    with pytest.raises(KeyError):
+        source.fetch(["s1/c1", "s1/nope"])
+    assert sink.clear(["s1/c1"]) == 1
+    with pytest.raises(KeyError):
+        source.fetch(["s1/c1"])
+
+
+def test_sync_contract_on_the_memory_store() -> None:
+    store = MemoryStagingStore()
+    _check_sync_contract(store, store)
+
+
+def test_sync_contract_on_redis(redis_url: str) -> None:
+    with RedisStagingSink.from_url(redis_url) as sink, RedisStagingSource.from_url(redis_url) as source:
+        _check_sync_contract(sink, source)
+        record = make_record("s2", "c1")
+        assert sink.stage(record).ok
+        [packed] = source.fetch_packed(["s2/c1"])
+        assert _dump(packed) == record.model_dump()
+
+
+def test_sync_facade_is_thread_safe(redis_url: str) -> None:
+    errors: list[BaseException] = []
+    with RedisStagingSink.from_url(redis_url) as sink:
+
+        def worker(thread: int) -> None:
+            try:
+                for i in range(20):
+                    assert sink.stage(make_record(f"th{thread}", f"c{i}")).ok
+            except (AssertionError, RuntimeError) as exc:  # collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sink.statistics().staged == 160
+    assert errors == []
+    with pytest.raises(RuntimeError, match="closed"):
+        sink.stage(make_record())
+
+
+async def test_a_record_changed_after_validation_is_validated_again(redis_url: str) -> None:
+    record = make_record("r16", "c1")
+    record.weight_version = 99  # reassigned after validation: the digest no longer matches
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        result = await sink.stage(record)
+        assert not result.ok and result.error is not None and "digest does not match" in result.error
+        constructed = StagedCallRecord.model_construct(**make_record("r16", "c2").model_dump())
+        assert (await sink.stage(constructed)).ok  # valid contents: accepted after validation
+    with _client(redis_url) as client:
+        assert client.exists(record_key(NS, "r16/c1")) == 0
+    async with AsyncRedisStagingSource.from_url(redis_url) as source:
+        [fetched] = await source.fetch(["r16/c2"])
+    assert fetched.digest == constructed.digest
