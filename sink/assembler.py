@@ -41,7 +41,8 @@ from .receipt import build_receipt
 from .records import RolloutManifest, RolloutReceipt
 from .settings import DEFAULT_SHARDS, AssemblerSettings
 from .store.connection import Topology, describe_redis_error, map_redis_errors
-from .store.streams import AsyncResource, GroupConsumer, StreamEntry, default_consumer_name, settings_or_fields
+from .store.resource import AsyncResource, settings_or_fields
+from .store.streams import GroupConsumer, StreamEntry, default_consumer_name
 
 __all__ = (
     "ASSEMBLER_GROUP",

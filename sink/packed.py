@@ -22,8 +22,8 @@ from typing import Any, Final, NamedTuple
 
 from pydantic import BaseModel, ValidationError, create_model
 
-from ._packed.columns import PackedColumns, f32_exact, ids_u64be
-from ._packed.record_columns import pack_validated_columns, prove_stored_columns
+from ._packed.columns import PackedColumns, TrustedColumns, f32_exact, ids_u64be, unpack_list
+from ._packed.record_columns import pack_validated_columns, prove_stored_columns, staging_delta_columns
 from .digest import _staging_digest_from_packed, compute_extras_digest
 from .errors import CodecError
 from .records import (
@@ -35,7 +35,15 @@ from .records import (
     staging_key,
 )
 
-__all__ = ("PackedSnapshot", "verified_packed_snapshot")
+# The packed-column API the worker builds on (sink._packed stays private to sink).
+__all__ = (
+    "PackedSnapshot",
+    "TrustedColumns",
+    "ids_u64be",
+    "staging_delta_columns",
+    "unpack_list",
+    "verified_packed_snapshot",
+)
 
 # The scalar fields of a staged call with exactly the types and constraints of
 # StagedCallBaseSnapshot (taken from it, so the two cannot drift apart).

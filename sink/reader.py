@@ -42,8 +42,9 @@ from .records import RolloutReceipt, RolloutRemoval
 from .settings import ReaderSettings, SourceSettings
 from .store.cleanup import clear_staged
 from .store.connection import Topology, map_redis_errors
+from .store.resource import AsyncResource, settings_or_fields
 from .store.source import AsyncRedisStagingSource
-from .store.streams import AsyncResource, GroupConsumer, StreamEntry, default_consumer_name, settings_or_fields
+from .store.streams import GroupConsumer, StreamEntry, default_consumer_name
 from .verify import LinearizedRow, _verify_and_linearize
 
 __all__ = (

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sink._packed.columns import TrustedColumns
-from sink._packed.record_columns import staging_delta_columns
 from sink.digest import (
     build_staging_delta,
     chain_hash_of_packed,
@@ -21,6 +19,7 @@ from sink.digest import (
     compute_extras_digest,
     hash_token_ids,
 )
+from sink.packed import TrustedColumns, staging_delta_columns
 from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord
 
 from .errors import CaptureError

@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sink._packed.columns import ids_u64be, unpack_list
 from sink.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
-from sink.packed import PackedSnapshot
+from sink.packed import PackedSnapshot, ids_u64be, unpack_list
 from sink.records import CaptureAdmission, StagedCallBaseSnapshot
 
 from .errors import PrefixResolutionError

@@ -52,8 +52,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sink._packed.columns import TrustedColumns
 from sink.digest import encode_token_ids, hash_packed_token_ids
+from sink.packed import TrustedColumns
 
 __all__ = ("EMPTY_SEQUENCE", "ProvenSequence", "SequenceHashCache", "item_addresses")
 

@@ -26,7 +26,7 @@ from ..keys import DEFAULT_NAMESPACE, fence_key, ledger_ids_key, ledger_stream, 
 from ..records import CaptureLedgerCommit, RolloutManifest, RolloutRemoval
 from ..settings import ConnectionSettings
 from ..store.connection import Topology, map_redis_errors, reply_text
-from ..store.streams import AsyncResource
+from ..store.resource import AsyncResource
 from .lineage import RETIRED_REASON, LineageResolution, LineageStatus, resolve_from_rows
 from .rows import (
     check_failure_args,

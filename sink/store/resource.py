@@ -1,5 +1,7 @@
-"""Run an async resource on a private event-loop thread, for synchronous callers.
+"""The resource lifecycle: :class:`AsyncResource` (open on entry, close once) and :class:`PortalOwner`, its
+synchronous facade on a private event-loop thread.
 
+The sync facade: 
 Inference servers with synchronous hooks call ``stage``/``fetch`` from many
 threads; each call is submitted to one background asyncio loop (an anyio
 blocking portal), so a slow call never blocks another.
@@ -8,16 +10,71 @@ blocking portal), so a slow call never blocks another.
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-__all__ = ("PortalOwner",)
+from ..settings import ConnectionSettings
+
+__all__ = ("AsyncResource", "PortalOwner", "settings_or_fields")
 
 T = TypeVar("T")
+_Settings = TypeVar("_Settings", bound=ConnectionSettings)
+
+
+def settings_or_fields(
+    settings_type: type[_Settings], settings: _Settings | None, fields: Mapping[str, Any]
+) -> _Settings:
+    """*settings*, or a *settings_type* built from setting *fields* (the two ways to call a ``from_url``).
+
+    :raises TypeError: both were given.
+    :raises pydantic.ValidationError: an unknown or invalid setting.
+    """
+    if settings is not None and fields:
+        raise TypeError("pass either settings or setting fields, not both")
+    return settings or settings_type(**fields)
+
+
+class AsyncResource:
+    """Async-context-manager lifecycle: :meth:`_open` on entry, :meth:`aclose` exactly once, shielded.
+
+    Subclasses implement :meth:`_close_resources` (what they own; a borrowed
+    client stays open) and may override :meth:`_open`; a failing ``_open``
+    closes again before the error propagates.
+    """
+
+    _closed = False
+
+    async def _open(self) -> None:
+        """Prepare on ``async with`` entry; nothing by default."""
+
+    async def _close_resources(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._open()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the clients this object owns (a borrowed client stays open); idempotent, shielded."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._close_resources()
 
 
 class PortalOwner:

@@ -21,9 +21,6 @@ remove entries another group has not read yet.
 In a cluster every shard stream hashes to its own slot, so every command here
 names one stream; only on a single server does one ``XREADGROUP`` cover
 several shards.
-
-:class:`AsyncResource` is the open/close lifecycle shared by those two
-services and the Redis capture ledger.
 """
 
 from __future__ import annotations
@@ -33,20 +30,18 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
 from ..keys import dead_letter_stream
-from ..settings import ConnectionSettings
 from .connection import ServerScript, Topology, map_redis_errors, reply_text
 
-__all__ = ("AsyncResource", "GroupConsumer", "StreamEntry", "default_consumer_name", "settings_or_fields")
+__all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
 
 logger = logging.getLogger(__name__)
 
@@ -74,26 +69,12 @@ if #p > 0 then return -1 end
 return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 """)
 _NAME_JUNK = re.compile(r"[^A-Za-z0-9._-]+")
-_Settings = TypeVar("_Settings", bound=ConnectionSettings)
 
 
 def default_consumer_name() -> str:
     """A consumer name unique to this process: ``<host>-<pid>-<random>``."""
     host = _NAME_JUNK.sub("-", socket.gethostname()).strip("-") or "host"
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def settings_or_fields(
-    settings_type: type[_Settings], settings: _Settings | None, fields: Mapping[str, Any]
-) -> _Settings:
-    """*settings*, or a *settings_type* built from setting *fields* (the two ways to call a ``from_url``).
-
-    :raises TypeError: both were given.
-    :raises pydantic.ValidationError: an unknown or invalid setting.
-    """
-    if settings is not None and fields:
-        raise TypeError("pass either settings or setting fields, not both")
-    return settings or settings_type(**fields)
 
 
 def _text(value: object) -> str:
@@ -109,44 +90,6 @@ class StreamEntry:
     entry_id: str
     fields: dict[str, str]
     deliveries: int
-
-
-class AsyncResource:
-    """Async-context-manager lifecycle: :meth:`_open` on entry, :meth:`aclose` exactly once, shielded.
-
-    Subclasses implement :meth:`_close_resources` (what they own; a borrowed
-    client stays open) and may override :meth:`_open`; a failing ``_open``
-    closes again before the error propagates.
-    """
-
-    _closed = False
-
-    async def _open(self) -> None:
-        """Prepare on ``async with`` entry; nothing by default."""
-
-    async def _close_resources(self) -> None:
-        raise NotImplementedError
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self._open()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the clients this object owns (a borrowed client stays open); idempotent, shielded."""
-        if self._closed:
-            return
-        self._closed = True
-        with anyio.CancelScope(shield=True):
-            await self._close_resources()
 
 
 class GroupConsumer:
