@@ -34,6 +34,7 @@ import redis.exceptions as redis_errors
 from pydantic import ValidationError
 from redis.asyncio.cluster import RedisCluster
 
+from .canonical import canonical_json
 from .errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
 from .keys import DEFAULT_NAMESPACE, done_stream, receipt_key, receipts_stream, shard_of, validate_rollout_id
 from .ledger.redis import RedisCaptureLedger
@@ -58,10 +59,6 @@ logger = logging.getLogger(__name__)
 
 ASSEMBLER_GROUP = "assemblers"
 BeforeAck = Callable[[StreamEntry], Awaitable[None]]
-
-
-def _canonical_json(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def _check_reward(reward: object) -> float | None:
@@ -103,7 +100,7 @@ async def finished(
     fields = {
         "rollout_id": rollout_id,
         "reward": json.dumps(reward_value, allow_nan=False),
-        "response": "" if response is None else _canonical_json(response),
+        "response": "" if response is None else canonical_json(response),
         "declared_response_id": declared_response_id or "",
     }
     stream = done_stream(namespace, shard_of(rollout_id, shards))

@@ -37,6 +37,7 @@ import struct
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
+from .canonical import canonical_json as _canonical_json
 from .errors import StagingError
 
 __all__ = (
@@ -45,7 +46,6 @@ __all__ = (
     "FINGERPRINT_VERSION",
     "FingerprintInputError",
     "assistant_fingerprint",
-    "canonical_json",
     "conversation_digest",
     "is_instruction_item",
     "is_model_authored",
@@ -77,13 +77,13 @@ class FingerprintInputError(StagingError, ValueError):
     ``ValueError``, as the contract requires."""
 
 
-def canonical_json(value: Any) -> str:
-    """Serialize *value* with sorted keys, no whitespace and raw UTF-8.
+def _fingerprint_json(value: Any) -> str:
+    """*value* as canonical JSON (NaN allowed, as the fingerprint contract serializes it).
 
     :raises FingerprintInputError: *value* is not JSON-serializable (a ``ValueError``).
     """
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return _canonical_json(value, allow_nan=True)
     except (TypeError, RecursionError) as exc:
         # Unserializable values, mixed-type dict keys and runaway nesting are shape errors.
         raise FingerprintInputError(f"fingerprint input is not JSON-serializable: {exc!r}") from None
@@ -186,7 +186,7 @@ def _content_parts(content: object) -> Iterator[tuple[str, str]]:
             continue
         if not block_type:
             raise FingerprintInputError("a content block without a type must carry a string 'text'")
-        yield (block_type, canonical_json(block))
+        yield (block_type, _fingerprint_json(block))
 
 
 def _canonical_args(arguments: object) -> str:
@@ -199,12 +199,12 @@ def _canonical_args(arguments: object) -> str:
             return arguments.strip()
         except RecursionError:
             raise FingerprintInputError("tool-call arguments nest too deeply to canonicalize") from None
-        return canonical_json(parsed)
-    return canonical_json(arguments)
+        return _fingerprint_json(parsed)
+    return _fingerprint_json(arguments)
 
 
 def _canonical_payload(payload: object) -> str:
-    return payload if isinstance(payload, str) else canonical_json(payload)
+    return payload if isinstance(payload, str) else _fingerprint_json(payload)
 
 
 def _content_blocks(item: Mapping[str, Any], block_type: str) -> Iterator[Mapping[str, Any]]:

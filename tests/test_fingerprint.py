@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sink.canonical import canonical_json
 from sink.fingerprint import (
     FINGERPRINT_VERSION,
     FingerprintInputError,
     assistant_fingerprint,
-    canonical_json,
     conversation_digest,
 )
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..canonical import canonical_json
 from ..errors import CodecError
 from ..fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from ..keys import validate_rollout_id
@@ -109,7 +110,7 @@ def custody_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
 
 def encode_row(row: Mapping[str, Any]) -> str:
     """Canonical JSON of a row: sorted keys, no whitespace, UTF-8 text."""
-    return json.dumps(row, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return canonical_json(row)
 
 
 def decode_row(text: str | None) -> dict[str, Any]:
