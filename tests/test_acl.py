@@ -26,7 +26,7 @@ from sink.keys import calls_stream, done_stream, ledger_stream, receipt_key, rec
 from sink.metrics import collect_redis_gauges
 from sink.store.scripts import STAGE_SCRIPT, STAGE_WRITTEN
 from tests.helpers.acl import AclServer, start_acl_server
-from tests.helpers.servers import skip_or_fail
+from tests.helpers.servers import import_or_skip, skip_or_fail
 
 NS = "stg"
 ACL_DENIAL = re.compile(r"NOPERM|no permissions|ACL failure|user executing the script can't run")
@@ -276,17 +276,10 @@ def test_worker_runs_the_stage_script_and_nothing_else(seeded: AclServer) -> Non
         assert admin.xlen(calls) == 1 and admin.get(key) == b"d" * 64 + b"blob"
 
 
-def _import_or_skip(module: str) -> Any:
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as exc:
-        skip_or_fail(f"{module} is not importable yet: {exc}")
-
-
 @pytest.mark.anyio
 async def test_worker_stages_and_reads_through_the_sink_and_source(seeded: AclServer) -> None:
-    redis_sink = _import_or_skip("sink.store.sink")
-    source_module = _import_or_skip("sink.store.source")
+    redis_sink = import_or_skip("sink.store.sink")
+    source_module = import_or_skip("sink.store.source")
     from tests.helpers.staging import make_chain
 
     root, child = make_chain("r6", 2)

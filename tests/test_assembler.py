@@ -8,6 +8,7 @@ events with XAUTOCLAIM, dead-lettering, stream hygiene and a cluster run.
 from __future__ import annotations
 
 import math
+from typing import TypedDict, cast
 
 import anyio
 import numpy as np
@@ -36,9 +37,21 @@ from sink.records import RolloutReceipt
 from sink.settings import AssemblerSettings
 from sink.store.streams import StreamEntry
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
+from tests.helpers.replies import raw_entries, text_entries, text_read
+
+
+class _Fast(TypedDict):
+    block_ms: int
+    claim_idle_ms: int
+
+
+class _SingleShards(TypedDict):
+    done_shards: int
+    receipt_shards: int
+
 
 SHARDS = 4
-FAST = {"block_ms": 50, "claim_idle_ms": 60_000}
+FAST: _Fast = {"block_ms": 50, "claim_idle_ms": 60_000}
 
 
 async def _stream_lengths(client: aioredis.Redis, streams: list[str]) -> int:
@@ -65,7 +78,7 @@ async def test_finished_writes_one_token_free_event_on_the_rollout_shard(redis_u
     async with aioredis.Redis.from_url(redis_url, decode_responses=True) as client:
         entry_id = await finished(client, "r-7", reward=0.5, response={"id": "x", "b": [1]}, declared_response_id="x")
         stream = done_stream("stg", shard_of("r-7", SHARDS))
-        [(found_id, fields)] = await client.xrange(stream)
+        [(found_id, fields)] = text_entries(await client.xrange(stream))
     assert found_id == entry_id
     assert fields == {
         "rollout_id": "r-7",
@@ -187,7 +200,7 @@ async def test_poisoned_and_unavailable_rollouts_come_back_skipped_with_their_re
 async def test_tampered_and_missing_records_are_skipped_with_a_code(redis_url: str) -> None:
     [tampered, missing, donor] = await stage_rollouts(redis_url, ["tampered", "missing", "donor"], calls=2)
     async with aioredis.Redis.from_url(redis_url) as client:
-        blob = await client.get(record_key("stg", donor.staging_keys[1]))
+        blob = cast("bytes", await client.get(record_key("stg", donor.staging_keys[1])))
         await client.set(record_key("stg", tampered.staging_keys[1]), blob)
         await client.delete(record_key("stg", missing.staging_keys[0]))
         for rollout_id in ("tampered", "missing"):
@@ -234,7 +247,7 @@ async def test_two_assemblers_on_the_same_events_store_exactly_one_receipt_per_r
         assert first.entries and second.entries  # both assemblers took part
         # Every published receipt of a rollout is the one stored receipt.
         for stream in RECEIPTS:
-            for _entry_id, fields in await client.xrange(stream):
+            for _entry_id, fields in raw_entries(await client.xrange(stream)):
                 stored = await client.get(receipt_key("stg", fields[b"rollout_id"].decode()))
                 assert fields[b"receipt"] == stored
         assert await _stream_lengths(client, RECEIPTS) == 12
@@ -264,7 +277,7 @@ async def test_a_killed_assemblers_events_are_reclaimed_and_finished_by_another(
     async with aioredis.Redis.from_url(redis_url) as client:
         for rollout_id in ids:
             await finished(client, rollout_id, reward=1.0, shards=1)
-        single = {"done_shards": 1, "receipt_shards": 1}
+        single: _SingleShards = {"done_shards": 1, "receipt_shards": 1}
         async with anyio.create_task_group() as victim_group:
             victim = Assembler.from_url(redis_url, before_ack=hang_before_ack, batch_events=16, **single, **FAST)
             async with victim:
@@ -313,7 +326,7 @@ async def test_an_event_that_keeps_failing_is_dead_lettered_after_max_deliveries
                 dead_entries: list[tuple[str, dict[str, str]]] = []
                 while len(dead_entries) < 2:
                     last = dead_entries[-1][0] if dead_entries else "0"
-                    reply = await client.xread({dead: last}, block=5_000)
+                    reply = text_read(await client.xread({dead: last}, block=5_000))
                     dead_entries += reply[0][1] if reply else []
         by_reason = {fields["rollout_id"]: fields for _id, fields in dead_entries}
         assert by_reason["doomed"]["dead_deliveries"] == "3"
@@ -357,7 +370,9 @@ async def test_assembler_and_reader_work_across_cluster_slots(cluster: LocalClus
                 assert item.row is not None and item.row.token_ids == tuple(staged[item.rollout_id].token_ids)
             await reader.ack(ids)
         for rollout_id in ids:
-            receipt = RolloutReceipt.model_validate_json(await client.get(receipt_key("stg", rollout_id)))
+            receipt = RolloutReceipt.model_validate_json(
+                cast("bytes", await client.get(receipt_key("stg", rollout_id)))
+            )
             assert receipt.reward == 2.0 and not receipt.capture_poisoned
             assert not await client.exists(record_key("stg", staged[rollout_id].staging_keys[0]))
         for stream in DONE + RECEIPTS:

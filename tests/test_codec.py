@@ -145,7 +145,7 @@ def test_non_canonical_widths_decode_to_the_same_record() -> None:
 def test_bytes_like_inputs_are_accepted() -> None:
     blob = encode_record(StagedCallRecord.from_components(**components()))
     for data in (bytearray(blob), memoryview(blob)):
-        assert decode_record(data).digest == GOLDEN_DIGEST
+        assert decode_record(data).digest == GOLDEN_DIGEST  # type: ignore[arg-type]  # documented bytes-like
 
 
 # --- the fast path agrees with the reference path ----------------------------------
@@ -173,7 +173,7 @@ def perturbed_columns(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[Any]]
     ids = draw(st.lists(token_ids, min_size=n, max_size=n))
     mask = draw(st.lists(st.sampled_from([0.0, -0.0, 1.0]), min_size=n, max_size=n))
     log_probs = [draw(st.sampled_from([0.0, -0.0])) if m == 0.0 else draw(generated_log_probs) for m in mask]
-    columns = (ids, mask, log_probs)
+    columns: tuple[list[Any], list[Any], list[Any]] = (ids, mask, log_probs)
     damage = draw(st.sampled_from(["none", "none", "ids", "mask", "log_probs", "length"]))
     if damage == "length":
         draw(st.sampled_from(columns)).pop()
@@ -386,6 +386,7 @@ def test_wrong_input_types_raise_type_error() -> None:
 
 
 def test_empty_extras_and_no_extras_are_distinct() -> None:
+    extras: dict[str, Any] | None
     for extras in (None, {}):
         record = record_of([1], [1.0], [-1.0], extras=extras)
         decoded = decode_record(encode_record(record))
@@ -405,7 +406,8 @@ def engine_outputs(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[Any]]:
     if damage == "length":
         log_probs.append(-0.5)
     elif damage != "none":
-        column = {"tail": tail, "generated": generated, "log_probs": log_probs}[damage]
+        columns: dict[str, list[Any]] = {"tail": tail, "generated": generated, "log_probs": log_probs}
+        column = columns[damage]
         column.insert(draw(st.integers(0, len(column))), draw(junk_ids if damage != "log_probs" else junk_floats))
     return tail, generated, log_probs
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from contextlib import redirect_stderr, redirect_stdout
 from datetime import timedelta
 from io import StringIO
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import msgpack
@@ -383,7 +383,8 @@ def test_cli_commands_on_bad_input_exit_with_documented_codes(monkeypatch: pytes
         monkeypatch.delenv(name, raising=False)
     dead = f"redis://127.0.0.1:{free_port()}"
     urls = st.sampled_from([dead, f"{dead}/0", "redis://127.0.0.1:99999", "redis://127.0.0.1:0", "redis://", "nope"])
-    urls |= st.text(alphabet=st.characters(blacklist_characters=":/@\\", blacklist_categories=("Cs",)), max_size=10)
+    surrogates: tuple[Literal["Cs"]] = ("Cs",)
+    urls |= st.text(alphabet=st.characters(blacklist_characters=":/@\\", blacklist_categories=surrogates), max_size=10)
     codes: dict[int, int] = {}
     _valid_ids = st.sampled_from(["r1", "r-2", "a.b_c", "X9"])
 

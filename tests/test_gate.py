@@ -15,6 +15,8 @@ from sink.records import (
     UNRESOLVED_PARENT_REASON,
     WORKER_CAPTURE_FAILED_REASON,
     WORKER_MISSING_COMMIT_COORDS_REASON,
+    CallRecord,
+    CaptureAdmission,
     CommitCoords,
 )
 from sink.server import DurableServer, durable_server
@@ -49,7 +51,9 @@ async def ledger(request: pytest.FixtureRequest) -> Any:
         yield redis_ledger
 
 
-async def _serve(gate: CaptureGate, capture: RolloutTokenCapture, rollout: str, items: list[dict[str, Any]], text: str):
+async def _serve(
+    gate: CaptureGate, capture: RolloutTokenCapture, rollout: str, items: list[dict[str, Any]], text: str
+) -> tuple[CaptureAdmission, CommitCoords, CallRecord | None]:
     """One captured model call: admit, begin, 'generate', stage, commit."""
     admission = await gate.admit(rollout, items)
     assert admission is not None

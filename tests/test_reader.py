@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypedDict
 
 import anyio
 import pytest
@@ -13,8 +14,14 @@ from sink.keys import claim_key, dead_letter_stream, receipts_stream, record_key
 from sink.reader import TRAINER_GROUP, PulledRollout, RolloutReader
 from sink.settings import ReaderSettings
 from tests.helpers.e2e import EventCounter, StagedRollout, pull_until, running_assembler, stage_rollouts
+from tests.helpers.replies import raw_entries, text_entries, xadd_fields
 
-ONE_SHARD = {"receipt_shards": 1}
+
+class _Shards(TypedDict):
+    receipt_shards: int
+
+
+ONE_SHARD: _Shards = {"receipt_shards": 1}
 RECEIPTS = receipts_stream("stg", 0)
 
 
@@ -108,8 +115,8 @@ async def test_a_restarted_rank_recovers_its_own_pending_rollouts_at_once(redis_
 async def test_a_receipt_published_twice_is_trained_once_across_ranks_and_after_consumption(redis_url: str) -> None:
     staged = await _prepared(redis_url, ["twice"])
     async with aioredis.Redis.from_url(redis_url) as client:
-        [(_entry_id, fields)] = await client.xrange(RECEIPTS)
-        await client.xadd(RECEIPTS, fields)  # what an assembler crash after publishing leaves behind
+        [(_entry_id, fields)] = raw_entries(await client.xrange(RECEIPTS))
+        await client.xadd(RECEIPTS, xadd_fields(fields))  # what an assembler crash after publishing leaves behind
         async with (
             RolloutReader.from_url(redis_url, consumer_name="rank-0", **ONE_SHARD) as zero,
             RolloutReader.from_url(redis_url, consumer_name="rank-1", **ONE_SHARD) as one,
@@ -120,7 +127,7 @@ async def test_a_receipt_published_twice_is_trained_once_across_ranks_and_after_
             assert one.statistics().duplicates_dropped == 1
             await zero.ack(["twice"])
             # A copy published after the rollout was consumed is dropped too (the ledger is retired).
-            await client.xadd(RECEIPTS, fields)
+            await client.xadd(RECEIPTS, xadd_fields(fields))
             assert await one.pull(8) == []
             assert one.statistics().duplicates_dropped == 2
         assert await _stream_state(redis_url) == (0, 0)
@@ -130,8 +137,8 @@ async def test_a_receipt_published_twice_is_trained_once_across_ranks_and_after_
 async def test_two_copies_in_one_pull_yield_one_rollout(redis_url: str) -> None:
     staged = await _prepared(redis_url, ["copies"])
     async with aioredis.Redis.from_url(redis_url) as client:
-        [(_entry_id, fields)] = await client.xrange(RECEIPTS)
-        await client.xadd(RECEIPTS, fields)
+        [(_entry_id, fields)] = raw_entries(await client.xrange(RECEIPTS))
+        await client.xadd(RECEIPTS, xadd_fields(fields))
     async with RolloutReader.from_url(redis_url, **ONE_SHARD) as reader:
         pulled = await reader.pull(8)
         assert [item.rollout_id for item in pulled] == ["copies"]
@@ -152,7 +159,7 @@ async def test_a_rollout_that_keeps_crashing_readers_is_dead_lettered(redis_url:
             while reader.statistics().dead_lettered == 0:
                 assert await reader.pull(1, block_ms=50) == []
     async with aioredis.Redis.from_url(redis_url, decode_responses=True) as client:
-        [(_id, dead)] = await client.xrange(dead_letter_stream("stg", "receipts-0"))
+        [(_id, dead)] = text_entries(await client.xrange(dead_letter_stream("stg", "receipts-0")))
         assert dead["rollout_id"] == "poison-pill" and dead["dead_deliveries"] == "2"
         assert dead["dead_source"] == RECEIPTS
     assert await _stream_state(redis_url) == (0, 0)

@@ -228,7 +228,7 @@ def test_cluster_covers_all_slots(cluster: sink_cluster.LocalCluster) -> None:
     covered = sum(int(end) - int(start) + 1 for start, end, *_ in slots)
     assert covered == 16384
     assert all(read_config(node) == DURABLE_CONFIG for node in cluster.nodes)
-    startup = [ClusterNode(host, port) for host, port in cluster.startup_nodes]
+    startup = [ClusterNode(host, port) for host, port in cluster.startup_nodes]  # type: ignore[no-untyped-call]
     with RedisCluster(startup_nodes=startup) as client:
         for index in range(50):
             client.set(f"key-{index}", index)

@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from sink.server import DurableServer, free_port
-from tests.helpers.servers import skip_or_fail
+from tests.helpers.servers import import_or_skip, skip_or_fail
 
 TLS_FAILURE = r"(?i)certificate|ssl|tls"
 
@@ -117,17 +117,10 @@ async def test_a_raw_async_client_verifies_the_server_against_the_ca(tls_server:
     assert isinstance(refused.value.__context__ or refused.value, ssl.SSLError | redis.ConnectionError)
 
 
-def _import_or_skip(module: str) -> Any:
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as exc:
-        skip_or_fail(f"{module} is not importable yet: {exc}")
-
-
 @pytest.mark.anyio
 async def test_sink_and_source_work_over_tls(tls_server: TlsServer) -> None:
-    redis_sink = _import_or_skip("sink.store.sink")
-    source_module = _import_or_skip("sink.store.source")
+    redis_sink = import_or_skip("sink.store.sink")
+    source_module = import_or_skip("sink.store.source")
     from tests.helpers.staging import make_chain
 
     root, child = make_chain("t1", 2)
@@ -141,8 +134,8 @@ async def test_sink_and_source_work_over_tls(tls_server: TlsServer) -> None:
 
 @pytest.mark.anyio
 async def test_a_wrong_ca_fails_cleanly(tls_server: TlsServer, pki: Pki) -> None:
-    redis_sink = _import_or_skip("sink.store.sink")
-    source_module = _import_or_skip("sink.store.source")
+    redis_sink = import_or_skip("sink.store.sink")
+    source_module = import_or_skip("sink.store.source")
     from sink.errors import StagingConnectionError
     from tests.helpers.staging import make_record
 
@@ -158,7 +151,7 @@ async def test_a_wrong_ca_fails_cleanly(tls_server: TlsServer, pki: Pki) -> None
 
 @pytest.mark.anyio
 async def test_a_plain_url_against_the_tls_port_fails_cleanly(tls_server: TlsServer) -> None:
-    redis_sink = _import_or_skip("sink.store.sink")
+    redis_sink = import_or_skip("sink.store.sink")
     from tests.helpers.staging import make_record
 
     plain = f"redis://{tls_server.host}:{tls_server.port}"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import FrozenInstanceError, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import given, settings
@@ -25,6 +25,9 @@ from sink.verify import (
     linearize,
     verify_and_linearize,
 )
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 # --- builders -----------------------------------------------------------------------
 
@@ -679,7 +682,9 @@ def test_cached_columns_give_the_same_row_and_numpy_columns() -> None:
     assert fast == slow
     assert fast.columns.packed_parts is not None and slow.columns.packed_parts is None
     np = pytest.importorskip("numpy")
-    for a, b in zip(fast.as_numpy(), slow.as_numpy(), strict=True):
+    fast_arrays: tuple[npt.NDArray[Any], ...] = fast.as_numpy()
+    slow_arrays: tuple[npt.NDArray[Any], ...] = slow.as_numpy()
+    for a, b in zip(fast_arrays, slow_arrays, strict=True):
         assert a.dtype == b.dtype
         assert np.array_equal(a, b)
         assert np.array_equal(np.signbit(a), np.signbit(b))

@@ -59,7 +59,7 @@ def test_a_proof_hashes_like_the_reference_and_holds_only_for_the_same_objects()
     assert not proof.holds(_fresh(first) + second)  # equal values, distinct objects: not proved
     assert not proof.holds(first + second[:2])  # wrong length
     assert not proof.holds([*first, 800, 0, True])  # True == 1, but it is not the proved object
-    assert not proof.holds([*first, 800, 0.0, 1])
+    assert not proof.holds([*first, 800, 0.0, 1])  # type: ignore[list-item]
     assert EMPTY_SEQUENCE.holds([]) and EMPTY_SEQUENCE.cumulative_hash() == hash_token_ids([])
 
 
@@ -191,7 +191,7 @@ class _Rollout:
         head = parent_full if prompt_head is None else prompt_head
         prompt = head + carry
         logprobs = [-0.5] * len(generated)
-        outcomes = []
+        outcomes: list[tuple[str, str | CommitCoords]] = []
         for capture in self.captures:
             try:
                 active = capture.begin_call(admission, prefix_token_ids=explicit)

@@ -19,6 +19,7 @@ import redis
 from sink.ledger.rows import manifest_from_entries
 from sink.records import CaptureLedgerCommit, RolloutManifest, StagedCallRecord
 from tests.helpers.e2e import call_record_of
+from tests.helpers.replies import raw_entries
 
 __all__ = (
     "KeyspaceAudit",
@@ -113,10 +114,13 @@ def audit_keyspace(clients: Iterable[redis.Redis]) -> KeyspaceAudit:
                 audit.records.setdefault(rollout, set()).add(f"{rollout}/{rest[4:]}")
             elif rest == "calls":
                 counter = audit.calls.setdefault(rollout, Counter())
-                for _entry_id, fields in client.xrange(key):
+                for _entry_id, fields in raw_entries(client.xrange(key)):
                     counter[_text(fields[b"key"])] += 1
             elif rest == "ledger":
-                entries = [{_text(k): _text(v) for k, v in fields.items()} for _entry_id, fields in client.xrange(key)]
+                entries = [
+                    {_text(k): _text(v) for k, v in fields.items()}
+                    for _entry_id, fields in raw_entries(client.xrange(key))
+                ]
                 audit.manifests[rollout] = manifest_from_entries(rollout, entries)
     _check(audit)
     return audit

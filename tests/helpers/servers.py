@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -21,6 +22,14 @@ def skip_or_fail(reason: str) -> NoReturn:
     if running_in_ci():
         pytest.fail(f"{reason} (CI is set, so server tests may not be skipped)", pytrace=False)
     pytest.skip(reason)
+
+
+def import_or_skip(module: str) -> ModuleType:
+    """Import *module* by name, or skip/fail the test when it is not importable."""
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as exc:
+        skip_or_fail(f"{module} is not importable yet: {exc}")
 
 
 def require_binary(name: str) -> Path:
