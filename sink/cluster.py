@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 
-from .server import _INSTALL_HINT, DurableServer, ServerNotFoundError, ServerProcessError, find_server_binary
+from .server.durable import _INSTALL_HINT, DurableServer, ServerNotFoundError, ServerProcessError, find_server_binary
 from .store.connection import reply_text
 
 __all__ = ("LocalCluster", "local_cluster")

@@ -38,7 +38,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .errors import StagingError
+from ..errors import StagingError
 
 __all__ = (
     "LOOPBACK_HOST",
