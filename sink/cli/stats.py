@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
-from ..metrics import STREAM_KINDS, acollect_redis_gauges
+from ..metrics import STREAM_KINDS, collect_redis_gauges
 from ..store.connection import Topology, map_redis_errors
 from ..store.durability import REQUIRED_CONFIG, verify_durability
 from .common import RedisTarget, decode_text
@@ -90,7 +90,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         staged_recently = await _recent_calls(topology, calls, rate_window_s)
         shared = await shared_stream_names(topology, ns)
         # The cluster client routes each keyed command; the gauges only issue keyed commands here.
-        gauges = await acollect_redis_gauges(cast(aioredis.Redis, topology.client), ns, streams=shared)
+        gauges = await collect_redis_gauges(cast(aioredis.Redis, topology.client), ns, streams=shared)
     dead = {name: stream["length"] for name, stream in gauges.items() if stream["kind"] == "dead"}
     return {
         "url": target.display_url,
