@@ -22,18 +22,16 @@ also matches a record key ``ns:{R}:rec:<call>`` whose call id ends in ``}:ledger
 a key of another kind built by :mod:`sink.keys`, but such odd call ids are best avoided. ``EVAL`` lets a role
 run any Lua script, bounded by the same grants. The ACL assumes database 0 and no pub/sub.
 
-Generate a deployment's file with ``python -m sink.acl --acl-file deploy/users.acl --env-file .env``.
+Generate a deployment's file with ``staging-sink acl --env-file .env > deploy/users.acl``.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import re
 import secrets
-import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -53,7 +51,6 @@ __all__ = (
     "RolePolicy",
     "env_file_text",
     "generate_passwords",
-    "main",
     "password_env_var",
     "password_hash",
     "render_acl_example",
@@ -366,34 +363,3 @@ def write_private_file(path: Path, text: str, mode: int = 0o600) -> None:
     with os.fdopen(descriptor, "w") as handle:
         handle.write(text)
     os.chmod(path, mode)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sink.acl``: write an ACL file with fresh passwords and an env file holding them.
-
-    The ACL file (hashes only) is written mode 0644 so the server's user can read it; the env file
-    (``STG_<ROLE>_PASSWORD=...``, for docker compose) mode 0600. ``--example`` prints the placeholder file.
-    """
-    parser = argparse.ArgumentParser(prog="python -m sink.acl", description=main.__doc__)
-    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE)
-    parser.add_argument("--server-version", default="7.2")
-    parser.add_argument("--acl-file", type=Path, help="where to write the ACL file")
-    parser.add_argument("--env-file", type=Path, help="where to write the passwords (mode 0600)")
-    parser.add_argument("--admin", action="store_true", help="also create the full-access 'admin' user")
-    parser.add_argument("--example", action="store_true", help="print the placeholder ACL file and exit")
-    args = parser.parse_args(argv)
-    if args.example:
-        sys.stdout.write(render_acl_example(namespace=args.namespace, server_version=args.server_version))
-        return 0
-    if args.acl_file is None or args.env_file is None:
-        parser.error("--acl-file and --env-file are required (or --example)")
-    passwords = generate_passwords((*ROLE_NAMES, ADMIN_ROLE) if args.admin else ROLE_NAMES)
-    text = render_acl_file(namespace=args.namespace, passwords=passwords, server_version=args.server_version)
-    write_private_file(args.env_file, env_file_text(passwords))
-    write_private_file(args.acl_file, text, 0o644)
-    sys.stdout.write(f"wrote {args.acl_file} and {args.env_file} ({len(passwords)} users)\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import redis
 
-from .server import _INSTALL_HINT, DurableServer, ServerNotFoundError, ServerProcessError, find_server_binary
+from .errors import ServerProcessError
+from .server import DurableServer, find_cli_binary, find_server_binary
 from .store.connection import reply_text
 
 __all__ = ("LocalCluster", "local_cluster")
@@ -99,17 +100,6 @@ class LocalCluster:
         return ""
 
 
-def _cluster_cli(binary: Path) -> Path:
-    sibling = binary.with_name(binary.name.replace("-server", "-cli"))
-    if sibling.is_file() and os.access(sibling, os.X_OK):
-        return sibling
-    for name in ("valkey-cli", "redis-cli"):
-        on_path = shutil.which(name)
-        if on_path is not None:
-            return Path(on_path)
-    raise ServerNotFoundError(f"no valkey-cli or redis-cli next to {binary} or on PATH; {_INSTALL_HINT}")
-
-
 @contextmanager
 def local_cluster(
     *, primaries: int = 3, replicas_per_primary: int = 1, binary: str | os.PathLike[str] | None = None
@@ -121,7 +111,7 @@ def local_cluster(
     :raises ServerProcessError: when a node does not come up or the cluster does not form.
     """
     resolved = find_server_binary(binary)
-    cli = _cluster_cli(resolved)
+    cli = find_cli_binary(resolved)
     root = Path(tempfile.mkdtemp(prefix="staging-sink-cluster-"))
     nodes: list[DurableServer] = []
     try:

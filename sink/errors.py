@@ -12,9 +12,12 @@ __all__ = (
     "CodecError",
     "DurabilityError",
     "LedgerConflictError",
+    "MetricsExtraMissingError",
     "RebuildError",
     "ReceiptVerificationError",
     "RolloutRetiredError",
+    "ServerNotFoundError",
+    "ServerProcessError",
     "StagingConnectionError",
     "StagingError",
 )
@@ -84,3 +87,16 @@ class RebuildError(ReceiptVerificationError):
     rebuilt: a missing parent, a length gap, a lineage cycle, a missing
     terminal, a broken chain or cumulative hash, or a bad mask layout
     (contract §8.1 steps 9-13)."""
+
+
+class ServerNotFoundError(StagingError):
+    """Raised when no ``valkey-server``/``redis-server`` binary can be found. The message says what to install."""
+
+
+class ServerProcessError(StagingError):
+    """Raised when a server process dies at startup, is not ready before its deadline, or does not stop
+    cleanly. The message ends with the tail of the server's log."""
+
+
+class MetricsExtraMissingError(StagingError, ImportError):
+    """Raised when ``prometheus_client`` is not installed: install the ``metrics`` extra."""

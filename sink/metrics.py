@@ -5,9 +5,9 @@ services or tests in one process do not clash. :func:`serve_metrics` exposes one
 :class:`MetricsServer` that :meth:`~MetricsServer.stop` shuts down (``prometheus_client.start_http_server``
 returns the WSGI server and its daemon thread; this module keeps them and stops both).
 
-:func:`collect_redis_gauges` reads the length of every ``done``/``receipts``/``dead`` stream and each
-consumer group's pending count and lag (``XINFO GROUPS``); the ``stats`` CLI prints it and the exporter feeds
-it to :meth:`Metrics.update_redis_gauges`. It needs only the read-only ``ops`` ACL role.
+:func:`collect_redis_gauges` (async) reads the length of every ``done``/``receipts``/``dead`` stream and
+each consumer group's pending count and lag (``XINFO GROUPS``); the ``stats`` CLI prints it and the exporter
+feeds it to :meth:`Metrics.update_redis_gauges`. It needs only the read-only ``ops`` ACL role.
 
 ``prometheus_client`` is the ``metrics`` extra (``pip install 'staging-sink[metrics]'``); it is imported
 when a :class:`Metrics` is made, and its absence raises :class:`MetricsExtraMissingError`.
@@ -25,11 +25,10 @@ from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypedDict
 from wsgiref.simple_server import WSGIServer
 
-import redis
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from .errors import StagingError
+from .errors import MetricsExtraMissingError
 from .keys import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:
@@ -41,10 +40,8 @@ __all__ = (
     "STREAM_KINDS",
     "GroupGauges",
     "Metrics",
-    "MetricsExtraMissingError",
     "MetricsServer",
     "StreamGauges",
-    "acollect_redis_gauges",
     "collect_redis_gauges",
     "serve_metrics",
 )
@@ -58,10 +55,6 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 
 _LABEL_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _SCAN_COUNT = 1000
-
-
-class MetricsExtraMissingError(StagingError, ImportError):
-    """Raised when ``prometheus_client`` is not installed: install the ``metrics`` extra."""
 
 
 def _prometheus() -> ModuleType:
@@ -279,47 +272,14 @@ def _patterns(namespace: str) -> list[str]:
     return [f"{namespace}:{kind}:*" for kind in STREAM_KINDS]
 
 
-def collect_redis_gauges(
-    client: redis.Redis, namespace: str = DEFAULT_NAMESPACE, *, streams: Sequence[str] | None = None
+async def collect_redis_gauges(
+    client: aioredis.Redis, namespace: str = DEFAULT_NAMESPACE, *, streams: Sequence[str] | None = None
 ) -> dict[str, StreamGauges]:
     """Length and consumer groups of each shared stream, by stream name, sorted.
 
     Without *streams*, the ``<ns>:done:*``, ``<ns>:receipts:*`` and ``<ns>:dead:*`` streams are found with
     ``SCAN ... TYPE stream``, which walks the whole keyspace: an ops-tool cost, fine at scrape intervals,
     never on a hot path. Streams that do not exist (or are not streams) are left out.
-
-    :raises redis.RedisError: the server cannot be reached or refuses a command (e.g. ``NOPERM``).
-    """
-    names = (
-        list(streams)
-        if streams is not None
-        else sorted(
-            {
-                _text(key)
-                for pattern in _patterns(namespace)
-                for key in client.scan_iter(match=pattern, count=_SCAN_COUNT, _type="stream")
-            }
-        )
-    )
-    result: dict[str, StreamGauges] = {}
-    for name in names:
-        try:
-            if _text(client.type(name)) != "stream":
-                continue
-            length = int(client.xlen(name))
-            groups = _groups(client.xinfo_groups(name))
-        except redis_errors.ResponseError as exc:
-            if _is_absent(exc):
-                continue
-            raise
-        result[name] = StreamGauges(kind=_kind(namespace, name), length=length, groups=groups)
-    return result
-
-
-async def acollect_redis_gauges(
-    client: aioredis.Redis, namespace: str = DEFAULT_NAMESPACE, *, streams: Sequence[str] | None = None
-) -> dict[str, StreamGauges]:
-    """The asyncio twin of :func:`collect_redis_gauges`.
 
     :raises redis.RedisError: the server cannot be reached or refuses a command (e.g. ``NOPERM``).
     """

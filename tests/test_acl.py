@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from sink.acl import (
     ADMIN_ROLE,
@@ -339,9 +340,10 @@ async def test_ledger_roles_gate_writes_assembler_reads_trainer_retires(seeded: 
             await trainer.manifest("r8")
 
 
-def test_ops_collects_the_stream_gauges(seeded: AclServer) -> None:
-    with seeded.role_client("ops") as ops:
-        gauges = collect_redis_gauges(ops, NS)
+@pytest.mark.anyio
+async def test_ops_collects_the_stream_gauges(seeded: AclServer) -> None:
+    async with aioredis.Redis.from_url(seeded.role_url("ops")) as ops:
+        gauges = await collect_redis_gauges(ops, NS)
     assert set(gauges) == {DONE, RECEIPTS, DEAD}
     assert gauges[DONE]["groups"]["asm"]["pending"] == 0
     assert gauges[RECEIPTS]["length"] == 1 and gauges[DEAD]["kind"] == "dead"
@@ -413,7 +415,6 @@ async def test_the_whole_pipeline_runs_with_each_component_as_its_own_user(seede
     """gate + worker stage a rollout, the assembler builds its receipt, the trainer pulls, trains and cleans up,
     both dead-letter the malformed seeded entries, and ops watches: every step on its own user."""
     import anyio
-    import redis.asyncio as aioredis
 
     try:
         from sink.assembler import finished
@@ -442,8 +443,8 @@ async def test_the_whole_pipeline_runs_with_each_component_as_its_own_user(seede
     assert removal.removed == ["e2e"]
     with seeded.client() as admin:
         assert not admin.exists(*(record_key(NS, key) for key in staged.staging_keys))
-    with seeded.role_client("ops") as ops:
-        gauges = collect_redis_gauges(ops, NS)
+    async with aioredis.Redis.from_url(seeded.role_url("ops")) as ops:
+        gauges = await collect_redis_gauges(ops, NS)
     trainers = gauges[receipts_stream(NS, 0)]["groups"][TRAINER_GROUP]
     assert trainers["pending"] == 0
     # The seeded done and receipts entries are malformed: the assembler and the trainer dead-lettered them.

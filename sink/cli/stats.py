@@ -1,4 +1,4 @@
-"""``staging-sink stats``: one snapshot of a namespace's health, as a dict and as a rich table.
+"""``staging-sink stats``: the command, and one snapshot of a namespace's health as a dict and a rich table.
 
 The snapshot holds the verified durability settings of every node, memory, rollouts in flight (ledgers
 found with ``SCAN``), the staging rate (calls entries of the last window, read from their stream ids), the
@@ -11,16 +11,17 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
+import anyio
 import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
-from ..metrics import STREAM_KINDS, acollect_redis_gauges
+from ..metrics import STREAM_KINDS, collect_redis_gauges
 from ..store.connection import Topology, map_redis_errors
 from ..store.durability import REQUIRED_CONFIG, verify_durability
-from .common import RedisTarget, decode_text
+from .common import EXIT_OK, RedisTarget, cancel_on_signal, decode_text, open_topology, stdout_console, write_json
 
-__all__ = ("collect_stats", "render_stats", "scan_keys", "shared_stream_names")
+__all__ = ("collect_stats", "render_stats", "scan_keys", "shared_stream_names", "stats_command")
 
 _SCAN_COUNT = 1000
 
@@ -90,7 +91,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         staged_recently = await _recent_calls(topology, calls, rate_window_s)
         shared = await shared_stream_names(topology, ns)
         # The cluster client routes each keyed command; the gauges only issue keyed commands here.
-        gauges = await acollect_redis_gauges(cast(aioredis.Redis, topology.client), ns, streams=shared)
+        gauges = await collect_redis_gauges(cast(aioredis.Redis, topology.client), ns, streams=shared)
     dead = {name: stream["length"] for name, stream in gauges.items() if stream["kind"] == "dead"}
     return {
         "url": target.display_url,
@@ -173,3 +174,26 @@ def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
     if not snapshot["streams"]:
         streams.add_row("(none yet)", "", "", "", "", "", "")
     console.print(streams)
+
+
+async def stats_command(target: RedisTarget, *, watch_s: float | None, as_json: bool, rate_window_s: float) -> int:
+    """``staging-sink stats``: print the namespace's health once, or every *watch_s* seconds until Ctrl-C.
+
+    :raises StagingConnectionError: the server cannot be reached or refuses a command.
+    """
+    console = stdout_console()
+    async with open_topology(target) as topology, anyio.create_task_group() as group:
+        await group.start(cancel_on_signal, group.cancel_scope)  # Ctrl-C ends --watch normally
+        while True:
+            snapshot = await collect_stats(topology, target, rate_window_s=watch_s or rate_window_s)
+            if as_json:
+                write_json(snapshot)
+            else:
+                if watch_s is not None:
+                    console.clear()
+                render_stats(console, snapshot)
+            if watch_s is None:
+                break
+            await anyio.sleep(watch_s)
+        group.cancel_scope.cancel()
+    return EXIT_OK

