@@ -12,7 +12,6 @@ from __future__ import annotations
 from .assembler import Assembler as Assembler
 from .assembler import finished as finished
 from .errors import CodecError as CodecError
-from .errors import DurabilityError as DurabilityError
 from .errors import ReceiptVerificationError as ReceiptVerificationError
 from .errors import StagingConnectionError as StagingConnectionError
 from .errors import StagingError as StagingError
@@ -33,7 +32,6 @@ __all__ = (
     "AsyncRedisStagingSource",
     "CaptureGate",
     "CodecError",
-    "DurabilityError",
     "LinearizedRow",
     "ReceiptVerificationError",
     "RedisCaptureLedger",

@@ -1,16 +1,17 @@
 """The exception tree of staging-sink: one root, a few documented leaves.
 
-Every operational error the library raises derives from :class:`StagingError`.
-Some leaves also derive from a builtin (``ValueError``, ``RuntimeError``) where
-the wire contract names that builtin, so callers written against the
-reference system keep working.
+Every exception class of ``sink`` lives here, and every error the library raises derives from
+:class:`StagingError` (the worker's errors in :mod:`worker.errors` derive from it too). Some leaves also derive
+from a builtin: ``ValueError``/``RuntimeError`` where the wire contract names that builtin, so callers written
+against the reference system keep working, and ``ImportError`` for a missing optional extra.
+
+A durability failure is not an exception: ``stage()`` reports it as ``StageResult(ok=False, error=...)``.
 """
 
 from __future__ import annotations
 
 __all__ = (
     "CodecError",
-    "DurabilityError",
     "LedgerConflictError",
     "MetricsExtraMissingError",
     "RebuildError",
@@ -37,17 +38,6 @@ class StagingConnectionError(StagingError):
     """Raised when the Redis/Valkey server cannot be reached, the connection
     is lost mid-command, or the server refuses the command (``READONLY``,
     ``OOM``, ``NOPERM``). The message names the server error."""
-
-
-class DurabilityError(StagingError):
-    """Raised when a write could not be confirmed durable: the server is not
-    configured for ``appendfsync always`` (the message names the setting), or
-    fewer replicas than required acknowledged it within the deadline."""
-
-    def __init__(self, message: str, *, acked: int | None = None, required: int | None = None) -> None:
-        super().__init__(message)
-        self.acked = acked
-        self.required = required
 
 
 class LedgerConflictError(StagingError, ValueError):
