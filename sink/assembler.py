@@ -194,7 +194,7 @@ class Assembler(AsyncResource):
         self._topology = topology
         self._ns = self._settings.namespace
         self._before_ack = before_ack
-        self._ledger = RedisCaptureLedger(topology.client, namespace=self._ns)
+        self._ledger = RedisCaptureLedger(topology.client, settings)
         self._consumer = GroupConsumer(
             topology,
             namespace=self._ns,

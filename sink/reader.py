@@ -165,7 +165,7 @@ class RolloutReader(AsyncResource):
         self._topology = topology
         self._ns = settings.namespace
         client = topology.client
-        self._ledger = RedisCaptureLedger(client, namespace=self._ns)
+        self._ledger = RedisCaptureLedger(client, settings)
         source_settings = SourceSettings(
             namespace=self._ns,
             cluster=settings.cluster,

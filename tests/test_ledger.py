@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,6 +220,8 @@ class TestLedgerContract:
         with pytest.raises(LedgerConflictError, match="conflicting") as caught:
             await env.ledger.record(altered)
         assert isinstance(caught.value, ValueError)
+        assert (caught.value.rollout_id, caught.value.model_call_id) == (R, original.record.model_call_id)
+        assert caught.value.differing_fields
         assert await env.ledger.manifest(R) == before
         await env.ledger.record(original)  # the stored row is still the original one
         assert await env.ledger.manifest(R) == before
@@ -508,8 +511,10 @@ async def test_borrowed_decoding_client_works_and_stays_open(redis_url: str) -> 
         async with RedisCaptureLedger(client) as ledger:
             await ledger.record(root_commit())
             await ledger.record(root_commit())
-            with pytest.raises(LedgerConflictError, match="weight_version"):
+            with pytest.raises(LedgerConflictError, match="weight_version") as caught:
                 await ledger.record(root_commit(weight_version=9))
+            assert caught.value.differing_fields == ("record.weight_version",)
+            assert pickle.loads(pickle.dumps(caught.value)).differing_fields == ("record.weight_version",)
             assert [r.model_call_id for r in (await ledger.manifest(R)).records] == ["c-root"]
             assert (await ledger.resolve(R, CHILD_REQUEST)).status is LineageStatus.RESOLVED
         assert await client.ping() is True  # the ledger did not close a borrowed client
