@@ -17,11 +17,10 @@ from enum import Enum
 from typing import Any
 
 from ..errors import LedgerConflictError, RolloutRetiredError
-from ..fingerprint import assistant_fingerprint
 from ..keys import validate_rollout_id
 from ..records import CaptureLedgerCommit, RolloutManifest, RolloutRemoval
 from ..store.resource import AsyncResource
-from .lineage import RETIRED_REASON, LineageResolution, LineageStatus, resolve_from_rows
+from .lineage import RETIRED_REASON, LineageResolution, LineageStatus, is_root_request, resolve_from_rows
 from .rows import (
     check_failure_args,
     commit_rollout_id,
@@ -190,7 +189,7 @@ class CaptureLedger(AsyncResource):
         """
         validate_rollout_id(rollout_id)
         items = list(request_items)
-        is_root = assistant_fingerprint(items) == ""  # shape errors raise before storage is consulted
+        is_root = is_root_request(items)  # shape errors raise before storage is consulted
         self._check_open()
         if is_root:
             # A root needs no rows, only the fence.
