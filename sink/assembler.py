@@ -1,13 +1,13 @@
-"""Rollout end: the ``finished()`` producer and the receipt :class:`Assembler` (contract §7.1 steps 1-4).
+"""Rollout end: the receipt :class:`Assembler` (contract §7.1 steps 2-4).
 
-Flow (architecture §2): the framework calls :func:`finished` once a rollout
-is scored; it appends one token-free event to ``ns:done:<shard>``. An
-:class:`Assembler` (consumer group ``assemblers``) reads the event, reads the
-rollout's manifest from the capture ledger, builds the immutable
-:class:`~sink.records.RolloutReceipt`, stores it with ``SET ns:{R}:receipt
-<json> NX`` (an existing receipt wins, so several assemblers never produce
-two different receipts for one rollout), publishes it to
-``ns:receipts:<shard>`` and only then acknowledges the event.
+Flow (architecture §2): the framework calls :func:`finished` (re-exported
+from :mod:`sink.done_event`) once a rollout is scored; it appends one
+token-free event to ``ns:done:<shard>``. An :class:`Assembler` (consumer
+group ``assemblers``) reads the event, reads the rollout's manifest from the
+capture ledger, builds the immutable :class:`~sink.records.RolloutReceipt`,
+stores it with ``SET ns:{R}:receipt <json> NX`` (an existing receipt wins, so
+several assemblers never produce two different receipts for one rollout),
+publishes it to ``ns:receipts:<shard>`` and only then acknowledges the event.
 
 Delivery guarantee: every finished rollout gets exactly one stored receipt
 and it is published **at least once**; after an assembler crash between
@@ -21,7 +21,6 @@ unparsable ledger yields a poisoned ``manifest_unavailable`` receipt instead.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -34,103 +33,23 @@ import redis.exceptions as redis_errors
 from pydantic import ValidationError
 from redis.asyncio.cluster import RedisCluster
 
-from .canonical import canonical_json
+from .done_event import DoneEvent, finished, parse_done_event
 from .errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
-from .keys import DEFAULT_NAMESPACE, done_stream, receipt_key, receipts_stream, shard_of, validate_rollout_id
+from .keys import done_stream, receipt_key, receipts_stream, shard_of
 from .ledger.redis import RedisCaptureLedger
 from .receipt import build_receipt
 from .records import RolloutManifest, RolloutReceipt
-from .settings import DEFAULT_SHARDS, AssemblerSettings
+from .settings import AssemblerSettings
 from .store.connection import Topology, describe_redis_error, map_redis_errors
 from .store.resource import AsyncResource, settings_or_fields
 from .store.streams import GroupConsumer, StreamEntry, default_consumer_name
 
-__all__ = (
-    "ASSEMBLER_GROUP",
-    "Assembler",
-    "AssemblerStatistics",
-    "DoneEvent",
-    "finished",
-    "parse_done_event",
-    "run_assembler",
-)
+__all__ = ("ASSEMBLER_GROUP", "Assembler", "AssemblerStatistics", "finished", "run_assembler")
 
 logger = logging.getLogger(__name__)
 
 ASSEMBLER_GROUP = "assemblers"
 BeforeAck = Callable[[StreamEntry], Awaitable[None]]
-
-
-def _check_reward(reward: object) -> float | None:
-    if reward is None:
-        return None
-    if isinstance(reward, bool) or not isinstance(reward, int | float):
-        raise TypeError(f"reward must be a float or None, got {type(reward).__name__}")
-    if not math.isfinite(reward):
-        raise ValueError(f"reward must be finite, got {reward!r}")
-    return float(reward)
-
-
-async def finished(
-    client: aioredis.Redis | RedisCluster,
-    rollout_id: str,
-    *,
-    reward: float | None,
-    response: object = None,
-    declared_response_id: str | None = None,
-    namespace: str = DEFAULT_NAMESPACE,
-    shards: int = DEFAULT_SHARDS,
-) -> str:
-    """Announce that *rollout_id* finished: one token-free event on ``ns:done:<shard_of(rollout_id, shards)>``.
-
-    Event fields: ``rollout_id``, ``reward`` (JSON), ``response`` (canonical
-    JSON, or empty for ``None``) and ``declared_response_id`` (or empty).
-    *client* is borrowed (plain or cluster). Calling it twice is safe: the
-    assembler keeps the first receipt.
-
-    :returns: the stream entry id.
-    :raises ValueError: invalid rollout id, non-finite reward, or a response that is not JSON-serializable.
-    :raises TypeError: *reward* is not a number, or *response* holds a non-JSON type.
-    :raises StagingConnectionError: the server could not be reached.
-    """
-    validate_rollout_id(rollout_id)
-    reward_value = _check_reward(reward)
-    if declared_response_id is not None and not isinstance(declared_response_id, str):
-        raise TypeError("declared_response_id must be a str or None")
-    fields = {
-        "rollout_id": rollout_id,
-        "reward": json.dumps(reward_value, allow_nan=False),
-        "response": "" if response is None else canonical_json(response),
-        "declared_response_id": declared_response_id or "",
-    }
-    stream = done_stream(namespace, shard_of(rollout_id, shards))
-    with map_redis_errors(f"announce that rollout {rollout_id!r} finished"):
-        entry_id = await client.xadd(stream, fields)  # type: ignore[arg-type]
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-
-
-class DoneEvent(NamedTuple):
-    """A parsed ``ns:done:<k>`` event."""
-
-    rollout_id: str
-    reward: float | None
-    response: object
-    declared_response_id: str | None
-
-
-def parse_done_event(fields: dict[str, str]) -> DoneEvent:
-    """Parse the fields :func:`finished` wrote.
-
-    :raises CodecError: a field is missing or malformed (such an event can never succeed).
-    """
-    try:
-        rollout_id = validate_rollout_id(fields["rollout_id"])
-        reward = _check_reward(json.loads(fields["reward"]))
-        response_text = fields.get("response", "")
-        response = json.loads(response_text) if response_text else None
-    except (KeyError, ValueError, TypeError) as exc:
-        raise CodecError(f"malformed done event {fields!r}: {exc!r}") from exc
-    return DoneEvent(rollout_id, reward, response, fields.get("declared_response_id") or None)
 
 
 class AssemblerStatistics(NamedTuple):
@@ -194,7 +113,7 @@ class Assembler(AsyncResource):
         self._topology = topology
         self._ns = self._settings.namespace
         self._before_ack = before_ack
-        self._ledger = RedisCaptureLedger(topology.client, namespace=self._ns)
+        self._ledger = RedisCaptureLedger(topology.client, settings)
         self._consumer = GroupConsumer(
             topology,
             namespace=self._ns,

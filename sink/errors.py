@@ -43,7 +43,28 @@ class StagingConnectionError(StagingError):
 class LedgerConflictError(StagingError, ValueError):
     """Raised when a ledger row for a ``model_call_id`` already exists with
     different contents. The stored row is unchanged; the message contains
-    ``conflicting``."""
+    ``conflicting`` and names the differing fields.
+
+    ``differing_fields``: dotted names of the row fields that differ (empty
+    when only the encoding differs), or ``None`` when the stored row is
+    unreadable."""
+
+    def __init__(self, rollout_id: str, model_call_id: str, differing_fields: tuple[str, ...] | None) -> None:
+        if differing_fields is None:
+            differs = "unreadable stored row"
+        else:
+            differs = ", ".join(differing_fields) or "encoding"
+        super().__init__(
+            f"conflicting ledger row for model_call_id {model_call_id!r} in rollout {rollout_id!r} "
+            f"(differs in: {differs}); the stored row is unchanged"
+        )
+        self.rollout_id = rollout_id
+        self.model_call_id = model_call_id
+        self.differing_fields = differing_fields
+
+    def __reduce__(self) -> tuple[type[LedgerConflictError], tuple[str, str, tuple[str, ...] | None]]:
+        # Rebuild from the fields so the error survives pickling with them intact.
+        return (type(self), (self.rollout_id, self.model_call_id, self.differing_fields))
 
 
 class RolloutRetiredError(StagingError, RuntimeError):

@@ -2,9 +2,9 @@
 
 :class:`RolloutReader` consumes ``ns:receipts:<k>`` in consumer group
 ``trainers`` (one consumer name per rank). :meth:`RolloutReader.pull` returns
-one :class:`PulledRollout` per rollout: trainable (receipt + verified
-:class:`~sink.rebuild.LinearizedRow`) or skipped (receipt + code + reason);
-nothing is dropped silently. :meth:`RolloutReader.ack` then deletes the
+one :class:`~sink.pulled.PulledRollout` per rollout: trainable (receipt +
+verified :class:`~sink.row.LinearizedRow`) or skipped (receipt + code +
+reason); nothing is dropped silently. :meth:`RolloutReader.ack` then deletes the
 staged records, retires the ledgers and acknowledges the entries.
 
 Deduplication: a receipt can be published twice (an assembler crash between
@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Self
 
 import anyio
@@ -35,9 +34,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 
-from .errors import CodecError, ReceiptVerificationError
-from .keys import claim_key, fence_key, receipts_stream, validate_rollout_id
+from .held import HeldRollouts, claim_rounds
+from .held import entry_token as _token
+from .keys import claim_key, fence_key, receipts_stream
 from .ledger.redis import RedisCaptureLedger
+from .pulled import CORRUPT_RECORD, MISSING_RECORD, PulledRollout, fetch_and_verify, parse_receipt_entry
 from .records import RolloutReceipt, RolloutRemoval
 from .settings import ReaderSettings, SourceSettings
 from .store.cleanup import clear_staged
@@ -45,7 +46,6 @@ from .store.connection import Topology, map_redis_errors
 from .store.resource import AsyncResource, settings_or_fields
 from .store.source import AsyncRedisStagingSource
 from .store.streams import GroupConsumer, StreamEntry, default_consumer_name
-from .verify import LinearizedRow, _verify_and_linearize
 
 __all__ = (
     "CORRUPT_RECORD",
@@ -61,10 +61,6 @@ logger = logging.getLogger(__name__)
 TRAINER_GROUP = "trainers"
 # pull() refreshes held rollouts when the last refresh is older than claim_idle_ms / this.
 _RENEWALS_PER_IDLE = 8
-MISSING_RECORD = "missing_record"
-"""Skip code: a staged record named by the manifest is gone (``KeyError`` from the source)."""
-CORRUPT_RECORD = "corrupt_record"
-"""Skip code: a staged blob is corrupt or stored under a foreign key (``CodecError`` from the source)."""
 
 # KEYS: claim key, fence key; ARGV: token (stream#entry id), consumer, check fence ('1'/'0').
 # 'retired': the ledger was retired, so the rollout was consumed (or given up) already.
@@ -84,24 +80,6 @@ return 0
 """
 
 
-@dataclass(frozen=True, slots=True)
-class PulledRollout:
-    """One pulled rollout: trainable (``row`` set) or skipped (``skip_code`` and ``skip_reason`` set)."""
-
-    receipt: RolloutReceipt
-    row: LinearizedRow | None = None
-    skip_code: str | None = None
-    skip_reason: str | None = None
-
-    @property
-    def rollout_id(self) -> str:
-        return self.receipt.rollout_id
-
-    @property
-    def trainable(self) -> bool:
-        return self.row is not None
-
-
 class ReaderStatistics(NamedTuple):
     """Counters of one :class:`RolloutReader` since it was opened; ``held`` = pulled, not yet acknowledged."""
 
@@ -114,24 +92,6 @@ class ReaderStatistics(NamedTuple):
     dead_lettered: int
     lost: int
     held: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Held:
-    entry: StreamEntry
-    receipt: RolloutReceipt
-
-    @property
-    def token(self) -> str:
-        return _token(self.entry)
-
-
-def _token(entry: StreamEntry) -> str:
-    return f"{entry.stream}#{entry.entry_id}"
-
-
-def _skip(receipt: RolloutReceipt, code: str, reason: str) -> PulledRollout:
-    return PulledRollout(receipt=receipt, skip_code=code, skip_reason=reason)
 
 
 class RolloutReader(AsyncResource):
@@ -165,7 +125,7 @@ class RolloutReader(AsyncResource):
         self._topology = topology
         self._ns = settings.namespace
         client = topology.client
-        self._ledger = RedisCaptureLedger(client, namespace=self._ns)
+        self._ledger = RedisCaptureLedger(client, settings)
         source_settings = SourceSettings(
             namespace=self._ns,
             cluster=settings.cluster,
@@ -186,7 +146,7 @@ class RolloutReader(AsyncResource):
             claim_idle_ms=settings.claim_idle_ms,
             max_deliveries=settings.max_deliveries,
         )
-        self._held: dict[str, _Held] = {}
+        self._held = HeldRollouts()
         self._backlog: list[StreamEntry] = []
         self._recovered = False
         self._next_claim_at = -math.inf
@@ -201,7 +161,7 @@ class RolloutReader(AsyncResource):
     @property
     def held_rollouts(self) -> tuple[str, ...]:
         """Rollouts pulled by this reader and not yet acknowledged."""
-        return tuple(self._held)
+        return self._held.rollout_ids()
 
     def statistics(self) -> ReaderStatistics:
         """Counters since open."""
@@ -271,7 +231,9 @@ class RolloutReader(AsyncResource):
             return await self._consume(entries, settled)
         except BaseException:
             # Not consumed: keep them for the next pull (they are still pending for us).
-            self._backlog[:0] = [e for e in entries if (e.stream, e.entry_id) not in settled and not self._is_held(e)]
+            self._backlog[:0] = [
+                e for e in entries if (e.stream, e.entry_id) not in settled and not self._held.holds(e)
+            ]
             raise
 
     async def heartbeat(self) -> int:
@@ -282,23 +244,17 @@ class RolloutReader(AsyncResource):
         self._touched_at = anyio.current_time()
         if not self._held:
             return 0
-        lost = await self._consumer.touch([held.entry for held in self._held.values()])
-        for entry in lost:
-            rollout_id = entry.fields.get("rollout_id", "")
+        lost = self._held.drop_lost(await self._consumer.touch(self._held.entries()))
+        for rollout_id in lost:
             logger.warning(
                 "reader %s lost rollout %r to another rank (idle past claim_idle_ms)", self.consumer_name, rollout_id
             )
-            self._held.pop(rollout_id, None)
         self._counts["lost"] += len(lost)
         return len(lost)
 
-    def _is_held(self, entry: StreamEntry) -> bool:
-        held = self._held.get(entry.fields.get("rollout_id", ""))
-        return held is not None and held.entry.entry_id == entry.entry_id and held.entry.stream == entry.stream
-
     async def _refill_backlog(self, wanted: int) -> None:
         known = {(e.stream, e.entry_id) for e in self._backlog}
-        known |= {(h.entry.stream, h.entry.entry_id) for h in self._held.values()}
+        known |= self._held.entry_ids()
         consumer = self._consumer
         shards = list(range(self._settings.receipt_shards)) if not self._recovered else []
         shards += [s for s in consumer.take_suspect_shards() if s not in shards]
@@ -322,10 +278,8 @@ class RolloutReader(AsyncResource):
         parsed: list[tuple[StreamEntry, RolloutReceipt]] = []
         for entry in entries:
             try:
-                receipt = RolloutReceipt.model_validate_json(entry.fields["receipt"])
-                if receipt.rollout_id != validate_rollout_id(entry.fields["rollout_id"]):
-                    raise ValueError("rollout_id field does not match the receipt")
-            except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+                receipt = parse_receipt_entry(entry.fields)
+            except ValueError as exc:
                 await self._consumer.dead_letter(entry, f"malformed receipt entry: {exc}")
                 settled.add((entry.stream, entry.entry_id))
                 continue
@@ -336,7 +290,7 @@ class RolloutReader(AsyncResource):
 
         async def build(index: int, receipt: RolloutReceipt) -> None:
             async with limiter:
-                results[index] = await self._build(receipt)
+                results[index] = await fetch_and_verify(self._source, receipt)
 
         async with anyio.create_task_group() as group:
             for index, (_entry, receipt) in enumerate(claimed):
@@ -344,7 +298,7 @@ class RolloutReader(AsyncResource):
         pulled: list[PulledRollout] = []
         for (entry, receipt), result in zip(claimed, results, strict=True):
             assert result is not None
-            self._held[receipt.rollout_id] = _Held(entry, receipt)
+            self._held.add(entry, receipt)
             self._counts["pulled"] += 1
             self._counts["trainable" if result.trainable else "skipped"] += 1
             pulled.append(result)
@@ -359,12 +313,7 @@ class RolloutReader(AsyncResource):
         trip for all); a later entry of the same rollout in this pull claims after them, so the
         first entry in delivery order wins.
         """
-        firsts: list[int] = []
-        later: list[int] = []
-        seen: set[str] = set()
-        for index, (_entry, receipt) in enumerate(parsed):
-            (later if receipt.rollout_id in seen else firsts).append(index)
-            seen.add(receipt.rollout_id)
+        firsts, later = claim_rounds([receipt.rollout_id for _entry, receipt in parsed])
         won = [False] * len(parsed)
 
         async def claim(index: int) -> None:
@@ -387,7 +336,7 @@ class RolloutReader(AsyncResource):
     async def _claim(self, entry: StreamEntry, receipt: RolloutReceipt) -> bool:
         """Claim *receipt*'s rollout for this entry; acknowledge and drop the entry if it is a duplicate."""
         rollout_id = receipt.rollout_id
-        if self._is_held(entry):
+        if self._held.holds(entry):
             return False  # already in hand from an earlier pull
         # A state-3 receipt (no attribution ran: the ledger was unreadable or
         # already retired at assembly) is always reported; for any other
@@ -408,26 +357,6 @@ class RolloutReader(AsyncResource):
         await self._consumer.ack([entry])
         return False
 
-    async def _build(self, receipt: RolloutReceipt) -> PulledRollout:
-        if receipt.failure_reason is not None:
-            return _skip(receipt, "rollout_failed", receipt.failure_reason)
-        if receipt.capture_poisoned:
-            return _skip(receipt, "capture_poisoned", receipt.terminal_attribution_reason or "capture_poisoned")
-        try:
-            # One fetch per rollout: one MGET per slot, and a rollout lives in one slot.
-            snapshots = await self._source.fetch_packed([row.staging_key for row in receipt.manifest])
-        except KeyError as exc:
-            return _skip(receipt, MISSING_RECORD, str(exc.args[0]) if exc.args else str(exc))
-        except CodecError as exc:
-            return _skip(receipt, CORRUPT_RECORD, str(exc))
-        try:
-            # Decoded just now, packed, and not shared: verified at decode (same
-            # checks, same digests), and the row keeps their bytes.
-            row = _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
-        except ReceiptVerificationError as exc:
-            return _skip(receipt, exc.code, exc.detail)
-        return PulledRollout(receipt=receipt, row=row)
-
     # --- acknowledging ------------------------------------------------------------
 
     async def ack(self, rollout_ids: Iterable[str]) -> RolloutRemoval:
@@ -442,18 +371,14 @@ class RolloutReader(AsyncResource):
         if isinstance(rollout_ids, str | bytes):
             raise TypeError("ack() takes a collection of rollout ids, not a single str")
         ids = list(dict.fromkeys(rollout_ids))
-        unknown = [rollout_id for rollout_id in ids if rollout_id not in self._held]
-        if unknown:
-            raise ValueError(f"not held by reader {self.consumer_name!r} (never pulled, or acknowledged): {unknown}")
+        held = self._held.select(ids, self.consumer_name)
         if not ids:
             return RolloutRemoval()
-        held = [self._held[rollout_id] for rollout_id in ids]
         removal = await self._ledger.retire(ids)
         await clear_staged(self._topology, self._ns, [row.staging_key for h in held for row in h.receipt.manifest])
         await self._release([(h.receipt.rollout_id, h.token) for h in held])
         await self._consumer.ack([h.entry for h in held])
-        for rollout_id in ids:
-            del self._held[rollout_id]
+        self._held.release(ids)
         return removal
 
     async def _release(self, claims: Sequence[tuple[str, str]]) -> None:

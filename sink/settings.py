@@ -16,6 +16,7 @@ __all__ = (
     "DEFAULT_SHARDS",
     "AssemblerSettings",
     "ConnectionSettings",
+    "LedgerSettings",
     "ReaderSettings",
     "SinkSettings",
     "SourceSettings",
@@ -45,6 +46,11 @@ class ConnectionSettings(BaseModel):
     def socket_timeout_s(self) -> float:
         """Socket read timeout of this component's connections."""
         return self.command_timeout_s
+
+
+class LedgerSettings(ConnectionSettings):
+    """Settings of :class:`sink.ledger.redis.RedisCaptureLedger` (the connection settings; ``namespace``
+    is all a ledger on a borrowed client uses)."""
 
 
 class SinkSettings(ConnectionSettings):

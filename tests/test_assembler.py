@@ -16,8 +16,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from sink.assembler import ASSEMBLER_GROUP, Assembler, finished, parse_done_event
+from sink.assembler import ASSEMBLER_GROUP, Assembler, finished
 from sink.cluster import LocalCluster
+from sink.done_event import parse_done_event
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import (
     calls_stream,

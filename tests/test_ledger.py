@@ -3,12 +3,12 @@
 ``TestLedgerContract`` runs each case on the in-memory ledger and on the Redis
 ledger against both server binaries (valkey-server, redis-server), so the
 fake cannot drift from the real thing. Redis-only behaviour (durability
-across SIGKILL, key layout, error translation, scripts, cluster) follows.
+across SIGKILL, key layout, error translation, scripts, cluster) is in
+:mod:`tests.test_ledger_redis`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,90 +19,37 @@ import anyio
 import anyio.lowlevel
 import pytest
 import redis
-import redis.asyncio as aioredis
 
-from sink.cluster import LocalCluster
-from sink.errors import CodecError, LedgerConflictError, RolloutRetiredError, StagingConnectionError
+from sink.errors import CodecError, LedgerConflictError, RolloutRetiredError
 from sink.fingerprint import FINGERPRINT_VERSION
-from sink.keys import fence_key, ledger_ids_key, ledger_stream
+from sink.keys import ledger_ids_key, ledger_stream
 from sink.ledger.lineage import AMBIGUOUS_REASON, NO_MATCH_REASON, LineageMatch, LineageResolution, LineageStatus
 from sink.ledger.memory import MemoryCaptureLedger
 from sink.ledger.redis import RedisCaptureLedger
 from sink.ledger.rows import custody_entry, custody_row, encode_row
 from sink.records import (
-    EMPTY_EXTRAS_DIGEST,
     LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
     LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     UNRESOLVED_PARENT_REASON,
     CallRecord,
-    CaptureLedgerCommit,
     ManifestFailure,
     RolloutRemoval,
 )
-from sink.server import DurableServer, free_port
+from tests.helpers.ledger import (
+    ANSWER1,
+    CHILD_REQUEST,
+    ROOT_REQUEST,
+    SYSTEM,
+    USER1,
+    USER2,
+    R,
+    as_manifest_row,
+    child_commit,
+    hexdigest,
+    root_commit,
+)
 
 Ledger = MemoryCaptureLedger | RedisCaptureLedger
-
-R = "r-1"
-SYSTEM = {"role": "system", "content": "be brief"}
-USER1 = {"role": "user", "content": "hi"}
-ANSWER1 = {"role": "assistant", "content": "hello"}
-USER2 = {"role": "user", "content": "more please"}
-ANSWER2 = {"role": "assistant", "content": "sure"}
-ROOT_REQUEST = [SYSTEM, USER1]
-CHILD_REQUEST = [SYSTEM, USER1, ANSWER1, USER2]
-
-
-def hexdigest(label: str) -> str:
-    return hashlib.sha256(label.encode()).hexdigest()
-
-
-def make_record(call_id: str, *, parent: str | None = None, prev_len: int = 0, **overrides: Any) -> CallRecord:
-    fields: dict[str, Any] = {
-        "model_call_id": call_id,
-        "parent_call_id": parent,
-        "prev_len": prev_len,
-        "delta_len": 4,
-        "cum_len": prev_len + 4,
-        "weight_version": 1,
-        "digest": hexdigest(f"digest:{call_id}"),
-        "extras_digest": EMPTY_EXTRAS_DIGEST,
-        "staging_key": f"{R}/{call_id}",
-        "mode": "text" if parent is None else "token_in",
-        "chain_hash": hexdigest(f"chain:{call_id}"),
-        "cumulative_hash": hexdigest(f"cum:{call_id}"),
-        "response_id": f"resp-{call_id}",
-        "admitted_at": 1700000000.25,
-        "fingerprint_version": FINGERPRINT_VERSION,
-    }
-    fields.update(overrides)
-    return CallRecord.model_validate(fields)
-
-
-def root_commit(call_id: str = "c-root", *, rollout_id: str = R, **overrides: Any) -> CaptureLedgerCommit:
-    record = make_record(call_id, staging_key=f"{rollout_id}/{call_id}", **overrides)
-    return CaptureLedgerCommit(
-        rollout_id=rollout_id,
-        record=record,
-        staging_chain=(record.staging_key,),
-        request_items=list(ROOT_REQUEST),
-        response_items=[ANSWER1],
-    )
-
-
-def child_commit(call_id: str = "c-child", *, parent: str = "c-root", **overrides: Any) -> CaptureLedgerCommit:
-    record = make_record(call_id, parent=parent, prev_len=4, **overrides)
-    return CaptureLedgerCommit(
-        rollout_id=R,
-        record=record,
-        staging_chain=(f"{R}/{parent}", record.staging_key),
-        request_items=list(CHILD_REQUEST),
-        response_items=[ANSWER2],
-    )
-
-
-def as_manifest_row(commit: CaptureLedgerCommit) -> CallRecord:
-    return commit.record.model_copy(update={"capture_key": commit.record.capture_key or commit.rollout_id})
 
 
 @dataclass
@@ -219,6 +166,8 @@ class TestLedgerContract:
         with pytest.raises(LedgerConflictError, match="conflicting") as caught:
             await env.ledger.record(altered)
         assert isinstance(caught.value, ValueError)
+        assert (caught.value.rollout_id, caught.value.model_call_id) == (R, original.record.model_call_id)
+        assert caught.value.differing_fields
         assert await env.ledger.manifest(R) == before
         await env.ledger.record(original)  # the stored row is still the original one
         assert await env.ledger.manifest(R) == before
@@ -454,131 +403,3 @@ class TestLedgerContract:
             await env.ledger.manifest(R)
         with pytest.raises(RuntimeError, match="closed"):
             await env.ledger.retire([R])
-
-
-# --- pure pieces --------------------------------------------------------------
-
-
-def test_lineage_resolution_requires_a_match_exactly_when_resolved() -> None:
-    with pytest.raises(ValueError):
-        LineageResolution(LineageStatus.RESOLVED)
-    match = LineageMatch("c", (), hexdigest("d"), ("r/c",), 3, hexdigest("h"))
-    with pytest.raises(ValueError):
-        LineageResolution(LineageStatus.UNRESOLVED, match=match)
-    assert LineageResolution(LineageStatus.RESOLVED, match=match).match is match
-
-
-def test_custody_row_encoding_is_canonical() -> None:
-    first, second = encode_row(custody_row(root_commit())), encode_row(custody_row(root_commit()))
-    assert first == second and " " not in first.replace("be brief", "")
-    row = custody_row(root_commit())
-    assert (row["context_len"], row["fingerprint_version"], row["staging_chain"]) == (
-        2,
-        FINGERPRINT_VERSION,
-        [f"{R}/c-root"],
-    )
-    assert "request_items" not in first and "hello" not in first  # raw items are never stored
-
-
-def test_memory_ledger_is_not_process_shared() -> None:
-    assert MemoryCaptureLedger().is_process_shared() is False
-
-
-# --- Redis only ---------------------------------------------------------------
-
-
-@pytest.mark.anyio
-async def test_redis_key_layout_and_namespace(redis_url: str) -> None:
-    async with RedisCaptureLedger.from_url(redis_url, namespace="ns2") as ledger:
-        assert ledger.is_process_shared() is True
-        await ledger.record(root_commit())
-        with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-            assert set(client.keys("*")) == {ledger_stream("ns2", R), ledger_ids_key("ns2", R)}
-            await ledger.retire([R])
-            assert set(client.keys("*")) == {fence_key("ns2", R)}
-            await ledger.delete([R])
-            assert client.keys("*") == []
-        assert "appended=1" in repr(ledger)
-
-
-@pytest.mark.anyio
-async def test_borrowed_decoding_client_works_and_stays_open(redis_url: str) -> None:
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        async with RedisCaptureLedger(client) as ledger:
-            await ledger.record(root_commit())
-            await ledger.record(root_commit())
-            with pytest.raises(LedgerConflictError, match="weight_version"):
-                await ledger.record(root_commit(weight_version=9))
-            assert [r.model_call_id for r in (await ledger.manifest(R)).records] == ["c-root"]
-            assert (await ledger.resolve(R, CHILD_REQUEST)).status is LineageStatus.RESOLVED
-        assert await client.ping() is True  # the ledger did not close a borrowed client
-    finally:
-        await client.aclose()
-
-
-@pytest.mark.anyio
-async def test_scripts_are_reloaded_after_a_script_flush(redis_url: str) -> None:
-    async with RedisCaptureLedger.from_url(redis_url) as ledger:
-        await ledger.record(root_commit())
-        with redis.Redis.from_url(redis_url) as client:
-            client.script_flush()
-        await ledger.record(child_commit())
-        assert len((await ledger.manifest(R)).records) == 2
-
-
-@pytest.mark.anyio
-async def test_unreachable_server_raises_staging_connection_error() -> None:
-    url = f"redis://127.0.0.1:{free_port()}"
-    async with RedisCaptureLedger.from_url(url, connect_timeout_s=0.5, command_timeout_s=0.5) as ledger:
-        with pytest.raises(StagingConnectionError, match="could not"):
-            await ledger.record(root_commit())
-        with pytest.raises(StagingConnectionError):
-            await ledger.retire([R])
-
-
-@pytest.mark.anyio
-async def test_rows_and_fences_survive_a_server_sigkill(fresh_server: DurableServer) -> None:
-    async with RedisCaptureLedger.from_url(fresh_server.url) as ledger:
-        await ledger.record(root_commit())
-        await ledger.record(child_commit())
-        await ledger.record_failure(R, "c-x", UNRESOLVED_PARENT_REASON)
-        await ledger.record(root_commit(rollout_id="r-fenced"))
-        await ledger.retire(["r-fenced"])
-        before = await ledger.manifest(R)
-    fresh_server.kill()
-    fresh_server.restart()
-    async with RedisCaptureLedger.from_url(fresh_server.url) as ledger:
-        assert await ledger.manifest(R) == before
-        assert len(before.records) == 2 and len(before.failures) == 1
-        with pytest.raises(RolloutRetiredError):
-            await ledger.manifest("r-fenced")
-        await ledger.record(child_commit())  # the idempotency index survived too
-        assert await ledger.manifest(R) == before
-
-
-@pytest.mark.anyio
-async def test_cluster_runs_every_operation_on_the_rollout_slot(cluster: LocalCluster) -> None:
-    async with RedisCaptureLedger.from_url(cluster.url, cluster=True) as ledger:
-        rollouts = [f"r-{index}" for index in range(6)]  # spread over slots of every primary
-        for rollout_id in rollouts:
-            await ledger.record(root_commit(rollout_id=rollout_id))
-            await ledger.record_failure(rollout_id, "c-x", UNRESOLVED_PARENT_REASON)
-        assert (await ledger.resolve("r-3", CHILD_REQUEST)).status is LineageStatus.RESOLVED
-        assert (await ledger.retire(rollouts[:3])).removed == rollouts[:3]
-        assert (await ledger.delete(rollouts)).removed == rollouts[3:]
-        for rollout_id in rollouts:
-            assert await ledger.has_rows(rollout_id) is False
-
-
-@pytest.mark.anyio
-async def test_more_concurrent_calls_than_pool_connections_queue_instead_of_failing(redis_url: str) -> None:
-    client = aioredis.Redis.from_url(redis_url, max_connections=4)
-    try:
-        async with RedisCaptureLedger(client) as ledger, anyio.create_task_group() as group:
-            for index in range(150):
-                group.start_soon(ledger.record, root_commit(f"c{index:03d}"))
-        async with RedisCaptureLedger(client) as ledger:
-            assert len((await ledger.manifest(R)).records) == 150
-    finally:
-        await client.aclose()

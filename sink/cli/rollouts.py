@@ -271,7 +271,7 @@ async def _remove(target: RedisTarget, rollout_ids: Sequence[str], *, verb: str,
     ids = [_checked_id(rollout_id) for rollout_id in rollout_ids]
     async with (
         open_topology(target) as topology,
-        RedisCaptureLedger(topology.client, namespace=target.namespace) as ledger,
+        RedisCaptureLedger(topology.client, target.settings()) as ledger,
     ):
         removal = await (ledger.retire(ids) if verb == "retire" else ledger.delete(ids))
     if as_json:

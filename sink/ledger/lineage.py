@@ -22,6 +22,7 @@ __all__ = (
     "LineageMatch",
     "LineageResolution",
     "LineageStatus",
+    "is_root_request",
     "resolve_from_rows",
 )
 
@@ -74,6 +75,14 @@ class LineageResolution:
             raise ValueError("a lineage match is present exactly when the status is RESOLVED")
 
 
+def is_root_request(request_items: Sequence[dict[str, Any]]) -> bool:
+    """Whether a request carries no model-authored item: a new text root (contract §6.5 step 2).
+
+    :raises ValueError: an item is not a dict or has an unfingerprintable shape.
+    """
+    return assistant_fingerprint(request_items) == ""
+
+
 def _candidate(row: Mapping[str, Any]) -> tuple[str, int, str, tuple[str, ...], str] | None:
     """``(model_call_id, cum_len, cumulative_hash, staging_chain, chain_hash)`` of a usable row."""
     record = row.get("record")
@@ -97,7 +106,7 @@ def resolve_from_rows(request_items: Sequence[dict[str, Any]], rows: Iterable[Ma
     """Resolve the parent of a request from a rollout's decoded custody rows (contract §6.5 steps 2-4).
 
     The retired check (step 1) is the caller's: it must read the fence and
-    the rows atomically.
+    the rows atomically (a root, :func:`is_root_request`, needs only the fence).
 
     :raises ValueError: an item is not a dict or has an unfingerprintable shape.
     """

@@ -1,42 +1,21 @@
-"""In-process capture ledger: the second implementation of the ledger contract.
+"""In-process capture ledger: the second backend of the ledger contract.
 
-Same API and semantics as :class:`sink.ledger.RedisCaptureLedger`, sharing
-its row encoding, manifest assembly and resolution (:mod:`sink.ledger.rows`,
-:mod:`sink.ledger.lineage`), so the contract suite can run against both and the two
-cannot drift. Each operation runs under one lock without awaiting, so it is
-atomic for asyncio tasks and threads alike. Not durable and not shared
+Same API and semantics as :class:`sink.ledger.redis.RedisCaptureLedger`: both
+are backends of the front class :class:`~sink.ledger.ledger.CaptureLedger`,
+which holds the orchestration, so the contract suite can run against both and
+the two cannot drift. Each primitive runs under one lock without awaiting, so
+it is atomic for asyncio tasks and threads alike. Not durable and not shared
 between processes; ledgers built on one :class:`MemoryLedgerStore` share it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Self
 
-from ..errors import LedgerConflictError, RolloutRetiredError
-from ..fingerprint import assistant_fingerprint
-from ..keys import validate_rollout_id
-from ..records import CaptureLedgerCommit, RolloutManifest, RolloutRemoval
-from .lineage import RETIRED_REASON, LineageResolution, LineageStatus, resolve_from_rows
-from .rows import (
-    check_failure_args,
-    commit_rollout_id,
-    conflict_message,
-    custody_entry,
-    custody_id_field,
-    custody_row,
-    decode_custody_rows,
-    encode_row,
-    failure_entry,
-    failure_id_field,
-    manifest_from_entries,
-    normalize_rollout_batch,
-    warn_discarded_call,
-    warn_discarded_failure,
-)
+from ..records import RolloutRemoval
+from .ledger import AppendOutcome, CaptureLedger
 
 __all__ = ("MemoryCaptureLedger", "MemoryLedgerStore")
 
@@ -77,141 +56,57 @@ class MemoryLedgerStore:
             return [dict(entry) for entry in ledger.entries] if ledger is not None else []
 
 
-class MemoryCaptureLedger:
+class MemoryCaptureLedger(CaptureLedger):
     """Async capture ledger kept in process memory (tests, demos, the contract suite).
 
     Pass a shared :class:`MemoryLedgerStore` to make several instances see
-    one ledger, the way several gate processes see one Redis.
+    one ledger, the way several gate processes see one Redis. Closing an
+    instance leaves the store usable by the others.
     """
 
     def __init__(self, store: MemoryLedgerStore | None = None) -> None:
         self.store = store if store is not None else MemoryLedgerStore()
-        self._closed = False
 
     def __repr__(self) -> str:
         with self.store.lock:
             live, fenced = len(self.store.ledgers), len(self.store.fences)
         return f"<MemoryCaptureLedger ledgers={live} fences={fenced}{' closed' if self._closed else ''}>"
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Mark the ledger closed; idempotent. The store stays usable by other instances."""
-        self._closed = True
-
-    async def close(self) -> None:
-        """Alias of :meth:`aclose` (the contract's name)."""
-        await self.aclose()
-
     def is_process_shared(self) -> bool:
         """``False``: the ledger lives in this process only."""
         return False
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the capture ledger is closed")
+    # --- storage primitives -------------------------------------------------------
 
-    async def record(self, commit: CaptureLedgerCommit) -> None:
-        """Append *commit*'s custody row (contract §6.3); see :meth:`RedisCaptureLedger.record`.
+    async def _append(
+        self, rollout_id: str, id_field: str, id_value: str, entry: dict[str, str]
+    ) -> tuple[AppendOutcome, str | None]:
+        outcome = self.store.append(rollout_id, id_field, id_value, entry)
+        if outcome in ("fenced", "duplicate", "appended"):
+            return AppendOutcome(outcome), None
+        return AppendOutcome.CONFLICT, outcome
 
-        :raises TypeError: *commit* is not a ``CaptureLedgerCommit``.
-        :raises ValueError: invalid rollout id, or unfingerprintable items.
-        :raises LedgerConflictError: a different row exists for the same ``model_call_id``.
-        """
-        rollout_id = commit_rollout_id(commit)
-        self._check_open()
-        text = encode_row(custody_row(commit))
-        call_id = commit.record.model_call_id
-        outcome = self.store.append(rollout_id, custody_id_field(call_id), text, custody_entry(text))
-        if outcome == "fenced":
-            warn_discarded_call(rollout_id, commit)
-        elif outcome not in ("appended", "duplicate"):
-            raise LedgerConflictError(conflict_message(rollout_id, call_id, outcome, text))
+    async def _read_entries(self, rollout_id: str) -> list[dict[str, str]] | None:
+        return self.store.read(rollout_id)
 
-    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        """Append a failure row; an identical ``(call, reason)`` is a no-op, a retired rollout discards it.
-
-        :raises ValueError: invalid rollout id, or an empty call id or reason.
-        """
-        check_failure_args(rollout_id, model_call_id, reason)
-        self._check_open()
-        entry = failure_entry(model_call_id, reason)
-        if self.store.append(rollout_id, failure_id_field(model_call_id, reason), "1", entry) == "fenced":
-            warn_discarded_failure(rollout_id, model_call_id, reason)
-
-    async def manifest(self, rollout_id: str) -> RolloutManifest:
-        """The rollout's manifest in append order (contract §6.7).
-
-        :raises RolloutRetiredError: the rollout is retired.
-        :raises CodecError: a stored row is corrupt.
-        """
-        validate_rollout_id(rollout_id)
-        self._check_open()
+    async def _fence_state(self, rollout_id: str) -> tuple[bool, bool]:
         entries = self.store.read(rollout_id)
-        if entries is None:
-            raise RolloutRetiredError(rollout_id)
-        return manifest_from_entries(rollout_id, entries)
+        return (True, False) if entries is None else (False, bool(entries))
 
-    async def has_rows(self, rollout_id: str) -> bool:
-        """Whether committed or failure rows exist.
-
-        :raises RolloutRetiredError: the rollout is retired.
-        """
-        validate_rollout_id(rollout_id)
-        self._check_open()
-        entries = self.store.read(rollout_id)
-        if entries is None:
-            raise RolloutRetiredError(rollout_id)
-        return bool(entries)
-
-    async def resolve(self, rollout_id: str, request_items: Sequence[dict[str, Any]]) -> LineageResolution:
-        """Resolve the parent call a request continues (contract §6.5).
-
-        :raises ValueError: invalid rollout id, or unfingerprintable items.
-        """
-        validate_rollout_id(rollout_id)
-        self._check_open()
-        items = list(request_items)
-        assistant_fingerprint(items)  # shape errors raise before the fence is consulted, as in Redis
-        entries = self.store.read(rollout_id)
-        if entries is None:
-            return LineageResolution(LineageStatus.UNRESOLVED, reason=RETIRED_REASON)
-        return resolve_from_rows(items, decode_custody_rows(entries))
-
-    async def retire(self, rollout_ids: Iterable[str]) -> RolloutRemoval:
-        """Fence each rollout and remove its ledger (contract §6.9).
-
-        :raises TypeError: *rollout_ids* is a bare ``str``/``bytes``.
-        :raises ValueError: any id is invalid (nothing changed).
-        """
-        ids = normalize_rollout_batch(rollout_ids)
-        self._check_open()
+    async def _retire_ids(self, rollout_ids: list[str]) -> RolloutRemoval:
         removal = RolloutRemoval()
         with self.store.lock:
-            for rollout_id in ids:
+            for rollout_id in rollout_ids:
                 had_rows = bool(self._pop_entries(rollout_id))
                 fresh_fence = rollout_id not in self.store.fences
                 self.store.fences.add(rollout_id)
                 (removal.removed if had_rows and fresh_fence else removal.absent).append(rollout_id)
         return removal
 
-    async def delete(self, rollout_ids: Iterable[str]) -> RolloutRemoval:
-        """Remove each rollout's ledger and fence; the ids become reusable (contract §6.9).
-
-        :raises TypeError: *rollout_ids* is a bare ``str``/``bytes``.
-        :raises ValueError: any id is invalid (nothing changed).
-        """
-        ids = normalize_rollout_batch(rollout_ids)
-        self._check_open()
+    async def _delete_ids(self, rollout_ids: list[str]) -> RolloutRemoval:
         removal = RolloutRemoval()
         with self.store.lock:
-            for rollout_id in ids:
+            for rollout_id in rollout_ids:
                 had_rows = bool(self._pop_entries(rollout_id))
                 self.store.fences.discard(rollout_id)
                 (removal.removed if had_rows else removal.absent).append(rollout_id)

@@ -43,12 +43,12 @@ __all__ = (
     "ROW_FIELD",
     "check_failure_args",
     "commit_rollout_id",
-    "conflict_message",
     "custody_entry",
     "custody_id_field",
     "custody_row",
     "decode_custody_rows",
     "decode_row",
+    "differing_fields",
     "encode_row",
     "failure_entry",
     "failure_id_field",
@@ -158,16 +158,15 @@ def _differing_fields(stored: Mapping[str, Any], new: Mapping[str, Any], prefix:
     return names
 
 
-def conflict_message(rollout_id: str, model_call_id: str, stored_text: str, new_text: str) -> str:
-    """Message of a :class:`LedgerConflictError`, naming the fields that differ."""
+def differing_fields(stored_text: str, new_text: str) -> tuple[str, ...] | None:
+    """Dotted names of the fields in which two encoded rows differ; ``None`` when the stored row is unreadable.
+
+    The fields of a :class:`~sink.errors.LedgerConflictError`.
+    """
     try:
-        differing = ", ".join(_differing_fields(decode_row(stored_text), decode_row(new_text))) or "encoding"
+        return tuple(_differing_fields(decode_row(stored_text), decode_row(new_text)))
     except CodecError:
-        differing = "unreadable stored row"
-    return (
-        f"conflicting ledger row for model_call_id {model_call_id!r} in rollout {rollout_id!r} "
-        f"(differs in: {differing}); the stored row is unchanged"
-    )
+        return None
 
 
 def decode_custody_rows(entries: Iterable[Mapping[str, str]]) -> list[dict[str, Any]]:

@@ -273,7 +273,7 @@ async def _run_worker(config: WorkerConfig, queue: Any) -> None:
         async with (
             AsyncRedisStagingSink.from_url(config.url, namespace=config.namespace, cluster=config.cluster) as sink,
             AsyncRedisStagingSource.from_url(config.url, namespace=config.namespace, cluster=config.cluster) as source,
-            RedisCaptureLedger(gate.client, namespace=config.namespace) as ledger,
+            RedisCaptureLedger(gate.client, settings) as ledger,
         ):
             await gate.initialize()
             capture = RolloutTokenCapture(

@@ -1,0 +1,87 @@
+"""One pulled rollout: a receipt turned into a verified training row, or a skip with its reason (contract §8).
+
+:func:`fetch_and_verify` is the per-rollout work of
+:meth:`sink.reader.RolloutReader.pull`: fetch the staged records the manifest
+names, verify them against the receipt and linearize them. Nothing is dropped
+silently: every failure becomes a skipped :class:`PulledRollout` with a code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import CodecError, ReceiptVerificationError
+from .keys import validate_rollout_id
+from .records import RolloutReceipt
+from .store.source import AsyncRedisStagingSource
+from .verify import LinearizedRow, _verify_and_linearize
+
+__all__ = ("CORRUPT_RECORD", "MISSING_RECORD", "PulledRollout", "fetch_and_verify", "parse_receipt_entry")
+
+MISSING_RECORD = "missing_record"
+"""Skip code: a staged record named by the manifest is gone (``KeyError`` from the source)."""
+CORRUPT_RECORD = "corrupt_record"
+"""Skip code: a staged blob is corrupt or stored under a foreign key (``CodecError`` from the source)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PulledRollout:
+    """One pulled rollout: trainable (``row`` set) or skipped (``skip_code`` and ``skip_reason`` set)."""
+
+    receipt: RolloutReceipt
+    row: LinearizedRow | None = None
+    skip_code: str | None = None
+    skip_reason: str | None = None
+
+    @property
+    def rollout_id(self) -> str:
+        return self.receipt.rollout_id
+
+    @property
+    def trainable(self) -> bool:
+        return self.row is not None
+
+
+def parse_receipt_entry(fields: Mapping[str, str]) -> RolloutReceipt:
+    """The receipt of a ``ns:receipts:<k>`` entry.
+
+    :raises ValueError: a field is missing, the receipt is invalid, or it names another rollout.
+    """
+    try:
+        receipt = RolloutReceipt.model_validate_json(fields["receipt"])
+        rollout_id = fields["rollout_id"]
+    except KeyError as exc:
+        raise ValueError(f"missing field {exc}") from exc
+    if receipt.rollout_id != validate_rollout_id(rollout_id):
+        raise ValueError("rollout_id field does not match the receipt")
+    return receipt
+
+
+def _skip(receipt: RolloutReceipt, code: str, reason: str) -> PulledRollout:
+    return PulledRollout(receipt=receipt, skip_code=code, skip_reason=reason)
+
+
+async def fetch_and_verify(source: AsyncRedisStagingSource, receipt: RolloutReceipt) -> PulledRollout:
+    """Fetch *receipt*'s staged records from *source*, verify and linearize them; a failure is a skip.
+
+    :raises StagingConnectionError: the server could not be reached.
+    """
+    if receipt.failure_reason is not None:
+        return _skip(receipt, "rollout_failed", receipt.failure_reason)
+    if receipt.capture_poisoned:
+        return _skip(receipt, "capture_poisoned", receipt.terminal_attribution_reason or "capture_poisoned")
+    try:
+        # One fetch per rollout: one MGET per slot, and a rollout lives in one slot.
+        snapshots = await source.fetch_packed([row.staging_key for row in receipt.manifest])
+    except KeyError as exc:
+        return _skip(receipt, MISSING_RECORD, str(exc.args[0]) if exc.args else str(exc))
+    except CodecError as exc:
+        return _skip(receipt, CORRUPT_RECORD, str(exc))
+    try:
+        # Decoded just now, packed, and not shared: verified at decode (same
+        # checks, same digests), and the row keeps their bytes.
+        row = _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
+    except ReceiptVerificationError as exc:
+        return _skip(receipt, exc.code, exc.detail)
+    return PulledRollout(receipt=receipt, row=row)

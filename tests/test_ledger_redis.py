@@ -1,0 +1,157 @@
+"""The capture ledger's pure pieces and its Redis-only behaviour (contract §6).
+
+Durability across SIGKILL, key layout, error translation, scripts, cluster and
+the typed conflict error; the contract suite shared with the in-memory ledger
+is :mod:`tests.test_ledger`.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import anyio
+import anyio.lowlevel
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from sink.cluster import LocalCluster
+from sink.errors import LedgerConflictError, RolloutRetiredError, StagingConnectionError
+from sink.fingerprint import FINGERPRINT_VERSION
+from sink.keys import fence_key, ledger_ids_key, ledger_stream
+from sink.ledger.lineage import LineageMatch, LineageResolution, LineageStatus
+from sink.ledger.memory import MemoryCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
+from sink.ledger.rows import custody_row, encode_row
+from sink.records import UNRESOLVED_PARENT_REASON
+from sink.server import DurableServer, free_port
+from tests.helpers.ledger import CHILD_REQUEST, R, child_commit, hexdigest, root_commit
+
+# --- pure pieces --------------------------------------------------------------
+
+
+def test_lineage_resolution_requires_a_match_exactly_when_resolved() -> None:
+    with pytest.raises(ValueError):
+        LineageResolution(LineageStatus.RESOLVED)
+    match = LineageMatch("c", (), hexdigest("d"), ("r/c",), 3, hexdigest("h"))
+    with pytest.raises(ValueError):
+        LineageResolution(LineageStatus.UNRESOLVED, match=match)
+    assert LineageResolution(LineageStatus.RESOLVED, match=match).match is match
+
+
+def test_custody_row_encoding_is_canonical() -> None:
+    first, second = encode_row(custody_row(root_commit())), encode_row(custody_row(root_commit()))
+    assert first == second and " " not in first.replace("be brief", "")
+    row = custody_row(root_commit())
+    assert (row["context_len"], row["fingerprint_version"], row["staging_chain"]) == (
+        2,
+        FINGERPRINT_VERSION,
+        [f"{R}/c-root"],
+    )
+    assert "request_items" not in first and "hello" not in first  # raw items are never stored
+
+
+def test_memory_ledger_is_not_process_shared() -> None:
+    assert MemoryCaptureLedger().is_process_shared() is False
+
+
+# --- Redis only ---------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_redis_key_layout_and_namespace(redis_url: str) -> None:
+    async with RedisCaptureLedger.from_url(redis_url, namespace="ns2") as ledger:
+        assert ledger.is_process_shared() is True
+        await ledger.record(root_commit())
+        with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+            assert set(client.keys("*")) == {ledger_stream("ns2", R), ledger_ids_key("ns2", R)}
+            await ledger.retire([R])
+            assert set(client.keys("*")) == {fence_key("ns2", R)}
+            await ledger.delete([R])
+            assert client.keys("*") == []
+        assert "appended=1" in repr(ledger)
+
+
+@pytest.mark.anyio
+async def test_borrowed_decoding_client_works_and_stays_open(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        async with RedisCaptureLedger(client) as ledger:
+            await ledger.record(root_commit())
+            await ledger.record(root_commit())
+            with pytest.raises(LedgerConflictError, match="weight_version") as caught:
+                await ledger.record(root_commit(weight_version=9))
+            assert caught.value.differing_fields == ("record.weight_version",)
+            assert pickle.loads(pickle.dumps(caught.value)).differing_fields == ("record.weight_version",)
+            assert [r.model_call_id for r in (await ledger.manifest(R)).records] == ["c-root"]
+            assert (await ledger.resolve(R, CHILD_REQUEST)).status is LineageStatus.RESOLVED
+        assert await client.ping() is True  # the ledger did not close a borrowed client
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_scripts_are_reloaded_after_a_script_flush(redis_url: str) -> None:
+    async with RedisCaptureLedger.from_url(redis_url) as ledger:
+        await ledger.record(root_commit())
+        with redis.Redis.from_url(redis_url) as client:
+            client.script_flush()
+        await ledger.record(child_commit())
+        assert len((await ledger.manifest(R)).records) == 2
+
+
+@pytest.mark.anyio
+async def test_unreachable_server_raises_staging_connection_error() -> None:
+    url = f"redis://127.0.0.1:{free_port()}"
+    async with RedisCaptureLedger.from_url(url, connect_timeout_s=0.5, command_timeout_s=0.5) as ledger:
+        with pytest.raises(StagingConnectionError, match="could not"):
+            await ledger.record(root_commit())
+        with pytest.raises(StagingConnectionError):
+            await ledger.retire([R])
+
+
+@pytest.mark.anyio
+async def test_rows_and_fences_survive_a_server_sigkill(fresh_server: DurableServer) -> None:
+    async with RedisCaptureLedger.from_url(fresh_server.url) as ledger:
+        await ledger.record(root_commit())
+        await ledger.record(child_commit())
+        await ledger.record_failure(R, "c-x", UNRESOLVED_PARENT_REASON)
+        await ledger.record(root_commit(rollout_id="r-fenced"))
+        await ledger.retire(["r-fenced"])
+        before = await ledger.manifest(R)
+    fresh_server.kill()
+    fresh_server.restart()
+    async with RedisCaptureLedger.from_url(fresh_server.url) as ledger:
+        assert await ledger.manifest(R) == before
+        assert len(before.records) == 2 and len(before.failures) == 1
+        with pytest.raises(RolloutRetiredError):
+            await ledger.manifest("r-fenced")
+        await ledger.record(child_commit())  # the idempotency index survived too
+        assert await ledger.manifest(R) == before
+
+
+@pytest.mark.anyio
+async def test_cluster_runs_every_operation_on_the_rollout_slot(cluster: LocalCluster) -> None:
+    async with RedisCaptureLedger.from_url(cluster.url, cluster=True) as ledger:
+        rollouts = [f"r-{index}" for index in range(6)]  # spread over slots of every primary
+        for rollout_id in rollouts:
+            await ledger.record(root_commit(rollout_id=rollout_id))
+            await ledger.record_failure(rollout_id, "c-x", UNRESOLVED_PARENT_REASON)
+        assert (await ledger.resolve("r-3", CHILD_REQUEST)).status is LineageStatus.RESOLVED
+        assert (await ledger.retire(rollouts[:3])).removed == rollouts[:3]
+        assert (await ledger.delete(rollouts)).removed == rollouts[3:]
+        for rollout_id in rollouts:
+            assert await ledger.has_rows(rollout_id) is False
+
+
+@pytest.mark.anyio
+async def test_more_concurrent_calls_than_pool_connections_queue_instead_of_failing(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url, max_connections=4)
+    try:
+        async with RedisCaptureLedger(client) as ledger, anyio.create_task_group() as group:
+            for index in range(150):
+                group.start_soon(ledger.record, root_commit(f"c{index:03d}"))
+        async with RedisCaptureLedger(client) as ledger:
+            assert len((await ledger.manifest(R)).records) == 150
+    finally:
+        await client.aclose()
