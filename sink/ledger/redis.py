@@ -3,7 +3,7 @@
 Per rollout ``R`` three keys share the hash tag ``{R}``: the ledger stream
 ``ns:{R}:ledger`` (custody and failure rows, append order), the idempotency
 hash ``ns:{R}:ledger:ids`` and the retire fence ``ns:{R}:fence``. Every
-operation is one Lua script on those keys (see :mod:`sink.ledger.scripts`),
+operation is one Lua script on those keys (see :mod:`sink.store.scripts`),
 so it is atomic per rollout, runs on one cluster slot, and its effect is
 visible to every process once the script returned. Durability is the
 server's (``appendfsync always``, architecture §4).
@@ -18,7 +18,6 @@ from typing import Any, Self
 import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.commands.core import AsyncScript
 
 from ..errors import CodecError, LedgerConflictError, RolloutRetiredError, StagingConnectionError
 from ..fingerprint import assistant_fingerprint
@@ -27,6 +26,19 @@ from ..records import CaptureLedgerCommit, RolloutManifest, RolloutRemoval
 from ..settings import ConnectionSettings
 from ..store.connection import Topology, map_redis_errors, reply_text
 from ..store.resource import AsyncResource
+from ..store.scripts import (
+    APPEND_CONFLICT,
+    APPEND_DUPLICATE,
+    APPEND_FENCED,
+    APPEND_SCRIPT,
+    HAS_ROWS_SCRIPT,
+    LEDGER_DELETE_SCRIPT,
+    LEDGER_FENCED,
+    LEDGER_RETIRE_SCRIPT,
+    READ_SCRIPT,
+    REMOVED,
+    ServerScript,
+)
 from .lineage import RETIRED_REASON, LineageResolution, LineageStatus, resolve_from_rows
 from .rows import (
     check_failure_args,
@@ -43,16 +55,6 @@ from .rows import (
     normalize_rollout_batch,
     warn_discarded_call,
     warn_discarded_failure,
-)
-from .scripts import (
-    APPEND_CONFLICT,
-    APPEND_DUPLICATE,
-    APPEND_FENCED,
-    APPEND_SCRIPT,
-    DELETE_SCRIPT,
-    HAS_ROWS_SCRIPT,
-    READ_SCRIPT,
-    RETIRE_SCRIPT,
 )
 
 __all__ = ("RedisCaptureLedger",)
@@ -122,11 +124,6 @@ class RedisCaptureLedger(AsyncResource):
         client = topology.client
         self._in_flight = anyio.CapacityLimiter(_in_flight_limit(client))
         self._appended = self._duplicates = self._discarded = 0
-        self._append_script: AsyncScript = client.register_script(APPEND_SCRIPT)
-        self._read_script: AsyncScript = client.register_script(READ_SCRIPT)
-        self._has_rows_script: AsyncScript = client.register_script(HAS_ROWS_SCRIPT)
-        self._retire_script: AsyncScript = client.register_script(RETIRE_SCRIPT)
-        self._delete_script: AsyncScript = client.register_script(DELETE_SCRIPT)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -159,16 +156,16 @@ class RedisCaptureLedger(AsyncResource):
         if self._closed:
             raise RuntimeError("the capture ledger is closed")
 
-    async def _run(self, script: AsyncScript, keys: Sequence[str], args: Sequence[str], action: str) -> Any:
+    async def _run(self, script: ServerScript, keys: Sequence[str], args: Sequence[str], action: str) -> Any:
         self._check_open()
         async with self._in_flight:
             with map_redis_errors(action):
-                return await script(keys=list(keys), args=list(args))
+                return await script.run(self._topology.client, keys, args)
 
     async def _append(self, rollout_id: str, id_field: str, id_value: str, entry: dict[str, str]) -> list[Any]:
         flat = [part for pair in entry.items() for part in pair]
         reply = await self._run(
-            self._append_script, self._keys(rollout_id), [id_field, id_value, *flat], "append a ledger row"
+            APPEND_SCRIPT, self._keys(rollout_id), [id_field, id_value, *flat], "append a ledger row"
         )
         if reply[0] == APPEND_FENCED:
             self._discarded += 1
@@ -181,13 +178,13 @@ class RedisCaptureLedger(AsyncResource):
     async def _read_entries(self, rollout_id: str) -> list[dict[str, str]] | None:
         """All entries in append order, or ``None`` when the rollout is retired (one atomic read)."""
         stream, _ids, fence = self._keys(rollout_id)
-        reply = await self._run(self._read_script, [stream, fence], [], "read a rollout ledger")
-        return None if reply[0] == 1 else _entries(reply[1])
+        reply = await self._run(READ_SCRIPT, [stream, fence], [], "read a rollout ledger")
+        return None if reply[0] == LEDGER_FENCED else _entries(reply[1])
 
     async def _is_fenced(self, rollout_id: str) -> tuple[bool, bool]:
         stream, _ids, fence = self._keys(rollout_id)
-        reply = await self._run(self._has_rows_script, [stream, fence], [], "check a rollout ledger")
-        return (True, False) if reply[0] == 1 else (False, bool(reply[1]))
+        reply = await self._run(HAS_ROWS_SCRIPT, [stream, fence], [], "check a rollout ledger")
+        return (True, False) if reply[0] == LEDGER_FENCED else (False, bool(reply[1]))
 
     # --- writes -----------------------------------------------------------
 
@@ -269,7 +266,7 @@ class RedisCaptureLedger(AsyncResource):
     # --- retire / delete --------------------------------------------------
 
     async def _per_id(
-        self, rollout_ids: Iterable[str], script: AsyncScript, args: list[str], verb: str
+        self, rollout_ids: Iterable[str], script: ServerScript, args: list[str], verb: str
     ) -> RolloutRemoval:
         ids = normalize_rollout_batch(rollout_ids)
         self._check_open()
@@ -280,9 +277,8 @@ class RedisCaptureLedger(AsyncResource):
         async def run_one(index: int, rollout_id: str) -> None:
             async with limiter:
                 try:
-                    outcomes[index] = bool(
-                        await self._run(script, self._keys(rollout_id), args, f"{verb} {rollout_id!r}")
-                    )
+                    reply = await self._run(script, self._keys(rollout_id), args, f"{verb} {rollout_id!r}")
+                    outcomes[index] = reply[0] == REMOVED
                 except StagingConnectionError as exc:
                     errors.append(exc)  # reported after the batch; the other ids still complete
 
@@ -308,7 +304,7 @@ class RedisCaptureLedger(AsyncResource):
         :raises TypeError: *rollout_ids* is a bare ``str``/``bytes``.
         :raises ValueError: any id is invalid (nothing changed).
         """
-        return await self._per_id(rollout_ids, self._retire_script, [repr(time.time())], "retire")
+        return await self._per_id(rollout_ids, LEDGER_RETIRE_SCRIPT, [repr(time.time())], "retire")
 
     async def delete(self, rollout_ids: Iterable[str]) -> RolloutRemoval:
         """Remove each rollout's ledger and fence; the ids become reusable (contract §6.9).
@@ -318,4 +314,4 @@ class RedisCaptureLedger(AsyncResource):
         :raises TypeError: *rollout_ids* is a bare ``str``/``bytes``.
         :raises ValueError: any id is invalid (nothing changed).
         """
-        return await self._per_id(rollout_ids, self._delete_script, [], "delete")
+        return await self._per_id(rollout_ids, LEDGER_DELETE_SCRIPT, [], "delete")
