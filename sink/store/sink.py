@@ -252,7 +252,8 @@ class AsyncRedisStagingSink(AsyncResource):
         return await self._stage(record, generation_prefix_suffix(checkpoint_id, chunk_sequence))
 
     async def _stage(self, record: StagedCallRecord, key_suffix: str) -> StageResult:
-        if self._send is None:
+        send = self._send  # set to None once closed; a stage already past this point fails as closing
+        if send is None:
             raise RuntimeError("the staging sink is not open: use 'async with sink:'")
         try:
             record = verified_record(record)
@@ -288,7 +289,7 @@ class AsyncRedisStagingSink(AsyncResource):
             ),
         )
         try:
-            await self._send.send(pending)
+            await send.send(pending)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return self._failed(staging_key, "the staging sink is closing")
         # Cancelling here leaves the queued write to complete atomically or not at all.
