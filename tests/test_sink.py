@@ -384,3 +384,15 @@ def test_every_script_has_its_status_codes_filled_in() -> None:
     assert len(sources) == 11
     assert all("$" not in source for source in sources)
     assert f"status[i] = {scripts.STAGE_WRONG_TYPE}" in scripts.STAGE_SCRIPT.source
+
+
+async def test_stage_and_clear_reload_their_scripts_after_a_script_flush(redis_url: str) -> None:
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        assert (await sink.stage(make_record("sf1", "c1"))).ok
+        with _client(redis_url) as client:
+            client.script_flush()
+        assert (await sink.stage(make_record("sf1", "c2"))).ok  # pipelined EVALSHA: load, then send again
+        with _client(redis_url) as client:
+            client.script_flush()
+        assert await sink.clear(["sf1/c1", "sf1/c2"]) == 2  # EVALSHA falls back to EVAL
+    assert _calls_len(redis_url, "sf1") == 0
