@@ -32,7 +32,6 @@ from typing import Any, NamedTuple, Self
 import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.commands.core import AsyncScript
 
 from .held import HeldRollouts, claim_rounds
 from .held import entry_token as _token
@@ -41,9 +40,10 @@ from .ledger.redis import RedisCaptureLedger
 from .pulled import CORRUPT_RECORD, MISSING_RECORD, PulledRollout, fetch_and_verify, parse_receipt_entry
 from .records import RolloutReceipt, RolloutRemoval
 from .settings import ReaderSettings, SourceSettings
-from .store.cleanup import clear_staged
 from .store.connection import Topology, map_redis_errors
 from .store.resource import AsyncResource, settings_or_fields
+from .store.scripts import CLAIM_CLAIMED, CLAIM_RETIRED, CLAIM_SCRIPT, RELEASE_SCRIPT
+from .store.sink import clear_staged
 from .store.source import AsyncRedisStagingSource
 from .store.streams import GroupConsumer, StreamEntry, default_consumer_name
 
@@ -61,23 +61,6 @@ logger = logging.getLogger(__name__)
 TRAINER_GROUP = "trainers"
 # pull() refreshes held rollouts when the last refresh is older than claim_idle_ms / this.
 _RENEWALS_PER_IDLE = 8
-
-# KEYS: claim key, fence key; ARGV: token (stream#entry id), consumer, check fence ('1'/'0').
-# 'retired': the ledger was retired, so the rollout was consumed (or given up) already.
-# 'duplicate': another receipt entry owns the rollout. 'claimed': ours (new, or taken over).
-_CLAIM_SCRIPT = """
-local current = redis.call('GET', KEYS[1])
-if ARGV[3] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {'retired', current or ''} end
-if current and string.match(current, '^[^\\n]*') ~= ARGV[1] then return {'duplicate', current} end
-redis.call('SET', KEYS[1], ARGV[1] .. '\\n' .. ARGV[2])
-return {'claimed', current or ''}
-"""
-# KEYS: claim key; ARGV: token. Deletes the claim only if this entry still owns it.
-_RELEASE_SCRIPT = """
-local current = redis.call('GET', KEYS[1])
-if current and string.match(current, '^[^\\n]*') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class ReaderStatistics(NamedTuple):
@@ -134,8 +117,6 @@ class RolloutReader(AsyncResource):
             max_record_bytes=settings.max_record_bytes,
         )
         self._source = AsyncRedisStagingSource(client, source_settings)
-        self._claim_script: AsyncScript = client.register_script(_CLAIM_SCRIPT)
-        self._release_script: AsyncScript = client.register_script(_RELEASE_SCRIPT)
         self._consumer = GroupConsumer(
             topology,
             namespace=self._ns,
@@ -344,15 +325,22 @@ class RolloutReader(AsyncResource):
         check_fence = "1" if receipt.terminal_selection is not None else "0"
         keys = [claim_key(self._ns, rollout_id), fence_key(self._ns, rollout_id)]
         with map_redis_errors(f"claim rollout {rollout_id!r}"):
-            outcome, _owner = await self._claim_script(keys=keys, args=[_token(entry), self.consumer_name, check_fence])
-        status = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
-        if status == "claimed":
+            reply = await CLAIM_SCRIPT.run(
+                self._topology.client, keys, [_token(entry), self.consumer_name, check_fence]
+            )
+        if reply[0] == CLAIM_CLAIMED:
             return True
-        if status == "retired":
+        retired = reply[0] == CLAIM_RETIRED
+        if retired:
             # Consumed (or given up) before: finish its cleanup idempotently, then drop.
             await clear_staged(self._topology, self._ns, [row.staging_key for row in receipt.manifest])
             await self._release([(rollout_id, _token(entry))])
-        logger.info("reader %s dropped a duplicate receipt of %r (%s)", self.consumer_name, rollout_id, status)
+        logger.info(
+            "reader %s dropped a duplicate receipt of %r (%s)",
+            self.consumer_name,
+            rollout_id,
+            "retired" if retired else "duplicate",
+        )
         self._counts["duplicates"] += 1
         await self._consumer.ack([entry])
         return False
@@ -384,7 +372,7 @@ class RolloutReader(AsyncResource):
     async def _release(self, claims: Sequence[tuple[str, str]]) -> None:
         with map_redis_errors("release rollout claims"):
             for rollout_id, token in claims:
-                await self._release_script(keys=[claim_key(self._ns, rollout_id)], args=[token])
+                await RELEASE_SCRIPT.run(self._topology.client, [claim_key(self._ns, rollout_id)], [token])
 
     async def retire_consumer(self) -> int:
         """Delete this reader's consumer name from the group where it owns nothing pending (on shutdown).

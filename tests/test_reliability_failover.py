@@ -27,6 +27,7 @@ from sink.cluster import LocalCluster
 from sink.keys import calls_stream, record_key
 from sink.records import StagedCallRecord
 from sink.server import DurableServer, durable_server, find_server_binary
+from sink.settings import SinkSettings
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from tests.helpers.reliability import audit_keyspace, record_measurement
@@ -191,14 +192,14 @@ async def test_a_retry_during_the_pause_is_not_acknowledged(binary_name: str, tm
         durable_server(binary=binary, data_dir=tmp_path / "r", replica_of=(primary.host, primary.port)) as replica,
     ):
         _wait_link_up(primary, replica)
-        settings = {"min_replicas": 1, "confirm_timeout_s": CONFIRM_TIMEOUT_S}
+        settings = SinkSettings(min_replicas=1, confirm_timeout_s=CONFIRM_TIMEOUT_S)
         record = make_record("retry-pause", "c1")
-        async with AsyncRedisStagingSink.from_url(primary.url, **settings) as first:
+        async with AsyncRedisStagingSink.from_url(primary.url, settings) as first:
             assert (await first.stage(make_record("retry-pause", "c0"))).ok
             replica.pause()
             try:
                 assert not (await first.stage(record)).ok
-                async with AsyncRedisStagingSink.from_url(primary.url, **settings) as second:
+                async with AsyncRedisStagingSink.from_url(primary.url, settings) as second:
                     with anyio.fail_after(STAGE_BOUND_S):
                         retried = await second.stage(record)
             finally:

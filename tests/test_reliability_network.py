@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import anyio
 import pytest
@@ -39,7 +40,12 @@ STAGES_PER_TASK = 6
 COMMAND_TIMEOUT_S = 0.3
 STAGE_BOUND_S = 10.0
 RETRY_ATTEMPTS = 5
-FAST = {"connect_timeout_s": 0.5, "command_timeout_s": COMMAND_TIMEOUT_S}
+class _Timeouts(TypedDict):
+    connect_timeout_s: float
+    command_timeout_s: float
+
+
+FAST = _Timeouts(connect_timeout_s=0.5, command_timeout_s=COMMAND_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -16,6 +16,8 @@ from sink.keys import calls_stream, record_key
 from sink.packed import PackedSnapshot
 from sink.records import StagedCallRecord
 from sink.server import DurableServer, durable_server, free_port
+from sink.settings import SinkSettings, SourceSettings
+from sink.store import scripts
 from sink.store.memory import MemoryStagingStore
 from sink.store.sink import CONFLICT_ERROR, AsyncRedisStagingSink, RedisStagingSink
 from sink.store.source import AsyncRedisStagingSource, RedisStagingSource
@@ -362,3 +364,35 @@ async def test_a_record_changed_after_validation_is_validated_again(redis_url: s
     async with AsyncRedisStagingSource.from_url(redis_url) as source:
         [fetched] = await source.fetch(["r16/c2"])
     assert fetched.digest == constructed.digest
+
+
+async def test_from_url_takes_settings_or_setting_fields(redis_url: str) -> None:
+    sink_settings = SinkSettings(max_record_bytes=4096)
+    async with AsyncRedisStagingSink.from_url(redis_url, sink_settings) as sink:
+        assert sink.settings is sink_settings
+        assert (await sink.stage(make_record("fu1", "c1"))).ok
+    async with AsyncRedisStagingSource.from_url(redis_url, SourceSettings(max_record_bytes=4096)) as source:
+        assert [s.staging_key for s in await source.fetch(["fu1/c1"])] == ["fu1/c1"]
+    with pytest.raises(TypeError, match="either settings or setting fields"):
+        AsyncRedisStagingSink.from_url(redis_url, sink_settings, durability="none")
+    with pytest.raises(TypeError, match="either settings or setting fields"):
+        RedisStagingSource.from_url(redis_url, SourceSettings(), max_record_bytes=4096)
+
+
+def test_every_script_has_its_status_codes_filled_in() -> None:
+    sources = [value.source for value in vars(scripts).values() if isinstance(value, scripts.ServerScript)]
+    assert len(sources) == 11
+    assert all("$" not in source for source in sources)
+    assert f"status[i] = {scripts.STAGE_WRONG_TYPE}" in scripts.STAGE_SCRIPT.source
+
+
+async def test_stage_and_clear_reload_their_scripts_after_a_script_flush(redis_url: str) -> None:
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+        assert (await sink.stage(make_record("sf1", "c1"))).ok
+        with _client(redis_url) as client:
+            client.script_flush()
+        assert (await sink.stage(make_record("sf1", "c2"))).ok  # pipelined EVALSHA: load, then send again
+        with _client(redis_url) as client:
+            client.script_flush()
+        assert await sink.clear(["sf1/c1", "sf1/c2"]) == 2  # EVALSHA falls back to EVAL
+    assert _calls_len(redis_url, "sf1") == 0

@@ -3,7 +3,7 @@
 Per rollout ``R`` three keys share the hash tag ``{R}``: the ledger stream
 ``ns:{R}:ledger`` (custody and failure rows, append order), the idempotency
 hash ``ns:{R}:ledger:ids`` and the retire fence ``ns:{R}:fence``. Every
-operation is one Lua script on those keys (see :mod:`sink.ledger.scripts`),
+operation is one Lua script on those keys (see :mod:`sink.store.scripts`),
 so it is atomic per rollout, runs on one cluster slot, and its effect is
 visible to every process once the script returned. Durability is the
 server's (``appendfsync always``, architecture §4). The orchestration
@@ -20,7 +20,6 @@ from typing import Any, Self
 import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.commands.core import AsyncScript
 
 from ..errors import CodecError, StagingConnectionError
 from ..keys import fence_key, ledger_ids_key, ledger_stream
@@ -28,18 +27,21 @@ from ..records import RolloutRemoval
 from ..settings import ConnectionSettings, LedgerSettings
 from ..store.connection import Topology, map_redis_errors, reply_text
 from ..store.resource import settings_or_fields
-from .ledger import AppendOutcome, CaptureLedger
-from .scripts import (
+from ..store.scripts import (
     APPEND_APPENDED,
     APPEND_CONFLICT,
     APPEND_DUPLICATE,
     APPEND_FENCED,
     APPEND_SCRIPT,
-    DELETE_SCRIPT,
     HAS_ROWS_SCRIPT,
+    LEDGER_DELETE_SCRIPT,
+    LEDGER_FENCED,
+    LEDGER_RETIRE_SCRIPT,
     READ_SCRIPT,
-    RETIRE_SCRIPT,
+    REMOVED,
+    ServerScript,
 )
+from .ledger import AppendOutcome, CaptureLedger
 
 __all__ = ("RedisCaptureLedger",)
 
@@ -117,11 +119,6 @@ class RedisCaptureLedger(CaptureLedger):
         self._ns = namespace
         client = topology.client
         self._in_flight = anyio.CapacityLimiter(_in_flight_limit(client))
-        self._append_script: AsyncScript = client.register_script(APPEND_SCRIPT)
-        self._read_script: AsyncScript = client.register_script(READ_SCRIPT)
-        self._has_rows_script: AsyncScript = client.register_script(HAS_ROWS_SCRIPT)
-        self._retire_script: AsyncScript = client.register_script(RETIRE_SCRIPT)
-        self._delete_script: AsyncScript = client.register_script(DELETE_SCRIPT)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -146,33 +143,33 @@ class RedisCaptureLedger(CaptureLedger):
             fence_key(self._ns, rollout_id),
         )
 
-    async def _run(self, script: AsyncScript, keys: Sequence[str], args: Sequence[str], action: str) -> Any:
+    async def _run(self, script: ServerScript, keys: Sequence[str], args: Sequence[str], action: str) -> Any:
         self._check_open()
         async with self._in_flight:
             with map_redis_errors(action):
-                return await script(keys=list(keys), args=list(args))
+                return await script.run(self._topology.client, keys, args)
 
     async def _append(
         self, rollout_id: str, id_field: str, id_value: str, entry: dict[str, str]
     ) -> tuple[AppendOutcome, str | None]:
         flat = [part for pair in entry.items() for part in pair]
         reply = await self._run(
-            self._append_script, self._keys(rollout_id), [id_field, id_value, *flat], "append a ledger row"
+            APPEND_SCRIPT, self._keys(rollout_id), [id_field, id_value, *flat], "append a ledger row"
         )
         outcome = _OUTCOMES[reply[0]]
         return outcome, _text(reply[1]) if outcome is AppendOutcome.CONFLICT else None
 
     async def _read_entries(self, rollout_id: str) -> list[dict[str, str]] | None:
         stream, _ids, fence = self._keys(rollout_id)
-        reply = await self._run(self._read_script, [stream, fence], [], "read a rollout ledger")
-        return None if reply[0] == 1 else _entries(reply[1])
+        reply = await self._run(READ_SCRIPT, [stream, fence], [], "read a rollout ledger")
+        return None if reply[0] == LEDGER_FENCED else _entries(reply[1])
 
     async def _fence_state(self, rollout_id: str) -> tuple[bool, bool]:
         stream, _ids, fence = self._keys(rollout_id)
-        reply = await self._run(self._has_rows_script, [stream, fence], [], "check a rollout ledger")
-        return (True, False) if reply[0] == 1 else (False, bool(reply[1]))
+        reply = await self._run(HAS_ROWS_SCRIPT, [stream, fence], [], "check a rollout ledger")
+        return (True, False) if reply[0] == LEDGER_FENCED else (False, bool(reply[1]))
 
-    async def _per_id(self, ids: list[str], script: AsyncScript, args: list[str], verb: str) -> RolloutRemoval:
+    async def _per_id(self, ids: list[str], script: ServerScript, args: list[str], verb: str) -> RolloutRemoval:
         outcomes: list[bool] = [False] * len(ids)
         errors: list[StagingConnectionError] = []
         limiter = anyio.CapacityLimiter(_BATCH_CONCURRENCY)
@@ -180,9 +177,8 @@ class RedisCaptureLedger(CaptureLedger):
         async def run_one(index: int, rollout_id: str) -> None:
             async with limiter:
                 try:
-                    outcomes[index] = bool(
-                        await self._run(script, self._keys(rollout_id), args, f"{verb} {rollout_id!r}")
-                    )
+                    reply = await self._run(script, self._keys(rollout_id), args, f"{verb} {rollout_id!r}")
+                    outcomes[index] = reply[0] == REMOVED
                 except StagingConnectionError as exc:
                     errors.append(exc)  # reported after the batch; the other ids still complete
 
@@ -199,7 +195,7 @@ class RedisCaptureLedger(CaptureLedger):
         )
 
     async def _retire_ids(self, rollout_ids: list[str]) -> RolloutRemoval:
-        return await self._per_id(rollout_ids, self._retire_script, [repr(time.time())], "retire")
+        return await self._per_id(rollout_ids, LEDGER_RETIRE_SCRIPT, [repr(time.time())], "retire")
 
     async def _delete_ids(self, rollout_ids: list[str]) -> RolloutRemoval:
-        return await self._per_id(rollout_ids, self._delete_script, [], "delete")
+        return await self._per_id(rollout_ids, LEDGER_DELETE_SCRIPT, [], "delete")

@@ -1,4 +1,6 @@
-"""Redis clients, cluster routing and the one place redis-py errors are translated.
+"""The Redis router and error boundary: clients, cluster routing, and the one place redis-py errors are translated.
+
+Lua scripts are loaded and run by :mod:`sink.store.scripts`, not here.
 
 A :class:`Topology` hides the difference between one server and a cluster:
 it maps keys to the primary that owns their slot and hands out a plain
@@ -9,10 +11,8 @@ and its ``WAIT`` on one connection of that node.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,7 +22,7 @@ from redis.asyncio.cluster import RedisCluster
 from ..errors import CodecError, StagingConnectionError
 from ..settings import ConnectionSettings
 
-__all__ = ("ServerScript", "Topology", "describe_redis_error", "map_redis_errors", "reply_text")
+__all__ = ("Topology", "describe_redis_error", "map_redis_errors", "reply_text")
 
 
 def reply_text(value: object, what: str = "reply") -> str:
@@ -57,27 +57,6 @@ def map_redis_errors(action: str) -> Iterator[None]:
         yield
     except (redis_errors.RedisError, OSError) as exc:
         raise StagingConnectionError(f"could not {action}: {describe_redis_error(exc)}") from exc
-
-
-@dataclass(frozen=True, slots=True)
-class ServerScript:
-    """A Lua script run by its SHA1, so its source crosses the network only when the server lacks it."""
-
-    source: str
-    sha: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
-
-    async def run(self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """``EVALSHA``, falling back to ``EVAL`` when the server's script cache lacks it (after a restart).
-
-        :raises redis.exceptions.RedisError: the server refused the script or could not be reached.
-        """
-        try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except redis_errors.NoScriptError:
-            return await client.eval(self.source, len(keys), *keys, *args)
 
 
 def _init_parameters(cls: type) -> frozenset[str]:

@@ -3,19 +3,28 @@
 With ``appendonly yes``, ``appendfsync always`` and ``no-appendfsync-on-rewrite
 no``, Redis 7+ and Valkey 8 reply to a write only after ``fdatasync`` of the
 AOF; ``maxmemory-policy noeviction`` makes sure nothing acknowledged is evicted.
+:class:`DurabilityMonitor` keeps a sink's verdict fresh.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from .connection import describe_redis_error, reply_text
+from ..settings import SinkSettings
+from .connection import Topology, describe_redis_error, reply_text
+from .server_version import supports_waitaof
 
-__all__ = ("REQUIRED_CONFIG", "DurabilityReport", "verify_durability")
+__all__ = ("REQUIRED_CONFIG", "DurabilityMonitor", "DurabilityReport", "verify_durability")
+
+logger = logging.getLogger(__name__)
 
 REQUIRED_CONFIG: dict[str, str] = {
     "appendonly": "yes",
@@ -54,20 +63,7 @@ async def _check_node(client: aioredis.Redis) -> tuple[str | None, bool]:
     ]
     if wrong:
         return f"server {address} is not durable: " + ", ".join(wrong), False
-    return None, _supports_waitaof(server_info)
-
-
-def _supports_waitaof(server_info: dict[str, object]) -> bool:
-    # WAITAOF exists in Valkey and in Redis >= 7.2.
-    if "valkey_version" in server_info:
-        return True
-    # redis-py parses INFO into text and numbers, never bytes.
-    parts = str(server_info.get("redis_version", "0")).split(".")
-    try:
-        major, minor = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-    except ValueError:
-        return False
-    return (major, minor) >= (7, 2)
+    return None, supports_waitaof(server_info)
 
 
 def _address(client: aioredis.Redis) -> str:
@@ -84,3 +80,52 @@ async def verify_durability(nodes: Sequence[aioredis.Redis]) -> DurabilityReport
             return DurabilityReport(problem=problem, supports_waitaof=False)
         supports_waitaof = supports_waitaof and waitaof
     return DurabilityReport(problem=None, supports_waitaof=supports_waitaof)
+
+
+class DurabilityMonitor:
+    """A sink's durability verdict over every node of its topology, re-verified every ``durability_check_interval_s``.
+
+    A failed check is not cached: the next :meth:`report` verifies again.
+    """
+
+    def __init__(self, topology: Topology, settings: SinkSettings) -> None:
+        self._topology = topology
+        self._settings = settings
+        self._report: DurabilityReport | None = None
+        self._checked_at = -math.inf
+        self._lock = anyio.Lock()
+
+    @property
+    def supports_waitaof(self) -> bool:
+        """Whether the last verdict found ``WAITAOF`` on every node (and durability is ``fsync``)."""
+        report = self._report
+        return report is not None and report.supports_waitaof and self._settings.durability == "fsync"
+
+    def _fresh(self) -> bool:
+        return time.monotonic() - self._checked_at < self._settings.durability_check_interval_s
+
+    async def report(self, *, force: bool = False) -> DurabilityReport:
+        """The current verdict (``problem=None`` when writes may be acknowledged), verified again when stale."""
+        if self._settings.durability == "none":
+            return DurabilityReport(problem=None, supports_waitaof=False)
+        if self._report is not None and self._fresh() and not force:
+            return self._report
+        async with self._lock:
+            if self._report is None or not self._fresh() or force:
+                report = await self._verify_all_nodes()
+                self._report = report
+                # A failed check is retried on the next stage rather than cached.
+                self._checked_at = time.monotonic() if report.problem is None else -math.inf
+                if report.problem is not None:
+                    logger.error("staging sink refuses to acknowledge writes: %s", report.problem)
+        assert self._report is not None
+        return self._report
+
+    async def _verify_all_nodes(self) -> DurabilityReport:
+        try:
+            nodes = await self._topology.all_nodes()
+        except (redis_errors.RedisError, OSError) as exc:
+            return DurabilityReport(
+                problem=f"cannot verify durability: {describe_redis_error(exc)}", supports_waitaof=False
+            )
+        return await verify_durability(nodes)

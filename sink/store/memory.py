@@ -11,10 +11,9 @@ import threading
 from collections.abc import Sequence
 
 from ..records import StagedCallRecord, StagedCallSnapshot, StageResult
+from .sink import CONFLICT_ERROR
 
-__all__ = ("CONFLICT_ERROR", "MemoryStagingStore")
-
-CONFLICT_ERROR = "conflicting staged record"
+__all__ = ("MemoryStagingStore",)
 
 
 class MemoryStagingStore:

@@ -1,8 +1,7 @@
 """The resource lifecycle: :class:`AsyncResource` (open on entry, close once) and :class:`PortalOwner`, its
-synchronous facade on a private event-loop thread.
+synchronous facade on a private event-loop thread; :func:`settings_or_fields`, the one ``from_url`` signature.
 
-The sync facade: 
-Inference servers with synchronous hooks call ``stage``/``fetch`` from many
+The sync facade: inference servers with synchronous hooks call ``stage``/``fetch`` from many
 threads; each call is submitted to one background asyncio loop (an anyio
 blocking portal), so a slow call never blocks another.
 """
@@ -11,9 +10,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -24,6 +23,7 @@ __all__ = ("AsyncResource", "PortalOwner", "settings_or_fields")
 
 T = TypeVar("T")
 _Settings = TypeVar("_Settings", bound=ConnectionSettings)
+_Resource = TypeVar("_Resource", bound="AsyncResource")
 
 
 def settings_or_fields(
@@ -40,17 +40,24 @@ def settings_or_fields(
 
 
 class AsyncResource:
-    """Async-context-manager lifecycle: :meth:`_open` on entry, :meth:`aclose` exactly once, shielded.
+    """Async-context-manager lifecycle: :meth:`_open` on entry; on exit or :meth:`aclose`, exactly once,
+    :meth:`_stop` then :meth:`_close_resources` (shielded).
 
     Subclasses implement :meth:`_close_resources` (what they own; a borrowed
-    client stays open) and may override :meth:`_open`; a failing ``_open``
-    closes again before the error propagates.
+    client stays open) and may override :meth:`_open` and :meth:`_stop`; a
+    failing ``_open`` closes again before the error propagates.
     """
 
     _closed = False
 
     async def _open(self) -> None:
         """Prepare on ``async with`` entry; nothing by default."""
+
+    async def _stop(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Wind down work started by :meth:`_open` (e.g. a task group entered there, which must exit unshielded
+        in the task that entered it), with the exception leaving the ``async with`` block; nothing by default."""
 
     async def _close_resources(self) -> None:
         raise NotImplementedError
@@ -66,24 +73,32 @@ class AsyncResource:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.aclose()
+        await self._shutdown(exc_type, exc, tb)
 
     async def aclose(self) -> None:
-        """Close the clients this object owns (a borrowed client stays open); idempotent, shielded."""
+        """Stop, then close the clients this object owns (a borrowed client stays open); idempotent."""
+        await self._shutdown(None, None, None)
+
+    async def _shutdown(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._closed:
             return
         self._closed = True
-        with anyio.CancelScope(shield=True):
-            await self._close_resources()
+        try:
+            await self._stop(exc_type, exc, tb)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close_resources()
 
 
-class PortalOwner:
-    """Owns a background loop thread and one async context manager entered on it.
+class PortalOwner(Generic[_Resource]):
+    """The synchronous facade: owns a background loop thread and one :class:`AsyncResource` entered on it.
 
-    Subclasses call :meth:`_call` to run a coroutine function on the loop.
+    Subclasses call :meth:`_call` to run a coroutine function (usually a method of ``self._resource``) on the loop.
     """
 
-    def __init__(self, resource: AbstractAsyncContextManager[Any]) -> None:
+    def __init__(self, resource: _Resource) -> None:
         self._resource = resource
         self._lock = threading.Lock()
         self._portal_cm: AbstractContextManager[BlockingPortal] | None = start_blocking_portal(backend="asyncio")

@@ -1,41 +1,169 @@
-"""The server-side staging script: idempotent, conflict-checked, never half-written.
+"""Every Lua script of the package, and :class:`ServerScript`, the one way they are loaded and run.
 
-One ``EVALSHA`` stages a batch of records of one cluster slot (one server: any
-records). For each record it either stores the blob and appends its
-token-free entry to the rollout's ``calls`` stream, or, when the key already
-holds a record, compares digests without writing. Every check that could make
-a write fail (wrong key types) runs in a first pass, before any write, so an
-error can never leave a record without its ``calls`` entry or the reverse.
+A script runs to completion before the server handles another command, and
+every script touches only keys of one cluster slot (passed in ``KEYS``), so
+each is atomic on that slot.
+
+Reply convention: every script returns a table whose first element is an
+integer status named by a constant of this module (the stage script, a batch,
+returns one status per record instead); any payload follows the status. The
+Lua text gets the numbers from the constants (``$NAME`` placeholders), so
+Python and Lua cannot disagree.
+
+Loading: :meth:`ServerScript.run` sends ``EVALSHA`` and falls back to ``EVAL``
+when the server's script cache lacks the script (after a restart); a caller
+that pipelines (the sink's group commit) queues ``EVALSHA`` with
+:meth:`ServerScript.queue` and, on a ``NoScriptError`` reply, calls
+:meth:`ServerScript.load` and sends the pipeline again.
 """
 
 from __future__ import annotations
 
-from typing import Final
+import hashlib
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import RedisCluster
 
 __all__ = (
+    "APPEND_APPENDED",
+    "APPEND_CONFLICT",
+    "APPEND_DUPLICATE",
+    "APPEND_FENCED",
+    "APPEND_SCRIPT",
     "CALLS_ENTRY_FIELDS",
+    "CLAIM_CLAIMED",
+    "CLAIM_DUPLICATE",
+    "CLAIM_RETIRED",
+    "CLAIM_SCRIPT",
+    "CLEAR_SCRIPT",
+    "DONE",
+    "HAS_ROWS_SCRIPT",
+    "LEDGER_DELETE_SCRIPT",
+    "LEDGER_FENCED",
+    "LEDGER_OPEN",
+    "LEDGER_RETIRE_SCRIPT",
+    "NOT_REMOVED",
+    "READ_SCRIPT",
+    "RELEASE_SCRIPT",
+    "REMOVED",
+    "RETIRE_CONSUMER_SCRIPT",
     "STAGE_CONFLICT",
     "STAGE_SAME",
     "STAGE_SCRIPT",
     "STAGE_WRITTEN",
     "STAGE_WRONG_TYPE",
+    "TOUCH_SCRIPT",
+    "ServerScript",
 )
+
+# --- status codes (the first reply element) --------------------------------------------
+
+DONE: Final = 0
+"""The script ran; its payload follows (clear, touch)."""
+REMOVED: Final = 1
+NOT_REMOVED: Final = 0
+"""Removal scripts (ledger retire/delete, claim release, consumer retire): whether something was removed."""
 
 STAGE_WRITTEN: Final = 1
 STAGE_SAME: Final = 2
 STAGE_CONFLICT: Final = 0
 STAGE_WRONG_TYPE: Final = -1
 
+APPEND_APPENDED: Final = 0
+APPEND_DUPLICATE: Final = 1
+APPEND_FENCED: Final = 2
+APPEND_CONFLICT: Final = 3
+LEDGER_OPEN: Final = 0
+LEDGER_FENCED: Final = 1
+"""Ledger reads: the rollout is live (payload follows) or retired."""
+
+CLAIM_CLAIMED: Final = 0
+CLAIM_DUPLICATE: Final = 1
+CLAIM_RETIRED: Final = 2
+
 # Field names of one token-free entry in ns:{R}:calls, in ARGV order.
 CALLS_ENTRY_FIELDS: Final = ("key", "call", "parent", "digest", "prev_len", "delta_len", "cum_len", "weight", "bytes")
 
+_STATUS_CODES: Final = {
+    "DONE": DONE,
+    "REMOVED": REMOVED,
+    "NOT_REMOVED": NOT_REMOVED,
+    "STAGE_WRITTEN": STAGE_WRITTEN,
+    "STAGE_SAME": STAGE_SAME,
+    "STAGE_CONFLICT": STAGE_CONFLICT,
+    "STAGE_WRONG_TYPE": STAGE_WRONG_TYPE,
+    "APPEND_APPENDED": APPEND_APPENDED,
+    "APPEND_DUPLICATE": APPEND_DUPLICATE,
+    "APPEND_FENCED": APPEND_FENCED,
+    "APPEND_CONFLICT": APPEND_CONFLICT,
+    "LEDGER_OPEN": LEDGER_OPEN,
+    "LEDGER_FENCED": LEDGER_FENCED,
+    "CLAIM_CLAIMED": CLAIM_CLAIMED,
+    "CLAIM_DUPLICATE": CLAIM_DUPLICATE,
+    "CLAIM_RETIRED": CLAIM_RETIRED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerScript:
+    """A Lua script run by its SHA1, so its source crosses the network only when the server lacks it."""
+
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+    @classmethod
+    def from_template(cls, template: str, **extra: str) -> ServerScript:
+        """The script whose ``$NAME`` placeholders are this module's status codes (and *extra*).
+
+        :raises KeyError: a placeholder names no status code.
+        """
+        values = {name: str(value) for name, value in _STATUS_CODES.items()}
+        return cls(string.Template(template).substitute(values, **extra))
+
+    async def run(self, client: aioredis.Redis | RedisCluster, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """``EVALSHA``, falling back to ``EVAL`` when the server's script cache lacks it (after a restart).
+
+        :raises redis.exceptions.RedisError: the server refused the script or could not be reached.
+        """
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis_errors.NoScriptError:
+            return await client.eval(self.source, len(keys), *keys, *args)
+
+    def queue(self, pipe: Pipeline, keys: Sequence[str], args: Sequence[Any]) -> None:
+        """Queue an ``EVALSHA`` on *pipe*; a ``NoScriptError`` reply means: :meth:`load`, then send again."""
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def load(self, client: aioredis.Redis) -> None:
+        """``SCRIPT LOAD`` on *client*'s server (after a ``NoScriptError`` from a queued call)."""
+        await client.script_load(self.source)
+
+
+# --- staging (sink.store.sink) -----------------------------------------------------------
+
+# One call stages a batch of records of one cluster slot (one server: any
+# records). For each record it either stores the blob and appends its
+# token-free entry to the rollout's ``calls`` stream, or, when the key already
+# holds a record, compares digests without writing. Every check that could make
+# a write fail (wrong key types) runs in a first pass, before any write, so an
+# error can never leave a record without its ``calls`` entry or the reverse.
+#
 # KEYS: rec_1, calls_1, rec_2, calls_2, ...
 # ARGV: head_bytes, rewrite_present ('1' or '0'), then per record: digest, blob, then the values of
 # CALLS_ENTRY_FIELDS. The codec places the digest inside the first head_bytes
 # bytes of every blob, so an existing record's digest is compared with
-# GETRANGE instead of transferring the whole record.
-_SCRIPT_TEMPLATE = """
-local field_names = {@FIELDS@}
+# GETRANGE instead of transferring the whole record. Returns one status per record.
+_STAGE = """
+local field_names = {$FIELDS}
 local nfields = #field_names
 local head_len = tonumber(ARGV[1])
 local rewrite_present = ARGV[2] == '1'
@@ -47,7 +175,7 @@ for i = 1, n do
   local rec_type = redis.call('TYPE', KEYS[2 * i - 1])['ok']
   local calls_type = redis.call('TYPE', KEYS[2 * i])['ok']
   if (rec_type ~= 'none' and rec_type ~= 'string') or (calls_type ~= 'none' and calls_type ~= 'stream') then
-    status[i] = -1
+    status[i] = $STAGE_WRONG_TYPE
   end
 end
 -- pass 2: write absent records with their calls entry; compare present ones
@@ -64,7 +192,7 @@ for i = 1, n do
         entry[2 * f] = ARGV[base + 2 + f]
       end
       redis.call('XADD', KEYS[2 * i], '*', unpack(entry))
-      status[i] = 1
+      status[i] = $STAGE_WRITTEN
     elseif string.find(head, digest, 1, true) then
       -- Same record. When replicas must confirm, write it again (same content by
       -- digest) so this connection's WAIT covers a write the replica must have,
@@ -72,13 +200,157 @@ for i = 1, n do
       if rewrite_present then
         redis.call('SET', KEYS[2 * i - 1], ARGV[base + 2])
       end
-      status[i] = 2
+      status[i] = $STAGE_SAME
     else
-      status[i] = 0
+      status[i] = $STAGE_CONFLICT
     end
   end
 end
 return status
 """
+STAGE_SCRIPT: Final = ServerScript.from_template(_STAGE, FIELDS=", ".join(f"'{name}'" for name in CALLS_ENTRY_FIELDS))
 
-STAGE_SCRIPT: Final = _SCRIPT_TEMPLATE.replace("@FIELDS@", ", ".join(f"'{name}'" for name in CALLS_ENTRY_FIELDS))
+# KEYS: calls stream, then the record keys; ARGV: the staging keys, same order.
+# Deletes the records and the calls entries naming them; drops an emptied stream.
+# Returns {DONE, how many records existed}.
+CLEAR_SCRIPT: Final = ServerScript.from_template("""
+local removed = 0
+local doomed = {}
+for i = 2, #KEYS do
+  removed = removed + redis.call('DEL', KEYS[i])
+  doomed[ARGV[i - 1]] = true
+end
+if redis.call('TYPE', KEYS[1])['ok'] == 'stream' then
+  local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+  for _, entry in ipairs(entries) do
+    local fields = entry[2]
+    for f = 1, #fields, 2 do
+      if fields[f] == 'key' and doomed[fields[f + 1]] then
+        redis.call('XDEL', KEYS[1], entry[1])
+      end
+    end
+  end
+  if redis.call('XLEN', KEYS[1]) == 0 then
+    redis.call('DEL', KEYS[1])
+  end
+end
+return {$DONE, removed}
+""")
+
+# --- the capture ledger (sink.ledger.redis) ----------------------------------------------
+# Every ledger script touches only the keys of one rollout (ns:{R}:ledger,
+# ns:{R}:ledger:ids, ns:{R}:fence), all sharing the hash tag {R}: nothing can
+# land between the fence check and the write, or between fencing and removal.
+
+# KEYS: ledger stream, ids hash, fence.
+# ARGV: idempotency field, its value, then the stream entry's field/value pairs.
+# Returns {APPEND_APPENDED}, {APPEND_DUPLICATE} (identical row), {APPEND_FENCED}
+# (discarded) or {APPEND_CONFLICT, stored_value} (nothing written).
+APPEND_SCRIPT: Final = ServerScript.from_template("""
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {$APPEND_FENCED}
+end
+local stored = redis.call('HGET', KEYS[2], ARGV[1])
+if stored then
+  if stored == ARGV[2] then
+    return {$APPEND_DUPLICATE}
+  end
+  return {$APPEND_CONFLICT, stored}
+end
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return {$APPEND_APPENDED}
+""")
+
+# KEYS: ledger stream, fence. Returns {LEDGER_FENCED} or {LEDGER_OPEN, XRANGE - +}.
+READ_SCRIPT: Final = ServerScript.from_template("""
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {$LEDGER_FENCED}
+end
+return {$LEDGER_OPEN, redis.call('XRANGE', KEYS[1], '-', '+')}
+""")
+
+# KEYS: ledger stream, fence. Returns {LEDGER_FENCED} or {LEDGER_OPEN, 1 if any row else 0}.
+HAS_ROWS_SCRIPT: Final = ServerScript.from_template("""
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {$LEDGER_FENCED}
+end
+return {$LEDGER_OPEN, redis.call('EXISTS', KEYS[1])}
+""")
+
+# KEYS: ledger stream, ids hash, fence. ARGV: fence value.
+# Returns {REMOVED} when a live ledger was removed, {NOT_REMOVED} otherwise
+# (never started or already retired). Either way the fence is in place afterwards.
+LEDGER_RETIRE_SCRIPT: Final = ServerScript.from_template("""
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  return {$NOT_REMOVED}
+end
+redis.call('SET', KEYS[3], ARGV[1])
+local had_rows = redis.call('EXISTS', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
+if had_rows == 1 then return {$REMOVED} end
+return {$NOT_REMOVED}
+""")
+
+# KEYS: ledger stream, ids hash, fence. Returns {REMOVED} when a live ledger was removed.
+LEDGER_DELETE_SCRIPT: Final = ServerScript.from_template("""
+local had_rows = redis.call('EXISTS', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+if had_rows == 1 then return {$REMOVED} end
+return {$NOT_REMOVED}
+""")
+
+# --- consumer groups (sink.store.streams) ------------------------------------------------
+
+# KEYS: the stream; ARGV: group, consumer, ids. Resets the idle time of the ids
+# this consumer still owns (XCLAIM ... JUSTID keeps the delivery count).
+# Returns {DONE, ids it no longer owns...} (reclaimed by another consumer, or acked).
+TOUCH_SCRIPT: Final = ServerScript.from_template("""
+local reply = {$DONE}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    reply[#reply + 1] = ARGV[i]
+  end
+end
+return reply
+""")
+
+# KEYS: the stream; ARGV: group, consumer. Deletes the consumer only when it
+# owns no pending entry (deleting it would drop them from the PEL).
+# Returns {REMOVED} or {NOT_REMOVED}.
+RETIRE_CONSUMER_SCRIPT: Final = ServerScript.from_template("""
+if redis.call('EXISTS', KEYS[1]) == 0 then return {$NOT_REMOVED} end
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if #p > 0 then return {$NOT_REMOVED} end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return {$REMOVED}
+""")
+
+# --- rollout claims (sink.reader) --------------------------------------------------------
+
+# KEYS: claim key, fence key; ARGV: token (stream#entry id), consumer, check fence ('1'/'0').
+# Returns {status, the claim's previous value or ''}: CLAIM_RETIRED (the ledger was
+# retired, so the rollout was consumed or given up already), CLAIM_DUPLICATE
+# (another receipt entry owns the rollout) or CLAIM_CLAIMED (ours: new, or taken over).
+CLAIM_SCRIPT: Final = ServerScript.from_template("""
+local current = redis.call('GET', KEYS[1])
+if ARGV[3] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {$CLAIM_RETIRED, current or ''} end
+if current and string.match(current, '^[^\\n]*') ~= ARGV[1] then return {$CLAIM_DUPLICATE, current} end
+redis.call('SET', KEYS[1], ARGV[1] .. '\\n' .. ARGV[2])
+return {$CLAIM_CLAIMED, current or ''}
+""")
+
+# KEYS: claim key; ARGV: token. Deletes the claim only if this entry still owns it.
+# Returns {REMOVED} or {NOT_REMOVED}.
+RELEASE_SCRIPT: Final = ServerScript.from_template("""
+local current = redis.call('GET', KEYS[1])
+if current and string.match(current, '^[^\\n]*') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return {$REMOVED}
+end
+return {$NOT_REMOVED}
+""")

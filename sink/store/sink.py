@@ -6,20 +6,16 @@ and, if ``min_replicas > 0``, after ``WAIT`` on the same connection counted
 enough replicas. Operational failures come back as ``ok=False`` with a precise
 error; only programming errors (a wrong argument type, a closed sink) raise.
 
-Group commit: ``stage`` calls queue their encoded record; ``writer_connections``
-writer tasks each take everything queued so far, stage it with one script call
-per cluster slot, pipelined with ``WAIT``/``WAITAOF`` on one connection, and
-wake the callers. While one batch waits for its fsync the next one forms, so
-one fsync covers many records.
+``stage`` calls queue their encoded record for the group commit
+(:mod:`sink.store.commit`), which settles each one here. :func:`clear_staged`
+deletes what was staged once a rollout has been consumed.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
@@ -27,42 +23,37 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 from pydantic_core import PydanticSerializationError
 from redis.asyncio.cluster import RedisCluster
 
-from ..codec import DIGEST_HEAD_BYTES, encode_record
+from ..codec import encode_record
 from ..digest import compute_extras_digest
 from ..errors import CodecError
-from ..keys import calls_stream, record_key, validate_rollout_id
+from ..keys import calls_stream, record_key, rollout_of_staging_key, validate_rollout_id
 from ..records import StagedCallRecord, StageResult
 from ..settings import SinkSettings
-from .cleanup import clear_staged
-from .connection import ServerScript, Topology, describe_redis_error
-from .durability import DurabilityReport, verify_durability
-from .memory import CONFLICT_ERROR
-from .resource import PortalOwner
-from .scripts import STAGE_CONFLICT, STAGE_SAME, STAGE_SCRIPT, STAGE_WRITTEN
+from .commit import GroupCommitWriter, PendingStage
+from .connection import Topology, describe_redis_error, map_redis_errors
+from .durability import DurabilityMonitor
+from .resource import AsyncResource, PortalOwner, settings_or_fields
+from .scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_SAME, STAGE_WRITTEN
 
 __all__ = (
     "CONFLICT_ERROR",
     "AsyncRedisStagingSink",
     "RedisStagingSink",
     "SinkStatistics",
-    "generation_prefix_key",
+    "clear_staged",
     "generation_prefix_suffix",
     "verified_record",
 )
 
 logger = logging.getLogger(__name__)
 
-_STAGE = ServerScript(STAGE_SCRIPT)
-_TOPOLOGY_ERRORS = (
-    redis_errors.MovedError,
-    redis_errors.AskError,
-    redis_errors.ClusterDownError,
-    redis_errors.TryAgainError,
-)
+CONFLICT_ERROR = "conflicting staged record"
+"""``StageResult.error`` when the key already holds a record with another digest (nothing was written)."""
+_WRONG_TYPE_ERROR = "a key of this rollout holds a value of the wrong type; nothing was written"
 
 
 def generation_prefix_suffix(checkpoint_id: str, chunk_sequence: int) -> str:
@@ -74,11 +65,6 @@ def generation_prefix_suffix(checkpoint_id: str, chunk_sequence: int) -> str:
     if type(chunk_sequence) is not int or chunk_sequence < 0:
         raise ValueError(f"chunk_sequence must be a non-negative int, got {chunk_sequence!r}")
     return f"/cut/{checkpoint_id}/{chunk_sequence}"
-
-
-def generation_prefix_key(record: StagedCallRecord, checkpoint_id: str, chunk_sequence: int) -> str:
-    """Staging key of one generation-cut chunk: ``R/C/cut/<checkpoint_id>/<chunk_sequence>``."""
-    return record.staging_key + generation_prefix_suffix(checkpoint_id, chunk_sequence)
 
 
 def verified_record(record: StagedCallRecord) -> StagedCallRecord:
@@ -110,25 +96,6 @@ def _key_or_none(record: StagedCallRecord, key_suffix: str) -> str | None:
         return None
 
 
-@dataclass(slots=True)
-class _Pending:
-    """One queued stage: its key, encoded blob, entry fields and the slot for its result."""
-
-    staging_key: str
-    record_key: str
-    calls_key: str
-    digest: str
-    blob: bytes
-    entry: tuple[str, ...]
-    done: anyio.Event = field(default_factory=anyio.Event)
-    result: StageResult | None = None
-
-    def finish(self, result: StageResult) -> None:
-        if self.result is None:
-            self.result = result
-            self.done.set()
-
-
 @dataclass(frozen=True, slots=True)
 class SinkStatistics:
     """Counters of one sink since it was opened."""
@@ -141,7 +108,32 @@ class SinkStatistics:
     queued: int
 
 
-class AsyncRedisStagingSink:
+async def clear_staged(topology: Topology, namespace: str, staging_keys: Sequence[str]) -> int:
+    """Delete the records named by *staging_keys* and their ``calls`` entries; return how many existed.
+
+    Each rollout's records and its ``calls`` entries go in one single-slot
+    script, so this never leaves a ``calls`` entry pointing at a deleted record.
+
+    :raises TypeError: *staging_keys* is a single ``str``.
+    :raises ValueError: a key was not minted by this sink (``R/...``).
+    :raises StagingConnectionError: the server could not be reached.
+    """
+    if isinstance(staging_keys, str):
+        raise TypeError("clear() takes a sequence of staging keys, not a single str")
+    by_rollout: dict[str, list[str]] = {}
+    for key in dict.fromkeys(staging_keys):
+        by_rollout.setdefault(rollout_of_staging_key(key), []).append(key)
+    removed = 0
+    with map_redis_errors("clear staged records"):
+        for rollout_id, keys in by_rollout.items():
+            script_keys = [calls_stream(namespace, rollout_id), *(record_key(namespace, k) for k in keys)]
+            client = topology.node_for_key(script_keys[0])
+            reply = await CLEAR_SCRIPT.run(client, script_keys, keys)
+            removed += int(reply[1])
+    return removed
+
+
+class AsyncRedisStagingSink(AsyncResource):
     """Durable, idempotent staging of :class:`StagedCallRecord` into Redis/Valkey.
 
     Use as an async context manager::
@@ -157,9 +149,12 @@ class AsyncRedisStagingSink:
         self._bind(settings, Topology.borrow(client, settings))
 
     @classmethod
-    def from_url(cls, url: str, **settings: Any) -> Self:
-        """Create a sink that owns its connection(s) to *url*; keyword arguments are :class:`SinkSettings`."""
-        parsed = SinkSettings(**settings)
+    def from_url(cls, url: str, settings: SinkSettings | None = None, **fields: Any) -> Self:
+        """Create a sink that owns its connection(s) to *url*; pass *settings* or :class:`SinkSettings` fields.
+
+        :raises pydantic.ValidationError: an unknown or invalid setting.
+        """
+        parsed = settings_or_fields(SinkSettings, settings, fields)
         self = cls.__new__(cls)
         self._bind(parsed, Topology.from_url(url, parsed))
         return self
@@ -168,13 +163,11 @@ class AsyncRedisStagingSink:
         """The one initialisation both constructors share."""
         self._settings = settings
         self._topology = topology
-        self._send: MemoryObjectSendStream[_Pending] | None = None
+        self._send: MemoryObjectSendStream[PendingStage] | None = None
         self._task_group: TaskGroup | None = None
-        self._durability: DurabilityReport | None = None
-        self._checked_at = -math.inf
-        self._check_lock = anyio.Lock()
-        self._closed = False
-        self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0, "batches": 0}
+        self._durability = DurabilityMonitor(topology, settings)
+        self._writer = GroupCommitWriter(topology, settings, self._durability, self._settle)
+        self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0}
 
     @property
     def settings(self) -> SinkSettings:
@@ -183,13 +176,13 @@ class AsyncRedisStagingSink:
     def statistics(self) -> SinkStatistics:
         """Counters since open (``queued`` = records waiting for a writer)."""
         queued = self._send.statistics().current_buffer_used if self._send is not None else 0
-        return SinkStatistics(queued=queued, **self._counts)
+        return SinkStatistics(queued=queued, batches=self._writer.batches, **self._counts)
 
     def __repr__(self) -> str:
         c = self._counts
         return (
             f"<AsyncRedisStagingSink staged={c['staged']} present={c['already_present']} "
-            f"conflicts={c['conflicts']} failed={c['failed']} batches={c['batches']}>"
+            f"conflicts={c['conflicts']} failed={c['failed']} batches={self._writer.batches}>"
         )
 
     # --- lifecycle ------------------------------------------------------------
@@ -197,14 +190,7 @@ class AsyncRedisStagingSink:
     async def __aenter__(self) -> Self:
         if self._closed or self._task_group is not None:
             raise RuntimeError("a staging sink can be entered once")
-        try:
-            await self._open()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._topology.aclose()
-            self._closed = True
-            raise
-        return self
+        return await super().__aenter__()
 
     async def _open(self) -> None:
         try:
@@ -212,21 +198,19 @@ class AsyncRedisStagingSink:
         except (redis_errors.RedisError, OSError) as exc:
             # Not fatal: stages fail with this error until the server is reachable.
             logger.warning("staging sink could not load the cluster topology: %s", describe_redis_error(exc))
-        await self._refresh_durability(force=True)
-        send, receive = anyio.create_memory_object_stream[_Pending](self._settings.max_batch_records * 4)
+        await self._durability.report(force=True)
+        send, receive = anyio.create_memory_object_stream[PendingStage](self._settings.max_batch_records * 4)
         self._send = send
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         for _ in range(self._settings.writer_connections):
-            self._task_group.start_soon(self._writer, receive.clone())
+            self._task_group.start_soon(self._writer.run, receive.clone())
         receive.close()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
+    async def _stop(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Stop accepting stages and let the writers finish what is queued (stages meanwhile fail as closing)."""
         try:
             # Closing the send side lets the writers drain what is queued, then stop.
             if self._send is not None:
@@ -236,15 +220,10 @@ class AsyncRedisStagingSink:
                 # cancelled writers fail their callers' stages, they never half-write.
                 await self._task_group.__aexit__(exc_type, exc, tb)
         finally:
-            self._closed = True
-            with anyio.CancelScope(shield=True):
-                await self._topology.aclose()
-        return None
+            self._send = None
 
-    async def aclose(self) -> None:
-        """Stop accepting stages, finish queued ones, close owned connections."""
-        if not self._closed:
-            await self.__aexit__(None, None, None)
+    async def _close_resources(self) -> None:
+        await self._topology.aclose()
 
     # --- staging ----------------------------------------------------------------
 
@@ -273,7 +252,8 @@ class AsyncRedisStagingSink:
         return await self._stage(record, generation_prefix_suffix(checkpoint_id, chunk_sequence))
 
     async def _stage(self, record: StagedCallRecord, key_suffix: str) -> StageResult:
-        if self._send is None or self._closed:
+        send = self._send  # set to None once closed; a stage already past this point fails as closing
+        if send is None:
             raise RuntimeError("the staging sink is not open: use 'async with sink:'")
         try:
             record = verified_record(record)
@@ -287,10 +267,10 @@ class AsyncRedisStagingSink:
                 staging_key,
                 f"record of {len(blob)} bytes exceeds max_record_bytes={self._settings.max_record_bytes}",
             )
-        report = await self._refresh_durability()
+        report = await self._durability.report()
         if report.problem is not None:
             return self._failed(staging_key, report.problem)
-        pending = _Pending(
+        pending = PendingStage(
             staging_key=staging_key,
             record_key=record_key(self._settings.namespace, staging_key),
             calls_key=calls_stream(self._settings.namespace, record.rollout_id),
@@ -309,7 +289,7 @@ class AsyncRedisStagingSink:
             ),
         )
         try:
-            await self._send.send(pending)
+            await send.send(pending)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return self._failed(staging_key, "the staging sink is closing")
         # Cancelling here leaves the queued write to complete atomically or not at all.
@@ -321,175 +301,18 @@ class AsyncRedisStagingSink:
         self._counts["failed"] += 1
         return StageResult(ok=False, staging_key=staging_key, error=error)
 
-    # --- durability -------------------------------------------------------------
-
-    async def _refresh_durability(self, *, force: bool = False) -> DurabilityReport:
-        if self._settings.durability == "none":
-            return DurabilityReport(problem=None, supports_waitaof=False)
-        fresh = time.monotonic() - self._checked_at < self._settings.durability_check_interval_s
-        if self._durability is not None and fresh and not force:
-            return self._durability
-        async with self._check_lock:
-            fresh = time.monotonic() - self._checked_at < self._settings.durability_check_interval_s
-            if self._durability is None or not fresh or force:
-                report = await self._verify_all_nodes()
-                self._durability = report
-                # A failed check is retried on the next stage rather than cached.
-                self._checked_at = time.monotonic() if report.problem is None else -math.inf
-                if report.problem is not None:
-                    logger.error("staging sink refuses to acknowledge writes: %s", report.problem)
-        assert self._durability is not None
-        return self._durability
-
-    async def _verify_all_nodes(self) -> DurabilityReport:
-        try:
-            nodes = await self._topology.all_nodes()
-        except (redis_errors.RedisError, OSError) as exc:
-            return DurabilityReport(
-                problem=f"cannot verify durability: {describe_redis_error(exc)}", supports_waitaof=False
-            )
-        return await verify_durability(nodes)
-
-    # --- group commit -----------------------------------------------------------
-
-    async def _writer(self, receive: MemoryObjectReceiveStream[_Pending]) -> None:
-        async with receive:
-            async for first in receive:
-                batch = [first]
-                while len(batch) < self._settings.max_batch_records:
-                    try:
-                        batch.append(receive.receive_nowait())
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
-                await self._write_batch(batch)
-
-    async def _write_batch(self, batch: list[_Pending]) -> None:
-        self._counts["batches"] += 1
-        by_node: dict[int, tuple[aioredis.Redis, list[_Pending]]] = {}
-        try:
-            for pending in batch:
-                client = self._topology.node_for_key(pending.record_key)
-                by_node.setdefault(id(client), (client, []))[1].append(pending)
-        except (redis_errors.RedisError, OSError) as exc:
-            self._fail_all(batch, f"cannot route the write: {describe_redis_error(exc)}")
-            return
-        async with anyio.create_task_group() as group:
-            for client, items in by_node.values():
-                group.start_soon(self._write_node, client, items)
-
-    async def _write_node(self, client: aioredis.Redis, items: list[_Pending]) -> None:
-        try:
-            await self._write_node_once(client, items)
-        except redis_errors.NoScriptError:
-            # The script cache is empty (server restarted): nothing ran; load and retry once.
-            try:
-                await client.script_load(_STAGE.source)
-                await self._write_node_once(client, items)
-            except (redis_errors.RedisError, OSError) as exc:
-                self._fail_all(items, describe_redis_error(exc))
-        except _TOPOLOGY_ERRORS as exc:
-            self._fail_all(items, f"cluster topology changed, retry: {describe_redis_error(exc)}")
-            await self._refresh_topology()
-        except (redis_errors.RedisError, OSError) as exc:
-            self._fail_all(items, describe_redis_error(exc))
-            if self._topology.is_cluster:
-                await self._refresh_topology()
-        except Exception as exc:  # a bug must not strand callers waiting on their event
-            logger.exception("staging sink writer failed")
-            self._fail_all(items, f"internal error: {describe_redis_error(exc)}")
-        finally:
-            self._fail_all(items, "the write was interrupted before it was confirmed")
-
-    async def _refresh_topology(self) -> None:
-        try:
-            await self._topology.refresh()
-        except (redis_errors.RedisError, OSError) as exc:
-            logger.warning("could not refresh the cluster topology: %s", describe_redis_error(exc))
-
-    async def _write_node_once(self, client: aioredis.Redis, items: list[_Pending]) -> None:
-        groups = self._topology.group_by_slot([p.record_key for p in items])
-        settings = self._settings
-        timeout_ms = max(1, int(settings.confirm_timeout_s * 1000))
-        pipe = client.pipeline(transaction=False)
-        slot_items: list[list[_Pending]] = []
-        for indices in groups.values():
-            chunk = [items[i] for i in indices]
-            slot_items.append(chunk)
-            keys: list[str] = []
-            args: list[Any] = [DIGEST_HEAD_BYTES, "1" if settings.min_replicas > 0 else "0"]
-            for p in chunk:
-                keys += (p.record_key, p.calls_key)
-                args += (p.digest, p.blob, *p.entry)
-            pipe.evalsha(_STAGE.sha, len(keys), *keys, *args)
-        if settings.min_replicas > 0:
-            pipe.execute_command("WAIT", settings.min_replicas, timeout_ms)
-        waitaof = self._durability is not None and self._durability.supports_waitaof and settings.durability == "fsync"
-        if waitaof:
-            pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
-        replies = await pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, redis_errors.NoScriptError):
-                raise reply
-        script_replies = replies[: len(slot_items)]
-        confirmation_error = self._confirmation_error(replies[len(slot_items) :], waitaof)
-        topology_changed = False
-        for chunk, reply in zip(slot_items, script_replies, strict=True):
-            if isinstance(reply, BaseException):
-                topology_changed |= isinstance(reply, _TOPOLOGY_ERRORS)
-                self._fail_all(chunk, describe_redis_error(reply))
-                continue
-            for pending, status in zip(chunk, reply, strict=True):
-                self._settle(pending, int(status), confirmation_error)
-        if topology_changed:
-            await self._refresh_topology()
-
-    def _confirmation_error(self, replies: Sequence[Any], waitaof: bool) -> str | None:
-        settings = self._settings
-        position = 0
-        if settings.min_replicas > 0:
-            acked = replies[position]
-            position += 1
-            if isinstance(acked, BaseException):
-                return f"replica confirmation failed: {describe_redis_error(acked)}"
-            if int(acked) < settings.min_replicas:
-                return (
-                    f"only {int(acked)} of {settings.min_replicas} required replicas acknowledged "
-                    f"within confirm_timeout_s={settings.confirm_timeout_s}"
-                )
-        if waitaof:
-            reply = replies[position]
-            if isinstance(reply, BaseException):
-                return f"WAITAOF failed: {describe_redis_error(reply)}"
-            if int(reply[0]) < 1:
-                return "the server did not confirm the AOF fsync (WAITAOF numlocal=0)"
-        return None
-
-    def _settle(self, pending: _Pending, status: int, confirmation_error: str | None) -> None:
+    def _settle(self, pending: PendingStage, status: int | None, error: str | None) -> None:
+        """The group commit's verdict on *pending*: a script status (``None``: nothing ran) and an error."""
         if status == STAGE_CONFLICT:
             self._counts["conflicts"] += 1
-            self._counts["failed"] += 1
-            pending.finish(StageResult(ok=False, staging_key=pending.staging_key, error=CONFLICT_ERROR))
-        elif status not in (STAGE_WRITTEN, STAGE_SAME):
-            self._counts["failed"] += 1
-            pending.finish(
-                StageResult(
-                    ok=False,
-                    staging_key=pending.staging_key,
-                    error="a key of this rollout holds a value of the wrong type; nothing was written",
-                )
-            )
-        elif confirmation_error is not None:
-            self._counts["failed"] += 1
-            pending.finish(StageResult(ok=False, staging_key=pending.staging_key, error=confirmation_error))
+            error = CONFLICT_ERROR
+        elif status is not None and status not in (STAGE_WRITTEN, STAGE_SAME):
+            error = _WRONG_TYPE_ERROR
+        if status is None or error is not None:
+            pending.finish(self._failed(pending.staging_key, error or "nothing was written"))
         else:
             self._counts["staged" if status == STAGE_WRITTEN else "already_present"] += 1
             pending.finish(StageResult(ok=True, staging_key=pending.staging_key))
-
-    def _fail_all(self, items: Sequence[_Pending], error: str) -> None:
-        for pending in items:
-            if pending.result is None:
-                self._counts["failed"] += 1
-                pending.finish(StageResult(ok=False, staging_key=pending.staging_key, error=error))
 
     # --- cleanup ----------------------------------------------------------------
 
@@ -502,25 +325,21 @@ class AsyncRedisStagingSink:
         return await clear_staged(self._topology, self._settings.namespace, staging_keys)
 
 
-class RedisStagingSink(PortalOwner):
+class RedisStagingSink(PortalOwner[AsyncRedisStagingSink]):
     """Synchronous, thread-safe facade implementing the reference ``StagingSink`` protocol.
 
     It runs an :class:`AsyncRedisStagingSink` on a private event-loop thread.
     Open with :meth:`from_url`; close with :meth:`close` or a ``with`` block.
     """
 
-    def __init__(self, sink: AsyncRedisStagingSink) -> None:
-        self._sink = sink
-        super().__init__(sink)
-
     @classmethod
-    def from_url(cls, url: str, **settings: Any) -> Self:
-        """Open a sink on *url*; keyword arguments are :class:`SinkSettings`."""
-        return cls(AsyncRedisStagingSink.from_url(url, **settings))
+    def from_url(cls, url: str, settings: SinkSettings | None = None, **fields: Any) -> Self:
+        """Open a sink on *url*; the arguments are :meth:`AsyncRedisStagingSink.from_url`'s."""
+        return cls(AsyncRedisStagingSink.from_url(url, settings, **fields))
 
     def stage(self, record: StagedCallRecord) -> StageResult:
         """Thread-safe :meth:`AsyncRedisStagingSink.stage`."""
-        return self._call(self._sink.stage, record)
+        return self._call(self._resource.stage, record)
 
     def stage_generation_prefix(
         self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int
@@ -528,7 +347,7 @@ class RedisStagingSink(PortalOwner):
         """Thread-safe :meth:`AsyncRedisStagingSink.stage_generation_prefix`."""
 
         async def run() -> StageResult:
-            return await self._sink.stage_generation_prefix(
+            return await self._resource.stage_generation_prefix(
                 record, checkpoint_id=checkpoint_id, chunk_sequence=chunk_sequence
             )
 
@@ -536,10 +355,10 @@ class RedisStagingSink(PortalOwner):
 
     def clear(self, staging_keys: Sequence[str]) -> int:
         """Thread-safe :meth:`AsyncRedisStagingSink.clear`."""
-        return self._call(self._sink.clear, staging_keys)
+        return self._call(self._resource.clear, staging_keys)
 
     def statistics(self) -> SinkStatistics:
-        return self._sink.statistics()
+        return self._resource.statistics()
 
     def __repr__(self) -> str:
-        return repr(self._sink).replace("AsyncRedisStagingSink", "RedisStagingSink", 1)
+        return repr(self._resource).replace("AsyncRedisStagingSink", "RedisStagingSink", 1)

@@ -9,7 +9,6 @@ naming every missing key, a corrupt blob a :class:`CodecError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import anyio
@@ -23,7 +22,7 @@ from ..packed import PackedSnapshot
 from ..records import StagedCallSnapshot
 from ..settings import SourceSettings
 from .connection import Topology, map_redis_errors
-from .resource import PortalOwner
+from .resource import AsyncResource, PortalOwner, settings_or_fields
 
 __all__ = ("AsyncRedisStagingSource", "RedisStagingSource", "check_snapshot_key")
 
@@ -42,39 +41,34 @@ def check_snapshot_key(staging_key: str, snapshot: StagedCallSnapshot | PackedSn
         raise CodecError(f"record stored under {staging_key!r} belongs to {own!r}")
 
 
-class AsyncRedisStagingSource:
-    """Verified reads of staged records. ``from_url`` owns its clients; the constructor borrows one."""
+class AsyncRedisStagingSource(AsyncResource):
+    """Verified reads of staged records. ``from_url`` owns its clients; the constructor borrows one.
+
+    Use as an async context manager (entry loads the cluster topology).
+    """
 
     def __init__(self, client: aioredis.Redis | RedisCluster, settings: SourceSettings | None = None) -> None:
         self._settings = settings or SourceSettings()
         self._topology = Topology.borrow(client, self._settings)
 
     @classmethod
-    def from_url(cls, url: str, **settings: Any) -> Self:
-        """Create a source that owns its connection(s); keyword arguments are :class:`SourceSettings`."""
-        parsed = SourceSettings(**settings)
+    def from_url(cls, url: str, settings: SourceSettings | None = None, **fields: Any) -> Self:
+        """Create a source that owns its connection(s); pass *settings* or :class:`SourceSettings` fields.
+
+        :raises pydantic.ValidationError: an unknown or invalid setting.
+        """
+        parsed = settings_or_fields(SourceSettings, settings, fields)
         self = cls.__new__(cls)
         self._settings = parsed
         self._topology = Topology.from_url(url, parsed)
         return self
 
-    async def __aenter__(self) -> Self:
+    async def _open(self) -> None:
         with map_redis_errors("load the cluster topology"):
             await self._topology.initialize()
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connections this source owns."""
-        with anyio.CancelScope(shield=True):
-            await self._topology.aclose()
+    async def _close_resources(self) -> None:
+        await self._topology.aclose()
 
     async def fetch_blobs(self, staging_keys: Sequence[str]) -> list[bytes | None]:
         """Raw stored blobs in request order (``None`` where absent); one ``MGET`` per slot."""
@@ -138,22 +132,18 @@ class AsyncRedisStagingSource:
         return snapshots
 
 
-class RedisStagingSource(PortalOwner):
+class RedisStagingSource(PortalOwner[AsyncRedisStagingSource]):
     """Synchronous, thread-safe facade implementing the reference ``StagingSource`` protocol."""
 
-    def __init__(self, source: AsyncRedisStagingSource) -> None:
-        self._source = source
-        super().__init__(source)
-
     @classmethod
-    def from_url(cls, url: str, **settings: Any) -> Self:
-        """Open a source on *url*; keyword arguments are :class:`SourceSettings`."""
-        return cls(AsyncRedisStagingSource.from_url(url, **settings))
+    def from_url(cls, url: str, settings: SourceSettings | None = None, **fields: Any) -> Self:
+        """Open a source on *url*; the arguments are :meth:`AsyncRedisStagingSource.from_url`'s."""
+        return cls(AsyncRedisStagingSource.from_url(url, settings, **fields))
 
     def fetch(self, staging_keys: Sequence[str]) -> list[StagedCallSnapshot]:
         """Thread-safe :meth:`AsyncRedisStagingSource.fetch`."""
-        return self._call(self._source.fetch, list(staging_keys))
+        return self._call(self._resource.fetch, list(staging_keys))
 
     def fetch_packed(self, staging_keys: Sequence[str]) -> list[PackedSnapshot]:
         """Thread-safe :meth:`AsyncRedisStagingSource.fetch_packed`."""
-        return self._call(self._source.fetch_packed, list(staging_keys))
+        return self._call(self._resource.fetch_packed, list(staging_keys))

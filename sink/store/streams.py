@@ -39,35 +39,13 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
 from ..keys import dead_letter_stream
-from .connection import ServerScript, Topology, map_redis_errors, reply_text
+from .connection import Topology, map_redis_errors, reply_text
+from .scripts import REMOVED, RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT
 
 __all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
 
 logger = logging.getLogger(__name__)
 
-# KEYS: the stream; ARGV: group, consumer, ids. Resets the idle time of the ids
-# this consumer still owns (XCLAIM ... JUSTID keeps the delivery count) and
-# returns the ids it no longer owns (reclaimed by another consumer, or acked).
-_TOUCH = ServerScript("""
-local lost = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-return lost
-""")
-# KEYS: the stream; ARGV: group, consumer. Deletes the consumer only when it
-# owns no pending entry (deleting it would drop them from the PEL).
-_RETIRE_CONSUMER = ServerScript("""
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
-if #p > 0 then return -1 end
-return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-""")
 _NAME_JUNK = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -346,8 +324,8 @@ class GroupConsumer:
             for stream, held in by_stream.items():
                 client = self._topology.node_for_key(stream)
                 ids = [entry.entry_id for entry in held]
-                reply = await _TOUCH.run(client, [stream], [self.group, self.consumer, *ids])
-                gone = {_text(value) for value in reply}
+                reply = await TOUCH_SCRIPT.run(client, [stream], [self.group, self.consumer, *ids])
+                gone = {_text(value) for value in reply[1:]}
                 lost.extend(entry for entry in held if entry.entry_id in gone)
         return lost
 
@@ -359,8 +337,8 @@ class GroupConsumer:
         deleted = 0
         with anyio.CancelScope(shield=True), map_redis_errors(f"retire consumer {self.consumer!r}"):
             for shard, stream in enumerate(self.streams):
-                reply = await _RETIRE_CONSUMER.run(self._client(shard), [stream], [self.group, self.consumer])
-                if int(reply) >= 0:
+                reply = await RETIRE_CONSUMER_SCRIPT.run(self._client(shard), [stream], [self.group, self.consumer])
+                if reply[0] == REMOVED:
                     deleted += 1
         return deleted
 

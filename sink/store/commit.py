@@ -1,0 +1,193 @@
+"""The sink's group commit: queued stages written in batches, then confirmed.
+
+Each of the sink's ``writer_connections`` :meth:`GroupCommitWriter.run` tasks
+takes everything queued so far, stages it with one :data:`STAGE_SCRIPT` call
+per cluster slot, pipelined with ``WAIT``/``WAITAOF`` on one connection of the
+slot's primary, and settles every stage through the sink's callback. While one
+batch waits for its fsync the next one forms, so one fsync covers many records.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from ..codec import DIGEST_HEAD_BYTES
+from ..records import StageResult
+from ..settings import SinkSettings
+from .connection import Topology, describe_redis_error
+from .durability import DurabilityMonitor
+from .scripts import STAGE_SCRIPT
+
+__all__ = ("GroupCommitWriter", "PendingStage", "Settle")
+
+logger = logging.getLogger(__name__)
+
+_TOPOLOGY_ERRORS = (
+    redis_errors.MovedError,
+    redis_errors.AskError,
+    redis_errors.ClusterDownError,
+    redis_errors.TryAgainError,
+)
+
+
+@dataclass(slots=True)
+class PendingStage:
+    """One queued stage: its key, encoded blob, ``calls`` entry values and the slot for its result."""
+
+    staging_key: str
+    record_key: str
+    calls_key: str
+    digest: str
+    blob: bytes
+    entry: tuple[str, ...]
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: StageResult | None = None
+
+    def finish(self, result: StageResult) -> None:
+        """Set the result once and wake the caller (later calls are ignored)."""
+        if self.result is None:
+            self.result = result
+            self.done.set()
+
+
+Settle = Callable[[PendingStage, int | None, str | None], None]
+"""Settles one unsettled stage: ``(stage, script status or None when nothing ran, error or None)``."""
+
+
+class GroupCommitWriter:
+    """Writes queued :class:`PendingStage` s in batches; every stage it takes is settled exactly once."""
+
+    def __init__(
+        self, topology: Topology, settings: SinkSettings, durability: DurabilityMonitor, settle: Settle
+    ) -> None:
+        self._topology = topology
+        self._settings = settings
+        self._durability = durability
+        self._settle = settle
+        self.batches = 0
+
+    async def run(self, receive: MemoryObjectReceiveStream[PendingStage]) -> None:
+        """Write batches of what *receive* delivers until it is closed and drained."""
+        async with receive:
+            async for first in receive:
+                batch = [first]
+                while len(batch) < self._settings.max_batch_records:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                await self._write_batch(batch)
+
+    async def _write_batch(self, batch: list[PendingStage]) -> None:
+        self.batches += 1
+        by_node: dict[int, tuple[aioredis.Redis, list[PendingStage]]] = {}
+        try:
+            for pending in batch:
+                client = self._topology.node_for_key(pending.record_key)
+                by_node.setdefault(id(client), (client, []))[1].append(pending)
+        except (redis_errors.RedisError, OSError) as exc:
+            self._fail_all(batch, f"cannot route the write: {describe_redis_error(exc)}")
+            return
+        async with anyio.create_task_group() as group:
+            for client, items in by_node.values():
+                group.start_soon(self._write_node, client, items)
+
+    async def _write_node(self, client: aioredis.Redis, items: list[PendingStage]) -> None:
+        try:
+            await self._write_node_once(client, items)
+        except redis_errors.NoScriptError:
+            # The script cache is empty (server restarted): nothing ran; load and retry once.
+            try:
+                await STAGE_SCRIPT.load(client)
+                await self._write_node_once(client, items)
+            except (redis_errors.RedisError, OSError) as exc:
+                self._fail_all(items, describe_redis_error(exc))
+        except _TOPOLOGY_ERRORS as exc:
+            self._fail_all(items, f"cluster topology changed, retry: {describe_redis_error(exc)}")
+            await self._refresh_topology()
+        except (redis_errors.RedisError, OSError) as exc:
+            self._fail_all(items, describe_redis_error(exc))
+            if self._topology.is_cluster:
+                await self._refresh_topology()
+        except Exception as exc:  # a bug must not strand callers waiting on their event
+            logger.exception("staging sink writer failed")
+            self._fail_all(items, f"internal error: {describe_redis_error(exc)}")
+        finally:
+            self._fail_all(items, "the write was interrupted before it was confirmed")
+
+    async def _refresh_topology(self) -> None:
+        try:
+            await self._topology.refresh()
+        except (redis_errors.RedisError, OSError) as exc:
+            logger.warning("could not refresh the cluster topology: %s", describe_redis_error(exc))
+
+    async def _write_node_once(self, client: aioredis.Redis, items: list[PendingStage]) -> None:
+        groups = self._topology.group_by_slot([p.record_key for p in items])
+        settings = self._settings
+        timeout_ms = max(1, int(settings.confirm_timeout_s * 1000))
+        pipe = client.pipeline(transaction=False)
+        slot_items: list[list[PendingStage]] = []
+        for indices in groups.values():
+            chunk = [items[i] for i in indices]
+            slot_items.append(chunk)
+            keys: list[str] = []
+            args: list[Any] = [DIGEST_HEAD_BYTES, "1" if settings.min_replicas > 0 else "0"]
+            for p in chunk:
+                keys += (p.record_key, p.calls_key)
+                args += (p.digest, p.blob, *p.entry)
+            STAGE_SCRIPT.queue(pipe, keys, args)
+        if settings.min_replicas > 0:
+            pipe.execute_command("WAIT", settings.min_replicas, timeout_ms)
+        waitaof = self._durability.supports_waitaof
+        if waitaof:
+            pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
+        replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, redis_errors.NoScriptError):
+                raise reply
+        script_replies = replies[: len(slot_items)]
+        confirmation_error = self._confirmation_error(replies[len(slot_items) :], waitaof)
+        topology_changed = False
+        for chunk, reply in zip(slot_items, script_replies, strict=True):
+            if isinstance(reply, BaseException):
+                topology_changed |= isinstance(reply, _TOPOLOGY_ERRORS)
+                self._fail_all(chunk, describe_redis_error(reply))
+                continue
+            for pending, status in zip(chunk, reply, strict=True):
+                self._settle(pending, int(status), confirmation_error)
+        if topology_changed:
+            await self._refresh_topology()
+
+    def _confirmation_error(self, replies: Sequence[Any], waitaof: bool) -> str | None:
+        settings = self._settings
+        position = 0
+        if settings.min_replicas > 0:
+            acked = replies[position]
+            position += 1
+            if isinstance(acked, BaseException):
+                return f"replica confirmation failed: {describe_redis_error(acked)}"
+            if int(acked) < settings.min_replicas:
+                return (
+                    f"only {int(acked)} of {settings.min_replicas} required replicas acknowledged "
+                    f"within confirm_timeout_s={settings.confirm_timeout_s}"
+                )
+        if waitaof:
+            reply = replies[position]
+            if isinstance(reply, BaseException):
+                return f"WAITAOF failed: {describe_redis_error(reply)}"
+            if int(reply[0]) < 1:
+                return "the server did not confirm the AOF fsync (WAITAOF numlocal=0)"
+        return None
+
+    def _fail_all(self, items: Sequence[PendingStage], error: str) -> None:
+        for pending in items:
+            if pending.result is None:
+                self._settle(pending, None, error)
