@@ -37,9 +37,9 @@ class ActiveCall:
     without a prefix, and completing the call returns failed coordinates
     without staging. A per-call lock guards only ``completed``.
 
-    ``_prefix_proof``, when set by ``begin_call``, is a proof whose objects
-    are exactly the items of ``prefix_token_ids`` (then the capture's own
-    snapshot of the caller's list): see :mod:`worker.sequence_cache`.
+    ``_prefix_proof``, when set by ``begin_call``, is a proof that holds
+    ``prefix_token_ids`` (then the capture's own snapshot of the caller's
+    list): see :mod:`worker.sequence_cache`.
     """
 
     admission: CaptureAdmission
@@ -96,10 +96,10 @@ def build_call_record(
     must be the resolved prefix followed by the cut delta; the record keeps
     the cut's masks and log-probabilities and takes the older weight version.
 
-    With *sequence_cache*, a prompt whose first ``prev_len`` items are the
-    very objects of a proved sequence skips the O(full) checks and packing
-    (see :mod:`worker.sequence_cache`); any other prompt takes the reference
-    path. The record is byte-identical either way.
+    With *sequence_cache*, a prompt whose first ``prev_len`` ids a remembered
+    proof holds skips the O(full) comparison and packing (see
+    :mod:`worker.sequence_cache`); any other prompt takes the reference path.
+    The record is byte-identical either way.
 
     :raises ValueError: the prompt does not begin with the authorized prefix,
         the columns are inconsistent, or record validation fails.
@@ -111,12 +111,9 @@ def build_call_record(
     generated = _as_list(generated_token_ids)
     head = prompt[:prev_len]  # a private slice: the one O(full) pass over the prompt
     parent = None if sequence_cache is None else _proof_of_head(call, head, sequence_cache)
-    # A head proved identical to the proof begin_call matched against the prefix is the prefix, item by item.
-    if parent is None or parent is not call._prefix_proof:
-        if head != call.prefix_token_ids:
-            raise ValueError("prompt does not begin with the gate-authorized prefix")
-        if parent is None and sequence_cache is not None:
-            parent = _proof_for_equal_head(call, head)
+    # A head held by the proof that begin_call proved the prefix with equals the prefix, item by item.
+    if (parent is None or parent is not call._prefix_proof) and head != call.prefix_token_ids:
+        raise ValueError("prompt does not begin with the gate-authorized prefix")
     cut = call.generation_cut
     proved: TrustedColumns | None = None
     if cut is None:
@@ -170,30 +167,15 @@ def build_call_record(
 
 
 def _proof_of_head(call: ActiveCall, head: list[int], cache: SequenceHashCache) -> ProvenSequence | None:
-    """A proof whose objects are exactly the items of *head* (a private slice), or ``None``.
+    """A proof that holds *head* (a private slice), or ``None``.
 
-    Tries the proof ``begin_call`` matched against the prefix, else the parent's remembered sequence.
+    Tries the proof ``begin_call`` proved the prefix with, else the parent's remembered sequence.
     """
     admission = call.admission
     proof = call._prefix_proof
     if proof is None:
         proof = cache.lookup(admission.rollout_id, admission.parent_call_id)
     return proof if proof is not None and proof.holds(head) else None
-
-
-def _proof_for_equal_head(call: ActiveCall, head: list[int]) -> ProvenSequence | None:
-    """After the check ``head == call.prefix_token_ids``: the begin proof, held by *head*'s own objects.
-
-    Sound because ``begin_call`` matched the prefix (the capture's own snapshot) item for item to the objects
-    of ``call._prefix_proof``, so the prefix holds exactly the proved ids; ``head == prefix`` then gives equal
-    values once every item of *head* is proved an exact ``int`` (one type pass, cheaper than packing), and
-    the proof's packed bytes are *head*'s. Engines echo the prompt as fresh int objects: this keeps a child's
-    hash to its new ids even then.
-    """
-    proof = call._prefix_proof
-    if proof is None or list(map(type, head)).count(int) != len(head):
-        return None
-    return proof.held_by(head)
 
 
 def _cached_hashes(
@@ -216,8 +198,6 @@ def _cached_hashes(
     """
     admission = call.admission
     proof = EMPTY_SEQUENCE.extended(prompt + generated) if parent is None else parent.extended(rest, proved=proved)
-    if proof is None:  # object addresses are unreadable on this interpreter: the reference path
-        return _chain_hash(admission, ids, proved), hash_token_ids(prompt + generated)
     if parent is not None and rest is ids:
         chain_hash = chain_hash_of_packed(admission.parent_chain_hash, proof.packed[-1])
     else:

@@ -149,8 +149,8 @@ class RolloutTokenCapture:
     :param adapter: optional :class:`~worker.adapters.CaptureAdapter` for
         ``complete_call_from_response``.
     :param sequence_cache_rollouts: rollouts whose recent full sequences are kept proved and packed, so a
-        child whose prefix and prompt hold the very same id objects skips the O(full) type checks and packs
-        only its own tokens (about 24 bytes per remembered token plus the ids kept alive; 0 disables).
+        child whose prefix and prompt repeat its parent's ids proves them in one ``marshal`` pass each and
+        packs only its own tokens (about 13 bytes per remembered token; 0 disables).
     :raises TypeError: *sink* has no callable ``stage``, *source* no callable
         ``fetch``, or *weight_version_fn* is not callable.
     """
@@ -255,10 +255,10 @@ class RolloutTokenCapture:
     ) -> tuple[list[int], ProvenSequence | None]:
         """A ``token_in`` call's explicit prefix, checked (§5.3), and the proof that checked it, if any.
 
-        When the items of the caller's list are the very objects of the parent's remembered sequence
-        (an address match on a private snapshot, see :mod:`worker.sequence_cache`), they are proved exact
-        non-negative ints without a per-item type pass; the snapshot becomes the call's prefix, so later
-        changes to the caller's list cannot reach the call. Otherwise the reference type gate decides.
+        When the parent's remembered sequence holds a private snapshot of the caller's list (one ``marshal``
+        pass, see :mod:`worker.sequence_cache`), its ids are proved exact non-negative ints equal to the
+        parent's; the snapshot becomes the call's prefix, so later changes to the caller's list cannot reach
+        the call. Otherwise the reference type gate decides.
 
         :raises CaptureError: the prefix is not a list of non-negative exact ints.
         """
@@ -266,7 +266,7 @@ class RolloutTokenCapture:
         if sequences is not None and type(prefix_token_ids) is list:
             proof = sequences.lookup(admission.rollout_id, admission.parent_call_id)
             if proof is not None and proof.length == len(prefix_token_ids):
-                snapshot: list[int] = prefix_token_ids[:]  # private: nobody can resize it while it is read
+                snapshot: list[int] = prefix_token_ids[:]  # private: nobody can change it while it is read
                 if proof.holds(snapshot):
                     return snapshot, proof
         return _checked_explicit_prefix(prefix_token_ids), None
