@@ -1,4 +1,4 @@
-"""One admitted call: its state, its staged record and its failed shape (contract §5.5, §5.8, §9.4).
+"""One admitted call: its state, its staged record and its coordinates, staged or failed (§5.5, §5.8, §9.4).
 
 Everything here is pure (no I/O), shared by the synchronous and async paths
 of :class:`worker.capture.RolloutTokenCapture` and by the generation-cut
@@ -25,7 +25,7 @@ from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot,
 from .errors import CaptureError
 from .sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 
-__all__ = ("ActiveCall", "build_call_record", "failed_coords")
+__all__ = ("ActiveCall", "build_call_record", "failed_coords", "staged_coords")
 
 
 @dataclass(eq=False)
@@ -74,6 +74,25 @@ def failed_coords(admission: CaptureAdmission, *, weight_version: int) -> Commit
         cum_len=admission.prev_len,
         weight_version=weight_version,
         disposition="capture_failed",
+    )
+
+
+def staged_coords(record: StagedCallRecord, staging_key: str) -> CommitCoords:
+    """The coordinates of a call the sink staged as *record* under *staging_key* (§5.5 step 4)."""
+    return CommitCoords(
+        rollout_id=record.rollout_id,
+        model_call_id=record.model_call_id,
+        parent_call_id=record.parent_call_id,
+        prev_len=record.prev_len,
+        delta_len=record.delta_len,
+        cum_len=record.cum_len,
+        weight_version=record.weight_version,
+        disposition="staged",
+        digest=record.digest,
+        extras_digest=record.extras_digest,
+        staging_key=staging_key,
+        chain_hash=record.chain_hash,
+        cumulative_hash=record.cumulative_hash,
     )
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from sink.digest import encode_token_ids, hash_packed_token_ids
 from sink.packed import TrustedColumns
+from sink.records import CaptureAdmission
 
 __all__ = ("EMPTY_SEQUENCE", "ProvenSequence", "SequenceHashCache")
 
@@ -152,6 +153,19 @@ class SequenceHashCache:
         with self._lock:
             calls = self._rollouts.get(rollout_id)
             return None if calls is None else calls.get(model_call_id)
+
+    def proved_copy(self, admission: CaptureAdmission, values: object) -> tuple[list[int], ProvenSequence] | None:
+        """A private copy of *values* and the proof of the admission's parent that holds it, or ``None``.
+
+        ``None`` means "not proved" (the caller runs the reference checks on *values*).
+        """
+        if type(values) is not list:
+            return None
+        proof = self.lookup(admission.rollout_id, admission.parent_call_id)
+        if proof is None or proof.length != len(values):
+            return None
+        snapshot: list[int] = values[:]  # private: nobody can change it while it is read
+        return (snapshot, proof) if proof.holds(snapshot) else None
 
     def remember(self, rollout_id: str, model_call_id: str, proof: ProvenSequence) -> None:
         """Remember *proof* as *model_call_id*'s full sequence, evicting the least recently used entries."""

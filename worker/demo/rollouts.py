@@ -39,7 +39,8 @@ from sink.store.connection import Topology
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 
-from ..capture import ActiveCall, RolloutTokenCapture
+from ..call import ActiveCall
+from ..capture import RolloutTokenCapture
 from ..engine import SimulatedEngine
 
 __all__ = ("INJECTED_FAILURE_NOTE", "RolloutPlan", "WorkerConfig", "WorkerCounters", "worker_process_main")
