@@ -47,9 +47,9 @@ from sink.settings import DEFAULT_SHARDS, AssemblerSettings, ReaderSettings
 from sink.store.connection import Topology, map_redis_errors
 from sink.store.durability import verify_durability
 
-from .processes import WorkerPool, WorkersFailedError
+from .worker_pool import WorkerPool, WorkersFailedError
 from .report import DemoTally, live_progress, render_summary, show_progress
-from .rollouts import RolloutPlan, WorkerConfig
+from .worker_process import RolloutPlan, WorkerConfig
 
 __all__ = ("DemoOptions", "add_demo_parser", "make_plans", "run_demo", "run_demo_command")
 
