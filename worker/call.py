@@ -116,9 +116,9 @@ def build_call_record(
     the cut's masks and log-probabilities and takes the older weight version.
 
     With *sequence_cache*, a prompt whose first ``prev_len`` ids a remembered
-    proof holds skips the O(full) comparison and packing (see
-    :mod:`worker.sequence_cache`); any other prompt takes the reference path.
-    The record is byte-identical either way.
+    proof holds is proved in one ``marshal`` pass instead of being compared
+    and packed (see :mod:`worker.sequence_cache`); any other prompt takes the
+    reference path. The record is byte-identical either way.
 
     :raises ValueError: the prompt does not begin with the authorized prefix,
         the columns are inconsistent, or record validation fails.
@@ -128,7 +128,7 @@ def build_call_record(
     prev_len = admission.prev_len
     prompt = _as_list(prompt_token_ids)
     generated = _as_list(generated_token_ids)
-    head = prompt[:prev_len]  # a private slice: the one O(full) pass over the prompt
+    head = prompt[:prev_len]  # a private slice: a proof reads it, or it is compared with the prefix
     parent = None if sequence_cache is None else _proof_of_head(call, head, sequence_cache)
     # A head held by the proof that begin_call proved the prefix with equals the prefix, item by item.
     if (parent is None or parent is not call._prefix_proof) and head != call.prefix_token_ids:
