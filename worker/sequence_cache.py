@@ -89,7 +89,7 @@ class ProvenSequence:
 
         :raises ValueError: an id is not an exact int in ``[0, 2**64)`` (the reference type gate).
         """
-        owner = list(token_ids)  # private: packed bytes and key come from the same ids
+        owner = list(token_ids)  # private: the key (and the packed bytes, unless *proved*) come from this copy
         proved_ids = None if proved is None or proved.token_ids is not token_ids else proved.packed.ids_u64be
         packed = b"".join(proved_ids) if proved_ids else encode_token_ids(owner)[_COUNT_BYTES:]
         blob = _marshalled(owner)
