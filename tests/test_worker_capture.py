@@ -1,12 +1,12 @@
-"""RolloutTokenCapture (contract §5): begin, complete, fail, prefix resolution, concurrency.
+"""RolloutTokenCapture (contract §5): staged coordinates, begin_call checks, completion discipline, async twins.
 
 Uses the in-memory store as sink and source; the contract's §4.8 check values
-pin the staged coordinates byte for byte.
+pin the staged coordinates byte for byte. The failure paths (§5.8) are in
+``test_worker_capture_failures``.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +19,30 @@ from sink.errors import StagingError
 from sink.packed import PackedSnapshot
 from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StagedCallSnapshot, StageResult
 from sink.store.memory import MemoryStagingStore
+from tests.helpers.capture import (
+    CHILD_CHAIN,
+    CHILD_CUMULATIVE,
+    CHILD_DIGEST,
+    CHILD_GEN,
+    CHILD_LPS,
+    CHILD_PROMPT,
+    EMPTY_EXTRAS,
+    GRAND_GEN,
+    GRAND_LPS,
+    GRAND_PROMPT,
+    ROOT_CHAIN,
+    ROOT_CUMULATIVE,
+    ROOT_DIGEST,
+    ROOT_GEN,
+    ROOT_KWARGS,
+    ROOT_LPS,
+    ROOT_PROMPT,
+    child_admission,
+    expected_failed,
+    make_capture,
+    root_admission,
+    run_three_calls,
+)
 from worker import (
     ActiveCall,
     CaptureError,
@@ -28,123 +52,6 @@ from worker import (
     aresolve_prefix,
     resolve_prefix,
 )
-
-# §4.8 check values: root c1 and child c2 of rollout-1, weight 7.
-ROOT_CHAIN = "14c5e45c969e9b8b821f302201ad9d9b6b4f7427ac18dab2cb150af8e3acdd65"
-ROOT_CUMULATIVE = "21c8e66807865ae05ca6f5bca40bd4a1399a66c23fb9848216a23c2ab9d9858f"
-ROOT_DIGEST = "8af9f9ca6164804ce4624f3ac42478714694b25bcd861d96611c71f5cb15ca93"
-CHILD_CHAIN = "5ca11828ba5b13cb84473842daeec0b7b88f2d1b31435509de0d3c2fc7607f70"
-CHILD_CUMULATIVE = "3918f976cd9824c692b3fe34ef047dd276d49af97ec8f86154ef43b345beb4d8"
-CHILD_DIGEST = "34c30a3b94fa73ed21ade56db0c8ecebe2b92b842b6d02e0b8c4146e9f0b1847"
-EMPTY_EXTRAS = "a1edc33c107616cf344faf0103daa025cfb125f8e1c784ae5f6a49faf2b768b6"
-
-ROOT_PROMPT, ROOT_GEN, ROOT_LPS = [10, 11], [12], [-0.25]
-CHILD_PROMPT, CHILD_GEN, CHILD_LPS = [10, 11, 12, 20, 21], [22, 23], [-0.3, -0.4]
-GRAND_PROMPT = [10, 11, 12, 20, 21, 22, 23, 30]
-GRAND_GEN, GRAND_LPS = [31, 32, 33], [-0.5, -1.0, -0.125]
-ROOT_KWARGS: dict[str, Any] = {
-    "prompt_token_ids": ROOT_PROMPT,
-    "generated_token_ids": ROOT_GEN,
-    "generated_logprobs": ROOT_LPS,
-}
-
-
-class RecordingSink:
-    """A sink that records every call and answers with a configurable behaviour."""
-
-    def __init__(self, answer: Any = None, *, error: Exception | None = None) -> None:
-        self.store = MemoryStagingStore()
-        self.answer = answer
-        self.error = error
-        self.records: list[StagedCallRecord] = []
-
-    def stage(self, record: StagedCallRecord) -> Any:
-        self.records.append(record)
-        if self.error is not None:
-            raise self.error
-        if self.answer is not None:
-            return self.answer
-        return self.store.stage(record)
-
-
-def make_capture(sink: Any = None, source: Any = None, version: Any = 7, **kwargs: Any) -> RolloutTokenCapture:
-    return RolloutTokenCapture(
-        sink=sink if sink is not None else MemoryStagingStore(),
-        weight_version_fn=lambda: version,
-        source=source,
-        **kwargs,
-    )
-
-
-def root_admission(call_id: str = "c1") -> CaptureAdmission:
-    return CaptureAdmission(rollout_id="rollout-1", model_call_id=call_id, mode="text")
-
-
-def child_admission(
-    parent: CommitCoords, prefix: list[int], call_id: str, chain: list[str] | None = None
-) -> CaptureAdmission:
-    """A token_in admission: inline *prefix*, or by reference when *chain* is given."""
-    return CaptureAdmission(
-        rollout_id="rollout-1",
-        model_call_id=call_id,
-        parent_call_id=parent.model_call_id,
-        prev_len=parent.cum_len,
-        mode="token_in",
-        required_prefix_token_ids=[] if chain else prefix,
-        staging_chain=chain or [],
-        parent_chain_hash=parent.chain_hash,
-    )
-
-
-def expected_failed(admission: CaptureAdmission, weight_version: int) -> dict[str, Any]:
-    """The exact §5.8 shape."""
-    return {
-        "schema_version": 2,
-        "digest_version": 2,
-        "extras_digest_version": 1,
-        "rollout_id": admission.rollout_id,
-        "model_call_id": admission.model_call_id,
-        "parent_call_id": admission.parent_call_id,
-        "prev_len": admission.prev_len,
-        "delta_len": 0,
-        "cum_len": admission.prev_len,
-        "weight_version": weight_version,
-        "disposition": "capture_failed",
-        "digest": None,
-        "extras_digest": None,
-        "staging_key": None,
-        "chain_hash": None,
-        "cumulative_hash": None,
-    }
-
-
-def run_three_calls(capture: RolloutTokenCapture, *, by_reference: bool = False) -> list[CommitCoords]:
-    """Root, child and grandchild; by reference the admissions carry staging_chain."""
-    root = capture.complete_call(
-        capture.begin_call(root_admission()),
-        prompt_token_ids=ROOT_PROMPT,
-        generated_token_ids=ROOT_GEN,
-        generated_logprobs=ROOT_LPS,
-    )
-    assert root.staging_key is not None
-    child_adm = child_admission(root, ROOT_PROMPT + ROOT_GEN, "c2", [root.staging_key] if by_reference else None)
-    child = capture.complete_call(
-        capture.begin_call(child_adm),
-        prompt_token_ids=CHILD_PROMPT,
-        generated_token_ids=CHILD_GEN,
-        generated_logprobs=CHILD_LPS,
-    )
-    assert child.staging_key is not None
-    chain = [root.staging_key, child.staging_key] if by_reference else None
-    grand_adm = child_admission(child, CHILD_PROMPT + CHILD_GEN, "c3", chain)
-    grand = capture.complete_call(
-        capture.begin_call(grand_adm),
-        prompt_token_ids=GRAND_PROMPT,
-        generated_token_ids=GRAND_GEN,
-        generated_logprobs=GRAND_LPS,
-    )
-    return [root, child, grand]
-
 
 # --- staged coordinates -------------------------------------------------------
 
@@ -269,178 +176,6 @@ def test_constructor_type_checks() -> None:
     with pytest.raises(TypeError):
         RolloutTokenCapture(sink=MemoryStagingStore(), weight_version_fn=lambda: 1, source=object())
 
-
-# --- failure paths: exact §5.8 shape ---------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("sink", "logged"),
-    [
-        (RecordingSink(StageResult(ok=False, error="disk full")), "disk full"),
-        (RecordingSink(error=RuntimeError("connection reset")), "connection reset"),
-        (RecordingSink({"ok": True, "staging_key": "k"}), "not a StageResult"),
-        (RecordingSink(StageResult.model_construct(ok=True, staging_key=None)), "rejected"),
-    ],
-    ids=["rejected", "raising", "dict-result", "keyless-ok"],
-)
-def test_sink_failures_give_failed_coords(sink: RecordingSink, logged: str, caplog: pytest.LogCaptureFixture) -> None:
-    capture = make_capture(sink)
-    call = capture.begin_call(root_admission())
-    with caplog.at_level(logging.WARNING, logger="worker"):
-        coords = capture.complete_call(
-            call, prompt_token_ids=ROOT_PROMPT, generated_token_ids=ROOT_GEN, generated_logprobs=ROOT_LPS
-        )
-    assert coords.model_dump() == expected_failed(root_admission(), 7)
-    assert len(sink.records) == 1
-    assert logged in caplog.text
-    with pytest.raises(CaptureError, match="already completed"):
-        capture.fail_call(call, reason="again")
-
-
-BUILD_FAILURES: dict[str, dict[str, Any]] = {
-    "prefix-mismatch": {"prompt_token_ids": [10, 99, 12, 20], "generated_token_ids": [1], "generated_logprobs": [-1.0]},
-    "short-prompt": {"prompt_token_ids": [10, 11], "generated_token_ids": [1], "generated_logprobs": [-1.0]},
-    "length-mismatch": {"prompt_token_ids": [10, 11, 12], "generated_token_ids": [1, 2], "generated_logprobs": [-1.0]},
-    "int-logprob": {"prompt_token_ids": [10, 11, 12], "generated_token_ids": [1], "generated_logprobs": [-1]},
-    "nan-logprob": {
-        "prompt_token_ids": [10, 11, 12],
-        "generated_token_ids": [1],
-        "generated_logprobs": [float("nan")],
-    },
-    "negative-id": {"prompt_token_ids": [10, 11, 12], "generated_token_ids": [-1], "generated_logprobs": [-1.0]},
-    "bool-id": {"prompt_token_ids": [10, 11, 12], "generated_token_ids": [True], "generated_logprobs": [-1.0]},
-    "huge-id": {"prompt_token_ids": [10, 11, 12], "generated_token_ids": [2**64], "generated_logprobs": [-1.0]},
-    "empty-delta": {"prompt_token_ids": [10, 11, 12], "generated_token_ids": [], "generated_logprobs": []},
-    "tuple-extras": {
-        "prompt_token_ids": [10, 11, 12],
-        "generated_token_ids": [1],
-        "generated_logprobs": [-1.0],
-        "extras": {"routed_experts": (1, 2)},
-    },
-}
-
-
-@pytest.mark.parametrize("case", sorted(BUILD_FAILURES))
-def test_build_failures_never_call_the_sink(case: str) -> None:
-    sink = RecordingSink()
-    capture = make_capture(sink)
-    root = capture.complete_call(
-        capture.begin_call(root_admission()),
-        prompt_token_ids=ROOT_PROMPT,
-        generated_token_ids=ROOT_GEN,
-        generated_logprobs=ROOT_LPS,
-    )
-    admission = child_admission(root, [10, 11, 12], "c2")
-    call = capture.begin_call(admission)
-    coords = capture.complete_call(call, **BUILD_FAILURES[case])
-    assert coords.model_dump() == expected_failed(admission, 7)
-    assert [r.model_call_id for r in sink.records] == ["c1"]
-    assert call.completed
-
-
-class ListSource:
-    """A source over a fixed key -> snapshot dict (used to serve tampered chains)."""
-
-    def __init__(self, snapshots: dict[str, StagedCallSnapshot], error: Exception | None = None) -> None:
-        self.snapshots = snapshots
-        self.error = error
-        self.fetched: list[list[str]] = []
-
-    def fetch(self, staging_keys: Sequence[str]) -> list[StagedCallSnapshot]:
-        self.fetched.append(list(staging_keys))
-        if self.error is not None:
-            raise self.error
-        return [self.snapshots[key] for key in staging_keys]
-
-
-class PackedListSource(ListSource):
-    """The same, also serving :class:`PackedSnapshot` through ``fetch_packed`` (which the capture prefers)."""
-
-    def fetch_packed(self, staging_keys: Sequence[str]) -> list[PackedSnapshot]:
-        return [PackedSnapshot.of(snapshot) for snapshot in self.fetch(staging_keys)]
-
-
-def _tampered_sources(store: MemoryStagingStore, packed: bool = False) -> dict[str, Any]:
-    source = PackedListSource if packed else ListSource
-    good = {key: store.fetch([key])[0] for key in ("rollout-1/c1", "rollout-1/c2")}
-    root = good["rollout-1/c1"]
-    # A valid record whose cumulative hash is not the hash of its ids.
-    wrong_cumulative = StagedCallSnapshot.from_components(
-        **{**_components(good["rollout-1/c2"]), "cumulative_hash": "2" * 64}
-    )
-    # A valid record whose chain hash does not link to the root.
-    wrong_chain = StagedCallSnapshot.from_components(**{**_components(good["rollout-1/c2"]), "chain_hash": "1" * 64})
-    return {
-        "missing-key": source({"rollout-1/c1": root}),
-        "source-error": source(good, error=RuntimeError("source down")),
-        "swapped-order": source({"rollout-1/c1": good["rollout-1/c2"], "rollout-1/c2": root}),
-        "wrong-chain": source({"rollout-1/c1": root, "rollout-1/c2": wrong_chain}),
-        "wrong-cumulative": source({"rollout-1/c1": root, "rollout-1/c2": wrong_cumulative}),
-    }
-
-
-def _components(snapshot: StagedCallSnapshot) -> dict[str, Any]:
-    data = snapshot.model_dump()
-    for name in ("schema_version", "digest_version", "extras_digest_version", "digest"):
-        data.pop(name)
-    return data
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["snapshots", "packed"])
-@pytest.mark.parametrize("case", ["missing-key", "source-error", "swapped-order", "wrong-chain", "wrong-cumulative"])
-def test_unresolvable_chains_fail_the_capture_not_the_call(
-    case: str, packed: bool, caplog: pytest.LogCaptureFixture
-) -> None:
-    store = MemoryStagingStore()
-    _, child, _ = run_three_calls(make_capture(store))
-    source = _tampered_sources(store, packed)[case]
-    sink = RecordingSink()
-    capture = make_capture(sink, source=source)
-    admission = child_admission(child, [], "c9", ["rollout-1/c1", "rollout-1/c2"])
-    with caplog.at_level(logging.WARNING, logger="worker"):
-        call = capture.begin_call(admission)
-    assert call.capture_failed and call.prefix_token_ids == [] and call.capture_failure is not None
-    assert "capture disabled" in caplog.text
-    coords = capture.complete_call(
-        call, prompt_token_ids=GRAND_PROMPT, generated_token_ids=GRAND_GEN, generated_logprobs=GRAND_LPS
-    )
-    assert coords.model_dump() == expected_failed(admission, 7)
-    assert sink.records == []
-    if case != "source-error":
-        with pytest.raises(PrefixResolutionError):
-            resolve_prefix(admission, source)
-
-
-@pytest.mark.parametrize("change", ["prev_len", "parent_chain_hash", "chain-too-short"])
-def test_admission_that_disagrees_with_the_chain_fails_capture(change: str) -> None:
-    store = MemoryStagingStore()
-    _, child, _ = run_three_calls(make_capture(store))
-    admission = child_admission(child, [], "c9", ["rollout-1/c1", "rollout-1/c2"])
-    updates: dict[str, dict[str, Any]] = {
-        "prev_len": {"prev_len": 6},
-        "parent_chain_hash": {"parent_chain_hash": ROOT_CHAIN},
-        "chain-too-short": {"staging_chain": ["rollout-1/c2"]},
-    }
-    admission = admission.model_copy(update=updates[change])
-    sink = RecordingSink()
-    capture = make_capture(sink, source=store)
-    call = capture.begin_call(admission)
-    assert call.capture_failed
-    assert capture.complete_call(
-        call, prompt_token_ids=GRAND_PROMPT, generated_token_ids=GRAND_GEN, generated_logprobs=GRAND_LPS
-    ).model_dump() == expected_failed(admission, 7)
-    assert sink.records == []
-    with pytest.raises(PrefixResolutionError):
-        resolve_prefix(admission, store)
-
-
-def test_fail_call_and_fail_admission_shapes() -> None:
-    capture = make_capture(version=11)
-    call = capture.begin_call(root_admission(), weight_version=4)
-    assert capture.fail_call(call, reason="engine error").model_dump() == expected_failed(root_admission(), 4)
-    assert capture.fail_admission(root_admission("c5"), reason="no begin").model_dump() == expected_failed(
-        root_admission("c5"), 11
-    )
 
 
 # --- completion discipline -----------------------------------------------------------

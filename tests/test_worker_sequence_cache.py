@@ -1,9 +1,9 @@
 """The worker's sequence cache never changes an outcome; it only skips checks it can prove another way.
 
-Proofs match item *objects* (addresses of objects they keep alive), so equal-but-distinct ids, ``True``,
-``1.0`` or int subclasses always fall back to the reference path. The property test drives a cached and an
-uncached capture through the same random rollouts (branches, retries, evictions, bad input) and requires the
-same outcome for every call, byte for byte.
+Proofs match the exact type and value of every id (``marshal`` version 2 bytes), so equal-but-distinct int
+objects are proved while ``True``, ``1.0`` or int subclasses always fall back to the reference path. The
+property test drives a cached and an uncached capture through the same random rollouts (branches, retries,
+evictions, bad input) and requires the same outcome for every call, byte for byte.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from sink.digest import hash_token_ids
 from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
 from worker import CaptureError, RolloutTokenCapture
-from worker import sequence_cache as sc
 from worker.sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 
 
@@ -40,34 +39,42 @@ class AcknowledgingSink:
 # --- ProvenSequence ------------------------------------------------------------------------------------
 
 
-def test_the_address_layout_is_verified_on_this_interpreter() -> None:
-    assert sc._ADDRESSES_READABLE  # CPython with a GIL: the fast path is live in these tests
-    values = [1000, 2000, 3000]
-    assert sc.item_addresses(values) == b"".join(id(v).to_bytes(sc._ADDRESS_BYTES, "little") for v in values)
-    assert sc.item_addresses([]) == b""
-
-
-def test_a_proof_hashes_like_the_reference_and_holds_only_for_the_same_objects() -> None:
+def test_a_proof_hashes_like_the_reference_and_holds_only_for_exact_equal_ids() -> None:
     first, second = [500, 600, 700], [800, 0, 1]
-    proof = EMPTY_SEQUENCE.extended(first)
-    assert proof is not None
-    proof = proof.extended(second)
-    assert proof is not None
-    assert proof.length == 6 and len(proof.packed) == 2
+    proof = EMPTY_SEQUENCE.extended(first).extended(second)
+    assert proof.length == 6 and len(proof.packed) == len(proof.keys) == 2
     assert proof.cumulative_hash() == hash_token_ids(first + second)
     assert proof.holds(first + second)
-    assert not proof.holds(_fresh(first) + second)  # equal values, distinct objects: not proved
+    assert proof.holds(_fresh(first) + second)  # equal values, distinct objects: the same exact ints
     assert not proof.holds(first + second[:2])  # wrong length
-    assert not proof.holds([*first, 800, 0, True])  # True == 1, but it is not the proved object
+    assert not proof.holds([*first, 800, 0, 2])  # another value
+    assert not proof.holds([*first, 800, 0, True])  # True == 1, but it is not an exact int
     assert not proof.holds([*first, 800, 0.0, 1])  # type: ignore[list-item]
+    assert not proof.holds([*first, 800, _Sub(0), 1])
+    assert not proof.holds([*first, 800, -0, -1])
     assert EMPTY_SEQUENCE.holds([]) and EMPTY_SEQUENCE.cumulative_hash() == hash_token_ids([])
+
+
+@pytest.mark.parametrize("big", [2**31 - 1, 2**31, 2**40, 2**63, 2**64 - 1])
+def test_a_proof_holds_large_ids_by_value_only(big: int) -> None:
+    proof = EMPTY_SEQUENCE.extended([7, big])
+    assert proof.cumulative_hash() == hash_token_ids([7, big])
+    assert proof.holds(_fresh([7, big]))
+    assert not proof.holds([7, big - 1]) and not proof.holds([big, 7])
+    assert not proof.holds([7, float(big)])  # type: ignore[list-item]
+
+
+def test_a_proof_split_in_pieces_needs_every_piece() -> None:
+    proof = EMPTY_SEQUENCE.extended([1, 2**40]).extended([3]).extended([2**35, 4])
+    assert proof.holds([1, 2**40, 3, 2**35, 4])
+    assert not proof.holds([1, 2**40, 3, 2**35, 5]) and not proof.holds([1, 2**40, 4, 2**35, 4])
+    assert not proof.holds([1, 2**40 + 1, 3, 2**35, 4])
 
 
 def test_a_proof_survives_changes_to_the_callers_list() -> None:
     ids = [5000, 6000]
     originals = list(ids)
     proof = EMPTY_SEQUENCE.extended(ids)
-    assert proof is not None
     ids[0] = 7000  # the proof owns a private copy of the objects it proved
     assert proof.holds(list(originals)) and not proof.holds(list(ids))
     assert proof.cumulative_hash() == hash_token_ids([5000, 6000])
@@ -79,28 +86,11 @@ def test_a_proof_applies_the_reference_type_gate(bad: Any) -> None:
         EMPTY_SEQUENCE.extended([1, bad])
 
 
-def test_without_readable_addresses_nothing_is_proved(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sc, "_ADDRESSES_READABLE", False)
-    assert sc.item_addresses([1]) is None
-    assert EMPTY_SEQUENCE.extended([1, 2]) is None
-    assert not ProvenSequence(1, (b"",), (b"",), ([1],)).holds([1])
-
-
-def test_without_readable_addresses_the_capture_takes_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sc, "_ADDRESSES_READABLE", False)
-    rollout = _Rollout(rollout_id="r", caches=(4, 0))
-    root = rollout.call(None, carry=[300, 301], generated=[302])
-    child = rollout.call(root, carry=[303], generated=[304, 305])
-    assert root.disposition == child.disposition == "staged"
-
-
 # --- SequenceHashCache ---------------------------------------------------------------------------------
 
 
 def _proof(*ids: int) -> ProvenSequence:
-    proof = EMPTY_SEQUENCE.extended(list(ids))
-    assert proof is not None
-    return proof
+    return EMPTY_SEQUENCE.extended(list(ids))
 
 
 def test_the_cache_is_an_lru_over_rollouts_and_over_calls() -> None:
@@ -297,7 +287,7 @@ def test_a_bool_in_an_explicit_prefix_raises_as_without_the_cache() -> None:
     assert failed.disposition == "capture_failed"  # both captures raised CaptureError at begin
 
 
-def test_the_parents_own_objects_take_the_proved_path() -> None:
+def test_the_parents_ids_take_the_proved_path_as_any_objects() -> None:
     capture = RolloutTokenCapture(sink=AcknowledgingSink(), weight_version_fn=lambda: 1)
     prompt, generated = [400, 401], [402]
     root = capture.complete_call(
@@ -320,12 +310,17 @@ def test_the_parents_own_objects_take_the_proved_path() -> None:
     assert proved._prefix_proof is not None and proved.prefix_token_ids is not sequence  # a private snapshot
     sequence.append(403)  # later changes to the caller's list cannot reach the call
     assert proved.prefix_token_ids == [400, 401, 402]
-    distinct = capture.begin_call(admission, prefix_token_ids=_fresh([400, 401, 402]))
-    assert distinct._prefix_proof is None  # equal values are checked the reference way
+    fresh = _fresh([400, 401, 402])
+    distinct = capture.begin_call(admission, prefix_token_ids=fresh)
+    assert distinct._prefix_proof is proved._prefix_proof and distinct.prefix_token_ids is not fresh
+    other = capture.begin_call(admission, prefix_token_ids=[400, 401, 403])
+    assert other._prefix_proof is None  # another value: checked the reference way
+    with pytest.raises(CaptureError):
+        capture.begin_call(admission, prefix_token_ids=[400, 401, _Sub(402)])
 
 
 def test_an_engine_echoing_fresh_prompt_objects_keeps_the_proof_and_the_hashes() -> None:
-    """A prompt head of equal-but-new objects is type-checked once and re-uses the parent's packed ids."""
+    """A prompt head of equal-but-new objects is proved in one marshal pass and re-uses the parent's packed ids."""
     rollout = _Rollout("r")
     root = rollout.call(None, carry=[400, 401], generated=[402])
     parent_full = rollout.full[root.model_call_id]

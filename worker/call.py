@@ -1,4 +1,4 @@
-"""One admitted call: its state, its staged record and its failed shape (contract §5.5, §5.8, §9.4).
+"""One admitted call: its state, its staged record and its coordinates, staged or failed (§5.5, §5.8, §9.4).
 
 Everything here is pure (no I/O), shared by the synchronous and async paths
 of :class:`worker.capture.RolloutTokenCapture` and by the generation-cut
@@ -25,7 +25,7 @@ from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot,
 from .errors import CaptureError
 from .sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 
-__all__ = ("ActiveCall", "build_call_record", "failed_coords")
+__all__ = ("ActiveCall", "build_call_record", "failed_coords", "staged_coords")
 
 
 @dataclass(eq=False)
@@ -37,9 +37,9 @@ class ActiveCall:
     without a prefix, and completing the call returns failed coordinates
     without staging. A per-call lock guards only ``completed``.
 
-    ``_prefix_proof``, when set by ``begin_call``, is a proof whose objects
-    are exactly the items of ``prefix_token_ids`` (then the capture's own
-    snapshot of the caller's list): see :mod:`worker.sequence_cache`.
+    ``_prefix_proof``, when set by ``begin_call``, is a proof that holds
+    ``prefix_token_ids`` (then the capture's own snapshot of the caller's
+    list): see :mod:`worker.sequence_cache`.
     """
 
     admission: CaptureAdmission
@@ -77,6 +77,25 @@ def failed_coords(admission: CaptureAdmission, *, weight_version: int) -> Commit
     )
 
 
+def staged_coords(record: StagedCallRecord, staging_key: str) -> CommitCoords:
+    """The coordinates of a call the sink staged as *record* under *staging_key* (§5.5 step 4)."""
+    return CommitCoords(
+        rollout_id=record.rollout_id,
+        model_call_id=record.model_call_id,
+        parent_call_id=record.parent_call_id,
+        prev_len=record.prev_len,
+        delta_len=record.delta_len,
+        cum_len=record.cum_len,
+        weight_version=record.weight_version,
+        disposition="staged",
+        digest=record.digest,
+        extras_digest=record.extras_digest,
+        staging_key=staging_key,
+        chain_hash=record.chain_hash,
+        cumulative_hash=record.cumulative_hash,
+    )
+
+
 def _as_list(values: Sequence[Any]) -> list[Any]:
     return values if type(values) is list else list(values)
 
@@ -96,10 +115,10 @@ def build_call_record(
     must be the resolved prefix followed by the cut delta; the record keeps
     the cut's masks and log-probabilities and takes the older weight version.
 
-    With *sequence_cache*, a prompt whose first ``prev_len`` items are the
-    very objects of a proved sequence skips the O(full) checks and packing
-    (see :mod:`worker.sequence_cache`); any other prompt takes the reference
-    path. The record is byte-identical either way.
+    With *sequence_cache*, a prompt whose first ``prev_len`` ids a remembered
+    proof holds is proved in one ``marshal`` pass instead of being compared
+    and packed (see :mod:`worker.sequence_cache`); any other prompt takes the
+    reference path. The record is byte-identical either way.
 
     :raises ValueError: the prompt does not begin with the authorized prefix,
         the columns are inconsistent, or record validation fails.
@@ -109,14 +128,11 @@ def build_call_record(
     prev_len = admission.prev_len
     prompt = _as_list(prompt_token_ids)
     generated = _as_list(generated_token_ids)
-    head = prompt[:prev_len]  # a private slice: the one O(full) pass over the prompt
+    head = prompt[:prev_len]  # a private slice: a proof reads it, or it is compared with the prefix
     parent = None if sequence_cache is None else _proof_of_head(call, head, sequence_cache)
-    # A head proved identical to the proof begin_call matched against the prefix is the prefix, item by item.
-    if parent is None or parent is not call._prefix_proof:
-        if head != call.prefix_token_ids:
-            raise ValueError("prompt does not begin with the gate-authorized prefix")
-        if parent is None and sequence_cache is not None:
-            parent = _proof_for_equal_head(call, head)
+    # A head held by the proof that begin_call proved the prefix with equals the prefix, item by item.
+    if (parent is None or parent is not call._prefix_proof) and head != call.prefix_token_ids:
+        raise ValueError("prompt does not begin with the gate-authorized prefix")
     cut = call.generation_cut
     proved: TrustedColumns | None = None
     if cut is None:
@@ -170,30 +186,15 @@ def build_call_record(
 
 
 def _proof_of_head(call: ActiveCall, head: list[int], cache: SequenceHashCache) -> ProvenSequence | None:
-    """A proof whose objects are exactly the items of *head* (a private slice), or ``None``.
+    """A proof that holds *head* (a private slice), or ``None``.
 
-    Tries the proof ``begin_call`` matched against the prefix, else the parent's remembered sequence.
+    Tries the proof ``begin_call`` proved the prefix with, else the parent's remembered sequence.
     """
     admission = call.admission
     proof = call._prefix_proof
     if proof is None:
         proof = cache.lookup(admission.rollout_id, admission.parent_call_id)
     return proof if proof is not None and proof.holds(head) else None
-
-
-def _proof_for_equal_head(call: ActiveCall, head: list[int]) -> ProvenSequence | None:
-    """After the check ``head == call.prefix_token_ids``: the begin proof, held by *head*'s own objects.
-
-    Sound because ``begin_call`` matched the prefix (the capture's own snapshot) item for item to the objects
-    of ``call._prefix_proof``, so the prefix holds exactly the proved ids; ``head == prefix`` then gives equal
-    values once every item of *head* is proved an exact ``int`` (one type pass, cheaper than packing), and
-    the proof's packed bytes are *head*'s. Engines echo the prompt as fresh int objects: this keeps a child's
-    hash to its new ids even then.
-    """
-    proof = call._prefix_proof
-    if proof is None or list(map(type, head)).count(int) != len(head):
-        return None
-    return proof.held_by(head)
 
 
 def _cached_hashes(
@@ -216,8 +217,6 @@ def _cached_hashes(
     """
     admission = call.admission
     proof = EMPTY_SEQUENCE.extended(prompt + generated) if parent is None else parent.extended(rest, proved=proved)
-    if proof is None:  # object addresses are unreadable on this interpreter: the reference path
-        return _chain_hash(admission, ids, proved), hash_token_ids(prompt + generated)
     if parent is not None and rest is ids:
         chain_hash = chain_hash_of_packed(admission.parent_chain_hash, proof.packed[-1])
     else:

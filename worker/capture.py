@@ -5,7 +5,8 @@ delta and a token-free :class:`~sink.records.CommitCoords`. The pure steps
 (argument checks, prefix checks, the record build, the coords) are written
 once, as step generators that yield their single I/O request
 (``source.fetch`` or ``sink.stage``); the synchronous methods and their
-``a``-prefixed async twins differ only in the driver that performs it.
+``a``-prefixed async twins differ only in the driver that performs it
+(:mod:`worker.io_steps`).
 Operational failures never raise: they return the failed coordinates of §5.8
 and are logged.
 """
@@ -14,93 +15,32 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
-
-import anyio.to_thread
+from typing import TYPE_CHECKING, Any
 
 from sink.digest import is_token_id_list
 from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StageResult
 
-from .call import ActiveCall, build_call_record, failed_coords
+from .call import ActiveCall, build_call_record, failed_coords, staged_coords
 from .errors import CaptureError, PrefixResolutionError, StreamingUnsupportedError
 from .generation_cut import check_cut_snapshot
+from .io_steps import IoRequest, Steps, run_async, run_blocking
 from .prefix import fetch_operation, verify_staging_chain
 from .sequence_cache import ProvenSequence, SequenceHashCache
 
 if TYPE_CHECKING:
     from .adapters import CaptureAdapter
 
-__all__ = ("ActiveCall", "RolloutTokenCapture", "failed_coords")
+__all__ = ("RolloutTokenCapture",)
 
 logger = logging.getLogger(__name__)
 
 _INT_ONLY = frozenset({int})
 
 
-_T = TypeVar("_T")
 _ASYNC_SOURCE = "the configured source is asynchronous: use abegin_call"
 _ASYNC_SINK = "the configured sink is asynchronous: use acomplete_call"
-
-
-@dataclass(frozen=True, slots=True)
-class _Io:
-    """The one I/O request of a capture step: ``operation(argument)``, awaited when ``is_async``."""
-
-    operation: Callable[[Any], Any]
-    argument: object
-    is_async: bool
-
-
-_Steps = Generator[_Io, Any, _T]
-"""Pure capture steps that yield at most one :class:`_Io` and receive its result (or its exception)."""
-
-
-def _resume(steps: _Steps[_T], *, result: object = None, error: Exception | None = None) -> _T:
-    try:
-        if error is None:
-            steps.send(result)
-        else:
-            steps.throw(error)
-    except StopIteration as done:
-        return cast(_T, done.value)
-    raise AssertionError("a capture step makes at most one I/O request")
-
-
-def _run_blocking(steps: _Steps[_T], async_misuse: str) -> _T:
-    """Drive *steps*, performing their I/O in this thread.
-
-    :raises CaptureError: *async_misuse*, when the step asks for an asynchronous operation.
-    """
-    try:
-        io = next(steps)
-    except StopIteration as done:
-        return cast(_T, done.value)
-    if io.is_async:
-        steps.close()
-        raise CaptureError(async_misuse)
-    try:
-        result = io.operation(io.argument)
-    except Exception as exc:  # noqa: BLE001 -- the steps turn any I/O failure into failed coordinates (§5.1)
-        return _resume(steps, error=exc)
-    return _resume(steps, result=result)
-
-
-async def _run_async(steps: _Steps[_T]) -> _T:
-    """Drive *steps*, awaiting an async operation or running a blocking one in a worker thread."""
-    try:
-        io = next(steps)
-    except StopIteration as done:
-        return cast(_T, done.value)
-    try:
-        if io.is_async:
-            result = await io.operation(io.argument)
-        else:
-            result = await anyio.to_thread.run_sync(io.operation, io.argument)
-    except Exception as exc:  # noqa: BLE001 -- cancellation is a BaseException and propagates
-        return _resume(steps, error=exc)
-    return _resume(steps, result=result)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +89,8 @@ class RolloutTokenCapture:
     :param adapter: optional :class:`~worker.adapters.CaptureAdapter` for
         ``complete_call_from_response``.
     :param sequence_cache_rollouts: rollouts whose recent full sequences are kept proved and packed, so a
-        child whose prefix and prompt hold the very same id objects skips the O(full) type checks and packs
-        only its own tokens (about 24 bytes per remembered token plus the ids kept alive; 0 disables).
+        child whose prefix and prompt repeat its parent's ids proves them in one ``marshal`` pass each and
+        packs only its own tokens (about 13 bytes per remembered token; 0 disables).
     :raises TypeError: *sink* has no callable ``stage``, *source* no callable
         ``fetch``, or *weight_version_fn* is not callable.
     """
@@ -205,7 +145,7 @@ class RolloutTokenCapture:
         weight_version: int | None,
         generation_cut: StagedCallBaseSnapshot | None,
         generation_cut_staging_keys: Sequence[str] | None,
-    ) -> _Steps[ActiveCall]:
+    ) -> Steps[ActiveCall]:
         """§5.3: check the arguments, stamp the weight version, resolve the prefix (a fetch when by reference)."""
         if not isinstance(admission, CaptureAdmission):
             raise TypeError(f"begin_call takes a CaptureAdmission, got {type(admission).__name__}")
@@ -241,7 +181,7 @@ class RolloutTokenCapture:
             if fetch is None:  # ruled out above: a by-reference admission without a source raises
                 raise CaptureError("by-reference admission: the caller must pass the resolved prefix")
             try:
-                snapshots = yield _Io(fetch, list(admission.staging_chain), self._source_is_async)
+                snapshots = yield IoRequest(fetch, list(admission.staging_chain), self._source_is_async)
             except Exception as exc:  # noqa: BLE001 -- any source failure disables capture of this call (§5.2)
                 return _uncaptured(admission, stamped, cut, f"staging chain fetch failed: {exc!r}")
             try:
@@ -255,21 +195,15 @@ class RolloutTokenCapture:
     ) -> tuple[list[int], ProvenSequence | None]:
         """A ``token_in`` call's explicit prefix, checked (§5.3), and the proof that checked it, if any.
 
-        When the items of the caller's list are the very objects of the parent's remembered sequence
-        (an address match on a private snapshot, see :mod:`worker.sequence_cache`), they are proved exact
-        non-negative ints without a per-item type pass; the snapshot becomes the call's prefix, so later
-        changes to the caller's list cannot reach the call. Otherwise the reference type gate decides.
+        A prefix the parent's remembered sequence holds is proved in one pass and copied, so later changes
+        to the caller's list cannot reach the call (:meth:`~worker.sequence_cache.SequenceHashCache.proved_copy`);
+        otherwise the reference type gate decides.
 
         :raises CaptureError: the prefix is not a list of non-negative exact ints.
         """
         sequences = self._sequences
-        if sequences is not None and type(prefix_token_ids) is list:
-            proof = sequences.lookup(admission.rollout_id, admission.parent_call_id)
-            if proof is not None and proof.length == len(prefix_token_ids):
-                snapshot: list[int] = prefix_token_ids[:]  # private: nobody can resize it while it is read
-                if proof.holds(snapshot):
-                    return snapshot, proof
-        return _checked_explicit_prefix(prefix_token_ids), None
+        proved = None if sequences is None else sequences.proved_copy(admission, prefix_token_ids)
+        return proved if proved is not None else (_checked_explicit_prefix(prefix_token_ids), None)
 
     def begin_call(
         self,
@@ -296,7 +230,7 @@ class RolloutTokenCapture:
         steps = self._begin_steps(
             admission, prefix_token_ids, stream, weight_version, generation_cut, generation_cut_staging_keys
         )
-        return _run_blocking(steps, _ASYNC_SOURCE)
+        return run_blocking(steps, _ASYNC_SOURCE)
 
     async def abegin_call(
         self,
@@ -316,7 +250,7 @@ class RolloutTokenCapture:
         steps = self._begin_steps(
             admission, prefix_token_ids, stream, weight_version, generation_cut, generation_cut_staging_keys
         )
-        return await _run_async(steps)
+        return await run_async(steps)
 
     # --- completion --------------------------------------------------------
 
@@ -327,7 +261,7 @@ class RolloutTokenCapture:
         )
         return failed_coords(admission, weight_version=call.weight_version)
 
-    def _completion_steps(self, call: ActiveCall, completion: _Completion) -> _Steps[CommitCoords]:
+    def _completion_steps(self, call: ActiveCall, completion: _Completion) -> Steps[CommitCoords]:
         """§5.5: claim the call, build its record, stage it, turn the sink's answer into coords."""
         if not isinstance(call, ActiveCall):
             raise TypeError(f"expected an ActiveCall, got {type(call).__name__}")
@@ -346,33 +280,19 @@ class RolloutTokenCapture:
         except (TypeError, ValueError, OverflowError) as exc:
             return self._failed(call, f"record build failed: {exc}")
         try:
-            result = yield _Io(self._sink.stage, record, self._sink_is_async)
+            result = yield IoRequest(self._sink.stage, record, self._sink_is_async)
         except Exception as exc:  # noqa: BLE001 -- the worker catches every sink failure (§5.1)
             return self._failed(call, f"sink raised {exc!r}")
         if not isinstance(result, StageResult):
             return self._failed(call, f"sink returned {type(result).__name__}, not a StageResult")
         if not result.ok or result.staging_key is None:
             return self._failed(call, f"sink rejected the record: {result.error}")
-        return CommitCoords(
-            rollout_id=record.rollout_id,
-            model_call_id=record.model_call_id,
-            parent_call_id=record.parent_call_id,
-            prev_len=record.prev_len,
-            delta_len=record.delta_len,
-            cum_len=record.cum_len,
-            weight_version=record.weight_version,
-            disposition="staged",
-            digest=record.digest,
-            extras_digest=record.extras_digest,
-            staging_key=result.staging_key,
-            chain_hash=record.chain_hash,
-            cumulative_hash=record.cumulative_hash,
-        )
+        return staged_coords(record, result.staging_key)
 
     def _complete_blocking(self, call: ActiveCall, completion: _Completion) -> CommitCoords:
         if self._sink_is_async:  # checked before the call is claimed, so the async twin can still complete it
             raise CaptureError(_ASYNC_SINK)
-        return _run_blocking(self._completion_steps(call, completion), _ASYNC_SINK)
+        return run_blocking(self._completion_steps(call, completion), _ASYNC_SINK)
 
     def complete_call(
         self,
@@ -404,7 +324,7 @@ class RolloutTokenCapture:
         :raises CaptureError: the call was already completed.
         """
         completion = _Completion(prompt_token_ids, generated_token_ids, generated_logprobs, extras)
-        return await _run_async(self._completion_steps(call, completion))
+        return await run_async(self._completion_steps(call, completion))
 
     def _extract(self, call: ActiveCall, response_payload: object) -> _Completion | CommitCoords:
         """Run the adapter (§5.6); an extraction failure claims the call and fails it."""
@@ -440,7 +360,7 @@ class RolloutTokenCapture:
         extracted = self._extract(call, response_payload)
         if isinstance(extracted, CommitCoords):
             return extracted
-        return await _run_async(self._completion_steps(call, extracted))
+        return await run_async(self._completion_steps(call, extracted))
 
     def fail_call(self, call: ActiveCall, *, reason: str) -> CommitCoords:
         """Claim the call and acknowledge it as not captured (§5.6); *reason* is only logged.

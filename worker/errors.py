@@ -35,7 +35,8 @@ class GenerationCutError(CaptureError):
 
 
 class PrefixResolutionError(StagingError):
-    """Raised by :func:`worker.capture.resolve_prefix` when a ``staging_chain``
+    """Raised by :func:`worker.prefix.resolve_prefix` when a ``staging_chain``
     cannot be resolved to a verified prefix: a missing key, a length
-    mismatch, or a chain or cumulative hash that does not link. The call is
-    then served uncaptured and acknowledged with failed coordinates."""
+    mismatch, or a chain or cumulative hash that does not link. ``begin_call``
+    catches it: the call is then served uncaptured and acknowledged with
+    failed coordinates."""

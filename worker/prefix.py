@@ -28,7 +28,7 @@ __all__ = ("aresolve_prefix", "fetch_operation", "inline_prefix", "resolve_prefi
 def _packed_chain_ids(position: int, snapshot: object) -> tuple[int, bytes | None]:
     """``(delta_len, ids as u64 big-endian or None)`` of one fetched chain record.
 
-    A :class:`~sink.packed_snapshot.PackedSnapshot` (from ``fetch_packed``) carries the digest form of
+    A :class:`~sink.packed.PackedSnapshot` (from ``fetch_packed``) carries the digest form of
     its ids; a model snapshot fresh from a source carries the packed columns its decoding proved.
     """
     if isinstance(snapshot, PackedSnapshot):
@@ -46,7 +46,7 @@ def verify_staging_chain(
 ) -> list[int]:
     """Check fetched chain snapshots against *admission* and return the prefix ids (§5.2).
 
-    Snapshots may be models (``fetch``) or :class:`~sink.packed_snapshot.PackedSnapshot` (``fetch_packed``):
+    Snapshots may be models (``fetch``) or :class:`~sink.packed.PackedSnapshot` (``fetch_packed``):
     for packed ones the hashes run over their bytes and the prefix is built from the very bytes hashed.
 
     :raises PrefixResolutionError: wrong count, a gap in the chain, a

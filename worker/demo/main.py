@@ -1,11 +1,12 @@
 """``staging-sink demo``: one simulated RL step end to end, on a private durable server or on ``--redis-url``.
 
 Worker processes (``multiprocessing``, spawn) play gate and inference worker for their share of the
-rollouts (:mod:`sink.demo_worker`); this process runs the receipt :class:`~sink.assembler.Assembler` and a
-trainer :class:`~sink.trainer.RolloutReader` that pulls, verifies and acknowledges every rollout, all in
-one anyio task group under a deadline, with live progress on stderr and a summary on stdout. A few
-rollouts get an injected capture failure on purpose: they must come back skipped, with their reason, and
-every other rollout must verify. That is the exit status: 0 only if exactly that happened.
+rollouts (:mod:`worker.demo.worker_process`, started by :mod:`worker.demo.worker_pool`); this process
+runs the receipt :class:`~sink.assembler.Assembler` and a trainer :class:`~sink.reader.RolloutReader`
+that pulls, verifies and acknowledges every rollout, all in one anyio task group under a deadline, with
+live progress on stderr and a summary on stdout. A few rollouts get an injected capture failure on
+purpose: they must come back skipped, with their reason, and every other rollout must verify. That is
+the exit status: 0 only if exactly that happened.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ from sink.settings import DEFAULT_SHARDS, AssemblerSettings, ReaderSettings
 from sink.store.connection import Topology, map_redis_errors
 from sink.store.durability import verify_durability
 
-from .processes import WorkerPool, WorkersFailedError
 from .report import DemoTally, live_progress, render_summary, show_progress
-from .rollouts import RolloutPlan, WorkerConfig
+from .worker_pool import WorkerPool, WorkersFailedError
+from .worker_process import RolloutPlan, WorkerConfig
 
 __all__ = ("DemoOptions", "add_demo_parser", "make_plans", "run_demo", "run_demo_command")
 

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 
 from .report import DemoTally
-from .rollouts import WorkerConfig, worker_process_main
+from .worker_process import WorkerConfig, worker_process_main
 
 __all__ = ("WorkerPool", "WorkersFailedError")
 

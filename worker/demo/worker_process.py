@@ -1,11 +1,11 @@
 """The worker side of ``staging-sink demo``: one OS process that plays gate and inference worker.
 
 For each of its rollouts the process runs a multi-turn agent conversation against the real pipeline:
-the gate resolves the parent call through the :class:`~sink.ledger.RedisCaptureLedger` and builds the
+the gate resolves the parent call through the :class:`~sink.ledger.redis.RedisCaptureLedger` and builds the
 admission (contract §6.6), the inference worker begins the call through
 :class:`~worker.capture.RolloutTokenCapture` (a ``staging_chain`` prefix is fetched from the
-:class:`~sink.source.AsyncRedisStagingSource`), the :class:`~worker.engine.SimulatedEngine` generates,
-the capture stages the delta through the :class:`~sink.redis_sink.AsyncRedisStagingSink` *before* the
+:class:`~sink.store.source.AsyncRedisStagingSource`), the :class:`~worker.engine.SimulatedEngine` generates,
+the capture stages the delta through the :class:`~sink.store.sink.AsyncRedisStagingSink` *before* the
 response exists, the gate commits the ledger row, and at the end the framework calls
 :func:`~sink.assembler.finished`. Planned retries, abandoned branches and injected capture failures make
 the rollouts look like real agent traffic. This module is the demo's only bridge from ``sink`` into the
@@ -39,7 +39,8 @@ from sink.store.connection import Topology
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 
-from ..capture import ActiveCall, RolloutTokenCapture
+from ..call import ActiveCall
+from ..capture import RolloutTokenCapture
 from ..engine import SimulatedEngine
 
 __all__ = ("INJECTED_FAILURE_NOTE", "RolloutPlan", "WorkerConfig", "WorkerCounters", "worker_process_main")

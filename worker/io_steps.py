@@ -1,0 +1,82 @@
+"""Capture steps that make one I/O request, and the two drivers that perform it (blocking or awaited).
+
+:class:`~worker.capture.RolloutTokenCapture` writes each step of a call once,
+as a generator that yields at most one :class:`IoRequest` (``source.fetch`` or
+``sink.stage``) and receives its result, or its exception thrown in.
+:func:`run_blocking` performs the request in the calling thread,
+:func:`run_async` awaits it (or runs a blocking one in a worker thread), so
+the synchronous methods and their ``a``-prefixed async twins cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import anyio.to_thread
+
+from .errors import CaptureError
+
+__all__ = ("IoRequest", "Steps", "run_async", "run_blocking")
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class IoRequest:
+    """The one I/O request of a capture step: ``operation(argument)``, awaited when ``is_async``."""
+
+    operation: Callable[[Any], Any]
+    argument: object
+    is_async: bool
+
+
+Steps = Generator[IoRequest, Any, _T]
+"""Pure capture steps that yield at most one :class:`IoRequest` and receive its result (or its exception)."""
+
+
+def _resume(steps: Steps[_T], *, result: object = None, error: Exception | None = None) -> _T:
+    try:
+        if error is None:
+            steps.send(result)
+        else:
+            steps.throw(error)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    raise AssertionError("a capture step makes at most one I/O request")
+
+
+def run_blocking(steps: Steps[_T], async_misuse: str) -> _T:
+    """Drive *steps*, performing their I/O in this thread.
+
+    :raises CaptureError: *async_misuse*, when the step asks for an asynchronous operation.
+    """
+    try:
+        io = next(steps)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    if io.is_async:
+        steps.close()
+        raise CaptureError(async_misuse)
+    try:
+        result = io.operation(io.argument)
+    except Exception as exc:  # noqa: BLE001 -- the steps turn any I/O failure into failed coordinates (§5.1)
+        return _resume(steps, error=exc)
+    return _resume(steps, result=result)
+
+
+async def run_async(steps: Steps[_T]) -> _T:
+    """Drive *steps*, awaiting an async operation or running a blocking one in a worker thread."""
+    try:
+        io = next(steps)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    try:
+        if io.is_async:
+            result = await io.operation(io.argument)
+        else:
+            result = await anyio.to_thread.run_sync(io.operation, io.argument)
+    except Exception as exc:  # noqa: BLE001 -- cancellation is a BaseException and propagates
+        return _resume(steps, error=exc)
+    return _resume(steps, result=result)
