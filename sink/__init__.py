@@ -9,38 +9,103 @@ staging contract (schema 2); the records themselves live in :mod:`sink.records`.
 
 from __future__ import annotations
 
-from .assembler import Assembler as Assembler
-from .assembler import finished as finished
-from .errors import CodecError as CodecError
-from .errors import ReceiptVerificationError as ReceiptVerificationError
-from .errors import StagingConnectionError as StagingConnectionError
-from .errors import StagingError as StagingError
-from .ledger.gate import CaptureGate as CaptureGate
-from .ledger.redis import RedisCaptureLedger as RedisCaptureLedger
-from .reader import RolloutReader as RolloutReader
-from .server import durable_server as durable_server
-from .store.sink import AsyncRedisStagingSink as AsyncRedisStagingSink
-from .store.sink import RedisStagingSink as RedisStagingSink
-from .store.source import AsyncRedisStagingSource as AsyncRedisStagingSource
-from .store.source import RedisStagingSource as RedisStagingSource
-from .verify import LinearizedRow as LinearizedRow
-from .verify import verify_and_linearize as verify_and_linearize
+from .assembler import Assembler, AssemblerStatistics
+from .done_event import finished
+from .errors import (
+    CodecError,
+    LedgerConflictError,
+    MetricsExtraMissingError,
+    RebuildError,
+    ReceiptVerificationError,
+    RolloutRetiredError,
+    ServerNotFoundError,
+    ServerProcessError,
+    StagingConnectionError,
+    StagingError,
+)
+from .ledger.gate import CaptureGate
+from .ledger.memory import MemoryCaptureLedger
+from .ledger.redis import RedisCaptureLedger
+from .packed import PackedSnapshot
+from .pulled import PulledRollout
+from .reader import ReaderStatistics, RolloutReader
+from .records import (
+    CaptureAdmission,
+    CommitCoords,
+    RolloutManifest,
+    RolloutReceipt,
+    RolloutRemoval,
+    StagedCallRecord,
+    StagedCallSnapshot,
+    StageResult,
+    staging_key,
+)
+from .row import LinearizedRow
+from .server import DurableServer, durable_server
+from .settings import (
+    AssemblerSettings,
+    ConnectionSettings,
+    LedgerSettings,
+    ReaderSettings,
+    SinkSettings,
+    SourceSettings,
+)
+from .store.sink import AsyncRedisStagingSink, RedisStagingSink, SinkStatistics
+from .store.source import AsyncRedisStagingSource, RedisStagingSource
+from .verify import verify_and_linearize
 
-__all__ = (
-    "Assembler",
+# Grouped by role, as httpcore does; the wire records themselves are all in sink.records.
+__all__ = (  # noqa: RUF022 (grouped by role, not sorted)
+    # staging (inference side)
     "AsyncRedisStagingSink",
-    "AsyncRedisStagingSource",
-    "CaptureGate",
-    "CodecError",
-    "LinearizedRow",
-    "ReceiptVerificationError",
-    "RedisCaptureLedger",
     "RedisStagingSink",
+    "SinkStatistics",
+    "StageResult",
+    "StagedCallRecord",
+    "staging_key",
+    # reading staged calls back
+    "AsyncRedisStagingSource",
     "RedisStagingSource",
-    "RolloutReader",
-    "StagingConnectionError",
-    "StagingError",
-    "durable_server",
+    "StagedCallSnapshot",
+    "PackedSnapshot",
+    # the capture ledger and the gate
+    "CaptureGate",
+    "RedisCaptureLedger",
+    "MemoryCaptureLedger",
+    "CaptureAdmission",
+    "CommitCoords",
+    "RolloutManifest",
+    "RolloutRemoval",
+    # rollout end: finished events, receipts
     "finished",
+    "Assembler",
+    "AssemblerStatistics",
+    "RolloutReceipt",
+    # the trainer side
+    "RolloutReader",
+    "ReaderStatistics",
+    "PulledRollout",
     "verify_and_linearize",
+    "LinearizedRow",
+    # servers
+    "durable_server",
+    "DurableServer",
+    # settings
+    "ConnectionSettings",
+    "SinkSettings",
+    "SourceSettings",
+    "LedgerSettings",
+    "AssemblerSettings",
+    "ReaderSettings",
+    # exceptions
+    "StagingError",
+    "StagingConnectionError",
+    "CodecError",
+    "LedgerConflictError",
+    "RolloutRetiredError",
+    "ReceiptVerificationError",
+    "RebuildError",
+    "ServerNotFoundError",
+    "ServerProcessError",
+    "MetricsExtraMissingError",
 )
