@@ -32,7 +32,7 @@ from typing import Any, Final, NamedTuple
 import msgpack
 from pydantic import ValidationError
 
-from ._packed.columns import (
+from ._packed import (
     ID_TYPECODES,
     MASK_CODES,
     PackedColumns,
@@ -41,9 +41,9 @@ from ._packed.columns import (
     f32_exact,
     finite_lanes,
     mask_values_from_codes,
+    pack_validated_columns,
     unpack_list,
 )
-from ._packed.record_columns import pack_validated_columns
 from .errors import CodecError
 from .packed import PackedSnapshot, verified_packed_snapshot
 from .records import _SCALAR_DIGEST_FIELDS, _TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot

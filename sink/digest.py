@@ -8,7 +8,7 @@ done with map/count/compress pipelines that also run in C.
 
 The public functions check everything (contract §4.3). Record validators,
 which have already proved types and rules 1-8, hash pre-packed columns via
-``_staging_digest_from_packed`` (see :mod:`sink._packed.columns`); the payload
+``_staging_digest_from_packed`` (see :mod:`sink._packed`); the payload
 layout is the same ``_digest_head`` + framed columns + tail either way.
 """
 
@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
-from ._packed.columns import _ids_from_marshal, _pack_f32be, is_token_id_list
+from ._packed import ids_from_marshal, is_token_id_list, pack_f32be
 
 __all__ = (
     "CALL_DIGEST_DOMAIN",
@@ -103,7 +103,7 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
         ``>= 2**64``.
     """
     # Fast path: marshal proves a list of exact ints in [0, 2**31) and hands over their bytes.
-    fast = _ids_from_marshal(token_ids, with_le=False) if type(token_ids) is list else None
+    fast = ids_from_marshal(token_ids, with_le=False) if type(token_ids) is list else None
     if fast is not None:
         return _U64.pack(len(token_ids)) + fast[1]
     # list.count compares by identity first: one C pass, no set building
@@ -132,7 +132,7 @@ def encode_f32s(values: Sequence[float]) -> bytes:
         raise ValueError("mask and log-probability values must be finite and within binary32 range")
     # struct rounds to nearest binary32 and fails exactly when a finite float64
     # rounds to infinity.
-    packed = _pack_f32be(values)
+    packed = pack_f32be(values)
     if packed is None:
         raise ValueError("mask and log-probability values must be finite and within binary32 range")
     return _U64.pack(len(values)) + packed

@@ -22,8 +22,16 @@ from typing import Any, Final, NamedTuple
 
 from pydantic import BaseModel, ValidationError, create_model
 
-from ._packed.columns import PackedColumns, TrustedColumns, f32_exact, ids_u64be, unpack_list
-from ._packed.record_columns import pack_validated_columns, prove_stored_columns, staging_delta_columns
+from ._packed import (
+    PackedColumns,
+    TrustedColumns,
+    f32_exact,
+    ids_u64be,
+    pack_validated_columns,
+    prove_stored_columns,
+    staging_delta_columns,
+    unpack_list,
+)
 from .digest import _staging_digest_from_packed, compute_extras_digest
 from .errors import CodecError
 from .records import (

@@ -25,15 +25,15 @@ from pydantic import (
     model_validator,
 )
 
-from ._packed.columns import (
+from ._packed import (
     Buffers,
     ColumnCache,
     PackedColumns,
     TrustedColumns,
     pack_ids,
+    pack_validated_columns,
 )
-from ._packed.record_columns import pack_validated_columns
-from ._packed.record_columns import trusted_components as _trusted_components
+from ._packed import trusted_components as _trusted_components
 from .digest import (
     EMPTY_EXTRAS_DIGEST,
     EXTRAS_DIGEST_VERSION,

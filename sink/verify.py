@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Final, NamedTuple, TypeAlias
 
-from ._packed.columns import PackedColumns
+from ._packed import PackedColumns
 from .digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
 from .errors import RebuildError, ReceiptVerificationError
 from .packed import PackedSnapshot
