@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from sink import records as R
+from sink import staged_records
 from sink.digest import (
     EMPTY_EXTRAS_DIGEST,
     compute_chain_hash,
@@ -583,23 +584,23 @@ def test_from_components_derives_nothing_but_the_digest() -> None:
 
 @pytest.fixture
 def digest_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Record every call digest computation made by ``sink.records``."""
+    """Record every call digest computation made by the staged-call records."""
     calls: list[dict[str, Any]] = []
-    original = R.compute_staging_digest  # type: ignore[attr-defined]
+    original = staged_records.compute_staging_digest
 
     def counting(**fields: Any) -> str:
         calls.append(fields)
         return original(**fields)
 
-    monkeypatch.setattr(R, "compute_staging_digest", counting)
+    monkeypatch.setattr(staged_records, "compute_staging_digest", counting)
     # The fast path hashes packed columns through a second entry point; count it too.
-    packed = R._staging_digest_from_packed  # type: ignore[attr-defined]
+    packed = staged_records.staging_digest_from_packed
 
-    def counting_packed(**fields: Any) -> str:
-        calls.append(fields)
-        return packed(**fields)
+    def counting_packed(fields: Mapping[str, Any], *columns: Any) -> str:
+        calls.append(dict(fields))
+        return packed(fields, *columns)
 
-    monkeypatch.setattr(R, "_staging_digest_from_packed", counting_packed)
+    monkeypatch.setattr(staged_records, "staging_digest_from_packed", counting_packed)
     return calls
 
 

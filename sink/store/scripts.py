@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from .. import record_schema
+
 __all__ = (
     "CALLS_ENTRY_FIELDS",
     "STAGE_CONFLICT",
@@ -26,8 +28,8 @@ STAGE_SAME: Final = 2
 STAGE_CONFLICT: Final = 0
 STAGE_WRONG_TYPE: Final = -1
 
-# Field names of one token-free entry in ns:{R}:calls, in ARGV order.
-CALLS_ENTRY_FIELDS: Final = ("key", "call", "parent", "digest", "prev_len", "delta_len", "cum_len", "weight", "bytes")
+# Field names of one token-free entry in ns:{R}:calls, in ARGV order (from the record field table).
+CALLS_ENTRY_FIELDS: Final = record_schema.CALLS_ENTRY_FIELDS
 
 # KEYS: rec_1, calls_1, rec_2, calls_2, ...
 # ARGV: head_bytes, rewrite_present ('1' or '0'), then per record: digest, blob, then the values of
