@@ -249,6 +249,8 @@ def _linearize_chain(
         # "Zeros then ones" holds iff the first 1.0 sits right after the zeros.
         if generated and first_one != carry:
             raise RebuildError("invalid_mask_order", f"{call_id!r}: masks are not carry zeros followed by ones")
+        # Step 11's "at least one 1.0" per chain call. It also makes step 12 ("some mask in the row
+        # is 1.0", empty_training_row) hold for every chain, so that defensive check has no branch.
         if not generated:
             raise RebuildError("empty_generation", f"{call_id!r}: the delta has no generated (mask 1.0) token")
         end = offset + length
@@ -256,8 +258,6 @@ def _linearize_chain(
         links.append(LinkSpan(call_id, carry, generated))
         commitments.append(ExtrasCommitment(call_id, record.extras_digest_version, record.extras_digest))
         offset = end
-    if not any(link.generated_count for link in links):
-        raise RebuildError("empty_training_row", f"rollout {receipt.rollout_id!r}: no mask in the row is 1.0")
     columns, row_hash = _row_columns([snapshots[position] for position in chain], chain_calls, offset)
     terminal = manifest[chain[-1]]
     if row_hash != terminal.cumulative_hash:
