@@ -37,7 +37,7 @@ from .digest import (
     staging_digest_from_packed,
 )
 from .record_base import CaptureMode, DigestHex, DigestWireModel, Identifier, NonNegativeInt, staging_key
-from .record_schema import COLUMN_FIELDS, DIGEST_SCALAR_FIELDS, lineage_problem
+from .record_schema import COLUMN_FIELDS, DIGEST_SCALAR_FIELDS, RECORD_FIELDS, lineage_problem
 
 __all__ = (
     "BUILD_STAGING_DIGEST",
@@ -155,8 +155,8 @@ class StagedCallBaseSnapshot(DigestWireModel):
     def _packed_digest(self, digest_forms: tuple[Buffers, Buffers, Buffers]) -> str | None:
         """The call digest over ``PackedColumns.digest_forms()`` of proved columns, or ``None`` if a pre-check fails."""
         try:
-            return staging_digest_from_packed(self.__dict__, *digest_forms)
-        except (ValueError, TypeError):
+            return staging_digest_from_packed(self.__dict__, *digest_forms)  # the field values, by name
+        except (ValueError, TypeError, KeyError):
             return None
 
     def _reference_digest(self) -> str:
@@ -199,6 +199,12 @@ class StagedCallBaseSnapshot(DigestWireModel):
             )
         )
         return self
+
+
+# The model spells the table's fields out with their types; it must list them in table order.
+assert tuple(StagedCallBaseSnapshot.model_fields) == tuple(field.name for field in RECORD_FIELDS), (
+    "StagedCallBaseSnapshot drifted from RECORD_FIELDS"
+)
 
 
 class StagedCallRecord(StagedCallBaseSnapshot):
