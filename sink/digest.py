@@ -144,8 +144,15 @@ _ENCODERS: Final[dict[str, Callable[[Any], bytes]]] = {
     "hex": hex_bytes,
     "present_hex": _present_hex,
 }
-_HEAD_ENCODERS: Final = tuple((name, _ENCODERS[kind]) for name, kind in DIGEST_HEAD_INPUTS)
-_TAIL_ENCODERS: Final = tuple((name, _ENCODERS[kind]) for name, kind in DIGEST_TAIL_INPUTS)
+# Per payload part (before / after the columns): one getter for the field values, their encoders in order.
+_HEAD: Final = (
+    operator.itemgetter(*(name for name, _ in DIGEST_HEAD_INPUTS)),
+    [_ENCODERS[k] for _, k in DIGEST_HEAD_INPUTS],
+)
+_TAIL: Final = (
+    operator.itemgetter(*(name for name, _ in DIGEST_TAIL_INPUTS)),
+    [_ENCODERS[k] for _, k in DIGEST_TAIL_INPUTS],
+)
 
 
 def digest_scalar_parts(fields: Mapping[str, Any]) -> tuple[bytes, bytes]:
@@ -156,11 +163,12 @@ def digest_scalar_parts(fields: Mapping[str, Any]) -> tuple[bytes, bytes]:
     :raises ValueError: a u64 or hex field is invalid.
     :raises TypeError: an id field is not a ``str``.
     """
-    return _encode(_HEAD_ENCODERS, fields), _encode(_TAIL_ENCODERS, fields)
+    return _encode(_HEAD, fields), _encode(_TAIL, fields)
 
 
-def _encode(encoders: tuple[tuple[str, Callable[[Any], bytes]], ...], fields: Mapping[str, Any]) -> bytes:
-    return b"".join([encode(fields[name]) for name, encode in encoders])
+def _encode(part: tuple[operator.itemgetter[Any], list[Callable[[Any], bytes]]], fields: Mapping[str, Any]) -> bytes:
+    values, encoders = part
+    return b"".join(map(operator.call, encoders, values(fields)))
 
 
 def compute_staging_digest(
@@ -228,11 +236,11 @@ def compute_staging_digest(
     if cum_len != prev_len + delta_len:
         raise ValueError("cum_len must equal prev_len + delta_len")
     hex_bytes(extras_digest)  # reported before the other fields
-    head = _encode(_HEAD_ENCODERS, scalars)
+    head = _encode(_HEAD, scalars)
     ids = encode_token_ids(token_ids_delta)
     mask = encode_f32s(token_mask_delta)
     log_probs = encode_f32s(generation_log_probs_delta)
-    tail = _encode(_TAIL_ENCODERS, scalars)
+    tail = _encode(_TAIL, scalars)
     digest = hashlib.sha256(CALL_DIGEST_DOMAIN)
     for part in (head, length_prefixed(ids), length_prefixed(mask), length_prefixed(log_probs), tail):
         digest.update(part)
@@ -262,7 +270,9 @@ def staging_digest_from_packed(
     parent_call_id, prev_len, delta_len = fields["parent_call_id"], fields["prev_len"], fields["delta_len"]
     mode = fields["mode"]
     if (
-        any(unsupported_version(name, fields[name], expected) for name, expected in SUPPORTED_VERSIONS.items())
+        unsupported_version("schema_version", fields["schema_version"], STAGING_SCHEMA_VERSION)
+        or unsupported_version("digest_version", fields["digest_version"], STAGING_DIGEST_VERSION)
+        or unsupported_version("extras_digest_version", fields["extras_digest_version"], EXTRAS_DIGEST_VERSION)
         or not fields["rollout_id"]
         or not fields["model_call_id"]
         or parent_call_id == ""

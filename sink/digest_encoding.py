@@ -9,7 +9,6 @@ map/count pipelines that also run in C.
 from __future__ import annotations
 
 import math
-import re
 import struct
 import sys
 from array import array
@@ -32,12 +31,23 @@ __all__ = (
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 #: A u64 big-endian (counts and lengths).
 U64: Final = struct.Struct(">Q")
-_HEX_RE: Final = re.compile(r"[0-9a-f]{64}")
+
+
+def _digest_bytes(value: object) -> bytes | None:
+    """The 32 bytes of *value* if it is a ``str`` of exactly 64 lowercase hex digits, else ``None``."""
+    if type(value) is not str or len(value) != 64:
+        return None
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        return None
+    # fromhex also accepts upper case and whitespace; only the canonical spelling round-trips
+    return raw if raw.hex() == value else None
 
 
 def is_digest_hex(value: object) -> bool:
     """Return whether *value* is a ``str`` of exactly 64 lowercase hex digits."""
-    return type(value) is str and _HEX_RE.fullmatch(value) is not None
+    return _digest_bytes(value) is not None
 
 
 def encode_u64(n: object) -> bytes:
@@ -68,10 +78,10 @@ def hex_bytes(h: object) -> bytes:
 
     :raises ValueError: *h* is not such a digest.
     """
-    if not is_digest_hex(h):
+    raw = _digest_bytes(h)
+    if raw is None:
         raise ValueError(f"not a 64-character lowercase hex digest: {h!r}")
-    assert isinstance(h, str)
-    return bytes.fromhex(h)
+    return raw
 
 
 def length_prefixed(payload: bytes) -> bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from .record_schema import (
     EXTRAS_DIGEST_VERSION,
@@ -70,7 +70,12 @@ class DigestWireModel(WireModel):
     digest_version: Literal[2] = STAGING_DIGEST_VERSION
     extras_digest_version: Literal[1] = EXTRAS_DIGEST_VERSION
 
-    @field_validator("digest_version", "extras_digest_version", mode="before")
+    @field_validator("digest_version", mode="before")
     @classmethod
-    def _check_digest_versions(cls, value: object, info: ValidationInfo) -> object:
-        return _exact_version(value, info.field_name or "")
+    def _check_digest_version(cls, value: object) -> object:
+        return _exact_version(value, "digest_version")
+
+    @field_validator("extras_digest_version", mode="before")
+    @classmethod
+    def _check_extras_digest_version(cls, value: object) -> object:
+        return _exact_version(value, "extras_digest_version")
