@@ -9,7 +9,12 @@ the field order of :class:`~sink.records.StagedCallBaseSnapshot`; the
 payload ``extras`` of :class:`~sink.records.StagedCallRecord` is not in it
 (it is hashed on its own, contract §4.6).
 
-Adding a field means adding a row here and the field to the record model.
+Adding a field means a row here, the field (with its type) on
+``StagedCallBaseSnapshot`` and on ``sink.packed.PackedSnapshot`` (both check
+at import that they list exactly the table's fields, in order). Every
+scalar is stored by the codec: a new one changes the blob's key set, so
+decide on ``sink.codec.CODEC_VERSION`` too; a new digest input is a new
+digest version (contract §4).
 """
 
 from __future__ import annotations
