@@ -4,7 +4,8 @@ Layout (architecture §5): a msgpack map whose first entry is the codec
 version (``"v": CODEC_VERSION``) and whose second is the call digest as hex
 text, so the digest always sits within the first :data:`DIGEST_HEAD_BYTES`
 bytes (the staging script compares digests with ``GETRANGE``). Scalars are
-msgpack scalars under their record field names, ``extras`` a msgpack map (or
+msgpack scalars under their record field names (``STORED_SCALAR_FIELDS`` of
+:mod:`sink.record_schema`, in that order), ``extras`` a msgpack map (or
 nil), and the token columns are msgpack ``bin`` values:
 
 * ``ids``: little-endian u32 per token when every id fits (``ids_width`` 4),
@@ -32,7 +33,7 @@ from typing import Any, Final, NamedTuple
 import msgpack
 from pydantic import ValidationError
 
-from ._packed.columns import (
+from ._packed import (
     ID_TYPECODES,
     MASK_CODES,
     PackedColumns,
@@ -41,12 +42,13 @@ from ._packed.columns import (
     f32_exact,
     finite_lanes,
     mask_values_from_codes,
+    pack_validated_columns,
     unpack_list,
 )
-from ._packed.record_columns import pack_validated_columns
 from .errors import CodecError
 from .packed import PackedSnapshot, verified_packed_snapshot
-from .records import _SCALAR_DIGEST_FIELDS, _TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot
+from .record_schema import STORED_SCALAR_FIELDS, unsupported_version
+from .staged_records import TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot
 
 __all__ = (
     "CODEC_VERSION",
@@ -65,10 +67,8 @@ DIGEST_HEAD_BYTES: Final = 79
 
 _FLOAT_TYPECODES: Final = {4: "f", 8: "d"}
 
-#: Stored as msgpack scalars under their record field names, in this order.
-_SCALAR_FIELDS: Final = _SCALAR_DIGEST_FIELDS
 _COLUMN_KEYS: Final = ("ids_width", "ids", "mask", "log_prob_width", "log_probs")
-_KEYS: Final = frozenset(("v", "digest", *_SCALAR_FIELDS, *_COLUMN_KEYS, "extras"))
+_KEYS: Final = frozenset(("v", "digest", *STORED_SCALAR_FIELDS, *_COLUMN_KEYS, "extras"))
 
 
 # --- encoding -----------------------------------------------------------------
@@ -113,7 +113,7 @@ def encode_record(record: StagedCallRecord) -> bytes:
     packed = _packed_columns(record)
     log_prob_width, log_probs = _log_prob_column(packed, record.generation_log_probs_delta)
     payload: dict[str, Any] = {"v": CODEC_VERSION, "digest": record.digest}
-    for name in _SCALAR_FIELDS:
+    for name in STORED_SCALAR_FIELDS:
         payload[name] = getattr(record, name)
     payload["ids_width"] = packed.ids_width
     payload["ids"] = packed.ids_le
@@ -151,9 +151,8 @@ def _check_structure(obj: object) -> dict[str, Any]:
         raise CodecError(f"malformed record blob: top level is {type(obj).__name__}, not a map")
     if next(iter(obj), None) != "v":
         raise CodecError("malformed record blob: the codec version must be the first map entry")
-    version = obj["v"]
-    if type(version) is not int or version != CODEC_VERSION:
-        raise CodecError(f"unsupported codec version {version!r} (only {CODEC_VERSION} is accepted)")
+    if problem := unsupported_version("codec version", obj["v"], CODEC_VERSION):
+        raise CodecError(problem)
     if obj.keys() != _KEYS:
         missing, unknown = _KEYS - obj.keys(), obj.keys() - _KEYS
         raise CodecError(f"malformed record blob: missing keys [{_names(missing)}], unknown keys [{_names(unknown)}]")
@@ -272,7 +271,7 @@ def _snapshot(blob: _Blob) -> StagedCallSnapshot:
     mask = mask_values_from_codes(codes)
     log_probs = unpack_list((lp_le,), _FLOAT_TYPECODES[lp_width])
     trusted = _trust(ids, ids_width, ids_le, mask, codes, log_probs, lp_width, lp_le)
-    record = {name: fields[name] for name in _SCALAR_FIELDS}
+    record = {name: fields[name] for name in STORED_SCALAR_FIELDS}
     record.update(
         digest=fields["digest"],
         token_ids_delta=ids,
@@ -280,7 +279,7 @@ def _snapshot(blob: _Blob) -> StagedCallSnapshot:
         generation_log_probs_delta=log_probs,
         extras=fields["extras"],
     )
-    context = None if trusted is None else {_TRUSTED_COLUMNS_KEY: trusted}
+    context = None if trusted is None else {TRUSTED_COLUMNS_KEY: trusted}
     try:
         return StagedCallSnapshot.model_validate(record, context=context)
     except ValidationError as exc:
@@ -303,7 +302,7 @@ def decode_record(data: bytes, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYT
 
 
 def decode_packed_record(data: bytes, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> PackedSnapshot:
-    """Decode and fully verify a codec blob into a :class:`~sink.packed_snapshot.PackedSnapshot`.
+    """Decode and fully verify a codec blob into a :class:`~sink.packed.PackedSnapshot`.
 
     The same checks as :func:`decode_record`, proved on the stored bytes
     without building per-token Python objects; a blob this path cannot prove

@@ -12,7 +12,7 @@ built stays true: the trainer reader verifies receipts against the packed
 snapshots it fetched itself without hashing their digests a second time.
 Build one only through :func:`sink.codec.decode_packed_record` (or
 :meth:`PackedSnapshot.of` from a validated snapshot); the constructor does no
-checking, which is why the public :func:`sink.rebuild.verify_and_linearize`
+checking, which is why the public :func:`sink.verify.verify_and_linearize`
 takes model snapshots only (:meth:`PackedSnapshot.to_snapshot` converts).
 """
 
@@ -22,18 +22,21 @@ from typing import Any, Final, NamedTuple
 
 from pydantic import BaseModel, ValidationError, create_model
 
-from ._packed.columns import PackedColumns, TrustedColumns, f32_exact, ids_u64be, unpack_list
-from ._packed.record_columns import pack_validated_columns, prove_stored_columns, staging_delta_columns
-from .digest import _staging_digest_from_packed, compute_extras_digest
-from .errors import CodecError
-from .records import (
-    _COLUMN_FIELDS,
-    _SCALAR_DIGEST_FIELDS,
-    StagedCallBaseSnapshot,
-    StagedCallSnapshot,
-    _DigestWireModel,
-    staging_key,
+from ._packed import (
+    PackedColumns,
+    TrustedColumns,
+    f32_exact,
+    ids_u64be,
+    pack_validated_columns,
+    prove_stored_columns,
+    staging_delta_columns,
+    unpack_list,
 )
+from .digest import compute_extras_digest, staging_digest_from_packed
+from .errors import CodecError
+from .record_base import DigestWireModel, staging_key
+from .record_schema import SCALAR_FIELDS
+from .staged_records import StagedCallBaseSnapshot, StagedCallSnapshot
 
 # The packed-column API the worker builds on (sink._packed stays private to sink).
 __all__ = (
@@ -45,19 +48,19 @@ __all__ = (
     "verified_packed_snapshot",
 )
 
-# The scalar fields of a staged call with exactly the types and constraints of
-# StagedCallBaseSnapshot (taken from it, so the two cannot drift apart).
+# The scalar fields of a staged call (the table's SCALAR_FIELDS) with exactly the types and
+# constraints of StagedCallBaseSnapshot (taken from it, so the two cannot drift apart).
 _Scalars: Final[type[BaseModel]] = create_model(
     "_StagedCallScalars",
-    __base__=_DigestWireModel,
+    __base__=DigestWireModel,
     **{  # type: ignore[call-overload]
-        name: (field.annotation, field)
-        for name, field in StagedCallBaseSnapshot.model_fields.items()
-        if name not in _COLUMN_FIELDS and name not in _DigestWireModel.model_fields
+        name: (StagedCallBaseSnapshot.model_fields[name].annotation, StagedCallBaseSnapshot.model_fields[name])
+        for name in SCALAR_FIELDS
+        if name not in DigestWireModel.model_fields
     },
 )
 #: Scalar names read from a stored blob, versions included.
-SCALAR_NAMES: Final = tuple(_Scalars.model_fields)
+SCALAR_NAMES: Final = SCALAR_FIELDS
 
 
 class PackedSnapshot(NamedTuple):
@@ -158,6 +161,10 @@ class PackedSnapshot(NamedTuple):
         return f"PackedSnapshot({self.staging_key!r}, delta_len={self.delta_len}, digest={self.digest[:12]}...)"
 
 
+# The named tuple spells the table's scalars out for type checkers; it must list them in table order.
+assert PackedSnapshot._fields[: len(SCALAR_FIELDS)] == SCALAR_FIELDS, "PackedSnapshot drifted from RECORD_FIELDS"
+
+
 def verified_packed_snapshot(
     fields: dict[str, Any], ids_le: bytes, ids_width: int, mask_codes: bytes, lp_le: bytes, lp_width: int
 ) -> PackedSnapshot | None:
@@ -180,20 +187,9 @@ def verified_packed_snapshot(
             return None
         scalars = dict(validated.__dict__)  # the validated field values (dict(model) is ~30x slower)
         ids_be = ids_u64be(ids_le, ids_width, columns.length)
-        digest = _staging_digest_from_packed(
-            versions=(scalars["schema_version"], scalars["digest_version"], scalars["extras_digest_version"]),
-            **{name: scalars[name] for name in _DIGEST_SCALARS},
-            ids_u64be=(ids_be,),
-            mask_f32be=columns.mask_f32be or (),
-            lp_f32be=(columns.lp_f32be,),
-        )
+        digest = staging_digest_from_packed(scalars, (ids_be,), columns.mask_f32be or (), (columns.lp_f32be,))
         if digest != scalars["digest"] or compute_extras_digest(extras) != scalars["extras_digest"]:
             return None
     except (ValidationError, ValueError, TypeError):  # the reference decode reports it precisely
         return None
     return PackedSnapshot(**scalars, extras=extras, columns=columns, ids_u64be=ids_be)
-
-
-# Keyword inputs of _staging_digest_from_packed besides the versions and the columns: the
-# digest's scalar inputs after the three versions.
-_DIGEST_SCALARS: Final = _SCALAR_DIGEST_FIELDS[3:]

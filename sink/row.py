@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._packed.columns import PackedColumns
+from ._packed import PackedColumns
 
 if TYPE_CHECKING:
     import numpy as np

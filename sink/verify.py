@@ -10,7 +10,7 @@ the order of contract §8.1; the first failure raises a
 no side effects, and is deterministic, so it is safe to retry.
 
 Snapshots come as :class:`~sink.records.StagedCallBaseSnapshot` models or as
-:class:`~sink.packed_snapshot.PackedSnapshot` (the trainer's decode form,
+:class:`~sink.packed.PackedSnapshot` (the trainer's decode form,
 whose digest was recomputed over its bytes when it was decoded and which is
 immutable). A row built only from packed snapshots keeps their bytes and
 builds Python tuples only when a column is read (see :mod:`sink.row`).
@@ -22,10 +22,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Final, NamedTuple, TypeAlias
 
-from ._packed.columns import PackedColumns
+from ._packed import PackedColumns
 from .digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
 from .errors import RebuildError, ReceiptVerificationError
 from .packed import PackedSnapshot
+from .record_schema import IDENTITY_FIELDS, SUPPORTED_VERSIONS, unsupported_version
 from .records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
 from .row import ExtrasCommitment, LinearizedRow, LinkSpan, NumpyColumns, RowColumns, WeightVersionSpan
 
@@ -39,28 +40,12 @@ __all__ = (
     "verify_and_linearize",
 )
 
-# Step 8f: compared between snapshot and manifest row, first mismatch wins.
-_IDENTITY_FIELDS: Final = (
-    "model_call_id",
-    "parent_call_id",
-    "mode",
-    "prev_len",
-    "delta_len",
-    "cum_len",
-    "weight_version",
-    "digest",
-    "extras_digest",
-    "chain_hash",
-    "cumulative_hash",
-)
-# Step 8g: equal on snapshot, manifest row and receipt.
-_VERSION_FIELDS: Final = ("schema_version", "digest_version", "extras_digest_version")
-# Step 2: receipt versions and the code for each.
-_RECEIPT_VERSIONS: Final = (
-    ("schema_version", 2, "unsupported_schema"),
-    ("digest_version", 2, "unsupported_digest"),
-    ("extras_digest_version", 1, "unsupported_extras_digest"),
-)
+# Step 2: the code for each unsupported receipt version.
+_VERSION_CODES: Final = {
+    "schema_version": "unsupported_schema",
+    "digest_version": "unsupported_digest",
+    "extras_digest_version": "unsupported_extras_digest",
+}
 _MISSING: Final = object()
 
 #: What verification takes per manifest row.
@@ -92,10 +77,9 @@ def _check_argument_types(receipt: object, snapshots: object) -> None:
 
 def _check_receipt_state(receipt: RolloutReceipt) -> None:
     # Steps 2-5.
-    for name, expected, code in _RECEIPT_VERSIONS:
-        value = getattr(receipt, name, _MISSING)
-        if type(value) is not int or value != expected:
-            raise _fail(code, f"receipt {name} is {value!r}, only {expected} is supported")
+    for name, expected in SUPPORTED_VERSIONS.items():
+        if problem := unsupported_version(f"receipt {name}", getattr(receipt, name, _MISSING), expected):
+            raise _fail(_VERSION_CODES[name], problem)
     if receipt.failure_reason is not None:
         raise _fail("rollout_failed", f"rollout {receipt.rollout_id!r} failed: {receipt.failure_reason}")
     if receipt.capture_poisoned:
@@ -146,11 +130,11 @@ def _verify_snapshot(
     staged_owner = getattr(snapshot, "rollout_id", _MISSING)
     if staged_owner != owner:
         raise _fail("wrong_rollout", f"{where}: snapshot staged under {staged_owner!r}, expected {owner!r}")
-    for name in _IDENTITY_FIELDS:
+    for name in IDENTITY_FIELDS:  # step 8f: first mismatch wins
         staged, recorded = getattr(snapshot, name, _MISSING), getattr(record, name)
         if staged != recorded:
             raise _fail(f"wrong_{name}", f"{where}: snapshot {name} {staged!r} != manifest {recorded!r}")
-    for name in _VERSION_FIELDS:
+    for name in SUPPORTED_VERSIONS:  # step 8g: equal on snapshot, manifest row and receipt
         values = (getattr(snapshot, name, _MISSING), getattr(record, name), getattr(receipt, name))
         if not values[0] == values[1] == values[2]:
             raise _fail(f"wrong_{name}", f"{where}: {name} differs (snapshot, manifest, receipt) = {values!r}")
@@ -265,6 +249,8 @@ def _linearize_chain(
         # "Zeros then ones" holds iff the first 1.0 sits right after the zeros.
         if generated and first_one != carry:
             raise RebuildError("invalid_mask_order", f"{call_id!r}: masks are not carry zeros followed by ones")
+        # Step 11's "at least one 1.0" per chain call. It also makes step 12 ("some mask in the row
+        # is 1.0", empty_training_row) hold for every chain, so that defensive check has no branch.
         if not generated:
             raise RebuildError("empty_generation", f"{call_id!r}: the delta has no generated (mask 1.0) token")
         end = offset + length
@@ -272,8 +258,6 @@ def _linearize_chain(
         links.append(LinkSpan(call_id, carry, generated))
         commitments.append(ExtrasCommitment(call_id, record.extras_digest_version, record.extras_digest))
         offset = end
-    if not any(link.generated_count for link in links):
-        raise RebuildError("empty_training_row", f"rollout {receipt.rollout_id!r}: no mask in the row is 1.0")
     columns, row_hash = _row_columns([snapshots[position] for position in chain], chain_calls, offset)
     terminal = manifest[chain[-1]]
     if row_hash != terminal.cumulative_hash:

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sink.records as R
+import sink.staged_records as staged_module
 from sink._packed import columns as _columns
 from sink._packed import record_columns as _record_columns
 from sink.codec import CODEC_VERSION, DIGEST_HEAD_BYTES, decode_record, encode_record
@@ -204,8 +205,8 @@ def test_fast_path_accepts_exactly_what_the_reference_path_accepts(
 
     fast = (_outcome(validate), _outcome(from_components))
     with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(R, "pack_validated_columns", lambda *args: None)
-        patched.setattr(R, "_trusted_components", lambda *args: None)
+        patched.setattr(staged_module, "pack_validated_columns", lambda *args: None)
+        patched.setattr(staged_module, "trusted_components", lambda *args: None)
         reference = (_outcome(validate), _outcome(from_components))
     assert fast == reference
 

@@ -148,7 +148,7 @@ def test_the_usual_shape_is_proved_on_the_bytes_without_the_reference_decode(mon
 @settings(max_examples=80, deadline=None)
 @given(st.sampled_from([4, 8]), st.integers(0, 700), st.randoms(use_true_random=False))
 def test_numpy_and_plain_id_widening_agree(width: int, length: int, rng: Any) -> None:
-    from sink._packed.columns import ids_u64be, ids_u64be_plain
+    from sink._packed.ids import ids_u64be, ids_u64be_plain
 
     ids_le = rng.randbytes(width * length)
     assert ids_u64be(ids_le, width, length) == ids_u64be_plain(ids_le, width, length)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
+from sink import digest, record_schema
 from sink import records as R
 from sink.digest import (
     EMPTY_EXTRAS_DIGEST,
@@ -583,23 +584,23 @@ def test_from_components_derives_nothing_but_the_digest() -> None:
 
 @pytest.fixture
 def digest_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Record every call digest computation made by ``sink.records``."""
+    """Record every call digest computation made by the staged-call records."""
     calls: list[dict[str, Any]] = []
-    original = R.compute_staging_digest  # type: ignore[attr-defined]
+    original = digest.compute_staging_digest
 
     def counting(**fields: Any) -> str:
         calls.append(fields)
         return original(**fields)
 
-    monkeypatch.setattr(R, "compute_staging_digest", counting)
+    monkeypatch.setattr("sink.staged_records.compute_staging_digest", counting)
     # The fast path hashes packed columns through a second entry point; count it too.
-    packed = R._staging_digest_from_packed  # type: ignore[attr-defined]
+    packed = digest.staging_digest_from_packed
 
-    def counting_packed(**fields: Any) -> str:
-        calls.append(fields)
-        return packed(**fields)
+    def counting_packed(fields: Mapping[str, Any], *columns: Any) -> str:
+        calls.append(dict(fields))
+        return packed(fields, *columns)
 
-    monkeypatch.setattr(R, "_staging_digest_from_packed", counting_packed)
+    monkeypatch.setattr("sink.staged_records.staging_digest_from_packed", counting_packed)
     return calls
 
 
@@ -697,7 +698,8 @@ def test_same_inputs_give_the_same_digest(components: dict[str, Any]) -> None:
     assert R.StagedCallSnapshot.model_validate_json(first.model_dump_json()) == R.StagedCallSnapshot(**wire)
     base_wire = _dropped(wire, "extras")
     assert R.StagedCallBaseSnapshot.model_validate(base_wire).digest == first.digest
-    assert compute_staging_digest(**_dropped(base_wire, "digest")) == first.digest
+    digest_inputs = (*record_schema.DIGEST_SCALAR_FIELDS, *record_schema.COLUMN_FIELDS)
+    assert compute_staging_digest(**{name: base_wire[name] for name in digest_inputs}) == first.digest
 
 
 def _other_hex(value: str) -> str:
@@ -749,3 +751,84 @@ def test_tampering_any_single_field_is_rejected(
         model.model_validate(tampered)
     with pytest.raises(ValidationError):
         model.model_validate_json(json.dumps(tampered))
+
+
+# --- the field table and its derivations (sink.record_schema) -----------------------
+
+# The orders below are wire facts: the digest payload (contract §4.3), the codec's
+# stored scalars, step 8f of contract §8.1 and the calls-stream entry. A table
+# edit that changes one of them fails here.
+DIGEST_SCALARS_ON_THE_WIRE = (
+    "schema_version",
+    "digest_version",
+    "extras_digest_version",
+    "rollout_id",
+    "model_call_id",
+    "parent_call_id",
+    "mode",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "weight_version",
+    "extras_digest",
+    "chain_hash",
+    "cumulative_hash",
+)
+IDENTITY_ON_THE_WIRE = (
+    "model_call_id",
+    "parent_call_id",
+    "mode",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "weight_version",
+    "digest",
+    "extras_digest",
+    "chain_hash",
+    "cumulative_hash",
+)
+CALLS_ENTRY_ON_THE_WIRE = ("key", "call", "parent", "digest", "prev_len", "delta_len", "cum_len", "weight", "bytes")
+
+
+def test_table_derivations_keep_the_wire_orders() -> None:
+    assert record_schema.DIGEST_SCALAR_FIELDS == DIGEST_SCALARS_ON_THE_WIRE
+    assert record_schema.STORED_SCALAR_FIELDS == DIGEST_SCALARS_ON_THE_WIRE
+    assert record_schema.IDENTITY_FIELDS == IDENTITY_ON_THE_WIRE
+    assert record_schema.CALLS_ENTRY_FIELDS == CALLS_ENTRY_ON_THE_WIRE
+    assert record_schema.COLUMN_FIELDS == ("token_ids_delta", "token_mask_delta", "generation_log_probs_delta")
+    assert tuple(R.StagedCallBaseSnapshot.model_fields) == tuple(field.name for field in record_schema.RECORD_FIELDS)
+
+
+def test_calls_entry_values() -> None:
+    root = R.StagedCallRecord.model_validate(root_staged_wire())
+    entry = record_schema.calls_entry("k", root, 123)
+    lengths = (str(root.delta_len), str(root.cum_len), str(root.weight_version))
+    assert entry == ("k", root.model_call_id, "", root.digest, "0", *lengths, "123")
+    assert len(entry) == len(record_schema.CALLS_ENTRY_FIELDS)
+
+
+@pytest.mark.parametrize("value", [2, True, 2.0, "2", 3, None])
+def test_one_version_rule(value: object) -> None:
+    problem = record_schema.unsupported_version("schema_version", value, 2)
+    assert (problem is None) == (type(value) is int and value == 2)
+    if problem is not None:
+        assert problem == f"unsupported schema_version {value!r}: only 2 is accepted"
+
+
+@pytest.mark.parametrize(
+    ("parent", "prev_len", "mode", "problem"),
+    [
+        (None, 0, "text", None),
+        ("p", 3, "token_in", None),
+        (None, 0, None, None),
+        ("p", 3, None, None),
+        (None, 1, "text", "parentless call must have prev_len == 0"),
+        (None, 0, "token_in", "parentless call must have mode 'text'"),
+        ("p", 0, "token_in", "with a parent must have prev_len > 0"),
+        ("p", 3.0, "token_in", "with a parent must have prev_len > 0"),
+        ("p", 3, "text", "with a parent must have mode 'token_in'"),
+    ],
+)
+def test_one_lineage_rule(parent: str | None, prev_len: object, mode: str | None, problem: str | None) -> None:
+    found = record_schema.lineage_problem(parent, prev_len, mode)
+    assert found is None if problem is None else problem in (found or "")

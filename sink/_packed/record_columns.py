@@ -1,6 +1,6 @@
 """Whole-record column proofs: a staged call's three columns proved together (contract §3.3 rules 6-8, §4.3).
 
-Built from the per-column primitives of :mod:`sink._packed.columns` and under the
+Built from the per-column primitives of :mod:`sink._packed.ids` and :mod:`sink._packed.floats` and under the
 same soundness rule: each function proves its result exact or returns
 ``None``, and the caller then runs the reference path, which raises the
 precise contract error. Four entry points, one per source of columns:
@@ -16,26 +16,21 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from .columns import (
-    _FLOAT_LANE,
-    _HEAD,
-    _LANE_POS_ZERO,
-    PackedColumns,
-    TrustedColumns,
-    _carry_log_probs_zero,
-    _carry_prefix,
-    _f32_exact_from_marshal,
-    _ids_from_marshal,
-    _lanes_zero,
-    _LanesZero,
-    _marshal_list,
-    _mask_from_marshal,
-    _mask_pieces,
-    _pack_f32be,
-    _usual_mask_pieces,
+from .columns import PackedColumns, TrustedColumns
+from .floats import (
+    LanesZero,
+    carry_log_probs_zero,
+    carry_prefix,
+    f32_exact_from_marshal,
     finite_lanes,
-    pack_ids,
+    lanes_zero,
+    mask_from_marshal,
+    mask_pieces,
+    pack_f32be,
+    usual_mask_pieces,
 )
+from .ids import ids_from_marshal, pack_ids
+from .lanes import FLOAT_LANE, HEAD, LANE_POS_ZERO, marshal_list
 
 __all__ = ("pack_validated_columns", "prove_stored_columns", "staging_delta_columns", "trusted_components")
 
@@ -45,22 +40,22 @@ def _prove_floats(token_mask: list[float], log_probs: list[float], *, exactness:
     n = len(token_mask)
     if len(log_probs) != n:
         return None
-    mask_blob = _marshal_list(token_mask, _FLOAT_LANE, b"g")
-    mask = None if mask_blob is None else _mask_from_marshal(mask_blob, n)
-    lp_blob = _marshal_list(log_probs, _FLOAT_LANE, b"g")
+    mask_blob = marshal_list(token_mask, FLOAT_LANE, b"g")
+    mask = None if mask_blob is None else mask_from_marshal(mask_blob, n)
+    lp_blob = marshal_list(log_probs, FLOAT_LANE, b"g")
     if mask is None or lp_blob is None or not finite_lanes(lp_blob[13::9]):
         return None
     codes, mask_be = mask
-    lanes_zero = _LanesZero(lp_blob, start=_HEAD, stride=_FLOAT_LANE, sign_offset=8, zero_lane=_LANE_POS_ZERO)
-    if not _carry_log_probs_zero(codes, log_probs, lanes_zero):
+    lanes_zero = LanesZero(lp_blob, start=HEAD, stride=FLOAT_LANE, sign_offset=8, zero_lane=LANE_POS_ZERO)
+    if not carry_log_probs_zero(codes, log_probs, lanes_zero):
         return None
-    lp_f32be = _pack_f32be(log_probs)
+    lp_f32be = pack_f32be(log_probs)
     if lp_f32be is None:
         return None
     exact = None
     if exactness:
-        carry = _carry_prefix(codes)  # carry lanes are proved zeros: skip them
-        exact = _f32_exact_from_marshal(lp_blob, n, carry or 0)
+        carry = carry_prefix(codes)  # carry lanes are proved zeros: skip them
+        exact = f32_exact_from_marshal(lp_blob, n, carry or 0)
     return PackedColumns(length=n, mask_codes=codes, mask_f32be=mask_be, lp_f32be=lp_f32be, lp_f32_exact=exact)
 
 
@@ -70,7 +65,7 @@ def prove_stored_columns(
     """Prove rules 6-8 and the column pre-checks of §4.3 on a stored record's column bytes, lists never built.
 
     The caller has checked the sizes (``width * length`` bytes each) and that every mask code is in
-    :data:`MASK_CODES`. Ids are unsigned by storage (rule 6 and the u64 range hold). Proved here, or
+    :data:`~sink._packed.floats.MASK_CODES`. Ids are unsigned by storage (rule 6 and the u64 range hold). Proved here, or
     ``None``: float32 log-probabilities (``lp_width`` 4; the float64 form is rare and goes to the
     reference path), all finite, and the masks carry zeros followed by ones with every carry
     log-probability ``+0.0`` or ``-0.0``.
@@ -78,10 +73,10 @@ def prove_stored_columns(
     length = len(mask_codes)
     if lp_width != 4 or not finite_lanes(lp_le[3::4]):
         return None
-    carry = _carry_prefix(mask_codes)
+    carry = carry_prefix(mask_codes)
     if carry is None:
         return None
-    if carry and not _lanes_zero(lp_le, 0, lanes=carry, stride=4, sign_offset=3, zero_lane=bytes(4)):
+    if carry and not lanes_zero(lp_le, 0, lanes=carry, stride=4, sign_offset=3, zero_lane=bytes(4)):
         return None
     lp = array("f")
     lp.frombytes(lp_le)
@@ -91,7 +86,7 @@ def prove_stored_columns(
         ids_width=ids_width,
         ids_le=ids_le,
         mask_codes=mask_codes,
-        mask_f32be=_mask_pieces(mask_codes, carry),
+        mask_f32be=mask_pieces(mask_codes, carry),
         lp_f32be=lp.tobytes(),
         lp_f32_exact=True,
     )
@@ -128,7 +123,7 @@ def trusted_components(token_ids: object, token_mask: object, log_probs: object)
     if packed is None:
         return None
     ids_copy: list[int] | None = list(token_ids) if type(token_ids) is list else None
-    ids = None if ids_copy is None or len(ids_copy) != packed.length else _ids_from_marshal(ids_copy)
+    ids = None if ids_copy is None or len(ids_copy) != packed.length else ids_from_marshal(ids_copy)
     if ids is None:
         return TrustedColumns(packed, mask_copy, lp_copy, None)
     packed.ids_width, packed.ids_le, packed.ids_u64be = 4, ids[0], (ids[1],)
@@ -152,12 +147,12 @@ def staging_delta_columns(
     carry, generated = len(prompt_tail), len(generated_ids)
     if type(generated_log_probs) is not list or len(generated_log_probs) != generated or carry + generated == 0:
         return None
-    lp_blob = _marshal_list(generated_log_probs, _FLOAT_LANE, b"g")
+    lp_blob = marshal_list(generated_log_probs, FLOAT_LANE, b"g")
     if lp_blob is None or not finite_lanes(lp_blob[13::9]):
         return None
-    generated_f32be = _pack_f32be(generated_log_probs)
+    generated_f32be = pack_f32be(generated_log_probs)
     token_ids = [*prompt_tail, *generated_ids]
-    ids = _ids_from_marshal(token_ids)
+    ids = ids_from_marshal(token_ids)
     if generated_f32be is None or ids is None:
         return None
     packed = PackedColumns(
@@ -166,9 +161,9 @@ def staging_delta_columns(
         ids_le=ids[0],
         ids_u64be=(bytes(ids[1]),),
         mask_codes=b"\x00" * carry + b"\x3f" * generated,
-        mask_f32be=_usual_mask_pieces(carry, generated),
+        mask_f32be=usual_mask_pieces(carry, generated),
         lp_f32be=bytes(4 * carry) + generated_f32be,
-        lp_f32_exact=_f32_exact_from_marshal(lp_blob, generated, 0),
+        lp_f32_exact=f32_exact_from_marshal(lp_blob, generated, 0),
     )
     mask = [0.0] * carry + [1.0] * generated
     log_probs = [0.0] * carry + generated_log_probs

@@ -33,9 +33,16 @@ from typing import Any
 
 import msgpack
 
-from ..codec import _SCALAR_FIELDS, CODEC_VERSION, decode_record, encode_record
-from ..digest import CALL_DIGEST_DOMAIN, EMPTY_EXTRAS_DIGEST, build_staging_delta, compute_chain_hash, hash_token_ids
-from ..digest import _digest_head as digest_head
+from ..codec import CODEC_VERSION, decode_record, encode_record
+from ..digest import (
+    CALL_DIGEST_DOMAIN,
+    EMPTY_EXTRAS_DIGEST,
+    build_staging_delta,
+    compute_chain_hash,
+    digest_scalar_parts,
+    hash_token_ids,
+)
+from ..record_schema import STORED_SCALAR_FIELDS
 from ..records import StagedCallRecord, StagedCallSnapshot
 
 __all__ = (
@@ -104,14 +111,7 @@ def _baseline_check_columns(ids: list[int], mask: list[float], log_probs: list[f
 
 
 def _baseline_digest(fields: dict[str, Any], ids: list[int], mask: list[float], log_probs: list[float]) -> str:
-    head = digest_head(
-        (fields["schema_version"], fields["digest_version"], fields["extras_digest_version"]),
-        fields["rollout_id"],
-        fields["model_call_id"],
-        fields["parent_call_id"],
-        fields["mode"],
-        (fields["prev_len"], fields["delta_len"], fields["cum_len"], fields["weight_version"]),
-    )
+    head, tail = digest_scalar_parts(fields)
     count = _U64.pack(len(ids))
     id_bytes = b"".join([struct.pack(">Q", token) for token in ids])
     mask_bytes = b"".join([struct.pack(">f", m) for m in mask])
@@ -119,8 +119,7 @@ def _baseline_digest(fields: dict[str, Any], ids: list[int], mask: list[float], 
     payload = [head]
     for column in (id_bytes, mask_bytes, lp_bytes):
         payload += [_U64.pack(8 + len(column)), count, column]
-    payload.append(bytes.fromhex(fields["extras_digest"]))
-    payload += [b"\x01" + bytes.fromhex(fields[name]) for name in ("chain_hash", "cumulative_hash")]
+    payload.append(tail)
     return hashlib.sha256(CALL_DIGEST_DOMAIN + b"".join(payload)).hexdigest()
 
 
@@ -133,7 +132,7 @@ def baseline_encode(components: dict[str, Any]) -> bytes:
     wide = any(token >= 1 << 32 for token in ids)
     exact = all(_F32.unpack(_F32.pack(lp))[0] == lp for lp in log_probs)
     payload: dict[str, Any] = {"v": CODEC_VERSION, "digest": digest}
-    payload.update((name, fields[name]) for name in _SCALAR_FIELDS)
+    payload.update((name, fields[name]) for name in STORED_SCALAR_FIELDS)
     payload["ids_width"] = 8 if wide else 4
     payload["ids"] = b"".join([struct.pack("<Q" if wide else "<I", token) for token in ids])
     payload["mask"] = bytes([struct.pack(">f", m)[0] for m in mask])
@@ -156,7 +155,7 @@ def baseline_decode(blob: bytes) -> StagedCallSnapshot:
     _baseline_check_columns(ids, mask, log_probs)
     if _baseline_digest(obj, ids, mask, log_probs) != obj["digest"]:
         raise ValueError("digest does not match staged call contents")
-    fields = {name: obj[name] for name in _SCALAR_FIELDS}
+    fields = {name: obj[name] for name in STORED_SCALAR_FIELDS}
     return StagedCallSnapshot.model_construct(
         **fields,
         digest=obj["digest"],

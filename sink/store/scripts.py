@@ -30,6 +30,8 @@ import redis.exceptions as redis_errors
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 
+from .. import record_schema
+
 __all__ = (
     "APPEND_APPENDED",
     "APPEND_CONFLICT",
@@ -87,8 +89,8 @@ CLAIM_CLAIMED: Final = 0
 CLAIM_DUPLICATE: Final = 1
 CLAIM_RETIRED: Final = 2
 
-# Field names of one token-free entry in ns:{R}:calls, in ARGV order.
-CALLS_ENTRY_FIELDS: Final = ("key", "call", "parent", "digest", "prev_len", "delta_len", "cum_len", "weight", "bytes")
+# Field names of one token-free entry in ns:{R}:calls, in ARGV order (from the record field table).
+CALLS_ENTRY_FIELDS: Final = record_schema.CALLS_ENTRY_FIELDS
 
 _STATUS_CODES: Final = {
     "DONE": DONE,

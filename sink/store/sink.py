@@ -31,6 +31,7 @@ from ..codec import encode_record
 from ..digest import compute_extras_digest
 from ..errors import CodecError
 from ..keys import calls_stream, record_key, rollout_of_staging_key, validate_rollout_id
+from ..record_schema import calls_entry
 from ..records import StagedCallRecord, StageResult
 from ..settings import SinkSettings
 from .commit import GroupCommitWriter, PendingStage
@@ -276,17 +277,7 @@ class AsyncRedisStagingSink(AsyncResource):
             calls_key=calls_stream(self._settings.namespace, record.rollout_id),
             digest=record.digest,
             blob=blob,
-            entry=(
-                staging_key,
-                record.model_call_id,
-                record.parent_call_id or "",
-                record.digest,
-                str(record.prev_len),
-                str(record.delta_len),
-                str(record.cum_len),
-                str(record.weight_version),
-                str(len(blob)),
-            ),
+            entry=calls_entry(staging_key, record, len(blob)),
         )
         try:
             await send.send(pending)
