@@ -15,7 +15,7 @@ from .errors import CodecError, ReceiptVerificationError
 from .keys import validate_rollout_id
 from .records import RolloutReceipt
 from .store.source import AsyncRedisStagingSource
-from .verify import LinearizedRow, _verify_and_linearize
+from .verify import LinearizedRow, verify_decoded_and_linearize
 
 __all__ = ("CORRUPT_RECORD", "MISSING_RECORD", "PulledRollout", "fetch_and_verify", "parse_receipt_entry")
 
@@ -81,7 +81,7 @@ async def fetch_and_verify(source: AsyncRedisStagingSource, receipt: RolloutRece
     try:
         # Decoded just now, packed, and not shared: verified at decode (same
         # checks, same digests), and the row keeps their bytes.
-        row = _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
+        row = verify_decoded_and_linearize(receipt, snapshots)
     except ReceiptVerificationError as exc:
         return _skip(receipt, exc.code, exc.detail)
     return PulledRollout(receipt=receipt, row=row)

@@ -38,6 +38,7 @@ __all__ = (
     "WeightVersionSpan",
     "linearize",
     "verify_and_linearize",
+    "verify_decoded_and_linearize",
 )
 
 # Step 2: the code for each unsupported receipt version.
@@ -316,6 +317,16 @@ def verify_and_linearize(receipt: RolloutReceipt, snapshots: Sequence[StagedCall
     :raises RebuildError: steps 9-13 fail (lineage, terminal, chain, masks, hashes).
     """
     return _verify_and_linearize(receipt, snapshots, use_cached_columns=False)
+
+
+def verify_decoded_and_linearize(receipt: RolloutReceipt, snapshots: Sequence[Snapshot]) -> LinearizedRow:
+    """:func:`verify_and_linearize` for snapshots the caller decoded itself and never handed out.
+
+    A :class:`PackedSnapshot` is accepted (its digest was checked when it was decoded) and proved packed columns
+    are hashed as they are. Only for snapshots straight from :mod:`sink.codec` (the trainer reader, its
+    benchmark); callers holding arbitrary snapshots use :func:`verify_and_linearize`.
+    """
+    return _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
 
 
 def _verify_and_linearize(

@@ -40,7 +40,7 @@ from ..settings import DEFAULT_SHARDS
 from ..store.sink import AsyncRedisStagingSink
 from ..store.source import AsyncRedisStagingSource
 from ..store.streams import StreamEntry
-from ..verify import LinearizedRow, NumpyColumns, _verify_and_linearize
+from ..verify import LinearizedRow, NumpyColumns, verify_decoded_and_linearize
 from . import on_server
 from .stage import build_records
 
@@ -150,7 +150,7 @@ async def _split_path(url: str, receipts: list[RolloutReceipt]) -> dict[str, flo
             start = time.perf_counter()
             snapshots = await source.fetch_packed([row.staging_key for row in receipt.manifest])
             fetched = time.perf_counter()
-            row = _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
+            row = verify_decoded_and_linearize(receipt, snapshots)
             verified = time.perf_counter()
             row.as_numpy()
             numpy_done = time.perf_counter()
