@@ -76,7 +76,7 @@ _KEYS: Final = frozenset(("v", "digest", *STORED_SCALAR_FIELDS, *_COLUMN_KEYS, "
 
 def _packed_columns(record: StagedCallRecord) -> PackedColumns:
     """The columns packed during validation, or packed again if the record's lists were replaced."""
-    packed = record._cached_packed_columns() or pack_validated_columns(
+    packed = record._cached_packed_columns() or pack_validated_columns(  # noqa: SLF001 (the records' packed cache, inside sink)
         record.token_ids_delta, record.token_mask_delta, record.generation_log_probs_delta
     )
     if packed is None:

@@ -36,13 +36,15 @@ from .digest import compute_extras_digest, staging_digest_from_packed
 from .errors import CodecError
 from .record_base import DigestWireModel, staging_key
 from .record_schema import SCALAR_FIELDS
-from .staged_records import StagedCallBaseSnapshot, StagedCallSnapshot
+from .staged_records import StagedCallBaseSnapshot, StagedCallRecord, StagedCallSnapshot
 
 # The packed-column API the worker builds on (sink._packed stays private to sink).
 __all__ = (
     "PackedSnapshot",
     "TrustedColumns",
+    "cached_packed_columns",
     "ids_u64be",
+    "record_from_trusted_columns",
     "staging_delta_columns",
     "unpack_list",
     "verified_packed_snapshot",
@@ -136,12 +138,12 @@ class PackedSnapshot(NamedTuple):
 
         :raises CodecError: it is not a valid record (built unvalidated, or mutated after validation).
         """
-        if not snapshot._unchanged_since_validation():
+        if not snapshot._unchanged_since_validation():  # noqa: SLF001 (the records' validation state, inside sink)
             try:
                 snapshot = StagedCallSnapshot.model_validate(snapshot.model_dump())
             except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
                 raise CodecError(f"snapshot {snapshot.staging_key!r} does not verify: {exc}") from exc
-        columns = snapshot._cached_packed_columns() or pack_validated_columns(
+        columns = cached_packed_columns(snapshot) or pack_validated_columns(
             snapshot.token_ids_delta, snapshot.token_mask_delta, snapshot.generation_log_probs_delta
         )
         if columns is None:
@@ -193,3 +195,21 @@ def verified_packed_snapshot(
     except (ValidationError, ValueError, TypeError):  # the reference decode reports it precisely
         return None
     return PackedSnapshot(**scalars, extras=extras, columns=columns, ids_u64be=ids_be)
+
+
+def cached_packed_columns(snapshot: StagedCallBaseSnapshot) -> PackedColumns | None:
+    """The packed columns *snapshot*'s validation proved, if they still describe its column lists.
+
+    Only for a record the caller owns fresh from validation or decoding (element assignment after validation is
+    not detected; records are values: do not mutate them).
+    """
+    return snapshot._cached_packed_columns()  # noqa: SLF001 (the records' packed cache, inside sink)
+
+
+def record_from_trusted_columns(columns: TrustedColumns, **scalars: Any) -> StagedCallRecord:
+    """:meth:`StagedCallRecord.from_components` for *columns* built and proved by :func:`staging_delta_columns`.
+
+    *scalars* are the other components except the lengths, which are derived; each is validated as usual and the
+    digest computed once. The columns' lists become the record's: the caller must not reuse them.
+    """
+    return StagedCallRecord._from_trusted(columns, **scalars)  # noqa: SLF001 (the records' trusted build, inside sink)

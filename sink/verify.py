@@ -152,7 +152,7 @@ def _verify_snapshot(
         if packed is not None:
             forms = packed.digest_forms()
             packed_call = _PackedCall(packed, b"".join(forms[0]))
-            recomputed = snapshot._packed_digest(forms)
+            recomputed = snapshot._packed_digest(forms)  # noqa: SLF001 (the records' packed digest, inside sink)
         recomputed = recomputed or snapshot.recompute_digest()
     except Exception as exc:  # any failure to recompute is reported, typed, with its cause chained
         raise _fail("invalid_snapshot", f"{where}: cannot recompute the call digest: {exc}") from exc

@@ -19,7 +19,7 @@ from sink.digest import (
     compute_extras_digest,
     hash_token_ids,
 )
-from sink.packed import TrustedColumns, staging_delta_columns
+from sink.packed import TrustedColumns, record_from_trusted_columns, staging_delta_columns
 from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord
 
 from .errors import CaptureError
@@ -131,7 +131,7 @@ def build_call_record(
     head = prompt[:prev_len]  # a private slice: a proof reads it, or it is compared with the prefix
     parent = None if sequence_cache is None else _proof_of_head(call, head, sequence_cache)
     # A head held by the proof that begin_call proved the prefix with equals the prefix, item by item.
-    if (parent is None or parent is not call._prefix_proof) and head != call.prefix_token_ids:
+    if (parent is None or parent is not call._prefix_proof) and head != call.prefix_token_ids:  # noqa: SLF001 (ActiveCall's proof, inside worker)
         raise ValueError("prompt does not begin with the gate-authorized prefix")
     cut = call.generation_cut
     proved: TrustedColumns | None = None
@@ -174,7 +174,7 @@ def build_call_record(
         "cumulative_hash": cumulative_hash,
     }
     if proved is not None:
-        return StagedCallRecord._from_trusted(proved, **scalars)
+        return record_from_trusted_columns(proved, **scalars)
     return StagedCallRecord.from_components(
         **scalars,
         delta_len=len(ids),
@@ -191,7 +191,7 @@ def _proof_of_head(call: ActiveCall, head: list[int], cache: SequenceHashCache) 
     Tries the proof ``begin_call`` proved the prefix with, else the parent's remembered sequence.
     """
     admission = call.admission
-    proof = call._prefix_proof
+    proof = call._prefix_proof  # noqa: SLF001 (ActiveCall's proof, inside worker)
     if proof is None:
         proof = cache.lookup(admission.rollout_id, admission.parent_call_id)
     return proof if proof is not None and proof.holds(head) else None

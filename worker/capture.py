@@ -265,7 +265,7 @@ class RolloutTokenCapture:
         """§5.5: claim the call, build its record, stage it, turn the sink's answer into coords."""
         if not isinstance(call, ActiveCall):
             raise TypeError(f"expected an ActiveCall, got {type(call).__name__}")
-        call._claim()
+        call._claim()  # noqa: SLF001 (ActiveCall's claim, inside worker)
         if call.capture_failure is not None:
             return self._failed(call, call.capture_failure)
         try:
@@ -338,7 +338,7 @@ class RolloutTokenCapture:
             generated, logprobs = adapter.extract_generation(response_payload)
             extras = adapter.extract_extras(response_payload)
         except Exception as exc:  # noqa: BLE001 -- any adapter failure poisons, never fails the completion
-            call._claim()
+            call._claim()  # noqa: SLF001 (ActiveCall's claim, inside worker)
             return self._failed(call, f"adapter extraction failed: {exc!r}")
         return _Completion(prompt, generated, logprobs, extras)
 
@@ -369,7 +369,7 @@ class RolloutTokenCapture:
         """
         if not isinstance(call, ActiveCall):
             raise TypeError(f"expected an ActiveCall, got {type(call).__name__}")
-        call._claim()
+        call._claim()  # noqa: SLF001 (ActiveCall's claim, inside worker)
         return self._failed(call, f"host failed the call: {reason}")
 
     async def afail_call(self, call: ActiveCall, *, reason: str) -> CommitCoords:

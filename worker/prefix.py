@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from sink.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
-from sink.packed import PackedSnapshot, ids_u64be, unpack_list
+from sink.packed import PackedSnapshot, cached_packed_columns, ids_u64be, unpack_list
 from sink.records import CaptureAdmission, StagedCallBaseSnapshot
 
 from .errors import PrefixResolutionError
@@ -35,7 +35,7 @@ def _packed_chain_ids(position: int, snapshot: object) -> tuple[int, bytes | Non
         return snapshot.delta_len, snapshot.ids_u64be
     if not isinstance(snapshot, StagedCallBaseSnapshot):
         raise PrefixResolutionError(f"chain record {position} is a {type(snapshot).__name__}, not a snapshot")
-    packed = snapshot._cached_packed_columns()
+    packed = cached_packed_columns(snapshot)
     if packed is None:
         return len(snapshot.token_ids_delta), None
     return len(snapshot.token_ids_delta), ids_u64be(packed.ids_le, packed.ids_width, packed.length)

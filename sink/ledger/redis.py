@@ -111,7 +111,7 @@ class RedisCaptureLedger(CaptureLedger):
         """
         parsed = settings_or_fields(LedgerSettings, settings, fields)
         ledger = cls.__new__(cls)
-        ledger._init(Topology.from_url(url, parsed), parsed.namespace)
+        ledger._init(Topology.from_url(url, parsed), parsed.namespace)  # noqa: SLF001 (its own class's initializer)
         return ledger
 
     def _init(self, topology: Topology, namespace: str) -> None:

@@ -79,7 +79,7 @@ def verified_record(record: StagedCallRecord) -> StagedCallRecord:
     :raises ValueError: the record is invalid (``pydantic.ValidationError`` is a ``ValueError``).
     :raises TypeError: an extras value is unsupported.
     """
-    if record._unchanged_since_validation() and (
+    if record._unchanged_since_validation() and (  # noqa: SLF001 (the records' validation state, inside sink)
         record.extras is None or compute_extras_digest(record.extras) == record.extras_digest
     ):
         return record
