@@ -3,8 +3,8 @@
 The rule: :mod:`~sink.cli.main` only parses arguments and dispatches (and turns expected failures into exit
 codes); each command lives in the module for its kind:
 
-* :mod:`~sink.cli.rollouts`: commands about single rollouts (``inspect``, ``verify``, ``tail``, ``retire``,
-  ``delete``);
+* :mod:`~sink.cli.rollouts`: commands that read single rollouts (``inspect``, ``verify``, ``tail``);
+* :mod:`~sink.cli.removal`: commands that remove rollouts' ledgers and fences (``retire``, ``delete``);
 * :mod:`~sink.cli.stats`: the ``stats`` command and the collection of its namespace snapshot;
 * :mod:`~sink.cli.services`: long-running services and tools (``server``, ``assembler``, ``trainer``,
   ``metrics``, ``acl``, ``bench``);

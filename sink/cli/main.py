@@ -27,7 +27,7 @@ import redis.exceptions as redis_errors
 from ..errors import StagingError
 from ..keys import DEFAULT_NAMESPACE
 from ..settings import DEFAULT_SHARDS
-from . import rollouts, services, stats
+from . import removal, rollouts, services, stats
 from .common import (
     EXIT_FAILURE,
     EXIT_UNREACHABLE,
@@ -117,8 +117,8 @@ def _add_rollout_commands(
     )
 
     for verb, function, text in (
-        ("retire", rollouts.retire_rollouts, "fence rollouts and remove their ledgers (staged records stay)"),
-        ("delete", rollouts.delete_rollouts, "remove rollouts' ledgers and fences (the ids become reusable)"),
+        ("retire", removal.retire_rollouts, "fence rollouts and remove their ledgers (staged records stay)"),
+        ("delete", removal.delete_rollouts, "remove rollouts' ledgers and fences (the ids become reusable)"),
     ):
         command = commands.add_parser(verb, parents=[redis], help=text, description=text)
         command.add_argument("rollout_ids", metavar="ROLLOUT", nargs="+")

@@ -1,4 +1,4 @@
-"""Operator commands about single rollouts: ``inspect``, ``verify``, ``tail``, ``retire`` and ``delete``.
+"""Operator commands that read single rollouts: ``inspect``, ``verify`` and ``tail``.
 
 Each command is an async function returning its exit code; :mod:`sink.cli.main` parses the arguments and
 runs it.
@@ -6,7 +6,6 @@ runs it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -14,7 +13,6 @@ from rich.table import Table
 
 from ..errors import CodecError, ReceiptVerificationError
 from ..keys import calls_stream, fence_key, ledger_stream, receipt_key, validate_rollout_id
-from ..ledger.redis import RedisCaptureLedger
 from ..ledger.rows import manifest_from_entries
 from ..receipt import build_receipt
 from ..records import RolloutManifest, RolloutReceipt
@@ -36,12 +34,16 @@ from .common import (
 )
 from .common import write_json as _write_json
 
-__all__ = ("delete_rollouts", "inspect_rollout", "retire_rollouts", "tail_rollout", "verify_rollout")
+__all__ = ("checked_rollout_id", "inspect_rollout", "tail_rollout", "verify_rollout")
 
 _TAIL_BLOCK_MS = 1000
 
 
-def _checked_id(rollout_id: str) -> str:
+def checked_rollout_id(rollout_id: str) -> str:
+    """*rollout_id* if valid.
+
+    :raises CommandError: (exit 2) it is not a valid rollout id.
+    """
     try:
         return validate_rollout_id(rollout_id)
     except ValueError as exc:
@@ -93,7 +95,7 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
 
     :raises CommandError: (exit 1) the rollout does not exist; (exit 2) the id is invalid.
     """
-    _checked_id(rollout_id)
+    checked_rollout_id(rollout_id)
     async with open_topology(target) as topology:
         state = await _rollout_state(topology, target, rollout_id)
     if not state["exists"]:
@@ -164,7 +166,7 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
 
     :raises CommandError: (exit 1) no such rollout, or retired without a receipt.
     """
-    _checked_id(rollout_id)
+    checked_rollout_id(rollout_id)
     async with open_topology(target) as topology:
         state = await _rollout_state(topology, target, rollout_id)
         receipt: RolloutReceipt | None = state["receipt"]
@@ -229,7 +231,7 @@ async def tail_rollout(
 
     Ends after *count* entries, after *timeout_s* seconds, or on Ctrl-C; exit 0 in every case.
     """
-    _checked_id(rollout_id)
+    checked_rollout_id(rollout_id)
     console = stdout_console()
     stream = calls_stream(target.namespace, rollout_id)
     seen = 0
@@ -262,36 +264,3 @@ async def tail_rollout(
                             )
             group.cancel_scope.cancel()
     return EXIT_OK
-
-
-# --- retire / delete ---------------------------------------------------------------------------------
-
-
-async def _remove(target: RedisTarget, rollout_ids: Sequence[str], *, verb: str, as_json: bool) -> int:
-    ids = [_checked_id(rollout_id) for rollout_id in rollout_ids]
-    async with (
-        open_topology(target) as topology,
-        RedisCaptureLedger(topology.client, namespace=target.namespace) as ledger,
-    ):
-        removal = await (ledger.retire(ids) if verb == "retire" else ledger.delete(ids))
-    if as_json:
-        _write_json(removal.model_dump(mode="json"))
-        return EXIT_OK
-    console = stdout_console()
-    done = "retired (ledger removed, fence set)" if verb == "retire" else "deleted (ledger and fence removed)"
-    absent = "no ledger rows; fenced anyway" if verb == "retire" else "no live ledger: nothing deleted"
-    for rollout_id in removal.removed:
-        console.print(f"{rollout_id}: {done}")
-    for rollout_id in removal.absent:
-        console.print(f"{rollout_id}: absent ({absent})")
-    return EXIT_OK
-
-
-async def retire_rollouts(target: RedisTarget, rollout_ids: Sequence[str], *, as_json: bool) -> int:
-    """``staging-sink retire R...``: fence each rollout and remove its ledger (staged records are untouched)."""
-    return await _remove(target, rollout_ids, verb="retire", as_json=as_json)
-
-
-async def delete_rollouts(target: RedisTarget, rollout_ids: Sequence[str], *, as_json: bool) -> int:
-    """``staging-sink delete R...``: remove each rollout's ledger and fence, making the id reusable."""
-    return await _remove(target, rollout_ids, verb="delete", as_json=as_json)
