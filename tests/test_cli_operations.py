@@ -37,10 +37,13 @@ def staged(redis_url: str) -> str:
 
 
 async def _wait_for_receipts(url: str, rollout_ids: list[str]) -> None:
+    keys = [receipt_key("stg", rid) for rid in rollout_ids]
     async with redis.asyncio.Redis.from_url(url) as client:
-        with anyio.fail_after(30):
-            while await client.exists(*(receipt_key("stg", rid) for rid in rollout_ids)) < len(rollout_ids):
-                await anyio.sleep(0.05)
+        for _attempt in range(600):
+            if await client.exists(*keys) == len(keys):
+                return
+            await anyio.sleep(0.05)
+    raise AssertionError(f"no receipts for {rollout_ids} after 30 s")
 
 
 async def _lifecycle(url: str) -> None:
