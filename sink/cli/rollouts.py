@@ -6,6 +6,7 @@ runs it.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import anyio
@@ -162,7 +163,9 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
 
 async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool) -> int:
     """``staging-sink verify R``: fetch the receipt (or build one from the live manifest), fetch the staged
-    records and run ``verify_and_linearize``. Exit 0 only if the rollout verifies.
+    records and run ``verify_and_linearize``. Exit 0 if the rollout verifies, or if it was consumed: a
+    trainer acknowledged it (receipt and retire fence present, staged records gone), so there is nothing left
+    to verify and nothing wrong; exit 1 otherwise.
 
     :raises CommandError: (exit 1) no such rollout, or retired without a receipt.
     """
@@ -184,7 +187,7 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
                 raise _no_such_rollout(rollout_id, target)
             receipt = build_receipt(manifest, rollout_id=rollout_id, reward=None)
             source_of_receipt = "receipt built from the live manifest (heuristic terminal)"
-        outcome: dict[str, Any] = {"rollout_id": rollout_id, "receipt_source": source_of_receipt}
+        outcome: dict[str, Any] = {"rollout_id": rollout_id, "receipt_source": source_of_receipt, "consumed": False}
         try:
             async with AsyncRedisStagingSource(
                 topology.client, SourceSettings(namespace=target.namespace, cluster=target.cluster)
@@ -193,6 +196,9 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
             row = verify_and_linearize(receipt, snapshots)
         except KeyError as exc:
             outcome |= {"verified": False, "code": "missing_record", "detail": str(exc.args[0] if exc.args else exc)}
+            if state["fenced"] and state["receipt"] is not None:
+                # The trainer's ack retires the ledger (fence), then deletes the staged records.
+                outcome |= {"consumed": True, "code": "consumed", "detail": "acknowledged by a trainer"}
         except CodecError as exc:
             outcome |= {"verified": False, "code": "corrupt_record", "detail": str(exc)}
         except ReceiptVerificationError as exc:
@@ -208,6 +214,11 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
             }
     if as_json:
         _write_json(outcome)
+    elif outcome["consumed"]:
+        stdout_console().print(
+            f"[green]consumed[/] {rollout_id}: a trainer acknowledged it (receipt kept, ledger retired, staged "
+            f"records removed); nothing left to verify"
+        )
     elif outcome["verified"]:
         stdout_console().print(
             f"[green]verified[/] {rollout_id}: {outcome['tokens']} tokens ({outcome['generated_tokens']} generated) "
@@ -218,7 +229,7 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
         stdout_console().print(
             f"[red]NOT verified[/] {rollout_id}: {outcome['code']}: {outcome['detail']} ({source_of_receipt})"
         )
-    return EXIT_OK if outcome["verified"] else EXIT_FAILURE
+    return EXIT_OK if outcome["verified"] or outcome["consumed"] else EXIT_FAILURE
 
 
 # --- tail --------------------------------------------------------------------------------------------
@@ -243,10 +254,16 @@ async def tail_rollout(
                 # Resolve '$' once, so an entry staged between two reads is never skipped.
                 newest = await client.xrevrange(stream, count=1)
                 last_id = _entry(newest[0])[0] if newest else "0-0"
+            known = bool(await client.exists(stream))
         deadline = timeout_s if timeout_s is not None else float("inf")
         async with anyio.create_task_group() as group:
             await group.start(cancel_on_signal, group.cancel_scope)  # Ctrl-C ends the tail normally
             stderr_console().print(f"following the calls of {rollout_id} from {last_id}; Ctrl-C stops")
+            if not known:
+                sys.stderr.write(
+                    f"note: no such rollout yet: {rollout_id!r} has no calls stream in namespace "
+                    f"{target.namespace!r} at {target.display_url}; waiting for its first staged record\n"
+                )
             with anyio.move_on_after(deadline):
                 while count is None or seen < count:
                     with map_redis_errors(f"read the calls of {rollout_id!r}"):

@@ -13,6 +13,7 @@ over its shards; a stream with no group counts its whole length), or the namespa
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, cast
 
@@ -31,7 +32,6 @@ from .common import (
     cancel_on_signal,
     decode_text,
     open_topology,
-    stderr_console,
     stdout_console,
     write_json,
 )
@@ -346,7 +346,7 @@ async def stats_command(
             if check:
                 snapshot["check"] = {"ok": not problems, "problems": problems, "max_lag": max_lag}
             if snapshot["namespace_empty"]:
-                stderr_console().print(_empty_hint(snapshot), markup=False, highlight=False)
+                sys.stderr.write(_empty_hint(snapshot) + "\n")
             if as_json:
                 write_json(snapshot, one_line=watch_s is not None)
             else:
