@@ -229,7 +229,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_every_help_shows_the_defaults() -> None:
     parser = build_parser(env={})
-    commands = {"staging-sink": parser, **parser._subparsers._group_actions[0].choices}  # type: ignore[union-attr]
+    subcommands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    commands: dict[str, argparse.ArgumentParser] = {"staging-sink": parser, **subcommands.choices}
     for name, command in commands.items():
         formatter = command._get_formatter()
         for action in command._actions:
