@@ -102,7 +102,8 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == EXIT_USAGE, argv
-    assert "usage: staging-sink" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.startswith("staging-sink") and err.count("\n") == 1 and "--help`" in err, err
 
 
 def test_every_docker_compose_command_line_parses() -> None:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -33,6 +33,7 @@ __all__ = (
     "EXIT_USAGE",
     "URL_SCHEMES",
     "CommandError",
+    "CommandParser",
     "DefaultsHelpFormatter",
     "RedisTarget",
     "cancel_on_signal",
@@ -127,6 +128,13 @@ def namespace_name(text: str) -> str:
             f"expected ASCII letters, digits, '.', '_' and '-' (e.g. {DEFAULT_NAMESPACE!r}), got {text!r}"
         )
     return text
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: what is wrong and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

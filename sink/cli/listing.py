@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from ..keys import claim_key, receipt_key
@@ -173,7 +174,7 @@ async def list_command(target: RedisTarget, *, states: list[str] | None, as_json
     for column in ("rollout", "state", "keys", "detail"):
         table.add_column(column)
     for rollout in shown[:limit]:
-        table.add_row(rollout.rollout_id, rollout.state, " ".join(sorted(rollout.keys)), rollout.detail())
+        table.add_row(rollout.rollout_id, rollout.state, " ".join(sorted(rollout.keys)), escape(rollout.detail()))
     console.print(table)
     counts = Counter(rollout.state for rollout in rollouts)
     summary = ", ".join(f"{counts[state]} {state}" for state in ROLLOUT_STATES if counts[state]) or "no rollouts"

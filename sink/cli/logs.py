@@ -7,12 +7,13 @@ when one is attached), for log shippers. Both go to stderr; times are UTC, ISO 8
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
 from datetime import UTC, datetime
 
-__all__ = ("LOG_FORMATS", "JsonLogFormatter", "TextLogFormatter", "configure_logging")
+__all__ = ("LOG_FORMATS", "JsonLogFormatter", "TextLogFormatter", "add_logging_options", "configure_logging")
 
 LOG_FORMATS = ("text", "json")
 
@@ -61,3 +62,16 @@ def configure_logging(*, verbose: bool, log_format: str) -> None:
     handler.setFormatter(JsonLogFormatter() if log_format == "json" else TextLogFormatter())
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def add_logging_options(parser: argparse.ArgumentParser, *, default: object, log_format: str) -> None:
+    """``-v`` and ``--log-format``, on the top-level parser and again on each command (so they are accepted
+    after the command too; there the defaults are suppressed, so they never undo an earlier flag)."""
+    group = parser.add_argument_group("logging")
+    group.add_argument("-v", "--verbose", action="store_true", default=default, help="log INFO messages to stderr")
+    group.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=log_format,
+        help="stderr log lines: timestamped text, or one JSON object per line (default: text)",
+    )

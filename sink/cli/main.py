@@ -33,6 +33,7 @@ from .common import (
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     CommandError,
+    CommandParser,
     DefaultsHelpFormatter,
     RedisTarget,
     check_redis_url,
@@ -43,7 +44,7 @@ from .common import (
     positive_int,
     positive_seconds,
 )
-from .logs import LOG_FORMATS, configure_logging
+from .logs import add_logging_options, configure_logging
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
 
@@ -280,14 +281,14 @@ def _add_tool_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The ``staging-sink`` argument parser; defaults come from *env* (``os.environ`` when ``None``)."""
     env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = CommandParser(
         prog="staging-sink",
         description="Durable token staging for RL training of LLM agents (NeMo Gym staging schema 2 on Redis).",
         epilog="Start with `staging-sink demo`. Exit codes: 0 ok, 1 failed, 2 usage, 3 server unreachable.",
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"staging-sink {_version()}")
-    _add_logging_options(parser, default=False, log_format="text")
+    add_logging_options(parser, default=False, log_format="text")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # The CLI is the composition root: the only sink module that loads worker, and only when a parser is built.
     from worker.demo.main import add_demo_parser
@@ -314,7 +315,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     for name, command in commands.choices.items():
         command.formatter_class = DefaultsHelpFormatter
         if name != "bench":  # bench passes its arguments through to the benchmark
-            _add_logging_options(command, default=argparse.SUPPRESS, log_format=argparse.SUPPRESS)
+            add_logging_options(command, default=argparse.SUPPRESS, log_format=argparse.SUPPRESS)
     return parser
 
 
@@ -323,19 +324,6 @@ def _version() -> str:
         return importlib.metadata.version("staging-sink")
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def _add_logging_options(parser: argparse.ArgumentParser, *, default: object, log_format: str) -> None:
-    """``-v`` and ``--log-format``, on the top-level parser and again on each command (so they are accepted
-    after the command too; there the defaults are suppressed, so they never undo an earlier flag)."""
-    group = parser.add_argument_group("logging")
-    group.add_argument("-v", "--verbose", action="store_true", default=default, help="log INFO messages to stderr")
-    group.add_argument(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default=log_format,
-        help="stderr log lines: timestamped text, or one JSON object per line (default: text)",
-    )
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -39,7 +39,11 @@ async def _found(topology: Topology, namespace: str, rollout_id: str) -> _Found:
     with map_redis_errors(f"read rollout {rollout_id!r}"):
         ledger = bool(await client.exists(ledger_stream(namespace, rollout_id)))
         fence = bool(await client.exists(fence_key(namespace, rollout_id)))
-        other = [calls_stream(namespace, rollout_id), receipt_key(namespace, rollout_id), claim_key(namespace, rollout_id)]
+        other = [
+            calls_stream(namespace, rollout_id),
+            receipt_key(namespace, rollout_id),
+            claim_key(namespace, rollout_id),
+        ]
         # One slot per rollout: a multi-key EXISTS is fine on a cluster too.
         found_other = bool(await client.exists(*other))
     return _Found(ledger=ledger, fence=fence, other=found_other)
@@ -99,7 +103,9 @@ async def _remove(
     console = stdout_console()
     for entry in entries:
         line = _retire_line(entry, dry_run) if verb == "retire" else _delete_line(entry, dry_run)
-        console.print(f"{entry['rollout_id']}: {line}" + (" [unknown id, --force]" if entry["rollout_id"] in unknown else ""))
+        console.print(
+            f"{entry['rollout_id']}: {line}" + (" (unknown id, forced)" if entry["rollout_id"] in unknown else "")
+        )
     if dry_run:
         console.print("dry run: nothing changed")
     return EXIT_OK

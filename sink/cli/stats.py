@@ -20,6 +20,7 @@ from typing import Any, cast
 import anyio
 import redis.asyncio as aioredis
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..metrics import STREAM_KINDS, collect_redis_gauges
@@ -304,8 +305,8 @@ def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
             consumers.add_column(column, justify="left" if column in ("group", "consumer") else "right")
         for consumer in snapshot["consumers"]:
             consumers.add_row(
-                consumer["group"],
-                consumer["consumer"],
+                escape(consumer["group"]),
+                escape(consumer["consumer"]),
                 str(consumer["shards"]),
                 str(consumer["pending"]),
                 _duration(consumer["idle_ms"]),
