@@ -18,6 +18,7 @@ import redis
 from sink.assembler import finished
 from sink.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from sink.cli.main import build_parser, main
+from sink.cluster import LocalCluster
 from sink.keys import dead_letter_stream, fence_key, ledger_stream, receipt_key
 from sink.reader import RolloutReader
 from sink.server import DurableServer
@@ -267,3 +268,27 @@ def test_log_lines_have_timestamps_and_a_json_format(redis_url: str) -> None:
     )
     logged = [line for line in done.stderr.splitlines() if " INFO " in line]
     assert logged and all(line[:4].isdigit() and line[10] == "T" for line in logged), done.stderr
+
+
+# --- on a cluster -------------------------------------------------------------------------------------------
+
+
+def test_list_retire_delete_and_stats_on_a_cluster(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    rollout_ids = ["ops-cli-a", "ops-cli-b"]
+    anyio.run(partial(stage_rollouts, cluster.url, rollout_ids, cluster=True))
+    target = ["--redis-url", cluster.url, "--cluster"]
+
+    def states() -> dict[str, str]:
+        assert main(["list", *target, "--json"]) == EXIT_OK
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        return {row["rollout_id"]: row["state"] for row in rows if row["rollout_id"] in rollout_ids}
+
+    assert states() == dict.fromkeys(rollout_ids, "staging")
+    assert main(["retire", *rollout_ids, *target]) == EXIT_OK
+    assert capsys.readouterr().out.count("retired (ledger removed, fence set)") == 2
+    assert states() == dict.fromkeys(rollout_ids, "retired")
+    assert main(["delete", *rollout_ids, *target, "--json"]) == EXIT_OK
+    assert [entry["fence_removed"] for entry in json.loads(capsys.readouterr().out)["rollouts"]] == [True, True]
+    assert main(["stats", *target, "--json"]) == EXIT_OK
+    snapshot = json.loads(capsys.readouterr().out)
+    assert snapshot["durability"]["nodes_checked"] == 6 and isinstance(snapshot["consumers"], list)
