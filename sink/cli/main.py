@@ -6,8 +6,9 @@ This is the only module of the project that reads environment variables:
 * ``STAGING_SINK_GATE_REDIS_URL``: default ``--gate-redis-url`` of ``demo`` (ledger and done events);
 * ``STAGING_SINK_NAMESPACE``: default ``--namespace``.
 
-Exit codes: 0 success; 1 an operation failed (no such rollout, not verified, server refused); 2 bad
-arguments, a malformed URL or rollout id; 3 the server could not be reached; 130 interrupted.
+Exit codes: 0 success; 1 an operation failed (no such rollout, not verified, server refused, an unknown id
+without ``--force``, a problem found by ``stats --check``); 2 bad arguments (one line on stderr), a malformed
+URL or rollout id; 3 the server could not be reached; 130 interrupted.
 """
 
 from __future__ import annotations
