@@ -248,6 +248,13 @@ def test_invalid_namespace_is_one_line(redis_url: str, capsys: pytest.CaptureFix
     assert "--namespace" in err and "http" not in err and "pydantic" not in err
 
 
+def test_an_invalid_setting_is_one_line(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trainer", "--redis-url", redis_url, "--consumer-name", ""]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("staging-sink: error: invalid setting: consumer_name: ") and err.count("\n") == 1, err
+    assert "http" not in err
+
+
 def test_log_lines_have_timestamps_and_a_json_format(redis_url: str) -> None:
     done = subprocess.run(
         sink_command("trainer", "--redis-url", redis_url, "--timeout-s", "0.3", "-v", "--log-format", "json"),
