@@ -44,6 +44,7 @@ SUBCOMMANDS = (
     "tail",
     "retire",
     "delete",
+    "list",
     "acl",
     "bench",
 )
@@ -101,7 +102,8 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == EXIT_USAGE, argv
-    assert "usage: staging-sink" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.startswith("staging-sink") and err.count("\n") == 1 and "--help`" in err, err
 
 
 def test_every_docker_compose_command_line_parses() -> None:
@@ -263,17 +265,21 @@ def test_tail_follows_a_rollout_that_starts_later(redis_url: str) -> None:
 
 def test_retire_then_delete(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
     anyio.run(partial(stage_rollouts, staged, ["r2"]))
-    assert main(["retire", "r1", "never-seen", "--redis-url", staged, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) | {"schema_version": 2} == {
-        "removed": ["r1"],
-        "absent": ["never-seen"],
-        "schema_version": 2,
+    assert main(["retire", "r1", "never-seen", "--redis-url", staged, "--json", "--force"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "verb": "retire",
+        "dry_run": False,
+        "rollouts": [
+            {"rollout_id": "r1", "ledger_removed": True, "fence_set": True},
+            {"rollout_id": "never-seen", "ledger_removed": False, "fence_set": True},
+        ],
+        "unknown": ["never-seen"],
     }
     assert main(["inspect", "r1", "--redis-url", staged]) == 0
     assert "retired (fenced)" in capsys.readouterr().out
     assert main(["delete", "r2", "r1", "--redis-url", staged]) == 0
     out = capsys.readouterr().out
-    assert "r2: deleted" in out and "r1: absent" in out
+    assert "r2: deleted the ledger\n" in out and "r1: deleted the fence\n" in out
     assert main(["verify", "r1", "--redis-url", staged]) == EXIT_FAILURE
     assert "3 staged record(s) but no ledger rows" in capsys.readouterr().err
 

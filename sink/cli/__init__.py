@@ -3,13 +3,15 @@
 The rule: :mod:`~sink.cli.main` only parses arguments and dispatches (and turns expected failures into exit
 codes); each command lives in the module for its kind:
 
-* :mod:`~sink.cli.rollouts`: commands about single rollouts (``inspect``, ``verify``, ``tail``, ``retire``,
-  ``delete``);
-* :mod:`~sink.cli.stats`: the ``stats`` command and the collection of its namespace snapshot;
+* :mod:`~sink.cli.rollouts`: commands that read single rollouts (``inspect``, ``verify``, ``tail``);
+* :mod:`~sink.cli.removal`: commands that remove rollouts' ledgers and fences (``retire``, ``delete``);
+* :mod:`~sink.cli.listing`: the ``list`` command (the namespace's rollouts by state);
+* :mod:`~sink.cli.stats`: the ``stats`` command, the collection of its namespace snapshot and ``--check``;
 * :mod:`~sink.cli.services`: long-running services and tools (``server``, ``assembler``, ``trainer``,
   ``metrics``, ``acl``, ``bench``);
 * :mod:`~sink.cli.common`: what several commands share (the Redis target, exit codes,
-  :class:`~sink.cli.common.CommandError`, output helpers).
+  :class:`~sink.cli.common.CommandError`, the parser and help formatter, argument types, output helpers);
+* :mod:`~sink.cli.logs`: the ``-v``/``--log-format`` options and the log line formats.
 
 ``demo`` is the worker's (:mod:`worker.demo`); ``main`` registers it.
 """

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -32,6 +33,8 @@ __all__ = (
     "EXIT_USAGE",
     "URL_SCHEMES",
     "CommandError",
+    "CommandParser",
+    "DefaultsHelpFormatter",
     "RedisTarget",
     "cancel_on_signal",
     "check_redis_url",
@@ -39,6 +42,7 @@ __all__ = (
     "int_at_least",
     "is_unreachable",
     "mask_url",
+    "namespace_name",
     "non_negative_int",
     "open_topology",
     "positive_int",
@@ -57,6 +61,7 @@ EXIT_UNREACHABLE = 3
 """The server could not be reached (connection refused, timeout, DNS)."""
 
 URL_SCHEMES = ("redis", "rediss", "unix")
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9._-]+")  # the rule of ConnectionSettings.namespace
 _CLI_CONNECT_TIMEOUT_S = 3.0
 
 
@@ -111,6 +116,36 @@ def positive_seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
+
+
+def namespace_name(text: str) -> str:
+    """Argparse type of a key namespace: ASCII letters, digits, ``.``, ``_`` and ``-`` (the settings' rule).
+
+    :raises argparse.ArgumentTypeError: anything else.
+    """
+    if _NAMESPACE_RE.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(
+            f"expected ASCII letters, digits, '.', '_' and '-' (e.g. {DEFAULT_NAMESPACE!r}), got {text!r}"
+        )
+    return text
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: what is wrong and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default, unless the help text already says it or there is none
+    (``None``, ``False``, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, False, [], argparse.SUPPRESS):
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def decode_text(value: object) -> str:
@@ -223,6 +258,8 @@ def stderr_console() -> Console:
     return Console(file=sys.stderr, highlight=False)
 
 
-def write_json(value: Any) -> None:
-    """Print *value* as indented JSON on stdout."""
-    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+def write_json(value: Any, *, one_line: bool = False) -> None:
+    """Print *value* as indented JSON on stdout, or as one line (*one_line*: line-delimited output)."""
+    sys.stdout.write(json.dumps(value, indent=None if one_line else 2, sort_keys=True, default=str) + "\n")
+    if one_line:
+        sys.stdout.flush()

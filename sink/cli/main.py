@@ -6,14 +6,15 @@ This is the only module of the project that reads environment variables:
 * ``STAGING_SINK_GATE_REDIS_URL``: default ``--gate-redis-url`` of ``demo`` (ledger and done events);
 * ``STAGING_SINK_NAMESPACE``: default ``--namespace``.
 
-Exit codes: 0 success; 1 an operation failed (no such rollout, not verified, server refused); 2 bad
-arguments, a malformed URL or rollout id; 3 the server could not be reached; 130 interrupted.
+Exit codes: 0 success; 1 an operation failed (no such rollout, not verified, server refused, an unknown id
+without ``--force``, a problem found by ``stats --check``); 2 bad arguments (one line on stderr), a malformed
+URL or rollout id; 3 the server could not be reached; 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import importlib.metadata
 import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -27,20 +28,24 @@ import redis.exceptions as redis_errors
 from ..errors import StagingError
 from ..keys import DEFAULT_NAMESPACE
 from ..settings import DEFAULT_SHARDS
-from . import rollouts, services, stats
+from . import listing, removal, rollouts, services, stats
 from .common import (
     EXIT_FAILURE,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     CommandError,
+    CommandParser,
+    DefaultsHelpFormatter,
     RedisTarget,
     check_redis_url,
     is_unreachable,
     mask_url,
+    namespace_name,
     non_negative_int,
     positive_int,
     positive_seconds,
 )
+from .logs import add_logging_options, configure_logging
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
 
@@ -68,6 +73,7 @@ def _redis_options(
     group.add_argument(
         "--namespace",
         default=env.get(ENV_NAMESPACE) or namespace_default,
+        type=namespace_name,
         metavar="NS",
         help=namespace_help or f"key namespace (default: ${ENV_NAMESPACE} or {DEFAULT_NAMESPACE!r})",
     )
@@ -117,15 +123,36 @@ def _add_rollout_commands(
     )
 
     for verb, function, text in (
-        ("retire", rollouts.retire_rollouts, "fence rollouts and remove their ledgers (staged records stay)"),
-        ("delete", rollouts.delete_rollouts, "remove rollouts' ledgers and fences (the ids become reusable)"),
+        ("retire", removal.retire_rollouts, "fence rollouts and remove their ledgers (staged records stay)"),
+        ("delete", removal.delete_rollouts, "remove rollouts' ledgers and fences (the ids become reusable)"),
     ):
         command = commands.add_parser(verb, parents=[redis], help=text, description=text)
         command.add_argument("rollout_ids", metavar="ROLLOUT", nargs="+")
         command.add_argument("--json", action="store_true", help="machine-readable output")
-        command.set_defaults(
-            handler=lambda a, function=function: _run(function, _target(a), a.rollout_ids, as_json=a.json)
+        command.add_argument("--dry-run", action="store_true", help="print what would be removed; change nothing")
+        command.add_argument(
+            "--force", action="store_true", help=f"{verb} ids that name nothing in the namespace (refused otherwise)"
         )
+        command.set_defaults(
+            handler=lambda a, function=function: _run(
+                function, _target(a), a.rollout_ids, as_json=a.json, dry_run=a.dry_run, force=a.force
+            )
+        )
+
+    listing_command = commands.add_parser(
+        "list", parents=[redis], help="the namespace's rollouts by state (SCAN: an ops tool)"
+    )
+    listing_command.add_argument(
+        "--state",
+        action="append",
+        choices=listing.ROLLOUT_STATES,
+        help="only rollouts in this state (repeatable; default: every state)",
+    )
+    listing_command.add_argument("--json", action="store_true", help="one JSON object per rollout per line")
+    listing_command.add_argument("--limit", type=positive_int, default=1000, help="print at most this many rollouts")
+    listing_command.set_defaults(
+        handler=lambda a: _run(listing.list_command, _target(a), states=a.state, as_json=a.json, limit=a.limit)
+    )
 
 
 def _add_shards(parser: argparse.ArgumentParser) -> None:
@@ -152,11 +179,28 @@ def _add_stats_command(
 ) -> None:
     command = commands.add_parser("stats", parents=[redis], help="durability, memory, rollouts in flight, streams, lag")
     command.add_argument("--watch", type=positive_seconds, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
-    command.add_argument("--json", action="store_true", help="machine-readable output")
+    command.add_argument("--json", action="store_true", help="machine-readable output (with --watch: one per line)")
     command.add_argument("--rate-window-s", type=positive_seconds, default=10.0, help="window of the staging rate")
+    command.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when not durable, dead letters exist, a group lags past --max-lag, or the namespace is empty",
+    )
+    command.add_argument(
+        "--max-lag",
+        type=non_negative_int,
+        default=stats.DEFAULT_MAX_LAG,
+        help="--check: entries a consumer group may leave unread, summed over its shards",
+    )
     command.set_defaults(
         handler=lambda a: _run(
-            stats.stats_command, _target(a), watch_s=a.watch, as_json=a.json, rate_window_s=a.rate_window_s
+            stats.stats_command,
+            _target(a),
+            watch_s=a.watch,
+            as_json=a.json,
+            rate_window_s=a.rate_window_s,
+            check=a.check,
+            max_lag=a.max_lag,
         )
     )
 
@@ -202,7 +246,13 @@ def _add_service_commands(
 
 def _add_tool_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser], env: Mapping[str, str]) -> None:
     acl = commands.add_parser("acl", help="print a least-privilege ACL file for the staging roles")
-    acl.add_argument("--namespace", default=env.get(ENV_NAMESPACE) or DEFAULT_NAMESPACE, metavar="NS")
+    acl.add_argument(
+        "--namespace",
+        default=env.get(ENV_NAMESPACE) or DEFAULT_NAMESPACE,
+        type=namespace_name,
+        metavar="NS",
+        help=f"key namespace the roles may touch (default: ${ENV_NAMESPACE} or {DEFAULT_NAMESPACE!r})",
+    )
     acl.add_argument("--server-version", default="7.2", help="target server version (below 7.0: no selectors)")
     acl.add_argument(
         "--password", action="append", default=[], metavar="ROLE=PASSWORD", help="use this password (repeatable)"
@@ -232,12 +282,14 @@ def _add_tool_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The ``staging-sink`` argument parser; defaults come from *env* (``os.environ`` when ``None``)."""
     env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = CommandParser(
         prog="staging-sink",
         description="Durable token staging for RL training of LLM agents (NeMo Gym staging schema 2 on Redis).",
         epilog="Start with `staging-sink demo`. Exit codes: 0 ok, 1 failed, 2 usage, 3 server unreachable.",
+        formatter_class=DefaultsHelpFormatter,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages to stderr")
+    parser.add_argument("--version", action="version", version=f"staging-sink {_version()}")
+    add_logging_options(parser, default=False, log_format="text")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # The CLI is the composition root: the only sink module that loads worker, and only when a parser is built.
     from worker.demo.main import add_demo_parser
@@ -261,7 +313,18 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     _add_service_commands(commands, redis)
     _add_rollout_commands(commands, redis)
     _add_tool_commands(commands, env)
+    for name, command in commands.choices.items():
+        command.formatter_class = DefaultsHelpFormatter
+        if name != "bench":  # bench passes its arguments through to the benchmark
+            add_logging_options(command, default=argparse.SUPPRESS, log_format=argparse.SUPPRESS)
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("staging-sink")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _leaf(exc: BaseException) -> BaseException:
@@ -291,7 +354,11 @@ def _report(exc: BaseException, args: argparse.Namespace) -> int | None:
     if isinstance(exc, StagingError | redis_errors.RedisError):
         return _fail(f"{exc}", EXIT_FAILURE)
     if isinstance(exc, pydantic.ValidationError):
-        return _fail(f"invalid setting: {exc}", EXIT_USAGE)
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or 'value'}: {error['msg']}"
+            for error in exc.errors(include_url=False)
+        )
+        return _fail(f"invalid setting: {problems}", EXIT_USAGE)
     return None
 
 
@@ -302,12 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.WARNING,
-            format="%(levelname)s %(name)s: %(message)s",
-            stream=sys.stderr,
-        )
+    configure_logging(verbose=args.verbose, log_format=args.log_format)
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -1,4 +1,4 @@
-"""Operator commands about single rollouts: ``inspect``, ``verify``, ``tail``, ``retire`` and ``delete``.
+"""Operator commands that read single rollouts: ``inspect``, ``verify`` and ``tail``.
 
 Each command is an async function returning its exit code; :mod:`sink.cli.main` parses the arguments and
 runs it.
@@ -6,7 +6,7 @@ runs it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
 from typing import Any
 
 import anyio
@@ -14,7 +14,6 @@ from rich.table import Table
 
 from ..errors import CodecError, ReceiptVerificationError
 from ..keys import calls_stream, fence_key, ledger_stream, receipt_key, validate_rollout_id
-from ..ledger.redis import RedisCaptureLedger
 from ..ledger.rows import manifest_from_entries
 from ..receipt import build_receipt
 from ..records import RolloutManifest, RolloutReceipt
@@ -36,12 +35,16 @@ from .common import (
 )
 from .common import write_json as _write_json
 
-__all__ = ("delete_rollouts", "inspect_rollout", "retire_rollouts", "tail_rollout", "verify_rollout")
+__all__ = ("checked_rollout_id", "inspect_rollout", "tail_rollout", "verify_rollout")
 
 _TAIL_BLOCK_MS = 1000
 
 
-def _checked_id(rollout_id: str) -> str:
+def checked_rollout_id(rollout_id: str) -> str:
+    """*rollout_id* if valid.
+
+    :raises CommandError: (exit 2) it is not a valid rollout id.
+    """
     try:
         return validate_rollout_id(rollout_id)
     except ValueError as exc:
@@ -93,7 +96,7 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
 
     :raises CommandError: (exit 1) the rollout does not exist; (exit 2) the id is invalid.
     """
-    _checked_id(rollout_id)
+    checked_rollout_id(rollout_id)
     async with open_topology(target) as topology:
         state = await _rollout_state(topology, target, rollout_id)
     if not state["exists"]:
@@ -160,11 +163,13 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
 
 async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool) -> int:
     """``staging-sink verify R``: fetch the receipt (or build one from the live manifest), fetch the staged
-    records and run ``verify_and_linearize``. Exit 0 only if the rollout verifies.
+    records and run ``verify_and_linearize``. Exit 0 if the rollout verifies, or if it was consumed: a
+    trainer acknowledged it (receipt and retire fence present, staged records gone), so there is nothing left
+    to verify and nothing wrong; exit 1 otherwise.
 
     :raises CommandError: (exit 1) no such rollout, or retired without a receipt.
     """
-    _checked_id(rollout_id)
+    checked_rollout_id(rollout_id)
     async with open_topology(target) as topology:
         state = await _rollout_state(topology, target, rollout_id)
         receipt: RolloutReceipt | None = state["receipt"]
@@ -182,7 +187,7 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
                 raise _no_such_rollout(rollout_id, target)
             receipt = build_receipt(manifest, rollout_id=rollout_id, reward=None)
             source_of_receipt = "receipt built from the live manifest (heuristic terminal)"
-        outcome: dict[str, Any] = {"rollout_id": rollout_id, "receipt_source": source_of_receipt}
+        outcome: dict[str, Any] = {"rollout_id": rollout_id, "receipt_source": source_of_receipt, "consumed": False}
         try:
             async with AsyncRedisStagingSource(
                 topology.client, SourceSettings(namespace=target.namespace, cluster=target.cluster)
@@ -191,6 +196,9 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
             row = verify_and_linearize(receipt, snapshots)
         except KeyError as exc:
             outcome |= {"verified": False, "code": "missing_record", "detail": str(exc.args[0] if exc.args else exc)}
+            if state["fenced"] and state["receipt"] is not None:
+                # The trainer's ack retires the ledger (fence), then deletes the staged records.
+                outcome |= {"consumed": True, "code": "consumed", "detail": "acknowledged by a trainer"}
         except CodecError as exc:
             outcome |= {"verified": False, "code": "corrupt_record", "detail": str(exc)}
         except ReceiptVerificationError as exc:
@@ -206,6 +214,11 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
             }
     if as_json:
         _write_json(outcome)
+    elif outcome["consumed"]:
+        stdout_console().print(
+            f"[green]consumed[/] {rollout_id}: a trainer acknowledged it (receipt kept, ledger retired, staged "
+            f"records removed); nothing left to verify"
+        )
     elif outcome["verified"]:
         stdout_console().print(
             f"[green]verified[/] {rollout_id}: {outcome['tokens']} tokens ({outcome['generated_tokens']} generated) "
@@ -216,7 +229,7 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
         stdout_console().print(
             f"[red]NOT verified[/] {rollout_id}: {outcome['code']}: {outcome['detail']} ({source_of_receipt})"
         )
-    return EXIT_OK if outcome["verified"] else EXIT_FAILURE
+    return EXIT_OK if outcome["verified"] or outcome["consumed"] else EXIT_FAILURE
 
 
 # --- tail --------------------------------------------------------------------------------------------
@@ -229,7 +242,7 @@ async def tail_rollout(
 
     Ends after *count* entries, after *timeout_s* seconds, or on Ctrl-C; exit 0 in every case.
     """
-    _checked_id(rollout_id)
+    checked_rollout_id(rollout_id)
     console = stdout_console()
     stream = calls_stream(target.namespace, rollout_id)
     seen = 0
@@ -241,10 +254,16 @@ async def tail_rollout(
                 # Resolve '$' once, so an entry staged between two reads is never skipped.
                 newest = await client.xrevrange(stream, count=1)
                 last_id = _entry(newest[0])[0] if newest else "0-0"
+            known = bool(await client.exists(stream))
         deadline = timeout_s if timeout_s is not None else float("inf")
         async with anyio.create_task_group() as group:
             await group.start(cancel_on_signal, group.cancel_scope)  # Ctrl-C ends the tail normally
             stderr_console().print(f"following the calls of {rollout_id} from {last_id}; Ctrl-C stops")
+            if not known:
+                sys.stderr.write(
+                    f"note: no such rollout yet: {rollout_id!r} has no calls stream in namespace "
+                    f"{target.namespace!r} at {target.display_url}; waiting for its first staged record\n"
+                )
             with anyio.move_on_after(deadline):
                 while count is None or seen < count:
                     with map_redis_errors(f"read the calls of {rollout_id!r}"):
@@ -262,36 +281,3 @@ async def tail_rollout(
                             )
             group.cancel_scope.cancel()
     return EXIT_OK
-
-
-# --- retire / delete ---------------------------------------------------------------------------------
-
-
-async def _remove(target: RedisTarget, rollout_ids: Sequence[str], *, verb: str, as_json: bool) -> int:
-    ids = [_checked_id(rollout_id) for rollout_id in rollout_ids]
-    async with (
-        open_topology(target) as topology,
-        RedisCaptureLedger(topology.client, target.settings()) as ledger,
-    ):
-        removal = await (ledger.retire(ids) if verb == "retire" else ledger.delete(ids))
-    if as_json:
-        _write_json(removal.model_dump(mode="json"))
-        return EXIT_OK
-    console = stdout_console()
-    done = "retired (ledger removed, fence set)" if verb == "retire" else "deleted (ledger and fence removed)"
-    absent = "no ledger rows; fenced anyway" if verb == "retire" else "no live ledger: nothing deleted"
-    for rollout_id in removal.removed:
-        console.print(f"{rollout_id}: {done}")
-    for rollout_id in removal.absent:
-        console.print(f"{rollout_id}: absent ({absent})")
-    return EXIT_OK
-
-
-async def retire_rollouts(target: RedisTarget, rollout_ids: Sequence[str], *, as_json: bool) -> int:
-    """``staging-sink retire R...``: fence each rollout and remove its ledger (staged records are untouched)."""
-    return await _remove(target, rollout_ids, verb="retire", as_json=as_json)
-
-
-async def delete_rollouts(target: RedisTarget, rollout_ids: Sequence[str], *, as_json: bool) -> int:
-    """``staging-sink delete R...``: remove each rollout's ledger and fence, making the id reusable."""
-    return await _remove(target, rollout_ids, verb="delete", as_json=as_json)

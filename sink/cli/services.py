@@ -103,7 +103,8 @@ async def trainer_command(
     batch: int,
 ) -> int:
     """``staging-sink trainer``: pull, verify and acknowledge rollouts, one line each, until SIGINT/SIGTERM,
-    *max_rollouts* or *timeout_s*. Exit 1 when *max_rollouts* were asked for and fewer arrived in time."""
+    *max_rollouts* or *timeout_s*, then delete its consumer name from the group (where it owns nothing
+    pending). Exit 1 when *max_rollouts* were asked for and fewer arrived in time."""
     settings = ReaderSettings(
         namespace=target.namespace,
         cluster=target.cluster,
@@ -113,20 +114,24 @@ async def trainer_command(
     )
     console = stdout_console()
     seen = verified = 0
-    async with RolloutReader.from_url(target.url, settings) as reader, anyio.create_task_group() as group:
-        await group.start(cancel_on_signal, group.cancel_scope)
-        stderr_console().print(f"trainer {reader.consumer_name} on {target.display_url}; Ctrl-C stops it")
-        with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
-            while max_rollouts is None or seen < max_rollouts:
-                wanted = batch if max_rollouts is None else min(batch, max_rollouts - seen)
-                pulled = await reader.pull(wanted, block_ms=_PULL_BLOCK_MS)
-                for rollout in pulled:
-                    console.print(_rollout_line(rollout))
-                if pulled:
-                    await reader.ack([rollout.rollout_id for rollout in pulled])
-                seen += len(pulled)
-                verified += sum(1 for rollout in pulled if rollout.trainable)
-        group.cancel_scope.cancel()
+    async with RolloutReader.from_url(target.url, settings) as reader:
+        async with anyio.create_task_group() as group:
+            await group.start(cancel_on_signal, group.cancel_scope)
+            stderr_console().print(f"trainer {reader.consumer_name} on {target.display_url}; Ctrl-C stops it")
+            with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
+                while max_rollouts is None or seen < max_rollouts:
+                    wanted = batch if max_rollouts is None else min(batch, max_rollouts - seen)
+                    pulled = await reader.pull(wanted, block_ms=_PULL_BLOCK_MS)
+                    for rollout in pulled:
+                        console.print(_rollout_line(rollout))
+                    if pulled:
+                        await reader.ack([rollout.rollout_id for rollout in pulled])
+                    seen += len(pulled)
+                    verified += sum(1 for rollout in pulled if rollout.trainable)
+            group.cancel_scope.cancel()
+        # Leave the group tidy: a consumer name per run would otherwise pile up in `stats`.
+        shards_retired = await reader.retire_consumer()
+        logger.info("trainer %s: consumer retired on %d shard(s)", reader.consumer_name, shards_retired)
     stderr_console().print(f"trainer: {seen} rollout(s), {verified} verified, {seen - verified} skipped")
     if max_rollouts is not None and seen < max_rollouts:
         stderr_console().print(f"trainer: only {seen} of {max_rollouts} rollout(s) arrived within {timeout_s} s")

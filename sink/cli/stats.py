@@ -2,28 +2,57 @@
 
 The snapshot holds the verified durability settings of every node, memory, rollouts in flight (ledgers
 found with ``SCAN``), the staging rate (calls entries of the last window, read from their stream ids), the
-length of every ``done``/``receipts``/``dead`` stream with its consumer groups' pending count and lag.
-``SCAN`` walks the whole keyspace: this is an ops tool, never a hot path.
+length of every ``done``/``receipts``/``dead`` stream with its consumer groups' pending count and lag, and
+every consumer's pending count and idle time. ``SCAN`` walks the whole keyspace: this is an ops tool, never
+a hot path.
+
+``--check`` turns the snapshot into a verdict (:func:`check_problems`): exit 1 when the server is not
+durable, a dead-letter stream has entries, a consumer group lags more than ``--max-lag`` entries (summed
+over its shards; a stream with no group counts its whole length), or the namespace has no keys at all.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, cast
 
 import anyio
 import redis.asyncio as aioredis
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..metrics import STREAM_KINDS, collect_redis_gauges
 from ..store.connection import Topology, map_redis_errors
 from ..store.durability import REQUIRED_CONFIG, verify_durability
-from .common import EXIT_OK, RedisTarget, cancel_on_signal, decode_text, open_topology, stdout_console, write_json
+from .common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    RedisTarget,
+    cancel_on_signal,
+    decode_text,
+    open_topology,
+    stdout_console,
+    write_json,
+)
 
-__all__ = ("collect_stats", "render_stats", "scan_keys", "shared_stream_names", "stats_command")
+__all__ = (
+    "DEFAULT_MAX_LAG",
+    "check_problems",
+    "collect_stats",
+    "namespaces_found",
+    "render_stats",
+    "scan_keys",
+    "shared_stream_names",
+    "stats_command",
+)
 
+DEFAULT_MAX_LAG = 1000
+"""Default ``stats --check --max-lag``: entries a consumer group may have left to read (over its shards)."""
 _SCAN_COUNT = 1000
+_HINT_SCAN_KEYS = 10_000
+_HINT_NAMES = 20
 
 
 async def scan_keys(topology: Topology, pattern: str, key_type: str) -> list[str]:
@@ -44,6 +73,53 @@ async def shared_stream_names(topology: Topology, namespace: str) -> list[str]:
     :raises redis.RedisError: the server cannot be reached or refuses ``SCAN``.
     """
     return [name for kind in STREAM_KINDS for name in await scan_keys(topology, f"{namespace}:{kind}:*", "stream")]
+
+
+async def _has_keys(topology: Topology, namespace: str) -> bool:
+    for node in topology.primaries():
+        async for _key in node.scan_iter(match=f"{namespace}:*", count=_SCAN_COUNT):
+            return True
+    return False
+
+
+async def namespaces_found(topology: Topology) -> tuple[list[str], bool]:
+    """The namespaces (key prefixes before the first ``:``) among the first keys ``SCAN`` returns, sorted, and
+    whether the scan stopped early (at most 10,000 keys per primary are read).
+
+    :raises redis.RedisError: the server cannot be reached or refuses ``SCAN``.
+    """
+    names: set[str] = set()
+    truncated = False
+    for node in topology.primaries():
+        seen = 0
+        async for key in node.scan_iter(count=_SCAN_COUNT):
+            prefix, sep, _rest = decode_text(key).partition(":")
+            if sep:
+                names.add(prefix)
+            seen += 1
+            if seen >= _HINT_SCAN_KEYS:
+                truncated = True
+                break
+    return sorted(names), truncated
+
+
+async def _consumers(topology: Topology, streams: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each consumer of each group, over the shards: pending entries, idle time (the least over its shards)."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for name, stream in streams.items():
+        for group in stream["groups"]:
+            for raw in await topology.node_for_key(name).xinfo_consumers(name, group):
+                info = {decode_text(key): value for key, value in raw.items()}
+                consumer = decode_text(info["name"])
+                entry = merged.setdefault(
+                    (group, consumer),
+                    {"group": group, "consumer": consumer, "shards": 0, "pending": 0, "idle_ms": None},
+                )
+                entry["shards"] += 1
+                entry["pending"] += int(info.get("pending", 0))
+                idle = int(info.get("idle", 0))
+                entry["idle_ms"] = idle if entry["idle_ms"] is None else min(entry["idle_ms"], idle)
+    return [merged[key] for key in sorted(merged)]
 
 
 async def _recent_calls(topology: Topology, streams: list[str], window_s: float) -> int:
@@ -92,6 +168,9 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         shared = await shared_stream_names(topology, ns)
         # The cluster client routes each keyed command; the gauges only issue keyed commands here.
         gauges = await collect_redis_gauges(cast(aioredis.Redis, topology.client), ns, streams=shared)
+        consumers = await _consumers(topology, dict(gauges))
+        empty = not (ledgers or calls or shared) and not await _has_keys(topology, ns)
+        found = await namespaces_found(topology) if empty else ([], False)
     dead = {name: stream["length"] for name, stream in gauges.items() if stream["kind"] == "dead"}
     return {
         "url": target.display_url,
@@ -109,8 +188,54 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         "staged_calls_per_s": round(staged_recently / rate_window_s, 2),
         "rate_window_s": rate_window_s,
         "streams": gauges,
+        "consumers": consumers,
         "dead_letters": sum(dead.values()),
+        "namespace_empty": empty,
+        "namespaces_found": found[0],
+        "namespaces_scan_truncated": found[1],
     }
+
+
+def _lags(snapshot: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """Entries left to read per (stream kind, group), summed over shards; ``(kind, "-")``: no group at all."""
+    lags: dict[tuple[str, str], int] = {}
+    for stream in snapshot["streams"].values():
+        if stream["kind"] not in ("done", "receipts"):
+            continue
+        if not stream["groups"]:
+            key = (stream["kind"], "-")
+            lags[key] = lags.get(key, 0) + stream["length"]
+        for group, gauges in stream["groups"].items():
+            # Consumers XDEL what they acknowledge, so length - pending bounds the unread when lag is unknown.
+            lag = gauges["lag"] if gauges["lag"] is not None else max(stream["length"] - gauges["pending"], 0)
+            lags[(stream["kind"], group)] = lags.get((stream["kind"], group), 0) + lag
+    return lags
+
+
+def check_problems(snapshot: dict[str, Any], *, max_lag: int) -> list[str]:
+    """What ``stats --check`` fails on in *snapshot* (from :func:`collect_stats`), one sentence each."""
+    problems = []
+    if snapshot["namespace_empty"]:
+        problems.append(f"no keys in namespace {snapshot['namespace']!r}")
+    if not snapshot["durability"]["durable"]:
+        problems.append(f"not durable: {snapshot['durability']['problem']}")
+    if snapshot["dead_letters"]:
+        names = [name for name, stream in snapshot["streams"].items() if stream["kind"] == "dead" and stream["length"]]
+        problems.append(f"{snapshot['dead_letters']} dead letter(s) in {', '.join(names)}")
+    for (kind, group), lag in sorted(_lags(snapshot).items()):
+        if lag > max_lag:
+            who = "no consumer group reads them" if group == "-" else f"group {group!r} has not read them"
+            problems.append(f"{kind} streams lag {lag} entries > --max-lag {max_lag} ({who})")
+    return problems
+
+
+def _duration(ms: int | None) -> str:
+    if ms is None:
+        return "?"
+    seconds = ms / 1000
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def _bytes(count: int) -> str:
@@ -174,26 +299,68 @@ def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
     if not snapshot["streams"]:
         streams.add_row("(none yet)", "", "", "", "", "", "")
     console.print(streams)
+    if snapshot["consumers"]:
+        consumers = Table(title="consumers", title_justify="left")
+        for column in ("group", "consumer", "shards", "pending", "idle"):
+            consumers.add_column(column, justify="left" if column in ("group", "consumer") else "right")
+        for consumer in snapshot["consumers"]:
+            consumers.add_row(
+                escape(consumer["group"]),
+                escape(consumer["consumer"]),
+                str(consumer["shards"]),
+                str(consumer["pending"]),
+                _duration(consumer["idle_ms"]),
+            )
+        console.print(consumers)
 
 
-async def stats_command(target: RedisTarget, *, watch_s: float | None, as_json: bool, rate_window_s: float) -> int:
-    """``staging-sink stats``: print the namespace's health once, or every *watch_s* seconds until Ctrl-C.
+def _empty_hint(snapshot: dict[str, Any]) -> str:
+    found = [name for name in snapshot["namespaces_found"] if name != snapshot["namespace"]]
+    shown = ", ".join(found[:_HINT_NAMES]) + (", ..." if len(found) > _HINT_NAMES else "")
+    sampled = " (from the first keys scanned)" if snapshot["namespaces_scan_truncated"] else ""
+    listed = f"namespaces found{sampled}: {shown}" if found else "the server has no other namespace either"
+    return f"note: no keys in namespace {snapshot['namespace']!r} at {snapshot['url']}; {listed} (--namespace)"
+
+
+async def stats_command(
+    target: RedisTarget,
+    *,
+    watch_s: float | None,
+    as_json: bool,
+    rate_window_s: float,
+    check: bool = False,
+    max_lag: int = DEFAULT_MAX_LAG,
+) -> int:
+    """``staging-sink stats``: print the namespace's health once, or every *watch_s* seconds until Ctrl-C
+    (with ``--json``: one JSON object per line). With *check*, also a verdict: exit 1 when the last snapshot
+    has a problem (:func:`check_problems`).
 
     :raises StagingConnectionError: the server cannot be reached or refuses a command.
     """
     console = stdout_console()
+    problems: list[str] = []
     async with open_topology(target) as topology, anyio.create_task_group() as group:
         await group.start(cancel_on_signal, group.cancel_scope)  # Ctrl-C ends --watch normally
         while True:
             snapshot = await collect_stats(topology, target, rate_window_s=watch_s or rate_window_s)
+            problems = check_problems(snapshot, max_lag=max_lag) if check else []
+            if check:
+                snapshot["check"] = {"ok": not problems, "problems": problems, "max_lag": max_lag}
+            if snapshot["namespace_empty"]:
+                sys.stderr.write(_empty_hint(snapshot) + "\n")
             if as_json:
-                write_json(snapshot)
+                write_json(snapshot, one_line=watch_s is not None)
             else:
                 if watch_s is not None:
                     console.clear()
                 render_stats(console, snapshot)
+                if check:
+                    verdict = "[green]check: ok[/]" if not problems else f"[red]check: {len(problems)} problem(s)[/]"
+                    console.print(verdict)
+                    for problem in problems:
+                        console.print(f"  - {problem}", markup=False)
             if watch_s is None:
                 break
             await anyio.sleep(watch_s)
         group.cancel_scope.cancel()
-    return EXIT_OK
+    return EXIT_FAILURE if problems else EXIT_OK

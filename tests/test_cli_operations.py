@@ -1,0 +1,301 @@
+"""Operator commands that tell the truth (issue 15, item 6): ``stats --check``, ``list``, ``retire``/``delete``
+with ``--dry-run`` and ``--force``, ``verify`` of a consumed rollout, consumer idle times, and the CLI paper
+cuts (log lines, ``-v`` anywhere, ``--version``, defaults in help, one-line errors, line-delimited JSON,
+``tail`` of an unknown rollout). Every command runs against a real server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from functools import partial
+
+import anyio
+import pytest
+import redis
+
+from sink.assembler import finished
+from sink.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from sink.cli.main import build_parser, main
+from sink.cluster import LocalCluster
+from sink.keys import dead_letter_stream, fence_key, ledger_stream, receipt_key
+from sink.reader import RolloutReader
+from sink.server import DurableServer
+from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
+
+STATES = ("staging", "finished", "receipt_waiting", "claimed", "poisoned", "dead_lettered", "consumed")
+
+
+def sink_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sink", *args]
+
+
+@pytest.fixture
+def staged(redis_url: str) -> str:
+    anyio.run(partial(stage_rollouts, redis_url, ["r1"], calls=3, n_tokens=8))
+    return redis_url
+
+
+async def _wait_for_receipts(url: str, rollout_ids: list[str]) -> None:
+    keys = [receipt_key("stg", rid) for rid in rollout_ids]
+    async with redis.asyncio.Redis.from_url(url) as client:
+        for _attempt in range(600):
+            if await client.exists(*keys) == len(keys):
+                return
+            await anyio.sleep(0.05)
+    raise AssertionError(f"no receipts for {rollout_ids} after 30 s")
+
+
+async def _lifecycle(url: str) -> None:
+    """One rollout in each state: ``s-<state>``."""
+    await stage_rollouts(url, [f"s-{state}" for state in STATES], calls=2, n_tokens=8)
+    async with redis.asyncio.Redis.from_url(url) as client:
+        for rid in ("s-claimed", "s-consumed"):
+            await finished(client, rid, reward=1.0)
+        async with running_assembler(url):
+            await _wait_for_receipts(url, ["s-claimed", "s-consumed"])
+        async with RolloutReader.from_url(url, consumer_name="rank-0") as reader:
+            pulled = await pull_until(reader, 2)
+            assert {rollout.rollout_id for rollout in pulled} == {"s-claimed", "s-consumed"}
+            await reader.ack(["s-consumed"])  # s-claimed stays claimed: the reader closes without acking it
+        await finished(client, "s-receipt_waiting", reward=1.0)
+        await finished(client, "s-poisoned", reward=1.0, declared_response_id="no-such-response")
+        async with running_assembler(url):
+            await _wait_for_receipts(url, ["s-receipt_waiting", "s-poisoned"])
+        await finished(client, "s-finished", reward=1.0)
+        await client.xadd(
+            dead_letter_stream("stg", "receipts-0"), {"rollout_id": "s-dead_lettered", "dead_reason": "test"}
+        )
+
+
+@pytest.fixture
+def lifecycle(redis_url: str) -> str:
+    anyio.run(_lifecycle, redis_url)
+    return redis_url
+
+
+# --- stats --check -----------------------------------------------------------------------------------------
+
+
+def test_stats_check_passes_on_a_healthy_namespace(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "--redis-url", staged, "--check"]) == EXIT_OK
+    assert "check: ok" in capsys.readouterr().out
+
+
+def test_stats_check_fails_on_a_non_durable_server(
+    everysec_server: DurableServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with redis.Redis.from_url(everysec_server.url) as client:
+        client.xadd(ledger_stream("stg", "r1"), {"row": "{}"})  # the namespace is not empty
+    assert main(["stats", "--redis-url", everysec_server.url]) == EXIT_OK  # without --check: report only
+    capsys.readouterr()
+    assert main(["stats", "--redis-url", everysec_server.url, "--check"]) == EXIT_FAILURE
+    assert "not durable" in capsys.readouterr().out.lower()
+
+
+def test_stats_check_fails_on_dead_letters(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with redis.Redis.from_url(staged) as client:
+        client.xadd(dead_letter_stream("stg", "done-0"), {"rollout_id": "r1", "dead_reason": "test"})
+    assert main(["stats", "--redis-url", staged, "--check"]) == EXIT_FAILURE
+    assert "1 dead letter" in capsys.readouterr().out
+
+
+def test_stats_check_fails_when_lagging_past_max_lag(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
+    async def announce() -> None:
+        async with redis.asyncio.Redis.from_url(staged) as client:
+            for index in range(3):
+                await finished(client, f"late-{index}", reward=0.0)
+
+    anyio.run(announce)
+    assert main(["stats", "--redis-url", staged, "--check", "--max-lag", "2"]) == EXIT_FAILURE
+    assert "lag" in capsys.readouterr().out
+    assert main(["stats", "--redis-url", staged, "--check", "--max-lag", "3"]) == EXIT_OK
+
+
+def test_stats_on_an_empty_namespace_lists_the_namespaces_found(
+    staged: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["stats", "--redis-url", staged, "--namespace", "stgg"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert "no keys in namespace 'stgg'" in err and "stg" in err
+    assert main(["stats", "--redis-url", staged, "--namespace", "stgg", "--check"]) == EXIT_FAILURE
+
+
+def test_stats_shows_consumer_idle_time(lifecycle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "--redis-url", lifecycle, "--json"]) == EXIT_OK
+    consumers = json.loads(capsys.readouterr().out)["consumers"]
+    rank = [consumer for consumer in consumers if consumer["consumer"] == "rank-0"]
+    assert len(rank) == 1 and rank[0]["idle_ms"] >= 0 and rank[0]["pending"] == 1
+    assert main(["stats", "--redis-url", lifecycle]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "rank-0" in out and "idle" in out
+
+
+def test_stats_watch_json_is_one_object_per_line(staged: str) -> None:
+    command = sink_command("stats", "--redis-url", staged, "--watch", "0.2", "--json")
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(2)]
+        process.kill()
+        process.communicate(timeout=30)
+    assert all(json.loads(line)["namespace"] == "stg" for line in lines)
+
+
+# --- list ---------------------------------------------------------------------------------------------------
+
+
+def test_list_shows_rollouts_by_state(lifecycle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list", "--redis-url", lifecycle, "--json"]) == EXIT_OK
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {row["rollout_id"]: row["state"] for row in rows} == {f"s-{state}": state for state in STATES}
+    assert main(["list", "--redis-url", lifecycle, "--state", "claimed", "--state", "poisoned"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "s-claimed" in out and "s-poisoned" in out and "s-staging" not in out
+
+
+def test_list_rejects_an_unknown_state(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["list", "--redis-url", "redis://127.0.0.1:1", "--state", "sleeping"])
+    assert exited.value.code == EXIT_USAGE
+
+
+# --- retire / delete ----------------------------------------------------------------------------------------
+
+
+def test_retire_refuses_an_unknown_id_without_force(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["retire", "r1", "never-seen", "--redis-url", staged]) == EXIT_FAILURE
+    assert "never-seen" in capsys.readouterr().err
+    with redis.Redis.from_url(staged) as client:
+        assert client.exists(fence_key("stg", "never-seen"), fence_key("stg", "r1")) == 0  # nothing changed
+    assert main(["retire", "never-seen", "--redis-url", staged, "--force"]) == EXIT_OK
+    assert "never-seen: fenced" in capsys.readouterr().out
+
+
+def test_retire_dry_run_changes_nothing(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["retire", "r1", "--redis-url", staged, "--dry-run"]) == EXIT_OK
+    assert "r1: would retire" in capsys.readouterr().out
+    with redis.Redis.from_url(staged) as client:
+        assert client.exists(ledger_stream("stg", "r1")) == 1 and client.exists(fence_key("stg", "r1")) == 0
+
+
+def test_delete_reports_the_fence_it_removed(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["retire", "r1", "--redis-url", staged]) == EXIT_OK
+    assert "r1: retired" in capsys.readouterr().out
+    assert main(["retire", "r1", "--redis-url", staged]) == EXIT_OK
+    assert "r1: already retired" in capsys.readouterr().out
+    assert main(["delete", "r1", "--redis-url", staged, "--dry-run"]) == EXIT_OK
+    assert "r1: would delete the fence" in capsys.readouterr().out
+    assert main(["delete", "r1", "--redis-url", staged, "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert report["rollouts"] == [{"rollout_id": "r1", "ledger_removed": False, "fence_removed": True}]
+    with redis.Redis.from_url(staged) as client:
+        assert client.exists(fence_key("stg", "r1")) == 0
+
+
+# --- verify of a consumed rollout ---------------------------------------------------------------------------
+
+
+def test_verify_says_consumed_for_an_acked_rollout(lifecycle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "s-consumed", "--redis-url", lifecycle]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "consumed s-consumed" in out and "NOT verified" not in out
+    assert main(["verify", "s-consumed", "--redis-url", lifecycle, "--json"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["consumed"] is True
+
+
+# --- tail ---------------------------------------------------------------------------------------------------
+
+
+def test_tail_of_an_unknown_rollout_says_so(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tail", "nobody", "--redis-url", redis_url, "--timeout-s", "0.2"]) == EXIT_OK
+    assert "no such rollout yet" in capsys.readouterr().err
+
+
+# --- paper cuts ---------------------------------------------------------------------------------------------
+
+
+def test_verbose_is_accepted_after_the_subcommand() -> None:
+    assert build_parser(env={}).parse_args(["stats", "-v"]).verbose is True
+    assert build_parser(env={}).parse_args(["-v", "stats"]).verbose is True
+    assert build_parser(env={}).parse_args(["stats"]).verbose is False
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("staging-sink ")
+
+
+def test_every_help_shows_the_defaults() -> None:
+    parser = build_parser(env={})
+    subcommands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    commands: dict[str, argparse.ArgumentParser] = {"staging-sink": parser, **subcommands.choices}
+    for name, command in commands.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if action.default in (None, False, [], argparse.SUPPRESS) or action.help in (None, argparse.SUPPRESS):
+                continue
+            assert "default" in formatter._expand_help(action), (name, action.option_strings)
+
+
+def test_invalid_namespace_is_one_line(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["stats", "--redis-url", redis_url, "--namespace", "bad ns"])
+    assert exited.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--namespace" in err and "http" not in err and "pydantic" not in err
+
+
+def test_an_invalid_setting_is_one_line(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trainer", "--redis-url", redis_url, "--consumer-name", ""]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("staging-sink: error: invalid setting: consumer_name: ") and err.count("\n") == 1, err
+    assert "http" not in err
+
+
+def test_log_lines_have_timestamps_and_a_json_format(redis_url: str) -> None:
+    done = subprocess.run(
+        sink_command("trainer", "--redis-url", redis_url, "--timeout-s", "0.3", "-v", "--log-format", "json"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == EXIT_OK, done.stderr
+    records = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert records and all({"time", "level", "logger", "message"} <= record.keys() for record in records)
+    done = subprocess.run(
+        sink_command("trainer", "--redis-url", redis_url, "--timeout-s", "0.3", "-v"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    logged = [line for line in done.stderr.splitlines() if " INFO " in line]
+    assert logged and all(line[:4].isdigit() and line[10] == "T" for line in logged), done.stderr
+
+
+# --- on a cluster -------------------------------------------------------------------------------------------
+
+
+def test_list_retire_delete_and_stats_on_a_cluster(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    rollout_ids = ["ops-cli-a", "ops-cli-b"]
+    anyio.run(partial(stage_rollouts, cluster.url, rollout_ids, cluster=True))
+    target = ["--redis-url", cluster.url, "--cluster"]
+
+    def states() -> dict[str, str]:
+        assert main(["list", *target, "--json"]) == EXIT_OK
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        return {row["rollout_id"]: row["state"] for row in rows if row["rollout_id"] in rollout_ids}
+
+    assert states() == dict.fromkeys(rollout_ids, "staging")
+    assert main(["retire", *rollout_ids, *target]) == EXIT_OK
+    assert capsys.readouterr().out.count("retired (ledger removed, fence set)") == 2
+    assert states() == dict.fromkeys(rollout_ids, "retired")
+    assert main(["delete", *rollout_ids, *target, "--json"]) == EXIT_OK
+    assert [entry["fence_removed"] for entry in json.loads(capsys.readouterr().out)["rollouts"]] == [True, True]
+    assert main(["stats", *target, "--json"]) == EXIT_OK
+    snapshot = json.loads(capsys.readouterr().out)
+    assert snapshot["durability"]["nodes_checked"] == 6 and isinstance(snapshot["consumers"], list)
