@@ -59,6 +59,9 @@ class HeldRollouts:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, rollout_id: object) -> bool:
+        return rollout_id in self._held
+
     def rollout_ids(self) -> tuple[str, ...]:
         return tuple(self._held)
 

@@ -9,15 +9,24 @@ silently: every failure becomes a skipped :class:`PulledRollout` with a code.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .done_event import GroupTag, parse_group_fields
 from .errors import CodecError, ReceiptVerificationError
 from .keys import validate_rollout_id
 from .records import RolloutReceipt
 from .store.source import AsyncRedisStagingSource
 from .verify import LinearizedRow, _verify_and_linearize
 
-__all__ = ("CORRUPT_RECORD", "MISSING_RECORD", "PulledRollout", "fetch_and_verify", "parse_receipt_entry")
+__all__ = (
+    "CORRUPT_RECORD",
+    "MISSING_RECORD",
+    "PulledRollout",
+    "fetch_and_verify",
+    "parse_receipt_entry",
+    "parse_receipt_group",
+    "with_group",
+)
 
 MISSING_RECORD = "missing_record"
 """Skip code: a staged record named by the manifest is gone (``KeyError`` from the source)."""
@@ -27,12 +36,16 @@ CORRUPT_RECORD = "corrupt_record"
 
 @dataclass(frozen=True, slots=True)
 class PulledRollout:
-    """One pulled rollout: trainable (``row`` set) or skipped (``skip_code`` and ``skip_reason`` set)."""
+    """One pulled rollout: trainable (``row`` set) or skipped (``skip_code`` and ``skip_reason`` set).
+
+    ``group``: the GRPO group given to :func:`~sink.done_event.finished`, or ``None``.
+    """
 
     receipt: RolloutReceipt
     row: LinearizedRow | None = None
     skip_code: str | None = None
     skip_reason: str | None = None
+    group: GroupTag | None = None
 
     @property
     def rollout_id(self) -> str:
@@ -56,6 +69,19 @@ def parse_receipt_entry(fields: Mapping[str, str]) -> RolloutReceipt:
     if receipt.rollout_id != validate_rollout_id(rollout_id):
         raise ValueError("rollout_id field does not match the receipt")
     return receipt
+
+
+def parse_receipt_group(fields: Mapping[str, str]) -> GroupTag | None:
+    """The GRPO group a ``ns:receipts:<k>`` entry carries beside its receipt, or ``None``.
+
+    :raises ValueError: the group fields are malformed.
+    """
+    return parse_group_fields(fields)
+
+
+def with_group(pulled: PulledRollout, group: GroupTag | None) -> PulledRollout:
+    """*pulled* carrying *group*."""
+    return pulled if group is None else replace(pulled, group=group)
 
 
 def _skip(receipt: RolloutReceipt, code: str, reason: str) -> PulledRollout:

@@ -37,7 +37,17 @@ from .held import HeldRollouts, claim_rounds
 from .held import entry_token as _token
 from .keys import claim_key, fence_key, receipts_stream
 from .ledger.redis import RedisCaptureLedger
-from .pulled import CORRUPT_RECORD, MISSING_RECORD, PulledRollout, fetch_and_verify, parse_receipt_entry
+from .done_event import GroupTag
+from .pulled import (
+    CORRUPT_RECORD,
+    MISSING_RECORD,
+    PulledRollout,
+    fetch_and_verify,
+    parse_receipt_entry,
+    parse_receipt_group,
+    with_group,
+)
+from .staleness import STALE_WEIGHTS, stale_skip
 from .records import RolloutReceipt, RolloutRemoval
 from .settings import ReaderSettings, SourceSettings
 from .store.connection import Topology, map_redis_errors
@@ -50,6 +60,7 @@ from .store.streams import GroupConsumer, StreamEntry, default_consumer_name
 __all__ = (
     "CORRUPT_RECORD",
     "MISSING_RECORD",
+    "STALE_WEIGHTS",
     "TRAINER_GROUP",
     "PulledRollout",
     "ReaderStatistics",
@@ -61,10 +72,15 @@ logger = logging.getLogger(__name__)
 TRAINER_GROUP = "trainers"
 # pull() refreshes held rollouts when the last refresh is older than claim_idle_ms / this.
 _RENEWALS_PER_IDLE = 8
+# How many self-acknowledged (stale) rollout ids a reader remembers, so a later ack() of them is a no-op.
+_SELF_ACKED_REMEMBERED = 65_536
 
 
 class ReaderStatistics(NamedTuple):
-    """Counters of one :class:`RolloutReader` since it was opened; ``held`` = pulled, not yet acknowledged."""
+    """Counters of one :class:`RolloutReader` since it was opened; ``held`` = pulled, not yet acknowledged.
+
+    ``skipped_by_code``: skipped rollouts per skip code (e.g. ``stale_weights``, ``rollout_failed``), sorted.
+    """
 
     pulled: int
     trainable: int
@@ -75,6 +91,7 @@ class ReaderStatistics(NamedTuple):
     dead_lettered: int
     lost: int
     held: int
+    skipped_by_code: tuple[tuple[str, int], ...] = ()
 
 
 class RolloutReader(AsyncResource):
@@ -133,6 +150,24 @@ class RolloutReader(AsyncResource):
         self._next_claim_at = -math.inf
         self._touched_at = -math.inf
         self._counts = {"pulled": 0, "trainable": 0, "skipped": 0, "duplicates": 0, "lost": 0}
+        self._skip_codes: dict[str, int] = {}
+        self._weight_version: int | None = None
+        # Rollouts this reader acknowledged itself (stale): a later ack() of them is a no-op.
+        self._self_acked: dict[str, None] = {}
+
+    @property
+    def weight_version(self) -> int | None:
+        """The trainer's current weight version, as last given to :meth:`set_weight_version`."""
+        return self._weight_version
+
+    def set_weight_version(self, version: int) -> None:
+        """Tell the reader the trainer's current weight version (for ``max_weight_lag``).
+
+        :raises ValueError: *version* is not a non-negative int.
+        """
+        if type(version) is not int or version < 0:
+            raise ValueError(f"weight version must be a non-negative int, got {version!r}")
+        self._weight_version = version
 
     @property
     def consumer_name(self) -> str:
@@ -157,6 +192,7 @@ class RolloutReader(AsyncResource):
             dead_lettered=consumer.dead_lettered,
             lost=c["lost"],
             held=len(self._held),
+            skipped_by_code=tuple(sorted(self._skip_codes.items())),
         )
 
     def __repr__(self) -> str:
@@ -257,9 +293,11 @@ class RolloutReader(AsyncResource):
     async def _consume(self, entries: list[StreamEntry], settled: set[tuple[str, str]]) -> list[PulledRollout]:
         """Parse, claim, fetch and verify *entries*; add the ones acknowledged here to *settled*."""
         parsed: list[tuple[StreamEntry, RolloutReceipt]] = []
+        groups: dict[str, GroupTag | None] = {}
         for entry in entries:
             try:
                 receipt = parse_receipt_entry(entry.fields)
+                groups[entry.entry_id] = parse_receipt_group(entry.fields)
             except ValueError as exc:
                 await self._consumer.dead_letter(entry, f"malformed receipt entry: {exc}")
                 settled.add((entry.stream, entry.entry_id))
@@ -277,12 +315,26 @@ class RolloutReader(AsyncResource):
             for index, (_entry, receipt) in enumerate(claimed):
                 group.start_soon(build, index, receipt)
         pulled: list[PulledRollout] = []
+        stale: list[str] = []
         for (entry, receipt), result in zip(claimed, results, strict=True):
             assert result is not None
+            result = with_group(result, groups.get(entry.entry_id))
+            skip = stale_skip(result, self._weight_version, self._settings.max_weight_lag)
+            if skip is not None:
+                result = skip
+                stale.append(result.rollout_id)
             self._held.add(entry, receipt)
             self._counts["pulled"] += 1
             self._counts["trainable" if result.trainable else "skipped"] += 1
+            if result.skip_code is not None:
+                self._skip_codes[result.skip_code] = self._skip_codes.get(result.skip_code, 0) + 1
             pulled.append(result)
+        if stale:
+            # Generated by weights too old to train on: finish them here, reported as skipped.
+            await self.ack(stale)
+            self._self_acked.update(dict.fromkeys(stale))
+            while len(self._self_acked) > _SELF_ACKED_REMEMBERED:
+                del self._self_acked[next(iter(self._self_acked))]
         return pulled
 
     async def _claim_all(
@@ -354,11 +406,14 @@ class RolloutReader(AsyncResource):
 
         :returns: the ledger retirement (``removed``: had a ledger; ``absent``: none, e.g. state-3 receipts).
         :raises TypeError: *rollout_ids* is a bare ``str``.
+        Rollouts the reader already acknowledged itself (skipped as ``stale_weights``) are accepted and
+        ignored, so a trainer can acknowledge everything a pull returned.
+
         :raises ValueError: an id was not pulled by this reader (nothing changed).
         """
         if isinstance(rollout_ids, str | bytes):
             raise TypeError("ack() takes a collection of rollout ids, not a single str")
-        ids = list(dict.fromkeys(rollout_ids))
+        ids = [i for i in dict.fromkeys(rollout_ids) if i not in self._self_acked or i in self._held]
         held = self._held.select(ids, self.consumer_name)
         if not ids:
             return RolloutRemoval()

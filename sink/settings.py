@@ -135,3 +135,7 @@ class ReaderSettings(_GroupConsumerSettings):
     """Rollouts fetched and verified concurrently within one ``pull``."""
     max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
     """Staged records larger than this are refused by the source."""
+    max_weight_lag: int | None = Field(default=None, ge=0)
+    """Staleness bound in weight versions: once the trainer tells the reader its current weight version
+    (``set_weight_version``), a rollout whose oldest generating call is more than this many versions older
+    is acknowledged by the reader and reported skipped with code ``stale_weights``; ``None``: no bound."""
