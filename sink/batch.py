@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import BatchInputError
-from .pulled import PulledRollout
+from .pulled import PulledRollout, SkippedRollout
 from .row import NumpyColumns
 
 __all__ = (
@@ -48,14 +48,6 @@ class OverlongRow(NamedTuple):
     rollout_id: str
     tokens: int
     max_tokens: int
-
-
-class SkippedRollout(NamedTuple):
-    """A pulled rollout that is not trainable (or was skipped by the reader), with its reason code."""
-
-    rollout_id: str
-    skip_code: str
-    skip_reason: str
 
 
 class RowSelection(NamedTuple):
@@ -96,7 +88,7 @@ def select_rows(pulled: Sequence[PulledRollout], *, max_tokens: int | None = Non
         seen.add(item.rollout_id)
         row = item.row
         if row is None:
-            skipped.append(SkippedRollout(item.rollout_id, item.skip_code or "", item.skip_reason or ""))
+            skipped.append(item.skipped())
             continue
         length = len(row.columns)
         if max_tokens is not None and length > max_tokens:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from .done_event import GroupTag, parse_group_fields
 from .errors import CodecError, ReceiptVerificationError
@@ -22,6 +23,7 @@ __all__ = (
     "CORRUPT_RECORD",
     "MISSING_RECORD",
     "PulledRollout",
+    "SkippedRollout",
     "fetch_and_verify",
     "parse_receipt_entry",
     "parse_receipt_group",
@@ -32,6 +34,14 @@ MISSING_RECORD = "missing_record"
 """Skip code: a staged record named by the manifest is gone (``KeyError`` from the source)."""
 CORRUPT_RECORD = "corrupt_record"
 """Skip code: a staged blob is corrupt or stored under a foreign key (``CodecError`` from the source)."""
+
+
+class SkippedRollout(NamedTuple):
+    """A pulled rollout that is not trainable (or was skipped by the reader), with its skip code and reason."""
+
+    rollout_id: str
+    skip_code: str
+    skip_reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +64,10 @@ class PulledRollout:
     @property
     def trainable(self) -> bool:
         return self.row is not None
+
+    def skipped(self) -> SkippedRollout:
+        """This rollout as a :class:`SkippedRollout` (``skip_code`` ``""`` if it is trainable)."""
+        return SkippedRollout(self.rollout_id, self.skip_code or "", self.skip_reason or "")
 
 
 def parse_receipt_entry(fields: Mapping[str, str]) -> RolloutReceipt:

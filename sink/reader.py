@@ -33,11 +33,11 @@ import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from .done_event import GroupTag
 from .held import HeldRollouts, claim_rounds
 from .held import entry_token as _token
 from .keys import claim_key, fence_key, receipts_stream
 from .ledger.redis import RedisCaptureLedger
-from .done_event import GroupTag
 from .pulled import (
     CORRUPT_RECORD,
     MISSING_RECORD,
@@ -47,9 +47,9 @@ from .pulled import (
     parse_receipt_group,
     with_group,
 )
-from .staleness import STALE_WEIGHTS, stale_skip
 from .records import RolloutReceipt, RolloutRemoval
 from .settings import ReaderSettings, SourceSettings
+from .staleness import STALE_WEIGHTS, stale_skip
 from .store.connection import Topology, map_redis_errors
 from .store.resource import AsyncResource, settings_or_fields
 from .store.scripts import CLAIM_CLAIMED, CLAIM_RETIRED, CLAIM_SCRIPT, RELEASE_SCRIPT
@@ -74,6 +74,14 @@ TRAINER_GROUP = "trainers"
 _RENEWALS_PER_IDLE = 8
 # How many self-acknowledged (stale) rollout ids a reader remembers, so a later ack() of them is a no-op.
 _SELF_ACKED_REMEMBERED = 65_536
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _text_fields(fields: Any) -> dict[str, str]:
+    return {_text(key): _text(value) for key, value in dict(fields).items()}
 
 
 class ReaderStatistics(NamedTuple):
@@ -173,6 +181,22 @@ class RolloutReader(AsyncResource):
     def consumer_name(self) -> str:
         """This reader's consumer name in the ``trainers`` group."""
         return self._consumer.consumer
+
+    @property
+    def settings(self) -> ReaderSettings:
+        return self._settings
+
+    @property
+    def client(self) -> aioredis.Redis | RedisCluster:
+        """The reader's client (owned or borrowed), for companions such as :class:`sink.groups.GroupReader`."""
+        return self._topology.client
+
+    def entry_token(self, rollout_id: str) -> str:
+        """The claim token (``<stream>#<entry id>``) of a held rollout's receipt entry.
+
+        :raises KeyError: *rollout_id* is not held.
+        """
+        return self._held.token_of(rollout_id)
 
     @property
     def held_rollouts(self) -> tuple[str, ...]:
@@ -396,6 +420,44 @@ class RolloutReader(AsyncResource):
         self._counts["duplicates"] += 1
         await self._consumer.ack([entry])
         return False
+
+    # --- handing rollouts between ranks (GRPO groups, :mod:`sink.groups`) -----------
+
+    async def take_over(self, tokens: Sequence[str]) -> list[PulledRollout]:
+        """Move the receipt entries named by *tokens* (``<stream>#<entry id>``, pending under other ranks of
+        the ``trainers`` group) to this reader (``XCLAIM``), then claim, fetch and verify them like :meth:`pull`.
+
+        An entry that is gone (acknowledged meanwhile) is left out.
+
+        :raises ValueError: a token does not name one of this reader's receipts streams.
+        :raises StagingConnectionError: the server could not be reached.
+        """
+        shard_of_stream = {receipts_stream(self._ns, s): s for s in range(self._settings.receipt_shards)}
+        wanted: list[tuple[str, int, str]] = []
+        for token in tokens:
+            stream, _, entry_id = token.rpartition("#")
+            if stream not in shard_of_stream or not entry_id:
+                raise ValueError(f"not a receipt entry token of this reader: {token!r}")
+            wanted.append((stream, shard_of_stream[stream], entry_id))
+        entries: list[StreamEntry] = []
+        with map_redis_errors("take over receipt entries"):
+            for stream, shard, entry_id in wanted:
+                client = self._topology.node_for_key(stream)
+                reply: list[Any] = await client.xclaim(stream, TRAINER_GROUP, self.consumer_name, 0, [entry_id])
+                for claimed_id, fields in reply or []:
+                    if fields:
+                        entries.append(StreamEntry(stream, shard, _text(claimed_id), _text_fields(fields), 1))
+        settled: set[tuple[str, str]] = set()
+        return await self._consume([e for e in entries if not self._held.holds(e)], settled)
+
+    def forget(self, rollout_ids: Iterable[str]) -> None:
+        """Stop holding *rollout_ids* without acknowledging them (another rank takes them over); unknown ids
+        are ignored."""
+        self._held.release([i for i in rollout_ids if i in self._held])
+
+    def holds(self, rollout_id: str) -> bool:
+        """Whether this reader holds *rollout_id* (pulled, not yet acknowledged)."""
+        return rollout_id in self._held
 
     # --- acknowledging ------------------------------------------------------------
 
