@@ -317,11 +317,11 @@ class RolloutReader(AsyncResource):
     async def _consume(self, entries: list[StreamEntry], settled: set[tuple[str, str]]) -> list[PulledRollout]:
         """Parse, claim, fetch and verify *entries*; add the ones acknowledged here to *settled*."""
         parsed: list[tuple[StreamEntry, RolloutReceipt]] = []
-        groups: dict[str, GroupTag | None] = {}
+        groups: dict[tuple[str, str], GroupTag | None] = {}
         for entry in entries:
             try:
                 receipt = parse_receipt_entry(entry.fields)
-                groups[entry.entry_id] = parse_receipt_group(entry.fields)
+                groups[entry.stream, entry.entry_id] = parse_receipt_group(entry.fields)
             except ValueError as exc:
                 await self._consumer.dead_letter(entry, f"malformed receipt entry: {exc}")
                 settled.add((entry.stream, entry.entry_id))
@@ -342,7 +342,7 @@ class RolloutReader(AsyncResource):
         stale: list[str] = []
         for (entry, receipt), result in zip(claimed, results, strict=True):
             assert result is not None
-            result = with_group(result, groups.get(entry.entry_id))
+            result = with_group(result, groups.get((entry.stream, entry.entry_id)))
             skip = stale_skip(result, self._weight_version, self._settings.max_weight_lag)
             if skip is not None:
                 result = skip
