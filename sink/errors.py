@@ -18,6 +18,7 @@ __all__ = (
     "RebuildError",
     "ReceiptVerificationError",
     "RolloutRetiredError",
+    "RowUnavailableError",
     "ServerNotFoundError",
     "ServerProcessError",
     "StagingConnectionError",
@@ -118,3 +119,8 @@ class BatchInputError(StagingError, ValueError):
     """Raised when a training-batch step (:mod:`sink.batch`, :mod:`sink.packing`, :mod:`sink.export`) is given
     invalid input: an option out of range, an item that is not a pulled rollout, a rollout id twice. Nothing was
     built; the message names the offending value."""
+
+
+class RowUnavailableError(StagingError, LookupError):
+    """Raised when an export by rollout id finds no stored receipt (not finished, or acknowledged already) or
+    a staged record the receipt names is gone. Nothing was written."""

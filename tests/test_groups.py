@@ -14,12 +14,15 @@ from sink.keys import dead_letter_stream, record_key
 from sink.pulled import MISSING_RECORD
 from sink.reader import RolloutReader
 from sink.sync_reader import SyncRolloutReader
+from tests.helpers.replies import raw_entries
 from tests.helpers.trainer import publish, publish_groups
 
 GROUPS = {f"prompt-{g}": [f"p{g}-m{m}" for m in range(4)] for g in range(3)}
 
 
-async def _pull_groups(readers: list[GroupReader], wanted: int, *, timeout_s: float = 20.0) -> list[tuple[str, RolloutGroup]]:
+async def _pull_groups(
+    readers: list[GroupReader], wanted: int, *, timeout_s: float = 20.0
+) -> list[tuple[str, RolloutGroup]]:
     """Round-robin pull_groups over *readers* (2 rollouts per pull) until *wanted* groups came back."""
     delivered: list[tuple[str, RolloutGroup]] = []
     with anyio.fail_after(timeout_s):
@@ -43,7 +46,7 @@ async def test_two_ranks_never_split_a_group(redis_url: str) -> None:
         assert len(delivered) == len(by_id) == len(GROUPS)  # each group once
         for group_id, (rank, group) in by_id.items():
             assert group.complete and group.group_size == 4 and not group.failed
-            assert group.rollout_ids == tuple(sorted(GROUPS[group_id]))  # whole, in id order
+            assert group_id is not None and group.rollout_ids == tuple(sorted(GROUPS[group_id]))  # whole, sorted
             assert all(m.row is not None and m.group is not None for m in group.members)
             assert group.reward_mean == 1.5 and group.reward_min == 0.0 and group.reward_max == 3.0
             assert math.isclose(group.reward_std, math.sqrt(1.25))
@@ -53,18 +56,38 @@ async def test_two_ranks_never_split_a_group(redis_url: str) -> None:
         # exactly the members of the groups it delivered.
         for group_reader in readers:
             assert await group_reader.pull_groups(1) == []
-            mine = {i for rank, g in delivered if rank == group_reader.reader.consumer_name for i in g.rollout_ids}
-            assert set(group_reader.reader.held_rollouts) == mine
-        for group_reader in readers:
-            mine = [g for rank, g in delivered if rank == group_reader.reader.consumer_name]
-            await group_reader.ack_groups(mine)
+            own = [g for rank, g in delivered if rank == group_reader.reader.consumer_name]
+            assert set(group_reader.reader.held_rollouts) == {i for g in own for i in g.rollout_ids}
+            await group_reader.ack_groups(own)
         assert await rank0.pending() == 0
         assert sum(r.statistics().delivered for r in readers) == 3
-        # The ranks did receive members of groups the other rank owns, and handed them over.
-        assert sum(r.statistics().handed_over for r in readers) > 0
         assert all(r.statistics().waiting == 0 for r in readers)
     async with aioredis.Redis.from_url(redis_url) as client:
         assert await client.exists(*(key for g in GROUPS for key in group_keys("stg", g))) == 0
+
+
+@pytest.mark.anyio
+async def test_the_rank_completing_a_group_takes_the_other_ranks_members_over(redis_url: str) -> None:
+    members = ["t-0", "t-1", "t-2", "t-3"]
+    await publish_groups(redis_url, {"taken": members}, receipt_shards=1)
+    async with (
+        RolloutReader.from_url(redis_url, consumer_name="rank-0", receipt_shards=1) as rank0,
+        RolloutReader.from_url(redis_url, consumer_name="rank-1", receipt_shards=1) as rank1,
+    ):
+        first, second = GroupReader(rank0), GroupReader(rank1)
+        # One receipt each, alternating: rank-1's second pull completes the group.
+        assert await first.pull_groups(1) == [] and await second.pull_groups(1) == []
+        assert await first.pull_groups(1) == []
+        (group,) = await second.pull_groups(1)
+        assert group.rollout_ids == tuple(members) and group.complete
+        assert set(rank1.held_rollouts) == set(members)
+        assert first.statistics().waiting == 1
+        # rank-0 sees the owner on its next pull and lets its two members go, unacknowledged.
+        assert await first.pull_groups(1) == []
+        assert rank0.held_rollouts == () and first.statistics().handed_over == 2
+        assert first.statistics().waiting == 0 and rank0.statistics().acked == 0
+        await second.ack_groups([group])
+        assert await rank1.pending() == 0
 
 
 @pytest.mark.anyio
@@ -88,7 +111,7 @@ async def test_an_incomplete_group_is_sealed_at_its_timeout(redis_url: str, poli
         assert await reader.pending() == 0 and reader.statistics().held == 0
     if policy == "dead_letter":
         async with aioredis.Redis.from_url(redis_url) as client:
-            ((_id, fields),) = await client.xrange(dead_letter_stream("stg", "groups"))
+            ((_id, fields),) = raw_entries(await client.xrange(dead_letter_stream("stg", "groups")))
             assert fields[b"group_id"] == b"short" and fields[b"members"] == b"s-0,s-1"
 
 

@@ -13,6 +13,7 @@ from sink.done_event import GroupTag, parse_done_event
 from sink.errors import CodecError
 from sink.keys import done_stream, receipts_stream
 from sink.reader import STALE_WEIGHTS, RolloutReader
+from sink.settings import DEFAULT_SHARDS
 from sink.sync_reader import SyncRolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.trainer import publish
@@ -33,7 +34,13 @@ async def test_group_travels_from_finished_to_the_pulled_rollout(redis_url: str)
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     ("group_id", "group_size", "error"),
-    [("g", None, ValueError), (None, 2, ValueError), ("g", 0, ValueError), ("bad id!", 2, ValueError), (3, 2, TypeError)],
+    [
+        ("g", None, ValueError),
+        (None, 2, ValueError),
+        ("g", 0, ValueError),
+        ("bad id!", 2, ValueError),
+        (3, 2, TypeError),
+    ],
 )
 async def test_finished_refuses_a_bad_group_and_writes_nothing(
     redis_url: str, group_id: object, group_size: object, error: type[Exception]
@@ -41,7 +48,7 @@ async def test_finished_refuses_a_bad_group_and_writes_nothing(
     async with aioredis.Redis.from_url(redis_url) as client:
         with pytest.raises(error):
             await finished(client, "r1", reward=1.0, group_id=group_id, group_size=group_size)  # type: ignore[arg-type]
-        assert await client.exists(*(done_stream("stg", shard) for shard in range(8))) == 0
+        assert await client.exists(*(done_stream("stg", shard) for shard in range(DEFAULT_SHARDS))) == 0
 
 
 def test_a_malformed_group_field_makes_a_malformed_done_event() -> None:
@@ -71,7 +78,9 @@ async def test_stale_rollouts_are_acked_and_reported_with_a_reason_code(redis_ur
         with pytest.raises(ValueError, match="non-negative"):
             reader.set_weight_version(-1)
     async with aioredis.Redis.from_url(redis_url) as client:
-        assert [await client.xlen(receipts_stream("stg", shard)) for shard in range(8)] == [0] * 8
+        assert [await client.xlen(receipts_stream("stg", shard)) for shard in range(DEFAULT_SHARDS)] == [
+            0
+        ] * DEFAULT_SHARDS
 
 
 @pytest.mark.anyio
@@ -110,7 +119,7 @@ async def test_the_sync_reader_pulls_heartbeats_and_acks_from_threads(redis_url:
                 try:
                     for _ in range(20):
                         reader.heartbeat()
-                except BaseException as exc:  # pragma: no cover - reported below
+                except Exception as exc:  # noqa: BLE001 - reported below, on the test's thread
                     errors.append(exc)
 
             beater = threading.Thread(target=beat)

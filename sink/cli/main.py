@@ -41,6 +41,7 @@ from .common import (
     positive_int,
     positive_seconds,
 )
+from .export import add_export_command
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
 
@@ -260,6 +261,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     _add_stats_command(commands, redis)
     _add_service_commands(commands, redis)
     _add_rollout_commands(commands, redis)
+    add_export_command(commands, redis)
     _add_tool_commands(commands, env)
     return parser
 
