@@ -76,6 +76,14 @@ class SyncRolloutReader(PortalOwner[RolloutReader]):
 
             return self._call(run)
 
+    def ack_groups(self, groups: Iterable[RolloutGroup]) -> None:
+        """Thread-safe :meth:`sink.groups.GroupReader.ack_groups`: acknowledge delivered groups after the step."""
+        delivered = list(groups)
+        with self._serial:
+            if self._groups is None:
+                self._groups = GroupReader(self._resource)
+            self._call(self._groups.ack_groups, delivered)
+
     def heartbeat(self) -> int:
         """Thread-safe :meth:`RolloutReader.heartbeat`."""
         return self._serialized(self._resource.heartbeat)

@@ -165,5 +165,5 @@ def test_the_sync_reader_delivers_groups(redis_url: str) -> None:
                 break
         (group,) = delivered
         assert group.rollout_ids == ("sg-0", "sg-1") and group.complete
-        reader.ack(group.rollout_ids)
+        reader.ack_groups([group])
         assert reader.pending() == 0
