@@ -161,6 +161,8 @@ class GroupReader:
         self._ns = self._settings.namespace
         self._parked: dict[str, dict[str, PulledRollout]] = {}
         self._watched: dict[str, GroupTag] = {}
+        # This pull's rollouts: a group completed by one of them may include others not gathered yet.
+        self._fresh: dict[str, PulledRollout] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed"), 0)
 
     @property
@@ -179,7 +181,9 @@ class GroupReader:
         :raises StagingConnectionError: the server could not be reached.
         """
         delivered = await self._check_watched()
-        for item in await self._reader.pull(max_rollouts, block_ms=block_ms):
+        pulled = await self._reader.pull(max_rollouts, block_ms=block_ms)
+        self._fresh = {item.rollout_id: item for item in pulled if item.trainable}
+        for item in pulled:
             if item.group is None:
                 delivered.append(await self._solo(item))
                 continue
@@ -284,8 +288,8 @@ class GroupReader:
             )
             if kind == "skip":
                 failed.append(SkippedRollout(rollout_id, first, second))
-            elif rollout_id in local and self._reader.holds(rollout_id):
-                members[rollout_id] = local[rollout_id]
+            elif (mine := local.get(rollout_id) or self._fresh.get(rollout_id)) and self._reader.holds(rollout_id):
+                members[rollout_id] = mine
             else:
                 tokens[rollout_id] = first
         for item in await self._reader.take_over(list(tokens.values())) if tokens else []:

@@ -91,6 +91,29 @@ async def test_the_rank_completing_a_group_takes_the_other_ranks_members_over(re
 
 
 @pytest.mark.anyio
+async def test_a_group_whose_owner_crashed_is_delivered_by_another_rank(redis_url: str) -> None:
+    members = ["c-0", "c-1", "c-2"]
+    await publish_groups(redis_url, {"crashed": members}, receipt_shards=1)
+    options: dict[str, Any] = {"receipt_shards": 1, "claim_idle_ms": 300}
+    async with RolloutReader.from_url(redis_url, consumer_name="rank-0", **options) as rank0:
+        survivor = GroupReader(rank0)
+        assert await survivor.pull_groups(1) == []
+        async with RolloutReader.from_url(redis_url, consumer_name="rank-1", **options) as rank1:
+            (group,) = await GroupReader(rank1).pull_groups(2)
+            assert group.rollout_ids == tuple(members)
+            # rank-1 "crashes": it closes without acknowledging, its entries stay pending under its name.
+        assert await survivor.pull_groups(1) == [] and rank0.held_rollouts == ()
+        delivered: list[RolloutGroup] = []
+        with anyio.fail_after(10):
+            while not delivered:
+                delivered = await survivor.pull_groups(4, block_ms=50)
+        (again,) = delivered
+        assert again.group_id == "crashed" and again.rollout_ids == tuple(members) and again.complete
+        await survivor.ack_groups(delivered)
+        assert await rank0.pending() == 0
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("policy", ["partial", "dead_letter"])
 async def test_an_incomplete_group_is_sealed_at_its_timeout(redis_url: str, policy: str) -> None:
     await publish_groups(redis_url, {"short": ["s-0", "s-1"]}, size=3)
