@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from sink.assembler import finished
 from sink.batch import OverlongRow, collate
+from sink.done_event import GroupTag
 from sink.errors import BatchInputError, StagingError
 from sink.packing import first_fit_decreasing, pack
 from sink.pulled import PulledRollout
@@ -49,6 +50,13 @@ def test_collate_pads_right_and_keeps_every_value() -> None:
     assert batch.rollout_ids == ("a", "b") and batch.ack_ids == ("a", "b")
     assert "rows=2" in repr(batch)
     assert set(batch.tensors()) >= {"input_ids", "attention_mask", "loss_mask", "generation_logprobs"}
+
+
+def test_rows_carry_their_group() -> None:
+    grouped = verified_pulled("a", group=GroupTag("prompt-1", 2))
+    batch = collate([grouped, verified_pulled("b")])
+    packed = pack([grouped, verified_pulled("b")], max_tokens=64)
+    assert batch.group_ids == ("prompt-1", None) and packed.group_ids == ("prompt-1", None)
 
 
 def test_pad_to_multiple_of_rounds_the_width_up() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import anyio
+import pydantic
 import pytest
 import redis.asyncio as aioredis
 
@@ -13,7 +14,7 @@ from sink.done_event import GroupTag, parse_done_event
 from sink.errors import CodecError
 from sink.keys import done_stream, receipts_stream
 from sink.reader import STALE_WEIGHTS, RolloutReader
-from sink.settings import DEFAULT_SHARDS
+from sink.settings import DEFAULT_SHARDS, ReaderSettings
 from sink.sync_reader import SyncRolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.trainer import publish
@@ -143,3 +144,17 @@ async def test_the_sync_reader_pulls_heartbeats_and_acks_from_threads(redis_url:
 
     pulled, held, acked = await anyio.to_thread.run_sync(train)
     assert sorted(pulled) == sorted(ids) and held == len(ids) and acked == len(ids)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_weight_lag": -1},
+        {"group_timeout_s": 0},
+        {"group_timeout_policy": "forever"},
+        {"group_failure_policy": "ignore"},
+    ],
+)
+def test_trainer_settings_are_validated(fields: dict[str, object]) -> None:
+    with pytest.raises(pydantic.ValidationError):
+        ReaderSettings.model_validate(fields)
