@@ -36,7 +36,9 @@ import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import anyio
 
 from .done_event import GroupTag
 from .keys import dead_letter_stream
@@ -242,18 +244,26 @@ class GroupReader:
         return None  # 'owned': delivered by this rank already
 
     async def _check_watched(self) -> list[RolloutGroup]:
+        """Check every group this rank waits on (the scripts run concurrently), then act on each state."""
+        watched = list(self._watched.items())
+        replies: list[Any] = [None] * len(watched)
+        limiter = anyio.CapacityLimiter(self._settings.fetch_concurrency)
+        arguments = [
+            self._reader.consumer_name,
+            int(self._settings.group_timeout_s * 1000),
+            self._settings.claim_idle_ms,
+        ]
+
+        async def check(index: int, group_id: str) -> None:
+            async with limiter:
+                with map_redis_errors(f"check group {group_id!r}"):
+                    replies[index] = await _CHECK.run(self._reader.client, group_keys(self._ns, group_id), arguments)
+
+        async with anyio.create_task_group() as checks:
+            for index, (group_id, _tag) in enumerate(watched):
+                checks.start_soon(check, index, group_id)
         delivered: list[RolloutGroup] = []
-        for group_id, tag in list(self._watched.items()):
-            with map_redis_errors(f"check group {group_id!r}"):
-                reply = await _CHECK.run(
-                    self._reader.client,
-                    group_keys(self._ns, group_id),
-                    [
-                        self._reader.consumer_name,
-                        int(self._settings.group_timeout_s * 1000),
-                        self._settings.claim_idle_ms,
-                    ],
-                )
+        for (group_id, tag), reply in zip(watched, replies, strict=True):
             state = _text(reply[0])
             if state == "wait":
                 continue
