@@ -310,11 +310,11 @@ def format_report(f: TrainerFigures) -> str:
             ),
             (
                 f"  trainer loop + collate (one padded batch per pull): {f.pull_collate_ns:7.1f}"
-                f"  (+{100 * (f.pull_collate_ns / f.pull_numpy_ns - 1):.0f}% over as_numpy; target <= 20%)"
+                f"  ({100 * (f.pull_collate_ns / f.pull_numpy_ns - 1):+.0f}% over as_numpy; target <= +20%)"
             ),
             (
                 f"  trainer loop + pack (first-fit decreasing bins): {f.pull_pack_ns:7.1f}"
-                f"  (+{100 * (f.pull_pack_ns / f.pull_numpy_ns - 1):.0f}% over as_numpy; target <= 40%)"
+                f"  ({100 * (f.pull_pack_ns / f.pull_numpy_ns - 1):+.0f}% over as_numpy; target <= +40%)"
             ),
             (
                 f"  split: fetch+decode {f.fetch_decode_ns:.1f}, verify+linearize {f.verify_linearize_ns:.1f}, "
