@@ -33,7 +33,7 @@ import redis.exceptions as redis_errors
 from pydantic import ValidationError
 from redis.asyncio.cluster import RedisCluster
 
-from .done_event import DoneEvent, finished, parse_done_event
+from .done_event import DoneEvent, GroupTag, finished, group_fields, parse_done_event
 from .errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
 from .keys import done_stream, receipt_key, receipts_stream, shard_of
 from .ledger.redis import RedisCaptureLedger
@@ -269,7 +269,7 @@ class Assembler(AsyncResource):
                 await self._consumer.dead_letter(entry, str(exc))
                 return
             text = await self._store_receipt(await self._assemble(event))
-            await self._publish(event.rollout_id, text)
+            await self._publish(event.rollout_id, text, event.group)
             if self._before_ack is not None:
                 await self._before_ack(entry)
             settled.append(entry)
@@ -328,10 +328,14 @@ class Assembler(AsyncResource):
         self._counts["reused"] += 1
         return stored
 
-    async def _publish(self, rollout_id: str, receipt_text: str) -> None:
+    async def _publish(self, rollout_id: str, receipt_text: str, group: GroupTag | None) -> None:
         stream = receipts_stream(self._ns, shard_of(rollout_id, self._settings.receipt_shards))
+        # The GRPO group rides beside the receipt (the receipt model has no group field).
+        fields = {"rollout_id": rollout_id, "receipt": receipt_text}
+        if group is not None:
+            fields.update(group_fields(group))
         with map_redis_errors(f"publish the receipt of {rollout_id!r}"):
-            await self._topology.client.xadd(stream, {"rollout_id": rollout_id, "receipt": receipt_text})
+            await self._topology.client.xadd(stream, fields)  # type: ignore[arg-type]
         self._counts["published"] += 1
 
 

@@ -11,12 +11,14 @@ A durability failure is not an exception: ``stage()`` reports it as ``StageResul
 from __future__ import annotations
 
 __all__ = (
+    "BatchInputError",
     "CodecError",
     "LedgerConflictError",
     "MetricsExtraMissingError",
     "RebuildError",
     "ReceiptVerificationError",
     "RolloutRetiredError",
+    "RowUnavailableError",
     "ServerNotFoundError",
     "ServerProcessError",
     "StagingConnectionError",
@@ -111,3 +113,14 @@ class ServerProcessError(StagingError):
 
 class MetricsExtraMissingError(StagingError, ImportError):
     """Raised when ``prometheus_client`` is not installed: install the ``metrics`` extra."""
+
+
+class BatchInputError(StagingError, ValueError):
+    """Raised when a training-batch step (:mod:`sink.batch`, :mod:`sink.packing`, :mod:`sink.export`) is given
+    invalid input: an option out of range, an item that is not a pulled rollout, a rollout id twice. Nothing was
+    built; the message names the offending value."""
+
+
+class RowUnavailableError(StagingError, LookupError):
+    """Raised when an export by rollout id finds no stored receipt (not finished, or acknowledged already) or
+    a staged record the receipt names is gone. Nothing was written."""

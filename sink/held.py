@@ -59,6 +59,13 @@ class HeldRollouts:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, rollout_id: object) -> bool:
+        return rollout_id in self._held
+
+    def token_of(self, rollout_id: str) -> str:
+        """The claim token of a held rollout's entry; :raises KeyError: not held."""
+        return self._held[rollout_id].token
+
     def rollout_ids(self) -> tuple[str, ...]:
         return tuple(self._held)
 

@@ -9,15 +9,26 @@ silently: every failure becomes a skipped :class:`PulledRollout` with a code.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
+from .done_event import GroupTag, parse_group_fields
 from .errors import CodecError, ReceiptVerificationError
 from .keys import validate_rollout_id
 from .records import RolloutReceipt
 from .store.source import AsyncRedisStagingSource
 from .verify import LinearizedRow, verify_decoded_and_linearize
 
-__all__ = ("CORRUPT_RECORD", "MISSING_RECORD", "PulledRollout", "fetch_and_verify", "parse_receipt_entry")
+__all__ = (
+    "CORRUPT_RECORD",
+    "MISSING_RECORD",
+    "PulledRollout",
+    "SkippedRollout",
+    "fetch_and_verify",
+    "parse_receipt_entry",
+    "parse_receipt_group",
+    "with_group",
+)
 
 MISSING_RECORD = "missing_record"
 """Skip code: a staged record named by the manifest is gone (``KeyError`` from the source)."""
@@ -25,14 +36,26 @@ CORRUPT_RECORD = "corrupt_record"
 """Skip code: a staged blob is corrupt or stored under a foreign key (``CodecError`` from the source)."""
 
 
+class SkippedRollout(NamedTuple):
+    """A pulled rollout that is not trainable (or was skipped by the reader), with its skip code and reason."""
+
+    rollout_id: str
+    skip_code: str
+    skip_reason: str
+
+
 @dataclass(frozen=True, slots=True)
 class PulledRollout:
-    """One pulled rollout: trainable (``row`` set) or skipped (``skip_code`` and ``skip_reason`` set)."""
+    """One pulled rollout: trainable (``row`` set) or skipped (``skip_code`` and ``skip_reason`` set).
+
+    ``group``: the GRPO group given to :func:`~sink.done_event.finished`, or ``None``.
+    """
 
     receipt: RolloutReceipt
     row: LinearizedRow | None = None
     skip_code: str | None = None
     skip_reason: str | None = None
+    group: GroupTag | None = None
 
     @property
     def rollout_id(self) -> str:
@@ -41,6 +64,10 @@ class PulledRollout:
     @property
     def trainable(self) -> bool:
         return self.row is not None
+
+    def skipped(self) -> SkippedRollout:
+        """This rollout as a :class:`SkippedRollout` (``skip_code`` ``""`` if it is trainable)."""
+        return SkippedRollout(self.rollout_id, self.skip_code or "", self.skip_reason or "")
 
 
 def parse_receipt_entry(fields: Mapping[str, str]) -> RolloutReceipt:
@@ -56,6 +83,19 @@ def parse_receipt_entry(fields: Mapping[str, str]) -> RolloutReceipt:
     if receipt.rollout_id != validate_rollout_id(rollout_id):
         raise ValueError("rollout_id field does not match the receipt")
     return receipt
+
+
+def parse_receipt_group(fields: Mapping[str, str]) -> GroupTag | None:
+    """The GRPO group a ``ns:receipts:<k>`` entry carries beside its receipt, or ``None``.
+
+    :raises ValueError: the group fields are malformed.
+    """
+    return parse_group_fields(fields)
+
+
+def with_group(pulled: PulledRollout, group: GroupTag | None) -> PulledRollout:
+    """*pulled* carrying *group*."""
+    return pulled if group is None else replace(pulled, group=group)
 
 
 def _skip(receipt: RolloutReceipt, code: str, reason: str) -> PulledRollout:

@@ -135,3 +135,16 @@ class ReaderSettings(_GroupConsumerSettings):
     """Rollouts fetched and verified concurrently within one ``pull``."""
     max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
     """Staged records larger than this are refused by the source."""
+    max_weight_lag: int | None = Field(default=None, ge=0)
+    """Staleness bound in weight versions: once the trainer tells the reader its current weight version
+    (``set_weight_version``), a rollout whose oldest generating call is more than this many versions older
+    is acknowledged by the reader and reported skipped with code ``stale_weights``; ``None``: no bound."""
+    group_timeout_s: float = Field(default=600.0, gt=0)
+    """GRPO group mode: a group still incomplete this long after its first member arrived is delivered
+    partial or dead-lettered (``group_timeout_policy``), never held forever."""
+    group_timeout_policy: Literal["partial", "dead_letter"] = "partial"
+    """What happens to a group at ``group_timeout_s``: delivered with the members that arrived, or its members
+    acknowledged and the group recorded on ``ns:dead:groups``."""
+    group_failure_policy: Literal["deliver_rest", "drop_group"] = "deliver_rest"
+    """A group with a failed, poisoned or stale member: deliver the trainable rest (``failed`` lists the others)
+    or acknowledge every member and deliver nothing (counted as dropped)."""

@@ -9,6 +9,11 @@ one run, in ns per linearized token:
   8 rollouts at a time (read, claim, one fetch per rollout, decode with digest
   check, ``verify_and_linearize``) plus ``as_numpy()`` of every row, one
   batch's arrays alive at a time (``--keep-all``: every batch's);
+* ``collate`` / ``pack``: the same loop, each pull turned into one padded
+  :class:`~sink.batch.TrainingBatch` (:func:`~sink.batch.collate`) or into
+  bins of twice the row length (:func:`~sink.packing.pack`) instead of
+  per-row arrays; the targets: collation adds <= 20% to the pull path,
+  packing <= 40%, the packed trainer loop stays <= 3x the floor;
 * the same work split up, best of ``--repeats``: fetch+decode, verify+linearize,
   then the columns either as numpy arrays or as plain Python lists;
 * the floor: a raw ``MGET`` of the same bytes (one per rollout, as the reader
@@ -32,15 +37,17 @@ import anyio
 import redis.asyncio as aioredis
 
 from ..assembler import Assembler, finished
+from ..batch import collate
 from ..keys import claim_key, receipts_stream, record_key
 from ..ledger.redis import RedisCaptureLedger
+from ..packing import pack
 from ..reader import TRAINER_GROUP, RolloutReader
 from ..records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
 from ..settings import DEFAULT_SHARDS
 from ..store.sink import AsyncRedisStagingSink
 from ..store.source import AsyncRedisStagingSource
 from ..store.streams import StreamEntry
-from ..verify import LinearizedRow, NumpyColumns, verify_decoded_and_linearize
+from ..verify import LinearizedRow, verify_decoded_and_linearize
 from . import on_server
 from .stage import build_records
 
@@ -57,6 +64,8 @@ class TrainerFigures:
     tokens_per_call: int
     tokens: int
     pull_numpy_ns: float
+    pull_collate_ns: float
+    pull_pack_ns: float
     fetch_decode_ns: float
     verify_linearize_ns: float
     to_numpy_ns: float
@@ -185,24 +194,32 @@ async def _floor(url: str, receipts: list[RolloutReceipt], records: dict[str, St
 _PULL_BATCH = 8
 
 
-async def _trainer_loop(url: str, rollouts: int, *, keep_all: bool, last: bool) -> float:
-    """Seconds for a trainer loop over every rollout: pull a batch and turn it into numpy columns, which live
-    until the next batch replaces them (*keep_all*: every batch's columns stay alive to the end).
+async def _trainer_loop(url: str, rollouts: int, *, keep_all: bool, last: bool, mode: str = "numpy") -> float:
+    """Seconds for a trainer loop over every rollout: pull a batch and turn it into numpy columns (*mode*
+    ``numpy``), one collated batch (``collate``) or packed bins (``pack``), which live until the next batch
+    replaces them (*keep_all*: every batch's stay alive to the end).
 
     The *last* loop acknowledges what it pulled; the others leave the rollouts pending and reset the
     trainers group and the claims, so the next loop is delivered the same receipts afresh.
     """
     async with RolloutReader.from_url(url, consumer_name=f"bench-{time.monotonic_ns()}") as reader:
         start = time.perf_counter()
-        kept: list[list[NumpyColumns]] = []
+        kept: list[object] = []
         pulled_ids: list[str] = []
         while len(pulled_ids) < rollouts:
-            batch = []
-            for item in await reader.pull(_PULL_BATCH, block_ms=1_000):
+            pulled = await reader.pull(_PULL_BATCH, block_ms=1_000)
+            for item in pulled:
                 if item.row is None:
                     raise RuntimeError(f"rollout {item.rollout_id} was not trainable: {item.skip_code}")
-                batch.append(item.row.as_numpy())
                 pulled_ids.append(item.rollout_id)
+            batch: object
+            if mode == "collate":
+                batch = collate(pulled)
+            elif mode == "pack":
+                longest = max((len(item.row.columns) for item in pulled if item.row is not None), default=1)
+                batch = pack(pulled, max_tokens=2 * longest)
+            else:
+                batch = [item.row.as_numpy() for item in pulled if item.row is not None]
             kept = [*kept, batch] if keep_all else [batch]
         seconds = time.perf_counter() - start
         del kept
@@ -246,8 +263,13 @@ async def run_trainer_benchmark(
     # Warm runs of the split path first, so the pull below is not the process's first decode.
     split = [await _split_path(url, receipts) for _ in range(repeats)]
     floors = [await _floor(url, receipts, by_key) for _ in range(repeats)]
-    loops = [await _trainer_loop(url, rollouts, keep_all=keep_all, last=run == repeats - 1) for run in range(repeats)]
-    pull_s = min(loops)
+    loops: dict[str, list[float]] = {"numpy": [], "collate": [], "pack": []}
+    for run in range(repeats):
+        # Interleaved, so a slow phase of a shared machine hits every mode alike.
+        for mode, seconds in loops.items():
+            last = run == repeats - 1 and mode == "pack"
+            seconds.append(await _trainer_loop(url, rollouts, keep_all=keep_all, last=last, mode=mode))
+    pull_s = min(loops["numpy"])
     async with aioredis.Redis.from_url(url) as admin:
         await admin.flushall()
 
@@ -263,6 +285,8 @@ async def run_trainer_benchmark(
         tokens_per_call=tokens,
         tokens=total_tokens,
         pull_numpy_ns=ns(pull_s),
+        pull_collate_ns=ns(min(loops["collate"])),
+        pull_pack_ns=ns(min(loops["pack"])),
         fetch_decode_ns=ns(best["fetch"]),
         verify_linearize_ns=ns(best["verify"]),
         to_numpy_ns=ns(best["numpy"]),
@@ -285,6 +309,14 @@ def format_report(f: TrainerFigures) -> str:
                 f"({'every batch kept' if f.keep_all else 'one batch alive at a time'}): {f.pull_numpy_ns:7.1f}"
             ),
             (
+                f"  trainer loop + collate (one padded batch per pull): {f.pull_collate_ns:7.1f}"
+                f"  ({100 * (f.pull_collate_ns / f.pull_numpy_ns - 1):+.0f}% over as_numpy; target <= +20%)"
+            ),
+            (
+                f"  trainer loop + pack (first-fit decreasing bins): {f.pull_pack_ns:7.1f}"
+                f"  ({100 * (f.pull_pack_ns / f.pull_numpy_ns - 1):+.0f}% over as_numpy; target <= +40%)"
+            ),
+            (
                 f"  split: fetch+decode {f.fetch_decode_ns:.1f}, verify+linearize {f.verify_linearize_ns:.1f}, "
                 f"as_numpy {f.to_numpy_ns:.1f}, plain lists {f.to_lists_ns:.1f}"
             ),
@@ -293,6 +325,7 @@ def format_report(f: TrainerFigures) -> str:
             f"  floor (MGET {f.floor_mget_ns:.1f} + sha256 {f.floor_sha256_ns:.1f}): {f.floor_ns:7.1f}",
             f"  numpy path / floor    : {f.path_numpy_ns / f.floor_ns:7.2f}x",
             f"  trainer loop / floor  : {f.pull_numpy_ns / f.floor_ns:7.2f}x",
+            f"  packed loop / floor   : {f.pull_pack_ns / f.floor_ns:7.2f}x (target <= 3x)",
             f"  numpy vs plain lists  : {f.to_lists_ns / f.to_numpy_ns:7.2f}x faster",
         ]
     )

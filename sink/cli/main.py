@@ -45,6 +45,7 @@ from .common import (
     positive_int,
     positive_seconds,
 )
+from .export import add_export_command
 from .logs import add_logging_options, configure_logging
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
@@ -312,6 +313,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     _add_stats_command(commands, redis)
     _add_service_commands(commands, redis)
     _add_rollout_commands(commands, redis)
+    add_export_command(commands, redis)
     _add_tool_commands(commands, env)
     for name, command in commands.choices.items():
         command.formatter_class = DefaultsHelpFormatter

@@ -1,0 +1,192 @@
+"""GRPO group delivery (sink.groups) against real servers: two ranks, timeouts, failed members."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+
+from sink.groups import GroupReader, RolloutGroup, group_keys
+from sink.keys import dead_letter_stream, record_key
+from sink.pulled import MISSING_RECORD
+from sink.reader import RolloutReader
+from sink.sync_reader import SyncRolloutReader
+from tests.helpers.replies import raw_entries
+from tests.helpers.trainer import publish, publish_groups
+
+GROUPS = {f"prompt-{g}": [f"p{g}-m{m}" for m in range(4)] for g in range(3)}
+
+
+async def _pull_groups(
+    readers: list[GroupReader], wanted: int, *, timeout_s: float = 20.0
+) -> list[tuple[str, RolloutGroup]]:
+    """Round-robin pull_groups over *readers* (2 rollouts per pull) until *wanted* groups came back."""
+    delivered: list[tuple[str, RolloutGroup]] = []
+    with anyio.fail_after(timeout_s):
+        while len(delivered) < wanted:
+            for group_reader in readers:
+                for group in await group_reader.pull_groups(2, block_ms=20):
+                    delivered.append((group_reader.reader.consumer_name, group))
+    return delivered
+
+
+@pytest.mark.anyio
+async def test_two_ranks_never_split_a_group(redis_url: str) -> None:
+    await publish_groups(redis_url, GROUPS)
+    async with (
+        RolloutReader.from_url(redis_url, consumer_name="rank-0") as rank0,
+        RolloutReader.from_url(redis_url, consumer_name="rank-1") as rank1,
+    ):
+        readers = [GroupReader(rank0), GroupReader(rank1)]
+        delivered = await _pull_groups(readers, len(GROUPS))
+        by_id = {group.group_id: (rank, group) for rank, group in delivered}
+        assert len(delivered) == len(by_id) == len(GROUPS)  # each group once
+        for group_id, (rank, group) in by_id.items():
+            assert group.complete and group.group_size == 4 and not group.failed
+            assert group_id is not None and group.rollout_ids == tuple(sorted(GROUPS[group_id]))  # whole, sorted
+            assert all(m.row is not None and m.group is not None for m in group.members)
+            assert group.reward_mean == 1.5 and group.reward_min == 0.0 and group.reward_max == 3.0
+            assert math.isclose(group.reward_std, math.sqrt(1.25))
+            owner = rank0 if rank == "rank-0" else rank1
+            assert all(owner.holds(rollout_id) for rollout_id in group.rollout_ids)
+        # On its next pull a rank lets go of members of groups another rank owns: each rank then holds
+        # exactly the members of the groups it delivered.
+        for group_reader in readers:
+            assert await group_reader.pull_groups(1) == []
+            own = [g for rank, g in delivered if rank == group_reader.reader.consumer_name]
+            assert set(group_reader.reader.held_rollouts) == {i for g in own for i in g.rollout_ids}
+            await group_reader.ack_groups(own)
+        assert await rank0.pending() == 0
+        assert sum(r.statistics().delivered for r in readers) == 3
+        assert all(r.statistics().waiting == 0 for r in readers)
+    async with aioredis.Redis.from_url(redis_url) as client:
+        assert await client.exists(*(key for g in GROUPS for key in group_keys("stg", g))) == 0
+
+
+@pytest.mark.anyio
+async def test_the_rank_completing_a_group_takes_the_other_ranks_members_over(redis_url: str) -> None:
+    members = ["t-0", "t-1", "t-2", "t-3"]
+    await publish_groups(redis_url, {"taken": members}, receipt_shards=1)
+    async with (
+        RolloutReader.from_url(redis_url, consumer_name="rank-0", receipt_shards=1) as rank0,
+        RolloutReader.from_url(redis_url, consumer_name="rank-1", receipt_shards=1) as rank1,
+    ):
+        first, second = GroupReader(rank0), GroupReader(rank1)
+        # One receipt each, alternating: rank-1's second pull completes the group.
+        assert await first.pull_groups(1) == [] and await second.pull_groups(1) == []
+        assert await first.pull_groups(1) == []
+        (group,) = await second.pull_groups(1)
+        assert group.rollout_ids == tuple(members) and group.complete
+        assert set(rank1.held_rollouts) == set(members)
+        assert first.statistics().waiting == 1
+        # rank-0 sees the owner on its next pull and lets its two members go, unacknowledged.
+        assert await first.pull_groups(1) == []
+        assert rank0.held_rollouts == () and first.statistics().handed_over == 2
+        assert first.statistics().waiting == 0 and rank0.statistics().acked == 0
+        await second.ack_groups([group])
+        assert await rank1.pending() == 0
+
+
+@pytest.mark.anyio
+async def test_a_group_whose_owner_crashed_is_delivered_by_another_rank(redis_url: str) -> None:
+    members = ["c-0", "c-1", "c-2"]
+    await publish_groups(redis_url, {"crashed": members}, receipt_shards=1)
+    options: dict[str, Any] = {"receipt_shards": 1, "claim_idle_ms": 300}
+    async with RolloutReader.from_url(redis_url, consumer_name="rank-0", **options) as rank0:
+        survivor = GroupReader(rank0)
+        assert await survivor.pull_groups(1) == []
+        async with RolloutReader.from_url(redis_url, consumer_name="rank-1", **options) as rank1:
+            (group,) = await GroupReader(rank1).pull_groups(2)
+            assert group.rollout_ids == tuple(members)
+            # rank-1 "crashes": it closes without acknowledging, its entries stay pending under its name.
+        assert await survivor.pull_groups(1) == [] and rank0.held_rollouts == ()
+        delivered: list[RolloutGroup] = []
+        with anyio.fail_after(10):
+            while not delivered:
+                delivered = await survivor.pull_groups(4, block_ms=50)
+        (again,) = delivered
+        assert again.group_id == "crashed" and again.rollout_ids == tuple(members) and again.complete
+        await survivor.ack_groups(delivered)
+        assert await rank0.pending() == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("policy", ["partial", "dead_letter"])
+async def test_an_incomplete_group_is_sealed_at_its_timeout(redis_url: str, policy: str) -> None:
+    await publish_groups(redis_url, {"short": ["s-0", "s-1"]}, size=3)
+    options: dict[str, Any] = {"group_timeout_s": 0.3, "group_timeout_policy": policy}
+    async with RolloutReader.from_url(redis_url, **options) as reader:
+        groups = GroupReader(reader)
+        delivered: list[RolloutGroup] = []
+        with anyio.fail_after(10):
+            while reader.statistics().pulled < 2 or groups.statistics().waiting:
+                delivered += await groups.pull_groups(4, block_ms=50)
+        if policy == "partial":
+            (group,) = delivered
+            assert not group.complete and group.rollout_ids == ("s-0", "s-1") and group.group_size == 3
+            assert groups.statistics().partial == 1
+            await groups.ack_groups(delivered)
+        else:
+            assert delivered == [] and groups.statistics().dead_lettered == 1
+        assert await reader.pending() == 0 and reader.statistics().held == 0
+    if policy == "dead_letter":
+        async with aioredis.Redis.from_url(redis_url) as client:
+            ((_id, fields),) = raw_entries(await client.xrange(dead_letter_stream("stg", "groups")))
+            assert fields[b"group_id"] == b"short" and fields[b"members"] == b"s-0,s-1"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("policy", ["deliver_rest", "drop_group"])
+async def test_a_group_with_a_failed_member_follows_the_policy(redis_url: str, policy: str) -> None:
+    await publish_groups(redis_url, {"hurt": ["h-0", "h-1", "h-2"]})
+    async with aioredis.Redis.from_url(redis_url) as client:
+        # h-1's root record is gone: it becomes a missing_record skip.
+        deleted = await client.delete(record_key("stg", "h-1/c0"))
+        assert deleted == 1
+    async with RolloutReader.from_url(redis_url, group_failure_policy=policy) as reader:
+        groups = GroupReader(reader)
+        delivered: list[RolloutGroup] = []
+        with anyio.fail_after(10):
+            while reader.statistics().pulled < 3 or groups.statistics().waiting:
+                delivered += await groups.pull_groups(4, block_ms=50)
+        if policy == "deliver_rest":
+            (group,) = delivered
+            assert group.complete and group.rollout_ids == ("h-0", "h-2")
+            assert [(f.rollout_id, f.skip_code) for f in group.failed] == [("h-1", MISSING_RECORD)]
+            await groups.ack_groups(delivered)
+        else:
+            assert delivered == [] and groups.statistics().dropped == 1
+        assert await reader.pending() == 0 and reader.statistics().held == 0
+
+
+@pytest.mark.anyio
+async def test_rollouts_without_a_group_come_as_groups_of_one(redis_url: str) -> None:
+    await publish(redis_url, ["alone"])
+    async with RolloutReader.from_url(redis_url) as reader:
+        groups = GroupReader(reader)
+        with anyio.fail_after(10):
+            delivered: list[RolloutGroup] = []
+            while not delivered:
+                delivered = await groups.pull_groups(4, block_ms=50)
+        (group,) = delivered
+        assert group.group_id is None and group.group_size == 1 and group.rollout_ids == ("alone",)
+        assert group.reward_mean == 1.0 and group.reward_std == 0.0
+        await groups.ack_groups(delivered)
+        assert await reader.pending() == 0
+
+
+def test_the_sync_reader_delivers_groups(redis_url: str) -> None:
+    anyio.run(publish_groups, redis_url, {"sync-g": ["sg-0", "sg-1"]})
+    with SyncRolloutReader.from_url(redis_url) as reader:
+        delivered: list[RolloutGroup] = []
+        for _ in range(100):
+            delivered += reader.pull_groups(4, block_ms=50)
+            if delivered:
+                break
+        (group,) = delivered
+        assert group.rollout_ids == ("sg-0", "sg-1") and group.complete
+        reader.ack_groups([group])
+        assert reader.pending() == 0
