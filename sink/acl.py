@@ -116,6 +116,8 @@ _CLAIMED = "<ns>:{*}:claimed"
 _DONE = "<ns>:done:*"
 _RECEIPTS = "<ns>:receipts:*"
 _DEAD = "<ns>:dead:*"
+_GROUP_META = "<ns>:{grp:*}:meta"
+_GROUP_MEMBERS = "<ns>:{grp:*}:members"
 
 CONNECTION_COMMANDS: tuple[str, ...] = (
     "ping",
@@ -192,12 +194,23 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     "trainer": RolePolicy(
         "trainer: consume receipts, claim each rollout (script: GET, SET, DEL claimed; EXISTS fence), read "
         "staged records (MGET), then delete them and their calls entries (script: DEL, TYPE, XRANGE, XDEL, "
-        "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); dead-letter poison entries",
+        "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); dead-letter poison entries; GRPO group "
+        "mode: gather and own groups (script: TIME, HSETNX, HSET, HGET, HLEN, HGETALL, PEXPIRE, EXISTS), DEL "
+        "them on ack",
         (
-            Grant((*CONNECTION_COMMANDS, "script|load", *_TRANSACTIONS)),
+            Grant((*CONNECTION_COMMANDS, "script|load", "time", *_TRANSACTIONS)),
             Grant(
                 _SCRIPTS,
-                tuple(_rw(p) for p in (_REC, _CALLS, _LEDGER, _LEDGER_IDS, _FENCE, _CLAIMED, _RECEIPTS)),
+                tuple(
+                    _rw(p)
+                    for p in (
+                        _REC, _CALLS, _LEDGER, _LEDGER_IDS, _FENCE, _CLAIMED, _RECEIPTS, _GROUP_META, _GROUP_MEMBERS
+                    )
+                ),
+            ),
+            Grant(
+                ("hsetnx", "hset", "hget", "hlen", "hgetall", "pexpire", "exists", "del"),
+                (_rw(_GROUP_META), _rw(_GROUP_MEMBERS)),
             ),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
             Grant(("get",), (_ro(_RECEIPT),)),

@@ -41,69 +41,26 @@ from typing import Any, NamedTuple
 import anyio
 
 from .done_event import GroupTag
-from .keys import dead_letter_stream
+from .keys import dead_letter_stream, group_keys
 from .pulled import PulledRollout, SkippedRollout
 from .reader import RolloutReader
 from .store.connection import map_redis_errors
-from .store.scripts import ServerScript
+from .store.scripts import (
+    GROUP_CHECK_SCRIPT,
+    GROUP_COMPLETE,
+    GROUP_GATHER_SCRIPT,
+    GROUP_GONE,
+    GROUP_SEALED,
+    GROUP_TAKEN,
+    GROUP_WAIT,
+)
 
-__all__ = ("GroupReader", "GroupStatistics", "RolloutGroup", "group_keys")
+__all__ = ("GroupReader", "GroupStatistics", "RolloutGroup")
 
 logger = logging.getLogger(__name__)
 
 MEMBER_UNAVAILABLE = "member_unavailable"
 """Failed-member code: the member's receipt entry was gone when the owner took it over."""
-
-# KEYS: meta, members. ARGV: member id, member record, consumer, size, claim_idle_ms, ttl_ms.
-# Records the member, then: {'complete', members...} when this call completes the group (or finds it complete
-# with no live owner) and makes the caller its owner; {'owned'} when the caller owns it already;
-# {'taken', owner} when a live rank owns it; {'wait'} otherwise.
-_GATHER = ServerScript("""
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if redis.call('HSETNX', KEYS[1], 'size', ARGV[4]) == 1 then redis.call('HSET', KEYS[1], 'first_at', now) end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[6])
-redis.call('PEXPIRE', KEYS[2], ARGV[6])
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner == ARGV[3] then return {'owned'} end
-if owner and now - tonumber(redis.call('HGET', KEYS[1], 'owner_at')) < tonumber(ARGV[5]) then
-  return {'taken', owner}
-end
-if redis.call('HLEN', KEYS[2]) < tonumber(redis.call('HGET', KEYS[1], 'size')) then return {'wait'} end
-redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'owner_at', now)
-return {'complete', unpack(redis.call('HGETALL', KEYS[2]))}
-""")
-
-# KEYS: meta, members. ARGV: consumer, timeout_ms, claim_idle_ms.
-# A watched group's state: {'owned'} / {'taken', owner} / {'wait'} / {'gone'} (expired or acknowledged), or
-# {'complete' | 'sealed', members...} making the caller the owner: complete (an owner died) or timed out.
-_CHECK = ServerScript("""
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'owner_at', now)
-  return {'owned'}
-end
-if owner and now - tonumber(redis.call('HGET', KEYS[1], 'owner_at')) < tonumber(ARGV[3]) then
-  return {'taken', owner}
-end
-local state = 'complete'
-if redis.call('HLEN', KEYS[2]) < tonumber(redis.call('HGET', KEYS[1], 'size')) then
-  if now - tonumber(redis.call('HGET', KEYS[1], 'first_at')) < tonumber(ARGV[2]) then return {'wait'} end
-  state = 'sealed'
-end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_at', now)
-return {state, unpack(redis.call('HGETALL', KEYS[2]))}
-""")
-
-
-def group_keys(namespace: str, group_id: str) -> tuple[str, str]:
-    """``(meta, members)`` keys of a group's server-side record (one slot: ``{grp:<id>}``)."""
-    return f"{namespace}:{{grp:{group_id}}}:meta", f"{namespace}:{{grp:{group_id}}}:members"
-
 
 @dataclass(frozen=True, slots=True, eq=False)
 class RolloutGroup:
@@ -216,7 +173,7 @@ class GroupReader:
         assert tag is not None
         ttl_ms = int(max(self._settings.group_timeout_s * 1000 * 4, self._settings.claim_idle_ms * 4))
         with map_redis_errors(f"record member {item.rollout_id!r} of group {tag.group_id!r}"):
-            reply = await _GATHER.run(
+            reply = await GROUP_GATHER_SCRIPT.run(
                 self._reader.client,
                 group_keys(self._ns, tag.group_id),
                 [
@@ -228,20 +185,20 @@ class GroupReader:
                     ttl_ms,
                 ],
             )
-        state = _text(reply[0])
+        state = int(reply[0])
         if not item.trainable:
             await self._reader.ack([item.rollout_id])  # recorded with its code; nothing to train on
-        elif state in ("wait", "complete"):
+        elif state in (GROUP_WAIT, GROUP_COMPLETE):
             self._parked.setdefault(tag.group_id, {})[item.rollout_id] = item
-        if state == "taken":
+        if state == GROUP_TAKEN:
             self._hand_over(tag.group_id, [item.rollout_id])
             return None
-        if state == "wait":
+        if state == GROUP_WAIT:
             self._watched[tag.group_id] = tag
             return None
-        if state == "complete":
+        if state == GROUP_COMPLETE:
             return await self._own(tag, reply[1:], complete=True)
-        return None  # 'owned': delivered by this rank already
+        return None  # GROUP_OWNED: delivered by this rank already
 
     async def _check_watched(self) -> list[RolloutGroup]:
         """Check every group this rank waits on (the scripts run concurrently), then act on each state."""
@@ -257,21 +214,21 @@ class GroupReader:
         async def check(index: int, group_id: str) -> None:
             async with limiter:
                 with map_redis_errors(f"check group {group_id!r}"):
-                    replies[index] = await _CHECK.run(self._reader.client, group_keys(self._ns, group_id), arguments)
+                    replies[index] = await GROUP_CHECK_SCRIPT.run(self._reader.client, group_keys(self._ns, group_id), arguments)
 
         async with anyio.create_task_group() as checks:
             for index, (group_id, _tag) in enumerate(watched):
                 checks.start_soon(check, index, group_id)
         delivered: list[RolloutGroup] = []
         for (group_id, tag), reply in zip(watched, replies, strict=True):
-            state = _text(reply[0])
-            if state == "wait":
+            state = int(reply[0])
+            if state == GROUP_WAIT:
                 continue
             del self._watched[group_id]
-            if state in ("taken", "gone"):
+            if state in (GROUP_TAKEN, GROUP_GONE):
                 self._hand_over(group_id, list(self._parked.pop(group_id, {})))
-            elif state in ("complete", "sealed"):
-                delivered += await self._own(tag, reply[1:], complete=state == "complete")
+            elif state in (GROUP_COMPLETE, GROUP_SEALED):
+                delivered += await self._own(tag, reply[1:], complete=state == GROUP_COMPLETE)
         return delivered
 
     def _hand_over(self, group_id: str, rollout_ids: list[str]) -> None:

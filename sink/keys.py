@@ -18,6 +18,7 @@ __all__ = (
     "dead_letter_stream",
     "done_stream",
     "fence_key",
+    "group_keys",
     "ledger_ids_key",
     "ledger_stream",
     "receipt_key",
@@ -115,3 +116,8 @@ def shard_of(rollout_id: str, shards: int) -> int:
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     return zlib.crc32(rollout_id.encode()) % shards
+
+
+def group_keys(namespace: str, group_id: str) -> tuple[str, str]:
+    """``(meta, members)`` keys of a group's server-side record (one slot: ``{grp:<id>}``)."""
+    return f"{namespace}:{{grp:{group_id}}}:meta", f"{namespace}:{{grp:{group_id}}}:members"

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -450,3 +451,26 @@ async def test_the_whole_pipeline_runs_with_each_component_as_its_own_user(seede
     # The seeded done and receipts entries are malformed: the assembler and the trainer dead-lettered them.
     dead = {stream: stats["length"] for stream, stats in gauges.items() if stats["kind"] == "dead"}
     assert dead == {DEAD: 1, f"{NS}:dead:done-0": 1, f"{NS}:dead:receipts-0": 1}
+
+
+@pytest.mark.anyio
+async def test_the_trainer_role_delivers_and_acks_grpo_groups(acl_server: AclServer) -> None:
+    """Group mode's scripts and keys (``ns:{grp:<id>}:meta``/``:members``) are within the trainer's grants."""
+    from sink.groups import GroupReader, RolloutGroup
+    from sink.keys import group_keys
+    from sink.reader import RolloutReader
+    from tests.helpers.trainer import publish_groups
+
+    groups = {"acl-grp": ["acl-m0", "acl-m1"]}
+    await publish_groups(acl_server.role_url(ADMIN_ROLE), groups, receipt_shards=1)
+    async with RolloutReader.from_url(acl_server.role_url("trainer"), receipt_shards=1) as reader:
+        group_reader = GroupReader(reader)
+        delivered: list[RolloutGroup] = []
+        with anyio.fail_after(20):
+            while not delivered:
+                delivered = await group_reader.pull_groups(2, block_ms=20)
+        [group] = delivered
+        assert group.complete and group.rollout_ids == ("acl-m0", "acl-m1")
+        await group_reader.ack_groups([group])
+    with acl_server.client() as admin:
+        assert admin.exists(*group_keys(NS, "acl-grp")) == 0

@@ -9,8 +9,8 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.groups import GroupReader, RolloutGroup, group_keys
-from sink.keys import dead_letter_stream, record_key
+from sink.groups import GroupReader, RolloutGroup
+from sink.keys import dead_letter_stream, group_keys, record_key
 from sink.pulled import MISSING_RECORD
 from sink.reader import RolloutReader
 from sink.sync_reader import SyncRolloutReader

@@ -45,6 +45,14 @@ __all__ = (
     "CLAIM_SCRIPT",
     "CLEAR_SCRIPT",
     "DONE",
+    "GROUP_CHECK_SCRIPT",
+    "GROUP_COMPLETE",
+    "GROUP_GATHER_SCRIPT",
+    "GROUP_GONE",
+    "GROUP_OWNED",
+    "GROUP_SEALED",
+    "GROUP_TAKEN",
+    "GROUP_WAIT",
     "HAS_ROWS_SCRIPT",
     "LEDGER_DELETE_SCRIPT",
     "LEDGER_FENCED",
@@ -89,6 +97,15 @@ CLAIM_CLAIMED: Final = 0
 CLAIM_DUPLICATE: Final = 1
 CLAIM_RETIRED: Final = 2
 
+GROUP_WAIT: Final = 0
+GROUP_OWNED: Final = 1
+GROUP_TAKEN: Final = 2
+GROUP_COMPLETE: Final = 3
+GROUP_SEALED: Final = 4
+GROUP_GONE: Final = 5
+"""GRPO group scripts: members missing; the caller owns it; a live rank owns it (payload: owner); complete and
+now the caller's (payload: members); timed out and now the caller's (payload: members); expired or acknowledged."""
+
 # Field names of one token-free entry in ns:{R}:calls, in ARGV order (from the record field table).
 CALLS_ENTRY_FIELDS: Final = record_schema.CALLS_ENTRY_FIELDS
 
@@ -109,6 +126,12 @@ _STATUS_CODES: Final = {
     "CLAIM_CLAIMED": CLAIM_CLAIMED,
     "CLAIM_DUPLICATE": CLAIM_DUPLICATE,
     "CLAIM_RETIRED": CLAIM_RETIRED,
+    "GROUP_WAIT": GROUP_WAIT,
+    "GROUP_OWNED": GROUP_OWNED,
+    "GROUP_TAKEN": GROUP_TAKEN,
+    "GROUP_COMPLETE": GROUP_COMPLETE,
+    "GROUP_SEALED": GROUP_SEALED,
+    "GROUP_GONE": GROUP_GONE,
 }
 
 
@@ -355,4 +378,53 @@ if current and string.match(current, '^[^\\n]*') == ARGV[1] then
   return {$REMOVED}
 end
 return {$NOT_REMOVED}
+""")
+
+
+# --- GRPO groups (sink.groups) ------------------------------------------------------------
+
+# KEYS: meta, members. ARGV: member id, member record, consumer, size, claim_idle_ms, ttl_ms.
+# Records the member, then: {GROUP_COMPLETE, members...} when this call completes the group (or finds it complete
+# with no live owner) and makes the caller its owner; {GROUP_OWNED} when the caller owns it already;
+# {GROUP_TAKEN, owner} when a live rank owns it; {GROUP_WAIT} otherwise.
+GROUP_GATHER_SCRIPT: Final = ServerScript.from_template("""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('HSETNX', KEYS[1], 'size', ARGV[4]) == 1 then redis.call('HSET', KEYS[1], 'first_at', now) end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[6])
+redis.call('PEXPIRE', KEYS[2], ARGV[6])
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner == ARGV[3] then return {$GROUP_OWNED} end
+if owner and now - tonumber(redis.call('HGET', KEYS[1], 'owner_at')) < tonumber(ARGV[5]) then
+  return {$GROUP_TAKEN, owner}
+end
+if redis.call('HLEN', KEYS[2]) < tonumber(redis.call('HGET', KEYS[1], 'size')) then return {$GROUP_WAIT} end
+redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'owner_at', now)
+return {$GROUP_COMPLETE, unpack(redis.call('HGETALL', KEYS[2]))}
+""")
+
+# KEYS: meta, members. ARGV: consumer, timeout_ms, claim_idle_ms.
+# A watched group's state: {GROUP_OWNED} / {GROUP_TAKEN, owner} / {GROUP_WAIT} / {GROUP_GONE} (expired or
+# acknowledged), or {GROUP_COMPLETE | GROUP_SEALED, members...} making the caller the owner: complete (an owner
+# died) or timed out.
+GROUP_CHECK_SCRIPT: Final = ServerScript.from_template("""
+if redis.call('EXISTS', KEYS[1]) == 0 then return {$GROUP_GONE} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'owner_at', now)
+  return {$GROUP_OWNED}
+end
+if owner and now - tonumber(redis.call('HGET', KEYS[1], 'owner_at')) < tonumber(ARGV[3]) then
+  return {$GROUP_TAKEN, owner}
+end
+local state = $GROUP_COMPLETE
+if redis.call('HLEN', KEYS[2]) < tonumber(redis.call('HGET', KEYS[1], 'size')) then
+  if now - tonumber(redis.call('HGET', KEYS[1], 'first_at')) < tonumber(ARGV[2]) then return {$GROUP_WAIT} end
+  state = $GROUP_SEALED
+end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_at', now)
+return {state, unpack(redis.call('HGETALL', KEYS[2]))}
 """)
