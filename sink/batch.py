@@ -8,8 +8,9 @@ longer than ``max_tokens`` are listed (``skipped``, ``overlong``), never
 truncated, and :attr:`TrainingBatch.ack_ids` names every rollout to acknowledge
 after the optimizer step.
 
-Each row's columns come from :meth:`~sink.row.LinearizedRow.as_numpy` and are
-copied once, into the batch arrays; padding is written only where a row ends.
+Each row's columns are written straight from the stored bytes into the batch
+arrays (:meth:`~sink.row.LinearizedRow.write_numpy`): one copy, no intermediate
+array; padding is written only where a row ends.
 Hand-off to PyTorch without a torch dependency here: ``torch.from_numpy(a)``
 shares the array's memory (no copy), e.g.
 ``{name: torch.from_numpy(array) for name, array in batch.tensors().items()}``.
@@ -29,7 +30,7 @@ import numpy.typing as npt
 
 from .errors import BatchInputError
 from .pulled import PulledRollout, SkippedRollout
-from .row import NumpyColumns
+from .row import LinearizedRow
 
 __all__ = (
     "OverlongRow",
@@ -51,10 +52,11 @@ class OverlongRow(NamedTuple):
 
 
 class RowSelection(NamedTuple):
-    """The trainable rows of a pull, in order, with their columns; what was left out and why."""
+    """The trainable rows of a pull, in order, with their lengths; what was left out and why."""
 
     items: tuple[PulledRollout, ...]
-    columns: tuple[NumpyColumns, ...]
+    rows: tuple[LinearizedRow, ...]
+    lengths: tuple[int, ...]
     overlong: tuple[OverlongRow, ...]
     skipped: tuple[SkippedRollout, ...]
 
@@ -77,7 +79,8 @@ def select_rows(pulled: Sequence[PulledRollout], *, max_tokens: int | None = Non
         raise BatchInputError(f"expected a sequence of PulledRollout, got {type(pulled).__name__}")
     seen: set[str] = set()
     items: list[PulledRollout] = []
-    columns: list[NumpyColumns] = []
+    rows: list[LinearizedRow] = []
+    lengths: list[int] = []
     overlong: list[OverlongRow] = []
     skipped: list[SkippedRollout] = []
     for item in pulled:
@@ -95,8 +98,9 @@ def select_rows(pulled: Sequence[PulledRollout], *, max_tokens: int | None = Non
             overlong.append(OverlongRow(item.rollout_id, length, max_tokens))
             continue
         items.append(item)
-        columns.append(row.as_numpy())
-    return RowSelection(tuple(items), tuple(columns), tuple(overlong), tuple(skipped))
+        rows.append(row)
+        lengths.append(length)
+    return RowSelection(tuple(items), tuple(rows), tuple(lengths), tuple(overlong), tuple(skipped))
 
 
 def row_metadata(items: Sequence[PulledRollout]) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
@@ -188,21 +192,19 @@ def collate(
     _check_int("pad_token_id", pad_token_id, 0)
     _check_int("pad_to_multiple_of", pad_to_multiple_of, 1)
     selection = select_rows(pulled, max_tokens=max_tokens)
-    lengths = np.array([c.token_ids.shape[0] for c in selection.columns], dtype=np.int64)
+    lengths = np.array(selection.lengths, dtype=np.int64)
     longest = int(lengths.max()) if lengths.size else 0
     width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    rows = len(selection.columns)
+    rows = len(selection.rows)
     input_ids = np.empty((rows, width), dtype=np.int64)
     loss_mask = np.empty((rows, width), dtype=np.float32)
     logprobs = np.empty((rows, width), dtype=np.float32)
-    for index, columns in enumerate(selection.columns):
-        length = int(lengths[index])
-        # The one copy of each column; padding is written only past the row's end.
-        input_ids[index, :length] = columns.token_ids
+    for index, row in enumerate(selection.rows):
+        length = selection.lengths[index]
+        # The one copy of each column, from the stored bytes into the batch; padding only past the row's end.
+        row.write_numpy(input_ids[index, :length], loss_mask[index, :length], logprobs[index, :length])
         input_ids[index, length:] = pad_token_id
-        loss_mask[index, :length] = columns.token_mask
         loss_mask[index, length:] = 0.0
-        logprobs[index, :length] = columns.logprobs
         logprobs[index, length:] = 0.0
     attention_mask = np.arange(width, dtype=np.int64)[None, :] < lengths[:, None]
     rewards, versions = row_metadata(selection.items)

@@ -104,7 +104,7 @@ def pack(pulled: Sequence[PulledRollout], *, max_tokens: int, pad_token_id: int 
     _check_int("max_tokens", max_tokens, 1)
     _check_int("pad_token_id", pad_token_id, 0)
     selection = select_rows(pulled, max_tokens=max_tokens)
-    lengths = [int(c.token_ids.shape[0]) for c in selection.columns]
+    lengths = list(selection.lengths)
     bins = first_fit_decreasing(lengths, max_tokens)
     count = len(bins)
     input_ids = np.empty((count, max_tokens), dtype=np.int64)
@@ -118,11 +118,11 @@ def pack(pulled: Sequence[PulledRollout], *, max_tokens: int, pad_token_id: int 
         offsets = np.zeros(len(members) + 1, dtype=np.int32)
         start = 0
         for position, index in enumerate(members):
-            columns, end = selection.columns[index], start + lengths[index]
-            # The one copy of each column into its bin.
-            input_ids[slot, start:end] = columns.token_ids
-            loss_mask[slot, start:end] = columns.token_mask
-            logprobs[slot, start:end] = columns.logprobs
+            end = start + lengths[index]
+            # The one copy of each column, from the stored bytes into its bin.
+            selection.rows[index].write_numpy(
+                input_ids[slot, start:end], loss_mask[slot, start:end], logprobs[slot, start:end]
+            )
             position_ids[slot, start:end] = ramp[: end - start]
             segment_ids[slot, start:end] = index
             offsets[position + 1] = end

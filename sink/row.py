@@ -111,9 +111,20 @@ class RowColumns:
 
     def as_numpy(self) -> NumpyColumns:
         """Fresh arrays: straight from the packed bytes when there are any, else from the tuples."""
+        np = _import_numpy()
+        total = len(self)
+        out = NumpyColumns(
+            np.empty(total, dtype=np.int64), np.empty(total, dtype=np.float32), np.empty(total, dtype=np.float32)
+        )
+        self.write_numpy(out)
+        return out
+
+    def write_numpy(self, out: NumpyColumns) -> None:
+        """Write the columns into *out*'s three 1-D arrays (or views) of this row's length: the one copy."""
         if self._parts is not None:
-            return _packed_to_numpy(self._parts)
-        return _columns_to_numpy(*self.tuples)
+            _packed_into(self._parts, out)
+        else:
+            _columns_into(self.tuples, out)
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -167,6 +178,18 @@ class LinearizedRow:
         """
         return self.columns.as_numpy()
 
+    def write_numpy(
+        self, token_ids: npt.NDArray[np.int64], token_mask: npt.NDArray[np.float32], logprobs: npt.NDArray[np.float32]
+    ) -> None:
+        """Write the columns into three caller-owned 1-D arrays or views of ``len(self.columns)`` elements
+        (int64, float32, float32), e.g. one row of a batch: no array is allocated on the way.
+
+        :raises ImportError: numpy is not installed.
+        :raises ValueError: a target has the wrong length.
+        :raises OverflowError: a token id does not fit in int64.
+        """
+        self.columns.write_numpy(NumpyColumns(token_ids, token_mask, logprobs))
+
     def __repr__(self) -> str:
         # The columns can hold tens of thousands of tokens; keep logs readable.
         return (
@@ -186,14 +209,13 @@ def _import_numpy() -> Any:
     return numpy
 
 
-def _packed_to_numpy(parts: Sequence[PackedColumns]) -> NumpyColumns:
-    """Columns straight from packed bytes into the three result arrays: no per-token Python object, no copy
-    but the one into the result."""
+def _packed_into(parts: Sequence[PackedColumns], out: NumpyColumns) -> None:
+    """Columns straight from packed bytes into *out*: no per-token Python object, no copy but the one into it."""
     np = _import_numpy()
     total = sum(part.length for part in parts)
-    ids = np.empty(total, dtype=np.int64)
-    mask = np.empty(total, dtype=np.float32)
-    logprobs = np.empty(total, dtype=np.float32)
+    ids, mask, logprobs = out
+    if not ids.shape == mask.shape == logprobs.shape == (total,):
+        raise ValueError(f"write_numpy needs three 1-D targets of {total} elements")
     mask_of_code = np.zeros(256, dtype=np.float32)
     mask_of_code[0x80] = -0.0
     mask_of_code[0x3F] = 1.0
@@ -207,14 +229,14 @@ def _packed_to_numpy(parts: Sequence[PackedColumns]) -> NumpyColumns:
         np.take(mask_of_code, np.frombuffer(part.mask_codes, dtype=np.uint8), out=mask[start:end])
         logprobs[start:end] = np.frombuffer(part.lp_f32be, dtype=">f4")
         start = end
-    return NumpyColumns(ids, mask, logprobs)
 
 
-def _columns_to_numpy(token_ids: Sequence[int], token_mask: Sequence[float], logprobs: Sequence[float]) -> NumpyColumns:
-    """Columns from the Python sequences (one C-level pass per column)."""
+def _columns_into(tuples: tuple[Sequence[int], Sequence[float], Sequence[float]], out: NumpyColumns) -> None:
+    """Columns from the Python sequences into *out* (one C-level pass per column)."""
     np = _import_numpy()
-    return NumpyColumns(
-        np.array(token_ids, dtype=np.int64),
-        np.array(token_mask, dtype=np.float32),
-        np.array(logprobs, dtype=np.float32),
-    )
+    total = len(tuples[0])
+    if not out.token_ids.shape == out.token_mask.shape == out.logprobs.shape == (total,):
+        raise ValueError(f"write_numpy needs three 1-D targets of {total} elements")
+    out.token_ids[:] = np.array(tuples[0], dtype=np.int64)
+    out.token_mask[:] = np.array(tuples[1], dtype=np.float32)
+    out.logprobs[:] = np.array(tuples[2], dtype=np.float32)

@@ -187,3 +187,15 @@ async def test_collate_and_pack_pulled_rows_from_a_real_server(redis_url: str) -
         assert batch.rewards[index] == float(ids.index(rollout_id))
     assert sorted(packed.rollout_ids) == sorted(ids)
     assert int(packed.input_lengths.sum()) == int(batch.input_lengths.sum())
+    # The rows were written straight into the batch: the same values as each row's own fresh arrays.
+    by_id = {p.rollout_id: p for p in pulled}
+    for index, rollout_id in enumerate(batch.rollout_ids):
+        row = by_id[rollout_id].row
+        assert row is not None
+        fresh = row.as_numpy()
+        n = len(fresh.token_ids)
+        assert np.array_equal(batch.input_ids[index, :n], fresh.token_ids)
+        assert np.array_equal(batch.loss_mask[index, :n], fresh.token_mask)
+        assert np.array_equal(batch.generation_logprobs[index, :n], fresh.logprobs)
+        with pytest.raises(ValueError, match="1-D targets"):
+            row.write_numpy(fresh.token_ids[:-1], fresh.token_mask, fresh.logprobs)
