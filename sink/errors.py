@@ -11,6 +11,7 @@ A durability failure is not an exception: ``stage()`` reports it as ``StageResul
 from __future__ import annotations
 
 __all__ = (
+    "BenchmarkNamespaceInUseError",
     "CodecError",
     "LedgerConflictError",
     "MetricsExtraMissingError",
@@ -111,3 +112,9 @@ class ServerProcessError(StagingError):
 
 class MetricsExtraMissingError(StagingError, ImportError):
     """Raised when ``prometheus_client`` is not installed: install the ``metrics`` extra."""
+
+
+class BenchmarkNamespaceInUseError(StagingError):
+    """Raised when a benchmark is pointed at a server that already holds keys in the benchmark's namespace:
+    a benchmark works only in a namespace it has to itself, so it can delete everything it wrote and nothing
+    else. Nothing is written or deleted. The message names the namespace and one key found."""
