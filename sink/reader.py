@@ -37,6 +37,7 @@ from .held import HeldRollouts, claim_rounds
 from .held import entry_token as _token
 from .keys import claim_key, fence_key, receipts_stream
 from .ledger.redis import RedisCaptureLedger
+from .pipeline_counters import count_pulled
 from .pulled import CORRUPT_RECORD, MISSING_RECORD, PulledRollout, fetch_and_verify, parse_receipt_entry
 from .records import RolloutReceipt, RolloutRemoval
 from .settings import ReaderSettings, SourceSettings
@@ -282,6 +283,7 @@ class RolloutReader(AsyncResource):
             self._held.add(entry, receipt)
             self._counts["pulled"] += 1
             self._counts["trainable" if result.trainable else "skipped"] += 1
+            count_pulled(self._ns, result.skip_code)  # metrics (issue 15)
             pulled.append(result)
         return pulled
 
