@@ -102,7 +102,8 @@ def test_every_image_is_pinned_to_a_version() -> None:
 def _bytes(size: str) -> int:
     match = re.fullmatch(r"(\d+)([kmg]b?)", size.lower())
     assert match, size
-    return int(match.group(1)) * 1024 ** "kmg".index(match.group(2)[0]) * 1024
+    scale: int = 1024 ** ("kmg".index(match.group(2)[0]) + 1)
+    return int(match.group(1)) * scale
 
 
 def test_maxmemory_is_set_below_the_container_limit() -> None:
