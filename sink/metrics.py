@@ -29,6 +29,7 @@ import importlib
 import importlib.metadata
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -62,6 +63,7 @@ __all__ = (
     "StreamGauges",
     "collect_redis_gauges",
     "serve_metrics",
+    "serve_process_metrics",
 )
 
 _GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
@@ -286,3 +288,20 @@ def serve_metrics(port: int, metrics: Metrics, *, host: str = "127.0.0.1") -> Me
     """
     server, thread = _prometheus().start_http_server(port, addr=host, registry=metrics.registry)
     return MetricsServer(host=host, port=int(server.server_port), _server=server, _thread=thread)
+
+
+@contextmanager
+def serve_process_metrics(
+    port: int | None, *, host: str = "127.0.0.1", namespace: str = DEFAULT_NAMESPACE
+) -> Iterator[MetricsServer | None]:
+    """A service's ``--metrics-port``: serve this process's counters (:func:`~sink.pipeline_counters.pipeline_counters`)
+    on *host*:*port* for the duration of the ``with`` block; ``port=None`` serves nothing (yields ``None``).
+
+    :raises MetricsExtraMissingError: ``prometheus_client`` is not installed.
+    :raises OSError: the address cannot be bound.
+    """
+    if port is None:
+        yield None
+        return
+    with serve_metrics(port, Metrics(namespace=namespace), host=host) as server:
+        yield server

@@ -253,3 +253,18 @@ async def test_a_failed_collection_is_up_0_and_counted() -> None:
             await metrics.refresh(client, NS)
     assert sample(metrics, "staging_sink_collection_up", namespace=NS) == 0
     assert sample(metrics, "staging_sink_collection_errors_total") == 1
+
+
+def test_a_service_metrics_port_serves_the_process_counters() -> None:
+    from sink.metrics import serve_process_metrics
+
+    with serve_process_metrics(None) as nothing:
+        assert nothing is None
+    namespace = "svc-port"
+    with serve_process_metrics(0, namespace=namespace) as server:
+        assert server is not None
+        count_stage(namespace, "ok", 0.002)  # counted after the server started: read at scrape time
+        with urllib.request.urlopen(server.url, timeout=5) as response:
+            body = response.read().decode()
+    assert f'staging_sink_stages_total{{namespace="{namespace}",result="ok"}} 1.0' in body
+    assert f'staging_sink_stages_total{{namespace="{namespace}",result="failed"}} 0.0' in body
