@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import statistics
-import struct
 import sys
 import time
 from collections.abc import Sequence
@@ -44,20 +43,13 @@ from sink.bench import (
     on_server,
     progress,
 )
-from sink.digest import (
-    CALL_DIGEST_DOMAIN,
-    CHAIN_HASH_DOMAIN,
-    EMPTY_EXTRAS_DIGEST,
-    PREFIX_HASH_DOMAIN,
-    encode_f32s,
-    encode_token_ids,
-)
 from sink.errors import StagingError
 from sink.keys import record_key
 from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 
+from .bench_floor import digest_bytes_per_record, hash_inputs, hash_seconds
 from .capture import RolloutTokenCapture
 from .prefix import aresolve_prefix
 
@@ -141,86 +133,6 @@ async def _run_rollout(
     return coords_list, seconds
 
 
-_U64 = struct.Struct(">Q")
-
-
-def _text(value: str) -> bytes:
-    raw = value.encode()
-    return _U64.pack(len(raw)) + raw
-
-
-def _lp(payload: bytes) -> bytes:
-    return _U64.pack(len(payload)) + payload
-
-
-def _call_hash_inputs(
-    coords: CommitCoords,
-    parent_chain: str | None,
-    full: list[int],
-    columns: tuple[list[int], list[float], list[float]],
-) -> tuple[bytes, bytes, bytes]:
-    """The exact sha256 inputs of one call (contract §4.3-§4.5), each checked against *coords*.
-
-    :raises RuntimeError: a rebuilt input does not hash to the staged value (the floor would be wrong).
-    """
-    ids, mask, logprobs = columns
-    cumulative = PREFIX_HASH_DOMAIN + encode_token_ids(full)
-    link = b"\x00" if parent_chain is None else b"\x01" + bytes.fromhex(parent_chain)
-    chain = CHAIN_HASH_DOMAIN + link + encode_token_ids(ids)
-    if coords.parent_call_id is None:
-        parent_field, mode = b"\x00", "text"
-    else:
-        parent_field, mode = b"\x01" + _text(coords.parent_call_id), "token_in"
-    lengths = (coords.prev_len, coords.delta_len, coords.cum_len, coords.weight_version)
-    call = b"".join(
-        (
-            CALL_DIGEST_DOMAIN,
-            bytes((2, 2, 1)),
-            _text(coords.rollout_id),
-            _text(coords.model_call_id),
-            parent_field,
-            _text(mode),
-            *map(_U64.pack, lengths),
-            _lp(encode_token_ids(ids)),
-            _lp(encode_f32s(mask)),
-            _lp(encode_f32s(logprobs)),
-            bytes.fromhex(EMPTY_EXTRAS_DIGEST),
-            b"\x01" + bytes.fromhex(str(coords.chain_hash)),
-            b"\x01" + bytes.fromhex(str(coords.cumulative_hash)),
-        )
-    )
-    for data, expected in ((cumulative, coords.cumulative_hash), (chain, coords.chain_hash), (call, coords.digest)):
-        if hashlib.sha256(data).hexdigest() != expected:
-            raise RuntimeError("a rebuilt hash input does not match the staged coordinates")
-    return cumulative, call, chain
-
-
-def _hash_inputs(
-    plan: list[tuple[list[int], list[int], list[float]]], coords: list[CommitCoords]
-) -> list[tuple[bytes, bytes, bytes]]:
-    """Per call of the benchmark rollout, the bytes the contract makes the worker hash."""
-    out: list[tuple[bytes, bytes, bytes]] = []
-    sequence: list[int] = []
-    parent_chain: str | None = None
-    for (prompt_new, generated, logprobs), call_coords in zip(plan, coords, strict=True):
-        ids = prompt_new + generated
-        mask = [0.0] * len(prompt_new) + [1.0] * len(generated)
-        sequence = sequence + ids
-        columns = (ids, mask, [0.0] * len(prompt_new) + logprobs)
-        out.append(_call_hash_inputs(call_coords, parent_chain, sequence, columns))
-        parent_chain = call_coords.chain_hash
-    return out
-
-
-def _hash_seconds(inputs: list[tuple[bytes, bytes, bytes]]) -> float:
-    """Seconds to sha256 every call's inputs once (each input one contiguous buffer)."""
-    start = time.perf_counter()
-    for parts in inputs:
-        for data in parts:
-            hashlib.sha256(data).digest()
-    return time.perf_counter() - start
-
-
 def _renamed(record: StagedCallRecord, rollout_id: str) -> StagedCallRecord:
     """The same call staged under another rollout id (its digest recomputed)."""
     return StagedCallRecord.from_components(
@@ -240,11 +152,6 @@ def _renamed(record: StagedCallRecord, rollout_id: str) -> StagedCallRecord:
         chain_hash=record.chain_hash,
         cumulative_hash=record.cumulative_hash,
     )
-
-
-def _digest_bytes_per_record(tokens: int) -> int:
-    # call digest payload (16 B/token + header) + chain hash input (8 B/token) + cumulative share (8 B/token)
-    return 200 + 32 * tokens
 
 
 async def _durable_run(
@@ -277,7 +184,7 @@ async def _durable_run(
             parent_chain_hash=coords[turns - 2].chain_hash,
         )
         chain_keys = [record_key(namespace, c.staging_key) for c in coords[: turns - 1]]
-        payload = bytes(sum(_digest_bytes_per_record(len(p) + len(g)) for p, g, _ in plan[: turns - 1]))
+        payload = bytes(sum(digest_bytes_per_record(len(p) + len(g)) for p, g, _ in plan[: turns - 1]))
         resolve, floor = [], []
         for _ in range(3):
             start = time.perf_counter()
@@ -317,7 +224,7 @@ async def _measure(space: BenchNamespace, turns: int, tokens: int, repeats: int)
     delta_tokens = sum(len(p) + len(g) for p, g, _ in plan)
     full_tokens = sum(sum(len(p) + len(g) for p, g, _ in plan[: k + 1]) for k in range(turns))
     cpu, fresh_cpu, floor_cpu = [], [], []
-    hash_inputs: list[tuple[bytes, bytes, bytes]] = []
+    floor_inputs: list[tuple[bytes, bytes, bytes]] = []
     for repeat in range(repeats):
         progress(f"worker: CPU per call, stage excluded, repeat {repeat + 1}/{repeats}")
         capture = RolloutTokenCapture(sink=AcknowledgingSink(), weight_version_fn=lambda: 1)
@@ -328,9 +235,9 @@ async def _measure(space: BenchNamespace, turns: int, tokens: int, repeats: int)
         fresh_cpu.append(sum(seconds))
         if [c.digest for c in fresh_coords] != [c.digest for c in cpu_coords]:
             raise RuntimeError("fresh prompt objects gave other coordinates")
-        if not hash_inputs:
-            hash_inputs = _hash_inputs(plan, cpu_coords)
-        floor_cpu.append(_hash_seconds(hash_inputs))  # interleaved with the worker runs: same conditions
+        if not floor_inputs:
+            floor_inputs = hash_inputs(plan, cpu_coords)
+        floor_cpu.append(hash_seconds(floor_inputs))  # interleaved with the worker runs: same conditions
     best_cpu, best_fresh, best_floor = min(cpu), min(fresh_cpu), min(floor_cpu)
 
     latency_runs, resolve, floor = [], [], []
