@@ -1,5 +1,6 @@
 # The staging-sink services of docker-compose.yml (assembler, demo worker, trainer, metrics exporter).
-FROM python:3.11-slim
+# Pinned base image; .dockerignore keeps .git, .env, deploy/users.acl, caches and tests out of the context.
+FROM python:3.11.9-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app

@@ -37,6 +37,7 @@ from .done_event import DoneEvent, GroupTag, finished, group_fields, parse_done_
 from .errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
 from .keys import done_stream, receipt_key, receipts_stream, shard_of
 from .ledger.redis import RedisCaptureLedger
+from .pipeline_counters import count_receipt_published
 from .receipt import build_receipt
 from .records import RolloutManifest, RolloutReceipt
 from .settings import AssemblerSettings
@@ -329,7 +330,8 @@ class Assembler(AsyncResource):
         return stored
 
     async def _publish(self, rollout_id: str, receipt_text: str, group: GroupTag | None) -> None:
-        stream = receipts_stream(self._ns, shard_of(rollout_id, self._settings.receipt_shards))
+        shard = shard_of(rollout_id, self._settings.receipt_shards)
+        stream = receipts_stream(self._ns, shard)
         # The GRPO group rides beside the receipt (the receipt model has no group field).
         fields = {"rollout_id": rollout_id, "receipt": receipt_text}
         if group is not None:
@@ -337,6 +339,7 @@ class Assembler(AsyncResource):
         with map_redis_errors(f"publish the receipt of {rollout_id!r}"):
             await self._topology.client.xadd(stream, fields)  # type: ignore[arg-type]
         self._counts["published"] += 1
+        count_receipt_published(self._ns, shard)  # metrics (issue 15)
 
 
 async def run_assembler(url: str, settings: AssemblerSettings | None = None, *, handle_signals: bool = True) -> None:

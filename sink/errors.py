@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = (
     "BatchInputError",
+    "BenchmarkNamespaceInUseError",
     "CodecError",
     "LedgerConflictError",
     "MetricsExtraMissingError",
@@ -124,3 +125,9 @@ class BatchInputError(StagingError, ValueError):
 class RowUnavailableError(StagingError, LookupError):
     """Raised when an export by rollout id finds no stored receipt (not finished, or acknowledged already) or
     a staged record the receipt names is gone. Nothing was written."""
+
+
+class BenchmarkNamespaceInUseError(StagingError):
+    """Raised when a benchmark is pointed at a server that already holds keys in the benchmark's namespace:
+    a benchmark works only in a namespace it has to itself, so it can delete everything it wrote and nothing
+    else. Nothing is written or deleted. The message names the namespace and one key found."""

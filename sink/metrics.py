@@ -1,41 +1,60 @@
-"""Prometheus metrics of the staging pipeline, and the Redis stream gauges that ops tools share.
+"""Prometheus metrics of the staging pipeline: counters that move, and gauges of the Redis side.
 
 :class:`Metrics` keeps its collectors in its own ``CollectorRegistry`` (never the global one), so several
-services or tests in one process do not clash. :func:`serve_metrics` exposes one over HTTP and returns a
-:class:`MetricsServer` that :meth:`~MetricsServer.stop` shuts down (``prometheus_client.start_http_server``
-returns the WSGI server and its daemon thread; this module keeps them and stops both).
+services or tests in one process do not clash. It exports:
 
-:func:`collect_redis_gauges` (async) reads the length of every ``done``/``receipts``/``dead`` stream and
-each consumer group's pending count and lag (``XINFO GROUPS``); the ``stats`` CLI prints it and the exporter
-feeds it to :meth:`Metrics.update_redis_gauges`. It needs only the read-only ``ops`` ACL role.
+* the counters of :mod:`sink.pipeline_counters` (what this process's sink, assembler, consumer groups and
+  trainer readers did), read at scrape time: ``staging_sink_stages_total{namespace,result}``,
+  ``staging_sink_stage_latency_seconds`` (histogram), ``staging_sink_staged_bytes_total``,
+  ``staging_sink_receipts_published_total{namespace,shard}``, ``staging_sink_dead_letters_total{namespace,role,shard}``,
+  ``staging_sink_rollouts_pulled_total{namespace,outcome}``, ``staging_sink_rollouts_skipped_total{namespace,code}``,
+  ``staging_sink_verification_failures_total{namespace,code}``;
+* gauges refreshed by :meth:`Metrics.refresh` (the ``staging-sink metrics`` exporter calls it every interval):
+  stream length, consumer pending/lag/idle by ``namespace``/``kind``/``shard``, dead-letter length (0 when
+  empty), durability and memory per node, rollouts in flight, receipts retained, and ``collection_up``;
+* ``staging_sink_build_info{version}`` and ``staging_sink_collection_errors_total``.
+
+No ``_created`` series are exported (``prometheus_client.disable_created_metrics()``).
+:func:`serve_metrics` exposes a :class:`Metrics` over HTTP (each service's ``--metrics-port``, or the exporter)
+and returns a :class:`MetricsServer` that :meth:`~MetricsServer.stop` shuts down.
 
 ``prometheus_client`` is the ``metrics`` extra (``pip install 'staging-sink[metrics]'``); it is imported
-when a :class:`Metrics` is made, and its absence raises :class:`MetricsExtraMissingError`.
-:func:`collect_redis_gauges` does not need it.
+when a :class:`Metrics` is made, and its absence raises :class:`MetricsExtraMissingError`. The counting
+itself (:mod:`sink.pipeline_counters`) and :func:`collect_redis_gauges` do not need it.
 """
 
 from __future__ import annotations
 
 import importlib
-import re
+import importlib.metadata
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypedDict
+from typing import TYPE_CHECKING, Any, Self
 from wsgiref.simple_server import WSGIServer
 
 import redis.asyncio as aioredis
-import redis.exceptions as redis_errors
 
 from .errors import MetricsExtraMissingError
 from .keys import DEFAULT_NAMESPACE
+from .metrics_collect import (
+    STREAM_KINDS,
+    GroupGauges,
+    ServerGauges,
+    StreamGauges,
+    collect_redis_gauges,
+    collect_server_gauges,
+    stream_labels,
+)
+from .pipeline_counters import COUNTER_HELP, PipelineCounters, pipeline_counters
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 __all__ = (
-    "LATENCY_BUCKETS_S",
+    "EXPORTED_METRICS",
     "STAGE_RESULTS",
     "STREAM_KINDS",
     "GroupGauges",
@@ -44,17 +63,46 @@ __all__ = (
     "StreamGauges",
     "collect_redis_gauges",
     "serve_metrics",
+    "serve_process_metrics",
 )
 
-STAGE_RESULTS = ("ok", "failed", "conflict", "durability_refused")
-"""Label values of ``staging_sink_stages_total{result=...}``."""
-STREAM_KINDS = ("done", "receipts", "dead")
-"""The namespace's shared streams, ``<ns>:<kind>:<name>``, that the gauges cover."""
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-"""Stage latency histogram buckets in seconds: an fsync'd stage takes ~0.5-20 ms; WAIT can take seconds."""
+_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
+    "staging_sink_stream_length": ("Entries in a shared stream.", ("namespace", "kind", "shard")),
+    "staging_sink_consumer_pending": (
+        "Entries delivered to a consumer group and not acknowledged.",
+        ("namespace", "kind", "shard", "group"),
+    ),
+    "staging_sink_consumer_lag": (
+        "Entries not yet delivered to a consumer group (absent where the server cannot tell).",
+        ("namespace", "kind", "shard", "group"),
+    ),
+    "staging_sink_consumer_idle_seconds": (
+        "Seconds since a consumer of a group last read or acknowledged.",
+        ("namespace", "kind", "shard", "group", "consumer"),
+    ),
+    "staging_sink_dead_letter_length": (
+        "Entries in the namespace's dead-letter streams (0 when none).",
+        ("namespace",),
+    ),
+    "staging_sink_durable": ("1 when the node runs appendonly, appendfsync always and noeviction.", ("node",)),
+    "staging_sink_used_memory_bytes": ("INFO memory used_memory of the node.", ("node",)),
+    "staging_sink_maxmemory_bytes": ("INFO memory maxmemory of the node (0: no limit).", ("node",)),
+    "staging_sink_rollouts_in_flight": ("Rollouts with a capture ledger and no receipt yet.", ("namespace",)),
+    "staging_sink_receipts_retained": ("Stored receipts in the namespace.", ("namespace",)),
+    "staging_sink_collection_up": ("1 when the last read of the Redis gauges succeeded.", ("namespace",)),
+    "staging_sink_build_info": ("The staging-sink version that exports these metrics.", ("version",)),
+}
 
-_LABEL_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-_SCAN_COUNT = 1000
+STAGE_RESULTS = ("ok", "conflict", "failed")
+"""Label values of ``staging_sink_stages_total{result=...}``."""
+
+EXPORTED_METRICS: frozenset[str] = frozenset(
+    {f"{name}_total" for name in COUNTER_HELP}
+    | {f"staging_sink_stage_latency_seconds_{suffix}" for suffix in ("bucket", "sum", "count")}
+    | set(_GAUGES)
+    | {"staging_sink_collection_errors_total"}
+)
+"""Every series name the exporter can emit (the dashboard test checks its expressions against it)."""
 
 
 def _prometheus() -> ModuleType:
@@ -64,131 +112,136 @@ def _prometheus() -> ModuleType:
         raise MetricsExtraMissingError("metrics need prometheus_client: pip install 'staging-sink[metrics]'") from exc
 
 
-def _label(value: str, what: str) -> str:
-    if not isinstance(value, str) or _LABEL_RE.fullmatch(value) is None:
-        raise ValueError(f"{what} must be 1-64 characters of [A-Za-z0-9_.:-], got {value!r}")
-    return value
+def _version() -> str:
+    try:
+        return importlib.metadata.version("staging-sink")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
-class GroupGauges(TypedDict):
-    """One consumer group: entries delivered but not acknowledged, entries not yet delivered (``None``
-    where the server cannot tell, e.g. Redis 6.2 or after XDEL), and its consumer count."""
+class _CountersCollector:
+    """Reads :class:`PipelineCounters` at scrape time (custom families: no ``_created`` series)."""
 
-    pending: int
-    lag: int | None
-    consumers: int
+    def __init__(self, counters: PipelineCounters) -> None:
+        self._core = importlib.import_module("prometheus_client.core")
+        self._counters = counters
 
+    def describe(self) -> list[Any]:
+        return []  # unchecked collector: its label sets depend on what was counted
 
-class StreamGauges(TypedDict):
-    """One stream: its kind (``done``/``receipts``/``dead``/``other``), length and consumer groups."""
-
-    kind: str
-    length: int
-    groups: dict[str, GroupGauges]
+    def collect(self) -> Iterator[Any]:
+        core = self._core
+        families: dict[str, Any] = {}
+        for name, labels, value in self._counters.counters():
+            if name not in COUNTER_HELP:
+                continue
+            family = families.get(name)
+            if family is None:
+                family = families[name] = core.CounterMetricFamily(name, COUNTER_HELP[name], labels=sorted(labels))
+            family.add_metric([labels[key] for key in sorted(labels)], value)
+        yield from families.values()
+        latency = core.HistogramMetricFamily(
+            "staging_sink_stage_latency_seconds",
+            "Time from stage() to its result, durable write included.",
+            labels=["namespace"],
+        )
+        for namespace, (buckets, total, _count) in self._counters.latency().items():
+            bounds = [("+Inf" if bound == float("inf") else repr(bound), count) for bound, count in buckets]
+            latency.add_metric([namespace], bounds, total)
+        yield latency
 
 
 class Metrics:
     """The pipeline's Prometheus collectors, in a private registry (:attr:`registry`).
 
+    *counters* defaults to this process's :func:`~sink.pipeline_counters.pipeline_counters`.
+
+    The ``stages`` and ``rollouts_pulled`` series of *namespace* are exported at 0 from the start.
+
     :raises MetricsExtraMissingError: ``prometheus_client`` is not installed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, counters: PipelineCounters | None = None, *, namespace: str = DEFAULT_NAMESPACE) -> None:
         prom = _prometheus()
+        prom.disable_created_metrics()
+        self.counters = counters if counters is not None else pipeline_counters()
+        for result in STAGE_RESULTS:  # exported at 0 from the start, so rates and alerts see a series
+            self.counters.add("staging_sink_stages", 0.0, namespace=namespace, result=result)
+        for outcome in ("trainable", "skipped"):
+            self.counters.add("staging_sink_rollouts_pulled", 0.0, namespace=namespace, outcome=outcome)
         self.registry: CollectorRegistry = prom.CollectorRegistry(auto_describe=True)
-        registry = self.registry
-        self.stages = prom.Counter("staging_sink_stages", "Stage calls by result.", ["result"], registry=registry)
-        self.stage_latency = prom.Histogram(
-            "staging_sink_stage_latency_seconds",
-            "Time from stage() to its result, durable write included.",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
+        self.registry.register(_CountersCollector(self.counters))
+        self.gauges = {
+            name: prom.Gauge(name, help_text, list(labels), registry=self.registry)
+            for name, (help_text, labels) in _GAUGES.items()
+        }
+        self.collection_errors = prom.Counter(
+            "staging_sink_collection_errors", "Failed reads of the Redis gauges.", registry=self.registry
         )
-        self.staged_bytes = prom.Counter(
-            "staging_sink_staged_bytes", "Encoded bytes of records staged with ok=True.", registry=registry
-        )
-        self.receipts = prom.Counter(
-            "staging_sink_receipts", "Receipts the assembler handled, by outcome.", ["outcome"], registry=registry
-        )
-        self.verification_failures = prom.Counter(
-            "staging_sink_verification_failures",
-            "Trainer-side receipt verification failures, by check code.",
-            ["code"],
-            registry=registry,
-        )
-        self.dead_letters = prom.Counter(
-            "staging_sink_dead_letters",
-            "Entries moved to a dead-letter stream, by stream.",
-            ["stream"],
-            registry=registry,
-        )
-        self.stream_length = prom.Gauge(
-            "staging_sink_stream_length", "Entries in a shared stream.", ["stream", "kind"], registry=registry
-        )
-        self.consumer_pending = prom.Gauge(
-            "staging_sink_consumer_pending",
-            "Entries delivered to a consumer group and not acknowledged.",
-            ["stream", "group"],
-            registry=registry,
-        )
-        self.consumer_lag = prom.Gauge(
-            "staging_sink_consumer_lag",
-            "Entries not yet delivered to a consumer group (absent where the server cannot tell).",
-            ["stream", "group"],
-            registry=registry,
-        )
-        self.redis_collect_errors = prom.Counter(
-            "staging_sink_redis_collect_errors", "Failed reads of the Redis stream gauges.", registry=registry
-        )
-        for result in STAGE_RESULTS:
-            self.stages.labels(result=result)  # export every result at 0 from the start
+        self.gauges["staging_sink_build_info"].labels(version=_version()).set(1)
 
-    def observe_stage(self, result: str, seconds: float, *, staged_bytes: int = 0) -> None:
-        """Count one stage call with its *result* (one of :data:`STAGE_RESULTS`) and latency.
-
-        :raises ValueError: an unknown *result*, or a negative duration or size.
-        """
-        if result not in STAGE_RESULTS:
-            raise ValueError(f"stage result must be one of {STAGE_RESULTS}, got {result!r}")
-        if seconds < 0 or staged_bytes < 0:
-            raise ValueError("seconds and staged_bytes must be non-negative")
-        self.stages.labels(result=result).inc()
-        self.stage_latency.observe(seconds)
-        if staged_bytes:
-            self.staged_bytes.inc(staged_bytes)
-
-    def record_receipt(self, outcome: str) -> None:
-        """Count one receipt by *outcome* (``built``, ``duplicate``, ``dead_lettered``, ...).
-
-        :raises ValueError: *outcome* is not a short ``[A-Za-z0-9_.:-]`` label.
-        """
-        self.receipts.labels(outcome=_label(outcome, "outcome")).inc()
-
-    def record_verification_failure(self, code: str) -> None:
-        """Count one failed verification by its stable check code (``ReceiptVerificationError.code``).
-
-        :raises ValueError: *code* is not a short ``[A-Za-z0-9_.:-]`` label.
-        """
-        self.verification_failures.labels(code=_label(code, "code")).inc()
-
-    def record_dead_letter(self, stream: str) -> None:
-        """Count one entry dead-lettered to *stream*.
-
-        :raises ValueError: *stream* is not a short ``[A-Za-z0-9_.:-]`` label.
-        """
-        self.dead_letters.labels(stream=_label(stream, "stream")).inc()
-
-    def update_redis_gauges(self, gauges: Mapping[str, StreamGauges]) -> None:
-        """Replace the stream gauges with *gauges* (from :func:`collect_redis_gauges`); streams that are
-        gone disappear from the exposition."""
-        for gauge in (self.stream_length, self.consumer_pending, self.consumer_lag):
-            gauge.clear()
+    def update_redis_gauges(self, gauges: Mapping[str, StreamGauges], namespace: str = DEFAULT_NAMESPACE) -> None:
+        """Replace the stream gauges with *gauges* (from :func:`collect_redis_gauges`); streams that are gone
+        disappear from the exposition; the dead-letter length is their sum (0 without any)."""
+        names = ("staging_sink_stream_length", "staging_sink_consumer_pending", "staging_sink_consumer_lag")
+        for name in (*names, "staging_sink_consumer_idle_seconds"):
+            self.gauges[name].clear()
+        dead = 0
         for stream, stats in gauges.items():
-            self.stream_length.labels(stream=stream, kind=stats["kind"]).set(stats["length"])
+            kind, shard = stream_labels(namespace, stream)
+            if kind == "dead":
+                dead += stats["length"]
+            where = {"namespace": namespace, "kind": kind, "shard": shard}
+            self.gauges["staging_sink_stream_length"].labels(**where).set(stats["length"])
             for group, group_stats in stats["groups"].items():
-                self.consumer_pending.labels(stream=stream, group=group).set(group_stats["pending"])
+                self.gauges["staging_sink_consumer_pending"].labels(**where, group=group).set(group_stats["pending"])
                 if group_stats["lag"] is not None:
-                    self.consumer_lag.labels(stream=stream, group=group).set(group_stats["lag"])
+                    self.gauges["staging_sink_consumer_lag"].labels(**where, group=group).set(group_stats["lag"])
+                for consumer, idle_ms in group_stats.get("idle_ms", {}).items():
+                    idle = self.gauges["staging_sink_consumer_idle_seconds"]
+                    idle.labels(**where, group=group, consumer=consumer).set(idle_ms / 1000.0)
+        self.gauges["staging_sink_dead_letter_length"].labels(namespace=namespace).set(dead)
+
+    def update_server_gauges(self, server: ServerGauges, namespace: str = DEFAULT_NAMESPACE) -> None:
+        """Replace the per-node and per-namespace gauges with *server* (from :func:`collect_server_gauges`)."""
+        for name in ("staging_sink_durable", "staging_sink_used_memory_bytes", "staging_sink_maxmemory_bytes"):
+            self.gauges[name].clear()
+        for node, gauges in server.nodes.items():
+            self.gauges["staging_sink_durable"].labels(node=node).set(1 if gauges.durable else 0)
+            self.gauges["staging_sink_used_memory_bytes"].labels(node=node).set(gauges.used_memory_bytes)
+            self.gauges["staging_sink_maxmemory_bytes"].labels(node=node).set(gauges.maxmemory_bytes)
+        self.gauges["staging_sink_rollouts_in_flight"].labels(namespace=namespace).set(server.rollouts_in_flight)
+        self.gauges["staging_sink_receipts_retained"].labels(namespace=namespace).set(server.receipts_retained)
+
+    async def refresh(
+        self,
+        client: aioredis.Redis,
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        streams: Sequence[str] | None = None,
+        nodes: Sequence[aioredis.Redis] | None = None,
+        primaries: Sequence[aioredis.Redis] | None = None,
+    ) -> None:
+        """Read every Redis gauge (keyed commands through *client*; per-node reads on *nodes*/*primaries*,
+        default ``[client]``) and set ``collection_up`` to 1; on an error set it to 0, count it and re-raise.
+
+        :raises redis.RedisError: a read failed (the previous gauge values stay).
+        :raises OSError: a node could not be reached.
+        """
+        try:
+            streams_found = await collect_redis_gauges(client, namespace, streams=streams)
+            server = await collect_server_gauges(nodes or [client], primaries or [client], namespace)
+        except BaseException:
+            self.collection_failed(namespace)
+            raise
+        self.update_redis_gauges(streams_found, namespace)
+        self.update_server_gauges(server, namespace)
+        self.gauges["staging_sink_collection_up"].labels(namespace=namespace).set(1)
+
+    def collection_failed(self, namespace: str = DEFAULT_NAMESPACE) -> None:
+        """Record a failed read of the Redis gauges: ``collection_up`` 0, ``collection_errors_total`` + 1."""
+        self.collection_errors.inc()
+        self.gauges["staging_sink_collection_up"].labels(namespace=namespace).set(0)
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format."""
@@ -237,70 +290,18 @@ def serve_metrics(port: int, metrics: Metrics, *, host: str = "127.0.0.1") -> Me
     return MetricsServer(host=host, port=int(server.server_port), _server=server, _thread=thread)
 
 
-# --- Redis stream gauges -----------------------------------------------------------------------------
+@contextmanager
+def serve_process_metrics(
+    port: int | None, *, host: str = "127.0.0.1", namespace: str = DEFAULT_NAMESPACE
+) -> Iterator[MetricsServer | None]:
+    """A service's ``--metrics-port``: serve this process's counters (:func:`~sink.pipeline_counters.pipeline_counters`)
+    on *host*:*port* for the duration of the ``with`` block; ``port=None`` serves nothing (yields ``None``).
 
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _kind(namespace: str, stream: str) -> str:
-    prefix, _, rest = stream.partition(":")
-    kind = rest.partition(":")[0]
-    return kind if prefix == namespace and kind in STREAM_KINDS else "other"
-
-
-def _is_absent(exc: redis_errors.ResponseError) -> bool:
-    text = str(exc).lower()
-    return "no such key" in text or "wrongtype" in text
-
-
-def _groups(reply: Iterable[Mapping[Any, Any]]) -> dict[str, GroupGauges]:
-    groups: dict[str, GroupGauges] = {}
-    for raw in reply:
-        info = {_text(key): value for key, value in raw.items()}
-        lag = info.get("lag")
-        groups[_text(info["name"])] = GroupGauges(
-            pending=int(info.get("pending", 0)),
-            lag=None if lag is None else int(lag),
-            consumers=int(info.get("consumers", 0)),
-        )
-    return groups
-
-
-def _patterns(namespace: str) -> list[str]:
-    return [f"{namespace}:{kind}:*" for kind in STREAM_KINDS]
-
-
-async def collect_redis_gauges(
-    client: aioredis.Redis, namespace: str = DEFAULT_NAMESPACE, *, streams: Sequence[str] | None = None
-) -> dict[str, StreamGauges]:
-    """Length and consumer groups of each shared stream, by stream name, sorted.
-
-    Without *streams*, the ``<ns>:done:*``, ``<ns>:receipts:*`` and ``<ns>:dead:*`` streams are found with
-    ``SCAN ... TYPE stream``, which walks the whole keyspace: an ops-tool cost, fine at scrape intervals,
-    never on a hot path. Streams that do not exist (or are not streams) are left out.
-
-    :raises redis.RedisError: the server cannot be reached or refuses a command (e.g. ``NOPERM``).
+    :raises MetricsExtraMissingError: ``prometheus_client`` is not installed.
+    :raises OSError: the address cannot be bound.
     """
-    if streams is None:
-        found: set[str] = set()
-        for pattern in _patterns(namespace):
-            async for key in client.scan_iter(match=pattern, count=_SCAN_COUNT, _type="stream"):
-                found.add(_text(key))
-        names = sorted(found)
-    else:
-        names = list(streams)
-    result: dict[str, StreamGauges] = {}
-    for name in names:
-        try:
-            if _text(await client.type(name)) != "stream":
-                continue
-            length = int(await client.xlen(name))
-            groups = _groups(await client.xinfo_groups(name))
-        except redis_errors.ResponseError as exc:
-            if _is_absent(exc):
-                continue
-            raise
-        result[name] = StreamGauges(kind=_kind(namespace, name), length=length, groups=groups)
-    return result
+    if port is None:
+        yield None
+        return
+    with serve_metrics(port, Metrics(namespace=namespace), host=host) as server:
+        yield server

@@ -1,8 +1,10 @@
-"""docker-compose.yml, the Dockerfile and deploy/: structure, and the Valkey config and ACL run for real."""
+"""docker-compose.yml, the Dockerfile, .dockerignore and deploy/: structure (Docker cannot run here, so the compose
+file is checked statically), and the Valkey config, ACL and health check run for real."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -25,10 +27,21 @@ DOCKERFILE = ROOT / "Dockerfile"
 VALKEY_CONF = ROOT / "deploy" / "valkey.conf"
 ACL_EXAMPLE = ROOT / "deploy" / "users.acl.example"
 
+DOCKERIGNORE = ROOT / ".dockerignore"
+
 COMPOSE_SUBCOMMANDS = ("assembler", "demo", "trainer", "metrics")
 """The ``staging-sink`` subcommands docker-compose.yml runs; the CLI must provide each of them."""
 SERVICE_ROLES = {"assembler": "assembler", "demo-worker": "worker", "trainer": "trainer", "metrics": "ops"}
 """Which ACL user each application service logs in as."""
+PROFILES = {
+    "demo-worker": ["demo"],
+    "trainer": ["reference-trainer"],
+    "prometheus": ["monitoring"],
+    "grafana": ["monitoring"],
+}
+"""Services that start only with their profile: the demo worker and the reference trainer never compete with a
+real trainer, and monitoring is opt-in."""
+SECRET_VARIABLE = re.compile(r"\$\{STG_[A-Z_]*PASSWORD")
 
 
 def compose() -> dict[str, Any]:
@@ -54,14 +67,62 @@ def valkey_conf() -> dict[str, str]:
 
 def test_the_compose_file_defines_the_stack() -> None:
     services = compose()["services"]
-    assert set(services) == {"valkey", *SERVICE_ROLES}
+    assert set(services) == {"valkey", *SERVICE_ROLES, "prometheus", "grafana"}
     for name, service in services.items():
-        assert command_words(service), f"service {name} has no command"
+        if name != "grafana":  # grafana's image runs its server by default
+            assert command_words(service), f"service {name} has no command"
+        assert service.get("profiles") == PROFILES.get(name), name
+
+
+def test_every_service_has_a_health_check() -> None:
+    for name, service in compose()["services"].items():
+        check = service.get("healthcheck")
+        assert check and check["test"][0] in ("CMD", "CMD-SHELL"), name
+        assert {"interval", "timeout", "retries"} <= set(check), name
+
+
+def test_no_secret_on_a_command_line() -> None:
+    for name, service in compose()["services"].items():
+        words = [*command_words(service), *(str(w) for w in service["healthcheck"]["test"])]
+        assert not any(SECRET_VARIABLE.search(word) or "PASSWORD" in word for word in words), (name, words)
+        assert "--redis-url" not in words and "--pass" not in words and "-a" not in words, name
+
+
+def test_every_image_is_pinned_to_a_version() -> None:
+    images = {name: service["image"] for name, service in compose()["services"].items()}
+    for name, image in images.items():
+        if image == "staging-sink:local":
+            continue  # built from the Dockerfile, whose base image is pinned
+        repository, _, tag = image.rpartition(":")
+        assert repository and re.fullmatch(r"v?\d+\.\d+\.\d+", tag), (name, image)
+    base = re.search(r"^FROM (\S+)$", DOCKERFILE.read_text(), flags=re.MULTILINE)
+    assert base is not None and re.fullmatch(r"python:\d+\.\d+\.\d+-slim", base.group(1)), base
+
+
+def _bytes(size: str) -> int:
+    match = re.fullmatch(r"(\d+)([kmg]b?)", size.lower())
+    assert match, size
+    scale: int = 1024 ** ("kmg".index(match.group(2)[0]) + 1)
+    return int(match.group(1)) * scale
+
+
+def test_maxmemory_is_set_below_the_container_limit() -> None:
+    valkey = compose()["services"]["valkey"]
+    limit, maxmemory = _bytes(valkey["mem_limit"]), _bytes(valkey_conf()["maxmemory"])
+    assert maxmemory <= 0.8 * limit  # room for the AOF rewrite and client buffers
+
+
+def test_the_dockerignore_keeps_secrets_and_clutter_out_of_the_image() -> None:
+    ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and line[0] != "#"}
+    assert {".git", ".env", "deploy/users.acl", ".venv", "**/__pycache__", "tests"} <= ignored
+    copied = re.findall(r"^COPY (.+) \S+$", DOCKERFILE.read_text(), flags=re.MULTILINE)
+    sources = {word for line in copied for word in line.split()}
+    assert sources == {"pyproject.toml", "README.md", "sink", "worker"} and not sources & ignored
 
 
 def test_valkey_runs_the_durable_config_with_a_healthcheck() -> None:
     valkey = compose()["services"]["valkey"]
-    assert valkey["image"].startswith("valkey/valkey:8")
+    assert re.fullmatch(r"valkey/valkey:8\.\d+\.\d+", valkey["image"])
     assert command_words(valkey) == ["valkey-server", "/etc/valkey/valkey.conf"]
     mounts = {volume.split(":")[0]: volume.split(":")[1] for volume in valkey["volumes"]}
     assert mounts["./deploy/valkey.conf"] == "/etc/valkey/valkey.conf"
@@ -69,7 +130,7 @@ def test_valkey_runs_the_durable_config_with_a_healthcheck() -> None:
     assert {name: valkey_conf().get(name) for name in REQUIRED_CONFIG} == REQUIRED_CONFIG
     check = " ".join(valkey["healthcheck"]["test"])
     assert "valkey-cli" in check and "--user ops" in check and "ping" in check
-    assert password_env_var("ops") in valkey["environment"]
+    assert valkey["environment"]["REDISCLI_AUTH"].startswith(f"${{{password_env_var('ops')}:?")
     assert all(port.startswith("127.0.0.1:") for port in valkey.get("ports", []))
 
 
@@ -80,18 +141,30 @@ def test_each_application_service_runs_a_known_subcommand_as_its_role(name: str)
     assert words[:1] == ["staging-sink"] and words[1] in COMPOSE_SUBCOMMANDS, words
     assert service["depends_on"]["valkey"]["condition"] == "service_healthy"
     assert service["build"]["context"] == "."
-    url = words[words.index("--redis-url") + 1]
+    url = service["environment"]["STAGING_SINK_REDIS_URL"]  # the CLI's default --redis-url
     role = SERVICE_ROLES[name]
     assert role in ROLE_NAMES
     assert url.startswith(f"redis://{role}:${{{password_env_var(role)}:?") and url.endswith("@valkey:6379")
     if name == "demo-worker":  # the demo also plays the gate, which has its own user
-        gate_url = words[words.index("--gate-redis-url") + 1]
+        gate_url = service["environment"]["STAGING_SINK_GATE_REDIS_URL"]
         assert gate_url.startswith(f"redis://gate:${{{password_env_var('gate')}:?")
+        assert service["restart"] == "no"  # one step, then it exits: never restarted forever
+
+
+def test_the_cli_reads_the_urls_compose_sets() -> None:
+    from sink.cli.main import ENV_GATE_REDIS_URL, ENV_REDIS_URL, build_parser
+
+    env = {ENV_REDIS_URL: "redis://worker:pw@valkey:6379", ENV_GATE_REDIS_URL: "redis://gate:pw@valkey:6379"}
+    demo = build_parser(env).parse_args(command_words(compose()["services"]["demo-worker"])[1:])
+    assert (demo.redis_url, demo.gate_redis_url, demo.role) == (env[ENV_REDIS_URL], env[ENV_GATE_REDIS_URL], "worker")
+    for name in ("assembler", "trainer", "metrics"):
+        args = build_parser(env).parse_args(command_words(compose()["services"][name])[1:])
+        assert args.redis_url == env[ENV_REDIS_URL], name
 
 
 def test_the_dockerfile_installs_the_metrics_extra() -> None:
     text = DOCKERFILE.read_text()
-    assert text.startswith("#") and "FROM python:3.11-slim" in text
+    assert text.startswith("#") and "FROM python:3.11." in text
     assert 'pip install ".[metrics]"' in text and "USER " in text
 
 
@@ -139,7 +212,7 @@ async def test_deploy_config_and_acl_run_on_valkey_with_a_working_healthcheck(
         command = healthcheck.replace("$$", "$").replace("-p 6379", f"-p {server.port}")
         assert f"-p {server.port}" in command
         for password, healthy in ((passwords["ops"], True), ("wrong", False)):
-            environment = {**os.environ, password_env_var("ops"): password, "PATH": f"{Path(cli).parent}:/bin:/usr/bin"}
+            environment = {**os.environ, "REDISCLI_AUTH": password, "PATH": f"{Path(cli).parent}:/bin:/usr/bin"}
             with anyio.fail_after(30):
                 done = await anyio.run_process(["sh", "-c", command], env=environment, check=False)
             assert (done.returncode == 0) is healthy, (password == "wrong", done.stdout, done.stderr)

@@ -1,7 +1,9 @@
-"""Prometheus metrics (sink.metrics): counters, exposition, the HTTP exporter, and the Redis stream gauges."""
+"""Prometheus metrics (sink.metrics, sink.pipeline_counters): counters, exposition, the HTTP exporter, and the
+Redis gauges."""
 
 from __future__ import annotations
 
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -11,111 +13,148 @@ import redis
 import redis.asyncio as aioredis
 
 from sink.errors import MetricsExtraMissingError, StagingError
-from sink.metrics import STAGE_RESULTS, Metrics, collect_redis_gauges, serve_metrics
+from sink.metrics import EXPORTED_METRICS, STAGE_RESULTS, Metrics, collect_redis_gauges, serve_metrics
+from sink.pipeline_counters import (
+    PipelineCounters,
+    count_dead_letter,
+    count_pulled,
+    count_receipt_published,
+    count_stage,
+    count_staged_bytes,
+    pipeline_counters,
+)
 
 NS = "stg"
-METRIC_NAMES = (
-    "staging_sink_stages_total",
-    "staging_sink_stage_latency_seconds_bucket",
-    "staging_sink_staged_bytes_total",
-    "staging_sink_receipts_total",
-    "staging_sink_verification_failures_total",
-    "staging_sink_dead_letters_total",
-    "staging_sink_stream_length",
-    "staging_sink_consumer_pending",
-    "staging_sink_consumer_lag",
-    "staging_sink_redis_collect_errors_total",
-)
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
+def _series_names(text: str) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def test_stage_counters_latency_and_bytes() -> None:
-    metrics = Metrics()
-    assert [sample(metrics, "staging_sink_stages_total", result=r) for r in STAGE_RESULTS] == [0.0] * 4
-    metrics.observe_stage("ok", 0.003, staged_bytes=1500)
-    metrics.observe_stage("ok", 0.2, staged_bytes=500)
-    metrics.observe_stage("conflict", 0.001)
-    metrics.observe_stage("durability_refused", 0.0)
-    assert sample(metrics, "staging_sink_stages_total", result="ok") == 2
-    assert sample(metrics, "staging_sink_stages_total", result="conflict") == 1
-    assert sample(metrics, "staging_sink_stages_total", result="failed") == 0
-    assert sample(metrics, "staging_sink_staged_bytes_total") == 2000
-    assert sample(metrics, "staging_sink_stage_latency_seconds_count") == 4
-    assert sample(metrics, "staging_sink_stage_latency_seconds_bucket", le="0.005") == 3
-    assert sample(metrics, "staging_sink_stage_latency_seconds_sum") == pytest.approx(0.204)
+    counters = PipelineCounters()
+    metrics = Metrics(counters, namespace=NS)
+    assert [sample(metrics, "staging_sink_stages_total", namespace=NS, result=r) for r in STAGE_RESULTS] == [0.0] * 3
+    counters.add("staging_sink_stages", namespace=NS, result="ok")
+    counters.observe_latency(NS, 0.003)
+    counters.observe_latency(NS, 0.2)
+    counters.add("staging_sink_staged_bytes", 2000, namespace=NS)
+    assert sample(metrics, "staging_sink_stages_total", namespace=NS, result="ok") == 1
+    assert sample(metrics, "staging_sink_staged_bytes_total", namespace=NS) == 2000
+    assert sample(metrics, "staging_sink_stage_latency_seconds_count", namespace=NS) == 2
+    assert sample(metrics, "staging_sink_stage_latency_seconds_bucket", namespace=NS, le="0.005") == 1
+    assert sample(metrics, "staging_sink_stage_latency_seconds_bucket", namespace=NS, le="+Inf") == 2
+    assert sample(metrics, "staging_sink_stage_latency_seconds_sum", namespace=NS) == pytest.approx(0.203)
 
 
-def test_receipts_verification_failures_and_dead_letters_by_label() -> None:
-    metrics = Metrics()
-    metrics.record_receipt("built")
-    metrics.record_receipt("built")
-    metrics.record_receipt("dead_lettered")
-    metrics.record_verification_failure("wrong_digest")
-    metrics.record_dead_letter("stg:dead:assembler")
-    assert sample(metrics, "staging_sink_receipts_total", outcome="built") == 2
-    assert sample(metrics, "staging_sink_receipts_total", outcome="dead_lettered") == 1
-    assert sample(metrics, "staging_sink_verification_failures_total", code="wrong_digest") == 1
-    assert sample(metrics, "staging_sink_dead_letters_total", stream="stg:dead:assembler") == 1
+def test_the_process_hooks_count_into_the_process_counters() -> None:
+    counters = pipeline_counters()
+    before = counters.snapshot()
+    try:
+        counters.reset()
+        count_stage("hooks", "ok", 0.001)
+        count_stage("hooks", "conflict", 0.002)
+        count_staged_bytes("hooks", 100)
+        count_receipt_published("hooks", 2)
+        count_dead_letter("hooks", "done", 1)
+        count_pulled("hooks", None)
+        count_pulled("hooks", "rollout_failed")  # upstream: a skip, not a verification failure
+        count_pulled("hooks", "wrong_digest")
+        metrics = Metrics(namespace="hooks")
+        expected = {
+            ("staging_sink_stages_total", (("namespace", "hooks"), ("result", "ok"))): 1,
+            ("staging_sink_stages_total", (("namespace", "hooks"), ("result", "conflict"))): 1,
+            ("staging_sink_staged_bytes_total", (("namespace", "hooks"),)): 100,
+            ("staging_sink_receipts_published_total", (("namespace", "hooks"), ("shard", "2"))): 1,
+            ("staging_sink_dead_letters_total", (("namespace", "hooks"), ("role", "done"), ("shard", "1"))): 1,
+            ("staging_sink_rollouts_pulled_total", (("namespace", "hooks"), ("outcome", "trainable"))): 1,
+            ("staging_sink_rollouts_pulled_total", (("namespace", "hooks"), ("outcome", "skipped"))): 2,
+            ("staging_sink_rollouts_skipped_total", (("code", "rollout_failed"), ("namespace", "hooks"))): 1,
+            ("staging_sink_rollouts_skipped_total", (("code", "wrong_digest"), ("namespace", "hooks"))): 1,
+            ("staging_sink_verification_failures_total", (("code", "wrong_digest"), ("namespace", "hooks"))): 1,
+        }
+        for (name, labels), value in expected.items():
+            assert sample(metrics, name, **dict(labels)) == value, name
+        assert (
+            sample(metrics, "staging_sink_verification_failures_total", namespace="hooks", code="rollout_failed")
+            is None
+        )
+    finally:
+        counters.reset()
+        counters.merge(before)
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        lambda m: m.observe_stage("okay", 0.1),
-        lambda m: m.observe_stage("ok", -1.0),
-        lambda m: m.observe_stage("ok", 0.1, staged_bytes=-5),
-        lambda m: m.record_receipt(""),
-        lambda m: m.record_verification_failure("has spaces"),
-        lambda m: m.record_dead_letter("x" * 65),
-    ],
-)
-def test_bad_labels_and_values_raise(bad: object) -> None:
-    metrics = Metrics()
-    with pytest.raises(ValueError):
-        bad(metrics)  # type: ignore[operator]
+def test_snapshots_merge_across_processes() -> None:
+    worker, parent = PipelineCounters(), PipelineCounters()
+    worker.add("staging_sink_stages", namespace=NS, result="ok")
+    worker.observe_latency(NS, 0.01)
+    parent.add("staging_sink_stages", namespace=NS, result="ok")
+    parent.merge(worker.snapshot())
+    assert parent.value("staging_sink_stages", namespace=NS, result="ok") == 2
+    assert parent.latency()[NS][2] == 1  # one observation, from the worker
+    for bad in ({}, {"counters": [["x"]], "latency": {}}, {"counters": [], "latency": {NS: [1.0]}}):
+        with pytest.raises(ValueError, match="snapshot"):
+            parent.merge(bad)
+    assert parent.value("staging_sink_stages", namespace=NS, result="ok") == 2  # a bad snapshot changed nothing
 
 
 def test_each_metrics_object_has_its_own_registry() -> None:
     from prometheus_client import REGISTRY
 
-    first, second = Metrics(), Metrics()  # a shared registry would raise "Duplicated timeseries"
-    first.observe_stage("failed", 0.01)
-    assert sample(first, "staging_sink_stages_total", result="failed") == 1
-    assert sample(second, "staging_sink_stages_total", result="failed") == 0
-    assert REGISTRY.get_sample_value("staging_sink_stages_total", {"result": "failed"}) is None
+    first, second = Metrics(PipelineCounters()), Metrics(PipelineCounters())  # no "Duplicated timeseries"
+    first.counters.add("staging_sink_stages", namespace=NS, result="failed")
+    assert sample(first, "staging_sink_stages_total", namespace=NS, result="failed") == 1
+    assert sample(second, "staging_sink_stages_total", namespace=NS, result="failed") == 0
+    assert REGISTRY.get_sample_value("staging_sink_stages_total", {"namespace": NS, "result": "failed"}) is None
 
 
-def test_the_exposition_names_every_metric() -> None:
-    metrics = Metrics()
-    metrics.observe_stage("ok", 0.01, staged_bytes=10)
-    metrics.record_receipt("built")
-    metrics.record_verification_failure("row_count_mismatch")
-    metrics.record_dead_letter("stg:dead:trainer")
-    metrics.redis_collect_errors.inc()
+def test_the_exposition_follows_prometheus_conventions() -> None:
+    metrics = Metrics(PipelineCounters())
+    metrics.counters.add("staging_sink_verification_failures", namespace=NS, code="row_count_mismatch")
+    metrics.counters.observe_latency(NS, 0.01)
+    metrics.collection_failed(NS)
     metrics.update_redis_gauges(
-        {"stg:done:0": {"kind": "done", "length": 3, "groups": {"asm": {"pending": 1, "lag": 2, "consumers": 1}}}}
+        {
+            "stg:done:0": {
+                "kind": "done",
+                "length": 3,
+                "groups": {"asm": {"pending": 1, "lag": 2, "consumers": 1, "idle_ms": {"a1": 1500}}},
+            }
+        }
     )
     text = metrics.exposition().decode()
-    for name in METRIC_NAMES:
-        assert f"\n{name}" in text, name
-    assert 'staging_sink_consumer_lag{group="asm",stream="stg:done:0"} 2.0' in text
+    names = _series_names(text)
+    assert not any(name.endswith("_created") for name in names)
+    assert names <= EXPORTED_METRICS, names - EXPORTED_METRICS
+    assert 'staging_sink_consumer_lag{group="asm",kind="done",namespace="stg",shard="0"} 2.0' in text
+    assert (
+        'staging_sink_consumer_idle_seconds{consumer="a1",group="asm",kind="done",namespace="stg",shard="0"} 1.5'
+        in text
+    )
+    assert 'staging_sink_dead_letter_length{namespace="stg"} 0.0' in text  # 0 when there is no dead letter
+    assert 'staging_sink_collection_up{namespace="stg"} 0.0' in text
+    assert re.search(r'staging_sink_build_info\{version="[^"]+"\} 1\.0', text)
+    counters = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE") and line.endswith("counter")]
+    assert counters and all(name.endswith("_total") for name in counters)
+    assert "staging_sink_collection_errors_total 1.0" in text
 
 
 def test_the_http_exporter_serves_and_stops() -> None:
-    metrics = Metrics()
-    metrics.observe_stage("ok", 0.01)
+    metrics = Metrics(PipelineCounters())
+    metrics.counters.add("staging_sink_stages", namespace=NS, result="ok")
     with serve_metrics(0, metrics) as server:
         assert server.host == "127.0.0.1" and server.port > 0
         with urllib.request.urlopen(server.url, timeout=5) as response:
             assert response.status == 200
             body = response.read().decode()
-        assert 'staging_sink_stages_total{result="ok"} 1.0' in body
-        metrics.observe_stage("ok", 0.01)
+        assert 'staging_sink_stages_total{namespace="stg",result="ok"} 1.0' in body
+        metrics.counters.add("staging_sink_stages", namespace=NS, result="ok")
         with urllib.request.urlopen(server.url, timeout=5) as response:
-            assert 'staging_sink_stages_total{result="ok"} 2.0' in response.read().decode()
+            assert 'staging_sink_stages_total{namespace="stg",result="ok"} 2.0' in response.read().decode()
     assert not server._thread.is_alive()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(server.url, timeout=2)
@@ -129,7 +168,7 @@ def test_a_missing_extra_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> No
     assert isinstance(missing.value, ImportError) and isinstance(missing.value, StagingError)
 
 
-# --- Redis stream gauges ---------------------------------------------------------------------------
+# --- Redis gauges ----------------------------------------------------------------------------------------
 
 
 def _seed(url: str) -> None:
@@ -139,21 +178,25 @@ def _seed(url: str) -> None:
         client.xgroup_create(f"{NS}:done:0", "asm", id="0")
         client.xreadgroup("asm", "a1", {f"{NS}:done:0": ">"}, count=2)  # 2 pending, 3 not delivered
         client.xadd(f"{NS}:receipts:1", {"rollout": "r0"})
-        client.xadd(f"{NS}:dead:assembler", {"reason": "x"})
+        client.xadd(f"{NS}:dead:done-0", {"reason": "x"})
         client.set(f"{NS}:done:9", b"not a stream")
         client.xadd(f"{NS}:{{r0}}:calls", {"key": "r0/c1"})  # per-rollout streams are not shared queues
         client.xadd("other:done:0", {"rollout": "r0"})
+        client.xadd(f"{NS}:{{r0}}:ledger", {"row": "x"})  # r0: receipt stored
+        client.set(f"{NS}:{{r0}}:receipt", b"{}")
+        client.xadd(f"{NS}:{{r1}}:ledger", {"row": "x"})  # r1, r2: in flight
+        client.xadd(f"{NS}:{{r2}}:ledger", {"row": "x"})
 
 
 def _check(gauges: dict[str, object]) -> None:
-    assert list(gauges) == [f"{NS}:dead:assembler", f"{NS}:done:0", f"{NS}:receipts:1"]
-    assert gauges[f"{NS}:done:0"] == {
-        "kind": "done",
-        "length": 5,
-        "groups": {"asm": {"pending": 2, "lag": 3, "consumers": 1}},
-    }
+    assert list(gauges) == [f"{NS}:dead:done-0", f"{NS}:done:0", f"{NS}:receipts:1"]
+    done = gauges[f"{NS}:done:0"]
+    assert isinstance(done, dict)
+    assert done["kind"] == "done" and done["length"] == 5
+    asm = done["groups"]["asm"]
+    assert (asm["pending"], asm["lag"], asm["consumers"], list(asm["idle_ms"])) == (2, 3, 1, ["a1"])
     assert gauges[f"{NS}:receipts:1"] == {"kind": "receipts", "length": 1, "groups": {}}
-    assert gauges[f"{NS}:dead:assembler"]["kind"] == "dead"  # type: ignore[index]
+    assert gauges[f"{NS}:dead:done-0"]["kind"] == "dead"  # type: ignore[index]
 
 
 @pytest.mark.anyio
@@ -174,16 +217,54 @@ async def test_collect_redis_gauges_with_decoded_responses(redis_url: str) -> No
 
 
 @pytest.mark.anyio
-async def test_gauges_follow_the_streams(redis_url: str) -> None:
+async def test_refresh_sets_every_gauge_and_follows_the_streams(redis_url: str) -> None:
     _seed(redis_url)
-    metrics = Metrics()
+    metrics = Metrics(PipelineCounters())
+    where = {"namespace": NS, "kind": "done", "shard": "0"}
     async with aioredis.Redis.from_url(redis_url) as client:
-        metrics.update_redis_gauges(await collect_redis_gauges(client, NS))
-        assert sample(metrics, "staging_sink_stream_length", stream=f"{NS}:done:0", kind="done") == 5
-        assert sample(metrics, "staging_sink_consumer_pending", stream=f"{NS}:done:0", group="asm") == 2
-        assert sample(metrics, "staging_sink_consumer_lag", stream=f"{NS}:done:0", group="asm") == 3
-        await client.delete(f"{NS}:done:0")
-        metrics.update_redis_gauges(await collect_redis_gauges(client, NS))
-    assert sample(metrics, "staging_sink_stream_length", stream=f"{NS}:done:0", kind="done") is None
-    assert sample(metrics, "staging_sink_consumer_pending", stream=f"{NS}:done:0", group="asm") is None
-    assert sample(metrics, "staging_sink_stream_length", stream=f"{NS}:receipts:1", kind="receipts") == 1
+        await metrics.refresh(client, NS)
+        assert sample(metrics, "staging_sink_stream_length", **where) == 5
+        assert sample(metrics, "staging_sink_consumer_pending", **where, group="asm") == 2
+        assert sample(metrics, "staging_sink_consumer_lag", **where, group="asm") == 3
+        idle = sample(metrics, "staging_sink_consumer_idle_seconds", **where, group="asm", consumer="a1")
+        assert idle is not None and 0 <= idle < 60
+        assert sample(metrics, "staging_sink_dead_letter_length", namespace=NS) == 1
+        assert sample(metrics, "staging_sink_rollouts_in_flight", namespace=NS) == 2
+        assert sample(metrics, "staging_sink_receipts_retained", namespace=NS) == 1
+        assert sample(metrics, "staging_sink_collection_up", namespace=NS) == 1
+        node = f"{client.connection_pool.connection_kwargs['host']}:{client.connection_pool.connection_kwargs['port']}"
+        assert sample(metrics, "staging_sink_durable", node=node) == 1  # the fixture's server is durable
+        used = sample(metrics, "staging_sink_used_memory_bytes", node=node)
+        assert used is not None and used > 0
+        assert sample(metrics, "staging_sink_maxmemory_bytes", node=node) is not None
+        await client.delete(f"{NS}:done:0", f"{NS}:dead:done-0")
+        await metrics.refresh(client, NS)
+    assert sample(metrics, "staging_sink_stream_length", **where) is None
+    assert sample(metrics, "staging_sink_consumer_pending", **where, group="asm") is None
+    assert sample(metrics, "staging_sink_stream_length", namespace=NS, kind="receipts", shard="1") == 1
+    assert sample(metrics, "staging_sink_dead_letter_length", namespace=NS) == 0
+
+
+@pytest.mark.anyio
+async def test_a_failed_collection_is_up_0_and_counted() -> None:
+    metrics = Metrics(PipelineCounters())
+    async with aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1) as client:
+        with pytest.raises((redis.RedisError, OSError)):
+            await metrics.refresh(client, NS)
+    assert sample(metrics, "staging_sink_collection_up", namespace=NS) == 0
+    assert sample(metrics, "staging_sink_collection_errors_total") == 1
+
+
+def test_a_service_metrics_port_serves_the_process_counters() -> None:
+    from sink.metrics import serve_process_metrics
+
+    with serve_process_metrics(None) as nothing:
+        assert nothing is None
+    namespace = "svc-port"
+    with serve_process_metrics(0, namespace=namespace) as server:
+        assert server is not None
+        count_stage(namespace, "ok", 0.002)  # counted after the server started: read at scrape time
+        with urllib.request.urlopen(server.url, timeout=5) as response:
+            body = response.read().decode()
+    assert f'staging_sink_stages_total{{namespace="{namespace}",result="ok"}} 1.0' in body
+    assert f'staging_sink_stages_total{{namespace="{namespace}",result="failed"}} 0.0' in body

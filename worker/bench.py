@@ -11,6 +11,11 @@ turns it measures, in one run:
 * added latency per call over the bare durable ``stage`` of the same records on one durable server;
 * ``staging_chain`` resolution of a 31-call chain (fetch + verify) against the hash-and-fetch floor: a raw
   ``MGET`` of the same bytes plus ``sha256`` over the bytes the contract requires hashing.
+
+Every figure is the best of ``--repeats`` runs (latencies: the lowest per-run median).
+With ``--redis-url`` everything lives under ``--namespace`` (see :mod:`sink.bench`). Targets: worker CPU at
+most :data:`MAX_WORKER_TO_FLOOR` times its hashing floor, chain resolution at most
+:data:`MAX_CHAIN_TO_FLOOR` times its floor.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import argparse
 import hashlib
 import json
 import statistics
-import struct
 import sys
 import time
 from collections.abc import Sequence
@@ -28,24 +32,41 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 
-from sink.bench import on_server
-from sink.digest import (
-    CALL_DIGEST_DOMAIN,
-    CHAIN_HASH_DOMAIN,
-    EMPTY_EXTRAS_DIGEST,
-    PREFIX_HASH_DOMAIN,
-    encode_f32s,
-    encode_token_ids,
+from sink.bench import (
+    DEFAULT_BENCH_NAMESPACE,
+    DEFAULT_REPEATS,
+    BenchNamespace,
+    Target,
+    add_common_arguments,
+    bench_namespace,
+    format_targets,
+    on_server,
+    progress,
 )
-from sink.keys import DEFAULT_NAMESPACE, record_key
+from sink.errors import StagingError
+from sink.keys import record_key
 from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 
+from .bench_floor import digest_bytes_per_record, hash_inputs, hash_seconds
 from .capture import RolloutTokenCapture
 from .prefix import aresolve_prefix
 
-__all__ = ("AcknowledgingSink", "format_report", "main", "run_worker_benchmark")
+__all__ = (
+    "MAX_CHAIN_TO_FLOOR",
+    "MAX_WORKER_TO_FLOOR",
+    "AcknowledgingSink",
+    "format_report",
+    "main",
+    "run_worker_benchmark",
+    "worker_targets",
+)
+
+MAX_WORKER_TO_FLOOR = 4.0
+"""Target: the worker's CPU per call (stage excluded) at most this many times the contract's hashing floor."""
+MAX_CHAIN_TO_FLOOR = 4.0
+"""Target: ``staging_chain`` resolution at most this many times the fetch-and-hash floor."""
 
 
 class AcknowledgingSink:
@@ -112,86 +133,6 @@ async def _run_rollout(
     return coords_list, seconds
 
 
-_U64 = struct.Struct(">Q")
-
-
-def _text(value: str) -> bytes:
-    raw = value.encode()
-    return _U64.pack(len(raw)) + raw
-
-
-def _lp(payload: bytes) -> bytes:
-    return _U64.pack(len(payload)) + payload
-
-
-def _call_hash_inputs(
-    coords: CommitCoords,
-    parent_chain: str | None,
-    full: list[int],
-    columns: tuple[list[int], list[float], list[float]],
-) -> tuple[bytes, bytes, bytes]:
-    """The exact sha256 inputs of one call (contract §4.3-§4.5), each checked against *coords*.
-
-    :raises RuntimeError: a rebuilt input does not hash to the staged value (the floor would be wrong).
-    """
-    ids, mask, logprobs = columns
-    cumulative = PREFIX_HASH_DOMAIN + encode_token_ids(full)
-    link = b"\x00" if parent_chain is None else b"\x01" + bytes.fromhex(parent_chain)
-    chain = CHAIN_HASH_DOMAIN + link + encode_token_ids(ids)
-    if coords.parent_call_id is None:
-        parent_field, mode = b"\x00", "text"
-    else:
-        parent_field, mode = b"\x01" + _text(coords.parent_call_id), "token_in"
-    lengths = (coords.prev_len, coords.delta_len, coords.cum_len, coords.weight_version)
-    call = b"".join(
-        (
-            CALL_DIGEST_DOMAIN,
-            bytes((2, 2, 1)),
-            _text(coords.rollout_id),
-            _text(coords.model_call_id),
-            parent_field,
-            _text(mode),
-            *map(_U64.pack, lengths),
-            _lp(encode_token_ids(ids)),
-            _lp(encode_f32s(mask)),
-            _lp(encode_f32s(logprobs)),
-            bytes.fromhex(EMPTY_EXTRAS_DIGEST),
-            b"\x01" + bytes.fromhex(str(coords.chain_hash)),
-            b"\x01" + bytes.fromhex(str(coords.cumulative_hash)),
-        )
-    )
-    for data, expected in ((cumulative, coords.cumulative_hash), (chain, coords.chain_hash), (call, coords.digest)):
-        if hashlib.sha256(data).hexdigest() != expected:
-            raise RuntimeError("a rebuilt hash input does not match the staged coordinates")
-    return cumulative, call, chain
-
-
-def _hash_inputs(
-    plan: list[tuple[list[int], list[int], list[float]]], coords: list[CommitCoords]
-) -> list[tuple[bytes, bytes, bytes]]:
-    """Per call of the benchmark rollout, the bytes the contract makes the worker hash."""
-    out: list[tuple[bytes, bytes, bytes]] = []
-    sequence: list[int] = []
-    parent_chain: str | None = None
-    for (prompt_new, generated, logprobs), call_coords in zip(plan, coords, strict=True):
-        ids = prompt_new + generated
-        mask = [0.0] * len(prompt_new) + [1.0] * len(generated)
-        sequence = sequence + ids
-        columns = (ids, mask, [0.0] * len(prompt_new) + logprobs)
-        out.append(_call_hash_inputs(call_coords, parent_chain, sequence, columns))
-        parent_chain = call_coords.chain_hash
-    return out
-
-
-def _hash_seconds(inputs: list[tuple[bytes, bytes, bytes]]) -> float:
-    """Seconds to sha256 every call's inputs once (each input one contiguous buffer)."""
-    start = time.perf_counter()
-    for parts in inputs:
-        for data in parts:
-            hashlib.sha256(data).digest()
-    return time.perf_counter() - start
-
-
 def _renamed(record: StagedCallRecord, rollout_id: str) -> StagedCallRecord:
     """The same call staged under another rollout id (its digest recomputed)."""
     return StagedCallRecord.from_components(
@@ -213,19 +154,79 @@ def _renamed(record: StagedCallRecord, rollout_id: str) -> StagedCallRecord:
     )
 
 
-def _digest_bytes_per_record(tokens: int) -> int:
-    # call digest payload (16 B/token + header) + chain hash input (8 B/token) + cumulative share (8 B/token)
-    return 200 + 32 * tokens
+async def _durable_run(
+    url: str, namespace: str, plan: list[tuple[list[int], list[int], list[float]]]
+) -> tuple[list[CommitCoords], tuple[list[float], list[float]], float, float]:
+    """One rollout staged durably through the worker, the same records staged bare, and a chain resolution
+    against its floor: (coords, (call seconds, bare stage seconds), resolve seconds, floor seconds)."""
+    turns = len(plan)
+    async with (
+        AsyncRedisStagingSink.from_url(url, namespace=namespace) as sink,
+        AsyncRedisStagingSource.from_url(url, namespace=namespace) as source,
+        aioredis.Redis.from_url(url) as client,
+    ):
+        capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 1)
+        coords, with_capture = await _run_rollout(capture, "lat", plan)
+        records = await source.fetch([c.staging_key for c in coords])
+        bare = []
+        for record in [_renamed(r, "bare") for r in records]:
+            start = time.perf_counter()
+            if not (await sink.stage(record)).ok:  # the same records, written fresh
+                raise RuntimeError("a bare stage failed during the benchmark")
+            bare.append(time.perf_counter() - start)
+        chain_admission = CaptureAdmission(
+            rollout_id="lat",
+            model_call_id="next",
+            parent_call_id=coords[turns - 2].model_call_id,
+            prev_len=coords[turns - 2].cum_len,
+            mode="token_in",
+            staging_chain=[c.staging_key for c in coords[: turns - 1]],
+            parent_chain_hash=coords[turns - 2].chain_hash,
+        )
+        chain_keys = [record_key(namespace, c.staging_key) for c in coords[: turns - 1]]
+        payload = bytes(sum(digest_bytes_per_record(len(p) + len(g)) for p, g, _ in plan[: turns - 1]))
+        resolve, floor = [], []
+        for _ in range(3):
+            start = time.perf_counter()
+            prefix = await aresolve_prefix(chain_admission, source)
+            resolve.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await client.mget(chain_keys)
+            hashlib.sha256(payload).digest()
+            floor.append(time.perf_counter() - start)
+        if len(prefix) != chain_admission.prev_len:
+            raise RuntimeError("chain resolution returned a prefix of the wrong length")
+    return coords, (with_capture, bare), min(resolve), min(floor)
 
 
-async def run_worker_benchmark(url: str, *, turns: int = 32, tokens: int = 2048, repeats: int = 3) -> dict[str, Any]:
-    """Run the three measurements against the durable server at *url* (flushed)."""
+async def run_worker_benchmark(
+    url: str,
+    *,
+    turns: int = 32,
+    tokens: int = 2048,
+    repeats: int = DEFAULT_REPEATS,
+    namespace: str = DEFAULT_BENCH_NAMESPACE,
+) -> dict[str, Any]:
+    """Run the three measurements against the durable server at *url*, in *namespace* only (deleted at the
+    end; a namespace that already has keys is refused).
+
+    :raises BenchmarkNamespaceInUseError: *namespace* already has keys on that server.
+    """
+    if repeats < 1 or turns < 2:
+        raise ValueError("repeats must be at least 1 and turns at least 2")
+    async with bench_namespace(url, namespace) as space:  # refused before any measurement
+        return await _measure(space, turns, tokens, repeats)
+
+
+async def _measure(space: BenchNamespace, turns: int, tokens: int, repeats: int) -> dict[str, Any]:
+    url, namespace = space.url, space.namespace
     plan = _turns(turns, tokens)
     delta_tokens = sum(len(p) + len(g) for p, g, _ in plan)
     full_tokens = sum(sum(len(p) + len(g) for p, g, _ in plan[: k + 1]) for k in range(turns))
     cpu, fresh_cpu, floor_cpu = [], [], []
-    hash_inputs: list[tuple[bytes, bytes, bytes]] = []
+    floor_inputs: list[tuple[bytes, bytes, bytes]] = []
     for repeat in range(repeats):
+        progress(f"worker: CPU per call, stage excluded, repeat {repeat + 1}/{repeats}")
         capture = RolloutTokenCapture(sink=AcknowledgingSink(), weight_version_fn=lambda: 1)
         cpu_coords, seconds = await _run_rollout(capture, f"cpu{repeat}", plan)
         cpu.append(sum(seconds))
@@ -234,52 +235,24 @@ async def run_worker_benchmark(url: str, *, turns: int = 32, tokens: int = 2048,
         fresh_cpu.append(sum(seconds))
         if [c.digest for c in fresh_coords] != [c.digest for c in cpu_coords]:
             raise RuntimeError("fresh prompt objects gave other coordinates")
-        if not hash_inputs:
-            hash_inputs = _hash_inputs(plan, cpu_coords)
-        floor_cpu.append(_hash_seconds(hash_inputs))  # interleaved with the worker runs: same conditions
+        if not floor_inputs:
+            floor_inputs = hash_inputs(plan, cpu_coords)
+        floor_cpu.append(hash_seconds(floor_inputs))  # interleaved with the worker runs: same conditions
     best_cpu, best_fresh, best_floor = min(cpu), min(fresh_cpu), min(floor_cpu)
 
-    admin = aioredis.Redis.from_url(url)
-    try:
-        await admin.flushall()
-        async with AsyncRedisStagingSink.from_url(url) as sink:
-            capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 1)
-            coords, with_capture = await _run_rollout(capture, "lat", plan)
-            async with AsyncRedisStagingSource.from_url(url) as source:
-                records = await source.fetch([c.staging_key for c in coords])
-                bare = []
-                for record in [_renamed(r, "bare") for r in records]:
-                    start = time.perf_counter()
-                    if not (await sink.stage(record)).ok:  # the same records, written fresh
-                        raise RuntimeError("a bare stage failed during the benchmark")
-                    bare.append(time.perf_counter() - start)
-                chain_admission = CaptureAdmission(
-                    rollout_id="lat",
-                    model_call_id="next",
-                    parent_call_id=coords[turns - 2].model_call_id,
-                    prev_len=coords[turns - 2].cum_len,
-                    mode="token_in",
-                    staging_chain=[c.staging_key for c in coords[: turns - 1]],
-                    parent_chain_hash=coords[turns - 2].chain_hash,
-                )
-                chain_keys = [record_key(DEFAULT_NAMESPACE, c.staging_key) for c in coords[: turns - 1]]
-                payload = bytes(sum(_digest_bytes_per_record(len(p) + len(g)) for p, g, _ in plan[: turns - 1]))
-                resolve, floor = [], []
-                for _ in range(repeats + 2):
-                    start = time.perf_counter()
-                    prefix = await aresolve_prefix(chain_admission, source)
-                    resolve.append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    await admin.mget(chain_keys)
-                    hashlib.sha256(payload).digest()
-                    floor.append(time.perf_counter() - start)
-                if len(prefix) != chain_admission.prev_len:
-                    raise RuntimeError("chain resolution returned a prefix of the wrong length")
-        await admin.flushall()
-    finally:
-        await admin.aclose()
+    latency_runs, resolve, floor = [], [], []
+    for repeat in range(repeats):
+        progress(f"worker: durable call latency and chain resolution, repeat {repeat + 1}/{repeats}")
+        await space.clear()
+        coords, run_latency, run_resolve, run_floor = await _durable_run(url, namespace, plan)
+        latency_runs.append(run_latency)
+        resolve.append(run_resolve)
+        floor.append(run_floor)
+    call_p50 = min(statistics.median(run[0]) for run in latency_runs)  # each figure: the best run's
+    bare_p50 = min(statistics.median(run[1]) for run in latency_runs)
     chain_tokens = coords[turns - 2].cum_len
     return {
+        "repeats": repeats,
         "turns": turns,
         "tokens_per_turn": tokens,
         "worker_cpu_ns_per_delta_token": best_cpu / delta_tokens * 1e9,
@@ -289,9 +262,9 @@ async def run_worker_benchmark(url: str, *, turns: int = 32, tokens: int = 2048,
         "worker_to_floor_ratio": best_cpu / best_floor,
         "fresh_prompt_cpu_ns_per_delta_token": best_fresh / delta_tokens * 1e9,
         "fresh_prompt_to_floor_ratio": best_fresh / best_floor,
-        "call_latency_ms_p50": statistics.median(with_capture) * 1e3,
-        "bare_stage_latency_ms_p50": statistics.median(bare) * 1e3,
-        "added_latency_ms_p50": (statistics.median(with_capture) - statistics.median(bare)) * 1e3,
+        "call_latency_ms_p50": call_p50 * 1e3,
+        "bare_stage_latency_ms_p50": bare_p50 * 1e3,
+        "added_latency_ms_p50": (call_p50 - bare_p50) * 1e3,
         "chain_resolution_ms": min(resolve) * 1e3,
         "chain_floor_ms": min(floor) * 1e3,
         "chain_ratio": min(resolve) / min(floor),
@@ -299,11 +272,19 @@ async def run_worker_benchmark(url: str, *, turns: int = 32, tokens: int = 2048,
     }
 
 
+def worker_targets(report: dict[str, Any]) -> list[Target]:
+    """The documented targets, measured."""
+    return [
+        Target("worker CPU / hashing floor", report["worker_to_floor_ratio"], "<=", MAX_WORKER_TO_FLOOR, "x"),
+        Target("staging_chain resolution / floor", report["chain_ratio"], "<=", MAX_CHAIN_TO_FLOOR, "x"),
+    ]
+
+
 def format_report(report: dict[str, Any]) -> str:
     """Human-readable lines with the ratios."""
     r = report
     lines = [
-        f"{r['turns']}-turn rollout, {r['tokens_per_turn']}-token turns",
+        f"{r['turns']}-turn rollout, {r['tokens_per_turn']}-token turns, best of {r['repeats']} runs",
         (
             f"  worker CPU, begin -> coords, stage excluded: {r['worker_cpu_ns_per_delta_token']:.1f} ns/delta token"
             f" ({r['worker_cpu_ns_per_full_token']:.1f} ns per token of the full sequence the contract hashes)"
@@ -325,23 +306,33 @@ def format_report(report: dict[str, Any]) -> str:
             f"  staging_chain resolution ({r['turns'] - 1} calls, {r['chain_tokens']} tokens): "
             f"{r['chain_resolution_ms']:.2f} ms vs floor {r['chain_floor_ms']:.2f} ms = {r['chain_ratio']:.2f}x"
         ),
+        *format_targets(worker_targets(r)),
     ]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: ``python -m worker.bench [--redis-url URL] [--json]``."""
+    """Command-line entry point: ``python -m worker.bench [--redis-url URL] [--namespace NS] [--json]``."""
     parser = argparse.ArgumentParser(prog="staging-sink bench worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--redis-url", help="a durable server to use, flushed (default: start a private one)")
-    parser.add_argument("--turns", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per turn")
-    parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    add_common_arguments(parser)
+    parser.add_argument("--turns", type=int, default=32, help="calls in the rollout (default: 32)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per turn (default: 2048)")
     args = parser.parse_args(argv)
+    if args.turns < 2 or args.tokens < 16 or args.repeats < 1:
+        parser.error("--turns must be at least 2, --tokens at least 16 and --repeats at least 1")
 
     def run(url: str) -> dict[str, Any]:
-        return anyio.run(lambda: run_worker_benchmark(url, turns=args.turns, tokens=args.tokens))
+        return anyio.run(
+            lambda: run_worker_benchmark(
+                url, turns=args.turns, tokens=args.tokens, repeats=args.repeats, namespace=args.namespace
+            )
+        )
 
-    report = on_server(args.redis_url, lambda url, _server: run(url))
+    try:
+        report = on_server(args.redis_url, lambda url, _server: run(url))
+    except StagingError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
     sys.stdout.write((json.dumps(report, indent=2) if args.json else format_report(report)) + "\n")
     return 0
 

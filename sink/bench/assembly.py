@@ -10,6 +10,10 @@ durable server). Every rollout has a 32-call linear ledger. Measured:
   (default 100 rollouts/s); time from ``finished()`` returning to the receipt
   being readable on ``ns:receipts:<k>`` (a blocking ``XREAD``, as a trainer
   would see it), p50/p99/max.
+
+Every figure is the best of ``--repeats`` runs (throughput: the fastest; latency: the run with the lowest
+p99). With ``--redis-url`` everything lives under ``--namespace`` (see :mod:`sink.bench`). Targets: p99 at
+most :data:`MAX_LATENCY_P99_MS`, one assembler at least :data:`MIN_ROLLOUTS_PER_S`.
 """
 
 from __future__ import annotations
@@ -29,22 +33,51 @@ import anyio
 import redis.asyncio as aioredis
 
 from ..assembler import Assembler, finished
+from ..errors import StagingError
 from ..keys import done_stream, receipt_key, receipts_stream
 from ..ledger.redis import RedisCaptureLedger
 from ..records import CallRecord, CaptureLedgerCommit
 from ..settings import DEFAULT_SHARDS, AssemblerSettings
-from . import on_server
+from . import (
+    DEFAULT_BENCH_NAMESPACE,
+    DEFAULT_REPEATS,
+    Target,
+    add_common_arguments,
+    bench_namespace,
+    format_targets,
+    on_server,
+    progress,
+)
 
-__all__ = ("AssemblyFigures", "format_report", "main", "run_assembly_benchmark")
+__all__ = (
+    "MAX_LATENCY_P99_MS",
+    "MIN_ROLLOUTS_PER_S",
+    "AssemblyFigures",
+    "assembly_targets",
+    "format_report",
+    "main",
+    "run_assembly_benchmark",
+)
 
-_GO_KEY = "bench:assembly:go"
-_READY_KEY = "bench:assembly:ready"
+MAX_LATENCY_P99_MS = 50.0
+"""Target: p99 from ``finished()`` returning to a readable receipt, at the steady rate."""
+MIN_ROLLOUTS_PER_S = 200.0
+"""Target: receipts per second of one assembler process (32-call rollouts)."""
+
+
+def _go_key(namespace: str) -> str:
+    return f"{namespace}:bench:assembly:go"
+
+
+def _ready_key(namespace: str) -> str:
+    return f"{namespace}:bench:assembly:ready"
 
 
 @dataclass(frozen=True, slots=True)
 class AssemblyFigures:
     """Measured assembly figures."""
 
+    repeats: int
     calls_per_rollout: int
     throughput_rollouts: int
     one_assembler_rollouts_per_s: float
@@ -88,9 +121,10 @@ def _commits(rollout_id: str, calls: int, tokens: int = 64) -> list[CaptureLedge
     return commits
 
 
-async def _record_ledgers(url: str, rollout_ids: Sequence[str], calls: int) -> None:
+async def _record_ledgers(url: str, namespace: str, rollout_ids: Sequence[str], calls: int) -> None:
     limiter = anyio.CapacityLimiter(64)
-    async with RedisCaptureLedger.from_url(url) as ledger, anyio.create_task_group() as group:
+    ledgers = RedisCaptureLedger.from_url(url, namespace=namespace)
+    async with ledgers as ledger, anyio.create_task_group() as group:
 
         async def record(commit: CaptureLedgerCommit) -> None:
             async with limiter:
@@ -108,16 +142,16 @@ def _assembler_process(url: str, settings_json: str) -> None:
     async def body() -> None:
         settings = AssemblerSettings.model_validate_json(settings_json)
         async with aioredis.Redis.from_url(url) as client:
-            await client.rpush(_READY_KEY, "ready")
-            await client.blpop([_GO_KEY], timeout=0)
+            await client.rpush(_ready_key(settings.namespace), "ready")
+            await client.blpop([_go_key(settings.namespace)], timeout=0)
         await run_assembler(url, settings)
 
     anyio.run(body)
 
 
-async def _await_receipts(client: aioredis.Redis, count: int) -> dict[str, float]:
+async def _await_receipts(client: aioredis.Redis, namespace: str, count: int) -> dict[str, float]:
     """Block on the receipts streams until *count* receipts arrived; return arrival times by rollout id."""
-    cursors: dict[Any, Any] = {receipts_stream("stg", k).encode(): b"0" for k in range(DEFAULT_SHARDS)}
+    cursors: dict[Any, Any] = {receipts_stream(namespace, k).encode(): b"0" for k in range(DEFAULT_SHARDS)}
     arrived: dict[str, float] = {}
     while len(arrived) < count:
         reply: Any = await client.xread(cursors, block=5_000)
@@ -142,9 +176,9 @@ def _start(url: str, processes: int, settings: AssemblerSettings) -> list[SpawnP
     return started
 
 
-async def _wait_ready(client: aioredis.Redis, processes: int) -> None:
+async def _wait_ready(client: aioredis.Redis, namespace: str, processes: int) -> None:
     for _ in range(processes):
-        if await client.blpop([_READY_KEY], timeout=60) is None:
+        if await client.blpop([_ready_key(namespace)], timeout=60) is None:
             raise RuntimeError("an assembler process did not start within 60 s")
 
 
@@ -158,53 +192,53 @@ def _stop(started: list[SpawnProcess]) -> None:
             process.join()
 
 
-async def _reset(client: aioredis.Redis, rollout_ids: Sequence[str]) -> None:
-    streams = [done_stream("stg", k) for k in range(DEFAULT_SHARDS)]
-    streams += [receipts_stream("stg", k) for k in range(DEFAULT_SHARDS)]
-    await client.delete(*streams, *(receipt_key("stg", rollout_id) for rollout_id in rollout_ids))
+async def _reset(client: aioredis.Redis, namespace: str, rollout_ids: Sequence[str]) -> None:
+    streams = [done_stream(namespace, k) for k in range(DEFAULT_SHARDS)]
+    streams += [receipts_stream(namespace, k) for k in range(DEFAULT_SHARDS)]
+    await client.delete(*streams, *(receipt_key(namespace, rollout_id) for rollout_id in rollout_ids))
 
 
-async def _throughput(url: str, rollout_ids: Sequence[str], processes: int) -> float:
-    settings = AssemblerSettings(block_ms=200, batch_events=64)
+async def _throughput(url: str, namespace: str, rollout_ids: Sequence[str], processes: int) -> float:
+    settings = AssemblerSettings(namespace=namespace, block_ms=200, batch_events=64)
     async with aioredis.Redis.from_url(url) as client:
-        await _reset(client, rollout_ids)
+        await _reset(client, namespace, rollout_ids)
         async with Assembler.from_url(url, settings):
             pass  # creates the consumer groups before events arrive
         for rollout_id in rollout_ids:
-            await finished(client, rollout_id, reward=1.0)
+            await finished(client, rollout_id, reward=1.0, namespace=namespace)
         started = _start(url, processes, settings)
         try:
-            await _wait_ready(client, processes)  # interpreter start-up is not part of the measurement
+            await _wait_ready(client, namespace, processes)  # interpreter start-up is not part of the measurement
             begin = time.perf_counter()
-            await client.rpush(_GO_KEY, *(["go"] * processes))
-            arrived = await _await_receipts(client, len(rollout_ids))
+            await client.rpush(_go_key(namespace), *(["go"] * processes))
+            arrived = await _await_receipts(client, namespace, len(rollout_ids))
         finally:
             _stop(started)
     return len(rollout_ids) / (max(arrived.values()) - begin)
 
 
-async def _latency(url: str, rollout_ids: Sequence[str], rate_per_s: float) -> list[float]:
-    settings = AssemblerSettings(block_ms=1_000, batch_events=64)
+async def _latency(url: str, namespace: str, rollout_ids: Sequence[str], rate_per_s: float) -> list[float]:
+    settings = AssemblerSettings(namespace=namespace, block_ms=1_000, batch_events=64)
     async with aioredis.Redis.from_url(url) as client:
-        await _reset(client, rollout_ids)
+        await _reset(client, namespace, rollout_ids)
         async with Assembler.from_url(url, settings):
             pass
         started = _start(url, 1, settings)
         try:
-            await _wait_ready(client, 1)
-            await client.rpush(_GO_KEY, "go")
+            await _wait_ready(client, namespace, 1)
+            await client.rpush(_go_key(namespace), "go")
             sent: dict[str, float] = {}
             arrived: dict[str, float] = {}
             async with aioredis.Redis.from_url(url) as watcher, anyio.create_task_group() as group:
 
                 async def watch() -> None:
-                    arrived.update(await _await_receipts(watcher, len(rollout_ids)))
+                    arrived.update(await _await_receipts(watcher, namespace, len(rollout_ids)))
 
                 group.start_soon(watch)
                 begin = time.perf_counter()
                 for index, rollout_id in enumerate(rollout_ids):
                     await anyio.sleep(max(0.0, begin + index / rate_per_s - time.perf_counter()))
-                    await finished(client, rollout_id, reward=1.0)
+                    await finished(client, rollout_id, reward=1.0, namespace=namespace)
                     sent[rollout_id] = time.perf_counter()
         finally:
             _stop(started)
@@ -217,24 +251,42 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 async def run_assembly_benchmark(
-    url: str, *, rollouts: int = 400, calls: int = 32, rate_per_s: float = 100.0, latency_s: float = 5.0
+    url: str,
+    *,
+    rollouts: int = 400,
+    calls: int = 32,
+    rate_per_s: float = 100.0,
+    latency_s: float = 5.0,
+    namespace: str = DEFAULT_BENCH_NAMESPACE,
+    repeats: int = DEFAULT_REPEATS,
 ) -> AssemblyFigures:
-    """Run the throughput (1 and 2 assemblers) and steady-rate latency measurements on *url* (flushed first)."""
-    async with aioredis.Redis.from_url(url) as admin:
-        await admin.flushall()
+    """Run the throughput (1 and 2 assemblers) and steady-rate latency measurements *repeats* times each on
+    *url*, in *namespace* only (deleted at the end; a namespace that already has keys is refused).
+
+    :raises BenchmarkNamespaceInUseError: *namespace* already has keys on that server.
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
     throughput_ids = [f"tp-{i}" for i in range(rollouts)]
     latency_ids = [f"lat-{i}" for i in range(int(rate_per_s * latency_s))]
-    await _record_ledgers(url, throughput_ids + latency_ids, calls)
-    one = await _throughput(url, throughput_ids, 1)
-    two = await _throughput(url, throughput_ids, 2)
-    latencies = await _latency(url, latency_ids, rate_per_s)
-    async with aioredis.Redis.from_url(url) as admin:
-        await admin.flushall()
+    async with bench_namespace(url, namespace):
+        progress(f"assembly: recording {len(throughput_ids) + len(latency_ids)} ledgers of {calls} calls")
+        await _record_ledgers(url, namespace, throughput_ids + latency_ids, calls)
+        one, two, latency_runs = [], [], []
+        for repeat in range(repeats):
+            progress(f"assembly: throughput, one assembler, repeat {repeat + 1}/{repeats}")
+            one.append(await _throughput(url, namespace, throughput_ids, 1))
+            progress(f"assembly: throughput, two assemblers, repeat {repeat + 1}/{repeats}")
+            two.append(await _throughput(url, namespace, throughput_ids, 2))
+            progress(f"assembly: latency at {rate_per_s:g}/s for {latency_s:g} s, repeat {repeat + 1}/{repeats}")
+            latency_runs.append(await _latency(url, namespace, latency_ids, rate_per_s))
+    latencies = min(latency_runs, key=lambda run: _percentile(run, 0.99))
     return AssemblyFigures(
+        repeats=repeats,
         calls_per_rollout=calls,
         throughput_rollouts=rollouts,
-        one_assembler_rollouts_per_s=one,
-        two_assemblers_rollouts_per_s=two,
+        one_assembler_rollouts_per_s=max(one),
+        two_assemblers_rollouts_per_s=max(two),
         latency_rate_per_s=rate_per_s,
         latency_rollouts=len(latency_ids),
         latency_p50_ms=_percentile(latencies, 0.50),
@@ -243,42 +295,68 @@ async def run_assembly_benchmark(
     )
 
 
+def assembly_targets(figures: AssemblyFigures) -> list[Target]:
+    """The documented targets, measured."""
+    return [
+        Target(
+            "one assembler throughput", figures.one_assembler_rollouts_per_s, ">=", MIN_ROLLOUTS_PER_S, "rollouts/s"
+        ),
+        Target("finished() -> receipt p99", figures.latency_p99_ms, "<=", MAX_LATENCY_P99_MS, "ms"),
+    ]
+
+
 def format_report(figures: AssemblyFigures) -> str:
     """Human-readable summary."""
     f = figures
     return "\n".join(
         [
-            f"assembly, {f.calls_per_rollout} calls per rollout, {f.throughput_rollouts} queued rollouts:",
+            (
+                f"assembly, {f.calls_per_rollout} calls per rollout, {f.throughput_rollouts} queued rollouts, "
+                f"best of {f.repeats} runs:"
+            ),
             f"  one assembler process : {f.one_assembler_rollouts_per_s:8.0f} rollouts/s",
             f"  two assembler processes: {f.two_assemblers_rollouts_per_s:8.0f} rollouts/s",
             f"finished() -> receipt readable, steady {f.latency_rate_per_s:.0f} rollouts/s x {f.latency_rollouts}:",
-            (
-                f"  p50 {f.latency_p50_ms:.2f} ms, p99 {f.latency_p99_ms:.2f} ms, max {f.latency_max_ms:.2f} ms"
-                f" (target p99 <= 50 ms: {'met' if f.latency_p99_ms <= 50 else 'MISSED'})"
-            ),
+            f"  p50 {f.latency_p50_ms:.2f} ms, p99 {f.latency_p99_ms:.2f} ms, max {f.latency_max_ms:.2f} ms",
+            *format_targets(assembly_targets(f)),
         ]
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: ``python -m sink.bench.assembly [--redis-url URL] [--json]``."""
+    """Command-line entry point: ``python -m sink.bench.assembly [--redis-url URL] [--namespace NS] [--json]``."""
     parser = argparse.ArgumentParser(prog="staging-sink bench assembly", description=__doc__.splitlines()[0])
-    parser.add_argument("--redis-url", help="a durable server to use (default: start a private one); it is flushed")
-    parser.add_argument("--rollouts", type=int, default=400, help="queued rollouts for the throughput runs")
-    parser.add_argument("--calls", type=int, default=32, help="ledger rows per rollout")
-    parser.add_argument("--rate", type=float, default=100.0, help="finished() rate for the latency run (per s)")
-    parser.add_argument("--latency-seconds", type=float, default=5.0, help="duration of the latency run")
-    parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--rollouts", type=int, default=400, help="queued rollouts for the throughput runs (default: 400)"
+    )
+    parser.add_argument("--calls", type=int, default=32, help="ledger rows per rollout (default: 32)")
+    parser.add_argument(
+        "--rate", type=float, default=100.0, help="finished() rate for the latency run, per s (default: 100)"
+    )
+    parser.add_argument("--latency-seconds", type=float, default=5.0, help="duration of the latency run (default: 5)")
     args = parser.parse_args(argv)
+    if min(args.rollouts, args.calls, args.repeats) < 1 or args.rate <= 0 or args.rate * args.latency_seconds < 1:
+        parser.error("--rollouts, --calls, --repeats, --rate and --rate x --latency-seconds must be positive")
 
     def run(url: str) -> AssemblyFigures:
         return anyio.run(
             lambda: run_assembly_benchmark(
-                url, rollouts=args.rollouts, calls=args.calls, rate_per_s=args.rate, latency_s=args.latency_seconds
+                url,
+                rollouts=args.rollouts,
+                calls=args.calls,
+                rate_per_s=args.rate,
+                latency_s=args.latency_seconds,
+                namespace=args.namespace,
+                repeats=args.repeats,
             )
         )
 
-    figures = on_server(args.redis_url, lambda url, _server: run(url))
+    try:
+        figures = on_server(args.redis_url, lambda url, _server: run(url))
+    except StagingError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
     sys.stdout.write((json.dumps(asdict(figures), indent=2) if args.json else format_report(figures)) + "\n")
     return 0
 

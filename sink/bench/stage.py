@@ -11,6 +11,12 @@ concurrent stagers it measures, side by side in one run:
 * chain fetch: ``fetch`` and ``fetch_packed`` of a 50-call chain with full verification against
   the hash-and-fetch floor (a raw ``MGET`` plus ``sha256`` over the bytes the
   digest covers).
+
+Each configuration runs ``--repeats`` times (the run with the highest throughput is kept) and chain fetch
+keeps the best of its repeats. With ``--redis-url`` the benchmark writes only under ``--namespace`` (see
+:mod:`sink.bench`) and skips the server ceiling (``redis-benchmark`` writes keys of its own).
+Targets: sink throughput at least :data:`MIN_THROUGHPUT_RATIO` of the baseline's in every configuration;
+``fetch_packed`` of the chain at most :data:`MAX_FETCH_PACKED_RATIO` times the floor.
 """
 
 from __future__ import annotations
@@ -32,13 +38,38 @@ import redis.asyncio as aioredis
 
 from ..codec import encode_record
 from ..digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
-from ..keys import DEFAULT_NAMESPACE, record_key
+from ..errors import StagingError
+from ..keys import record_key
 from ..records import StagedCallRecord
 from ..store.sink import AsyncRedisStagingSink
 from ..store.source import AsyncRedisStagingSource
-from . import on_server
+from . import (
+    DEFAULT_BENCH_NAMESPACE,
+    DEFAULT_REPEATS,
+    Target,
+    add_common_arguments,
+    bench_namespace,
+    format_targets,
+    on_server,
+    progress,
+)
 
-__all__ = ("StageFigures", "build_records", "format_report", "main", "run_stage_benchmark", "server_ceiling")
+__all__ = (
+    "MAX_FETCH_PACKED_RATIO",
+    "MIN_THROUGHPUT_RATIO",
+    "StageFigures",
+    "build_records",
+    "format_report",
+    "main",
+    "run_stage_benchmark",
+    "server_ceiling",
+    "stage_targets",
+)
+
+MIN_THROUGHPUT_RATIO = 0.4
+"""Target: the sink's records/s at least this share of the plain-SET baseline's, in every configuration."""
+MAX_FETCH_PACKED_RATIO = 4.0
+"""Target: ``fetch_packed`` of a 50-call chain at most this many times the fetch-and-hash floor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +160,11 @@ def _figures(system: str, tokens: int, concurrency: int, nbytes: int, elapsed: f
     )
 
 
-async def _bench_sink(url: str, records: list[StagedCallRecord], concurrency: int, connections: int) -> StageFigures:
+async def _bench_sink(
+    url: str, namespace: str, records: list[StagedCallRecord], concurrency: int, connections: int
+) -> StageFigures:
     nbytes = sum(len(encode_record(r)) for r in records)
-    async with AsyncRedisStagingSink.from_url(url, writer_connections=connections) as sink:
+    async with AsyncRedisStagingSink.from_url(url, writer_connections=connections, namespace=namespace) as sink:
 
         async def op(record: StagedCallRecord) -> None:
             result = await sink.stage(record)
@@ -143,7 +176,7 @@ async def _bench_sink(url: str, records: list[StagedCallRecord], concurrency: in
 
 
 async def _bench_plain_set(
-    url: str, records: list[StagedCallRecord], concurrency: int, connections: int
+    url: str, namespace: str, records: list[StagedCallRecord], concurrency: int, connections: int
 ) -> StageFigures:
     """Baseline: encode_record + plain SETs, pipelined per connection, no script, no checks.
 
@@ -171,7 +204,7 @@ async def _bench_plain_set(
 
     async def op(record: StagedCallRecord) -> None:
         done = anyio.Event()
-        await send.send((record_key("base", record.staging_key), encode_record(record), done))
+        await send.send((f"{namespace}:base:{record.staging_key}", encode_record(record), done))
         await done.wait()
 
     try:
@@ -204,11 +237,11 @@ def _digest_payload_bytes(record: StagedCallRecord) -> int:
     return 3 + texts + 9 + len(record.parent_call_id or "") + 32 + ids + columns + 32 + 33 + 33
 
 
-async def _bench_chain_fetch(url: str, chain: list[StagedCallRecord], repeats: int) -> dict[str, float]:
+async def _bench_chain_fetch(url: str, namespace: str, chain: list[StagedCallRecord], repeats: int) -> dict[str, float]:
     keys = [r.staging_key for r in chain]
     payloads = [bytes(_digest_payload_bytes(r)) for r in chain]
-    redis_keys = [record_key(DEFAULT_NAMESPACE, k) for k in keys]
-    async with AsyncRedisStagingSource.from_url(url) as source:
+    redis_keys = [record_key(namespace, k) for k in keys]
+    async with AsyncRedisStagingSource.from_url(url, namespace=namespace) as source:
         client = aioredis.Redis.from_url(url)
         try:
             fetch_times, packed_times, floor_times = [], [], []
@@ -244,37 +277,82 @@ async def run_stage_benchmark(
     records_per_run: int = 256,
     connections: int = 4,
     port: int | None = None,
+    namespace: str = DEFAULT_BENCH_NAMESPACE,
+    repeats: int = DEFAULT_REPEATS,
 ) -> dict[str, Any]:
-    """Run every configuration on the server at *url* (flushed between runs)."""
-    admin = aioredis.Redis.from_url(url)
+    """Run every configuration *repeats* times on the server at *url*, in *namespace* only (its keys are
+    cleared between runs and at the end; a namespace that already has keys is refused).
+
+    *port* (a private server's) also measures the server ceiling with ``redis-benchmark``.
+
+    :raises BenchmarkNamespaceInUseError: *namespace* already has keys on that server.
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
     results: list[StageFigures] = []
     ceilings: dict[int, float | None] = {}
-    try:
+    async with bench_namespace(url, namespace) as space:
         for tokens in token_sizes:
             count = records_per_run if tokens <= 4096 else max(32, records_per_run // 4)
             for concurrency in concurrencies:
                 for system in ("plain-set", "sink"):
-                    await admin.flushall()
-                    records = build_records(count // 8, 8, tokens, tag=f"b{tokens}-{concurrency}")
                     bench = _bench_sink if system == "sink" else _bench_plain_set
-                    results.append(await bench(url, records, concurrency, connections))
+                    runs = []
+                    for repeat in range(repeats):
+                        progress(f"stage: {tokens} tokens x{concurrency} {system}, repeat {repeat + 1}/{repeats}")
+                        await space.clear()
+                        records = build_records(count // 8, 8, tokens, tag=f"b{tokens}-{concurrency}")
+                        runs.append(await bench(url, namespace, records, concurrency, connections))
+                    results.append(max(runs, key=lambda figures: figures.records_per_s))
             if port is not None:
+                progress(f"stage: server ceiling (redis-benchmark) at {tokens} tokens")
                 ceilings[tokens] = server_ceiling(port, len(encode_record(build_records(1, 1, tokens, tag="p")[0])))
-        await admin.flushall()
+        await space.clear()
+        progress(f"stage: 50-call chain fetch, best of {repeats + 4}")
         chain = build_records(1, 50, 2048, tag="chain")
-        async with AsyncRedisStagingSink.from_url(url) as sink:
+        async with AsyncRedisStagingSink.from_url(url, namespace=namespace) as sink:
             for record in chain:
                 await sink.stage(record)
-        chain_fetch = await _bench_chain_fetch(url, chain, repeats=7)
-        await admin.flushall()
-    finally:
-        await admin.aclose()
-    return {"stage": [asdict(f) for f in results], "ceiling_set_per_s": ceilings, "chain_fetch": chain_fetch}
+        chain_fetch = await _bench_chain_fetch(url, namespace, chain, repeats=repeats + 4)
+    return {
+        "repeats": repeats,
+        "stage": [asdict(f) for f in results],
+        "ceiling_set_per_s": ceilings,
+        "chain_fetch": chain_fetch,
+    }
+
+
+def stage_targets(report: dict[str, Any]) -> list[Target]:
+    """The documented targets, measured (one per configuration, plus chain fetch)."""
+    rows = report["stage"]
+    targets = [
+        Target(
+            f"sink/baseline throughput, {sink['tokens']} tokens x{sink['concurrency']}",
+            sink["records_per_s"] / base["records_per_s"],
+            ">=",
+            MIN_THROUGHPUT_RATIO,
+            "x",
+        )
+        for base, sink in zip(rows[0::2], rows[1::2], strict=True)
+    ]
+    targets.append(
+        Target(
+            "fetch_packed/floor, 50-call chain",
+            report["chain_fetch"]["packed_ratio"],
+            "<=",
+            MAX_FETCH_PACKED_RATIO,
+            "x",
+        )
+    )
+    return targets
 
 
 def format_report(report: dict[str, Any]) -> str:
     """Human-readable table with the sink/baseline ratios."""
-    lines = [f"{'tokens':>7} {'conc':>5} {'system':>10} {'rec/s':>9} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8}"]
+    lines = [
+        f"best of {report['repeats']} runs per configuration",
+        f"{'tokens':>7} {'conc':>5} {'system':>10} {'rec/s':>9} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8}",
+    ]
     rows = report["stage"]
     lines.extend(
         f"{row['tokens']:>7} {row['concurrency']:>5} {row['system']:>10} {row['records_per_s']:>9.0f} "
@@ -298,24 +376,47 @@ def format_report(report: dict[str, Any]) -> str:
         f"fetch_packed {chain['fetch_packed_ms']:.2f} ms ({chain['packed_ratio']:.2f}x), "
         f"floor {chain['floor_ms']:.2f} ms"
     )
+    lines.extend(format_targets(stage_targets(report)))
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: ``python -m sink.bench.stage [--redis-url URL] [--json]``."""
+    """Command-line entry point: ``python -m sink.bench.stage [--redis-url URL] [--namespace NS] [--json]``."""
     parser = argparse.ArgumentParser(prog="staging-sink bench stage", description=__doc__.splitlines()[0])
-    parser.add_argument("--redis-url", help="a durable server to use (default: start a private one)")
-    parser.add_argument("--records", type=int, default=256, help="records per configuration (2,048 tokens)")
-    parser.add_argument("--connections", type=int, default=4, help="writer connections (sink and baseline)")
-    parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--records", type=int, default=256, help="records per configuration (2,048 tokens) (default: 256)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=[2048, 16384], help="record sizes (default: 2048 16384)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 16, 64], help="concurrent stagers (default: 1 16 64)"
+    )
+    parser.add_argument("--connections", type=int, default=4, help="writer connections, sink and baseline (default: 4)")
     args = parser.parse_args(argv)
+    if min([args.records, args.connections, args.repeats, *args.tokens, *args.concurrency]) < 1:
+        parser.error("--records, --tokens, --concurrency, --connections and --repeats must be positive")
 
     def run(url: str, port: int | None) -> dict[str, Any]:
         return anyio.run(
-            lambda: run_stage_benchmark(url, records_per_run=args.records, connections=args.connections, port=port)
+            lambda: run_stage_benchmark(
+                url,
+                token_sizes=args.tokens,
+                concurrencies=args.concurrency,
+                records_per_run=args.records,
+                connections=args.connections,
+                port=port,
+                namespace=args.namespace,
+                repeats=args.repeats,
+            )
         )
 
-    report = on_server(args.redis_url, lambda url, server: run(url, server.port if server else None))
+    try:
+        report = on_server(args.redis_url, lambda url, server: run(url, server.port if server else None))
+    except StagingError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
     sys.stdout.write((json.dumps(report, indent=2) if args.json else format_report(report)) + "\n")
     return 0
 

@@ -27,7 +27,7 @@ from ..acl import (
 )
 from ..assembler import run_assembler
 from ..errors import MetricsExtraMissingError
-from ..metrics import Metrics, collect_redis_gauges, serve_metrics
+from ..metrics import Metrics, serve_metrics
 from ..reader import PulledRollout, RolloutReader
 from ..server import serve_forever
 from ..settings import AssemblerSettings, ReaderSettings
@@ -143,7 +143,7 @@ async def metrics_command(target: RedisTarget, *, port: int, host: str, interval
     """``staging-sink metrics``: serve Prometheus metrics with the Redis stream gauges refreshed every
     *interval_s* seconds, until SIGINT/SIGTERM. A Redis outage is counted and logged, never fatal."""
     try:
-        metrics = Metrics()
+        metrics = Metrics(namespace=target.namespace)
     except MetricsExtraMissingError as exc:
         raise CommandError(str(exc)) from exc
     try:
@@ -163,9 +163,9 @@ async def metrics_command(target: RedisTarget, *, port: int, host: str, interval
                     names = await shared_stream_names(topology, target.namespace)
                     # The gauges issue only keyed commands, which the cluster client routes.
                     client = cast(aioredis.Redis, topology.client)
-                    metrics.update_redis_gauges(await collect_redis_gauges(client, target.namespace, streams=names))
-                except (redis_errors.RedisError, OSError) as exc:
-                    metrics.redis_collect_errors.inc()
+                    nodes, primaries = await topology.all_nodes(), topology.primaries()
+                    await metrics.refresh(client, target.namespace, streams=names, nodes=nodes, primaries=primaries)
+                except (redis_errors.RedisError, OSError) as exc:  # counted by refresh: collection_up 0
                     logger.warning("metrics: cannot read the Redis gauges: %s", describe_redis_error(exc))
                 await anyio.sleep(interval_s)
     finally:

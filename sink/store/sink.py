@@ -14,6 +14,7 @@ deletes what was staged once a rollout has been consumed.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -31,6 +32,7 @@ from ..codec import encode_record
 from ..digest import compute_extras_digest
 from ..errors import CodecError
 from ..keys import calls_stream, record_key, rollout_of_staging_key, validate_rollout_id
+from ..pipeline_counters import count_stage, count_staged_bytes
 from ..record_schema import calls_entry
 from ..records import StagedCallRecord, StageResult
 from ..settings import SinkSettings
@@ -238,7 +240,8 @@ class AsyncRedisStagingSink(AsyncResource):
         """
         if not isinstance(record, StagedCallRecord):
             raise TypeError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
-        return await self._stage(record, "")
+        started = time.perf_counter()
+        return self._counted(await self._stage(record, ""), started)
 
     async def stage_generation_prefix(
         self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int
@@ -250,7 +253,15 @@ class AsyncRedisStagingSink(AsyncResource):
         """
         if not isinstance(record, StagedCallRecord):
             raise TypeError(f"stage_generation_prefix() takes a StagedCallRecord, got {type(record).__name__}")
-        return await self._stage(record, generation_prefix_suffix(checkpoint_id, chunk_sequence))
+        started = time.perf_counter()
+        return self._counted(
+            await self._stage(record, generation_prefix_suffix(checkpoint_id, chunk_sequence)), started
+        )
+
+    def _counted(self, result: StageResult, started: float) -> StageResult:
+        label = "ok" if result.ok else "conflict" if result.error == CONFLICT_ERROR else "failed"
+        count_stage(self._settings.namespace, label, time.perf_counter() - started)  # metrics (issue 15)
+        return result
 
     async def _stage(self, record: StagedCallRecord, key_suffix: str) -> StageResult:
         send = self._send  # set to None once closed; a stage already past this point fails as closing
@@ -303,6 +314,8 @@ class AsyncRedisStagingSink(AsyncResource):
             pending.finish(self._failed(pending.staging_key, error or "nothing was written"))
         else:
             self._counts["staged" if status == STAGE_WRITTEN else "already_present"] += 1
+            if status == STAGE_WRITTEN:
+                count_staged_bytes(self._settings.namespace, len(pending.blob))
             pending.finish(StageResult(ok=True, staging_key=pending.staging_key))
 
     # --- cleanup ----------------------------------------------------------------

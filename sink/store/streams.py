@@ -39,6 +39,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
 from ..keys import dead_letter_stream
+from ..pipeline_counters import count_dead_letter
 from .connection import Topology, map_redis_errors, reply_text
 from .scripts import REMOVED, RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT
 
@@ -308,6 +309,7 @@ class GroupConsumer:
             await self._topology.node_for_key(dead).xadd(dead, record)  # type: ignore[arg-type]
         logger.warning("dead-lettered %s %s to %s: %s", entry.stream, entry.entry_id, dead, reason)
         self.dead_lettered += 1
+        count_dead_letter(self._namespace, self._role, entry.shard)  # metrics (issue 15)
         await self.ack([entry])
 
     async def touch(self, entries: Sequence[StreamEntry]) -> list[StreamEntry]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import anyio
 
+from sink.pipeline_counters import pipeline_counters
+
 from .report import DemoTally
 from .worker_process import WorkerConfig, worker_process_main
 
@@ -60,6 +62,7 @@ class WorkerPool:
                 tally.errors.append(f"worker process {index} failed: {payload}{hint}")
             elif kind == "done":
                 tally.latencies_ms.extend(payload.pop("latencies_ms"))
+                pipeline_counters().merge(payload.pop("metrics", {"counters": [], "latency": {}}))  # for the exporter
                 tally.workers[index] = payload
             else:
                 tally.workers[index] = payload

@@ -28,6 +28,7 @@ import anyio
 from sink.assembler import finished
 from sink.ledger.gate import CaptureGate
 from sink.ledger.redis import RedisCaptureLedger
+from sink.pipeline_counters import pipeline_counters
 from sink.records import (
     CaptureAdmission,
     CommitCoords,
@@ -296,7 +297,9 @@ async def _run_worker(config: WorkerConfig, queue: Any) -> None:
     finally:
         with anyio.CancelScope(shield=True):
             await gate.aclose()
-    queue.put(("done", config.index, _snapshot(counters, with_latencies=True)))
+    queue.put(
+        ("done", config.index, {**_snapshot(counters, with_latencies=True), "metrics": pipeline_counters().snapshot()})
+    )
 
 
 def _describe(exc: BaseException) -> str:
