@@ -155,3 +155,20 @@ def test_target_lines() -> None:
         "  PASS p99: 4.00 ms (target <= 50 ms)",
         "  MISS ratio: 0.20x (target >= 0.4x)",
     ]
+
+
+def test_trainer_bench_leaves_other_namespaces_intact(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from sink.bench import trainer as trainer_bench
+
+    before = _seed(redis_url)
+    argv = ["--redis-url", redis_url, "--rollouts", "3", "--calls", "3", "--tokens", "512", "--repeats", "2"]
+    assert trainer_bench.main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 3 * 3 * 512
+    assert _keys_after(redis_url) == before
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(f"{DEFAULT_BENCH_NAMESPACE}:{{r}}:receipt", b"someone's")
+    finally:
+        client.close()
+    assert trainer_bench.main(argv) == 1
+    assert "already has keys in the benchmark namespace" in capsys.readouterr().err

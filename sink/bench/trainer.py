@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 
 from ..assembler import Assembler, finished
 from ..batch import collate
+from ..errors import StagingError
 from ..keys import claim_key, receipts_stream, record_key
 from ..ledger.redis import RedisCaptureLedger
 from ..packing import pack
@@ -48,7 +49,7 @@ from ..store.sink import AsyncRedisStagingSink
 from ..store.source import AsyncRedisStagingSource
 from ..store.streams import StreamEntry
 from ..verify import LinearizedRow, verify_decoded_and_linearize
-from . import on_server
+from . import DEFAULT_BENCH_NAMESPACE, bench_namespace, on_server
 from .stage import build_records
 
 __all__ = ("TrainerFigures", "format_report", "main", "run_trainer_benchmark")
@@ -84,11 +85,11 @@ def _digest_payload_bytes(record: StagedCallRecord) -> int:
     return 3 + texts + 9 + len(record.parent_call_id or "") + 32 + columns + 32 + 33 + 33
 
 
-async def _stage_and_assemble(url: str, records: list[StagedCallRecord], calls: int) -> None:
+async def _stage_and_assemble(url: str, ns: str, records: list[StagedCallRecord], calls: int) -> None:
     limiter = anyio.CapacityLimiter(64)
     async with (
-        AsyncRedisStagingSink.from_url(url) as sink,
-        RedisCaptureLedger.from_url(url) as ledger,
+        AsyncRedisStagingSink.from_url(url, namespace=ns) as sink,
+        RedisCaptureLedger.from_url(url, namespace=ns) as ledger,
         anyio.create_task_group() as group,
     ):
 
@@ -128,8 +129,11 @@ async def _stage_and_assemble(url: str, records: list[StagedCallRecord], calls: 
 
     async with aioredis.Redis.from_url(url) as client:
         for rollout_id in rollout_ids:
-            await finished(client, rollout_id, reward=1.0)
-    async with Assembler.from_url(url, before_ack=count, block_ms=100) as assembler, anyio.create_task_group() as tg:
+            await finished(client, rollout_id, reward=1.0, namespace=ns)
+    async with (
+        Assembler.from_url(url, before_ack=count, block_ms=100, namespace=ns) as assembler,
+        anyio.create_task_group() as tg,
+    ):
         tg.start_soon(assembler.run)
         with anyio.fail_after(120):
             await published.wait()
@@ -151,10 +155,10 @@ def _columns_as_lists(row: LinearizedRow) -> tuple[list[int], list[float], list[
     return ids, masks, logprobs
 
 
-async def _split_path(url: str, receipts: list[RolloutReceipt]) -> dict[str, float]:
+async def _split_path(url: str, ns: str, receipts: list[RolloutReceipt]) -> dict[str, float]:
     """Seconds for fetch+decode, verify+linearize, numpy columns and list columns over every receipt."""
     totals = dict.fromkeys(("fetch", "verify", "numpy", "lists"), 0.0)
-    async with AsyncRedisStagingSource.from_url(url) as source:
+    async with AsyncRedisStagingSource.from_url(url, namespace=ns) as source:
         for receipt in receipts:
             start = time.perf_counter()
             snapshots = await source.fetch_packed([row.staging_key for row in receipt.manifest])
@@ -172,12 +176,14 @@ async def _split_path(url: str, receipts: list[RolloutReceipt]) -> dict[str, flo
     return totals
 
 
-async def _floor(url: str, receipts: list[RolloutReceipt], records: dict[str, StagedCallRecord]) -> tuple[float, float]:
+async def _floor(
+    url: str, ns: str, receipts: list[RolloutReceipt], records: dict[str, StagedCallRecord]
+) -> tuple[float, float]:
     """Seconds for the raw MGETs and for sha256 over the contract's hashed bytes."""
     mget_s = sha_s = 0.0
     async with aioredis.Redis.from_url(url) as client:
         for receipt in receipts:
-            keys = [record_key("stg", row.staging_key) for row in receipt.manifest]
+            keys = [record_key(ns, row.staging_key) for row in receipt.manifest]
             chain = [records[row.staging_key] for row in receipt.manifest]
             payloads = [bytes(_digest_payload_bytes(r)) for r in chain] + [bytes(16 + 8 * r.delta_len) for r in chain]
             payloads.append(bytes(16 + 8 * chain[-1].cum_len))
@@ -194,7 +200,7 @@ async def _floor(url: str, receipts: list[RolloutReceipt], records: dict[str, St
 _PULL_BATCH = 8
 
 
-async def _trainer_loop(url: str, rollouts: int, *, keep_all: bool, last: bool, mode: str = "numpy") -> float:
+async def _trainer_loop(url: str, ns: str, rollouts: int, *, keep_all: bool, last: bool, mode: str = "numpy") -> float:
     """Seconds for a trainer loop over every rollout: pull a batch and turn it into numpy columns (*mode*
     ``numpy``), one collated batch (``collate``) or packed bins (``pack``), which live until the next batch
     replaces them (*keep_all*: every batch's stay alive to the end).
@@ -202,7 +208,7 @@ async def _trainer_loop(url: str, rollouts: int, *, keep_all: bool, last: bool, 
     The *last* loop acknowledges what it pulled; the others leave the rollouts pending and reset the
     trainers group and the claims, so the next loop is delivered the same receipts afresh.
     """
-    async with RolloutReader.from_url(url, consumer_name=f"bench-{time.monotonic_ns()}") as reader:
+    async with RolloutReader.from_url(url, namespace=ns, consumer_name=f"bench-{time.monotonic_ns()}") as reader:
         start = time.perf_counter()
         kept: list[object] = []
         pulled_ids: list[str] = []
@@ -228,15 +234,15 @@ async def _trainer_loop(url: str, rollouts: int, *, keep_all: bool, last: bool, 
     if not last:
         async with aioredis.Redis.from_url(url) as admin:
             for shard in range(DEFAULT_SHARDS):
-                await admin.xgroup_destroy(receipts_stream("stg", shard), TRAINER_GROUP)
-            await admin.delete(*(claim_key("stg", rollout_id) for rollout_id in pulled_ids))
+                await admin.xgroup_destroy(receipts_stream(ns, shard), TRAINER_GROUP)
+            await admin.delete(*(claim_key(ns, rollout_id) for rollout_id in pulled_ids))
     return seconds
 
 
-async def _published_receipts(url: str, rollouts: int) -> list[RolloutReceipt]:
+async def _published_receipts(url: str, ns: str, rollouts: int) -> list[RolloutReceipt]:
     """The stored receipts of the staged rollouts (read without consuming the receipts streams)."""
     async with aioredis.Redis.from_url(url) as client:
-        keys = [key async for key in client.scan_iter(match="stg:{*}:receipt", count=1000)]
+        keys = [key async for key in client.scan_iter(match=f"{ns}:{{*}}:receipt", count=1000)]
         texts = await client.mget(keys)
     receipts = [RolloutReceipt.model_validate_json(text) for text in texts if text is not None]
     if len(receipts) != rollouts:
@@ -245,33 +251,40 @@ async def _published_receipts(url: str, rollouts: int) -> list[RolloutReceipt]:
 
 
 async def run_trainer_benchmark(
-    url: str, *, rollouts: int = 64, calls: int = 32, tokens: int = 2048, repeats: int = 3, keep_all: bool = False
+    url: str,
+    *,
+    rollouts: int = 64,
+    calls: int = 32,
+    tokens: int = 2048,
+    repeats: int = 3,
+    keep_all: bool = False,
+    namespace: str = DEFAULT_BENCH_NAMESPACE,
 ) -> TrainerFigures:
-    """Stage, assemble and measure on *url* (flushed before and after).
+    """Stage, assemble and measure on *url*, in *namespace* only (its keys deleted at the end; refused when it
+    already has keys).
 
     With *keep_all*, the trainer loop keeps every batch's numpy columns alive until it ends (16 bytes per
     token of memory that must be fresh), instead of one batch at a time.
     """
-    async with aioredis.Redis.from_url(url) as admin:
-        await admin.flushall()
-    records = build_records(rollouts, calls, tokens, tag="trainer")
-    by_key = {record.staging_key: record for record in records}
-    await _stage_and_assemble(url, records, calls)
-    total_tokens = rollouts * calls * tokens
+    async with bench_namespace(url, namespace):
+        records = build_records(rollouts, calls, tokens, tag="trainer")
+        by_key = {record.staging_key: record for record in records}
+        await _stage_and_assemble(url, namespace, records, calls)
+        total_tokens = rollouts * calls * tokens
 
-    receipts = await _published_receipts(url, rollouts)
-    # Warm runs of the split path first, so the pull below is not the process's first decode.
-    split = [await _split_path(url, receipts) for _ in range(repeats)]
-    floors = [await _floor(url, receipts, by_key) for _ in range(repeats)]
-    loops: dict[str, list[float]] = {"numpy": [], "collate": [], "pack": []}
-    for run in range(repeats):
-        # Interleaved, so a slow phase of a shared machine hits every mode alike.
-        for mode, seconds in loops.items():
-            last = run == repeats - 1 and mode == "pack"
-            seconds.append(await _trainer_loop(url, rollouts, keep_all=keep_all, last=last, mode=mode))
-    pull_s = min(loops["numpy"])
-    async with aioredis.Redis.from_url(url) as admin:
-        await admin.flushall()
+        receipts = await _published_receipts(url, namespace, rollouts)
+        # Warm runs of the split path first, so the pull below is not the process's first decode.
+        split = [await _split_path(url, namespace, receipts) for _ in range(repeats)]
+        floors = [await _floor(url, namespace, receipts, by_key) for _ in range(repeats)]
+        loops: dict[str, list[float]] = {"numpy": [], "collate": [], "pack": []}
+        for run in range(repeats):
+            # Interleaved, so a slow phase of a shared machine hits every mode alike.
+            for mode, seconds in loops.items():
+                last = run == repeats - 1 and mode == "pack"
+                seconds.append(
+                    await _trainer_loop(url, namespace, rollouts, keep_all=keep_all, last=last, mode=mode)
+                )
+        pull_s = min(loops["numpy"])
 
     def ns(seconds: float) -> float:
         return seconds * 1e9 / total_tokens
@@ -334,7 +347,14 @@ def format_report(f: TrainerFigures) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: ``python -m sink.bench.trainer [--redis-url URL] [--json]``."""
     parser = argparse.ArgumentParser(prog="staging-sink bench trainer", description=__doc__.splitlines()[0])
-    parser.add_argument("--redis-url", help="a durable server to use (default: start a private one); it is flushed")
+    parser.add_argument(
+        "--redis-url",
+        help="use this durable server instead of a private one; only keys under --namespace are written and "
+        "deleted, and a namespace that already has keys is refused (default: start a private server)",
+    )
+    parser.add_argument(
+        "--namespace", default=DEFAULT_BENCH_NAMESPACE, help=f"key namespace (default: {DEFAULT_BENCH_NAMESPACE})"
+    )
     parser.add_argument("--rollouts", type=int, default=64)
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per call")
@@ -354,10 +374,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tokens=args.tokens,
                 repeats=args.repeats,
                 keep_all=args.keep_all,
+                namespace=args.namespace,
             )
         )
 
-    figures = on_server(args.redis_url, lambda url, _server: run(url))
+    try:
+        figures = on_server(args.redis_url, lambda url, _server: run(url))
+    except StagingError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
     sys.stdout.write((json.dumps(asdict(figures), indent=2) if args.json else format_report(figures)) + "\n")
     return 0
 

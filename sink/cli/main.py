@@ -212,8 +212,11 @@ def _add_service_commands(
     assembler = commands.add_parser("assembler", parents=[redis], help="run the receipt assembler until SIGINT/SIGTERM")
     _add_shards(assembler)
     assembler.add_argument("--consumer-name", help="stable consumer name (default: host-pid-random)")
+    _add_metrics_port(assembler)
     assembler.set_defaults(
-        handler=lambda a: services.assembler_command(_target(a), shards=a.shards, consumer_name=a.consumer_name)
+        handler=lambda a: services.assembler_command(
+            _target(a), shards=a.shards, consumer_name=a.consumer_name, metrics=(a.metrics_port, a.metrics_host)
+        )
     )
 
     trainer = commands.add_parser(
@@ -224,6 +227,7 @@ def _add_service_commands(
     trainer.add_argument("--max-rollouts", type=positive_int, help="stop after this many (exit 1 if fewer arrive)")
     trainer.add_argument("--timeout-s", type=positive_seconds, help="stop after this many seconds")
     trainer.add_argument("--batch", type=positive_int, default=16, help="rollouts per pull")
+    _add_metrics_port(trainer)
     trainer.set_defaults(
         handler=lambda a: _run(
             services.trainer_command,
@@ -233,6 +237,7 @@ def _add_service_commands(
             max_rollouts=a.max_rollouts,
             timeout_s=a.timeout_s,
             batch=a.batch,
+            metrics=(a.metrics_port, a.metrics_host),
         )
     )
 
@@ -242,6 +247,19 @@ def _add_service_commands(
     metrics.add_argument("--interval-s", type=positive_seconds, default=5.0, help="Redis gauge refresh period")
     metrics.set_defaults(
         handler=lambda a: _run(services.metrics_command, _target(a), port=a.port, host=a.host, interval_s=a.interval_s)
+    )
+
+
+def _add_metrics_port(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=non_negative_int,
+        help="serve this process's Prometheus counters on this port (default: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address for --metrics-port (0.0.0.0 in a container) (default: %(default)s)",
     )
 
 

@@ -27,7 +27,7 @@ from ..acl import (
 )
 from ..assembler import run_assembler
 from ..errors import MetricsExtraMissingError
-from ..metrics import Metrics, serve_metrics
+from ..metrics import Metrics, serve_metrics, serve_process_metrics
 from ..reader import PulledRollout, RolloutReader
 from ..server import serve_forever
 from ..settings import AssemblerSettings, ReaderSettings
@@ -66,7 +66,9 @@ def server_command(*, port: int | None, data_dir: Path | None, binary: str | Non
     return serve_forever(binary=binary, data_dir=data_dir, port=port)
 
 
-def assembler_command(target: RedisTarget, *, shards: int, consumer_name: str | None) -> int:
+def assembler_command(
+    target: RedisTarget, *, shards: int, consumer_name: str | None, metrics: tuple[int | None, str] = (None, "")
+) -> int:
     """``staging-sink assembler``: turn ``done`` events into receipts until SIGINT/SIGTERM."""
     settings = AssemblerSettings(
         namespace=target.namespace,
@@ -79,7 +81,10 @@ def assembler_command(target: RedisTarget, *, shards: int, consumer_name: str | 
     stderr_console().print(
         f"assembler on {target.display_url} (namespace {target.namespace}, {shards} shard(s)); Ctrl-C stops it"
     )
-    anyio.run(run_assembler, target.url, settings)
+    with serve_process_metrics(metrics[0], host=metrics[1], namespace=target.namespace) as exporter:
+        if exporter is not None:
+            stderr_console().print(f"assembler metrics at {exporter.url}")
+        anyio.run(run_assembler, target.url, settings)
     return EXIT_OK
 
 
@@ -101,6 +106,7 @@ async def trainer_command(
     max_rollouts: int | None,
     timeout_s: float | None,
     batch: int,
+    metrics: tuple[int | None, str] = (None, ""),
 ) -> int:
     """``staging-sink trainer``: pull, verify and acknowledge rollouts, one line each, until SIGINT/SIGTERM,
     *max_rollouts* or *timeout_s*, then delete its consumer name from the group (where it owns nothing
@@ -114,21 +120,25 @@ async def trainer_command(
     )
     console = stdout_console()
     seen = verified = 0
+    exporter = serve_process_metrics(metrics[0], host=metrics[1], namespace=target.namespace)
     async with RolloutReader.from_url(target.url, settings) as reader:
-        async with anyio.create_task_group() as group:
-            await group.start(cancel_on_signal, group.cancel_scope)
-            stderr_console().print(f"trainer {reader.consumer_name} on {target.display_url}; Ctrl-C stops it")
-            with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
-                while max_rollouts is None or seen < max_rollouts:
-                    wanted = batch if max_rollouts is None else min(batch, max_rollouts - seen)
-                    pulled = await reader.pull(wanted, block_ms=_PULL_BLOCK_MS)
-                    for rollout in pulled:
-                        console.print(_rollout_line(rollout))
-                    if pulled:
-                        await reader.ack([rollout.rollout_id for rollout in pulled])
-                    seen += len(pulled)
-                    verified += sum(1 for rollout in pulled if rollout.trainable)
-            group.cancel_scope.cancel()
+        with exporter as server:
+            if server is not None:
+                stderr_console().print(f"trainer metrics at {server.url}")
+            async with anyio.create_task_group() as group:
+                await group.start(cancel_on_signal, group.cancel_scope)
+                stderr_console().print(f"trainer {reader.consumer_name} on {target.display_url}; Ctrl-C stops it")
+                with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
+                    while max_rollouts is None or seen < max_rollouts:
+                        wanted = batch if max_rollouts is None else min(batch, max_rollouts - seen)
+                        pulled = await reader.pull(wanted, block_ms=_PULL_BLOCK_MS)
+                        for rollout in pulled:
+                            console.print(_rollout_line(rollout))
+                        if pulled:
+                            await reader.ack([rollout.rollout_id for rollout in pulled])
+                        seen += len(pulled)
+                        verified += sum(1 for rollout in pulled if rollout.trainable)
+                group.cancel_scope.cancel()
         # Leave the group tidy: a consumer name per run would otherwise pile up in `stats`.
         shards_retired = await reader.retire_consumer()
         logger.info("trainer %s: consumer retired on %d shard(s)", reader.consumer_name, shards_retired)
