@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 from .canonical import canonical_json as _canonical_json
-from .errors import StagingError
+from .errors import FingerprintInputError
 
 __all__ = (
     "ASSISTANT_FINGERPRINT_DOMAIN",
@@ -68,13 +68,6 @@ _CD_ROLE_TAG = 0x00
 _CD_PART_TAGS = (0x01, 0x02)
 _CD_CALL_TAGS = (0x03, 0x04, 0x05)
 _CD_RESULT_TAGS = (0x06, 0x07)
-
-
-class FingerprintInputError(StagingError, ValueError):
-    """Raised when a conversation item or content block has a shape the
-    fingerprint contract does not define (a non-dict item, a content block
-    without a type, a non-string id, an unserializable value). It is a
-    ``ValueError``, as the contract requires."""
 
 
 def _fingerprint_json(value: Any) -> str:

@@ -14,6 +14,7 @@ __all__ = (
     "GenerationCutError",
     "PrefixResolutionError",
     "StreamingUnsupportedError",
+    "WorkersFailedError",
 )
 
 
@@ -40,3 +41,8 @@ class PrefixResolutionError(StagingError):
     mismatch, or a chain or cumulative hash that does not link. ``begin_call``
     catches it: the call is then served uncaptured and acknowledged with
     failed coordinates."""
+
+
+class WorkersFailedError(StagingError):
+    """Raised by the demo's worker pool when a worker process exits with a non-zero status (the reason is in
+    the tally's errors)."""

@@ -21,7 +21,7 @@ import redis.exceptions as redis_errors
 from anyio.abc import TaskStatus
 from rich.console import Console
 
-from ..errors import StagingError
+from ..errors import CommandError
 from ..keys import DEFAULT_NAMESPACE
 from ..settings import ConnectionSettings
 from ..store.connection import Topology, map_redis_errors
@@ -63,14 +63,6 @@ EXIT_UNREACHABLE = 3
 URL_SCHEMES = ("redis", "rediss", "unix")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9._-]+")  # the rule of ConnectionSettings.namespace
 _CLI_CONNECT_TIMEOUT_S = 3.0
-
-
-class CommandError(StagingError):
-    """Raised by a command to end with a one-line message (no traceback) and ``exit_code``."""
-
-    def __init__(self, message: str, *, exit_code: int = EXIT_FAILURE) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def int_at_least(text: str, minimum: int, expected: str) -> int:

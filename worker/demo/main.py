@@ -48,8 +48,9 @@ from sink.settings import DEFAULT_SHARDS, AssemblerSettings, ReaderSettings
 from sink.store.connection import Topology, map_redis_errors
 from sink.store.durability import verify_durability
 
+from ..errors import WorkersFailedError
 from .report import DemoTally, live_progress, render_summary, show_progress
-from .worker_pool import WorkerPool, WorkersFailedError
+from .worker_pool import WorkerPool
 from .worker_process import RolloutPlan, WorkerConfig
 
 __all__ = ("DemoOptions", "add_demo_parser", "make_plans", "run_demo", "run_demo_command")

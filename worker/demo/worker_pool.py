@@ -12,10 +12,11 @@ import anyio
 
 from sink.pipeline_counters import pipeline_counters
 
+from ..errors import WorkersFailedError
 from .report import DemoTally
 from .worker_process import WorkerConfig, worker_process_main
 
-__all__ = ("WorkerPool", "WorkersFailedError")
+__all__ = ("WorkerPool",)
 
 _POLL_INTERVAL_S = 0.05
 _JOIN_TIMEOUT_S = 5.0
@@ -23,10 +24,6 @@ _NOPERM_HINT = (
     " (with ACL users, --redis-url needs the worker user and --gate-redis-url the gate user, "
     "which writes the ledger and the done events)"
 )
-
-
-class WorkersFailedError(Exception):
-    """Raised when a worker process exits with a non-zero status (the reason is in the tally's errors)."""
 
 
 class WorkerPool:
