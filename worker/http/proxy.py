@@ -1,0 +1,135 @@
+"""The capture proxy application: :class:`~worker.http.middleware.CaptureMiddleware` over a forwarding app.
+
+:func:`build_proxy` returns an ASGI app whose lifespan opens the Redis resources (staging sink, source for
+``staging_chain`` prefixes, capture ledger, a client for ``finished``) and closes them with the upstream pool.
+``capture=False`` gives the bare forwarding proxy (same server stack, no capture) the benchmark compares against.
+All state lives in Redis, so any number of proxy processes may serve one rollout's calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+
+from sink.done_event import finished
+from sink.keys import DEFAULT_NAMESPACE
+from sink.ledger.gate import CaptureGate
+from sink.ledger.redis import RedisCaptureLedger
+from sink.settings import LedgerSettings, SinkSettings, SourceSettings
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
+
+from ..capture import RolloutTokenCapture
+from .asgi import Receive, Scope, Send
+from .forward import ForwardingApp
+from .metrics import ProxyMetrics
+from .middleware import CaptureMiddleware, CapturePolicy
+from .routes import UpstreamKind
+
+__all__ = ("ProxyApp", "ProxyConfig", "build_proxy")
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything a proxy process needs (the CLI builds it from flags)."""
+
+    upstream_url: str
+    redis_url: str = ""
+    namespace: str = DEFAULT_NAMESPACE
+    upstream_kind: UpstreamKind = "vllm"
+    capture: bool = True
+    fail_closed: bool = False
+    upstream_timeout_s: float = 600.0
+    max_response_bytes: int = 64 * 1024 * 1024
+    weight_version: int = 0
+    durability: Literal["fsync", "none"] = "fsync"
+    redis_timeout_s: float = 5.0
+
+
+class ProxyApp:
+    """ASGI app: the forwarding app, wrapped in capture when configured; lifespan owns the resources."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.forward = ForwardingApp(config.upstream_url, timeout_s=config.upstream_timeout_s)
+        self.metrics = ProxyMetrics()
+        self.middleware: CaptureMiddleware | None = None
+        self._stack = contextlib.AsyncExitStack()
+
+    async def open(self) -> None:
+        """Open the Redis resources and build the middleware (idempotent)."""
+        config = self.config
+        if not config.capture or self.middleware is not None:
+            return
+        timeouts: dict[str, Any] = {
+            "namespace": config.namespace,
+            "connect_timeout_s": config.redis_timeout_s,
+            "command_timeout_s": config.redis_timeout_s,
+        }
+        stack = self._stack
+        sink = await stack.enter_async_context(
+            AsyncRedisStagingSink.from_url(config.redis_url, SinkSettings(durability=config.durability, **timeouts))
+        )
+        source = await stack.enter_async_context(
+            AsyncRedisStagingSource.from_url(config.redis_url, SourceSettings(**timeouts))
+        )
+        ledger = await stack.enter_async_context(RedisCaptureLedger.from_url(config.redis_url, LedgerSettings(**timeouts)))
+        client = aioredis.Redis.from_url(config.redis_url, socket_timeout=config.redis_timeout_s)
+        stack.push_async_callback(client.aclose)
+        weight_version = config.weight_version
+
+        async def announce(rollout_id: str, reward: float | None, response: Any, declared: str | None) -> str:
+            return await finished(
+                client,
+                rollout_id,
+                reward=reward,
+                response=response,
+                declared_response_id=declared,
+                namespace=config.namespace,
+            )
+
+        capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: weight_version, source=source)
+        policy = CapturePolicy(
+            upstream_kind=config.upstream_kind,
+            fail_closed=config.fail_closed,
+            max_response_bytes=config.max_response_bytes,
+        )
+        self.middleware = CaptureMiddleware(
+            self.forward, capture=capture, gate=CaptureGate(ledger), policy=policy, announce=announce, metrics=self.metrics
+        )
+
+    async def aclose(self) -> None:
+        """Close the Redis resources and the upstream pool."""
+        self.middleware = None
+        await self._stack.aclose()
+        await self.forward.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI event."""
+        if scope["type"] == "lifespan":
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.open()
+                except Exception as exc:  # noqa: BLE001 -- reported to the server, which exits
+                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+                message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+            return
+        app = self.middleware if self.middleware is not None else self.forward
+        await app(scope, receive, send)
+
+
+def build_proxy(config: ProxyConfig) -> ProxyApp:
+    """The proxy app for *config* (open it with its ASGI lifespan, or :meth:`ProxyApp.open`)."""
+    return ProxyApp(config)
