@@ -51,7 +51,10 @@ def run_agent(bases: list[str], rollout_id: str, turns: int) -> tuple[list[dict[
     for turn in range(turns):
         client = client_for(bases[turn % len(bases)], rollout_id)
         completion = client.chat.completions.create(
-            model="simulated", messages=messages, max_tokens=12, extra_body={"min_tokens": 4}  # type: ignore[arg-type]
+            model="simulated",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=12,
+            extra_body={"min_tokens": 4},
         )
         choice = completion.choices[0]
         assert choice.logprobs is None and completion.model_extra is not None
@@ -95,7 +98,9 @@ def expected_ids(app: EngineApp, conversation: list[dict[str, Any]]) -> list[int
     return app.render(prompt_items) + app.engine.tokenizer.encode(last["content"]) + [IM_END]
 
 
-def test_rollout_through_proxy_is_pulled_and_verified(redis_url: str, engine: tuple[EngineApp, str], proxy: str) -> None:
+def test_rollout_through_proxy_is_pulled_and_verified(
+    redis_url: str, engine: tuple[EngineApp, str], proxy: str
+) -> None:
     app, _ = engine
     conversation, last_id = run_agent([proxy], "proxy-r1", turns=3)
     finish(proxy, "proxy-r1", 1.0, last_id)
@@ -110,9 +115,10 @@ def test_rollout_through_proxy_is_pulled_and_verified(redis_url: str, engine: tu
 
 def test_two_proxies_serve_one_rollout_alternately(redis_url: str, engine: tuple[EngineApp, str]) -> None:
     app, upstream = engine
-    with running_server(build_proxy(_proxy(redis_url, upstream))) as one, running_server(
-        build_proxy(_proxy(redis_url, upstream))
-    ) as two:
+    with (
+        running_server(build_proxy(_proxy(redis_url, upstream))) as one,
+        running_server(build_proxy(_proxy(redis_url, upstream))) as two,
+    ):
         conversation, last_id = run_agent([one, two], "proxy-two", turns=4)
         finish(two, "proxy-two", 0.5, last_id)
     shown = manifest(redis_url, "proxy-two")

@@ -111,7 +111,9 @@ class EngineApp:
         return [*prefix, *rendered[len(prefix) :]]
 
     async def _generate(self, request: dict[str, Any], prompt: list[int]) -> Generation:
-        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens") or self.options.default_max_tokens
+        max_tokens = (
+            request.get("max_completion_tokens") or request.get("max_tokens") or self.options.default_max_tokens
+        )
         min_tokens = request.get("min_tokens") or 0
         if type(max_tokens) is not int or type(min_tokens) is not int or max_tokens < 1 or min_tokens > max_tokens:
             raise _BadRequest(f"need 1 <= max_tokens and min_tokens <= max_tokens, got {min_tokens}..{max_tokens}")
@@ -264,7 +266,7 @@ class EngineApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one ASGI request (lifespan events are acknowledged)."""
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return

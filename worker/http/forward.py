@@ -13,7 +13,7 @@ import httpx
 
 from .asgi import Receive, Scope, Send, error_body, read_body, send_body
 
-__all__ = ("ForwardingApp", "UPSTREAM_TIMEOUT_HEADER")
+__all__ = ("UPSTREAM_TIMEOUT_HEADER", "ForwardingApp")
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class ForwardingApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Relay one request (lifespan events close the pool on shutdown)."""
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await self.aclose()
             await send({"type": "lifespan.shutdown.complete"})
@@ -86,7 +86,9 @@ class ForwardingApp:
             return
         try:
             out_headers = [
-                (k.lower(), v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP or k == b"content-length"
+                (k.lower(), v)
+                for k, v in response.headers.raw
+                if k.lower() not in _HOP_BY_HOP or k == b"content-length"
             ]
             await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
             try:

@@ -49,7 +49,10 @@ class ProxyMetrics:
                 "staging_proxy_upstream_seconds", "Upstream latency", buckets=_BUCKETS_S, registry=registry
             ),
             "stage": prometheus.Histogram(
-                "staging_proxy_stage_seconds", "Capture (stage and commit) latency", buckets=_BUCKETS_S, registry=registry
+                "staging_proxy_stage_seconds",
+                "Capture (stage and commit) latency",
+                buckets=_BUCKETS_S,
+                registry=registry,
             ),
             "bytes": prometheus.Counter(
                 "staging_proxy_response_bytes", "Response bytes served to clients", registry=registry

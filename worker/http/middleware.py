@@ -29,11 +29,33 @@ from sink.records import CaptureAdmission, CommitCoords
 
 from ..call import ActiveCall
 from ..capture import RolloutTokenCapture
-from .asgi import ASGIApp, BodyTooLargeError, Message, Receive, Scope, Send, error_body, header, read_body
-from .asgi import replay_receive, send_body, send_json
+from .asgi import (
+    ASGIApp,
+    BodyTooLargeError,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    header,
+    read_body,
+    replay_receive,
+    send_body,
+    send_json,
+)
 from .metrics import ProxyMetrics
-from .routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, UpstreamKind, adapter_for, parse_target
-from .routes import request_items, response_items, strip_token_fields, upstream_request
+from .routes import (
+    CAPTURE_ROUTES,
+    ROLLOUT_HEADER,
+    RouteKind,
+    UpstreamKind,
+    adapter_for,
+    parse_target,
+    request_items,
+    response_items,
+    strip_token_fields,
+    upstream_request,
+)
 from .sse import sse_events
 
 __all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware", "CapturePolicy")
@@ -100,7 +122,9 @@ class CaptureMiddleware:
         if target.finished and target.rollout_id is not None and scope["method"] == "POST":
             await self._finished(target.rollout_id, receive, send)
             return
-        inner = scope if target.path == scope["path"] else {**scope, "path": target.path, "raw_path": target.path.encode()}
+        inner = (
+            scope if target.path == scope["path"] else {**scope, "path": target.path, "raw_path": target.path.encode()}
+        )
         route = CAPTURE_ROUTES.get(target.path) if scope["method"] == "POST" else None
         if route is None:
             await self.app(inner, receive, send)
@@ -121,7 +145,9 @@ class CaptureMiddleware:
             body = orjson.loads(await read_body(receive, 1 << 20))
             if not isinstance(body, dict) or set(body) - {"reward", "response", "declared_response_id"}:
                 raise ValueError('body must be {"reward": number|null[, "response": ..., "declared_response_id": str]}')
-            event = await self.announce(rollout_id, body.get("reward"), body.get("response"), body.get("declared_response_id"))
+            event = await self.announce(
+                rollout_id, body.get("reward"), body.get("response"), body.get("declared_response_id")
+            )
         except (ValueError, TypeError, BodyTooLargeError) as exc:
             await send_body(send, 422, error_body(422, str(exc), "InvalidFinished"))
             return
@@ -140,7 +166,9 @@ class CaptureMiddleware:
 
     async def refuse(self, send: Send, reason: str) -> None:
         """Answer 503 for a call that could not be captured (``fail_closed``)."""
-        await send_body(send, 503, error_body(503, f"capture failed ({reason}); --fail-closed refuses", "CaptureFailed"))
+        await send_body(
+            send, 503, error_body(503, f"capture failed ({reason}); --fail-closed refuses", "CaptureFailed")
+        )
 
     async def _captured(self, route: RouteKind, rollout_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -151,11 +179,11 @@ class CaptureMiddleware:
         try:
             request = orjson.loads(body)
             if not isinstance(request, dict):
-                raise ValueError("not a JSON object")
+                raise TypeError("not a JSON object")
             items = request_items(route, request)
             if request.get("n", 1) != 1:
                 raise ValueError("capture needs n == 1")
-        except ValueError as exc:  # the upstream answers the malformed request itself
+        except (TypeError, ValueError) as exc:  # the upstream answers the malformed request itself
             logger.warning("rollout %s: request not captured (%s); forwarded as is", rollout_id, exc)
             await self._uncaptured(scope, body, receive, send)
             return
@@ -171,7 +199,9 @@ class CaptureMiddleware:
                 await self.app(scope, replay_receive(body, receive), send)
             return
         if admission is None:
-            logger.warning("rollout %s: no admission (retired rollout or unresolved parent); served uncaptured", rollout_id)
+            logger.warning(
+                "rollout %s: no admission (retired rollout or unresolved parent); served uncaptured", rollout_id
+            )
             if self.policy.fail_closed:
                 self.metrics.count("capture_failed")
                 await self.refuse(send, "no admission")
@@ -184,7 +214,8 @@ class CaptureMiddleware:
 async def _client_gone(receive: Receive) -> bool:
     """Whether the client already disconnected (a non-blocking look at ``receive``)."""
     with anyio.move_on_after(0):
-        return (await receive())["type"] == "http.disconnect"
+        message = await receive()
+        return bool(message["type"] == "http.disconnect")
     return False
 
 
@@ -207,7 +238,9 @@ class _CapturedCall:
         self.settled = False
         self.captured = False
 
-    async def _settle(self, active: ActiveCall | None, coords: CommitCoords | None, payload: dict[str, Any] | None) -> None:
+    async def _settle(
+        self, active: ActiveCall | None, coords: CommitCoords | None, payload: dict[str, Any] | None
+    ) -> None:
         """Commit *coords* (or a failure) to the ledger; shielded, so a cancelled request never half-writes."""
         with anyio.CancelScope(shield=True):
             try:
@@ -309,8 +342,8 @@ class _CapturedCall:
         try:
             payload = orjson.loads(upstream.body)
             if not isinstance(payload, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
+                raise TypeError("not a JSON object")
+        except (TypeError, ValueError) as exc:
             logger.warning("%s: upstream response is not a JSON object (%s); capture failed", self.ids, exc)
             return await capture.afail_call(active, reason="upstream response is not JSON"), None
         if upstream.oversized:
@@ -331,7 +364,11 @@ class _CapturedCall:
             return await capture.afail_call(active, reason=f"malformed engine payload: {exc}"), payload
         with anyio.CancelScope(shield=True):  # the stage completes or the call is recorded failed, never half
             coords = await capture.acomplete_call(
-                active, prompt_token_ids=prompt, generated_token_ids=generated, generated_logprobs=logprobs, extras=extras
+                active,
+                prompt_token_ids=prompt,
+                generated_token_ids=generated,
+                generated_logprobs=logprobs,
+                extras=extras,
             )
         if coords.disposition != "staged":
             logger.warning("%s: not staged (prefix drift, store refusal or invalid ids: see above)", self.ids)

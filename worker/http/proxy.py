@@ -79,7 +79,9 @@ class ProxyApp:
         source = await stack.enter_async_context(
             AsyncRedisStagingSource.from_url(config.redis_url, SourceSettings(**timeouts))
         )
-        ledger = await stack.enter_async_context(RedisCaptureLedger.from_url(config.redis_url, LedgerSettings(**timeouts)))
+        ledger = await stack.enter_async_context(
+            RedisCaptureLedger.from_url(config.redis_url, LedgerSettings(**timeouts))
+        )
         client = aioredis.Redis.from_url(config.redis_url, socket_timeout=config.redis_timeout_s)
         stack.push_async_callback(client.aclose)
         weight_version = config.weight_version
@@ -101,7 +103,12 @@ class ProxyApp:
             max_response_bytes=config.max_response_bytes,
         )
         self.middleware = CaptureMiddleware(
-            self.forward, capture=capture, gate=CaptureGate(ledger), policy=policy, announce=announce, metrics=self.metrics
+            self.forward,
+            capture=capture,
+            gate=CaptureGate(ledger),
+            policy=policy,
+            announce=announce,
+            metrics=self.metrics,
         )
 
     async def aclose(self) -> None:

@@ -28,7 +28,14 @@ def running_server(
     :raises ServerStartError: the server did not come up within *start_timeout_s*.
     """
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", lifespan="on", access_log=False, timeout_graceful_shutdown=2, **options
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        **options,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)

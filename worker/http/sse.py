@@ -30,8 +30,18 @@ def _chat(payload: dict[str, Any], include_usage: bool) -> list[bytes]:
         delta = {"role": "assistant", "content": message.get("content") or ""}
         if message.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        first = {"index": choice.get("index", 0), "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
-        last = {"index": choice.get("index", 0), "delta": {}, "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        first = {
+            "index": choice.get("index", 0),
+            "delta": delta,
+            "logprobs": choice.get("logprobs"),
+            "finish_reason": None,
+        }
+        last = {
+            "index": choice.get("index", 0),
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": choice.get("finish_reason"),
+        }
         events += [_event({**base, "choices": [first]}), _event({**base, "choices": [last]})]
     if include_usage:
         events.append(_event({**base, "choices": [], "usage": payload.get("usage")}))
