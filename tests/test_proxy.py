@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-import anyio
-import openai
 import pytest
 import redis
 
 from sink.keys import DEFAULT_NAMESPACE
-from sink.ledger.redis import RedisCaptureLedger
-from sink.pulled import PulledRollout
-from sink.reader import RolloutReader
-from sink.records import RolloutManifest
-from tests.helpers.e2e import pull_until, running_assembler
-from worker.engine import IM_END
-from worker.http import EngineApp, EngineOptions, ProxyConfig, build_proxy, running_server
-
-SYSTEM = {"role": "system", "content": "You are a careful agent."}
+from tests.helpers.proxy import client_for, expected_ids, finish, manifest, proxy_config, pull, run_agent
+from worker.http import EngineApp, EngineOptions, build_proxy, running_server
 
 
 @pytest.fixture
@@ -29,73 +19,10 @@ def engine() -> Iterator[tuple[EngineApp, str]]:
         yield app, url
 
 
-def _proxy(redis_url: str, upstream: str, **fields: Any) -> ProxyConfig:
-    return ProxyConfig(upstream_url=upstream, redis_url=redis_url, redis_timeout_s=2.0, **fields)
-
-
 @pytest.fixture
 def proxy(redis_url: str, engine: tuple[EngineApp, str]) -> Iterator[str]:
-    with running_server(build_proxy(_proxy(redis_url, engine[1]))) as url:
+    with running_server(build_proxy(proxy_config(redis_url, engine[1]))) as url:
         yield url
-
-
-def client_for(base: str, rollout_id: str | None = None) -> openai.OpenAI:
-    path = f"/r/{rollout_id}/v1" if rollout_id else "/v1"
-    return openai.OpenAI(base_url=base + path, api_key="unused", max_retries=0, timeout=20)
-
-
-def run_agent(bases: list[str], rollout_id: str, turns: int) -> tuple[list[dict[str, Any]], str]:
-    """A multi-turn agent whose calls alternate over *bases*; returns the final conversation and last response id."""
-    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": f"task {rollout_id}"}]
-    last_id = ""
-    for turn in range(turns):
-        client = client_for(bases[turn % len(bases)], rollout_id)
-        completion = client.chat.completions.create(
-            model="simulated",
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=12,
-            extra_body={"min_tokens": 4},
-        )
-        choice = completion.choices[0]
-        assert choice.logprobs is None and completion.model_extra is not None
-        assert "prompt_token_ids" not in completion.model_extra
-        assert "token_ids" not in (choice.model_extra or {})
-        messages.append({"role": "assistant", "content": choice.message.content})
-        messages.append({"role": "tool", "content": f"result {turn}", "tool_call_id": f"t{turn}"})
-        last_id = completion.id
-    return messages[:-1], last_id
-
-
-def finish(base: str, rollout_id: str, reward: float, response_id: str) -> None:
-    import httpx
-
-    answer = httpx.post(f"{base}/r/{rollout_id}/finished", json={"reward": reward, "declared_response_id": response_id})
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["rollout_id"] == rollout_id
-
-
-def pull(redis_url: str, count: int) -> list[PulledRollout]:
-    async def main() -> list[PulledRollout]:
-        async with running_assembler(redis_url, block_ms=50), RolloutReader.from_url(redis_url) as reader:
-            pulled = await pull_until(reader, count)
-            await reader.ack([item.rollout_id for item in pulled])
-            return pulled
-
-    return anyio.run(main)
-
-
-def manifest(redis_url: str, rollout_id: str) -> RolloutManifest:
-    async def main() -> RolloutManifest:
-        async with RedisCaptureLedger.from_url(redis_url) as ledger:
-            return await ledger.manifest(rollout_id)
-
-    return anyio.run(main)
-
-
-def expected_ids(app: EngineApp, conversation: list[dict[str, Any]]) -> list[int]:
-    """The exact sequence of the last call: its prompt rendered by the engine, then its generation."""
-    *prompt_items, last = conversation
-    return app.render(prompt_items) + app.engine.tokenizer.encode(last["content"]) + [IM_END]
 
 
 def test_rollout_through_proxy_is_pulled_and_verified(
@@ -116,8 +43,8 @@ def test_rollout_through_proxy_is_pulled_and_verified(
 def test_two_proxies_serve_one_rollout_alternately(redis_url: str, engine: tuple[EngineApp, str]) -> None:
     app, upstream = engine
     with (
-        running_server(build_proxy(_proxy(redis_url, upstream))) as one,
-        running_server(build_proxy(_proxy(redis_url, upstream))) as two,
+        running_server(build_proxy(proxy_config(redis_url, upstream))) as one,
+        running_server(build_proxy(proxy_config(redis_url, upstream))) as two,
     ):
         conversation, last_id = run_agent([one, two], "proxy-two", turns=4)
         finish(two, "proxy-two", 0.5, last_id)

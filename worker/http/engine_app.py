@@ -111,9 +111,8 @@ class EngineApp:
         return [*prefix, *rendered[len(prefix) :]]
 
     async def _generate(self, request: dict[str, Any], prompt: list[int]) -> Generation:
-        max_tokens = (
-            request.get("max_completion_tokens") or request.get("max_tokens") or self.options.default_max_tokens
-        )
+        keys = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+        max_tokens = next((request[k] for k in keys if request.get(k) is not None), self.options.default_max_tokens)
         min_tokens = request.get("min_tokens") or 0
         if type(max_tokens) is not int or type(min_tokens) is not int or max_tokens < 1 or min_tokens > max_tokens:
             raise _BadRequest(f"need 1 <= max_tokens and min_tokens <= max_tokens, got {min_tokens}..{max_tokens}")
