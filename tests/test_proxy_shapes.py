@@ -106,9 +106,10 @@ def test_nemo_rl_prefix_defeats_drift(redis_url: str, stack: tuple[EngineApp, Pr
 
 def test_streaming_is_emitted_after_the_stage(redis_url: str, stack: tuple[EngineApp, ProxyApp, str]) -> None:
     _, _, url = stack
+    messages: Any = [SYSTEM, {"role": "user", "content": "stream it"}]
     stream = client_for(url, "stream-1").chat.completions.create(
         model="simulated",
-        messages=[SYSTEM, {"role": "user", "content": "stream it"}],
+        messages=messages,
         max_tokens=8,
         stream=True,
         stream_options={"include_usage": True},

@@ -31,7 +31,7 @@ SYSTEM = {"role": "system", "content": "You are a careful agent."}
 
 
 def proxy_config(redis_url: str, upstream: str, **fields: Any) -> ProxyConfig:
-    return ProxyConfig(upstream_url=upstream, redis_url=redis_url, redis_timeout_s=2.0, **fields)
+    return ProxyConfig(upstream_url=upstream, redis_url=redis_url, **{"redis_timeout_s": 2.0, **fields})
 
 
 def client_for(base: str, rollout_id: str | None = None) -> openai.OpenAI:
