@@ -24,7 +24,7 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 
 from ..capture import RolloutTokenCapture
-from .asgi import Receive, Scope, Send
+from .asgi import ASGIApp, Receive, Scope, Send
 from .forward import ForwardingApp
 from .metrics import ProxyMetrics
 from .middleware import CaptureMiddleware, CapturePolicy
@@ -62,8 +62,8 @@ class ProxyApp:
         self.middleware: CaptureMiddleware | None = None
         self._stack = contextlib.AsyncExitStack()
 
-    async def open(self) -> None:
-        """Open the Redis resources and build the middleware (idempotent)."""
+    async def open(self, inner: ASGIApp | None = None) -> None:
+        """Open the Redis resources and build the middleware around *inner* (default: the forwarder); idempotent."""
         config = self.config
         if not config.capture or self.middleware is not None:
             return
@@ -103,7 +103,7 @@ class ProxyApp:
             max_response_bytes=config.max_response_bytes,
         )
         self.middleware = CaptureMiddleware(
-            self.forward,
+            inner or self.forward,
             capture=capture,
             gate=CaptureGate(ledger),
             policy=policy,
