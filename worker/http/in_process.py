@@ -18,7 +18,7 @@ import anyio
 
 from sink.keys import DEFAULT_NAMESPACE
 
-from .asgi import ASGIApp, Receive, Scope, Send
+from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .proxy import ProxyApp, ProxyConfig
 from .routes import UpstreamKind
 
@@ -55,7 +55,16 @@ class EnvCaptureMiddleware:
         self._lock = anyio.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Capture ``http`` calls around the wrapped app; other scopes pass straight through."""
+        """Capture ``http`` calls around the wrapped app; the Redis resources close at lifespan shutdown."""
+        if scope["type"] == "lifespan":
+
+            async def closing_send(message: Message) -> None:
+                if message["type"] == "lifespan.shutdown.complete":
+                    await self._proxy.aclose()
+                await send(message)
+
+            await self.app(scope, receive, closing_send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
