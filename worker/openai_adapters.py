@@ -210,6 +210,23 @@ class NemoGymResponsesAdapter:
         return _experts(self._item(response))
 
 
+def _vllm_fast_path(response: Any) -> tuple[list[int], list[float]] | None:
+    """vLLM's usual JSON (``choices[0].token_ids`` and ``logprobs.content``) read directly, or ``None`` to let the
+    general path report the precise error."""
+    try:
+        [choice] = response["choices"]
+        content = choice["logprobs"]["content"]
+        logprobs = [entry["logprob"] for entry in content]
+        ids = choice["token_ids"]
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+    if type(ids) is not list or type(logprobs) is not list:
+        return None
+    generated = _checked("choices[0].token_ids", lambda: token_id_list(ids, "choices[0].token_ids"))
+    values = _checked("logprobs.content[*].logprob", lambda: logprob_list(logprobs))
+    return _same_length(generated, values, "choices[0]")
+
+
 class OpenAIChatAdapter:
     """Chat completions in vLLM's shape or NeMo Gym's message-level shape (the latter wins when present)."""
 
@@ -238,6 +255,9 @@ class OpenAIChatAdapter:
         """Generated ids and log-probs of either shape. :raises EnginePayloadError: as above."""
         if self._message_level(response):
             return self._gym.extract_generation(response)
+        fast = _vllm_fast_path(response)
+        if fast is not None:
+            return fast
         return _checked("choices[0] generation", lambda: self._vllm.extract_generation(response))
 
     def extract_extras(self, response: Any) -> dict[str, Any] | None:

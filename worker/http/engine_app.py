@@ -35,6 +35,7 @@ DRIFT_SPACE_ID = 3
 """The id a drifting engine gives a space inside earlier assistant text (a "merged" token)."""
 _SPACE_ID = BYTE_OFFSET + 0x20
 _MODEL = "simulated"
+_TOKEN_ID_STRINGS = [f"token_id:{token}" for token in range(BYTE_OFFSET + 256)]
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,10 @@ class EngineApp:
 
     # --- payloads ----------------------------------------------------------------
 
-    def _token_string(self, request: dict[str, Any], token: int) -> str:
+    def _token_strings(self, request: dict[str, Any], tokens: list[int]) -> list[str]:
         if request.get("return_tokens_as_token_ids"):
-            return f"token_id:{token}"
-        return self.engine.tokenizer.decode([token])
+            return [_TOKEN_ID_STRINGS[token] for token in tokens]
+        return [self.engine.tokenizer.decode([token]) for token in tokens]
 
     def _usage(self, prompt: list[int], generation: Generation) -> dict[str, int]:
         completion = len(generation.token_ids)
@@ -158,9 +159,10 @@ class EngineApp:
             message.update(self._gym_fields(prompt, generation))
             return payload
         if request.get("logprobs"):
+            strings = self._token_strings(request, generation.token_ids)
             content = [
-                {"token": self._token_string(request, token), "logprob": logprob, "top_logprobs": []}
-                for token, logprob in zip(generation.token_ids, generation.logprobs, strict=True)
+                {"token": text, "logprob": logprob, "top_logprobs": []}
+                for text, logprob in zip(strings, generation.logprobs, strict=True)
             ]
             choice["logprobs"] = {"content": content}
         if request.get("return_token_ids"):
@@ -178,7 +180,7 @@ class EngineApp:
         }
         if request.get("logprobs") is not None:
             choice["logprobs"] = {
-                "tokens": [self._token_string(request, token) for token in generation.token_ids],
+                "tokens": self._token_strings(request, generation.token_ids),
                 "token_logprobs": generation.logprobs,
                 "top_logprobs": None,
                 "text_offset": list(range(len(generation.token_ids))),
