@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
 from sink.keys import DEFAULT_NAMESPACE
+from tests.helpers.acl import start_acl_server
 from tests.helpers.proxy import client_for, expected_ids, finish, manifest, proxy_config, pull, run_agent
-from worker.http import EngineApp, EngineOptions, build_proxy, running_server
+from worker.http import EngineApp, EngineOptions, ProxyConfig, build_proxy, running_server
 
 
 @pytest.fixture
@@ -64,3 +66,18 @@ def test_requests_without_rollout_are_forwarded_uncaptured(redis_url: str, proxy
     assert [m.id for m in models.data] == ["simulated"]
     with redis.Redis.from_url(redis_url) as client:
         assert not list(client.scan_iter(f"{DEFAULT_NAMESPACE}:*ledger*"))
+
+
+def test_proxy_with_least_privilege_users(server_binary: Path, tmp_path: Path) -> None:
+    """The proxy stages as ACL user ``worker`` and writes the ledger and done events as ``gate``."""
+    server = start_acl_server(server_binary, tmp_path)
+    with server, running_server(EngineApp(EngineOptions(seed=9))) as upstream:
+        config = ProxyConfig(
+            upstream_url=upstream, redis_url=server.role_url("worker"), gate_redis_url=server.role_url("gate")
+        )
+        app = build_proxy(config)
+        with running_server(app) as url:
+            _, last_id = run_agent([url], "acl-1", turns=3)
+            finish(url, "acl-1", 1.0, last_id)
+        shown = manifest(server.role_url("gate"), "acl-1")
+    assert app.metrics.counts["captured"] == 3 and len(shown.records) == 3 and not shown.failures

@@ -66,6 +66,13 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
         "through. The rollout id comes from /r/{rollout_id}/v1/... or the X-Staging-Rollout-Id header; "
         'POST /r/{rollout_id}/finished with {"reward": ...} ends a rollout.',
     )
+    proxy.add_argument(
+        "--gate-redis-url",
+        default=os.environ.get("STAGING_SINK_GATE_REDIS_URL") or None,
+        metavar="URL",
+        help="URL for the capture ledger and finished events (ACL user gate; default: --redis-url; "
+        "$STAGING_SINK_GATE_REDIS_URL)",
+    )
     proxy.add_argument("--upstream", required=True, metavar="URL", help="the inference server, e.g. http://vllm:8000")
     proxy.add_argument(
         "--upstream-kind",
@@ -118,6 +125,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(
         upstream_url=args.upstream,
         redis_url=args.redis_url or "",
+        gate_redis_url=args.gate_redis_url or "",
         namespace=args.namespace,
         upstream_kind=args.upstream_kind,
         capture=capture,

@@ -41,6 +41,9 @@ class ProxyConfig:
 
     upstream_url: str
     redis_url: str = ""
+    """The worker side (staging sink, and the source for ``staging_chain`` prefixes): ACL user ``worker``."""
+    gate_redis_url: str = ""
+    """The gate side (capture ledger, ``finished`` events): ACL user ``gate``; default ``redis_url``."""
     namespace: str = DEFAULT_NAMESPACE
     upstream_kind: UpstreamKind = "vllm"
     capture: bool = True
@@ -79,10 +82,9 @@ class ProxyApp:
         source = await stack.enter_async_context(
             AsyncRedisStagingSource.from_url(config.redis_url, SourceSettings(**timeouts))
         )
-        ledger = await stack.enter_async_context(
-            RedisCaptureLedger.from_url(config.redis_url, LedgerSettings(**timeouts))
-        )
-        client = aioredis.Redis.from_url(config.redis_url, socket_timeout=config.redis_timeout_s)
+        gate_url = config.gate_redis_url or config.redis_url
+        ledger = await stack.enter_async_context(RedisCaptureLedger.from_url(gate_url, LedgerSettings(**timeouts)))
+        client = aioredis.Redis.from_url(gate_url, socket_timeout=config.redis_timeout_s)
         stack.push_async_callback(client.aclose)
         weight_version = config.weight_version
 
