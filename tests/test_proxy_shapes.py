@@ -3,15 +3,18 @@ fields, re-tokenization drift (vllm kind) against an engine honouring the prefix
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from sink.records import WORKER_CAPTURE_FAILED_REASON
 from tests.helpers.proxy import SYSTEM, client_for, expected_ids, finish, manifest, proxy_config, pull, run_agent
 from worker.engine import IM_END, IM_START
 from worker.http import EngineApp, EngineOptions, ProxyApp, build_proxy, running_server
+from worker.http.asgi import Message, Receive, Scope, Send, header, send_body
 from worker.http.engine_app import DRIFT_SPACE_ID
 
 
@@ -121,3 +124,34 @@ def test_streaming_is_emitted_after_the_stage(redis_url: str, stack: tuple[Engin
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     shown = manifest(redis_url, "stream-1")
     assert len(shown.records) == 1 and shown.records[0].response_id == chunks[0].id
+
+
+def _gzipping(app: EngineApp) -> Any:
+    """*app*, answering with ``content-encoding: gzip`` whenever the request accepts it."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or b"gzip" not in (header(scope, b"accept-encoding") or "").encode():
+            await app(scope, receive, send)
+            return
+        parts: list[Message] = []
+
+        async def collect(message: Message) -> None:
+            parts.append(message)
+
+        await app(scope, receive, collect)
+        body = gzip.compress(b"".join(m.get("body", b"") for m in parts[1:]))
+        await send_body(send, parts[0]["status"], body, headers=[(b"content-encoding", b"gzip")])
+
+    return wrapped
+
+
+def test_compressing_upstream_is_still_captured(redis_url: str) -> None:
+    with running_server(_gzipping(EngineApp(EngineOptions(seed=8)))) as upstream:
+        direct = httpx.post(f"{upstream}/v1/models", headers={"accept-encoding": "gzip"})
+        assert direct.status_code == 404 or direct.headers.get("content-encoding") == "gzip"
+        with running_server(build_proxy(proxy_config(redis_url, upstream))) as url:
+            run_agent([url], "gzip-1", turns=2)
+            models = httpx.get(f"{url}/v1/models", headers={"accept-encoding": "gzip"})
+            assert models.json()["data"][0]["id"] == "simulated"
+    shown = manifest(redis_url, "gzip-1")
+    assert len(shown.records) == 2 and not shown.failures

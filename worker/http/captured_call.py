@@ -146,8 +146,12 @@ class CapturedCall:
                 result.oversized = result.oversized or size > limit
                 chunks.append(chunk)
 
+        # The body must come back as plain JSON: never let the upstream compress it.
+        kept = [(k, v) for k, v in self.scope.get("headers", ()) if k.lower() != b"accept-encoding"]
+        headers = [*kept, (b"accept-encoding", b"identity")]
+        scope = {**self.scope, "headers": headers}
         started = time.perf_counter()
-        await self.owner.app(self.scope, replay_receive(body, receive), collect)
+        await self.owner.app(scope, replay_receive(body, receive), collect)
         self.owner.metrics.observe(upstream_s=time.perf_counter() - started)
         result.body = b"".join(chunks)
         return result

@@ -47,7 +47,10 @@ class ForwardingApp:
         self.upstream_url = upstream_url.rstrip("/")
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._client = httpx.AsyncClient(
-            base_url=self.upstream_url, timeout=httpx.Timeout(timeout_s), limits=limits, http2=False
+            base_url=self.upstream_url,
+            timeout=httpx.Timeout(timeout_s),
+            limits=limits,
+            headers={"accept-encoding": "identity"},  # bodies are relayed raw: compress only when the client asks
         )
 
     async def aclose(self) -> None:
@@ -88,7 +91,7 @@ class ForwardingApp:
             out_headers = [
                 (k.lower(), v)
                 for k, v in response.headers.raw
-                if k.lower() not in _HOP_BY_HOP or k == b"content-length"
+                if k.lower() not in _HOP_BY_HOP or k.lower() == b"content-length"
             ]
             await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
             try:
