@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from sink.cluster import LocalCluster
 from sink.keys import DEFAULT_NAMESPACE
 from tests.helpers.acl import start_acl_server
 from tests.helpers.proxy import client_for, expected_ids, finish, manifest, proxy_config, pull, run_agent
@@ -81,3 +82,16 @@ def test_proxy_with_least_privilege_users(server_binary: Path, tmp_path: Path) -
             finish(url, "acl-1", 1.0, last_id)
         shown = manifest(server.role_url("gate"), "acl-1")
     assert app.metrics.counts["captured"] == 3 and len(shown.records) == 3 and not shown.failures
+
+
+@pytest.mark.slow
+def test_proxy_on_a_cluster(cluster: LocalCluster) -> None:
+    with redis.RedisCluster.from_url(cluster.url) as client:
+        client.flushall(target_nodes=redis.RedisCluster.PRIMARIES)  # the cluster is shared by the session
+    with running_server(EngineApp(EngineOptions(seed=10))) as upstream:
+        app = build_proxy(ProxyConfig(upstream_url=upstream, redis_url=cluster.url, cluster=True))
+        with running_server(app) as url:
+            for rollout_id in ("cl-1", "cl-2", "cl-3"):
+                _, last_id = run_agent([url], rollout_id, turns=2)
+                finish(url, rollout_id, 1.0, last_id)
+    assert app.metrics.counts == {"captured": 6, "uncaptured": 0, "capture_failed": 0}

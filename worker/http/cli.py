@@ -128,6 +128,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
         redis_url=args.redis_url or "",
         gate_redis_url=args.gate_redis_url or "",
         namespace=args.namespace,
+        cluster=args.cluster,
         upstream_kind=args.upstream_kind,
         capture=capture,
         fail_closed=args.fail_closed,

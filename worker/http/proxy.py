@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from sink.done_event import finished
 from sink.keys import DEFAULT_NAMESPACE
@@ -45,6 +46,8 @@ class ProxyConfig:
     gate_redis_url: str = ""
     """The gate side (capture ledger, ``finished`` events): ACL user ``gate``; default ``redis_url``."""
     namespace: str = DEFAULT_NAMESPACE
+    cluster: bool = False
+    """The URLs are nodes of a Redis/Valkey Cluster."""
     upstream_kind: UpstreamKind = "vllm"
     capture: bool = True
     fail_closed: bool = False
@@ -72,6 +75,7 @@ class ProxyApp:
             return
         timeouts: dict[str, Any] = {
             "namespace": config.namespace,
+            "cluster": config.cluster,
             "connect_timeout_s": config.redis_timeout_s,
             "command_timeout_s": config.redis_timeout_s,
         }
@@ -84,7 +88,11 @@ class ProxyApp:
         )
         gate_url = config.gate_redis_url or config.redis_url
         ledger = await stack.enter_async_context(RedisCaptureLedger.from_url(gate_url, LedgerSettings(**timeouts)))
-        client = aioredis.Redis.from_url(gate_url, socket_timeout=config.redis_timeout_s)
+        client: aioredis.Redis | RedisCluster = (
+            RedisCluster.from_url(gate_url, socket_timeout=config.redis_timeout_s)
+            if config.cluster
+            else aioredis.Redis.from_url(gate_url, socket_timeout=config.redis_timeout_s)
+        )
         stack.push_async_callback(client.aclose)
         weight_version = config.weight_version
 
