@@ -155,3 +155,15 @@ def test_compressing_upstream_is_still_captured(redis_url: str) -> None:
             assert models.json()["data"][0]["id"] == "simulated"
     shown = manifest(redis_url, "gzip-1")
     assert len(shown.records) == 2 and not shown.failures
+
+
+def test_streaming_completions_and_responses(redis_url: str, stack: tuple[EngineApp, ProxyApp, str]) -> None:
+    _, _, url = stack
+    client = client_for(url, "stream-2")
+    chunks = list(client.completions.create(model="simulated", prompt="once", max_tokens=6, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) and chunks[-1].choices[0].finish_reason == "stop"
+    events = list(client.responses.create(model="simulated", input="go on", max_output_tokens=6, stream=True))
+    assert [e.type for e in events] == ["response.created", "response.completed"]
+    completed = events[-1]
+    assert completed.type == "response.completed" and completed.response.output_text
+    assert len(manifest(redis_url, "stream-2").records) == 2
