@@ -10,9 +10,11 @@ import httpx
 import openai
 import pytest
 
+from sink.records import UNCOMMITTED_CALL_REASON
 from tests.helpers.proxy import SYSTEM, client_for, expected_ids, finish, manifest, pull, run_agent
 from worker.engine import BYTE_OFFSET, IM_END
 from worker.http import EngineApp, EngineOptions, running_server
+from worker.http.asgi import Receive, Scope, Send
 from worker.http.engine_app import DRIFT_SPACE_ID
 from worker.http.in_process import EnvCaptureMiddleware, config_from_environment
 
@@ -86,3 +88,21 @@ def test_in_process_middleware_around_the_engine(redis_url: str) -> None:
         config_from_environment({})
     with pytest.raises(ValueError, match="UPSTREAM_KIND"):
         config_from_environment({"STAGING_SINK_REDIS_URL": redis_url, "STAGING_SINK_UPSTREAM_KIND": "tgi"})
+
+
+def test_inner_app_failure_records_the_abandoned_call(redis_url: str) -> None:
+    """An admitted call whose inner app raises is recorded failed at middleware exit (contract §6.6 step 12)."""
+
+    async def broken(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        raise RuntimeError("engine crashed")
+
+    env = {"STAGING_SINK_REDIS_URL": redis_url, "STAGING_SINK_UPSTREAM_KIND": "nemo-rl"}
+    with running_server(EnvCaptureMiddleware(broken, env)) as url:
+        answer = httpx.post(f"{url}/r/crash-1/v1/chat/completions", json={"messages": MESSAGES})
+    assert answer.status_code == 500
+    assert [f.reason for f in manifest(redis_url, "crash-1").failures] == [UNCOMMITTED_CALL_REASON]

@@ -127,6 +127,21 @@ class CapturedCall:
             finally:
                 self.settled = True
 
+    async def _abandon(self) -> None:
+        """The request ended (cancelled or failed) before its capture completed: record it failed (§6.6 step 12)."""
+        admission, active = self.admission, self.active
+        assert admission is not None
+        with anyio.CancelScope(shield=True):
+            try:
+                if active is not None and not active.completed:
+                    await self.owner.capture.afail_call(active, reason="the request ended before its completion")
+                await self.owner.gate.abandon(admission)
+            except Exception as exc:  # noqa: BLE001 -- the ledger is unreachable too: nothing more can be recorded
+                logger.error("%s: cannot record the abandoned call: %r", self.ids, exc)
+            finally:
+                self.settled = True
+        logger.warning("%s: request ended before its capture completed; recorded as failed", self.ids)
+
     # --- upstream ------------------------------------------------------------------
 
     async def _upstream(self, body: bytes, receive: Receive) -> UpstreamAnswer:
@@ -238,8 +253,7 @@ class CapturedCall:
                 strip_token_fields(self.route, payload, asked)
         finally:
             if self.admission is not None and not self.settled:
-                await self._settle(None, None)
-                logger.warning("%s: request ended before its capture completed; recorded as failed", self.ids)
+                await self._abandon()
         uncaptured = self.admit_failure == "no admission" and not owner.policy.fail_closed
         metrics.count("captured" if self.captured else "uncaptured" if uncaptured else "capture_failed")
         if await _client_gone(receive):
