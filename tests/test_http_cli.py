@@ -16,9 +16,16 @@ import httpx
 import pytest
 
 from sink.cli.main import main
-from tests.helpers.proxy import finish, manifest, pull, run_agent
+from tests.helpers.proxy import close_clients, finish, manifest, pull, run_agent
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _clients() -> Iterator[None]:
+    """Every openai client of the test is closed at its end."""
+    yield
+    close_clients()
 
 
 def _free_port() -> int:

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from sink.records import UNCOMMITTED_CALL_REASON
-from tests.helpers.proxy import SYSTEM, client_for, expected_ids, finish, manifest, pull, run_agent
+from tests.helpers.proxy import SYSTEM, client_for, close_clients, expected_ids, finish, manifest, pull, run_agent
 from worker.engine import BYTE_OFFSET, IM_END
 from worker.http import EngineApp, EngineOptions, running_server
 from worker.http.asgi import Receive, Scope, Send
@@ -19,6 +19,13 @@ from worker.http.engine_app import DRIFT_SPACE_ID
 from worker.http.in_process import EnvCaptureMiddleware, config_from_environment
 
 MESSAGES: Any = [SYSTEM, {"role": "user", "content": "count to three"}]
+
+
+@pytest.fixture(autouse=True)
+def _clients() -> Iterator[None]:
+    """Every openai client of the test is closed at its end."""
+    yield
+    close_clients()
 
 
 @pytest.fixture

@@ -11,8 +11,24 @@ import redis
 from sink.cluster import LocalCluster
 from sink.keys import DEFAULT_NAMESPACE
 from tests.helpers.acl import start_acl_server
-from tests.helpers.proxy import client_for, expected_ids, finish, manifest, proxy_config, pull, run_agent
+from tests.helpers.proxy import (
+    client_for,
+    close_clients,
+    expected_ids,
+    finish,
+    manifest,
+    proxy_config,
+    pull,
+    run_agent,
+)
 from worker.http import EngineApp, EngineOptions, ProxyConfig, build_proxy, running_server
+
+
+@pytest.fixture(autouse=True)
+def _clients() -> Iterator[None]:
+    """Every openai client of the test is closed at its end."""
+    yield
+    close_clients()
 
 
 @pytest.fixture

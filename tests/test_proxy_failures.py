@@ -15,11 +15,18 @@ import pytest
 
 from sink.records import WORKER_CAPTURE_FAILED_REASON, RolloutManifest
 from sink.server import DurableServer
-from tests.helpers.proxy import SYSTEM, client_for, manifest, proxy_config
+from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, proxy_config
 from worker.http import EngineApp, EngineOptions, ProxyApp, build_proxy, running_server
 from worker.http.asgi import Receive, Scope, Send, read_body, send_body
 
 MESSAGES: list[Any] = [SYSTEM, {"role": "user", "content": "go"}]
+
+
+@pytest.fixture(autouse=True)
+def _clients() -> Iterator[None]:
+    """Every openai client of the test is closed at its end."""
+    yield
+    close_clients()
 
 
 @pytest.fixture

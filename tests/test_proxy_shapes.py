@@ -11,11 +11,28 @@ import httpx
 import pytest
 
 from sink.records import WORKER_CAPTURE_FAILED_REASON
-from tests.helpers.proxy import SYSTEM, client_for, expected_ids, finish, manifest, proxy_config, pull, run_agent
+from tests.helpers.proxy import (
+    SYSTEM,
+    client_for,
+    close_clients,
+    expected_ids,
+    finish,
+    manifest,
+    proxy_config,
+    pull,
+    run_agent,
+)
 from worker.engine import IM_END, IM_START
 from worker.http import EngineApp, EngineOptions, ProxyApp, build_proxy, running_server
 from worker.http.asgi import Message, Receive, Scope, Send, header, send_body
 from worker.http.engine_app import DRIFT_SPACE_ID
+
+
+@pytest.fixture(autouse=True)
+def _clients() -> Iterator[None]:
+    """Every openai client of the test is closed at its end."""
+    yield
+    close_clients()
 
 
 @pytest.fixture

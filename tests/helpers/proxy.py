@@ -19,6 +19,7 @@ from worker.http import EngineApp, ProxyConfig
 __all__ = (
     "SYSTEM",
     "client_for",
+    "close_clients",
     "expected_ids",
     "finish",
     "manifest",
@@ -34,9 +35,21 @@ def proxy_config(redis_url: str, upstream: str, **fields: Any) -> ProxyConfig:
     return ProxyConfig(upstream_url=upstream, redis_url=redis_url, **{"redis_timeout_s": 2.0, **fields})
 
 
+_OPEN_CLIENTS: list[openai.OpenAI] = []
+
+
 def client_for(base: str, rollout_id: str | None = None) -> openai.OpenAI:
+    """An openai client on *base* (the rollout's route when given); :func:`close_clients` closes it."""
     path = f"/r/{rollout_id}/v1" if rollout_id else "/v1"
-    return openai.OpenAI(base_url=base + path, api_key="unused", max_retries=0, timeout=20)
+    client = openai.OpenAI(base_url=base + path, api_key="unused", max_retries=0, timeout=20)
+    _OPEN_CLIENTS.append(client)
+    return client
+
+
+def close_clients() -> None:
+    """Close every client :func:`client_for` made so far (each test module's autouse fixture calls it)."""
+    while _OPEN_CLIENTS:
+        _OPEN_CLIENTS.pop().close()
 
 
 def run_agent(bases: list[str], rollout_id: str, turns: int) -> tuple[list[dict[str, Any]], str]:
