@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -111,3 +112,23 @@ def test_proxy_on_a_cluster(cluster: LocalCluster) -> None:
                 _, last_id = run_agent([url], rollout_id, turns=2)
                 finish(url, rollout_id, 1.0, last_id)
     assert app.metrics.counts == {"captured": 6, "uncaptured": 0, "capture_failed": 0}
+
+
+def test_bare_proxy_forwards_rollout_routes(engine: tuple[EngineApp, str]) -> None:
+    _, upstream = engine
+    with running_server(build_proxy(ProxyConfig(upstream_url=upstream, capture=False))) as url:
+        completion = client_for(url, "bare-1").chat.completions.create(
+            model="simulated", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert completion.choices[0].message.content is not None
+        assert httpx.get(f"{url}/r/bad%20id/v1/models").status_code == 400
+
+
+def test_latency_and_bytes_metrics(proxy: str) -> None:
+    run_agent([proxy], "metrics-1", turns=2)
+    text = httpx.get(f"{proxy}/staging-sink/metrics").text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(samples["staging_proxy_upstream_seconds_count"]) == 2.0
+    assert float(samples["staging_proxy_stage_seconds_count"]) == 2.0
+    assert float(samples["staging_proxy_stage_seconds_sum"]) > 0
+    assert float(samples["staging_proxy_response_bytes_total"]) > 100

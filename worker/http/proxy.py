@@ -25,11 +25,11 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 
 from ..capture import RolloutTokenCapture
-from .asgi import ASGIApp, Receive, Scope, Send
+from .asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
 from .forward import ForwardingApp
 from .metrics import ProxyMetrics
 from .middleware import CaptureMiddleware, CapturePolicy
-from .routes import UpstreamKind
+from .routes import UpstreamKind, parse_target
 
 __all__ = ("ProxyApp", "ProxyConfig", "build_proxy")
 
@@ -143,8 +143,18 @@ class ProxyApp:
                 await self.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
             return
-        app = self.middleware if self.middleware is not None else self.forward
-        await app(scope, receive, send)
+        if self.middleware is not None:
+            await self.middleware(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["path"].startswith("/r/"):
+            # Capture off: agents configured with rollout routes still reach the engine.
+            try:
+                target = parse_target(scope["path"], None)
+            except ValueError as exc:
+                await send_body(send, 400, error_body(400, str(exc), "InvalidRolloutId"))
+                return
+            scope = {**scope, "path": target.path, "raw_path": target.path.encode()}
+        await self.forward(scope, receive, send)
 
 
 def build_proxy(config: ProxyConfig) -> ProxyApp:
