@@ -87,3 +87,9 @@ def test_proxy_needs_a_redis_url(capsys: pytest.CaptureFixture[str], monkeypatch
     monkeypatch.delenv("STAGING_SINK_REDIS_URL", raising=False)
     assert main(["proxy", "--upstream", "http://127.0.0.1:1"]) == 2
     assert "needs --redis-url" in capsys.readouterr().err
+
+
+def test_proxy_settings_are_validated(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["proxy", "--upstream", "http://127.0.0.1:1", "--redis-url", "redis://127.0.0.1:1"]
+    assert main([*argv, "--weight-version", "-1"]) == 2
+    assert "weight_version" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import redis
 
 from sink.cluster import LocalCluster
 from sink.keys import DEFAULT_NAMESPACE
+from sink.settings import ProxySettings
 from tests.helpers.acl import start_acl_server
 from tests.helpers.proxy import (
     client_for,
@@ -22,7 +23,7 @@ from tests.helpers.proxy import (
     pull,
     run_agent,
 )
-from worker.http import EngineApp, EngineOptions, ProxyConfig, build_proxy, running_server
+from worker.http import EngineApp, EngineOptions, build_proxy, running_server
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +91,7 @@ def test_proxy_with_least_privilege_users(server_binary: Path, tmp_path: Path) -
     """The proxy stages as ACL user ``worker`` and writes the ledger and done events as ``gate``."""
     server = start_acl_server(server_binary, tmp_path)
     with server, running_server(EngineApp(EngineOptions(seed=9))) as upstream:
-        config = ProxyConfig(
+        config = ProxySettings(
             upstream_url=upstream, redis_url=server.role_url("worker"), gate_redis_url=server.role_url("gate")
         )
         app = build_proxy(config)
@@ -106,7 +107,7 @@ def test_proxy_on_a_cluster(cluster: LocalCluster) -> None:
     with redis.RedisCluster.from_url(cluster.url) as client:
         client.flushall(target_nodes=redis.RedisCluster.PRIMARIES)  # the cluster is shared by the session
     with running_server(EngineApp(EngineOptions(seed=10))) as upstream:
-        app = build_proxy(ProxyConfig(upstream_url=upstream, redis_url=cluster.url, cluster=True))
+        app = build_proxy(ProxySettings(upstream_url=upstream, redis_url=cluster.url, cluster=True))
         with running_server(app) as url:
             for rollout_id in ("cl-1", "cl-2", "cl-3"):
                 _, last_id = run_agent([url], rollout_id, turns=2)
@@ -116,7 +117,7 @@ def test_proxy_on_a_cluster(cluster: LocalCluster) -> None:
 
 def test_bare_proxy_forwards_rollout_routes(engine: tuple[EngineApp, str]) -> None:
     _, upstream = engine
-    with running_server(build_proxy(ProxyConfig(upstream_url=upstream, capture=False))) as url:
+    with running_server(build_proxy(ProxySettings(upstream_url=upstream, capture=False))) as url:
         completion = client_for(url, "bare-1").chat.completions.create(
             model="simulated", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )

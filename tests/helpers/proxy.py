@@ -12,9 +12,10 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.pulled import PulledRollout
 from sink.reader import RolloutReader
 from sink.records import RolloutManifest
+from sink.settings import ProxySettings
 from tests.helpers.e2e import pull_until, running_assembler
 from worker.engine import IM_END
-from worker.http import EngineApp, ProxyConfig
+from worker.http import EngineApp
 
 __all__ = (
     "SYSTEM",
@@ -31,8 +32,8 @@ __all__ = (
 SYSTEM = {"role": "system", "content": "You are a careful agent."}
 
 
-def proxy_config(redis_url: str, upstream: str, **fields: Any) -> ProxyConfig:
-    return ProxyConfig(upstream_url=upstream, redis_url=redis_url, **{"redis_timeout_s": 2.0, **fields})
+def proxy_config(redis_url: str, upstream: str, **fields: Any) -> ProxySettings:
+    return ProxySettings(upstream_url=upstream, redis_url=redis_url, **{"redis_timeout_s": 2.0, **fields})
 
 
 _OPEN_CLIENTS: list[openai.OpenAI] = []

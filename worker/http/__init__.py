@@ -1,6 +1,6 @@
 """Capture in front of an OpenAI-compatible inference server: ASGI middleware, the capture proxy, the HTTP engine.
 
-Needs the ``proxy`` extra (``starlette``-free: uvicorn, httpx, orjson).
+Needs the ``proxy`` extra (uvicorn, httpx, orjson). The proxy's settings are :class:`sink.settings.ProxySettings`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from .metrics import ProxyMetrics as ProxyMetrics
 from .middleware import CaptureMiddleware as CaptureMiddleware
 from .middleware import CapturePolicy as CapturePolicy
 from .proxy import ProxyApp as ProxyApp
-from .proxy import ProxyConfig as ProxyConfig
 from .proxy import build_proxy as build_proxy
 from .serve import running_server as running_server
 
@@ -23,7 +22,6 @@ __all__ = (
     "EngineOptions",
     "ForwardingApp",
     "ProxyApp",
-    "ProxyConfig",
     "ProxyMetrics",
     "build_proxy",
     "running_server",

@@ -8,7 +8,6 @@ worker processes; each builds its app with :func:`app_from_environment` from the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import os
 import sys
@@ -17,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 from sink.cli.common import EXIT_USAGE, CommandError
 
 if TYPE_CHECKING:
-    from .proxy import ProxyApp, ProxyConfig
+    from sink.settings import ProxySettings
+
+    from .proxy import ProxyApp
 
 __all__ = (
     "CONFIG_ENV",
@@ -112,18 +113,18 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
     engine.set_defaults(handler=engine_command)
 
 
-def proxy_config(args: argparse.Namespace) -> ProxyConfig:
-    """The :class:`ProxyConfig` of parsed ``proxy`` arguments.
+def proxy_config(args: argparse.Namespace) -> ProxySettings:
+    """The :class:`ProxySettings` of parsed ``proxy`` arguments.
 
     :raises CommandError: capture is on but no Redis URL was given, or the ``proxy`` extra is missing.
     """
     _require_extra()
-    from .proxy import ProxyConfig
+    from sink.settings import ProxySettings
 
     capture = not args.no_capture
     if capture and not args.redis_url:
         raise CommandError("the capture proxy needs --redis-url (or $STAGING_SINK_REDIS_URL)", exit_code=EXIT_USAGE)
-    return ProxyConfig(
+    return ProxySettings(
         upstream_url=args.upstream,
         redis_url=args.redis_url or "",
         gate_redis_url=args.gate_redis_url or "",
@@ -142,13 +143,14 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
 
 def app_from_environment() -> ProxyApp:
     """The proxy app of ``$STAGING_SINK_PROXY_CONFIG`` (uvicorn's factory in each worker process)."""
-    import orjson
 
-    from .proxy import ProxyConfig, build_proxy
+    from sink.settings import ProxySettings
 
-    fields = orjson.loads(os.environ[CONFIG_ENV])
+    from .proxy import build_proxy
+
+    fields = os.environ[CONFIG_ENV]
     _tune_gc()
-    return build_proxy(ProxyConfig(**fields))
+    return build_proxy(ProxySettings.model_validate_json(fields))
 
 
 def _tune_gc() -> None:
@@ -166,7 +168,6 @@ def _tune_gc() -> None:
 def proxy_command(args: argparse.Namespace) -> int:
     """Run the proxy in the foreground until SIGINT/SIGTERM."""
     config = proxy_config(args)
-    import orjson
     import uvicorn
 
     from .proxy import build_proxy
@@ -179,7 +180,7 @@ def proxy_command(args: argparse.Namespace) -> int:
     if args.workers == 1:
         uvicorn.run(build_proxy(config), host=args.host, port=args.port, log_level="warning", access_log=False)
         return 0
-    os.environ[CONFIG_ENV] = orjson.dumps(dataclasses.asdict(config)).decode()
+    os.environ[CONFIG_ENV] = config.model_dump_json()
     uvicorn.run(
         "worker.http.cli:app_from_environment",
         factory=True,

@@ -28,9 +28,10 @@ from sink.assembler import Assembler
 from sink.keys import DEFAULT_NAMESPACE
 from sink.reader import RolloutReader
 from sink.server import durable_server
+from sink.settings import ProxySettings
 
 from .engine_app import EngineApp, EngineOptions
-from .proxy import ProxyApp, ProxyConfig
+from .proxy import ProxyApp
 from .serve import running_server
 
 __all__ = ("HttpDemoResult", "http_demo_command", "run_http_demo")
@@ -164,7 +165,7 @@ def run_http_demo(
     def run(url: str) -> None:
         ns = namespace or DEFAULT_NAMESPACE
         with running_server(EngineApp(EngineOptions(seed=seed))) as engine_url:
-            proxy = ProxyApp(ProxyConfig(upstream_url=engine_url, redis_url=url, namespace=ns))
+            proxy = ProxyApp(ProxySettings(upstream_url=engine_url, redis_url=url, namespace=ns))
             with running_server(proxy) as base:
                 anyio.run(partial(_step, url, ns, base, result, plan))
         result.counts = dict(proxy.metrics.counts)

@@ -17,15 +17,16 @@ from typing import cast
 import anyio
 
 from sink.keys import DEFAULT_NAMESPACE
+from sink.settings import ProxySettings
 
 from .asgi import ASGIApp, Message, Receive, Scope, Send
-from .proxy import ProxyApp, ProxyConfig
+from .proxy import ProxyApp
 from .routes import UpstreamKind
 
 __all__ = ("EnvCaptureMiddleware", "config_from_environment")
 
 
-def config_from_environment(env: Mapping[str, str]) -> ProxyConfig:
+def config_from_environment(env: Mapping[str, str]) -> ProxySettings:
     """The capture settings of *env* (the upstream is the wrapped app itself, so ``upstream_url`` is unused).
 
     :raises ValueError: ``STAGING_SINK_REDIS_URL`` is missing or a value is invalid.
@@ -36,7 +37,7 @@ def config_from_environment(env: Mapping[str, str]) -> ProxyConfig:
     kind = env.get("STAGING_SINK_UPSTREAM_KIND", "vllm")
     if kind not in ("vllm", "nemo-rl"):
         raise ValueError(f"STAGING_SINK_UPSTREAM_KIND must be vllm or nemo-rl, got {kind!r}")
-    return ProxyConfig(
+    return ProxySettings(
         upstream_url="http://in-process",
         redis_url=url,
         namespace=env.get("STAGING_SINK_NAMESPACE") or DEFAULT_NAMESPACE,

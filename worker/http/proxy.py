@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from sink.done_event import finished
-from sink.keys import DEFAULT_NAMESPACE
 from sink.ledger.gate import CaptureGate
 from sink.ledger.redis import RedisCaptureLedger
-from sink.settings import LedgerSettings, SinkSettings, SourceSettings
+from sink.settings import LedgerSettings, ProxySettings, SinkSettings, SourceSettings
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 
@@ -29,39 +27,17 @@ from .asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
 from .forward import ForwardingApp
 from .metrics import ProxyMetrics
 from .middleware import CaptureMiddleware, CapturePolicy
-from .routes import UpstreamKind, parse_target
+from .routes import parse_target
 
-__all__ = ("ProxyApp", "ProxyConfig", "build_proxy")
+__all__ = ("ProxyApp", "build_proxy")
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    """Everything a proxy process needs (the CLI builds it from flags)."""
-
-    upstream_url: str
-    redis_url: str = ""
-    """The worker side (staging sink, and the source for ``staging_chain`` prefixes): ACL user ``worker``."""
-    gate_redis_url: str = ""
-    """The gate side (capture ledger, ``finished`` events): ACL user ``gate``; default ``redis_url``."""
-    namespace: str = DEFAULT_NAMESPACE
-    cluster: bool = False
-    """The URLs are nodes of a Redis/Valkey Cluster."""
-    upstream_kind: UpstreamKind = "vllm"
-    capture: bool = True
-    fail_closed: bool = False
-    upstream_timeout_s: float = 600.0
-    max_response_bytes: int = 64 * 1024 * 1024
-    weight_version: int = 0
-    durability: Literal["fsync", "none"] = "fsync"
-    redis_timeout_s: float = 5.0
 
 
 class ProxyApp:
     """ASGI app: the forwarding app, wrapped in capture when configured; lifespan owns the resources."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxySettings) -> None:
         self.config = config
         self.forward = ForwardingApp(config.upstream_url, timeout_s=config.upstream_timeout_s)
         self.metrics = ProxyMetrics()
@@ -110,6 +86,7 @@ class ProxyApp:
         policy = CapturePolicy(
             upstream_kind=config.upstream_kind,
             fail_closed=config.fail_closed,
+            max_request_bytes=config.max_request_bytes,
             max_response_bytes=config.max_response_bytes,
         )
         self.middleware = CaptureMiddleware(
@@ -157,6 +134,6 @@ class ProxyApp:
         await self.forward(scope, receive, send)
 
 
-def build_proxy(config: ProxyConfig) -> ProxyApp:
+def build_proxy(config: ProxySettings) -> ProxyApp:
     """The proxy app for *config* (open it with its ASGI lifespan, or :meth:`ProxyApp.open`)."""
     return ProxyApp(config)
