@@ -93,3 +93,16 @@ def test_proxy_settings_are_validated(capsys: pytest.CaptureFixture[str]) -> Non
     argv = ["proxy", "--upstream", "http://127.0.0.1:1", "--redis-url", "redis://127.0.0.1:1"]
     assert main([*argv, "--weight-version", "-1"]) == 2
     assert "weight_version" in capsys.readouterr().err
+
+
+def test_the_cli_works_without_the_proxy_extra() -> None:
+    """A clone installed without the ``proxy`` extra still runs every other command; proxy/engine say what is missing."""
+    script = (
+        "import sys\n"
+        "for name in ('orjson', 'httpx', 'uvicorn', 'openai'): sys.modules[name] = None\n"
+        "from sink.cli.main import main\n"
+        "sys.exit(main(['engine']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "install the proxy extra" in done.stderr and "Traceback" not in done.stderr

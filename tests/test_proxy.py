@@ -23,7 +23,9 @@ from tests.helpers.proxy import (
     pull,
     run_agent,
 )
-from worker.http import EngineApp, EngineOptions, build_proxy, running_server
+from worker.http.engine_app import EngineApp, EngineOptions
+from worker.http.proxy import build_proxy
+from worker.http.serve import running_server
 
 
 @pytest.fixture(autouse=True)

@@ -23,9 +23,10 @@ from tests.helpers.proxy import (
     run_agent,
 )
 from worker.engine import IM_END, IM_START
-from worker.http import EngineApp, EngineOptions, ProxyApp, build_proxy, running_server
 from worker.http.asgi import Message, Receive, Scope, Send, header, send_body
-from worker.http.engine_app import DRIFT_SPACE_ID
+from worker.http.engine_app import DRIFT_SPACE_ID, EngineApp, EngineOptions
+from worker.http.proxy import ProxyApp, build_proxy
+from worker.http.serve import running_server
 
 
 @pytest.fixture(autouse=True)

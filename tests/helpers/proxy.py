@@ -15,7 +15,7 @@ from sink.records import RolloutManifest
 from sink.settings import ProxySettings
 from tests.helpers.e2e import pull_until, running_assembler
 from worker.engine import IM_END
-from worker.http import EngineApp
+from worker.http.engine_app import EngineApp
 
 __all__ = (
     "SYSTEM",

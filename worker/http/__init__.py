@@ -1,28 +1,12 @@
 """Capture in front of an OpenAI-compatible inference server: ASGI middleware, the capture proxy, the HTTP engine.
 
-Needs the ``proxy`` extra (uvicorn, httpx, orjson). The proxy's settings are :class:`sink.settings.ProxySettings`.
+Needs the ``proxy`` extra (uvicorn, httpx, orjson); import the modules themselves (the package imports none of
+them, so the CLI can register its commands without the extra): :mod:`.middleware` (:class:`CaptureMiddleware`),
+:mod:`.proxy` (:class:`ProxyApp`, settings :class:`sink.settings.ProxySettings`), :mod:`.engine_app`
+(:class:`EngineApp`), :mod:`.in_process` (vLLM ``--middleware``), :mod:`.serve`, :mod:`.cli`, :mod:`.bench`,
+:mod:`.demo`.
 """
 
 from __future__ import annotations
 
-from .engine_app import EngineApp as EngineApp
-from .engine_app import EngineOptions as EngineOptions
-from .forward import ForwardingApp as ForwardingApp
-from .metrics import ProxyMetrics as ProxyMetrics
-from .middleware import CaptureMiddleware as CaptureMiddleware
-from .middleware import CapturePolicy as CapturePolicy
-from .proxy import ProxyApp as ProxyApp
-from .proxy import build_proxy as build_proxy
-from .serve import running_server as running_server
-
-__all__ = (
-    "CaptureMiddleware",
-    "CapturePolicy",
-    "EngineApp",
-    "EngineOptions",
-    "ForwardingApp",
-    "ProxyApp",
-    "ProxyMetrics",
-    "build_proxy",
-    "running_server",
-)
+__all__ = ()
