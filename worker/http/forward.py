@@ -45,7 +45,11 @@ class ForwardingApp:
 
     def __init__(self, upstream_url: str, *, timeout_s: float = 600.0, max_connections: int = 1024) -> None:
         self.upstream_url = upstream_url.rstrip("/")
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # Idle connections expire before the usual 5 s server keep-alive (uvicorn's, vLLM's), so a request is
+        # not sent on a connection the server is closing at that moment.
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=2.0
+        )
         self._client = httpx.AsyncClient(
             base_url=self.upstream_url,
             timeout=httpx.Timeout(timeout_s),
@@ -78,7 +82,17 @@ class ForwardingApp:
             content=body,
         )
         try:
-            response = await self._client.send(request, stream=True)
+            try:
+                response = await self._client.send(request, stream=True)
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError) as exc:
+                # A pooled connection the server closed under us: no response byte arrived, send it once more.
+                logger.info(
+                    "upstream %s%s dropped a pooled connection (%r); retrying once",
+                    self.upstream_url,
+                    scope["path"],
+                    exc,
+                )
+                response = await self._client.send(request, stream=True)
         except httpx.TimeoutException as exc:
             logger.warning("upstream %s%s timed out: %r", self.upstream_url, scope["path"], exc)
             await _own_error(send, 504, f"upstream timed out: {exc!r}", "UpstreamTimeout")
