@@ -161,7 +161,7 @@ class EngineApp:
         if request.get("logprobs"):
             strings = self._token_strings(request, generation.token_ids)
             content = [
-                {"token": text, "logprob": logprob, "top_logprobs": []}
+                {"token": text, "logprob": logprob, "top_logprobs": ()}
                 for text, logprob in zip(strings, generation.logprobs, strict=True)
             ]
             choice["logprobs"] = {"content": content}
