@@ -159,6 +159,7 @@ class CaptureMiddleware:
         except BodyTooLargeError as exc:
             await send_body(send, 413, error_body(413, str(exc), "RequestTooLarge"))
             return
+        request: Any = None
         try:
             request = orjson.loads(body)
             if not isinstance(request, dict):
@@ -168,6 +169,10 @@ class CaptureMiddleware:
                 raise ValueError("capture needs n == 1")
         except (TypeError, ValueError) as exc:  # the upstream answers the malformed request itself
             logger.warning("rollout %s: request not captured (%s); forwarded as is", rollout_id, exc)
+            if self.policy.fail_closed and isinstance(request, dict):  # well-formed, but not capturable (n > 1)
+                self.metrics.count("capture_failed")
+                await self.refuse(send, str(exc))
+                return
             await self._uncaptured(scope, body, receive, send)
             return
         await CapturedCall(self, route, scope, request, items, rollout_id).run(receive, send)
