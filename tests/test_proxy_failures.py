@@ -106,7 +106,7 @@ def test_upstream_error_passes_through_with_its_status(redis_url: str, engine_ur
 
 
 def test_upstream_timeout(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    with running_server(EngineApp(EngineOptions(delay_s=2.0))) as upstream:
+    with running_server(EngineApp(EngineOptions(delay_s=0.8))) as upstream:
         app = build_proxy(proxy_config(redis_url, upstream, upstream_timeout_s=0.2))
         with running_server(app) as url, pytest.raises(openai.APIStatusError) as raised:
             _chat(url, "slow-1")
