@@ -17,6 +17,7 @@ __all__ = (
     "AssemblerSettings",
     "ConnectionSettings",
     "LedgerSettings",
+    "ProxySettings",
     "ReaderSettings",
     "SinkSettings",
     "SourceSettings",
@@ -148,3 +149,41 @@ class ReaderSettings(_GroupConsumerSettings):
     group_failure_policy: Literal["deliver_rest", "drop_group"] = "deliver_rest"
     """A group with a failed, poisoned or stale member: deliver the trainable rest (``failed`` lists the others)
     or acknowledge every member and deliver nothing (counted as dropped)."""
+
+
+class ProxySettings(BaseModel):
+    """Settings of the capture proxy (:mod:`worker.http.proxy`; the ``staging-sink proxy`` flags)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    upstream_url: str = Field(min_length=1)
+    """The inference server, e.g. ``http://vllm:8000``."""
+    redis_url: str = ""
+    """The worker side (staging sink, and the source for ``staging_chain`` prefixes): ACL user ``worker``."""
+    gate_redis_url: str = ""
+    """The gate side (capture ledger, ``finished`` events): ACL user ``gate``; default ``redis_url``."""
+    namespace: str = Field(default=DEFAULT_NAMESPACE, pattern=r"^[A-Za-z0-9._-]+$")
+    cluster: bool = False
+    """The URLs are nodes of a Redis/Valkey Cluster."""
+    upstream_kind: Literal["vllm", "nemo-rl"] = "vllm"
+    """``vllm``: a stock vLLM (>= 0.10.2) OpenAI server; ``nemo-rl``: an engine honouring
+    ``required_prefix_token_ids``."""
+    capture: bool = True
+    """``False``: a bare forwarding proxy (no Redis at all)."""
+    fail_closed: bool = False
+    """Answer 503 for a call that cannot be captured (default: serve it, the rollout is poisoned)."""
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    redis_timeout_s: float = Field(default=5.0, gt=0)
+    """Connect and command timeout of the proxy's Redis clients."""
+    max_request_bytes: int = Field(default=64 * _MIB, ge=1)
+    max_response_bytes: int = Field(default=64 * _MIB, ge=1)
+    """A larger upstream response is served but not captured."""
+    weight_version: int = Field(default=0, ge=0)
+    """The policy weight version stamped on every call."""
+    durability: Literal["fsync", "none"] = "fsync"
+
+    @model_validator(mode="after")
+    def _check_capture_has_a_store(self) -> ProxySettings:
+        if self.capture and not self.redis_url:
+            raise ValueError("capture needs redis_url")
+        return self

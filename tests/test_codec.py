@@ -260,8 +260,6 @@ def test_a_foreign_context_value_is_not_trusted() -> None:
 # --- malformed, truncated, oversized, tampered -------------------------------------
 
 
-
-
 def test_every_single_byte_flip_is_rejected_or_harmless() -> None:
     record, blob = small_blob()
     for position in range(len(blob)):

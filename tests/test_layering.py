@@ -44,7 +44,11 @@ def _runtime_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
     for node in tree.body:
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING") or isinstance(node, ast.Try):
+        elif (
+            isinstance(node, ast.If)
+            and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+            or isinstance(node, ast.Try)
+        ):
             yield from (n for n in node.body if isinstance(n, ast.Import | ast.ImportFrom))
 
 

@@ -327,11 +327,7 @@ def test_sink_never_imports_worker_at_import_time() -> None:
     import subprocess
     import sys
 
-    modules = [
-        info.name
-        for info in pkgutil.walk_packages(sink.__path__, "sink.")
-        if info.name != "sink.__main__"
-    ]
+    modules = [info.name for info in pkgutil.walk_packages(sink.__path__, "sink.") if info.name != "sink.__main__"]
     script = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"

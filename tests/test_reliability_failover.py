@@ -40,6 +40,8 @@ STAGE_BOUND_S = 20.0
 RECOVERY_BOUND_S = 30.0
 _FAST_SYNC = {"repl-diskless-sync-delay": "0"}
 """A replica's first full sync starts at once instead of after the default 5 s delay."""
+
+
 def _wait_link_up(primary: DurableServer, replica: DurableServer, timeout_s: float = 10.0) -> None:
     """Wait until the replica is linked *and* acknowledges writes (``WAIT 1`` answers 1)."""
     deadline = time.monotonic() + timeout_s

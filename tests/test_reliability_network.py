@@ -40,6 +40,8 @@ STAGES_PER_TASK = 6
 COMMAND_TIMEOUT_S = 0.3
 STAGE_BOUND_S = 10.0
 RETRY_ATTEMPTS = 5
+
+
 class _Timeouts(TypedDict):
     connect_timeout_s: float
     command_timeout_s: float

@@ -177,7 +177,6 @@ def test_constructor_type_checks() -> None:
         RolloutTokenCapture(sink=MemoryStagingStore(), weight_version_fn=lambda: 1, source=object())
 
 
-
 # --- completion discipline -----------------------------------------------------------
 
 

@@ -203,4 +203,3 @@ def test_fail_call_and_fail_admission_shapes() -> None:
     assert capture.fail_admission(root_admission("c5"), reason="no begin").model_dump() == expected_failed(
         root_admission("c5"), 11
     )
-

@@ -11,6 +11,7 @@ from sink.errors import StagingError
 
 __all__ = (
     "CaptureError",
+    "EnginePayloadError",
     "GenerationCutError",
     "PrefixResolutionError",
     "StreamingUnsupportedError",
@@ -41,6 +42,12 @@ class PrefixResolutionError(StagingError):
     mismatch, or a chain or cumulative hash that does not link. ``begin_call``
     catches it: the call is then served uncaptured and acknowledged with
     failed coordinates."""
+
+
+class EnginePayloadError(StagingError, ValueError):
+    """Raised by the OpenAI-shape adapters (:mod:`worker.openai_adapters`) when an engine response lacks a token
+    field or holds a malformed one. The capture turns it into failed coordinates; the completion is still served
+    (contract INV-4). The message names the field."""
 
 
 class WorkersFailedError(StagingError):

@@ -327,6 +327,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         gate_url_default=env.get(ENV_GATE_REDIS_URL) or None,
     )
     redis = _redis_options(env, url_help=f"server URL (default: ${ENV_REDIS_URL})")
+    from worker.http.cli import add_http_parsers  # the proxy and the HTTP engine (the `proxy` extra)
+
+    add_http_parsers(commands, redis)
     _add_server_command(commands)
     _add_stats_command(commands, redis)
     _add_service_commands(commands, redis)

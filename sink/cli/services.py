@@ -56,8 +56,9 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("codec", "stage", "worker", "assembly", "trainer")
-"""``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)`` (``worker``: ``worker.bench``)."""
+BENCHMARKS = ("codec", "stage", "worker", "assembly", "trainer", "proxy")
+"""``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)`` (``worker``: ``worker.bench``; ``proxy``:
+``worker.http.bench``)."""
 _PULL_BLOCK_MS = 1000
 
 
@@ -237,7 +238,7 @@ def bench_command(name: str, argv: Sequence[str]) -> int:
     if name not in BENCHMARKS:
         raise CommandError(f"unknown benchmark {name!r}: choose one of {', '.join(BENCHMARKS)}", exit_code=EXIT_USAGE)
     # The worker benchmark lives with the worker package (sink never imports worker outside the CLI).
-    module_name = "worker.bench" if name == "worker" else f"sink.bench.{name}"
+    module_name = {"worker": "worker.bench", "proxy": "worker.http.bench"}.get(name, f"sink.bench.{name}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

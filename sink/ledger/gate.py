@@ -22,6 +22,7 @@ from ..errors import RolloutRetiredError
 from ..fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 from ..records import (
     INVALID_COMMIT_COORDS_REASON,
+    UNCOMMITTED_CALL_REASON,
     UNRESOLVED_PARENT_REASON,
     WORKER_CAPTURE_FAILED_REASON,
     WORKER_MISSING_COMMIT_COORDS_REASON,
@@ -154,6 +155,13 @@ class CaptureGate:
             await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
             return None
         return row
+
+    async def abandon(self, admission: CaptureAdmission) -> None:
+        """Record an admitted call that ended without coordinates (contract §6.6 commit step 12).
+
+        :raises StagingError: the ledger could not be written.
+        """
+        await self._ledger.record_failure(admission.rollout_id, admission.model_call_id, UNCOMMITTED_CALL_REASON)
 
     @staticmethod
     def _call_record(

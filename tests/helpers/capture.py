@@ -153,4 +153,3 @@ def run_three_calls(capture: RolloutTokenCapture, *, by_reference: bool = False)
         generated_logprobs=GRAND_LPS,
     )
     return [root, child, grand]
-

@@ -155,4 +155,3 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 def small_blob() -> tuple[StagedCallRecord, bytes]:
     record = record_of([7, 2**31 + 5, 9], [-0.0, 1.0, 1.0], [0.0, -0.5, f32(-1 / 3)], extras={"a": [1, 1.5, "x"]})
     return record, encode_record(record)
-

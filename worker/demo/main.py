@@ -168,6 +168,12 @@ def add_demo_parser(commands: Any, redis_options: argparse.ArgumentParser, *, ga
     )
     demo.add_argument("--server-binary", help="server binary for the embedded server (default: found on PATH)")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    demo.add_argument(
+        "--http",
+        action="store_true",
+        help="run the agents as HTTP clients through the capture proxy to the simulated engine over HTTP "
+        "(needs the proxy extra); --inject-failures rollouts edit their history and must be skipped",
+    )
     demo.set_defaults(handler=run_demo_command)
 
 
@@ -339,6 +345,10 @@ async def _remove_namespace(target: RedisTarget) -> int:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     """The ``demo`` handler: start the embedded server unless ``--redis-url`` is given, run, summarize."""
+    if args.http:
+        from worker.http.demo import http_demo_command  # the proxy extra, loaded only for --http
+
+        return http_demo_command(args)
     options = DemoOptions(
         rollouts=args.rollouts, turns=args.turns, tokens=args.tokens, workers=args.workers,
         concurrency=args.concurrency, seed=args.seed, inject_failures=args.inject_failures, shards=args.shards,

@@ -1,0 +1,105 @@
+"""Helpers of the capture-proxy tests: engine and proxy servers, an openai-client agent, ledger and reader reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import httpx
+import openai
+
+from sink.ledger.redis import RedisCaptureLedger
+from sink.pulled import PulledRollout
+from sink.reader import RolloutReader
+from sink.records import RolloutManifest
+from sink.settings import ProxySettings
+from tests.helpers.e2e import pull_until, running_assembler
+from worker.engine import IM_END
+from worker.http.engine_app import EngineApp
+
+__all__ = (
+    "SYSTEM",
+    "client_for",
+    "close_clients",
+    "expected_ids",
+    "finish",
+    "manifest",
+    "proxy_config",
+    "pull",
+    "run_agent",
+)
+
+SYSTEM = {"role": "system", "content": "You are a careful agent."}
+
+
+def proxy_config(redis_url: str, upstream: str, **fields: Any) -> ProxySettings:
+    return ProxySettings(upstream_url=upstream, redis_url=redis_url, **{"redis_timeout_s": 2.0, **fields})
+
+
+_OPEN_CLIENTS: list[openai.OpenAI] = []
+
+
+def client_for(base: str, rollout_id: str | None = None) -> openai.OpenAI:
+    """An openai client on *base* (the rollout's route when given); :func:`close_clients` closes it."""
+    path = f"/r/{rollout_id}/v1" if rollout_id else "/v1"
+    client = openai.OpenAI(base_url=base + path, api_key="unused", max_retries=0, timeout=20)
+    _OPEN_CLIENTS.append(client)
+    return client
+
+
+def close_clients() -> None:
+    """Close every client :func:`client_for` made so far (each test module's autouse fixture calls it)."""
+    while _OPEN_CLIENTS:
+        _OPEN_CLIENTS.pop().close()
+
+
+def run_agent(bases: list[str], rollout_id: str, turns: int) -> tuple[list[dict[str, Any]], str]:
+    """A multi-turn agent whose calls alternate over *bases*; returns the final conversation and last response id."""
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": f"task {rollout_id}"}]
+    last_id = ""
+    for turn in range(turns):
+        client = client_for(bases[turn % len(bases)], rollout_id)
+        completion = client.chat.completions.create(
+            model="simulated",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=12,
+            extra_body={"min_tokens": 4},
+        )
+        choice = completion.choices[0]
+        assert choice.logprobs is None and completion.model_extra is not None
+        assert "prompt_token_ids" not in completion.model_extra
+        assert "token_ids" not in (choice.model_extra or {})
+        messages.append({"role": "assistant", "content": choice.message.content})
+        messages.append({"role": "tool", "content": f"result {turn}", "tool_call_id": f"t{turn}"})
+        last_id = completion.id
+    return messages[:-1], last_id
+
+
+def finish(base: str, rollout_id: str, reward: float, response_id: str) -> None:
+    answer = httpx.post(f"{base}/r/{rollout_id}/finished", json={"reward": reward, "declared_response_id": response_id})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["rollout_id"] == rollout_id
+
+
+def pull(redis_url: str, count: int) -> list[PulledRollout]:
+    async def main() -> list[PulledRollout]:
+        async with running_assembler(redis_url, block_ms=50), RolloutReader.from_url(redis_url) as reader:
+            pulled = await pull_until(reader, count)
+            await reader.ack([item.rollout_id for item in pulled])
+            return pulled
+
+    return anyio.run(main)
+
+
+def manifest(redis_url: str, rollout_id: str) -> RolloutManifest:
+    async def main() -> RolloutManifest:
+        async with RedisCaptureLedger.from_url(redis_url) as ledger:
+            return await ledger.manifest(rollout_id)
+
+    return anyio.run(main)
+
+
+def expected_ids(app: EngineApp, conversation: list[dict[str, Any]]) -> list[int]:
+    """The exact sequence of the last call: its prompt rendered by the engine, then its generation."""
+    *prompt_items, last = conversation
+    return app.render(prompt_items) + app.engine.tokenizer.encode(last["content"]) + [IM_END]

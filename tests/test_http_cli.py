@@ -1,0 +1,110 @@
+"""``staging-sink engine`` and ``staging-sink proxy`` as real processes: two proxy processes (one of them with
+``--workers 2``) serve one rollout's calls alternately and produce one valid chain."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sink.cli.main import main
+from tests.helpers.proxy import close_clients, finish, manifest, pull, run_agent
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _clients() -> Iterator[None]:
+    """Every openai client of the test is closed at its end."""
+    yield
+    close_clients()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _command(*args: str, health: str) -> Iterator[subprocess.Popen[bytes]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sink", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(health, timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the command did not come up"
+            time.sleep(0.1)
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+        if process.stderr is not None:
+            process.stderr.close()
+
+
+@pytest.mark.slow
+def test_two_proxy_processes_one_chain(redis_url: str) -> None:
+    engine_port, one_port, two_port = _free_port(), _free_port(), _free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    proxy = ("proxy", "--upstream", engine, "--redis-url", redis_url)
+    with (
+        _command("engine", "--port", str(engine_port), "--seed", "5", health=f"{engine}/health"),
+        _command(*proxy, "--port", str(one_port), health=f"http://127.0.0.1:{one_port}/health"),
+        _command(*proxy, "--port", str(two_port), "--workers", "2", health=f"http://127.0.0.1:{two_port}/health"),
+    ):
+        bases = [f"http://127.0.0.1:{one_port}", f"http://127.0.0.1:{two_port}"]
+        _, last_id = run_agent(bases, "cli-1", turns=4)
+        finish(bases[1], "cli-1", 1.0, last_id)
+        metrics = httpx.get(f"{bases[0]}/staging-sink/metrics").text
+    shown = manifest(redis_url, "cli-1")
+    assert len(shown.records) == 4 and not shown.failures
+    assert [r.parent_call_id for r in shown.records][1:] == [r.model_call_id for r in shown.records][:-1]
+    [pulled] = pull(redis_url, 1)
+    assert pulled.row is not None
+    assert 'staging_proxy_calls_total{outcome="captured"} 2.0' in metrics
+
+
+def test_proxy_needs_a_redis_url(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STAGING_SINK_REDIS_URL", raising=False)
+    assert main(["proxy", "--upstream", "http://127.0.0.1:1"]) == 2
+    assert "needs --redis-url" in capsys.readouterr().err
+
+
+def test_proxy_settings_are_validated(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["proxy", "--upstream", "http://127.0.0.1:1", "--redis-url", "redis://127.0.0.1:1"]
+    assert main([*argv, "--weight-version", "-1"]) == 2
+    assert "weight_version" in capsys.readouterr().err
+
+
+def test_the_cli_works_without_the_proxy_extra() -> None:
+    """A clone installed without the ``proxy`` extra still runs every other command; proxy/engine say what is missing."""
+    script = (
+        "import sys\n"
+        "for name in ('orjson', 'httpx', 'uvicorn', 'openai'): sys.modules[name] = None\n"
+        "from sink.cli.main import main\n"
+        "sys.exit(main(['engine']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 1
+    assert "install the proxy extra" in done.stderr and "Traceback" not in done.stderr

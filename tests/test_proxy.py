@@ -1,0 +1,137 @@
+"""The capture proxy end to end: the official openai client -> proxy (uvicorn) -> HTTP engine (uvicorn) -> Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from sink.cluster import LocalCluster
+from sink.keys import DEFAULT_NAMESPACE
+from sink.settings import ProxySettings
+from tests.helpers.acl import start_acl_server
+from tests.helpers.proxy import (
+    client_for,
+    close_clients,
+    expected_ids,
+    finish,
+    manifest,
+    proxy_config,
+    pull,
+    run_agent,
+)
+from worker.http.engine_app import EngineApp, EngineOptions
+from worker.http.proxy import build_proxy
+from worker.http.serve import running_server
+
+
+@pytest.fixture(autouse=True)
+def _clients() -> Iterator[None]:
+    """Every openai client of the test is closed at its end."""
+    yield
+    close_clients()
+
+
+@pytest.fixture
+def engine() -> Iterator[tuple[EngineApp, str]]:
+    app = EngineApp(EngineOptions(seed=7))
+    with running_server(app) as url:
+        yield app, url
+
+
+@pytest.fixture
+def proxy(redis_url: str, engine: tuple[EngineApp, str]) -> Iterator[str]:
+    with running_server(build_proxy(proxy_config(redis_url, engine[1]))) as url:
+        yield url
+
+
+def test_rollout_through_proxy_is_pulled_and_verified(
+    redis_url: str, engine: tuple[EngineApp, str], proxy: str
+) -> None:
+    app, _ = engine
+    conversation, last_id = run_agent([proxy], "proxy-r1", turns=3)
+    finish(proxy, "proxy-r1", 1.0, last_id)
+    [pulled] = pull(redis_url, 1)
+    assert pulled.row is not None, pulled.skip_reason
+    assert list(pulled.row.token_ids) == expected_ids(app, conversation)
+    assert pulled.receipt.capture_poisoned is False
+    assert sum(pulled.row.token_mask) == sum(
+        len(app.engine.tokenizer.encode(m["content"])) + 1 for m in conversation if m["role"] == "assistant"
+    )
+
+
+def test_two_proxies_serve_one_rollout_alternately(redis_url: str, engine: tuple[EngineApp, str]) -> None:
+    app, upstream = engine
+    with (
+        running_server(build_proxy(proxy_config(redis_url, upstream))) as one,
+        running_server(build_proxy(proxy_config(redis_url, upstream))) as two,
+    ):
+        conversation, last_id = run_agent([one, two], "proxy-two", turns=4)
+        finish(two, "proxy-two", 0.5, last_id)
+    shown = manifest(redis_url, "proxy-two")
+    assert len(shown.records) == 4 and not shown.failures
+    assert [r.parent_call_id for r in shown.records][1:] == [r.model_call_id for r in shown.records][:-1]
+    [pulled] = pull(redis_url, 1)
+    assert pulled.row is not None and list(pulled.row.token_ids) == expected_ids(app, conversation)
+
+
+def test_requests_without_rollout_are_forwarded_uncaptured(redis_url: str, proxy: str) -> None:
+    completion = client_for(proxy).chat.completions.create(
+        model="simulated", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert completion.choices[0].message.content is not None
+    models = client_for(proxy).models.list()
+    assert [m.id for m in models.data] == ["simulated"]
+    with redis.Redis.from_url(redis_url) as client:
+        assert not list(client.scan_iter(f"{DEFAULT_NAMESPACE}:*ledger*"))
+
+
+def test_proxy_with_least_privilege_users(server_binary: Path, tmp_path: Path) -> None:
+    """The proxy stages as ACL user ``worker`` and writes the ledger and done events as ``gate``."""
+    server = start_acl_server(server_binary, tmp_path)
+    with server, running_server(EngineApp(EngineOptions(seed=9))) as upstream:
+        config = ProxySettings(
+            upstream_url=upstream, redis_url=server.role_url("worker"), gate_redis_url=server.role_url("gate")
+        )
+        app = build_proxy(config)
+        with running_server(app) as url:
+            _, last_id = run_agent([url], "acl-1", turns=3)
+            finish(url, "acl-1", 1.0, last_id)
+        shown = manifest(server.role_url("gate"), "acl-1")
+    assert app.metrics.counts["captured"] == 3 and len(shown.records) == 3 and not shown.failures
+
+
+@pytest.mark.slow
+def test_proxy_on_a_cluster(cluster: LocalCluster) -> None:
+    with redis.RedisCluster.from_url(cluster.url) as client:
+        client.flushall(target_nodes=redis.RedisCluster.PRIMARIES)  # the cluster is shared by the session
+    with running_server(EngineApp(EngineOptions(seed=10))) as upstream:
+        app = build_proxy(ProxySettings(upstream_url=upstream, redis_url=cluster.url, cluster=True))
+        with running_server(app) as url:
+            for rollout_id in ("cl-1", "cl-2", "cl-3"):
+                _, last_id = run_agent([url], rollout_id, turns=2)
+                finish(url, rollout_id, 1.0, last_id)
+    assert app.metrics.counts == {"captured": 6, "uncaptured": 0, "capture_failed": 0}
+
+
+def test_bare_proxy_forwards_rollout_routes(engine: tuple[EngineApp, str]) -> None:
+    _, upstream = engine
+    with running_server(build_proxy(ProxySettings(upstream_url=upstream, capture=False))) as url:
+        completion = client_for(url, "bare-1").chat.completions.create(
+            model="simulated", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert completion.choices[0].message.content is not None
+        assert httpx.get(f"{url}/r/bad%20id/v1/models").status_code == 400
+
+
+def test_latency_and_bytes_metrics(proxy: str) -> None:
+    run_agent([proxy], "metrics-1", turns=2)
+    text = httpx.get(f"{proxy}/staging-sink/metrics").text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(samples["staging_proxy_upstream_seconds_count"]) == 2.0
+    assert float(samples["staging_proxy_stage_seconds_count"]) == 2.0
+    assert float(samples["staging_proxy_stage_seconds_sum"]) > 0
+    assert float(samples["staging_proxy_response_bytes_total"]) > 100

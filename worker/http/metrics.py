@@ -1,0 +1,89 @@
+"""Counters and latencies of the capture proxy.
+
+:class:`ProxyMetrics` always counts in plain attributes (tests and the summary line read them); when
+``prometheus_client`` is installed (the ``metrics`` extra) it also feeds collectors in its own
+``CollectorRegistry``, served by the proxy at ``GET /staging-sink/metrics``:
+
+* ``staging_proxy_calls_total{outcome=captured|uncaptured|capture_failed}``
+* ``staging_proxy_upstream_seconds`` and ``staging_proxy_stage_seconds`` (histograms)
+* ``staging_proxy_response_bytes_total``
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ("OUTCOMES", "Outcome", "ProxyMetrics")
+
+Outcome = Literal["captured", "uncaptured", "capture_failed"]
+OUTCOMES: tuple[Outcome, ...] = ("captured", "uncaptured", "capture_failed")
+_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class ProxyMetrics:
+    """Per-process proxy counters (and Prometheus collectors when available)."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    response_bytes: int = 0
+    upstream_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    stage_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    _prom: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            prometheus = importlib.import_module("prometheus_client")
+        except ImportError:
+            return
+        registry = prometheus.CollectorRegistry()
+        self._prom = {
+            "module": prometheus,
+            "registry": registry,
+            "calls": prometheus.Counter(
+                "staging_proxy_calls", "Calls seen by the capture proxy", ["outcome"], registry=registry
+            ),
+            "upstream": prometheus.Histogram(
+                "staging_proxy_upstream_seconds", "Upstream latency", buckets=_BUCKETS_S, registry=registry
+            ),
+            "stage": prometheus.Histogram(
+                "staging_proxy_stage_seconds",
+                "Capture (stage and commit) latency",
+                buckets=_BUCKETS_S,
+                registry=registry,
+            ),
+            "bytes": prometheus.Counter(
+                "staging_proxy_response_bytes", "Response bytes served to clients", registry=registry
+            ),
+        }
+
+    def count(self, outcome: Outcome) -> None:
+        """Count one call with *outcome*."""
+        self.counts[outcome] += 1
+        if self._prom:
+            self._prom["calls"].labels(outcome=outcome).inc()
+
+    def observe(self, *, upstream_s: float | None = None, stage_s: float | None = None, nbytes: int = 0) -> None:
+        """Record latencies and served bytes (the deques keep the last 10,000 samples)."""
+        if upstream_s is not None:
+            self.upstream_seconds.append(upstream_s)
+            if self._prom:
+                self._prom["upstream"].observe(upstream_s)
+        if stage_s is not None:
+            self.stage_seconds.append(stage_s)
+            if self._prom:
+                self._prom["stage"].observe(stage_s)
+        self.response_bytes += nbytes
+        if self._prom and nbytes:
+            self._prom["bytes"].inc(nbytes)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format (without ``prometheus_client``: ``name value`` lines of the counters)."""
+        if self._prom:
+            data: bytes = self._prom["module"].generate_latest(self._prom["registry"])
+            return data
+        lines = [f'staging_proxy_calls_total{{outcome="{name}"}} {value}' for name, value in self.counts.items()]
+        lines.append(f"staging_proxy_response_bytes_total {self.response_bytes}")
+        return ("\n".join(lines) + "\n").encode()
