@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import redis
 
 from sink.cli.main import main
 from worker.http.bench import PathResult, format_report
@@ -36,7 +37,12 @@ def test_tiny_benchmark_run(redis_url: str, capsys: pytest.CaptureFixture[str]) 
         "--stage-samples",
         "3",
     ]
-    assert main([*argv, "--redis-url", redis_url]) == 0
+    with redis.Redis.from_url(redis_url) as client:
+        client.set("other-ns:{r}:receipt", b"keep me")
+        assert main([*argv, "--redis-url", redis_url]) == 0
+        # Only its own namespace was written, and all of it was deleted: another namespace's key is untouched.
+        assert sorted(client.scan_iter()) == [b"other-ns:{r}:receipt"]
+        assert client.get("other-ns:{r}:receipt") == b"keep me"
     out = capsys.readouterr().out
     assert "capture/bare calls/s at" not in out  # no 16-client row was asked for
     assert "added p50 at 1 client" in out

@@ -29,7 +29,8 @@ import anyio
 import httpx
 import orjson
 
-from sink.bench import on_server
+from sink.bench import BenchNamespace, on_server
+from sink.errors import BenchmarkNamespaceInUseError
 from sink.records import CaptureAdmission
 from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
@@ -128,10 +129,10 @@ async def _drive(base: str, path: str, clients: int, calls: int, tokens: int, ru
     return PathResult(path, clients, len(latencies), seconds, latencies, errors)
 
 
-async def _stage_p50_ms(url: str, tokens: int, samples: int) -> float:
+async def _stage_p50_ms(url: str, namespace: str, tokens: int, samples: int) -> float:
     """The sink's own stage latency p50 for one 2,048-token root record (sequential)."""
     durations: list[float] = []
-    async with AsyncRedisStagingSink.from_url(url, namespace=f"bench-stage-{uuid.uuid4().hex[:8]}") as sink:
+    async with AsyncRedisStagingSink.from_url(url, namespace=namespace) as sink:
         capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 0)
         for index in range(samples):
             admission = CaptureAdmission(rollout_id=f"stage-{index}", model_call_id="c", mode="text")
@@ -170,11 +171,11 @@ def format_report(results: list[PathResult], stage_p50_ms: float, tokens: int) -
     return "\n".join(lines)
 
 
-def _run(url: str, server: DurableServer | None, args: argparse.Namespace) -> list[PathResult]:
+def _run(url: str, namespace: str, args: argparse.Namespace) -> list[PathResult]:
     engine_port, bare_port, capture_port = _free_port(), _free_port(), _free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     bases = {"direct": engine, "bare": f"http://127.0.0.1:{bare_port}", "capture": f"http://127.0.0.1:{capture_port}"}
-    proxy = ["proxy", "--upstream", engine, "--redis-url", url, "--namespace", f"bench-{uuid.uuid4().hex[:8]}"]
+    proxy = ["proxy", "--upstream", engine, "--redis-url", url, "--namespace", namespace]
     results: list[PathResult] = []
     run = uuid.uuid4().hex[:8]
     with (
@@ -198,9 +199,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--redis-url", default=None, help="default: a private durable server")
     args = parser.parse_args(argv)
 
-    def run(url: str, server: DurableServer | None) -> tuple[list[PathResult], float]:
-        stage_p50 = anyio.run(_stage_p50_ms, url, args.tokens, args.stage_samples)
-        return _run(url, server, args), stage_p50
+    def run(url: str, _server: DurableServer | None) -> tuple[list[PathResult], float]:
+        # Every key goes under a fresh namespace of the benchmark's own, deleted at the end (also after an
+        # error); a namespace that already has keys is refused, as for every benchmark (sink.bench).
+        space = BenchNamespace(url=url, namespace=f"stg-bench-proxy-{uuid.uuid4().hex[:8]}")
+        if (found := anyio.run(space.first_key)) is not None:
+            raise BenchmarkNamespaceInUseError(f"benchmark namespace {space.namespace!r} has a key: {found!r}")
+        try:
+            stage_p50 = anyio.run(_stage_p50_ms, url, space.namespace, args.tokens, args.stage_samples)
+            return _run(url, space.namespace, args), stage_p50
+        finally:
+            anyio.run(space.clear)
 
     results, stage_p50 = on_server(args.redis_url, run)
     sys.stdout.write(format_report(results, stage_p50, args.tokens) + "\n")
