@@ -1,4 +1,5 @@
-# The staging-sink services of docker-compose.yml (assembler, demo worker, trainer, metrics exporter).
+# The staging-sink services of docker-compose.yml (assembler, demo worker, trainer, metrics exporter, capture
+# proxy and its simulated engine).
 # Pinned base image; .dockerignore keeps .git, .env, deploy/users.acl, caches and tests out of the context.
 FROM python:3.11.9-slim
 
@@ -7,7 +8,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY sink ./sink
 COPY worker ./worker
-RUN pip install ".[metrics]" \
+RUN pip install ".[metrics,proxy]" \
     && useradd --system --uid 10001 --no-create-home staging
 USER staging
 CMD ["staging-sink", "--help"]

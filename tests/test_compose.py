@@ -29,15 +29,23 @@ ACL_EXAMPLE = ROOT / "deploy" / "users.acl.example"
 
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-COMPOSE_SUBCOMMANDS = ("assembler", "demo", "trainer", "metrics")
+COMPOSE_SUBCOMMANDS = ("assembler", "demo", "trainer", "metrics", "proxy")
 """The ``staging-sink`` subcommands docker-compose.yml runs; the CLI must provide each of them."""
-SERVICE_ROLES = {"assembler": "assembler", "demo-worker": "worker", "trainer": "trainer", "metrics": "ops"}
+SERVICE_ROLES = {
+    "assembler": "assembler",
+    "demo-worker": "worker",
+    "trainer": "trainer",
+    "metrics": "ops",
+    "capture-proxy": "worker",
+}
 """Which ACL user each application service logs in as."""
 PROFILES = {
     "demo-worker": ["demo"],
     "trainer": ["reference-trainer"],
     "prometheus": ["monitoring"],
     "grafana": ["monitoring"],
+    "capture-proxy": ["proxy"],
+    "engine": ["proxy"],
 }
 """Services that start only with their profile: the demo worker and the reference trainer never compete with a
 real trainer, and monitoring is opt-in."""
@@ -67,7 +75,7 @@ def valkey_conf() -> dict[str, str]:
 
 def test_the_compose_file_defines_the_stack() -> None:
     services = compose()["services"]
-    assert set(services) == {"valkey", *SERVICE_ROLES, "prometheus", "grafana"}
+    assert set(services) == {"valkey", *SERVICE_ROLES, "prometheus", "grafana", "engine"}
     for name, service in services.items():
         if name != "grafana":  # grafana's image runs its server by default
             assert command_words(service), f"service {name} has no command"
@@ -145,9 +153,10 @@ def test_each_application_service_runs_a_known_subcommand_as_its_role(name: str)
     role = SERVICE_ROLES[name]
     assert role in ROLE_NAMES
     assert url.startswith(f"redis://{role}:${{{password_env_var(role)}:?") and url.endswith("@valkey:6379")
-    if name == "demo-worker":  # the demo also plays the gate, which has its own user
+    if name in ("demo-worker", "capture-proxy"):  # both also play the gate, which has its own user
         gate_url = service["environment"]["STAGING_SINK_GATE_REDIS_URL"]
         assert gate_url.startswith(f"redis://gate:${{{password_env_var('gate')}:?")
+    if name == "demo-worker":
         assert service["restart"] == "no"  # one step, then it exits: never restarted forever
 
 
@@ -157,7 +166,7 @@ def test_the_cli_reads_the_urls_compose_sets() -> None:
     env = {ENV_REDIS_URL: "redis://worker:pw@valkey:6379", ENV_GATE_REDIS_URL: "redis://gate:pw@valkey:6379"}
     demo = build_parser(env).parse_args(command_words(compose()["services"]["demo-worker"])[1:])
     assert (demo.redis_url, demo.gate_redis_url, demo.role) == (env[ENV_REDIS_URL], env[ENV_GATE_REDIS_URL], "worker")
-    for name in ("assembler", "trainer", "metrics"):
+    for name in ("assembler", "trainer", "metrics", "capture-proxy"):
         args = build_parser(env).parse_args(command_words(compose()["services"][name])[1:])
         assert args.redis_url == env[ENV_REDIS_URL], name
 
@@ -165,7 +174,7 @@ def test_the_cli_reads_the_urls_compose_sets() -> None:
 def test_the_dockerfile_installs_the_metrics_extra() -> None:
     text = DOCKERFILE.read_text()
     assert text.startswith("#") and "FROM python:3.11." in text
-    assert 'pip install ".[metrics]"' in text and "USER " in text
+    assert 'pip install ".[metrics,proxy]"' in text and "USER " in text
 
 
 def test_the_acl_example_is_rendered_from_the_role_table() -> None:
