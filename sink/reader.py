@@ -36,6 +36,7 @@ from redis.asyncio.cluster import RedisCluster
 from .held import HeldRollouts, claim_rounds
 from .held import entry_token as _token
 from .keys import claim_key, fence_key, receipts_stream
+from .ledger.ownership import keys_owned_by, ownership_problem
 from .ledger.redis import RedisCaptureLedger
 from .pulled import CORRUPT_RECORD, MISSING_RECORD, PulledRollout, fetch_and_verify, parse_receipt_entry
 from .records import RolloutReceipt, RolloutRemoval
@@ -61,6 +62,22 @@ logger = logging.getLogger(__name__)
 TRAINER_GROUP = "trainers"
 # pull() refreshes held rollouts when the last refresh is older than claim_idle_ms / this.
 _RENEWALS_PER_IDLE = 8
+
+
+def _own_keys(receipt: RolloutReceipt) -> list[str]:
+    """The manifest's keys under the rollout's own hash tag: the only keys its cleanup may delete."""
+    return keys_owned_by(receipt.rollout_id, [row.staging_key for row in receipt.manifest])
+
+
+def _foreign_row_skip(receipt: RolloutReceipt) -> PulledRollout | None:
+    """A skip when a manifest row names a key or capture key of another rollout (nothing is fetched)."""
+    if receipt.failure_reason is not None or receipt.capture_poisoned:
+        return None
+    for row in receipt.manifest:
+        problem = ownership_problem(receipt.rollout_id, row.staging_key, row.capture_key)
+        if problem is not None:
+            return PulledRollout(receipt=receipt, skip_code=problem[0], skip_reason=problem[1])
+    return None
 
 
 class ReaderStatistics(NamedTuple):
@@ -271,7 +288,7 @@ class RolloutReader(AsyncResource):
 
         async def build(index: int, receipt: RolloutReceipt) -> None:
             async with limiter:
-                results[index] = await fetch_and_verify(self._source, receipt)
+                results[index] = _foreign_row_skip(receipt) or await fetch_and_verify(self._source, receipt)
 
         async with anyio.create_task_group() as group:
             for index, (_entry, receipt) in enumerate(claimed):
@@ -333,7 +350,7 @@ class RolloutReader(AsyncResource):
         retired = reply[0] == CLAIM_RETIRED
         if retired:
             # Consumed (or given up) before: finish its cleanup idempotently, then drop.
-            await clear_staged(self._topology, self._ns, [row.staging_key for row in receipt.manifest])
+            await clear_staged(self._topology, self._ns, _own_keys(receipt))
             await self._release([(rollout_id, _token(entry))])
         logger.info(
             "reader %s dropped a duplicate receipt of %r (%s)",
@@ -363,7 +380,7 @@ class RolloutReader(AsyncResource):
         if not ids:
             return RolloutRemoval()
         removal = await self._ledger.retire(ids)
-        await clear_staged(self._topology, self._ns, [row.staging_key for h in held for row in h.receipt.manifest])
+        await clear_staged(self._topology, self._ns, [key for h in held for key in _own_keys(h.receipt)])
         await self._release([(h.receipt.rollout_id, h.token) for h in held])
         await self._consumer.ack([h.entry for h in held])
         self._held.release(ids)

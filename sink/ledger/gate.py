@@ -31,6 +31,7 @@ from ..records import (
     CommitCoords,
 )
 from .lineage import LineageResolution, LineageStatus
+from .ownership import is_call_staging_key
 
 __all__ = ("CaptureGate", "CaptureLedgerProtocol", "new_model_call_id")
 
@@ -124,6 +125,8 @@ class CaptureGate:
             parsed = coords if isinstance(coords, CommitCoords) else CommitCoords.model_validate(coords)
             if (parsed.rollout_id, parsed.model_call_id) != (rollout_id, call_id):
                 raise ValueError("coordinates name another call")
+            if parsed.staging_key is not None and not is_call_staging_key(parsed.staging_key, rollout_id, call_id):
+                raise ValueError(f"coordinates name staging key {parsed.staging_key!r}, not a key of this call")
         except (ValidationError, ValueError, TypeError) as exc:
             logger.warning("invalid commit coordinates for %s/%s: %s", rollout_id, call_id, exc)
             await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
