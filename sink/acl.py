@@ -156,13 +156,15 @@ _CONSUMER = (
 
 ROLE_POLICIES: Mapping[str, RolePolicy] = {
     "worker": RolePolicy(
-        "inference worker: stage records (one script: TYPE, GETRANGE, SET, XADD on rec + calls), verify the "
+        "inference worker: stage records (one script: TYPE, GETRANGE, SET, XADD on rec + calls; EXISTS fence: "
+        "a retired rollout refuses late stages), verify the "
         "server's durability (CONFIG GET, INFO), confirm writes (WAIT, WAITAOF), read prefix chains (MGET rec)",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof")),
-            Grant(_SCRIPTS, (_rw(_REC), _rw(_CALLS))),
+            Grant(_SCRIPTS, (_rw(_REC), _rw(_CALLS), _rw(_FENCE))),
             Grant(("type", "getrange", "set", "mget"), (_rw(_REC),)),
             Grant(("type", "xadd"), (_rw(_CALLS),)),
+            Grant(("exists",), (_ro(_FENCE),)),
         ),
     ),
     "gate": RolePolicy(
@@ -192,20 +194,22 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     "trainer": RolePolicy(
         "trainer: consume receipts, claim each rollout (script: GET, SET, DEL claimed; EXISTS fence), read "
         "staged records (MGET), then delete them and their calls entries (script: DEL, TYPE, XRANGE, XDEL, "
-        "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); dead-letter poison entries",
+        "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); delete rollouts so their ids are reusable "
+        "(``staging-sink delete``: DEL of every key under the rollout's hash tag, one key per DEL); dead-letter "
+        "poison entries",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", *_TRANSACTIONS)),
             Grant(
                 _SCRIPTS,
-                tuple(_rw(p) for p in (_REC, _CALLS, _LEDGER, _LEDGER_IDS, _FENCE, _CLAIMED, _RECEIPTS)),
+                tuple(_rw(p) for p in (_REC, _CALLS, _LEDGER, _LEDGER_IDS, _FENCE, _CLAIMED, _RECEIPT, _RECEIPTS)),
             ),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
-            Grant(("get",), (_ro(_RECEIPT),)),
+            Grant(("get", "del"), (_rw(_RECEIPT),)),
             Grant(("get", "set", "del", "exists"), (_rw(_CLAIMED),)),
             Grant(("get", "mget", "del"), (_rw(_REC),)),
             Grant(("type", "xrange", "xdel", "xlen", "del"), (_rw(_CALLS),)),
             Grant(("exists", "del"), (_rw(_LEDGER), _rw(_LEDGER_IDS))),
-            Grant(("exists", "set"), (_rw(_FENCE),)),
+            Grant(("exists", "set", "del"), (_rw(_FENCE),)),
             Grant(("xadd",), (_wo(_DEAD),)),
         ),
     ),

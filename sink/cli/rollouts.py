@@ -283,7 +283,11 @@ async def _remove(target: RedisTarget, rollout_ids: Sequence[str], *, verb: str,
         _write_json(removal.model_dump(mode="json"))
         return EXIT_OK
     console = stdout_console()
-    done = "retired (ledger removed, fence set)" if verb == "retire" else "deleted (ledger and fence removed)"
+    done = (
+        "retired (ledger removed, fence set)"
+        if verb == "retire"
+        else "deleted (every key of the rollout removed: the id is reusable)"
+    )
     absent = "no ledger rows; fenced anyway" if verb == "retire" else "no live ledger: nothing deleted"
     for rollout_id in removal.removed:
         console.print(f"{rollout_id}: {done}")
@@ -298,5 +302,6 @@ async def retire_rollouts(target: RedisTarget, rollout_ids: Sequence[str], *, as
 
 
 async def delete_rollouts(target: RedisTarget, rollout_ids: Sequence[str], *, as_json: bool) -> int:
-    """``staging-sink delete R...``: remove each rollout's ledger and fence, making the id reusable."""
+    """``staging-sink delete R...``: remove every key of each rollout (ledger, fence, receipt, claim, staged
+    records and their calls stream), making the id reusable."""
     return await _remove(target, rollout_ids, verb="delete", as_json=as_json)

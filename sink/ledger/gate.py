@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from ..errors import RolloutRetiredError
 from ..fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
+from ..keys import check_call_id
 from ..records import (
     INVALID_COMMIT_COORDS_REASON,
     UNRESOLVED_PARENT_REASON,
@@ -73,9 +74,10 @@ class CaptureGate:
         :returns: a ``text`` root or a by-reference ``token_in`` admission, or
             ``None`` when the call must be served uncaptured (retired rollout,
             or an unresolved parent, recorded as ``unresolved_parent``).
+        :raises InvalidCallIdError: *model_call_id* contains ``/cut/`` (it would collide with a cut key).
         :raises StagingError: the ledger could not be read (the request fails).
         """
-        call_id = model_call_id or new_model_call_id()
+        call_id = check_call_id(model_call_id or new_model_call_id())
         resolution = await self._ledger.resolve(rollout_id, request_items)
         if resolution.status is LineageStatus.ROOT:
             return CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text")

@@ -223,8 +223,10 @@ class CaptureLedger(AsyncResource):
         return await self._retire_ids(ids)
 
     async def delete(self, rollout_ids: Iterable[str]) -> RolloutRemoval:
-        """Remove each rollout's ledger and fence; the ids become reusable (contract §6.9).
+        """Remove each rollout's ledger and fence; the ids become reusable (contract §6.9). Atomic per id.
 
+        The Redis backend removes every key under the rollout's hash tag: also its receipt, trainer claim,
+        staged records and ``calls`` stream, so a reused id never meets the old run's receipt or records.
         ``removed``: had a live ledger; fence-only and unknown ids are ``absent``.
 
         :raises TypeError: *rollout_ids* is a bare ``str``/``bytes``.

@@ -45,6 +45,7 @@ class PendingStage:
     staging_key: str
     record_key: str
     calls_key: str
+    fence_key: str
     digest: str
     blob: bytes
     entry: tuple[str, ...]
@@ -141,7 +142,7 @@ class GroupCommitWriter:
             keys: list[str] = []
             args: list[Any] = [DIGEST_HEAD_BYTES, "1" if settings.min_replicas > 0 else "0"]
             for p in chunk:
-                keys += (p.record_key, p.calls_key)
+                keys += (p.record_key, p.calls_key, p.fence_key)
                 args += (p.digest, p.blob, *p.entry)
             STAGE_SCRIPT.queue(pipe, keys, args)
         if settings.min_replicas > 0:

@@ -42,6 +42,7 @@ __all__ = (
     "CLAIM_RETIRED",
     "CLAIM_SCRIPT",
     "CLEAR_SCRIPT",
+    "DELETE_STALE",
     "DONE",
     "HAS_ROWS_SCRIPT",
     "LEDGER_DELETE_SCRIPT",
@@ -54,6 +55,7 @@ __all__ = (
     "REMOVED",
     "RETIRE_CONSUMER_SCRIPT",
     "STAGE_CONFLICT",
+    "STAGE_RETIRED",
     "STAGE_SAME",
     "STAGE_SCRIPT",
     "STAGE_WRITTEN",
@@ -68,12 +70,15 @@ DONE: Final = 0
 """The script ran; its payload follows (clear, touch)."""
 REMOVED: Final = 1
 NOT_REMOVED: Final = 0
+DELETE_STALE: Final = 2
+"""The delete script's reply when the rollout's ``calls`` stream changed since it was read (nothing changed)."""
 """Removal scripts (ledger retire/delete, claim release, consumer retire): whether something was removed."""
 
 STAGE_WRITTEN: Final = 1
 STAGE_SAME: Final = 2
 STAGE_CONFLICT: Final = 0
 STAGE_WRONG_TYPE: Final = -1
+STAGE_RETIRED: Final = -2
 
 APPEND_APPENDED: Final = 0
 APPEND_DUPLICATE: Final = 1
@@ -94,10 +99,12 @@ _STATUS_CODES: Final = {
     "DONE": DONE,
     "REMOVED": REMOVED,
     "NOT_REMOVED": NOT_REMOVED,
+    "DELETE_STALE": DELETE_STALE,
     "STAGE_WRITTEN": STAGE_WRITTEN,
     "STAGE_SAME": STAGE_SAME,
     "STAGE_CONFLICT": STAGE_CONFLICT,
     "STAGE_WRONG_TYPE": STAGE_WRONG_TYPE,
+    "STAGE_RETIRED": STAGE_RETIRED,
     "APPEND_APPENDED": APPEND_APPENDED,
     "APPEND_DUPLICATE": APPEND_DUPLICATE,
     "APPEND_FENCED": APPEND_FENCED,
@@ -157,7 +164,10 @@ class ServerScript:
 # a write fail (wrong key types) runs in a first pass, before any write, so an
 # error can never leave a record without its ``calls`` entry or the reverse.
 #
-# KEYS: rec_1, calls_1, rec_2, calls_2, ...
+# A rollout whose retire fence is set (consumed, or retired by an operator) refuses
+# the write: a late stage must not leave records that nothing would ever delete.
+#
+# KEYS: rec_1, calls_1, fence_1, rec_2, calls_2, fence_2, ...
 # ARGV: head_bytes, rewrite_present ('1' or '0'), then per record: digest, blob, then the values of
 # CALLS_ENTRY_FIELDS. The codec places the digest inside the first head_bytes
 # bytes of every blob, so an existing record's digest is compared with
@@ -168,14 +178,16 @@ local nfields = #field_names
 local head_len = tonumber(ARGV[1])
 local rewrite_present = ARGV[2] == '1'
 local per = 2 + nfields
-local n = #KEYS / 2
+local n = #KEYS / 3
 local status = {}
 -- pass 1, no writes: anything that could fail a write fails here
 for i = 1, n do
-  local rec_type = redis.call('TYPE', KEYS[2 * i - 1])['ok']
-  local calls_type = redis.call('TYPE', KEYS[2 * i])['ok']
+  local rec_type = redis.call('TYPE', KEYS[3 * i - 2])['ok']
+  local calls_type = redis.call('TYPE', KEYS[3 * i - 1])['ok']
   if (rec_type ~= 'none' and rec_type ~= 'string') or (calls_type ~= 'none' and calls_type ~= 'stream') then
     status[i] = $STAGE_WRONG_TYPE
+  elseif redis.call('EXISTS', KEYS[3 * i]) == 1 then
+    status[i] = $STAGE_RETIRED
   end
 end
 -- pass 2: write absent records with their calls entry; compare present ones
@@ -183,22 +195,22 @@ for i = 1, n do
   if status[i] == nil then
     local base = 2 + (i - 1) * per
     local digest = ARGV[base + 1]
-    local head = redis.call('GETRANGE', KEYS[2 * i - 1], 0, head_len - 1)
+    local head = redis.call('GETRANGE', KEYS[3 * i - 2], 0, head_len - 1)
     if head == '' then
-      redis.call('SET', KEYS[2 * i - 1], ARGV[base + 2])
+      redis.call('SET', KEYS[3 * i - 2], ARGV[base + 2])
       local entry = {}
       for f = 1, nfields do
         entry[2 * f - 1] = field_names[f]
         entry[2 * f] = ARGV[base + 2 + f]
       end
-      redis.call('XADD', KEYS[2 * i], '*', unpack(entry))
+      redis.call('XADD', KEYS[3 * i - 1], '*', unpack(entry))
       status[i] = $STAGE_WRITTEN
     elseif string.find(head, digest, 1, true) then
       -- Same record. When replicas must confirm, write it again (same content by
       -- digest) so this connection's WAIT covers a write the replica must have,
       -- not just whatever this connection wrote last.
       if rewrite_present then
-        redis.call('SET', KEYS[2 * i - 1], ARGV[base + 2])
+        redis.call('SET', KEYS[3 * i - 2], ARGV[base + 2])
       end
       status[i] = $STAGE_SAME
     else
@@ -281,22 +293,36 @@ return {$LEDGER_OPEN, redis.call('EXISTS', KEYS[1])}
 # KEYS: ledger stream, ids hash, fence. ARGV: fence value.
 # Returns {REMOVED} when a live ledger was removed, {NOT_REMOVED} otherwise
 # (never started or already retired). Either way the fence is in place afterwards.
+# One DEL per key: the generated ACL grants DEL on each key kind in its own
+# selector, and a multi-key DEL must be allowed by one selector for all its keys.
 LEDGER_RETIRE_SCRIPT: Final = ServerScript.from_template("""
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('DEL', KEYS[1], KEYS[2])
-  return {$NOT_REMOVED}
+local had_rows = 0
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  had_rows = redis.call('EXISTS', KEYS[1])
 end
-redis.call('SET', KEYS[3], ARGV[1])
-local had_rows = redis.call('EXISTS', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('SET', KEYS[3], ARGV[1])
+end
 if had_rows == 1 then return {$REMOVED} end
 return {$NOT_REMOVED}
 """)
 
-# KEYS: ledger stream, ids hash, fence. Returns {REMOVED} when a live ledger was removed.
+# Deleting a rollout makes its id reusable (contract §6.9): every key under its hash tag goes, in one
+# script, one DEL per key (see above).
+# KEYS: ledger stream, ids hash, fence, receipt, claim, calls stream, then the record keys the calls
+# stream named when the caller read it. ARGV: how many entries the calls stream had then.
+# Returns {DELETE_STALE} (nothing changed: a record was staged since; read the calls stream again),
+# or {REMOVED} when a live ledger was removed, {NOT_REMOVED} otherwise.
 LEDGER_DELETE_SCRIPT: Final = ServerScript.from_template("""
+local calls = 0
+if redis.call('TYPE', KEYS[6])['ok'] == 'stream' then calls = redis.call('XLEN', KEYS[6]) end
+if calls ~= tonumber(ARGV[1]) then return {$DELETE_STALE} end
 local had_rows = redis.call('EXISTS', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+for i = 1, #KEYS do
+  redis.call('DEL', KEYS[i])
+end
 if had_rows == 1 then return {$REMOVED} end
 return {$NOT_REMOVED}
 """)

@@ -30,17 +30,18 @@ from redis.asyncio.cluster import RedisCluster
 from ..codec import encode_record
 from ..digest import compute_extras_digest
 from ..errors import CodecError
-from ..keys import calls_stream, record_key, rollout_of_staging_key, validate_rollout_id
+from ..keys import calls_stream, check_call_id, fence_key, record_key, rollout_of_staging_key, validate_rollout_id
 from ..records import StagedCallRecord, StageResult
 from ..settings import SinkSettings
 from .commit import GroupCommitWriter, PendingStage
 from .connection import Topology, describe_redis_error, map_redis_errors
 from .durability import DurabilityMonitor
 from .resource import AsyncResource, PortalOwner, settings_or_fields
-from .scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_SAME, STAGE_WRITTEN
+from .scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_RETIRED, STAGE_SAME, STAGE_WRITTEN
 
 __all__ = (
     "CONFLICT_ERROR",
+    "RETIRED_ERROR",
     "AsyncRedisStagingSink",
     "RedisStagingSink",
     "SinkStatistics",
@@ -53,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 CONFLICT_ERROR = "conflicting staged record"
 """``StageResult.error`` when the key already holds a record with another digest (nothing was written)."""
+RETIRED_ERROR = "the rollout is retired (its ledger fence is set): a late stage is refused; nothing was written"
+"""``StageResult.error`` for a stage of a rollout that was consumed or retired (contract §6.9)."""
 _WRONG_TYPE_ERROR = "a key of this rollout holds a value of the wrong type; nothing was written"
 
 
@@ -257,6 +260,7 @@ class AsyncRedisStagingSink(AsyncResource):
             raise RuntimeError("the staging sink is not open: use 'async with sink:'")
         try:
             record = verified_record(record)
+            check_call_id(record.model_call_id)
             staging_key = record.staging_key + key_suffix
             validate_rollout_id(record.rollout_id)
             blob = encode_record(record)
@@ -274,6 +278,7 @@ class AsyncRedisStagingSink(AsyncResource):
             staging_key=staging_key,
             record_key=record_key(self._settings.namespace, staging_key),
             calls_key=calls_stream(self._settings.namespace, record.rollout_id),
+            fence_key=fence_key(self._settings.namespace, record.rollout_id),
             digest=record.digest,
             blob=blob,
             entry=(
@@ -306,6 +311,8 @@ class AsyncRedisStagingSink(AsyncResource):
         if status == STAGE_CONFLICT:
             self._counts["conflicts"] += 1
             error = CONFLICT_ERROR
+        elif status == STAGE_RETIRED:
+            error = RETIRED_ERROR
         elif status is not None and status not in (STAGE_WRITTEN, STAGE_SAME):
             error = _WRONG_TYPE_ERROR
         if status is None or error is not None:
