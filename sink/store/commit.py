@@ -23,7 +23,7 @@ from ..codec import DIGEST_HEAD_BYTES
 from ..records import StageResult
 from ..settings import SinkSettings
 from .connection import Topology, describe_redis_error
-from .durability import DurabilityMonitor
+from .durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address
 from .scripts import STAGE_SCRIPT
 
 __all__ = ("GroupCommitWriter", "PendingStage", "Settle")
@@ -150,12 +150,23 @@ class GroupCommitWriter:
         waitaof = self._durability.supports_waitaof
         if waitaof:
             pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
+        # The persistence settings, read back in the same round trip, after the writes: a configuration
+        # changed since the last check fails this batch, not one durability_check_interval_s later.
+        check_config = settings.durability == "fsync"
+        if check_config:
+            for name in REQUIRED_CONFIG:
+                pipe.config_get(name)  # one name per CONFIG GET: Redis 6.2 takes a single pattern
         replies = await pipe.execute(raise_on_error=False)
         for reply in replies:
             if isinstance(reply, redis_errors.NoScriptError):
                 raise reply
         script_replies = replies[: len(slot_items)]
         confirmation_error = self._confirmation_error(replies[len(slot_items) :], waitaof)
+        if check_config:
+            problem = config_problem(node_address(client), replies[len(replies) - len(REQUIRED_CONFIG) :])
+            if problem is not None:
+                self._durability.invalidate(problem)
+                confirmation_error = confirmation_error or problem
         topology_changed = False
         for chunk, reply in zip(slot_items, script_replies, strict=True):
             if isinstance(reply, BaseException):
