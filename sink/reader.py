@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Self
 
 import anyio
 import redis.asyncio as aioredis
+from pydantic import Field
 from redis.asyncio.cluster import RedisCluster
 
 from .held import HeldRollouts, claim_rounds
@@ -39,7 +40,7 @@ from .keys import claim_key, fence_key, receipts_stream
 from .ledger.ownership import keys_owned_by, ownership_problem
 from .ledger.redis import RedisCaptureLedger
 from .pulled import CORRUPT_RECORD, MISSING_RECORD, PulledRollout, fetch_and_verify, parse_receipt_entry
-from .records import RolloutReceipt, RolloutRemoval
+from .records import Identifier, RolloutReceipt, RolloutRemoval
 from .settings import ReaderSettings, SourceSettings
 from .store.connection import Topology, map_redis_errors
 from .store.resource import AsyncResource, settings_or_fields
@@ -52,6 +53,7 @@ __all__ = (
     "CORRUPT_RECORD",
     "MISSING_RECORD",
     "TRAINER_GROUP",
+    "AckOutcome",
     "PulledRollout",
     "ReaderStatistics",
     "RolloutReader",
@@ -92,6 +94,18 @@ class ReaderStatistics(NamedTuple):
     dead_lettered: int
     lost: int
     held: int
+    double_deliveries: int = 0
+    """Rollouts this reader claimed from an entry delivered before (another rank, or this one before a
+    restart, may have trained them too)."""
+
+
+class AckOutcome(RolloutRemoval):
+    """:meth:`RolloutReader.ack`'s result: the ledger retirement (``removed``/``absent``), plus ``lost_lease``:
+    rollouts another rank took over after this reader held them past ``claim_idle_ms``. Nothing was done
+    for those (the new owner trains and acknowledges them); this reader's training of them was a duplicate.
+    """
+
+    lost_lease: list[Identifier] = Field(default_factory=list)
 
 
 class RolloutReader(AsyncResource):
@@ -149,7 +163,8 @@ class RolloutReader(AsyncResource):
         self._recovered = False
         self._next_claim_at = -math.inf
         self._touched_at = -math.inf
-        self._counts = {"pulled": 0, "trainable": 0, "skipped": 0, "duplicates": 0, "lost": 0}
+        self._counts = {"pulled": 0, "trainable": 0, "skipped": 0, "duplicates": 0, "lost": 0, "double": 0}
+        self._lost_leases: set[str] = set()
 
     @property
     def consumer_name(self) -> str:
@@ -174,6 +189,7 @@ class RolloutReader(AsyncResource):
             dead_lettered=consumer.dead_lettered,
             lost=c["lost"],
             held=len(self._held),
+            double_deliveries=c["double"],
         )
 
     def __repr__(self) -> str:
@@ -242,13 +258,18 @@ class RolloutReader(AsyncResource):
         self._touched_at = anyio.current_time()
         if not self._held:
             return 0
-        lost = self._held.drop_lost(await self._consumer.touch(self._held.entries()))
+        return len(await self._drop_lost(self._held.entries()))
+
+    async def _drop_lost(self, entries: list[StreamEntry]) -> list[str]:
+        """Refresh *entries*' lease; forget (and remember) the rollouts another rank took over."""
+        lost = self._held.drop_lost(await self._consumer.touch(entries))
         for rollout_id in lost:
             logger.warning(
                 "reader %s lost rollout %r to another rank (idle past claim_idle_ms)", self.consumer_name, rollout_id
             )
         self._counts["lost"] += len(lost)
-        return len(lost)
+        self._lost_leases.update(lost)
+        return lost
 
     async def _refill_backlog(self, wanted: int) -> None:
         known = {(e.stream, e.entry_id) for e in self._backlog}
@@ -346,6 +367,14 @@ class RolloutReader(AsyncResource):
                 self._topology.client, keys, [_token(entry), self.consumer_name, check_fence]
             )
         if reply[0] == CLAIM_CLAIMED:
+            if entry.deliveries > 1:
+                self._counts["double"] += 1
+                logger.warning(
+                    "reader %s claimed %r from an entry delivered %d times: it may have been trained before",
+                    self.consumer_name,
+                    rollout_id,
+                    entry.deliveries,
+                )
             return True
         retired = reply[0] == CLAIM_RETIRED
         if retired:
@@ -364,27 +393,39 @@ class RolloutReader(AsyncResource):
 
     # --- acknowledging ------------------------------------------------------------
 
-    async def ack(self, rollout_ids: Iterable[str]) -> RolloutRemoval:
+    async def ack(self, rollout_ids: Iterable[str]) -> AckOutcome:
         """Finish pulled rollouts: retire their ledgers, delete their staged records, release their claims,
         then ``XACK`` + ``XDEL`` their receipt entries (in that order, so a crash part-way is completed
         by whichever reader gets the entry next).
 
-        :returns: the ledger retirement (``removed``: had a ledger; ``absent``: none, e.g. state-3 receipts).
+        The lease is checked first: a rollout another rank took over (this reader held it past
+        ``claim_idle_ms`` without :meth:`pull` or :meth:`heartbeat`) is left alone and reported in
+        ``lost_lease``, as is one a heartbeat already found lost.
+
+        :returns: the ledger retirement (``removed``: had a ledger; ``absent``: none, e.g. state-3
+            receipts) and ``lost_lease``.
         :raises TypeError: *rollout_ids* is a bare ``str``.
         :raises ValueError: an id was not pulled by this reader (nothing changed).
         """
         if isinstance(rollout_ids, str | bytes):
             raise TypeError("ack() takes a collection of rollout ids, not a single str")
         ids = list(dict.fromkeys(rollout_ids))
+        already_lost = [rollout_id for rollout_id in ids if rollout_id in self._lost_leases]
+        ids = [rollout_id for rollout_id in ids if rollout_id not in self._lost_leases]
         held = self._held.select(ids, self.consumer_name)
+        newly_lost = await self._drop_lost([h.entry for h in held]) if held else []
+        lost_lease = list(dict.fromkeys([*already_lost, *newly_lost]))
+        self._lost_leases.difference_update(lost_lease)
+        held = [h for h in held if h.receipt.rollout_id not in lost_lease]
+        ids = [h.receipt.rollout_id for h in held]
         if not ids:
-            return RolloutRemoval()
+            return AckOutcome(lost_lease=lost_lease)
         removal = await self._ledger.retire(ids)
         await clear_staged(self._topology, self._ns, [key for h in held for key in _own_keys(h.receipt)])
         await self._release([(h.receipt.rollout_id, h.token) for h in held])
         await self._consumer.ack([h.entry for h in held])
         self._held.release(ids)
-        return removal
+        return AckOutcome(removed=removal.removed, absent=removal.absent, lost_lease=lost_lease)
 
     async def _release(self, claims: Sequence[tuple[str, str]]) -> None:
         with map_redis_errors("release rollout claims"):

@@ -179,6 +179,11 @@ def _add_service_commands(
     trainer.add_argument("--max-rollouts", type=positive_int, help="stop after this many (exit 1 if fewer arrive)")
     trainer.add_argument("--timeout-s", type=positive_seconds, help="stop after this many seconds")
     trainer.add_argument("--batch", type=positive_int, default=16, help="rollouts per pull")
+    trainer.add_argument(
+        "--max-outage-s",
+        type=positive_seconds,
+        help="give up (exit 3) after the server was unreachable this long (default: ReaderSettings.max_outage_s)",
+    )
     trainer.set_defaults(
         handler=lambda a: _run(
             services.trainer_command,
@@ -188,6 +193,7 @@ def _add_service_commands(
             max_rollouts=a.max_rollouts,
             timeout_s=a.timeout_s,
             batch=a.batch,
+            max_outage_s=a.max_outage_s,
         )
     )
 

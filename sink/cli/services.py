@@ -26,7 +26,7 @@ from ..acl import (
     write_private_file,
 )
 from ..assembler import run_assembler
-from ..errors import MetricsExtraMissingError
+from ..errors import MetricsExtraMissingError, StagingConnectionError
 from ..metrics import Metrics, collect_redis_gauges, serve_metrics
 from ..reader import PulledRollout, RolloutReader
 from ..server import serve_forever
@@ -101,37 +101,89 @@ async def trainer_command(
     max_rollouts: int | None,
     timeout_s: float | None,
     batch: int,
+    max_outage_s: float | None = None,
 ) -> int:
     """``staging-sink trainer``: pull, verify and acknowledge rollouts, one line each, until SIGINT/SIGTERM,
-    *max_rollouts* or *timeout_s*. Exit 1 when *max_rollouts* were asked for and fewer arrived in time."""
+    *max_rollouts* or *timeout_s*. Exit 1 when *max_rollouts* were asked for and fewer arrived in time.
+
+    A server outage (restart, failover) is ridden through with exponential backoff from
+    ``reconnect_backoff_s`` up to ``reconnect_backoff_max_s``; after *max_outage_s* (default
+    :attr:`ReaderSettings.max_outage_s`) without reaching the server it exits 3."""
     settings = ReaderSettings(
         namespace=target.namespace,
         cluster=target.cluster,
         receipt_shards=shards,
         consumer_name=consumer_name,
         connect_timeout_s=target.settings().connect_timeout_s,
+        **({} if max_outage_s is None else {"max_outage_s": max_outage_s}),
     )
     console = stdout_console()
     seen = verified = 0
+    unacked: list[str] = []
     async with RolloutReader.from_url(target.url, settings) as reader, anyio.create_task_group() as group:
         await group.start(cancel_on_signal, group.cancel_scope)
         stderr_console().print(f"trainer {reader.consumer_name} on {target.display_url}; Ctrl-C stops it")
+        outage = _Outage(settings)
+
+        async def step() -> None:
+            nonlocal seen, verified, unacked
+            if unacked:  # pulled before an outage: acknowledge them first
+                await reader.ack(unacked)
+                unacked = []
+                return
+            wanted = batch if max_rollouts is None else min(batch, max_rollouts - seen)
+            pulled = await reader.pull(wanted, block_ms=_PULL_BLOCK_MS)
+            for rollout in pulled:
+                console.print(_rollout_line(rollout))
+            seen += len(pulled)
+            verified += sum(1 for rollout in pulled if rollout.trainable)
+            unacked = [rollout.rollout_id for rollout in pulled]
+            if unacked:
+                await reader.ack(unacked)
+                unacked = []
+
         with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
-            while max_rollouts is None or seen < max_rollouts:
-                wanted = batch if max_rollouts is None else min(batch, max_rollouts - seen)
-                pulled = await reader.pull(wanted, block_ms=_PULL_BLOCK_MS)
-                for rollout in pulled:
-                    console.print(_rollout_line(rollout))
-                if pulled:
-                    await reader.ack([rollout.rollout_id for rollout in pulled])
-                seen += len(pulled)
-                verified += sum(1 for rollout in pulled if rollout.trainable)
+            while unacked or max_rollouts is None or seen < max_rollouts:
+                try:
+                    await step()
+                    outage.ended()
+                except StagingConnectionError as exc:
+                    await outage.wait_or_give_up(exc)
         group.cancel_scope.cancel()
     stderr_console().print(f"trainer: {seen} rollout(s), {verified} verified, {seen - verified} skipped")
     if max_rollouts is not None and seen < max_rollouts:
         stderr_console().print(f"trainer: only {seen} of {max_rollouts} rollout(s) arrived within {timeout_s} s")
         return EXIT_FAILURE
     return EXIT_OK
+
+
+class _Outage:
+    """Bounded exponential backoff while the server is unreachable; gives up after ``max_outage_s``."""
+
+    def __init__(self, settings: ReaderSettings) -> None:
+        self._settings = settings
+        self._started: float | None = None
+        self._backoff_s = settings.reconnect_backoff_s
+
+    def ended(self) -> None:
+        if self._started is not None:
+            stderr_console().print("trainer: the server is reachable again")
+        self._started = None
+        self._backoff_s = self._settings.reconnect_backoff_s
+
+    async def wait_or_give_up(self, exc: StagingConnectionError) -> None:
+        """Sleep before the next attempt, or raise *exc* (exit 3) once the outage lasted ``max_outage_s``."""
+        now = anyio.current_time()
+        if self._started is None:
+            self._started = now
+        limit = self._settings.max_outage_s
+        left = self._started + limit - now
+        if left <= 0:
+            raise StagingConnectionError(f"{exc} (unreachable for longer than max_outage_s={limit:g})") from exc
+        delay = min(self._backoff_s, left)
+        stderr_console().print(f"trainer: server unreachable ({exc}); retrying in {delay:.2g} s")
+        await anyio.sleep(delay)
+        self._backoff_s = min(self._backoff_s * 2, self._settings.reconnect_backoff_max_s)
 
 
 async def metrics_command(target: RedisTarget, *, port: int, host: str, interval_s: float) -> int:
