@@ -156,13 +156,13 @@ _CONSUMER = (
 
 ROLE_POLICIES: Mapping[str, RolePolicy] = {
     "worker": RolePolicy(
-        "inference worker: stage records (one script: TYPE, GETRANGE, SET, XADD on rec + calls; EXISTS fence: "
+        "inference worker: stage records (one script: TYPE, GETRANGE, STRLEN, GET, SET, XADD on rec + calls; EXISTS fence: "
         "a retired rollout refuses late stages), verify the "
         "server's durability (CONFIG GET, INFO), confirm writes (WAIT, WAITAOF), read prefix chains (MGET rec)",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof")),
             Grant(_SCRIPTS, (_rw(_REC), _rw(_CALLS), _rw(_FENCE))),
-            Grant(("type", "getrange", "set", "mget"), (_rw(_REC),)),
+            Grant(("type", "getrange", "strlen", "get", "set", "mget"), (_rw(_REC),)),
             Grant(("type", "xadd"), (_rw(_CALLS),)),
             Grant(("exists",), (_ro(_FENCE),)),
         ),

@@ -79,6 +79,8 @@ STAGE_SAME: Final = 2
 STAGE_CONFLICT: Final = 0
 STAGE_WRONG_TYPE: Final = -1
 STAGE_RETIRED: Final = -2
+STAGE_REPAIRED: Final = 3
+"""A present record with the same digest but other bytes (corrupt) was rewritten with the validated blob."""
 
 APPEND_APPENDED: Final = 0
 APPEND_DUPLICATE: Final = 1
@@ -105,6 +107,7 @@ _STATUS_CODES: Final = {
     "STAGE_CONFLICT": STAGE_CONFLICT,
     "STAGE_WRONG_TYPE": STAGE_WRONG_TYPE,
     "STAGE_RETIRED": STAGE_RETIRED,
+    "STAGE_REPAIRED": STAGE_REPAIRED,
     "APPEND_APPENDED": APPEND_APPENDED,
     "APPEND_DUPLICATE": APPEND_DUPLICATE,
     "APPEND_FENCED": APPEND_FENCED,
@@ -171,7 +174,8 @@ class ServerScript:
 # ARGV: head_bytes, rewrite_present ('1' or '0'), then per record: digest, blob, then the values of
 # CALLS_ENTRY_FIELDS. The codec places the digest inside the first head_bytes
 # bytes of every blob, so an existing record's digest is compared with
-# GETRANGE instead of transferring the whole record. Returns one status per record.
+# GETRANGE instead of transferring the whole record; only when it matches is the whole
+# stored blob compared (inside the server) with the new one. Returns one status per record.
 _STAGE = """
 local field_names = {$FIELDS}
 local nfields = #field_names
@@ -206,13 +210,21 @@ for i = 1, n do
       redis.call('XADD', KEYS[3 * i - 1], '*', unpack(entry))
       status[i] = $STAGE_WRITTEN
     elseif string.find(head, digest, 1, true) then
-      -- Same record. When replicas must confirm, write it again (same content by
-      -- digest) so this connection's WAIT covers a write the replica must have,
-      -- not just whatever this connection wrote last.
-      if rewrite_present then
-        redis.call('SET', KEYS[3 * i - 2], ARGV[base + 2])
+      local blob = ARGV[base + 2]
+      if redis.call('STRLEN', KEYS[3 * i - 2]) ~= #blob or redis.call('GET', KEYS[3 * i - 2]) ~= blob then
+        -- Same digest, other bytes: the stored blob no longer matches its digest
+        -- (the new blob was validated before it was sent). Repair it.
+        redis.call('SET', KEYS[3 * i - 2], blob)
+        status[i] = $STAGE_REPAIRED
+      else
+        -- Same record. When replicas must confirm, write it again (same content by
+        -- digest) so this connection's WAIT covers a write the replica must have,
+        -- not just whatever this connection wrote last.
+        if rewrite_present then
+          redis.call('SET', KEYS[3 * i - 2], blob)
+        end
+        status[i] = $STAGE_SAME
       end
-      status[i] = $STAGE_SAME
     else
       status[i] = $STAGE_CONFLICT
     end

@@ -37,7 +37,7 @@ from .commit import GroupCommitWriter, PendingStage
 from .connection import Topology, describe_redis_error, map_redis_errors
 from .durability import DurabilityMonitor
 from .resource import AsyncResource, PortalOwner, settings_or_fields
-from .scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_RETIRED, STAGE_SAME, STAGE_WRITTEN
+from .scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_REPAIRED, STAGE_RETIRED, STAGE_SAME, STAGE_WRITTEN
 
 __all__ = (
     "CONFLICT_ERROR",
@@ -109,6 +109,8 @@ class SinkStatistics:
     failed: int
     batches: int
     queued: int
+    repaired: int = 0
+    """Re-stages that found the stored blob corrupt (same digest, other bytes) and rewrote it."""
 
 
 async def clear_staged(topology: Topology, namespace: str, staging_keys: Sequence[str]) -> int:
@@ -170,7 +172,7 @@ class AsyncRedisStagingSink(AsyncResource):
         self._task_group: TaskGroup | None = None
         self._durability = DurabilityMonitor(topology, settings)
         self._writer = GroupCommitWriter(topology, settings, self._durability, self._settle)
-        self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0}
+        self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0, "repaired": 0}
 
     @property
     def settings(self) -> SinkSettings:
@@ -313,12 +315,15 @@ class AsyncRedisStagingSink(AsyncResource):
             error = CONFLICT_ERROR
         elif status == STAGE_RETIRED:
             error = RETIRED_ERROR
+        elif status == STAGE_REPAIRED:
+            logger.warning("repaired corrupt stored record %r (same digest, other bytes)", pending.staging_key)
         elif status is not None and status not in (STAGE_WRITTEN, STAGE_SAME):
             error = _WRONG_TYPE_ERROR
         if status is None or error is not None:
             pending.finish(self._failed(pending.staging_key, error or "nothing was written"))
         else:
-            self._counts["staged" if status == STAGE_WRITTEN else "already_present"] += 1
+            counter = {STAGE_WRITTEN: "staged", STAGE_REPAIRED: "repaired"}.get(status, "already_present")
+            self._counts[counter] += 1
             pending.finish(StageResult(ok=True, staging_key=pending.staging_key))
 
     # --- cleanup ----------------------------------------------------------------
