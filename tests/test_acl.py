@@ -272,12 +272,12 @@ def test_worker_runs_the_stage_script_and_nothing_else(seeded: AclServer) -> Non
     key, calls, fence = record_key(NS, "r5/c1"), calls_stream(NS, "r5"), fence_key(NS, "r5")
     fields = ["r5/c1", "c1", "", "d" * 64, "0", "3", "3", "0", "10"]
     with seeded.role_client("worker") as worker:
-        sha = worker.script_load(STAGE_SCRIPT.source)
-        status = worker.evalsha(sha, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields)
+        stage = STAGE_SCRIPT.function_name  # the library `staging-sink setup` loaded (no EVAL for roles)
+        status = worker.fcall(stage, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields)
         assert status == [STAGE_WRITTEN]
-        assert worker.evalsha(sha, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields) == [2]
+        assert worker.fcall(stage, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields) == [2]
         with pytest.raises(redis.ResponseError) as refused:
-            worker.evalsha(sha, 3, key, RECEIPT, fence, 160, "0", "d" * 64, b"x", *fields)
+            worker.fcall(stage, 3, key, RECEIPT, fence, 160, "0", "d" * 64, b"x", *fields)
         assert is_acl_denial(refused.value)
     with seeded.client() as admin:
         assert admin.xlen(calls) == 1 and admin.get(key) == b"d" * 64 + b"blob"
@@ -310,10 +310,9 @@ async def test_trainer_reads_and_clears_what_the_worker_staged(seeded: AclServer
     from sink.store.sink import clear_staged
 
     with seeded.role_client("worker") as worker:
-        sha = worker.script_load(STAGE_SCRIPT.source)
         fields = ["r7/c1", "c1", "", "e" * 64, "0", "3", "3", "0", "10"]
         keys = (record_key(NS, "r7/c1"), calls_stream(NS, "r7"), fence_key(NS, "r7"))
-        worker.evalsha(sha, 3, *keys, 160, "0", "e" * 64, b"blob", *fields)
+        worker.fcall(STAGE_SCRIPT.function_name, 3, *keys, 160, "0", "e" * 64, b"blob", *fields)
     with seeded.role_client("trainer") as trainer:
         assert trainer.mget([record_key(NS, "r7/c1")]) == [b"blob"]
     topology = Topology.from_url(seeded.role_url("trainer"), ConnectionSettings())

@@ -164,6 +164,13 @@ def _add_stats_command(
 def _add_service_commands(
     commands: argparse._SubParsersAction[argparse.ArgumentParser], redis: argparse.ArgumentParser
 ) -> None:
+    setup = commands.add_parser(
+        "setup",
+        parents=[redis],
+        help="load the function library every role runs (admin, once per deployment and upgrade; idempotent)",
+    )
+    setup.set_defaults(handler=lambda a: _run(services.setup_command, _target(a)))
+
     assembler = commands.add_parser("assembler", parents=[redis], help="run the receipt assembler until SIGINT/SIGTERM")
     _add_shards(assembler)
     assembler.add_argument("--consumer-name", help="stable consumer name (default: host-pid-random)")

@@ -31,7 +31,8 @@ from ..metrics import Metrics, collect_redis_gauges, serve_metrics
 from ..reader import PulledRollout, RolloutReader
 from ..server import serve_forever
 from ..settings import AssemblerSettings, ReaderSettings
-from ..store.connection import Topology, describe_redis_error
+from ..store.connection import Topology, describe_redis_error, map_redis_errors
+from ..store.scripts import LIBRARY
 from .common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -39,6 +40,7 @@ from .common import (
     CommandError,
     RedisTarget,
     cancel_on_signal,
+    open_topology,
     stderr_console,
     stdout_console,
 )
@@ -51,6 +53,7 @@ __all__ = (
     "bench_command",
     "metrics_command",
     "server_command",
+    "setup_command",
     "trainer_command",
 )
 
@@ -184,6 +187,27 @@ class _Outage:
         stderr_console().print(f"trainer: server unreachable ({exc}); retrying in {delay:.2g} s")
         await anyio.sleep(delay)
         self._backoff_s = min(self._backoff_s * 2, self._settings.reconnect_backoff_max_s)
+
+
+async def setup_command(target: RedisTarget) -> int:
+    """``staging-sink setup``: load the function library (``FUNCTION LOAD REPLACE``) on every primary.
+
+    Run it as an admin once per deployment and after each upgrade; running it again changes nothing. A
+    server without functions (Redis 6.2) needs no setup: the scripts run with ``EVALSHA`` there.
+    """
+    async with open_topology(target) as topology:
+        try:
+            with map_redis_errors(f"load function library {LIBRARY.name}"):
+                await LIBRARY.load(topology.client)
+        except StagingConnectionError as exc:
+            if "unknown command" in str(exc).lower():
+                stdout_console().print(f"{target.display_url} has no functions (Redis < 7.0): nothing to set up")
+                return EXIT_OK
+            if "permission" in str(exc).lower() or "noperm" in str(exc).lower():
+                raise CommandError(f"{exc}: run setup as an admin user") from exc
+            raise
+    stdout_console().print(f"function library {LIBRARY.name} loaded on {target.display_url}")
+    return EXIT_OK
 
 
 async def metrics_command(target: RedisTarget, *, port: int, host: str, interval_s: float) -> int:

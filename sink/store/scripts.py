@@ -10,25 +10,17 @@ returns one status per record instead); any payload follows the status. The
 Lua text gets the numbers from the constants (``$NAME`` placeholders), so
 Python and Lua cannot disagree.
 
-Loading: :meth:`ServerScript.run` sends ``EVALSHA`` and falls back to ``EVAL``
-when the server's script cache lacks the script (after a restart); a caller
-that pipelines (the sink's group commit) queues ``EVALSHA`` with
-:meth:`ServerScript.queue` and, on a ``NoScriptError`` reply, calls
-:meth:`ServerScript.load` and sends the pipeline again.
+Running: every script is a function of :data:`LIBRARY` (``FCALL`` on Redis >= 7.0 and Valkey, after
+``staging-sink setup``), or ``EVALSHA`` on Redis 6.2; :mod:`sink.store.script_runner` decides per server.
+A caller that pipelines (the sink's group commit) queues with :meth:`ServerScript.queue` and, on a
+:meth:`ServerScript.missing` reply, calls :meth:`ServerScript.recover` and sends the pipeline again.
 """
 
 from __future__ import annotations
 
-import hashlib
-import string
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
-import redis.asyncio as aioredis
-import redis.exceptions as redis_errors
-from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import RedisCluster
+from .script_runner import ScriptLibrary, ServerScript
 
 __all__ = (
     "APPEND_APPENDED",
@@ -49,6 +41,7 @@ __all__ = (
     "LEDGER_FENCED",
     "LEDGER_OPEN",
     "LEDGER_RETIRE_SCRIPT",
+    "LIBRARY",
     "NOT_REMOVED",
     "READ_SCRIPT",
     "RELEASE_SCRIPT",
@@ -120,42 +113,12 @@ _STATUS_CODES: Final = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class ServerScript:
-    """A Lua script run by its SHA1, so its source crosses the network only when the server lacks it."""
+LIBRARY: Final = ScriptLibrary("staging_sink")
+"""Every script below, as one function library (see :mod:`sink.store.script_runner`)."""
 
-    source: str
-    sha: str = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
-
-    @classmethod
-    def from_template(cls, template: str, **extra: str) -> ServerScript:
-        """The script whose ``$NAME`` placeholders are this module's status codes (and *extra*).
-
-        :raises KeyError: a placeholder names no status code.
-        """
-        values = {name: str(value) for name, value in _STATUS_CODES.items()}
-        return cls(string.Template(template).substitute(values, **extra))
-
-    async def run(self, client: aioredis.Redis | RedisCluster, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """``EVALSHA``, falling back to ``EVAL`` when the server's script cache lacks it (after a restart).
-
-        :raises redis.exceptions.RedisError: the server refused the script or could not be reached.
-        """
-        try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except redis_errors.NoScriptError:
-            return await client.eval(self.source, len(keys), *keys, *args)
-
-    def queue(self, pipe: Pipeline, keys: Sequence[str], args: Sequence[Any]) -> None:
-        """Queue an ``EVALSHA`` on *pipe*; a ``NoScriptError`` reply means: :meth:`load`, then send again."""
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
-
-    async def load(self, client: aioredis.Redis) -> None:
-        """``SCRIPT LOAD`` on *client*'s server (after a ``NoScriptError`` from a queued call)."""
-        await client.script_load(self.source)
+def _script(name: str, template: str, **extra: str) -> ServerScript:
+    return LIBRARY.script(name, template, codes=_STATUS_CODES, **extra)
 
 
 # --- staging (sink.store.sink) -----------------------------------------------------------
@@ -232,12 +195,14 @@ for i = 1, n do
 end
 return status
 """
-STAGE_SCRIPT: Final = ServerScript.from_template(_STAGE, FIELDS=", ".join(f"'{name}'" for name in CALLS_ENTRY_FIELDS))
+STAGE_SCRIPT: Final = _script("stage", _STAGE, FIELDS=", ".join(f"'{name}'" for name in CALLS_ENTRY_FIELDS))
 
 # KEYS: calls stream, then the record keys; ARGV: the staging keys, same order.
 # Deletes the records and the calls entries naming them; drops an emptied stream.
 # Returns {DONE, how many records existed}.
-CLEAR_SCRIPT: Final = ServerScript.from_template("""
+CLEAR_SCRIPT: Final = _script(
+    "clear",
+    """
 local removed = 0
 local doomed = {}
 for i = 2, #KEYS do
@@ -259,7 +224,8 @@ if redis.call('TYPE', KEYS[1])['ok'] == 'stream' then
   end
 end
 return {$DONE, removed}
-""")
+""",
+)
 
 # --- the capture ledger (sink.ledger.redis) ----------------------------------------------
 # Every ledger script touches only the keys of one rollout (ns:{R}:ledger,
@@ -270,7 +236,9 @@ return {$DONE, removed}
 # ARGV: idempotency field, its value, then the stream entry's field/value pairs.
 # Returns {APPEND_APPENDED}, {APPEND_DUPLICATE} (identical row), {APPEND_FENCED}
 # (discarded) or {APPEND_CONFLICT, stored_value} (nothing written).
-APPEND_SCRIPT: Final = ServerScript.from_template("""
+APPEND_SCRIPT: Final = _script(
+    "append",
+    """
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {$APPEND_FENCED}
 end
@@ -284,30 +252,39 @@ end
 redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return {$APPEND_APPENDED}
-""")
+""",
+)
 
 # KEYS: ledger stream, fence. Returns {LEDGER_FENCED} or {LEDGER_OPEN, XRANGE - +}.
-READ_SCRIPT: Final = ServerScript.from_template("""
+READ_SCRIPT: Final = _script(
+    "read",
+    """
 if redis.call('EXISTS', KEYS[2]) == 1 then
   return {$LEDGER_FENCED}
 end
 return {$LEDGER_OPEN, redis.call('XRANGE', KEYS[1], '-', '+')}
-""")
+""",
+)
 
 # KEYS: ledger stream, fence. Returns {LEDGER_FENCED} or {LEDGER_OPEN, 1 if any row else 0}.
-HAS_ROWS_SCRIPT: Final = ServerScript.from_template("""
+HAS_ROWS_SCRIPT: Final = _script(
+    "has_rows",
+    """
 if redis.call('EXISTS', KEYS[2]) == 1 then
   return {$LEDGER_FENCED}
 end
 return {$LEDGER_OPEN, redis.call('EXISTS', KEYS[1])}
-""")
+""",
+)
 
 # KEYS: ledger stream, ids hash, fence. ARGV: fence value.
 # Returns {REMOVED} when a live ledger was removed, {NOT_REMOVED} otherwise
 # (never started or already retired). Either way the fence is in place afterwards.
 # One DEL per key: the generated ACL grants DEL on each key kind in its own
 # selector, and a multi-key DEL must be allowed by one selector for all its keys.
-LEDGER_RETIRE_SCRIPT: Final = ServerScript.from_template("""
+LEDGER_RETIRE_SCRIPT: Final = _script(
+    "retire",
+    """
 local had_rows = 0
 if redis.call('EXISTS', KEYS[3]) == 0 then
   had_rows = redis.call('EXISTS', KEYS[1])
@@ -319,7 +296,8 @@ if redis.call('EXISTS', KEYS[3]) == 0 then
 end
 if had_rows == 1 then return {$REMOVED} end
 return {$NOT_REMOVED}
-""")
+""",
+)
 
 # Deleting a rollout makes its id reusable (contract §6.9): every key under its hash tag goes, in one
 # script, one DEL per key (see above).
@@ -327,7 +305,9 @@ return {$NOT_REMOVED}
 # stream named when the caller read it. ARGV: how many entries the calls stream had then.
 # Returns {DELETE_STALE} (nothing changed: a record was staged since; read the calls stream again),
 # or {REMOVED} when a live ledger was removed, {NOT_REMOVED} otherwise.
-LEDGER_DELETE_SCRIPT: Final = ServerScript.from_template("""
+LEDGER_DELETE_SCRIPT: Final = _script(
+    "delete",
+    """
 local calls = 0
 if redis.call('TYPE', KEYS[6])['ok'] == 'stream' then calls = redis.call('XLEN', KEYS[6]) end
 if calls ~= tonumber(ARGV[1]) then return {$DELETE_STALE} end
@@ -337,14 +317,17 @@ for i = 1, #KEYS do
 end
 if had_rows == 1 then return {$REMOVED} end
 return {$NOT_REMOVED}
-""")
+""",
+)
 
 # --- consumer groups (sink.store.streams) ------------------------------------------------
 
 # KEYS: the stream; ARGV: group, consumer, ids. Resets the idle time of the ids
 # this consumer still owns (XCLAIM ... JUSTID keeps the delivery count).
 # Returns {DONE, ids it no longer owns...} (reclaimed by another consumer, or acked).
-TOUCH_SCRIPT: Final = ServerScript.from_template("""
+TOUCH_SCRIPT: Final = _script(
+    "touch",
+    """
 local reply = {$DONE}
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
@@ -355,18 +338,22 @@ for i = 3, #ARGV do
   end
 end
 return reply
-""")
+""",
+)
 
 # KEYS: the stream; ARGV: group, consumer. Deletes the consumer only when it
 # owns no pending entry (deleting it would drop them from the PEL).
 # Returns {REMOVED} or {NOT_REMOVED}.
-RETIRE_CONSUMER_SCRIPT: Final = ServerScript.from_template("""
+RETIRE_CONSUMER_SCRIPT: Final = _script(
+    "retire_consumer",
+    """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {$NOT_REMOVED} end
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
 if #p > 0 then return {$NOT_REMOVED} end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return {$REMOVED}
-""")
+""",
+)
 
 # --- rollout claims (sink.reader) --------------------------------------------------------
 
@@ -374,21 +361,27 @@ return {$REMOVED}
 # Returns {status, the claim's previous value or ''}: CLAIM_RETIRED (the ledger was
 # retired, so the rollout was consumed or given up already), CLAIM_DUPLICATE
 # (another receipt entry owns the rollout) or CLAIM_CLAIMED (ours: new, or taken over).
-CLAIM_SCRIPT: Final = ServerScript.from_template("""
+CLAIM_SCRIPT: Final = _script(
+    "claim",
+    """
 local current = redis.call('GET', KEYS[1])
 if ARGV[3] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {$CLAIM_RETIRED, current or ''} end
 if current and string.match(current, '^[^\\n]*') ~= ARGV[1] then return {$CLAIM_DUPLICATE, current} end
 redis.call('SET', KEYS[1], ARGV[1] .. '\\n' .. ARGV[2])
 return {$CLAIM_CLAIMED, current or ''}
-""")
+""",
+)
 
 # KEYS: claim key; ARGV: token. Deletes the claim only if this entry still owns it.
 # Returns {REMOVED} or {NOT_REMOVED}.
-RELEASE_SCRIPT: Final = ServerScript.from_template("""
+RELEASE_SCRIPT: Final = _script(
+    "release",
+    """
 local current = redis.call('GET', KEYS[1])
 if current and string.match(current, '^[^\\n]*') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   return {$REMOVED}
 end
 return {$NOT_REMOVED}
-""")
+""",
+)
