@@ -251,6 +251,12 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             ),
         ),
     ),
+    "replica": RolePolicy(
+        "replication link only: the replicas' `masteruser` (PSYNC/SYNC, REPLCONF, PING). A leaked `masterauth` "
+        "(which CONFIG GET shows the worker and ops roles) then lets its holder copy the dataset, but run no "
+        "command on a key, no CONFIG and no script",
+        (Grant(("ping", "auth", "hello", "psync", "sync", "replconf")),),
+    ),
 }
 """Role name -> policy: the one table that the ACL file, the docs and the tests are made from."""
 

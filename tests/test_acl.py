@@ -195,6 +195,16 @@ MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     ("ops", ("FLUSHALL",), DENIED),
     ("ops", ("KEYS", "*"), DENIED),
     ("ops", ("GET", "other:key"), DENIED),
+    # replica: the replication link only (masteruser)
+    ("replica", ("PING",), ALLOWED),
+    ("replica", ("REPLCONF", "listening-port", 6380), ALLOWED),
+    ("replica", ("GET", RECEIPT), DENIED),
+    ("replica", ("SET", REC1, "forged"), DENIED),
+    ("replica", ("CONFIG", "GET", "masterauth"), DENIED),
+    ("replica", ("XADD", DONE, "*", "a", "1"), DENIED),
+    ("replica", ("EVAL", "return 1", 0), DENIED),
+    ("replica", ("FCALL", "x", 0), DENIED),
+    ("replica", ("KEYS", "*"), DENIED),
 ]
 
 
@@ -362,6 +372,9 @@ def test_a_namespace_confines_every_role(tmp_path: Path) -> None:
     text = render_acl_file(namespace="prod.a", passwords=generate_passwords(), server_version="8.0.1")
     for line in text.splitlines()[1:]:
         patterns = [word.strip("()") for word in line.split() if "~" in word]
+        if line.startswith("user replica "):
+            assert patterns == [], line  # the replication link touches no key
+            continue
         assert patterns and all(p.split("~", 1)[1].startswith("prod.a:") for p in patterns), line
 
 

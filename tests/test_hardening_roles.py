@@ -9,16 +9,20 @@ refused, and a refused operation changes nothing.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import anyio
 import pytest
+import redis
 
 from sink.cli.main import main as cli_main
 from sink.errors import StagingConnectionError
 from sink.keys import fence_key, ledger_ids_key, ledger_stream
 from sink.ledger.redis import RedisCaptureLedger
+from sink.server import durable_server
 from sink.store.sink import AsyncRedisStagingSink
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.e2e import stage_rollout
@@ -101,3 +105,31 @@ def test_delete_by_a_role_without_it_is_refused_and_changes_nothing(
     assert cli_main(["delete", "rd", "--redis-url", fresh_roles.role_url(role)]) != 0
     assert "Traceback" not in capsys.readouterr().err
     assert _keys(fresh_roles, "rd") == before
+
+
+def test_the_replica_role_is_a_working_masteruser_and_nothing_else(
+    fresh_roles: AclServer, server_binary: Path, tmp_path: Path
+) -> None:
+    """``masteruser replica``: the link replicates, and the same credentials run no command on data."""
+    link = {"masteruser": "replica", "masterauth": fresh_roles.passwords["replica"]}
+    with fresh_roles.client() as admin:
+        admin.config_set("repl-diskless-sync-delay", 0)  # the first sync starts at once
+    primary = (fresh_roles.host, fresh_roles.port)
+    with durable_server(
+        binary=server_binary, data_dir=tmp_path / "replica", replica_of=primary, extra_config=link
+    ) as replica:
+        with fresh_roles.client() as admin:
+            admin.set("stg:{rep}:receipt", b"copied")
+        deadline = time.monotonic() + 15
+        with replica.client() as reader:
+            while reader.get("stg:{rep}:receipt") != b"copied":
+                assert time.monotonic() < deadline, replica.log_tail()
+                time.sleep(0.05)
+            # After a full sync the replica rewrites its AOF and refuses to shut down until it is written.
+            while any(int(reader.info("persistence")[k]) for k in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")):
+                assert time.monotonic() < deadline, replica.log_tail()
+                time.sleep(0.05)
+    with fresh_roles.role_client("replica") as link_user:
+        for command in (("GET", "stg:{rep}:receipt"), ("SET", "stg:{rep}:receipt", "x"), ("CONFIG", "GET", "*")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                cast(Any, link_user).execute_command(*command)
