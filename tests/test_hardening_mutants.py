@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import stat
+import time
 from dataclasses import FrozenInstanceError
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from sink.codec import decode_packed_record, encode_record
 from sink.errors import StagingKeyOwnershipError
 from sink.ledger.redis import RedisCaptureLedger
 from sink.records import CaptureLedgerCommit, StagedCallRecord, StagedCallSnapshot
+from sink.server import durable_server
+from sink.settings import SinkSettings
 from sink.store.server_version import supports_waitaof
 from sink.store.sink import AsyncRedisStagingSink
 from sink.verify import linearize, verify_and_linearize
@@ -345,8 +348,8 @@ def test_private_files_are_written_owner_only(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_a_script_error_reply_is_reported_with_its_cause(redis_url: str) -> None:
-    """Kills ``explain_refusal(...) or describe_redis_error(reply)`` -> ``and`` (the cause replaced by
-    "nothing was written")."""
+    """A refused write names its cause. (The mutant ``explain_refusal(...) or describe_redis_error(reply)``
+    -> ``and`` is killed by ``test_hardening_functions.py::test_roles_stage_only_after_setup...``.)"""
     async with AsyncRedisStagingSink.from_url(redis_url) as sink, aioredis.Redis.from_url(redis_url) as client:
         await client.config_set("maxmemory", 1)
         try:
@@ -355,3 +358,39 @@ async def test_a_script_error_reply_is_reported_with_its_cause(redis_url: str) -
             await client.config_set("maxmemory", 0)
     assert not result.ok and result.error is not None
     assert "OutOfMemoryError" in result.error or "OOM" in result.error, result.error
+
+
+@pytest.mark.anyio
+async def test_a_retry_while_the_replica_is_frozen_is_not_acknowledged(server_binary: Path, tmp_path: Path) -> None:
+    """Kills ``"1" if min_replicas > 0`` -> ``> 1`` (no rewrite of a present record with ``min_replicas=1``).
+
+    The retrying sink opens (and verifies the replica) before the freeze, so only the rewrite makes its
+    ``WAIT`` cover the record: without it the connection has written nothing and ``WAIT`` answers 1 at once.
+    """
+    fast = {"repl-diskless-sync-delay": "0"}
+    with (
+        durable_server(binary=server_binary, data_dir=tmp_path / "p", extra_config=fast) as primary,
+        durable_server(
+            binary=server_binary, data_dir=tmp_path / "r", replica_of=(primary.host, primary.port)
+        ) as replica,
+    ):
+        with primary.client() as admin:
+            deadline = time.monotonic() + 15
+            admin.set("probe", "1")  # WAIT counts replicas up to this connection's last write
+            while int(admin.execute_command("WAIT", 1, 200)) < 1:
+                assert time.monotonic() < deadline, "the replica never acknowledged"
+        record = make_record("frozen", "c1")
+        settings = SinkSettings(min_replicas=1, confirm_timeout_s=1.0)
+        async with (
+            AsyncRedisStagingSink.from_url(primary.url, settings) as first,
+            AsyncRedisStagingSink.from_url(primary.url, settings) as retrying,
+        ):
+            assert (await first.stage(make_record("frozen", "c0"))).ok
+            assert (await retrying.stage(make_record("other", "c0"))).ok
+            replica.pause()
+            try:
+                assert not (await first.stage(record)).ok  # written, not confirmed
+                retried = await retrying.stage(record)
+            finally:
+                replica.resume()
+    assert not retried.ok and retried.error is not None and "replicas" in retried.error, retried
