@@ -38,7 +38,10 @@ class Target:
 TARGETS: dict[str, Target] = {
     "durability": Target(
         "sink/store/durability.py",
-        ("tests/test_hardening_durability.py", "tests/test_sink.py::test_a_non_durable_server_is_refused_naming_the_setting"),
+        (
+            "tests/test_hardening_durability.py",
+            "tests/test_sink.py::test_a_non_durable_server_is_refused_naming_the_setting",
+        ),
     ),
     "confirmation": Target(
         "sink/store/commit.py",
@@ -159,7 +162,16 @@ def _drop_not(tree: ast.Module, target: ast.UnaryOp) -> ast.AST:
     return target
 
 
-_LUA_SWAPS = [(" == ", " ~= "), (" ~= ", " == "), (" < ", " <= "), (" > ", " >= "), (" 1 ", " 0 "), ("== 1", "== 0"), (" or ", " and "), (" and ", " or ")]
+_LUA_SWAPS = [
+    (" == ", " ~= "),
+    (" ~= ", " == "),
+    (" < ", " <= "),
+    (" > ", " >= "),
+    (" 1 ", " 0 "),
+    ("== 1", "== 0"),
+    (" or ", " and "),
+    (" and ", " or "),
+]
 
 
 def lua_mutants(source: str, constant: str) -> Iterator[tuple[str, str]]:
@@ -176,7 +188,10 @@ def lua_mutants(source: str, constant: str) -> Iterator[tuple[str, str]]:
                 mutated_line = line[:position] + new + line[position + len(old) :]
                 lines = body.splitlines(keepends=True)
                 lines[line_no] = mutated_line
-                yield f"lua line {line_no + 1}: {old.strip()}->{new.strip()}", source[:start] + "".join(lines) + source[end:]
+                yield (
+                    f"lua line {line_no + 1}: {old.strip()}->{new.strip()}",
+                    source[:start] + "".join(lines) + source[end:],
+                )
                 position = line.find(old, position + 1)
 
 
@@ -236,11 +251,14 @@ def main() -> int:
     targets = {name: TARGETS[name] for name in args.targets}
     if args.with_tests:
         targets = {
-            name: Target(t.path, (*args.with_tests, *t.tests), t.functions, t.lua_constant) for name, t in targets.items()
+            name: Target(t.path, (*args.with_tests, *t.tests), t.functions, t.lua_constant)
+            for name, t in targets.items()
         }
     results = [run_target(name, target, root) for name, target in targets.items()]
     for result in results:
-        print(f"{result['target']}: {result['mutants']} mutants, {result['killed']} killed, {len(result['survived'])} survived")  # type: ignore[arg-type]
+        print(
+            f"{result['target']}: {result['mutants']} mutants, {result['killed']} killed, {len(result['survived'])} survived"
+        )  # type: ignore[arg-type]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
