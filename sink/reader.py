@@ -31,16 +31,15 @@ from typing import Any, NamedTuple, Self
 
 import anyio
 import redis.asyncio as aioredis
-from pydantic import Field
 from redis.asyncio.cluster import RedisCluster
 
 from .held import HeldRollouts, claim_rounds
 from .held import entry_token as _token
 from .keys import claim_key, fence_key, receipts_stream
-from .ledger.ownership import keys_owned_by, ownership_problem
 from .ledger.redis import RedisCaptureLedger
 from .pulled import CORRUPT_RECORD, MISSING_RECORD, PulledRollout, fetch_and_verify, parse_receipt_entry
-from .records import Identifier, RolloutReceipt, RolloutRemoval
+from .reader_guards import AckOutcome, foreign_row_skip, own_keys
+from .records import RolloutReceipt
 from .settings import ReaderSettings, SourceSettings
 from .store.connection import Topology, map_redis_errors
 from .store.resource import AsyncResource, settings_or_fields
@@ -66,22 +65,6 @@ TRAINER_GROUP = "trainers"
 _RENEWALS_PER_IDLE = 8
 
 
-def _own_keys(receipt: RolloutReceipt) -> list[str]:
-    """The manifest's keys under the rollout's own hash tag: the only keys its cleanup may delete."""
-    return keys_owned_by(receipt.rollout_id, [row.staging_key for row in receipt.manifest])
-
-
-def _foreign_row_skip(receipt: RolloutReceipt) -> PulledRollout | None:
-    """A skip when a manifest row names a key or capture key of another rollout (nothing is fetched)."""
-    if receipt.failure_reason is not None or receipt.capture_poisoned:
-        return None
-    for row in receipt.manifest:
-        problem = ownership_problem(receipt.rollout_id, row.staging_key, row.capture_key)
-        if problem is not None:
-            return PulledRollout(receipt=receipt, skip_code=problem[0], skip_reason=problem[1])
-    return None
-
-
 class ReaderStatistics(NamedTuple):
     """Counters of one :class:`RolloutReader` since it was opened; ``held`` = pulled, not yet acknowledged."""
 
@@ -97,15 +80,6 @@ class ReaderStatistics(NamedTuple):
     double_deliveries: int = 0
     """Rollouts this reader claimed from an entry delivered before (another rank, or this one before a
     restart, may have trained them too)."""
-
-
-class AckOutcome(RolloutRemoval):
-    """:meth:`RolloutReader.ack`'s result: the ledger retirement (``removed``/``absent``), plus ``lost_lease``:
-    rollouts another rank took over after this reader held them past ``claim_idle_ms``. Nothing was done
-    for those (the new owner trains and acknowledges them); this reader's training of them was a duplicate.
-    """
-
-    lost_lease: list[Identifier] = Field(default_factory=list)
 
 
 class RolloutReader(AsyncResource):
@@ -309,7 +283,7 @@ class RolloutReader(AsyncResource):
 
         async def build(index: int, receipt: RolloutReceipt) -> None:
             async with limiter:
-                results[index] = _foreign_row_skip(receipt) or await fetch_and_verify(self._source, receipt)
+                results[index] = foreign_row_skip(receipt) or await fetch_and_verify(self._source, receipt)
 
         async with anyio.create_task_group() as group:
             for index, (_entry, receipt) in enumerate(claimed):
@@ -379,7 +353,7 @@ class RolloutReader(AsyncResource):
         retired = reply[0] == CLAIM_RETIRED
         if retired:
             # Consumed (or given up) before: finish its cleanup idempotently, then drop.
-            await clear_staged(self._topology, self._ns, _own_keys(receipt))
+            await clear_staged(self._topology, self._ns, own_keys(receipt))
             await self._release([(rollout_id, _token(entry))])
         logger.info(
             "reader %s dropped a duplicate receipt of %r (%s)",
@@ -421,7 +395,7 @@ class RolloutReader(AsyncResource):
         if not ids:
             return AckOutcome(lost_lease=lost_lease)
         removal = await self._ledger.retire(ids)
-        await clear_staged(self._topology, self._ns, [key for h in held for key in _own_keys(h.receipt)])
+        await clear_staged(self._topology, self._ns, [key for h in held for key in own_keys(h.receipt)])
         await self._release([(h.receipt.rollout_id, h.token) for h in held])
         await self._consumer.ack([h.entry for h in held])
         self._held.release(ids)

@@ -41,14 +41,12 @@ import redis.exceptions as redis_errors
 from ..errors import CodecError
 from ..keys import dead_letter_stream
 from .connection import Topology, map_redis_errors, reply_text
+from .dead_letters import UndecodableEntry, dead_letter_record
 from .scripts import REMOVED, RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT
 
-__all__ = ("MAX_REASON_CHARS", "GroupConsumer", "StreamEntry", "default_consumer_name")
+__all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
 
 logger = logging.getLogger(__name__)
-
-MAX_REASON_CHARS = 2_000
-"""A dead letter's ``dead_reason`` is cut to this many characters (the entry itself is copied whole)."""
 
 _NAME_JUNK = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -72,17 +70,6 @@ class StreamEntry:
     entry_id: str
     fields: dict[str, str]
     deliveries: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Undecodable:
-    """An entry whose field names or values are not UTF-8 text (kept as raw bytes for the dead letter)."""
-
-    shard: int
-    entry_id: str
-    fields: dict[Any, Any]
-    deliveries: int
-    reason: str
 
 
 class GroupConsumer:
@@ -117,7 +104,7 @@ class GroupConsumer:
         self._claim_cursor = ["0-0"] * len(self.streams)
         self._shard_of_stream = {stream: shard for shard, stream in enumerate(self.streams)}
         self._suspect: set[int] = set()
-        self._undecodable: list[_Undecodable] = []
+        self._undecodable: list[UndecodableEntry] = []
         self.read = self.reclaimed = self.acked = self.dead_lettered = 0
 
     def _client(self, shard: int) -> aioredis.Redis:
@@ -153,7 +140,7 @@ class GroupConsumer:
             try:
                 decoded = {_text(k): _text(v) for k, v in fields.items()}
             except CodecError as exc:
-                self._undecodable.append(_Undecodable(shard, _text(entry_id), dict(fields), deliveries, str(exc)))
+                self._undecodable.append(UndecodableEntry(shard, _text(entry_id), dict(fields), deliveries, str(exc)))
                 continue
             entries.append(StreamEntry(self.streams[shard], shard, _text(entry_id), decoded, deliveries))
         return entries
@@ -355,19 +342,12 @@ class GroupConsumer:
         reason: str,
     ) -> None:
         dead = dead_letter_stream(self._namespace, f"{self._role}-{shard}")
-        if len(reason) > MAX_REASON_CHARS:
-            reason = reason[:MAX_REASON_CHARS] + f"... ({len(reason)} characters)"
-        record = {
-            **fields,
-            "dead_source": stream,
-            "dead_entry_id": entry_id,
-            "dead_deliveries": str(deliveries),
-            "dead_reason": reason,
-            "dead_consumer": self.consumer,
-        }
+        record = dead_letter_record(
+            fields, stream=stream, entry_id=entry_id, deliveries=deliveries, reason=reason, consumer=self.consumer
+        )
         with anyio.CancelScope(shield=True), map_redis_errors(f"dead-letter {stream} {entry_id}"):
             await self._topology.node_for_key(dead).xadd(dead, record)
-        logger.warning("dead-lettered %s %s to %s: %s", stream, entry_id, dead, reason[:200])
+        logger.warning("dead-lettered %s %s to %s: %s", stream, entry_id, dead, str(record["dead_reason"])[:200])
         self.dead_lettered += 1
 
     async def touch(self, entries: Sequence[StreamEntry]) -> list[StreamEntry]:
