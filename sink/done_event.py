@@ -143,6 +143,8 @@ def parse_done_event(fields: dict[str, str]) -> DoneEvent:
         response_text = fields.get("response", "")
         response = json.loads(response_text) if response_text else None
         group = parse_group_fields(fields)
+    except RecursionError as exc:
+        raise CodecError("malformed done event: a JSON field is nested too deeply to parse") from exc
     except (KeyError, ValueError, TypeError) as exc:
         raise CodecError(f"malformed done event {fields!r}: {exc!r}") from exc
     return DoneEvent(rollout_id, reward, response, fields.get("declared_response_id") or None, group)

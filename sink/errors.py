@@ -16,6 +16,7 @@ __all__ = (
     "CodecError",
     "CommandError",
     "FingerprintInputError",
+    "InvalidCallIdError",
     "LedgerConflictError",
     "MetricsExtraMissingError",
     "RebuildError",
@@ -26,6 +27,7 @@ __all__ = (
     "ServerProcessError",
     "StagingConnectionError",
     "StagingError",
+    "StagingKeyOwnershipError",
 )
 
 
@@ -70,6 +72,19 @@ class LedgerConflictError(StagingError, ValueError):
     def __reduce__(self) -> tuple[type[LedgerConflictError], tuple[str, str, tuple[str, ...] | None]]:
         # Rebuild from the fields so the error survives pickling with them intact.
         return (type(self), (self.rollout_id, self.model_call_id, self.differing_fields))
+
+
+class StagingKeyOwnershipError(StagingError, ValueError):
+    """A ledger row names a staging key or ``capture_key`` that is not its rollout's own (nothing changed).
+
+    A row may name only keys ``<owner>/<call>`` (or ``<owner>/<call>/cut/<checkpoint>/<seq>``) whose owner
+    is its ``capture_key``, or the rollout itself; a capture key may name only the rollout or another
+    attempt of it (``<rollout>-a<n>``).
+    """
+
+
+class InvalidCallIdError(StagingError, ValueError):
+    """A model call id that would collide with a generation-cut key (it contains ``/cut/``)."""
 
 
 class RolloutRetiredError(StagingError, RuntimeError):

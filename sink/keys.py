@@ -11,9 +11,12 @@ from __future__ import annotations
 import re
 import zlib
 
+from .errors import InvalidCallIdError
+
 __all__ = (
     "DEFAULT_NAMESPACE",
     "calls_stream",
+    "check_call_id",
     "claim_key",
     "dead_letter_stream",
     "done_stream",
@@ -42,6 +45,21 @@ def validate_rollout_id(rollout_id: object) -> str:
     if type(rollout_id) is not str or _ROLLOUT_ID_RE.fullmatch(rollout_id) is None:
         raise ValueError(f"Invalid rollout id: {rollout_id!r}")
     return rollout_id
+
+
+def check_call_id(model_call_id: str) -> str:
+    """Return *model_call_id* unless its staging key could be read as a generation-cut chunk's key.
+
+    Call ``C``'s cut chunks live under ``R/C/cut/<checkpoint>/<seq>``, so a call id containing ``/cut/``
+    (``c0/cut/ck/0``) would share a key with call ``c0``'s chunk.
+
+    :raises InvalidCallIdError: the id contains ``/cut/``.
+    """
+    if "/cut/" in model_call_id:
+        raise InvalidCallIdError(
+            f"model call id {model_call_id!r} contains '/cut/' and would collide with a generation-cut key"
+        )
+    return model_call_id
 
 
 def rollout_of_staging_key(staging_key: str) -> str:

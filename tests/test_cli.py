@@ -279,9 +279,11 @@ def test_retire_then_delete(staged: str, capsys: pytest.CaptureFixture[str]) -> 
     assert "retired (fenced)" in capsys.readouterr().out
     assert main(["delete", "r2", "r1", "--redis-url", staged]) == 0
     out = capsys.readouterr().out
-    assert "r2: deleted the ledger\n" in out and "r1: deleted the fence\n" in out
+    assert "r2: deleted the ledger and the staged calls, receipt and claim\n" in out
+    assert "r1: deleted the fence and the staged calls, receipt and claim\n" in out
+    # delete removes every key of the rollout (records and calls too): the id is reusable (issue 13).
     assert main(["verify", "r1", "--redis-url", staged]) == EXIT_FAILURE
-    assert "3 staged record(s) but no ledger rows" in capsys.readouterr().err
+    assert "no such rollout 'r1'" in capsys.readouterr().err
 
 
 # --- services --------------------------------------------------------------------------------------------

@@ -188,9 +188,12 @@ def test_delete_reports_the_fence_it_removed(staged: str, capsys: pytest.Capture
     assert "r1: would delete the fence" in capsys.readouterr().out
     assert main(["delete", "r1", "--redis-url", staged, "--json"]) == EXIT_OK
     report = json.loads(capsys.readouterr().out)
-    assert report["rollouts"] == [{"rollout_id": "r1", "ledger_removed": False, "fence_removed": True}]
-    with redis.Redis.from_url(staged) as client:
+    assert report["rollouts"] == [
+        {"rollout_id": "r1", "ledger_removed": False, "fence_removed": True, "other_removed": True}
+    ]
+    with redis.Redis.from_url(staged) as client:  # every key of the rollout went (issue 13: the id is reusable)
         assert client.exists(fence_key("stg", "r1")) == 0
+        assert list(client.scan_iter(match="stg:{r1}:*")) == []
 
 
 # --- verify of a consumed rollout ---------------------------------------------------------------------------

@@ -124,10 +124,14 @@ class TestLedgerContract:
         assert await env.ledger.has_rows(R) is True
 
     async def test_stored_capture_key_and_fingerprint_version_are_kept(self, env: LedgerEnv) -> None:
-        commit = root_commit(capture_key="r-0", fingerprint_version=0, output_fingerprint=None)
+        # A capture key names an earlier attempt of the rollout (issue 13: never another rollout).
+        earlier = f"{R}-a0"
+        commit = root_commit(
+            capture_key=earlier, staging_key=f"{earlier}/c-root", fingerprint_version=0, output_fingerprint=None
+        )
         await env.ledger.record(commit)
         (row,) = (await env.ledger.manifest(R)).records
-        assert (row.capture_key, row.fingerprint_version, row.output_fingerprint) == ("r-0", 0, None)
+        assert (row.capture_key, row.fingerprint_version, row.output_fingerprint) == (earlier, 0, None)
 
     async def test_never_touched_rollout_is_empty_not_an_error(self, env: LedgerEnv) -> None:
         manifest = await env.ledger.manifest("never")

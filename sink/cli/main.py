@@ -209,6 +209,13 @@ def _add_stats_command(
 def _add_service_commands(
     commands: argparse._SubParsersAction[argparse.ArgumentParser], redis: argparse.ArgumentParser
 ) -> None:
+    setup = commands.add_parser(
+        "setup",
+        parents=[redis],
+        help="load the function library every role runs (admin, once per deployment and upgrade; idempotent)",
+    )
+    setup.set_defaults(handler=lambda a: _run(services.setup_command, _target(a)))
+
     assembler = commands.add_parser("assembler", parents=[redis], help="run the receipt assembler until SIGINT/SIGTERM")
     _add_shards(assembler)
     assembler.add_argument("--consumer-name", help="stable consumer name (default: host-pid-random)")
@@ -228,6 +235,11 @@ def _add_service_commands(
     trainer.add_argument("--timeout-s", type=positive_seconds, help="stop after this many seconds")
     trainer.add_argument("--batch", type=positive_int, default=16, help="rollouts per pull")
     _add_metrics_port(trainer)
+    trainer.add_argument(
+        "--max-outage-s",
+        type=positive_seconds,
+        help="give up (exit 3) after the server was unreachable this long (default: ReaderSettings.max_outage_s)",
+    )
     trainer.set_defaults(
         handler=lambda a: _run(
             services.trainer_command,
@@ -238,6 +250,7 @@ def _add_service_commands(
             timeout_s=a.timeout_s,
             batch=a.batch,
             metrics=(a.metrics_port, a.metrics_host),
+            max_outage_s=a.max_outage_s,
         )
     )
 

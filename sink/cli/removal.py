@@ -1,4 +1,4 @@
-"""Operator commands that remove rollouts' ledgers and fences: ``retire`` and ``delete``.
+"""Operator commands that remove rollouts: ``retire`` (fence and remove the ledger) and ``delete`` (every key).
 
 Both read each rollout's keys first, so they can refuse ids that name nothing (a typo would otherwise leave a
 permanent fence), print what ``--dry-run`` would do, and report what was actually removed. The read and the
@@ -60,10 +60,13 @@ def _retire_line(entry: dict[str, Any], dry_run: bool) -> str:
     return "fenced (no ledger rows; later writes are refused)"
 
 
+_DELETED_PARTS = {"ledger": "ledger", "fence": "fence", "other": "staged calls, receipt and claim"}
+
+
 def _delete_line(entry: dict[str, Any], dry_run: bool) -> str:
-    parts = [name for name in ("ledger", "fence") if entry[f"{name}_removed"]]
+    parts = [label for name, label in _DELETED_PARTS.items() if entry[f"{name}_removed"]]
     if not parts:
-        return "nothing to delete (no ledger, no fence)"
+        return "nothing to delete (no ledger, fence, staged calls, receipt or claim)"
     what = " and the ".join(parts)
     return f"would delete the {what}" if dry_run else f"deleted the {what}"
 
@@ -94,8 +97,10 @@ async def _remove(
             entry["fence_set"] = not found[rollout_id].fence
             if found[rollout_id].fence:
                 entry["ledger_removed"] = found[rollout_id].ledger
-        else:
+        else:  # delete removes every key under the rollout's hash tag: what the read saw is what went
+            entry["ledger_removed"] = found[rollout_id].ledger
             entry["fence_removed"] = found[rollout_id].fence
+            entry["other_removed"] = found[rollout_id].other
         entries.append(entry)
     if as_json:
         write_json({"verb": verb, "dry_run": dry_run, "rollouts": entries, "unknown": unknown})
@@ -125,7 +130,8 @@ async def retire_rollouts(
 async def delete_rollouts(
     target: RedisTarget, rollout_ids: Sequence[str], *, as_json: bool, dry_run: bool = False, force: bool = False
 ) -> int:
-    """``staging-sink delete R...``: remove each rollout's ledger and fence, making the id reusable.
+    """``staging-sink delete R...``: remove every key of each rollout (ledger, fence, receipt, claim, staged records
+    and their calls stream), making the id reusable.
 
     :raises CommandError: (exit 1) an id names nothing in the namespace and *force* is off (nothing changed);
         (exit 2) an id is invalid.

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..errors import CodecError, ReceiptVerificationError
 from ..keys import calls_stream, fence_key, ledger_stream, receipt_key, validate_rollout_id
+from ..ledger.ownership import ownership_problem
 from ..ledger.rows import manifest_from_entries
 from ..receipt import build_receipt
 from ..records import RolloutManifest, RolloutReceipt
@@ -188,7 +189,11 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
             receipt = build_receipt(manifest, rollout_id=rollout_id, reward=None)
             source_of_receipt = "receipt built from the live manifest (heuristic terminal)"
         outcome: dict[str, Any] = {"rollout_id": rollout_id, "receipt_source": source_of_receipt, "consumed": False}
+        foreign = [ownership_problem(rollout_id, row.staging_key, row.capture_key) for row in receipt.manifest]
         try:
+            for problem in foreign:
+                if problem is not None:
+                    raise ReceiptVerificationError(*problem)
             async with AsyncRedisStagingSource(
                 topology.client, SourceSettings(namespace=target.namespace, cluster=target.cluster)
             ) as source:

@@ -26,12 +26,13 @@ from ..acl import (
     write_private_file,
 )
 from ..assembler import run_assembler
-from ..errors import MetricsExtraMissingError
+from ..errors import MetricsExtraMissingError, StagingConnectionError
 from ..metrics import Metrics, serve_metrics, serve_process_metrics
 from ..reader import PulledRollout, RolloutReader
 from ..server import serve_forever
 from ..settings import AssemblerSettings, ReaderSettings
-from ..store.connection import Topology, describe_redis_error
+from ..store.connection import Topology, describe_redis_error, map_redis_errors
+from ..store.scripts import LIBRARY
 from .common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -39,6 +40,7 @@ from .common import (
     CommandError,
     RedisTarget,
     cancel_on_signal,
+    open_topology,
     stderr_console,
     stdout_console,
 )
@@ -51,6 +53,7 @@ __all__ = (
     "bench_command",
     "metrics_command",
     "server_command",
+    "setup_command",
     "trainer_command",
 )
 
@@ -108,19 +111,26 @@ async def trainer_command(
     timeout_s: float | None,
     batch: int,
     metrics: tuple[int | None, str] = (None, ""),
+    max_outage_s: float | None = None,
 ) -> int:
     """``staging-sink trainer``: pull, verify and acknowledge rollouts, one line each, until SIGINT/SIGTERM,
     *max_rollouts* or *timeout_s*, then delete its consumer name from the group (where it owns nothing
-    pending). Exit 1 when *max_rollouts* were asked for and fewer arrived in time."""
+    pending). Exit 1 when *max_rollouts* were asked for and fewer arrived in time.
+
+    A server outage (restart, failover) is ridden through with exponential backoff from
+    ``reconnect_backoff_s`` up to ``reconnect_backoff_max_s``; after *max_outage_s* (default
+    :attr:`ReaderSettings.max_outage_s`) without reaching the server it exits 3."""
     settings = ReaderSettings(
         namespace=target.namespace,
         cluster=target.cluster,
         receipt_shards=shards,
         consumer_name=consumer_name,
         connect_timeout_s=target.settings().connect_timeout_s,
+        **({} if max_outage_s is None else {"max_outage_s": max_outage_s}),
     )
     console = stdout_console()
     seen = verified = 0
+    unacked: list[str] = []
     exporter = serve_process_metrics(metrics[0], host=metrics[1], namespace=target.namespace)
     async with RolloutReader.from_url(target.url, settings) as reader:
         with exporter as server:
@@ -129,16 +139,32 @@ async def trainer_command(
             async with anyio.create_task_group() as group:
                 await group.start(cancel_on_signal, group.cancel_scope)
                 stderr_console().print(f"trainer {reader.consumer_name} on {target.display_url}; Ctrl-C stops it")
+                outage = _Outage(settings)
+
+                async def step() -> None:
+                    nonlocal seen, verified, unacked
+                    if unacked:  # pulled before an outage: acknowledge them first
+                        await reader.ack(unacked)
+                        unacked = []
+                        return
+                    wanted = batch if max_rollouts is None else min(batch, max_rollouts - seen)
+                    pulled = await reader.pull(wanted, block_ms=_PULL_BLOCK_MS)
+                    for rollout in pulled:
+                        console.print(_rollout_line(rollout))
+                    seen += len(pulled)
+                    verified += sum(1 for rollout in pulled if rollout.trainable)
+                    unacked = [rollout.rollout_id for rollout in pulled]
+                    if unacked:
+                        await reader.ack(unacked)
+                        unacked = []
+
                 with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
-                    while max_rollouts is None or seen < max_rollouts:
-                        wanted = batch if max_rollouts is None else min(batch, max_rollouts - seen)
-                        pulled = await reader.pull(wanted, block_ms=_PULL_BLOCK_MS)
-                        for rollout in pulled:
-                            console.print(_rollout_line(rollout))
-                        if pulled:
-                            await reader.ack([rollout.rollout_id for rollout in pulled])
-                        seen += len(pulled)
-                        verified += sum(1 for rollout in pulled if rollout.trainable)
+                    while unacked or max_rollouts is None or seen < max_rollouts:
+                        try:
+                            await step()
+                            outage.ended()
+                        except StagingConnectionError as exc:
+                            await outage.wait_or_give_up(exc)
                 group.cancel_scope.cancel()
         # Leave the group tidy: a consumer name per run would otherwise pile up in `stats`.
         shards_retired = await reader.retire_consumer()
@@ -147,6 +173,56 @@ async def trainer_command(
     if max_rollouts is not None and seen < max_rollouts:
         stderr_console().print(f"trainer: only {seen} of {max_rollouts} rollout(s) arrived within {timeout_s} s")
         return EXIT_FAILURE
+    return EXIT_OK
+
+
+class _Outage:
+    """Bounded exponential backoff while the server is unreachable; gives up after ``max_outage_s``."""
+
+    def __init__(self, settings: ReaderSettings) -> None:
+        self._settings = settings
+        self._started: float | None = None
+        self._backoff_s = settings.reconnect_backoff_s
+
+    def ended(self) -> None:
+        if self._started is not None:
+            stderr_console().print("trainer: the server is reachable again")
+        self._started = None
+        self._backoff_s = self._settings.reconnect_backoff_s
+
+    async def wait_or_give_up(self, exc: StagingConnectionError) -> None:
+        """Sleep before the next attempt, or raise *exc* (exit 3) once the outage lasted ``max_outage_s``."""
+        now = anyio.current_time()
+        if self._started is None:
+            self._started = now
+        limit = self._settings.max_outage_s
+        left = self._started + limit - now
+        if left <= 0:
+            raise StagingConnectionError(f"{exc} (unreachable for longer than max_outage_s={limit:g})") from exc
+        delay = min(self._backoff_s, left)
+        stderr_console().print(f"trainer: server unreachable ({exc}); retrying in {delay:.2g} s")
+        await anyio.sleep(delay)
+        self._backoff_s = min(self._backoff_s * 2, self._settings.reconnect_backoff_max_s)
+
+
+async def setup_command(target: RedisTarget) -> int:
+    """``staging-sink setup``: load the function library (``FUNCTION LOAD REPLACE``) on every primary.
+
+    Run it as an admin once per deployment and after each upgrade; running it again changes nothing. A
+    server without functions (Redis 6.2) needs no setup: the scripts run with ``EVALSHA`` there.
+    """
+    async with open_topology(target) as topology:
+        try:
+            with map_redis_errors(f"load function library {LIBRARY.name}"):
+                await LIBRARY.load(topology.client)
+        except StagingConnectionError as exc:
+            if "unknown command" in str(exc).lower():
+                stdout_console().print(f"{target.display_url} has no functions (Redis < 7.0): nothing to set up")
+                return EXIT_OK
+            if "permission" in str(exc).lower() or "noperm" in str(exc).lower():
+                raise CommandError(f"{exc}: run setup as an admin user") from exc
+            raise
+    stdout_console().print(f"function library {LIBRARY.name} loaded on {target.display_url}")
     return EXIT_OK
 
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from ..errors import RolloutRetiredError
 from ..fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
+from ..keys import check_call_id
 from ..records import (
     INVALID_COMMIT_COORDS_REASON,
     UNCOMMITTED_CALL_REASON,
@@ -32,6 +33,7 @@ from ..records import (
     CommitCoords,
 )
 from .lineage import LineageResolution, LineageStatus
+from .ownership import is_call_staging_key
 
 __all__ = ("CaptureGate", "CaptureLedgerProtocol", "new_model_call_id")
 
@@ -73,9 +75,10 @@ class CaptureGate:
         :returns: a ``text`` root or a by-reference ``token_in`` admission, or
             ``None`` when the call must be served uncaptured (retired rollout,
             or an unresolved parent, recorded as ``unresolved_parent``).
+        :raises InvalidCallIdError: *model_call_id* contains ``/cut/`` (it would collide with a cut key).
         :raises StagingError: the ledger could not be read (the request fails).
         """
-        call_id = model_call_id or new_model_call_id()
+        call_id = check_call_id(model_call_id or new_model_call_id())
         resolution = await self._ledger.resolve(rollout_id, request_items)
         if resolution.status is LineageStatus.ROOT:
             return CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text")
@@ -125,6 +128,8 @@ class CaptureGate:
             parsed = coords if isinstance(coords, CommitCoords) else CommitCoords.model_validate(coords)
             if (parsed.rollout_id, parsed.model_call_id) != (rollout_id, call_id):
                 raise ValueError("coordinates name another call")
+            if parsed.staging_key is not None and not is_call_staging_key(parsed.staging_key, rollout_id, call_id):
+                raise ValueError(f"coordinates name staging key {parsed.staging_key!r}, not a key of this call")
         except (ValidationError, ValueError, TypeError) as exc:
             logger.warning("invalid commit coordinates for %s/%s: %s", rollout_id, call_id, exc)
             await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)

@@ -21,6 +21,7 @@ from ..keys import validate_rollout_id
 from ..records import CaptureLedgerCommit, RolloutManifest, RolloutRemoval
 from ..store.resource import AsyncResource
 from .lineage import RETIRED_REASON, LineageResolution, LineageStatus, is_root_request, resolve_from_rows
+from .ownership import check_chain_ownership, check_row_ownership
 from .rows import (
     check_failure_args,
     commit_rollout_id,
@@ -127,9 +128,13 @@ class CaptureLedger(AsyncResource):
 
         :raises TypeError: *commit* is not a ``CaptureLedgerCommit``.
         :raises ValueError: invalid rollout id, or unfingerprintable items.
+        :raises StagingKeyOwnershipError: the row names a staging key or capture key that is not this
+            rollout's (a ``ValueError``; nothing changed).
         :raises LedgerConflictError: a different row exists for the same ``model_call_id`` (nothing changed).
         """
         rollout_id = commit_rollout_id(commit)
+        check_row_ownership(rollout_id, commit.record)
+        check_chain_ownership(rollout_id, commit.staging_chain)
         text = encode_row(custody_row(commit))
         call_id = commit.record.model_call_id
         outcome, stored = await self._append_counted(rollout_id, custody_id_field(call_id), text, custody_entry(text))
@@ -218,8 +223,10 @@ class CaptureLedger(AsyncResource):
         return await self._retire_ids(ids)
 
     async def delete(self, rollout_ids: Iterable[str]) -> RolloutRemoval:
-        """Remove each rollout's ledger and fence; the ids become reusable (contract §6.9).
+        """Remove each rollout's ledger and fence; the ids become reusable (contract §6.9). Atomic per id.
 
+        The Redis backend removes every key under the rollout's hash tag: also its receipt, trainer claim,
+        staged records and ``calls`` stream, so a reused id never meets the old run's receipt or records.
         ``removed``: had a live ledger; fence-only and unknown ids are ``absent``.
 
         :raises TypeError: *rollout_ids* is a bare ``str``/``bytes``.

@@ -14,7 +14,7 @@ server's (``appendfsync always``, architecture §4). The orchestration
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self
 
 import anyio
@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from ..errors import CodecError, StagingConnectionError
-from ..keys import fence_key, ledger_ids_key, ledger_stream
+from ..keys import calls_stream, claim_key, fence_key, ledger_ids_key, ledger_stream, receipt_key, record_key
 from ..records import RolloutRemoval
 from ..settings import ConnectionSettings, LedgerSettings
 from ..store.connection import Topology, map_redis_errors, reply_text
@@ -33,6 +33,7 @@ from ..store.scripts import (
     APPEND_DUPLICATE,
     APPEND_FENCED,
     APPEND_SCRIPT,
+    DELETE_STALE,
     HAS_ROWS_SCRIPT,
     LEDGER_DELETE_SCRIPT,
     LEDGER_FENCED,
@@ -42,6 +43,7 @@ from ..store.scripts import (
     ServerScript,
 )
 from .ledger import AppendOutcome, CaptureLedger
+from .ownership import keys_owned_by
 
 __all__ = ("RedisCaptureLedger",)
 
@@ -53,6 +55,8 @@ _BATCH_CONCURRENCY = 16
 # are checked out, so a gate with hundreds of concurrent requests must queue
 # here instead of failing.
 _MAX_IN_FLIGHT = 64
+# A delete reads the calls stream, then deletes in one script that checks the stream is unchanged.
+_DELETE_ATTEMPTS = 8
 
 
 def _in_flight_limit(client: aioredis.Redis | RedisCluster) -> int:
@@ -169,7 +173,7 @@ class RedisCaptureLedger(CaptureLedger):
         reply = await self._run(HAS_ROWS_SCRIPT, [stream, fence], [], "check a rollout ledger")
         return (True, False) if reply[0] == LEDGER_FENCED else (False, bool(reply[1]))
 
-    async def _per_id(self, ids: list[str], script: ServerScript, args: list[str], verb: str) -> RolloutRemoval:
+    async def _per_id(self, ids: list[str], run: Callable[[str], Awaitable[bool]], verb: str) -> RolloutRemoval:
         outcomes: list[bool] = [False] * len(ids)
         errors: list[StagingConnectionError] = []
         limiter = anyio.CapacityLimiter(_BATCH_CONCURRENCY)
@@ -177,8 +181,7 @@ class RedisCaptureLedger(CaptureLedger):
         async def run_one(index: int, rollout_id: str) -> None:
             async with limiter:
                 try:
-                    reply = await self._run(script, self._keys(rollout_id), args, f"{verb} {rollout_id!r}")
-                    outcomes[index] = reply[0] == REMOVED
+                    outcomes[index] = await run(rollout_id)
                 except StagingConnectionError as exc:
                     errors.append(exc)  # reported after the batch; the other ids still complete
 
@@ -187,15 +190,43 @@ class RedisCaptureLedger(CaptureLedger):
                 group.start_soon(run_one, index, rollout_id)
         if errors:
             raise StagingConnectionError(
-                f"could not {verb} {len(errors)} of {len(ids)} rollout ids (the others were applied): {errors[0]}"
+                f"could not {verb} {len(errors)} of {len(ids)} rollout ids (each id is all-or-nothing; "
+                f"the others were applied): {errors[0]}"
             ) from errors[0]
         return RolloutRemoval(
             removed=[rid for rid, hit in zip(ids, outcomes, strict=True) if hit],
             absent=[rid for rid, hit in zip(ids, outcomes, strict=True) if not hit],
         )
 
+    async def _retire_one(self, rollout_id: str) -> bool:
+        args = [repr(time.time())]
+        reply = await self._run(LEDGER_RETIRE_SCRIPT, self._keys(rollout_id), args, f"retire {rollout_id!r}")
+        return bool(reply[0] == REMOVED)
+
+    async def _delete_one(self, rollout_id: str) -> bool:
+        """Remove every key under the rollout's hash tag (ledger, fence, receipt, claim, records, calls)."""
+        ns = self._ns
+        calls = calls_stream(ns, rollout_id)
+        fixed = [*self._keys(rollout_id), receipt_key(ns, rollout_id), claim_key(ns, rollout_id), calls]
+        for _attempt in range(_DELETE_ATTEMPTS):
+            self._check_open()
+            async with self._in_flight:
+                with map_redis_errors(f"read the calls of {rollout_id!r}"):
+                    client = self._topology.client
+                    raw = await client.xrange(calls) if await client.type(calls) == b"stream" else []
+            staged = [_text((fields or {}).get(b"key", b"")) for _entry_id, fields in raw or []]
+            records = [record_key(ns, key) for key in keys_owned_by(rollout_id, staged)]
+            reply = await self._run(
+                LEDGER_DELETE_SCRIPT, [*fixed, *records], [str(len(raw or []))], f"delete {rollout_id!r}"
+            )
+            if reply[0] != DELETE_STALE:
+                return bool(reply[0] == REMOVED)
+        raise StagingConnectionError(
+            f"could not delete {rollout_id!r}: records kept being staged during {_DELETE_ATTEMPTS} attempts"
+        )
+
     async def _retire_ids(self, rollout_ids: list[str]) -> RolloutRemoval:
-        return await self._per_id(rollout_ids, LEDGER_RETIRE_SCRIPT, [repr(time.time())], "retire")
+        return await self._per_id(rollout_ids, self._retire_one, "retire")
 
     async def _delete_ids(self, rollout_ids: list[str]) -> RolloutRemoval:
-        return await self._per_id(rollout_ids, LEDGER_DELETE_SCRIPT, [], "delete")
+        return await self._per_id(rollout_ids, self._delete_one, "delete")

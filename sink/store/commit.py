@@ -23,8 +23,9 @@ from ..codec import DIGEST_HEAD_BYTES
 from ..records import StageResult
 from ..settings import SinkSettings
 from .connection import Topology, describe_redis_error
-from .durability import DurabilityMonitor
-from .scripts import STAGE_SCRIPT
+from .durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address
+from .script_runner import ScriptMode
+from .scripts import LIBRARY, STAGE_SCRIPT
 
 __all__ = ("GroupCommitWriter", "PendingStage", "Settle")
 
@@ -38,6 +39,15 @@ _TOPOLOGY_ERRORS = (
 )
 
 
+class _ScriptMissingError(Exception):
+    """A queued stage found neither the script nor the function on the server (nothing ran)."""
+
+    def __init__(self, mode: ScriptMode, reply: BaseException) -> None:
+        super().__init__(str(reply))
+        self.mode = mode
+        self.reply = reply
+
+
 @dataclass(slots=True)
 class PendingStage:
     """One queued stage: its key, encoded blob, ``calls`` entry values and the slot for its result."""
@@ -45,6 +55,7 @@ class PendingStage:
     staging_key: str
     record_key: str
     calls_key: str
+    fence_key: str
     digest: str
     blob: bytes
     entry: tuple[str, ...]
@@ -103,11 +114,14 @@ class GroupCommitWriter:
     async def _write_node(self, client: aioredis.Redis, items: list[PendingStage]) -> None:
         try:
             await self._write_node_once(client, items)
-        except redis_errors.NoScriptError:
-            # The script cache is empty (server restarted): nothing ran; load and retry once.
+        except _ScriptMissingError as missing:
+            # The script cache is empty (server restarted) or the functions were flushed: nothing ran;
+            # load (or probe the library again) and retry once.
             try:
-                await STAGE_SCRIPT.load(client)
+                await STAGE_SCRIPT.recover(client, missing.mode)
                 await self._write_node_once(client, items)
+            except _ScriptMissingError as again:
+                self._fail_all(items, describe_redis_error(again.reply))
             except (redis_errors.RedisError, OSError) as exc:
                 self._fail_all(items, describe_redis_error(exc))
         except _TOPOLOGY_ERRORS as exc:
@@ -132,6 +146,7 @@ class GroupCommitWriter:
     async def _write_node_once(self, client: aioredis.Redis, items: list[PendingStage]) -> None:
         groups = self._topology.group_by_slot([p.record_key for p in items])
         settings = self._settings
+        mode = await LIBRARY.mode(client)
         timeout_ms = max(1, int(settings.confirm_timeout_s * 1000))
         pipe = client.pipeline(transaction=False)
         slot_items: list[list[PendingStage]] = []
@@ -141,25 +156,36 @@ class GroupCommitWriter:
             keys: list[str] = []
             args: list[Any] = [DIGEST_HEAD_BYTES, "1" if settings.min_replicas > 0 else "0"]
             for p in chunk:
-                keys += (p.record_key, p.calls_key)
+                keys += (p.record_key, p.calls_key, p.fence_key)
                 args += (p.digest, p.blob, *p.entry)
-            STAGE_SCRIPT.queue(pipe, keys, args)
+            STAGE_SCRIPT.queue(pipe, mode, keys, args)
         if settings.min_replicas > 0:
             pipe.execute_command("WAIT", settings.min_replicas, timeout_ms)
         waitaof = self._durability.supports_waitaof
         if waitaof:
             pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
+        # The persistence settings, read back in the same round trip, after the writes: a configuration
+        # changed since the last check fails this batch, not one durability_check_interval_s later.
+        check_config = settings.durability == "fsync"
+        if check_config:
+            for name in REQUIRED_CONFIG:
+                pipe.config_get(name)  # one name per CONFIG GET: Redis 6.2 takes a single pattern
         replies = await pipe.execute(raise_on_error=False)
         for reply in replies:
-            if isinstance(reply, redis_errors.NoScriptError):
-                raise reply
+            if STAGE_SCRIPT.missing(reply):
+                raise _ScriptMissingError(mode, reply)
         script_replies = replies[: len(slot_items)]
         confirmation_error = self._confirmation_error(replies[len(slot_items) :], waitaof)
+        if check_config:
+            problem = config_problem(node_address(client), replies[len(replies) - len(REQUIRED_CONFIG) :])
+            if problem is not None:
+                self._durability.invalidate(problem)
+                confirmation_error = confirmation_error or problem
         topology_changed = False
         for chunk, reply in zip(slot_items, script_replies, strict=True):
             if isinstance(reply, BaseException):
                 topology_changed |= isinstance(reply, _TOPOLOGY_ERRORS)
-                self._fail_all(chunk, describe_redis_error(reply))
+                self._fail_all(chunk, LIBRARY.explain_refusal(client, mode, reply) or describe_redis_error(reply))
                 continue
             for pending, status in zip(chunk, reply, strict=True):
                 self._settle(pending, int(status), confirmation_error)

@@ -18,6 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection
 
 from ..errors import CodecError, StagingConnectionError
 from ..settings import ConnectionSettings
@@ -137,10 +138,15 @@ class Topology:
         key = (host, port)
         client = self._node_clients.get(key)
         if client is None:
-            assert self._cluster is not None
-            # Same credentials/TLS/timeouts as the cluster client, for one node.
-            inherited = self._cluster.get_connection_kwargs()
-            connection_class: type[aioredis.Connection] = inherited.get("connection_class") or aioredis.Connection
+            # Same credentials/TLS/timeouts as the cluster (or single-server) client, for one node.
+            connection_class: type[AbstractConnection]
+            if self._cluster is not None:
+                inherited = self._cluster.get_connection_kwargs()
+                connection_class = inherited.get("connection_class") or aioredis.Connection
+            else:
+                assert self._single is not None
+                inherited = dict(self._single.connection_pool.connection_kwargs)
+                connection_class = self._single.connection_pool.connection_class
             accepted = _init_parameters(connection_class)
             kwargs: dict[str, Any] = {k: v for k, v in inherited.items() if k in accepted}
             kwargs.update(self._client_kwargs)
@@ -154,6 +160,18 @@ class Topology:
             client = aioredis.Redis.from_pool(pool)
             self._node_clients[key] = client
         return client
+
+    async def standalone_replicas(self) -> list[aioredis.Redis]:
+        """One client per replica a single server reports online (``INFO replication``); none in a cluster,
+        whose replicas :meth:`all_nodes` already lists."""
+        if self._single is None:
+            return []
+        info = await self._single.info("replication")
+        replicas = []
+        for name, value in sorted(info.items()):
+            if str(name).startswith("slave") and isinstance(value, dict) and value.get("state") == "online":
+                replicas.append(self._node_client(str(value["ip"]), int(value["port"])))
+        return replicas
 
     def node_for_key(self, key: str) -> aioredis.Redis:
         """The client of the primary that owns *key*'s slot."""

@@ -22,7 +22,14 @@ from ..settings import SinkSettings
 from .connection import Topology, describe_redis_error, reply_text
 from .server_version import supports_waitaof
 
-__all__ = ("REQUIRED_CONFIG", "DurabilityMonitor", "DurabilityReport", "verify_durability")
+__all__ = (
+    "REQUIRED_CONFIG",
+    "DurabilityMonitor",
+    "DurabilityReport",
+    "config_problem",
+    "node_address",
+    "verify_durability",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,31 +49,45 @@ class DurabilityReport:
     supports_waitaof: bool
 
 
-async def _check_node(client: aioredis.Redis) -> tuple[str | None, bool]:
-    address = _address(client)
-    try:
-        values: dict[str, str] = {}
-        for name in REQUIRED_CONFIG:
-            # One name per CONFIG GET: Redis 6.2 takes a single pattern.
-            reply = await client.config_get(name)
-            for key, value in reply.items():
-                values[reply_text(key, "CONFIG GET reply")] = reply_text(value, "CONFIG GET reply")
-        server_info = await client.info("server")
-    except redis_errors.ResponseError as exc:
-        return f"cannot verify durability of {address}: CONFIG GET refused ({describe_redis_error(exc)})", False
-    except (redis_errors.RedisError, OSError) as exc:
-        return f"cannot verify durability of {address}: {describe_redis_error(exc)}", False
+def config_problem(address: str, replies: Sequence[object]) -> str | None:
+    """What is wrong with one node's ``CONFIG GET`` replies (one per :data:`REQUIRED_CONFIG` name, in order).
+
+    A reply may be the exception the pipeline returned for that command.
+    """
+    values: dict[str, str] = {}
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            return f"cannot verify durability of {address}: CONFIG GET refused ({describe_redis_error(reply)})"
+        if not isinstance(reply, dict):
+            return f"cannot verify durability of {address}: unexpected CONFIG GET reply {type(reply).__name__}"
+        for key, value in reply.items():
+            values[reply_text(key, "CONFIG GET reply")] = reply_text(value, "CONFIG GET reply")
     wrong = [
         f"{name}={values.get(name, '<missing>')!r} (need {expected!r})"
         for name, expected in REQUIRED_CONFIG.items()
         if values.get(name) != expected
     ]
-    if wrong:
-        return f"server {address} is not durable: " + ", ".join(wrong), False
+    return f"server {address} is not durable: " + ", ".join(wrong) if wrong else None
+
+
+async def _check_node(client: aioredis.Redis) -> tuple[str | None, bool]:
+    address = node_address(client)
+    try:
+        # One name per CONFIG GET: Redis 6.2 takes a single pattern.
+        replies = [await client.config_get(name) for name in REQUIRED_CONFIG]
+        server_info = await client.info("server")
+    except redis_errors.ResponseError as exc:
+        return f"cannot verify durability of {address}: CONFIG GET refused ({describe_redis_error(exc)})", False
+    except (redis_errors.RedisError, OSError) as exc:
+        return f"cannot verify durability of {address}: {describe_redis_error(exc)}", False
+    problem = config_problem(address, replies)
+    if problem is not None:
+        return problem, False
     return None, supports_waitaof(server_info)
 
 
-def _address(client: aioredis.Redis) -> str:
+def node_address(client: aioredis.Redis) -> str:
+    """``host:port`` of a single-node client (for messages)."""
     kwargs = client.connection_pool.connection_kwargs
     return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
 
@@ -101,6 +122,12 @@ class DurabilityMonitor:
         report = self._report
         return report is not None and report.supports_waitaof and self._settings.durability == "fsync"
 
+    def invalidate(self, problem: str) -> None:
+        """Record that a write batch found *problem*: stages fail with it until a fresh check passes."""
+        self._report = DurabilityReport(problem=problem, supports_waitaof=False)
+        self._checked_at = -math.inf
+        logger.error("staging sink refuses to acknowledge writes: %s", problem)
+
     def _fresh(self) -> bool:
         return time.monotonic() - self._checked_at < self._settings.durability_check_interval_s
 
@@ -124,8 +151,32 @@ class DurabilityMonitor:
     async def _verify_all_nodes(self) -> DurabilityReport:
         try:
             nodes = await self._topology.all_nodes()
+            # The replicas WAIT counts must be durable too: a standalone primary's, not only a cluster's.
+            replicas = await self._topology.standalone_replicas() if self._settings.min_replicas > 0 else []
         except (redis_errors.RedisError, OSError) as exc:
             return DurabilityReport(
                 problem=f"cannot verify durability: {describe_redis_error(exc)}", supports_waitaof=False
             )
-        return await verify_durability(nodes)
+        report = await verify_durability(nodes)
+        if report.problem is not None or not replicas:
+            return report
+        problems: list[str | None] = [None] * len(replicas)
+        timeout_s = self._settings.confirm_timeout_s
+
+        async def check(index: int, replica: aioredis.Redis) -> None:
+            # A frozen replica must not hold the sink longer than a WAIT would.
+            problems[index] = f"replica {node_address(replica)} did not answer within confirm_timeout_s={timeout_s}"
+            with anyio.move_on_after(timeout_s):
+                problems[index], _waitaof = await _check_node(replica)
+
+        async with anyio.create_task_group() as group:
+            for index, replica in enumerate(replicas):
+                group.start_soon(check, index, replica)
+        durable = problems.count(None)
+        if durable < self._settings.min_replicas:
+            return DurabilityReport(
+                problem=f"only {durable} of {len(replicas)} replicas are durable (min_replicas="
+                f"{self._settings.min_replicas}): " + "; ".join(p for p in problems if p is not None),
+                supports_waitaof=False,
+            )
+        return report

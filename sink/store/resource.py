@@ -8,14 +8,18 @@ blocking portal), so a slow call never blocks another.
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
+import warnings
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 import anyio
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.from_thread import BlockingPortal
 
 from ..settings import ConnectionSettings
 
@@ -92,8 +96,66 @@ class AsyncResource:
                 await self._close_resources()
 
 
+class _LoopThread:
+    """A blocking portal on an asyncio loop in a **daemon** thread.
+
+    ``anyio.from_thread.start_blocking_portal`` runs its loop in a non-daemon thread, which the
+    interpreter joins at exit: a facade whose ``close()`` was forgotten then kept the process alive
+    forever. A daemon loop thread never does.
+    """
+
+    def __init__(self, name: str) -> None:
+        handoff: queue.Queue[BlockingPortal | BaseException] = queue.Queue(1)
+
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                handoff.put(portal)
+                await portal.sleep_until_stopped()
+
+        def run() -> None:
+            try:
+                anyio.run(serve, backend="asyncio")
+            except BaseException as exc:  # noqa: BLE001 (handed to the constructor waiting on startup)
+                if handoff.empty():
+                    handoff.put(exc)
+
+        self.thread = threading.Thread(target=run, name=f"{name}-loop", daemon=True)
+        self.thread.start()
+        item = handoff.get()
+        if isinstance(item, BaseException):
+            raise item
+        self.portal = item
+
+    def stop(self) -> None:
+        """Let the portal's tasks finish, stop the loop and join its thread."""
+        if threading.current_thread() is self.thread:
+            return  # cannot wait for ourselves; the daemon thread ends with the process
+        try:
+            self.portal.call(self.portal.stop)
+        except RuntimeError:
+            pass  # the loop is already gone
+        self.thread.join()
+
+
+def _close_forgotten(name: str, loop: _LoopThread, resource_cm: AbstractContextManager[Any]) -> None:
+    """``weakref.finalize`` callback: a facade was collected, or the process exits, without ``close()``."""
+    warnings.warn(f"unclosed {name}: call close() or use a with block", ResourceWarning, stacklevel=2)
+    if threading.current_thread() is loop.thread:
+        return  # collected on its own loop: cannot block here; the daemon thread does not keep the process
+    try:
+        resource_cm.__exit__(None, None, None)
+    except Exception as exc:  # noqa: BLE001 (best effort on the way out; never raise from a finalizer)
+        logging.getLogger(__name__).warning("closing an unclosed %s failed: %r", name, exc)
+    finally:
+        loop.stop()
+
+
 class PortalOwner(Generic[_Resource]):
     """The synchronous facade: owns a background loop thread and one :class:`AsyncResource` entered on it.
+
+    The loop thread is a daemon: a facade that is never closed does not keep the process alive. Such a
+    facade is closed when it is garbage-collected or the interpreter exits, with a ``ResourceWarning``
+    (shown with ``python -W always::ResourceWarning`` or ``-X dev``), as redis-py's own clients do.
 
     Subclasses call :meth:`_call` to run a coroutine function (usually a method of ``self._resource``) on the loop.
     """
@@ -101,17 +163,20 @@ class PortalOwner(Generic[_Resource]):
     def __init__(self, resource: _Resource) -> None:
         self._resource = resource
         self._lock = threading.Lock()
-        self._portal_cm: AbstractContextManager[BlockingPortal] | None = start_blocking_portal(backend="asyncio")
-        self._portal: BlockingPortal | None = self._portal_cm.__enter__()
+        loop = _LoopThread(type(self).__name__)
         # The resource is entered and exited inside one task on the loop, as its
         # task group requires; this thread only waits for it.
-        self._resource_cm = self._portal.wrap_async_context_manager(resource)
+        resource_cm = loop.portal.wrap_async_context_manager(resource)
         try:
-            self._resource_cm.__enter__()
+            resource_cm.__enter__()
         except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            self._portal = self._portal_cm = None
+            loop.stop()
             raise
+        self._loop: _LoopThread | None = loop
+        self._portal: BlockingPortal | None = loop.portal
+        self._resource_cm = resource_cm
+        # No reference to self: the finalizer must not keep the facade alive.
+        self._finalizer = weakref.finalize(self, _close_forgotten, type(self).__name__, loop, resource_cm)
 
     def _call(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
         portal = self._portal
@@ -122,14 +187,15 @@ class PortalOwner(Generic[_Resource]):
     def close(self) -> None:
         """Finish pending work, close the resource and stop the loop thread (idempotent)."""
         with self._lock:
-            portal, portal_cm = self._portal, self._portal_cm
-            self._portal = self._portal_cm = None
-        if portal is None or portal_cm is None:
+            loop = self._loop
+            self._portal = self._loop = None
+        if loop is None:
             return
+        self._finalizer.detach()
         try:
             self._resource_cm.__exit__(None, None, None)
         finally:
-            portal_cm.__exit__(None, None, None)
+            loop.stop()
 
     def __enter__(self) -> Self:
         return self

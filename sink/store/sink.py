@@ -31,7 +31,7 @@ from redis.asyncio.cluster import RedisCluster
 from ..codec import encode_record
 from ..digest import compute_extras_digest
 from ..errors import CodecError
-from ..keys import calls_stream, record_key, rollout_of_staging_key, validate_rollout_id
+from ..keys import calls_stream, check_call_id, fence_key, record_key, rollout_of_staging_key, validate_rollout_id
 from ..pipeline_counters import count_stage, count_staged_bytes
 from ..record_schema import calls_entry
 from ..records import StagedCallRecord, StageResult
@@ -40,10 +40,11 @@ from .commit import GroupCommitWriter, PendingStage
 from .connection import Topology, describe_redis_error, map_redis_errors
 from .durability import DurabilityMonitor
 from .resource import AsyncResource, PortalOwner, settings_or_fields
-from .scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_SAME, STAGE_WRITTEN
+from .scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_REPAIRED, STAGE_RETIRED, STAGE_SAME, STAGE_WRITTEN
 
 __all__ = (
     "CONFLICT_ERROR",
+    "RETIRED_ERROR",
     "AsyncRedisStagingSink",
     "RedisStagingSink",
     "SinkStatistics",
@@ -56,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 CONFLICT_ERROR = "conflicting staged record"
 """``StageResult.error`` when the key already holds a record with another digest (nothing was written)."""
+RETIRED_ERROR = "the rollout is retired (its ledger fence is set): a late stage is refused; nothing was written"
+"""``StageResult.error`` for a stage of a rollout that was consumed or retired (contract §6.9)."""
 _WRONG_TYPE_ERROR = "a key of this rollout holds a value of the wrong type; nothing was written"
 
 
@@ -109,6 +112,8 @@ class SinkStatistics:
     failed: int
     batches: int
     queued: int
+    repaired: int = 0
+    """Re-stages that found the stored blob corrupt (same digest, other bytes) and rewrote it."""
 
 
 async def clear_staged(topology: Topology, namespace: str, staging_keys: Sequence[str]) -> int:
@@ -170,7 +175,7 @@ class AsyncRedisStagingSink(AsyncResource):
         self._task_group: TaskGroup | None = None
         self._durability = DurabilityMonitor(topology, settings)
         self._writer = GroupCommitWriter(topology, settings, self._durability, self._settle)
-        self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0}
+        self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0, "repaired": 0}
 
     @property
     def settings(self) -> SinkSettings:
@@ -269,6 +274,7 @@ class AsyncRedisStagingSink(AsyncResource):
             raise RuntimeError("the staging sink is not open: use 'async with sink:'")
         try:
             record = verified_record(record)
+            check_call_id(record.model_call_id)
             staging_key = record.staging_key + key_suffix
             validate_rollout_id(record.rollout_id)
             blob = encode_record(record)
@@ -286,6 +292,7 @@ class AsyncRedisStagingSink(AsyncResource):
             staging_key=staging_key,
             record_key=record_key(self._settings.namespace, staging_key),
             calls_key=calls_stream(self._settings.namespace, record.rollout_id),
+            fence_key=fence_key(self._settings.namespace, record.rollout_id),
             digest=record.digest,
             blob=blob,
             entry=calls_entry(staging_key, record, len(blob)),
@@ -308,13 +315,18 @@ class AsyncRedisStagingSink(AsyncResource):
         if status == STAGE_CONFLICT:
             self._counts["conflicts"] += 1
             error = CONFLICT_ERROR
+        elif status == STAGE_RETIRED:
+            error = RETIRED_ERROR
+        elif status == STAGE_REPAIRED:
+            logger.warning("repaired corrupt stored record %r (same digest, other bytes)", pending.staging_key)
         elif status is not None and status not in (STAGE_WRITTEN, STAGE_SAME):
             error = _WRONG_TYPE_ERROR
         if status is None or error is not None:
             pending.finish(self._failed(pending.staging_key, error or "nothing was written"))
         else:
-            self._counts["staged" if status == STAGE_WRITTEN else "already_present"] += 1
-            if status == STAGE_WRITTEN:
+            counter = {STAGE_WRITTEN: "staged", STAGE_REPAIRED: "repaired"}.get(status, "already_present")
+            self._counts[counter] += 1
+            if status in (STAGE_WRITTEN, STAGE_REPAIRED):
                 count_staged_bytes(self._settings.namespace, len(pending.blob))
             pending.finish(StageResult(ok=True, staging_key=pending.staging_key))
 

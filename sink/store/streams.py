@@ -30,7 +30,7 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +38,11 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
+from ..errors import CodecError
 from ..keys import dead_letter_stream
 from ..pipeline_counters import count_dead_letter
 from .connection import Topology, map_redis_errors, reply_text
+from .dead_letters import UndecodableEntry, dead_letter_record
 from .scripts import REMOVED, RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT
 
 __all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
@@ -103,6 +105,7 @@ class GroupConsumer:
         self._claim_cursor = ["0-0"] * len(self.streams)
         self._shard_of_stream = {stream: shard for shard, stream in enumerate(self.streams)}
         self._suspect: set[int] = set()
+        self._undecodable: list[UndecodableEntry] = []
         self.read = self.reclaimed = self.acked = self.dead_lettered = 0
 
     def _client(self, shard: int) -> aioredis.Redis:
@@ -130,11 +133,16 @@ class GroupConsumer:
     # --- reading -----------------------------------------------------------------
 
     def _entries(self, shard: int, raw: Iterable[Any], deliveries: int) -> list[StreamEntry]:
+        """Decode *raw* entries; an entry that is not UTF-8 text is set aside for :meth:`reject_undecodable`."""
         entries = []
         for entry_id, fields in raw:
             if fields is None:
                 continue  # history of an entry deleted after delivery; nothing to process
-            decoded = {_text(k): _text(v) for k, v in fields.items()}
+            try:
+                decoded = {_text(k): _text(v) for k, v in fields.items()}
+            except CodecError as exc:
+                self._undecodable.append(UndecodableEntry(shard, _text(entry_id), dict(fields), deliveries, str(exc)))
+                continue
             entries.append(StreamEntry(self.streams[shard], shard, _text(entry_id), decoded, deliveries))
         return entries
 
@@ -147,6 +155,23 @@ class GroupConsumer:
             raw_ids.extend(_text(entry_id) for entry_id, _fields in raw or [])
             entries.extend(self._entries(self._shard_of_stream[_text(stream)], raw or [], deliveries))
         return entries, raw_ids
+
+    async def reject_undecodable(self) -> int:
+        """Dead-letter every entry read so far that was not UTF-8 text (its raw bytes are kept).
+
+        The read methods call this before returning, so a consumer never sees such an entry
+        and one undecodable entry never stops it.
+
+        :returns: how many entries were dead-lettered.
+        """
+        rejected, self._undecodable = self._undecodable, []
+        for item in rejected:
+            stream = self.streams[item.shard]
+            await self._copy_to_dead_letter(
+                item.shard, stream, item.entry_id, item.fields, item.deliveries, f"undecodable entry: {item.reason}"
+            )
+            await self._ack_ids(stream, [item.entry_id])
+        return len(rejected)
 
     async def read_new(self, shards: Sequence[int], *, count: int, block_ms: int | None) -> list[StreamEntry]:
         """New entries (``>``) for this consumer, up to *count* per shard.
@@ -172,6 +197,7 @@ class GroupConsumer:
         else:
             entries = await self._read_cluster(shards, count=count, block=block)
         self.read += len(entries)
+        await self.reject_undecodable()
         return entries
 
     async def _read_cluster(self, shards: Sequence[int], *, count: int, block: int | None) -> list[StreamEntry]:
@@ -218,6 +244,7 @@ class GroupConsumer:
                 if len(raw_ids) < count:
                     break
                 start = raw_ids[-1]
+        await self.reject_undecodable()
         return await self._screen(shard, collected)
 
     async def reclaim(self, shard: int, *, count: int) -> list[StreamEntry]:
@@ -241,6 +268,7 @@ class GroupConsumer:
                 claimed.extend(self._entries(shard, raw, 0))
                 if self._claim_cursor[shard] == "0-0":
                     break  # one full pass over the pending list
+        await self.reject_undecodable()
         if not claimed:
             return []
         self.reclaimed += len(claimed)
@@ -279,15 +307,19 @@ class GroupConsumer:
         for entry in entries:
             by_stream.setdefault(entry.stream, []).append(entry.entry_id)
         acked = 0
-        with anyio.CancelScope(shield=True), map_redis_errors(f"acknowledge {self._role} entries"):
+        with anyio.CancelScope(shield=True):
             for stream, ids in by_stream.items():
-                pipe = self._topology.node_for_key(stream).pipeline(transaction=True)
-                pipe.xack(stream, self.group, *ids)
-                pipe.xdel(stream, *ids)
-                xack_count, _deleted = await pipe.execute()
-                acked += int(xack_count)
-        self.acked += acked
+                acked += await self._ack_ids(stream, ids)
         return acked
+
+    async def _ack_ids(self, stream: str, ids: list[str]) -> int:
+        with anyio.CancelScope(shield=True), map_redis_errors(f"acknowledge {self._role} entries"):
+            pipe = self._topology.node_for_key(stream).pipeline(transaction=True)
+            pipe.xack(stream, self.group, *ids)
+            pipe.xdel(stream, *ids)
+            xack_count, _deleted = await pipe.execute()
+        self.acked += int(xack_count)
+        return int(xack_count)
 
     async def dead_letter(self, entry: StreamEntry, reason: str) -> None:
         """Copy *entry* to ``ns:dead:<role>-<shard>`` (with its origin and *reason*), then acknowledge it.
@@ -296,21 +328,29 @@ class GroupConsumer:
         the acknowledgement leaves the entry pending, so it may be copied twice,
         never lost.
         """
-        dead = dead_letter_stream(self._namespace, f"{self._role}-{entry.shard}")
-        record = {
-            **entry.fields,
-            "dead_source": entry.stream,
-            "dead_entry_id": entry.entry_id,
-            "dead_deliveries": str(entry.deliveries),
-            "dead_reason": reason,
-            "dead_consumer": self.consumer,
-        }
-        with anyio.CancelScope(shield=True), map_redis_errors(f"dead-letter {entry.stream} {entry.entry_id}"):
-            await self._topology.node_for_key(dead).xadd(dead, record)  # type: ignore[arg-type]
-        logger.warning("dead-lettered %s %s to %s: %s", entry.stream, entry.entry_id, dead, reason)
-        self.dead_lettered += 1
-        count_dead_letter(self._namespace, self._role, entry.shard)  # metrics (issue 15)
+        await self._copy_to_dead_letter(
+            entry.shard, entry.stream, entry.entry_id, entry.fields, entry.deliveries, reason
+        )
         await self.ack([entry])
+
+    async def _copy_to_dead_letter(
+        self,
+        shard: int,
+        stream: str,
+        entry_id: str,
+        fields: Mapping[Any, Any],
+        deliveries: int,
+        reason: str,
+    ) -> None:
+        dead = dead_letter_stream(self._namespace, f"{self._role}-{shard}")
+        record = dead_letter_record(
+            fields, stream=stream, entry_id=entry_id, deliveries=deliveries, reason=reason, consumer=self.consumer
+        )
+        with anyio.CancelScope(shield=True), map_redis_errors(f"dead-letter {stream} {entry_id}"):
+            await self._topology.node_for_key(dead).xadd(dead, record)
+        logger.warning("dead-lettered %s %s to %s: %s", stream, entry_id, dead, str(record["dead_reason"])[:200])
+        self.dead_lettered += 1
+        count_dead_letter(self._namespace, self._role, shard)  # metrics (issue 15)
 
     async def touch(self, entries: Sequence[StreamEntry]) -> list[StreamEntry]:
         """Reset the idle time of held *entries* so no other consumer reclaims them (a heartbeat).

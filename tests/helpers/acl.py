@@ -11,6 +11,7 @@ from redis.retry import Retry
 
 from sink.acl import ADMIN_ROLE, ROLE_NAMES, generate_passwords, render_acl_file
 from sink.server import DurableServer
+from sink.store.scripts import LIBRARY
 
 
 class AclServer(DurableServer):
@@ -38,9 +39,20 @@ class AclServer(DurableServer):
         return f"redis://{role}:{self.passwords[role]}@{self.host}:{self.port}"
 
 
-def start_acl_server(binary: str | Path, directory: Path, **render: Any) -> AclServer:
+def start_acl_server(binary: str | Path, directory: Path, *, setup: bool = True, **render: Any) -> AclServer:
+    """A server loading a freshly generated ACL file; with *setup*, the admin loads the function library
+    (what ``staging-sink setup`` does) where the server has functions."""
     passwords = generate_passwords((*ROLE_NAMES, ADMIN_ROLE))
     acl_path = directory / "users.acl"
     server = AclServer(passwords=passwords, binary=binary, data_dir=directory, extra_config={"aclfile": str(acl_path)})
     acl_path.write_text(render_acl_file(passwords=passwords, server_version=server.version, **render))
-    return server.start()
+    server.start()
+    if setup and _version(server.version) >= (7, 0):
+        with server.client() as admin:
+            admin.function_load(LIBRARY.source, replace=True)
+    return server
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor, *_rest = text.split(".")
+    return int(major), int(minor)

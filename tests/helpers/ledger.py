@@ -61,7 +61,7 @@ def make_record(call_id: str, *, parent: str | None = None, prev_len: int = 0, *
 
 
 def root_commit(call_id: str = "c-root", *, rollout_id: str = R, **overrides: Any) -> CaptureLedgerCommit:
-    record = make_record(call_id, staging_key=f"{rollout_id}/{call_id}", **overrides)
+    record = make_record(call_id, **{"staging_key": f"{rollout_id}/{call_id}", **overrides})
     return CaptureLedgerCommit(
         rollout_id=rollout_id,
         record=record,

@@ -1,0 +1,110 @@
+"""Issue 13, defect 10: lost leases are reported, double deliveries counted, and ``staging-sink trainer``
+rides through a server restart (real Valkey 8 / Redis 7.0 servers).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+
+from sink.assembler import finished
+from sink.keys import record_key
+from sink.reader import RolloutReader
+from sink.server import DurableServer
+from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollouts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def _prepared(url: str, ids: Sequence[str]) -> list[StagedRollout]:
+    staged = await stage_rollouts(url, ids, calls=1)
+    async with aioredis.Redis.from_url(url) as client:
+        for rollout_id in ids:
+            await finished(client, rollout_id, reward=1.0, shards=1)
+        async with running_assembler(url, block_ms=20, done_shards=1, receipt_shards=1):
+            with anyio.fail_after(20):
+                while await client.xlen("stg:done:0"):  # noqa: ASYNC110 (polling the server)
+                    await anyio.sleep(0.02)
+    return staged
+
+
+@pytest.mark.anyio
+async def test_an_ack_after_a_lost_lease_reports_it_and_the_new_owner_counts_a_double_delivery(
+    redis_url: str,
+) -> None:
+    [staged] = await _prepared(redis_url, ["leased"])
+    fast: dict[str, Any] = {"receipt_shards": 1, "claim_idle_ms": 200}
+    async with (
+        RolloutReader.from_url(redis_url, consumer_name="rank-slow", **fast) as slow,
+        RolloutReader.from_url(redis_url, consumer_name="rank-fast", **fast) as fast_rank,
+    ):
+        [first] = await pull_until(slow, 1)
+        assert first.trainable
+        await anyio.sleep(0.5)  # the slow rank stalls past claim_idle_ms: no pull, no heartbeat
+        [second] = await pull_until(fast_rank, 1)
+        assert second.rollout_id == "leased" and second.trainable
+        assert fast_rank.statistics().double_deliveries == 1
+        outcome = await slow.ack(["leased"])
+        assert outcome.lost_lease == ["leased"] and outcome.removed == [] and outcome.absent == []
+        assert slow.statistics().lost == 1 and slow.held_rollouts == ()
+        async with aioredis.Redis.from_url(redis_url) as client:
+            # The slow rank's ack touched nothing: the new owner's records and ledger are intact.
+            assert await client.exists(record_key("stg", staged.staging_keys[0])) == 1
+        finished_ack = await fast_rank.ack(["leased"])
+        assert finished_ack.removed == ["leased"] and finished_ack.lost_lease == []
+        assert fast_rank.statistics().double_deliveries == 1 and fast_rank.statistics().lost == 0
+
+
+@contextmanager
+def _trainer(url: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    command = [sys.executable, "-m", "sink", "trainer", "--redis-url", url, "--shards", "1", *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as process:
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+def _read_line(process: subprocess.Popen[str], timeout_s: float = 20.0) -> str:
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    line = process.stdout.readline()
+    assert line and time.monotonic() < deadline, process.stderr.read() if process.stderr else ""
+    return line
+
+
+@pytest.mark.slow
+def test_the_trainer_command_rides_through_a_server_restart(fresh_server: DurableServer) -> None:
+    url = fresh_server.url
+    anyio.run(_prepared, url, ["before"])
+    with _trainer(url, "--max-rollouts", "2", "--timeout-s", "60", "--max-outage-s", "30") as process:
+        assert "before" in _read_line(process)
+        fresh_server.kill()
+        time.sleep(1.5)  # a real outage: several failed pulls
+        fresh_server.restart()
+        anyio.run(_prepared, url, ["after"])
+        assert "after" in _read_line(process)
+        assert process.wait(timeout=30) == 0, process.stderr.read() if process.stderr else ""
+
+
+def test_the_trainer_command_gives_up_after_the_configured_outage(fresh_server: DurableServer) -> None:
+    with _trainer(fresh_server.url, "--max-outage-s", "2") as process:
+        time.sleep(1.0)  # let it start pulling
+        fresh_server.kill()
+        started = time.monotonic()
+        code = process.wait(timeout=20)
+        elapsed = time.monotonic() - started
+        stderr = process.stderr.read() if process.stderr else ""
+    assert code == 3, stderr
+    assert 1.5 <= elapsed < 12, elapsed
+    assert "max_outage_s=2" in stderr or "2.0 s" in stderr, stderr
