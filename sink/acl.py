@@ -187,6 +187,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             Grant(("exists", "hget", "hset", "del"), (_rw(_LEDGER_IDS),)),
             Grant(("exists", "set", "del"), (_rw(_FENCE),)),
             Grant(("xadd",), (_wo(_DONE),)),
+            # `staging-sink retire` checks that an id names something before it fences it
+            Grant(("exists",), (_ro(_CALLS), _ro(_RECEIPT), _ro(_CLAIMED))),
         ),
     ),
     "assembler": RolePolicy(
@@ -233,10 +235,10 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 (_rw(_GROUP_META), _rw(_GROUP_MEMBERS)),
             ),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
-            Grant(("get", "del"), (_rw(_RECEIPT),)),
+            Grant(("get", "del", "exists"), (_rw(_RECEIPT),)),
             Grant(("get", "set", "del", "exists"), (_rw(_CLAIMED),)),
             Grant(("get", "mget", "del"), (_rw(_REC),)),
-            Grant(("type", "xrange", "xdel", "xlen", "del"), (_rw(_CALLS),)),
+            Grant(("type", "xrange", "xdel", "xlen", "del", "exists"), (_rw(_CALLS),)),
             Grant(("exists", "del"), (_rw(_LEDGER), _rw(_LEDGER_IDS))),
             Grant(("exists", "set", "del"), (_rw(_FENCE),)),
             Grant(("xadd",), (_wo(_DEAD),)),

@@ -86,7 +86,8 @@ def test_the_trainer_runs_staging_sink_delete_and_the_id_is_reusable(
     anyio.run(_stage_as_roles, fresh_roles, "rd")
     assert len(_keys(fresh_roles, "rd")) == 5
     assert cli_main(["delete", "rd", "--json", "--redis-url", fresh_roles.role_url("trainer")]) == 0
-    assert json.loads(capsys.readouterr().out)["removed"] == ["rd"]
+    [report] = json.loads(capsys.readouterr().out)["rollouts"]
+    assert report == {"rollout_id": "rd", "ledger_removed": True, "fence_removed": False, "other_removed": True}
     assert _keys(fresh_roles, "rd") == []
 
     async def restage() -> bool:

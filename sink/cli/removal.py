@@ -44,8 +44,9 @@ async def _found(topology: Topology, namespace: str, rollout_id: str) -> _Found:
             receipt_key(namespace, rollout_id),
             claim_key(namespace, rollout_id),
         ]
-        # One slot per rollout: a multi-key EXISTS is fine on a cluster too.
-        found_other = bool(await client.exists(*other))
+        # One EXISTS per key: the generated ACL puts these keys in different selectors, and a multi-key command
+        # must fit one selector whole.
+        found_other = any([bool(await client.exists(key)) for key in other])
     return _Found(ledger=ledger, fence=fence, other=found_other)
 
 

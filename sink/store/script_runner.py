@@ -114,9 +114,8 @@ class ScriptLibrary:
     async def load(self, client: Client) -> None:
         """``FUNCTION LOAD REPLACE`` on *client*'s server (every primary of a cluster). Idempotent."""
         if isinstance(client, RedisCluster):
-            await client.execute_command(
-                "FUNCTION", "LOAD", "REPLACE", self.source, target_nodes=RedisCluster.PRIMARIES
-            )
+            # The node list itself: this redis-py routes a FUNCTION LOAD given only the PRIMARIES flag by key.
+            await client.execute_command("FUNCTION", "LOAD", "REPLACE", self.source, target_nodes=client.get_primaries())
         else:
             await client.function_load(self.source, replace=True)
         self._modes[client] = FUNCTION_MODE
