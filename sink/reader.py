@@ -58,10 +58,11 @@ from .records import RolloutReceipt, RolloutRemoval
 from .settings import ReaderSettings, SourceSettings
 from .staleness import STALE_WEIGHTS, stale_skip
 from .store.connection import Topology, map_redis_errors
+from .store.healing import SelfHealingGroupConsumer
 from .store.resource import AsyncResource, settings_or_fields
 from .store.sink import clear_staged
 from .store.source import AsyncRedisStagingSource
-from .store.streams import GroupConsumer, StreamEntry, default_consumer_name
+from .store.streams import StreamEntry, default_consumer_name
 
 __all__ = (
     "CORRUPT_RECORD",
@@ -148,7 +149,7 @@ class RolloutReader(AsyncResource):
             max_record_bytes=settings.max_record_bytes,
         )
         self._source = AsyncRedisStagingSource(client, source_settings)
-        self._consumer = GroupConsumer(
+        self._consumer = SelfHealingGroupConsumer(
             topology,
             namespace=self._ns,
             role="receipts",

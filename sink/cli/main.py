@@ -29,6 +29,7 @@ from ..errors import StagingError
 from ..keys import DEFAULT_NAMESPACE
 from ..settings import DEFAULT_SHARDS
 from . import listing, removal, rollouts, services, stats
+from .cluster_flag import CLUSTER_HELP, resolve_cluster_flag
 from .common import (
     EXIT_FAILURE,
     EXIT_UNREACHABLE,
@@ -78,7 +79,7 @@ def _redis_options(
         metavar="NS",
         help=namespace_help or f"key namespace (default: ${ENV_NAMESPACE} or {DEFAULT_NAMESPACE!r})",
     )
-    group.add_argument("--cluster", action="store_true", help="the URL is one node of a Redis/Valkey Cluster")
+    group.add_argument("--cluster", action=argparse.BooleanOptionalAction, default=None, help=CLUSTER_HELP)
     return parent
 
 
@@ -395,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(verbose=args.verbose, log_format=args.log_format)
     handler: Handler = args.handler
     try:
+        resolve_cluster_flag(args)  # issue 15: detected from the server; a contradicting flag is one line
         return handler(args)
     except BaseException as exc:
         code = None if isinstance(exc, SystemExit) else _report(_leaf(exc), args)
