@@ -24,7 +24,7 @@ _DETECT_TIMEOUT_S = 3.0
 def resolve_cluster_flag(args: argparse.Namespace) -> None:
     """Replace ``args.cluster`` (``True``/``False``/``None``) by the mode to use, a ``bool``.
 
-    Asks the server only when the command will talk to one (``--redis-url`` given, capture on).
+    Asks the server only when ``--redis-url`` is given, and not for ``proxy``.
 
     :raises CommandError: (exit 2) the flag contradicts the server; (exit 2) a malformed URL.
     :raises StagingConnectionError: the server cannot be reached.
@@ -32,7 +32,8 @@ def resolve_cluster_flag(args: argparse.Namespace) -> None:
     if not hasattr(args, "cluster"):
         return
     url = getattr(args, "redis_url", None)
-    if not url or getattr(args, "no_capture", False):
+    # The proxy validates its settings before it connects; it keeps the explicit flag (default: standalone).
+    if not url or getattr(args, "command", None) == "proxy":
         args.cluster = bool(args.cluster)
         return
     try:
