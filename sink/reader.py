@@ -55,6 +55,7 @@ from .pulled import (
     with_group,
 )
 from .records import RolloutReceipt, RolloutRemoval
+from .retention import expire_consumed
 from .settings import ReaderSettings, SourceSettings
 from .staleness import STALE_WEIGHTS, stale_skip
 from .store.connection import Topology, map_redis_errors
@@ -432,6 +433,8 @@ class RolloutReader(AsyncResource):
         await clear_staged(self._topology, self._ns, [row.staging_key for h in held for row in h.receipt.manifest])
         await self._claims.release([(h.receipt.rollout_id, h.token) for h in held])
         await self._consumer.ack([h.entry for h in held])
+        retained = [h.receipt.rollout_id for h in held]
+        await expire_consumed(self._topology, self._ns, retained, self._settings.retention_s)  # bounded state
         self._held.release(ids)
         return removal
 

@@ -48,6 +48,7 @@ from .common import (
 )
 from .export import add_export_command
 from .logs import add_logging_options, configure_logging
+from .prune import add_prune_command
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
 
@@ -336,6 +337,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     _add_service_commands(commands, redis)
     _add_rollout_commands(commands, redis)
     add_export_command(commands, redis)
+    add_prune_command(commands, redis)
     _add_tool_commands(commands, env)
     for name, command in commands.choices.items():
         command.formatter_class = DefaultsHelpFormatter
