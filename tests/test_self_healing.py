@@ -46,17 +46,18 @@ def _healed_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 @pytest.mark.anyio
-async def test_assembler_recreates_its_missing_group_once_and_keeps_working(
+async def test_assembler_recreates_its_group_after_a_flush_once_and_keeps_working(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
     done = [done_stream("stg", k) for k in range(SHARDS)]
-    await stage_rollouts(redis_url, ["r-before", "r-after"], calls=2)
+    await stage_rollouts(redis_url, ["r-before"], calls=2)
     async with aioredis.Redis.from_url(redis_url) as client, running_assembler(redis_url, **FAST) as assembler:
         await finished(client, "r-before", reward=1.0, shards=SHARDS)
         await _wait_for_receipt(client, "r-before")
-        await _drop_groups(client, done)
-        await anyio.sleep(0.3)  # several reads hit NOGROUP-free empty... then the next read meets NOGROUP
+        await client.flushall()  # the session server is ours: every stream and group is gone
+        await anyio.sleep(0.3)  # the shard loops meet NOGROUP meanwhile
+        await stage_rollouts(redis_url, ["r-after"], calls=2)
         await finished(client, "r-after", reward=1.0, shards=SHARDS)
         await _wait_for_receipt(client, "r-after")
         recreated = assembler._consumer.groups_recreated
