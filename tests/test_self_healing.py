@@ -21,6 +21,7 @@ from sink.errors import ClusterModeMismatchError, UnrecoverableServiceError
 from sink.keys import done_stream, receipt_key, receipts_stream
 from sink.reader import RolloutReader
 from sink.store.cluster_mode import resolve_cluster_mode
+from sink.store.sink import AsyncRedisStagingSink
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 
 SHARDS = 2
@@ -140,8 +141,11 @@ def test_cluster_flag_against_a_standalone_server_is_one_line(
 
 @pytest.mark.anyio
 async def test_library_cluster_flag_against_a_standalone_server_is_refused(redis_url: str) -> None:
-    with pytest.raises(ClusterModeMismatchError, match="standalone server"):
+    with pytest.raises(ClusterModeMismatchError, match="standalone"):
         async with Assembler.from_url(redis_url, cluster=True):
+            pass
+    with pytest.raises(ClusterModeMismatchError, match="standalone"):
+        async with AsyncRedisStagingSink.from_url(redis_url, cluster=True):
             pass
 
 

@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 
 import anyio
 import redis.exceptions as redis_errors
-from redis.exceptions import RedisClusterException
 
 from ..errors import StagingConnectionError, UnrecoverableServiceError
 from .cluster_mode import resolve_cluster_mode, server_cluster_enabled
@@ -92,12 +91,7 @@ class SelfHealingGroupConsumer(GroupConsumer):
         """
         topology = self._topology
         if topology.is_cluster:
-            try:
-                await super().prepare()
-            except RedisClusterException as exc:  # "Cluster mode is not enabled on this node"
-                if "not enabled" not in str(exc):
-                    raise
-                resolve_cluster_mode(True, False, "the server")
+            await super().prepare()  # Topology.initialize refuses a standalone server
             return
         with map_redis_errors("read the server's cluster mode"):
             enabled = await server_cluster_enabled(topology.primaries()[0])
