@@ -8,10 +8,12 @@ import json
 import anyio
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from sink.assembler import finished
 from sink.cli.common import EXIT_OK
 from sink.cli.main import main
+from sink.cluster import LocalCluster
 from sink.keys import calls_stream, dead_letter_stream, done_stream, fence_key, ledger_stream, receipt_key
 from sink.pipeline_counters import pipeline_counters
 from sink.prune import prune_namespace
@@ -115,3 +117,23 @@ def test_prune_command_dry_run_and_json(redis_url: str, capsys: pytest.CaptureFi
     assert "set retention on 1" in capsys.readouterr().out
     assert main(["prune", "--redis-url", redis_url]) == EXIT_OK
     assert "set retention on 0" in capsys.readouterr().out
+
+
+@pytest.mark.anyio
+async def test_prune_on_a_cluster_abandons_across_primaries(cluster: LocalCluster) -> None:
+    ids = [f"prune-c-{index}" for index in range(6)]  # spread over the primaries' slots
+    await stage_rollouts(cluster.url, ids, calls=1, cluster=True)
+    await anyio.sleep(1.1)
+    settings = PruneSettings(abandon_after_s=1.0, retention_s=60, cluster=True)
+    async with RedisCluster.from_url(cluster.url) as client:
+        topology = Topology.borrow(client, settings)
+        await topology.initialize()
+        assert len({topology.node_for_key(calls_stream("stg", rid)) for rid in ids}) > 1
+        dry = await prune_namespace(topology, settings, dry_run=True)
+        assert set(ids) <= set(dry.abandoned)
+        report = await prune_namespace(topology, settings)
+        await topology.aclose()
+        assert set(ids) <= set(report.abandoned)
+        for rid in ids:
+            assert await client.exists(calls_stream("stg", rid), ledger_stream("stg", rid)) == 0
+            assert 0 < await client.ttl(fence_key("stg", rid)) <= 60
