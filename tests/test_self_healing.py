@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
 
 from sink.assembler import Assembler, finished
 from sink.cli.common import EXIT_OK, EXIT_USAGE
@@ -165,3 +166,20 @@ def test_cluster_is_detected_and_a_contradiction_refused(
                 pass
 
     anyio.run(library_refuses)
+
+
+@pytest.mark.anyio
+async def test_a_user_denied_info_and_cluster_info_still_opens_a_reader(redis_url: str) -> None:
+    async with aioredis.Redis.from_url(redis_url) as admin:
+        await admin.acl_setuser(
+            "heal-probe", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-info", "-cluster"]
+        )
+        try:
+            url = redis_url.replace("redis://", "redis://heal-probe:pw@", 1)
+            async with RolloutReader.from_url(url, receipt_shards=SHARDS) as reader:
+                assert await reader.pending() == 0
+            with pytest.raises(NoPermissionError):
+                async with aioredis.Redis.from_url(url) as limited:
+                    await limited.info("cluster")  # the probe really was denied
+        finally:
+            await admin.acl_deluser("heal-probe")

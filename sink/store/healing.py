@@ -94,7 +94,10 @@ class SelfHealingGroupConsumer(GroupConsumer):
             await super().prepare()  # Topology.initialize refuses a standalone server
             return
         with map_redis_errors("read the server's cluster mode"):
-            enabled = await server_cluster_enabled(topology.primaries()[0])
+            try:
+                enabled = await server_cluster_enabled(topology.primaries()[0])
+            except redis_errors.NoPermissionError:
+                enabled = False  # a custom ACL denies INFO and CLUSTER INFO: cannot tell, do not refuse
         resolve_cluster_mode(False, enabled, "the server")
         await super().prepare()
 
