@@ -42,8 +42,9 @@ from .receipt import build_receipt
 from .records import RolloutManifest, RolloutReceipt
 from .settings import AssemblerSettings
 from .store.connection import Topology, describe_redis_error, map_redis_errors
+from .store.healing import SelfHealingGroupConsumer, raise_if_unrecoverable
 from .store.resource import AsyncResource, settings_or_fields
-from .store.streams import GroupConsumer, StreamEntry, default_consumer_name
+from .store.streams import StreamEntry, default_consumer_name
 
 __all__ = ("ASSEMBLER_GROUP", "Assembler", "AssemblerStatistics", "finished", "run_assembler")
 
@@ -115,7 +116,7 @@ class Assembler(AsyncResource):
         self._ns = self._settings.namespace
         self._before_ack = before_ack
         self._ledger = RedisCaptureLedger(topology.client, settings)
-        self._consumer = GroupConsumer(
+        self._consumer = SelfHealingGroupConsumer(
             topology,
             namespace=self._ns,
             role="done",
@@ -236,6 +237,7 @@ class Assembler(AsyncResource):
                         self._read_scopes.discard(read_scope)
                 await self._process(entries)
             except StagingConnectionError as exc:
+                raise_if_unrecoverable(exc, f"assembler {self.consumer_name}")  # issue 15: exit, not retry forever
                 self._counts["failures"] += 1
                 logger.warning("assembler %s shard %d: %s; retrying", self.consumer_name, shard, exc)
                 await self._refresh_topology()

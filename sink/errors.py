@@ -13,6 +13,7 @@ from __future__ import annotations
 __all__ = (
     "BatchInputError",
     "BenchmarkNamespaceInUseError",
+    "ClusterModeMismatchError",
     "CodecError",
     "CommandError",
     "FingerprintInputError",
@@ -28,6 +29,7 @@ __all__ = (
     "StagingConnectionError",
     "StagingError",
     "StagingKeyOwnershipError",
+    "UnrecoverableServiceError",
 )
 
 
@@ -164,3 +166,14 @@ class CommandError(StagingError):
     def __init__(self, message: str, *, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class ClusterModeMismatchError(StagingError):
+    """Raised when the cluster mode asked for (``cluster=True``/``--cluster``, or ``False``/``--no-cluster``)
+    differs from what the server reports (``INFO cluster``: ``cluster_enabled``). Nothing was changed."""
+
+
+class UnrecoverableServiceError(StagingError):
+    """Raised by a long-running service (assembler, trainer reader) on a failure that retrying cannot fix:
+    the server denies a command (``NOPERM``, wrong password), a key holds the wrong type, or a consumer
+    group cannot be recreated. The service stops; the command exits non-zero."""

@@ -30,6 +30,7 @@ __all__ = (
     "count_dead_letter",
     "count_pulled",
     "count_receipt_published",
+    "count_rollouts_abandoned",
     "count_stage",
     "count_staged_bytes",
     "pipeline_counters",
@@ -49,6 +50,7 @@ COUNTER_HELP: Mapping[str, str] = {
     "staging_sink_rollouts_pulled": "Rollouts a trainer reader pulled, by outcome (trainable, skipped).",
     "staging_sink_rollouts_skipped": "Rollouts a trainer reader skipped, by skip code.",
     "staging_sink_verification_failures": "Trainer-side verification failures, by check code.",
+    "staging_sink_rollouts_abandoned": "Rollouts that never finished, abandoned by prune (records removed).",
 }
 """Every counter family (exported with the ``_total`` suffix) and its help text."""
 
@@ -165,6 +167,11 @@ def count_receipt_published(namespace: str, shard: int) -> None:
 def count_dead_letter(namespace: str, role: str, shard: int) -> None:
     """One entry of the *role* group's shard *shard* moved to its dead-letter stream."""
     _PROCESS_COUNTERS.add("staging_sink_dead_letters", namespace=namespace, role=role, shard=str(shard))
+
+
+def count_rollouts_abandoned(namespace: str) -> None:
+    """One rollout that never finished, abandoned by :func:`sink.prune.prune_namespace`."""
+    _PROCESS_COUNTERS.add("staging_sink_rollouts_abandoned", namespace=namespace)
 
 
 def count_pulled(namespace: str, skip_code: str | None) -> None:

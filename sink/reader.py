@@ -56,13 +56,15 @@ from .pulled import (
 )
 from .reader_guards import AckOutcome, foreign_row_skip, own_keys
 from .records import RolloutReceipt
+from .retention import expire_consumed
 from .settings import ReaderSettings, SourceSettings
 from .staleness import STALE_WEIGHTS, stale_skip
 from .store.connection import Topology, map_redis_errors
+from .store.healing import SelfHealingGroupConsumer
 from .store.resource import AsyncResource, settings_or_fields
 from .store.sink import clear_staged
 from .store.source import AsyncRedisStagingSource
-from .store.streams import GroupConsumer, StreamEntry, default_consumer_name
+from .store.streams import StreamEntry, default_consumer_name
 
 __all__ = (
     "CORRUPT_RECORD",
@@ -153,7 +155,7 @@ class RolloutReader(AsyncResource):
             max_record_bytes=settings.max_record_bytes,
         )
         self._source = AsyncRedisStagingSource(client, source_settings)
-        self._consumer = GroupConsumer(
+        self._consumer = SelfHealingGroupConsumer(
             topology,
             namespace=self._ns,
             role="receipts",
@@ -454,6 +456,8 @@ class RolloutReader(AsyncResource):
         await clear_staged(self._topology, self._ns, [key for h in held for key in own_keys(h.receipt)])
         await self._claims.release([(h.receipt.rollout_id, h.token) for h in held])
         await self._consumer.ack([h.entry for h in held])
+        retained = [h.receipt.rollout_id for h in held]
+        await expire_consumed(self._topology, self._ns, retained, self._settings.retention_s)  # bounded state
         self._held.release(ids)
         return AckOutcome(removed=removal.removed, absent=removal.absent, lost_lease=lost_lease)
 

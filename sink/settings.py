@@ -13,11 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .keys import DEFAULT_NAMESPACE
 
 __all__ = (
+    "DEFAULT_ABANDON_AFTER_S",
+    "DEFAULT_RETENTION_S",
     "DEFAULT_SHARDS",
     "AssemblerSettings",
     "ConnectionSettings",
     "LedgerSettings",
     "ProxySettings",
+    "PruneSettings",
     "ReaderSettings",
     "SinkSettings",
     "SourceSettings",
@@ -27,6 +30,14 @@ _MIB = 1024 * 1024
 
 DEFAULT_SHARDS = 4
 """Default number of ``done`` and ``receipts`` stream shards (every producer and consumer must agree)."""
+
+DEFAULT_RETENTION_S = 86_400.0
+"""How long a consumed rollout's receipt and fence stay after the trainer's ack (1 day): long enough for a
+late duplicate ``done`` event or an operator's ``inspect``/``verify`` to find them, then they expire."""
+
+DEFAULT_ABANDON_AFTER_S = 21_600.0
+"""A rollout with staged records or a ledger but no receipt, untouched for this long (6 hours), is abandoned
+by ``staging-sink prune``: its staged records and ledger are removed, a fence is set and a failure recorded."""
 
 
 class ConnectionSettings(BaseModel):
@@ -153,6 +164,8 @@ class ReaderSettings(_GroupConsumerSettings):
     group_failure_policy: Literal["deliver_rest", "drop_group"] = "deliver_rest"
     """A group with a failed, poisoned or stale member: deliver the trainable rest (``failed`` lists the others)
     or acknowledge every member and deliver nothing (counted as dropped)."""
+    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    """After ``ack``, the rollout's receipt and fence expire after this many seconds (bounded state)."""
 
 
 class ProxySettings(BaseModel):
@@ -191,3 +204,18 @@ class ProxySettings(BaseModel):
         if self.capture and not self.redis_url:
             raise ValueError("capture needs redis_url")
         return self
+
+
+class PruneSettings(ConnectionSettings):
+    """Settings of :func:`sink.prune.prune_namespace` (``staging-sink prune``): who removes what, and when."""
+
+    retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    """Receipts and fences of consumed rollouts (no ledger, no staged records) without a TTL get this one."""
+    abandon_after_s: float = Field(default=DEFAULT_ABANDON_AFTER_S, gt=0)
+    """A rollout with no receipt whose last staged call or ledger row is older than this is abandoned."""
+    dead_letter_max_entries: int = Field(default=10_000, ge=1)
+    """Each ``ns:dead:*`` stream keeps at most (about) this many newest entries (``XTRIM MAXLEN ~``)."""
+    consumer_idle_max_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    """A consumer name idle this long that owns no pending entry is deleted from its group."""
+    scan_count: int = Field(default=1_000, ge=1)
+    """``SCAN ... COUNT`` hint."""

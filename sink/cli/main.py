@@ -29,6 +29,7 @@ from ..errors import StagingError
 from ..keys import DEFAULT_NAMESPACE
 from ..settings import DEFAULT_SHARDS
 from . import listing, removal, rollouts, services, stats
+from .cluster_flag import CLUSTER_HELP, resolve_cluster_flag
 from .common import (
     EXIT_FAILURE,
     EXIT_UNREACHABLE,
@@ -47,6 +48,7 @@ from .common import (
 )
 from .export import add_export_command
 from .logs import add_logging_options, configure_logging
+from .prune import add_prune_command
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
 
@@ -78,7 +80,7 @@ def _redis_options(
         metavar="NS",
         help=namespace_help or f"key namespace (default: ${ENV_NAMESPACE} or {DEFAULT_NAMESPACE!r})",
     )
-    group.add_argument("--cluster", action="store_true", help="the URL is one node of a Redis/Valkey Cluster")
+    group.add_argument("--cluster", action=argparse.BooleanOptionalAction, default=None, help=CLUSTER_HELP)
     return parent
 
 
@@ -348,6 +350,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     _add_service_commands(commands, redis)
     _add_rollout_commands(commands, redis)
     add_export_command(commands, redis)
+    add_prune_command(commands, redis)
     _add_tool_commands(commands, env)
     for name, command in commands.choices.items():
         command.formatter_class = DefaultsHelpFormatter
@@ -408,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(verbose=args.verbose, log_format=args.log_format)
     handler: Handler = args.handler
     try:
+        resolve_cluster_flag(args)  # issue 15: detected from the server; a contradicting flag is one line
         return handler(args)
     except BaseException as exc:
         code = None if isinstance(exc, SystemExit) else _report(_leaf(exc), args)

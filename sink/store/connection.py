@@ -20,7 +20,7 @@ import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 
-from ..errors import CodecError, StagingConnectionError
+from ..errors import ClusterModeMismatchError, CodecError, StagingConnectionError
 from ..settings import ConnectionSettings
 
 __all__ = ("Topology", "describe_redis_error", "map_redis_errors", "reply_text")
@@ -125,9 +125,17 @@ class Topology:
         return client
 
     async def initialize(self) -> None:
-        """Load the cluster topology (no-op for a single server)."""
+        """Load the cluster topology (no-op for a single server).
+
+        :raises ClusterModeMismatchError: the topology is a cluster's but the server is standalone.
+        """
         if self._cluster is not None:
-            await self._cluster.initialize()
+            try:
+                await self._cluster.initialize()
+            except redis_errors.RedisClusterException as exc:  # issue 15: one clear line, not a redis-py traceback
+                if "not enabled" not in str(exc):
+                    raise
+                raise ClusterModeMismatchError(f"cluster=True (--cluster) but the server is standalone: {exc}") from exc
 
     async def refresh(self) -> None:
         """Reload the slot map after MOVED/failover errors (no-op for a single server)."""

@@ -1,0 +1,44 @@
+"""``--cluster`` / ``--no-cluster`` / neither: the cluster mode of a command, read from the server.
+
+Without either flag the server decides (``INFO cluster``: ``cluster_enabled``); an explicit flag that contradicts
+the server ends the command with one line and exit 2, never a traceback from deep inside redis-py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import ClusterModeMismatchError
+from ..store.cluster_mode import detect_cluster_mode
+from .common import EXIT_USAGE, CommandError, check_redis_url, mask_url
+
+__all__ = ("CLUSTER_HELP", "resolve_cluster_flag")
+
+CLUSTER_HELP = (
+    "the URL is one node of a Redis/Valkey Cluster (--no-cluster: a standalone server); "
+    "default: detected from the server (INFO cluster)"
+)
+_DETECT_TIMEOUT_S = 3.0
+
+
+def resolve_cluster_flag(args: argparse.Namespace) -> None:
+    """Replace ``args.cluster`` (``True``/``False``/``None``) by the mode to use, a ``bool``.
+
+    Asks the server only when ``--redis-url`` is given, and not for ``proxy``.
+
+    :raises CommandError: (exit 2) the flag contradicts the server; (exit 2) a malformed URL.
+    :raises StagingConnectionError: the server cannot be reached.
+    """
+    if not hasattr(args, "cluster"):
+        return
+    url = getattr(args, "redis_url", None)
+    # The proxy validates its settings before it connects; it keeps the explicit flag (default: standalone).
+    if not url or getattr(args, "command", None) == "proxy":
+        args.cluster = bool(args.cluster)
+        return
+    try:
+        args.cluster = detect_cluster_mode(
+            check_redis_url(url), requested=args.cluster, connect_timeout_s=_DETECT_TIMEOUT_S, where=mask_url(url)
+        )
+    except ClusterModeMismatchError as exc:
+        raise CommandError(str(exc), exit_code=EXIT_USAGE) from exc
