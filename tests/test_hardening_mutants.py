@@ -1,6 +1,6 @@
 """Issue 13's mutation check: tests that kill the mutants that survived the first run and change behaviour.
 
-``notes/h-harden-mutation.py`` mutates the durability check, the confirmation replies, the staging
+``scripts/mutation_check.py`` mutates the durability check, the confirmation replies, the staging
 script, verification, the gate, key ownership, the ACL table and generation cuts; each test below
 names the mutant it kills. Pure tests first, then real servers (Valkey 8 / Redis 7.0).
 """
