@@ -31,6 +31,8 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 
 COMPOSE_SUBCOMMANDS = ("assembler", "demo", "trainer", "metrics", "proxy")
 """The ``staging-sink`` subcommands docker-compose.yml runs; the CLI must provide each of them."""
+ADMIN_SERVICES = {"setup": "setup", "prune": "prune"}
+"""One-shot and maintenance services that run as the admin user (they load functions, delete others' keys)."""
 SERVICE_ROLES = {
     "assembler": "assembler",
     "demo-worker": "worker",
@@ -75,7 +77,7 @@ def valkey_conf() -> dict[str, str]:
 
 def test_the_compose_file_defines_the_stack() -> None:
     services = compose()["services"]
-    assert set(services) == {"valkey", *SERVICE_ROLES, "prometheus", "grafana", "engine"}
+    assert set(services) == {"valkey", *SERVICE_ROLES, *ADMIN_SERVICES, "prometheus", "grafana", "engine"}
     for name, service in services.items():
         if name != "grafana":  # grafana's image runs its server by default
             assert command_words(service), f"service {name} has no command"
@@ -84,6 +86,9 @@ def test_the_compose_file_defines_the_stack() -> None:
 
 def test_every_service_has_a_health_check() -> None:
     for name, service in compose()["services"].items():
+        if name == "setup":  # one-shot: runs, exits 0, and the others wait for that
+            assert service["restart"] == "no" and service["healthcheck"] == {"disable": True}
+            continue
         check = service.get("healthcheck")
         assert check and check["test"][0] in ("CMD", "CMD-SHELL"), name
         assert {"interval", "timeout", "retries"} <= set(check), name
@@ -91,7 +96,7 @@ def test_every_service_has_a_health_check() -> None:
 
 def test_no_secret_on_a_command_line() -> None:
     for name, service in compose()["services"].items():
-        words = [*command_words(service), *(str(w) for w in service["healthcheck"]["test"])]
+        words = [*command_words(service), *(str(w) for w in service["healthcheck"].get("test", []))]
         assert not any(SECRET_VARIABLE.search(word) or "PASSWORD" in word for word in words), (name, words)
         assert "--redis-url" not in words and "--pass" not in words and "-a" not in words, name
 
@@ -158,6 +163,18 @@ def test_each_application_service_runs_a_known_subcommand_as_its_role(name: str)
         assert gate_url.startswith(f"redis://gate:${{{password_env_var('gate')}:?")
     if name == "demo-worker":
         assert service["restart"] == "no"  # one step, then it exits: never restarted forever
+
+
+def test_setup_and_prune_run_as_admin_and_every_service_waits_for_setup() -> None:
+    services = compose()["services"]
+    for name, subcommand in ADMIN_SERVICES.items():
+        service = services[name]
+        assert command_words(service)[:2] == ["staging-sink", subcommand]
+        url = service["environment"]["STAGING_SINK_REDIS_URL"]
+        assert url.startswith(f"redis://{ADMIN_ROLE}:${{{password_env_var(ADMIN_ROLE)}:?") and url.endswith("@valkey:6379")
+    # On Valkey the roles may only FCALL the function library: nothing stages before `setup` loaded it.
+    for name in (*SERVICE_ROLES, "prune"):
+        assert services[name]["depends_on"]["setup"]["condition"] == "service_completed_successfully", name
 
 
 def test_the_cli_reads_the_urls_compose_sets() -> None:
