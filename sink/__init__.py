@@ -12,23 +12,32 @@ from __future__ import annotations
 from .assembler import Assembler, AssemblerStatistics
 from .done_event import finished
 from .errors import (
+    BatchInputError,
+    ClusterModeMismatchError,
     CodecError,
+    FingerprintInputError,
+    InvalidCallIdError,
     LedgerConflictError,
     MetricsExtraMissingError,
     RebuildError,
     ReceiptVerificationError,
     RolloutRetiredError,
+    RowUnavailableError,
     ServerNotFoundError,
     ServerProcessError,
     StagingConnectionError,
     StagingError,
+    StagingKeyOwnershipError,
+    UnrecoverableServiceError,
 )
+from .groups import GroupReader, RolloutGroup
 from .ledger.gate import CaptureGate
 from .ledger.memory import MemoryCaptureLedger
 from .ledger.redis import RedisCaptureLedger
 from .packed import PackedSnapshot
 from .pulled import PulledRollout
 from .reader import ReaderStatistics, RolloutReader
+from .reader_guards import AckOutcome
 from .records import (
     CaptureAdmission,
     CommitCoords,
@@ -46,12 +55,15 @@ from .settings import (
     AssemblerSettings,
     ConnectionSettings,
     LedgerSettings,
+    ProxySettings,
+    PruneSettings,
     ReaderSettings,
     SinkSettings,
     SourceSettings,
 )
 from .store.sink import AsyncRedisStagingSink, RedisStagingSink, SinkStatistics
 from .store.source import AsyncRedisStagingSource, RedisStagingSource
+from .sync_reader import SyncRolloutReader
 from .verify import verify_and_linearize
 
 # Grouped by role, as httpcore does; the wire records themselves are all in sink.records.
@@ -83,8 +95,12 @@ __all__ = (  # noqa: RUF022 (grouped by role, not sorted)
     "RolloutReceipt",
     # the trainer side
     "RolloutReader",
+    "SyncRolloutReader",
     "ReaderStatistics",
     "PulledRollout",
+    "AckOutcome",
+    "GroupReader",
+    "RolloutGroup",
     "verify_and_linearize",
     "LinearizedRow",
     # servers
@@ -97,6 +113,8 @@ __all__ = (  # noqa: RUF022 (grouped by role, not sorted)
     "LedgerSettings",
     "AssemblerSettings",
     "ReaderSettings",
+    "PruneSettings",
+    "ProxySettings",
     # exceptions
     "StagingError",
     "StagingConnectionError",
@@ -108,4 +126,11 @@ __all__ = (  # noqa: RUF022 (grouped by role, not sorted)
     "ServerNotFoundError",
     "ServerProcessError",
     "MetricsExtraMissingError",
+    "StagingKeyOwnershipError",
+    "InvalidCallIdError",
+    "FingerprintInputError",
+    "BatchInputError",
+    "RowUnavailableError",
+    "ClusterModeMismatchError",
+    "UnrecoverableServiceError",
 )
