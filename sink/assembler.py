@@ -212,6 +212,7 @@ class Assembler(AsyncResource):
         settings, consumer = self._settings, self._consumer
         recovered = False
         next_claim_at = -math.inf
+        outage_since: float | None = None
         while not self._stopping:
             try:
                 if not recovered:
@@ -236,9 +237,17 @@ class Assembler(AsyncResource):
                     finally:
                         self._read_scopes.discard(read_scope)
                 await self._process(entries)
+                outage_since = None
             except StagingConnectionError as exc:
                 raise_if_unrecoverable(exc, f"assembler {self.consumer_name}")  # issue 15: exit, not retry forever
                 self._counts["failures"] += 1
+                now = anyio.current_time()
+                outage_since = now if outage_since is None else outage_since
+                if settings.max_outage_s is not None and now - outage_since > settings.max_outage_s:
+                    raise StagingConnectionError(
+                        f"assembler {self.consumer_name} gave up: the server was unreachable for more than "
+                        f"max_outage_s={settings.max_outage_s:g} s ({exc})"
+                    ) from exc
                 logger.warning("assembler %s shard %d: %s; retrying", self.consumer_name, shard, exc)
                 await self._refresh_topology()
                 await anyio.sleep(settings.reconnect_backoff_s)

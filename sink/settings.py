@@ -127,6 +127,9 @@ class AssemblerSettings(_GroupConsumerSettings):
     """Events read per ``XREADGROUP`` (``COUNT``) and processed concurrently per shard."""
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     """After :meth:`~sink.assembler.Assembler.stop`, how long in-flight events may finish before cancellation."""
+    max_outage_s: float | None = Field(default=300.0, gt=0)
+    """Give up (``run`` raises :class:`~sink.errors.StagingConnectionError`; ``staging-sink assembler`` exits 3)
+    after the server was unreachable this long without a success in between; ``None``: retry forever."""
 
     @model_validator(mode="after")
     def _check_block_fits_timeout(self) -> AssemblerSettings:

@@ -35,6 +35,7 @@ from sink.keys import (
 from sink.ledger.redis import RedisCaptureLedger
 from sink.reader import TRAINER_GROUP, RolloutReader
 from sink.records import RolloutReceipt
+from sink.server import DurableServer
 from sink.settings import AssemblerSettings
 from sink.store.streams import StreamEntry
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
@@ -420,3 +421,25 @@ async def test_stop_interrupts_a_blocked_read_and_cancels_in_flight_events_after
         assert int((await client.xpending(stream, ASSEMBLER_GROUP))["pending"]) == 1
         [consumer] = await client.xinfo_consumers(stream, ASSEMBLER_GROUP)
         assert consumer["name"].decode() == assembler.consumer_name and consumer["pending"] == 1
+
+
+@pytest.mark.anyio
+async def test_the_assembler_gives_up_after_max_outage_s(fresh_server: DurableServer) -> None:
+    """Issue 13, defect 10: services ride through outages with bounded backoff and give up only after a
+    configurable outage (here 1 s), with a StagingConnectionError (the CLI's exit 3)."""
+    settings = AssemblerSettings(max_outage_s=1.0, reconnect_backoff_s=0.1, block_ms=50, connect_timeout_s=0.2)
+    async with Assembler.from_url(fresh_server.url, settings) as assembler:
+        fresh_server.kill()
+        with anyio.fail_after(20), pytest.raises((StagingConnectionError, BaseExceptionGroup)) as caught:
+            await assembler.run()
+    # every shard loop gives up the same way (an exception group of them, or one)
+    errors, todo = [], [caught.value]
+    while todo:
+        error = todo.pop()
+        if isinstance(error, BaseExceptionGroup):
+            todo.extend(error.exceptions)
+        else:
+            errors.append(error)
+    assert errors and all(
+        isinstance(error, StagingConnectionError) and "max_outage_s=1" in str(error) for error in errors
+    ), errors
