@@ -97,12 +97,15 @@ class RolloutClaims:
             # Consumed (or given up) before: finish its cleanup idempotently, then drop.
             await clear_staged(self._topology, self._ns, own_keys(receipt))
             await self.release([(rollout_id, _token(entry))])
-        logger.info(
-            "reader %s dropped a duplicate receipt of %r (%s)",
-            self._consumer.consumer,
-            rollout_id,
-            "retired" if retired else "duplicate",
-        )
+        if retired:
+            # Said where an operator sees it (the trainer command prints warnings): never dropped silently.
+            logger.warning(
+                "reader %s skipped rollout %r: it is retired (consumed before, or retired by an operator)",
+                self._consumer.consumer,
+                rollout_id,
+            )
+        else:
+            logger.info("reader %s dropped a duplicate receipt of %r", self._consumer.consumer, rollout_id)
         self.duplicates += 1
         await self._consumer.ack([entry])
         return False

@@ -219,3 +219,23 @@ def test_reader_settings_are_strict() -> None:
     with pytest.raises(ValueError):
         ReaderSettings(receipt_shards=0)
     assert ReaderSettings().claim_idle_ms == 300_000
+
+
+@pytest.mark.anyio
+async def test_a_retired_rollout_is_skipped_with_a_warning_never_silently(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 15: a receipt of a retired rollout is dropped with a line an operator sees (the trainer command
+    prints warnings), not silently."""
+    import logging
+
+    from sink.ledger.redis import RedisCaptureLedger
+    from tests.helpers.trainer import publish
+
+    await publish(redis_url, ["ret-1"])
+    async with RedisCaptureLedger.from_url(redis_url) as ledger:
+        await ledger.retire(["ret-1"])
+    caplog.set_level(logging.WARNING, logger="sink.claims")
+    async with RolloutReader.from_url(redis_url) as reader:
+        assert await reader.pull(1, block_ms=200) == []
+    assert any("'ret-1': it is retired" in record.getMessage() for record in caplog.records), caplog.text
