@@ -21,10 +21,10 @@ import numpy as np
 import redis.asyncio as redis
 
 from sink import Assembler, AsyncRedisStagingSink, CaptureGate, RedisCaptureLedger, finished
-from sink.groups import RolloutGroup
-from sink.packing import pack
 from sink.server import durable_server
-from sink.sync_reader import SyncRolloutReader
+from sink.trainer.groups import RolloutGroup
+from sink.trainer.packing import pack
+from sink.trainer.sync_reader import SyncRolloutReader
 from worker import RolloutTokenCapture
 
 EPS = 1e-6

@@ -58,11 +58,11 @@ TARGETS: dict[str, Target] = {
         ("tests/test_sink.py", "tests/test_hardening_lifecycle.py", "tests/test_hardening_repair.py", "-k", "valkey"),
         lua_constant="_STAGE",
     ),
-    "verify": Target("sink/verify.py", ("tests/test_verify.py",)),
+    "verify": Target("sink/trainer/verify.py", ("tests/test_verify.py",)),
     "gate": Target("sink/ledger/gate.py", ("tests/test_gate.py", "tests/test_hardening_isolation.py")),
     "ownership": Target("sink/ledger/ownership.py", ("tests/test_hardening_isolation.py", "tests/test_ledger.py")),
     "acl": Target(
-        "sink/acl.py",
+        "sink/ops/acl.py",
         ("tests/test_acl.py", "tests/test_hardening_functions.py", "tests/test_hardening_roles.py"),
     ),
     "generation_cut": Target("worker/generation_cut.py", ("tests/test_worker_generation_cut.py",)),

@@ -4,14 +4,24 @@ Inference workers stage each model call's exact token delta in Redis/Valkey
 before the response returns; a ledger records committed calls; an assembler
 builds receipts; the trainer pulls, verifies every digest and chain link, and
 gets exact training rows. Records are wire-compatible with NeMo Gym's token
-staging contract (schema 2); the records themselves live in :mod:`sink.records`.
+staging contract (schema 2); the records themselves live in :mod:`sink.contract.records`.
 """
 
 from __future__ import annotations
 
-from .assembler import Assembler, AssemblerStatistics
-from .done_event import finished
-from .errors import (
+from sink.contract.packed import PackedSnapshot
+from sink.contract.records import (
+    CaptureAdmission,
+    CommitCoords,
+    RolloutManifest,
+    RolloutReceipt,
+    RolloutRemoval,
+    StagedCallRecord,
+    StagedCallSnapshot,
+    StageResult,
+    staging_key,
+)
+from sink.errors import (
     BatchInputError,
     ClusterModeMismatchError,
     CodecError,
@@ -30,28 +40,13 @@ from .errors import (
     StagingKeyOwnershipError,
     UnrecoverableServiceError,
 )
-from .groups import GroupReader, RolloutGroup
-from .ledger.gate import CaptureGate
-from .ledger.memory import MemoryCaptureLedger
-from .ledger.redis import RedisCaptureLedger
-from .packed import PackedSnapshot
-from .pulled import PulledRollout
-from .reader import ReaderStatistics, RolloutReader
-from .reader_guards import AckOutcome
-from .records import (
-    CaptureAdmission,
-    CommitCoords,
-    RolloutManifest,
-    RolloutReceipt,
-    RolloutRemoval,
-    StagedCallRecord,
-    StagedCallSnapshot,
-    StageResult,
-    staging_key,
-)
-from .row import LinearizedRow
-from .server import DurableServer, durable_server
-from .settings import (
+from sink.ledger.gate import CaptureGate
+from sink.ledger.memory import MemoryCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.assembler import Assembler, AssemblerStatistics
+from sink.rollout.done_event import finished
+from sink.server import DurableServer, durable_server
+from sink.settings import (
     AssemblerSettings,
     ConnectionSettings,
     LedgerSettings,
@@ -61,12 +56,17 @@ from .settings import (
     SinkSettings,
     SourceSettings,
 )
-from .store.sink import AsyncRedisStagingSink, RedisStagingSink, SinkStatistics
-from .store.source import AsyncRedisStagingSource, RedisStagingSource
-from .sync_reader import SyncRolloutReader
-from .verify import verify_and_linearize
+from sink.store.sink import AsyncRedisStagingSink, RedisStagingSink, SinkStatistics
+from sink.store.source import AsyncRedisStagingSource, RedisStagingSource
+from sink.trainer.groups import GroupReader, RolloutGroup
+from sink.trainer.pulled import PulledRollout
+from sink.trainer.reader import ReaderStatistics, RolloutReader
+from sink.trainer.reader_guards import AckOutcome
+from sink.trainer.row import LinearizedRow
+from sink.trainer.sync_reader import SyncRolloutReader
+from sink.trainer.verify import verify_and_linearize
 
-# Grouped by role, as httpcore does; the wire records themselves are all in sink.records.
+# Grouped by role, as httpcore does; the wire records themselves are all in sink.contract.records.
 __all__ = (  # noqa: RUF022 (grouped by role, not sorted)
     # staging (inference side)
     "AsyncRedisStagingSink",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .cli.main import main
+from sink.cli.main import main
 
 __all__ = ()
 

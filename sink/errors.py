@@ -136,7 +136,7 @@ class MetricsExtraMissingError(StagingError, ImportError):
 
 
 class BatchInputError(StagingError, ValueError):
-    """Raised when a training-batch step (:mod:`sink.batch`, :mod:`sink.packing`, :mod:`sink.export`) is given
+    """Raised when a training-batch step (:mod:`sink.trainer.batch`, :mod:`sink.trainer.packing`, :mod:`sink.trainer.export`) is given
     invalid input: an option out of range, an item that is not a pulled rollout, a rollout id twice. Nothing was
     built; the message names the offending value."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import zlib
 
-from .errors import InvalidCallIdError
+from sink.errors import InvalidCallIdError
 
 __all__ = (
     "DEFAULT_NAMESPACE",

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .keys import DEFAULT_NAMESPACE
+from sink.keys import DEFAULT_NAMESPACE
 
 __all__ = (
     "DEFAULT_ABANDON_AFTER_S",
@@ -115,7 +115,7 @@ class _GroupConsumerSettings(ConnectionSettings):
 
 
 class AssemblerSettings(_GroupConsumerSettings):
-    """Settings of :class:`sink.assembler.Assembler` (consumer group ``assemblers``)."""
+    """Settings of :class:`sink.rollout.assembler.Assembler` (consumer group ``assemblers``)."""
 
     done_shards: int = Field(default=DEFAULT_SHARDS, ge=1)
     """Shards of ``ns:done:<k>`` to consume (must match ``finished(shards=...)``)."""
@@ -126,7 +126,7 @@ class AssemblerSettings(_GroupConsumerSettings):
     batch_events: int = Field(default=64, ge=1)
     """Events read per ``XREADGROUP`` (``COUNT``) and processed concurrently per shard."""
     shutdown_grace_s: float = Field(default=10.0, ge=0)
-    """After :meth:`~sink.assembler.Assembler.stop`, how long in-flight events may finish before cancellation."""
+    """After :meth:`~sink.rollout.assembler.Assembler.stop`, how long in-flight events may finish before cancellation."""
     max_outage_s: float | None = Field(default=300.0, gt=0)
     """Give up (``run`` raises :class:`~sink.errors.StagingConnectionError`; ``staging-sink assembler`` exits 3)
     after the server was unreachable this long without a success in between; ``None``: retry forever."""
@@ -172,7 +172,7 @@ class ReaderSettings(_GroupConsumerSettings):
 
 
 class ProxySettings(BaseModel):
-    """Settings of the capture proxy (:mod:`worker.http.proxy`; the ``staging-sink proxy`` flags)."""
+    """Settings of the capture proxy (:mod:`worker.proxy.app`; the ``staging-sink proxy`` flags)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -210,7 +210,7 @@ class ProxySettings(BaseModel):
 
 
 class PruneSettings(ConnectionSettings):
-    """Settings of :func:`sink.prune.prune_namespace` (``staging-sink prune``): who removes what, and when."""
+    """Settings of :func:`sink.ops.prune.prune_namespace` (``staging-sink prune``): who removes what, and when."""
 
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     """Receipts and fences of consumed rollouts (no ledger, no staged records) without a TTL get this one."""

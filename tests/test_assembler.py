@@ -16,9 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from sink.assembler import ASSEMBLER_GROUP, Assembler, finished
-from sink.cluster import LocalCluster
-from sink.done_event import parse_done_event
+from sink.contract.records import RolloutReceipt
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import (
     calls_stream,
@@ -33,11 +31,13 @@ from sink.keys import (
     shard_of,
 )
 from sink.ledger.redis import RedisCaptureLedger
-from sink.reader import TRAINER_GROUP, RolloutReader
-from sink.records import RolloutReceipt
+from sink.ops.cluster import LocalCluster
+from sink.rollout.assembler import ASSEMBLER_GROUP, Assembler, finished
+from sink.rollout.done_event import parse_done_event
 from sink.server import DurableServer
 from sink.settings import AssemblerSettings
 from sink.store.streams import StreamEntry
+from sink.trainer.reader import TRAINER_GROUP, RolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.replies import raw_entries, text_entries, text_read
 

@@ -1,4 +1,4 @@
-"""Collation (sink.batch) and sequence packing (sink.packing): in memory, by property, and on pulled rows."""
+"""Collation (sink.trainer.batch) and sequence packing (sink.trainer.packing): in memory, by property, and on pulled rows."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sink.assembler import finished
-from sink.batch import OverlongRow, collate
-from sink.done_event import GroupTag
 from sink.errors import BatchInputError, StagingError
-from sink.packing import first_fit_decreasing, pack
-from sink.pulled import PulledRollout
-from sink.reader import RolloutReader
+from sink.rollout.assembler import finished
+from sink.rollout.done_event import GroupTag
+from sink.trainer.batch import OverlongRow, collate
+from sink.trainer.packing import first_fit_decreasing, pack
+from sink.trainer.pulled import PulledRollout
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.rows import skipped_pulled, verified_pulled
 

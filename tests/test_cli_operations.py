@@ -15,13 +15,13 @@ import anyio
 import pytest
 import redis
 
-from sink.assembler import finished
 from sink.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from sink.cli.main import build_parser, main
-from sink.cluster import LocalCluster
 from sink.keys import dead_letter_stream, fence_key, ledger_stream, receipt_key
-from sink.reader import RolloutReader
+from sink.ops.cluster import LocalCluster
+from sink.rollout.assembler import finished
 from sink.server import DurableServer
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 
 STATES = ("staging", "finished", "receipt_waiting", "claimed", "poisoned", "dead_lettered", "consumed")

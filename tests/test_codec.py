@@ -1,4 +1,4 @@
-"""The msgpack record codec (sink.codec) and the packed-column fast path behind it."""
+"""The msgpack record codec (sink.contract.codec) and the packed-column fast path behind it."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sink.records as R
-import sink.staged_records as staged_module
-from sink._packed import columns as _columns
-from sink._packed import record_columns as _record_columns
-from sink.codec import CODEC_VERSION, DIGEST_HEAD_BYTES, decode_record, encode_record
-from sink.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest
+import sink.contract.records as R
+import sink.contract.staged_records as staged_module
+from sink.contract._packed import columns as _columns
+from sink.contract._packed import record_columns as _record_columns
+from sink.contract.codec import CODEC_VERSION, DIGEST_HEAD_BYTES, decode_record, encode_record
+from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest
+from sink.contract.records import StagedCallBaseSnapshot, StagedCallRecord, StagedCallSnapshot
 from sink.errors import CodecError
-from sink.records import StagedCallBaseSnapshot, StagedCallRecord, StagedCallSnapshot
 from tests.helpers.codec import (
     CHAIN_ROOT,
     CUMULATIVE_ROOT,
@@ -416,7 +416,7 @@ def engine_outputs(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[Any]]:
 def test_the_workers_delta_build_agrees_with_build_staging_delta_and_from_components(
     outputs: tuple[list[Any], list[Any], list[Any]],
 ) -> None:
-    from sink.digest import build_staging_delta
+    from sink.contract.digest import build_staging_delta
 
     tail, generated, log_probs = outputs
     prefix = [1, 2, 3]

@@ -16,7 +16,7 @@ import redis
 
 from sink.cli.common import EXIT_FAILURE
 from sink.cli.main import main
-from sink.cluster import LocalCluster
+from sink.ops.cluster import LocalCluster
 from tests.helpers.acl import start_acl_server
 from worker.demo.main import DemoOptions, make_plans
 from worker.demo.report import EXPECTED_SKIP, DemoTally, percentile

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sink.digest import (
+from sink.contract.digest import (
     EMPTY_EXTRAS_DIGEST,
     build_staging_delta,
     check_mask_values,

@@ -1,4 +1,4 @@
-"""Keeping what was trained (sink.export, ``staging-sink export``): exported rows equal the verified rows."""
+"""Keeping what was trained (sink.trainer.export, ``staging-sink export``): exported rows equal the verified rows."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import redis.asyncio as aioredis
 
 from sink.cli.main import main
 from sink.errors import BatchInputError, RowUnavailableError, StagingError
-from sink.export import ExportFormat, export_record, export_rollouts, read_export, write_export
-from sink.pulled import PulledRollout
-from sink.reader import RolloutReader
+from sink.trainer.export import ExportFormat, export_record, export_rollouts, read_export, write_export
+from sink.trainer.pulled import PulledRollout
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until
 from tests.helpers.rows import skipped_pulled, verified_pulled
 from tests.helpers.trainer import publish

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sink.canonical import canonical_json
-from sink.fingerprint import (
+from sink.contract.fingerprint import (
     FINGERPRINT_VERSION,
     FingerprintInputError,
     assistant_fingerprint,

@@ -26,9 +26,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from sink.cli import main as cli
-from sink.codec import decode_packed_record, decode_record, encode_record
-from sink.errors import CodecError
-from sink.records import (
+from sink.contract.codec import decode_packed_record, decode_record, encode_record
+from sink.contract.records import (
     CallRecord,
     CaptureAdmission,
     CommitCoords,
@@ -36,6 +35,7 @@ from sink.records import (
     StagedCallRecord,
     StageResult,
 )
+from sink.errors import CodecError
 from sink.server import free_port
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource

@@ -7,10 +7,7 @@ from typing import Any
 
 import pytest
 
-from sink.ledger.gate import CaptureGate
-from sink.ledger.memory import MemoryCaptureLedger
-from sink.ledger.redis import RedisCaptureLedger
-from sink.records import (
+from sink.contract.records import (
     INVALID_COMMIT_COORDS_REASON,
     UNRESOLVED_PARENT_REASON,
     WORKER_CAPTURE_FAILED_REASON,
@@ -19,6 +16,9 @@ from sink.records import (
     CaptureAdmission,
     CommitCoords,
 )
+from sink.ledger.gate import CaptureGate
+from sink.ledger.memory import MemoryCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
 from sink.server import DurableServer, durable_server
 from sink.store.memory import MemoryStagingStore
 from worker import RolloutTokenCapture

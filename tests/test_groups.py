@@ -1,4 +1,4 @@
-"""GRPO group delivery (sink.groups) against real servers: two ranks, timeouts, failed members."""
+"""GRPO group delivery (sink.trainer.groups) against real servers: two ranks, timeouts, failed members."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.groups import GroupReader, RolloutGroup
 from sink.keys import dead_letter_stream, group_keys, record_key
-from sink.pulled import MISSING_RECORD
-from sink.reader import RolloutReader
-from sink.sync_reader import SyncRolloutReader
+from sink.trainer.groups import GroupReader, RolloutGroup
+from sink.trainer.pulled import MISSING_RECORD
+from sink.trainer.reader import RolloutReader
+from sink.trainer.sync_reader import SyncRolloutReader
 from tests.helpers.replies import raw_entries
 from tests.helpers.trainer import publish, publish_groups
 

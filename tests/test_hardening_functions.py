@@ -17,9 +17,9 @@ import anyio
 import pytest
 import redis
 
-from sink.acl import ROLE_NAMES
 from sink.cli.main import main as cli_main
 from sink.keys import record_key
+from sink.ops.acl import ROLE_NAMES
 from sink.store.scripts import LIBRARY
 from sink.store.sink import AsyncRedisStagingSink
 from tests.helpers.acl import AclServer, start_acl_server

@@ -17,15 +17,8 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.assembler import finished
 from sink.cli.main import main as cli_main
-from sink.errors import StagingKeyOwnershipError
-from sink.keys import receipt_key, receipts_stream, record_key
-from sink.ledger.gate import CaptureGate
-from sink.ledger.redis import RedisCaptureLedger
-from sink.reader import RolloutReader
-from sink.receipt import build_receipt
-from sink.records import (
+from sink.contract.records import (
     INVALID_COMMIT_COORDS_REASON,
     CallRecord,
     CaptureLedgerCommit,
@@ -33,7 +26,14 @@ from sink.records import (
     RolloutManifest,
     StagedCallRecord,
 )
+from sink.errors import StagingKeyOwnershipError
+from sink.keys import receipt_key, receipts_stream, record_key
+from sink.ledger.gate import CaptureGate
+from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.assembler import finished
+from sink.rollout.receipt import build_receipt
 from sink.store.sink import AsyncRedisStagingSink
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import call_record_of, pull_until, running_assembler, stage_rollouts
 from tests.helpers.staging import make_record
 

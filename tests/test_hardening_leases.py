@@ -16,10 +16,10 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.assembler import finished
 from sink.keys import record_key
-from sink.reader import RolloutReader
+from sink.rollout.assembler import finished
 from sink.server import DurableServer
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]

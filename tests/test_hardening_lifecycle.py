@@ -10,14 +10,14 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.assembler import finished
 from sink.errors import InvalidCallIdError
 from sink.keys import calls_stream, receipt_key, record_key
 from sink.ledger.gate import CaptureGate
 from sink.ledger.redis import RedisCaptureLedger
-from sink.reader import RolloutReader
+from sink.rollout.assembler import finished
 from sink.server import durable_server
 from sink.store.sink import AsyncRedisStagingSink
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollout
 from tests.helpers.staging import make_record
 

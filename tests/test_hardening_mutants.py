@@ -17,16 +17,16 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.acl import PLACEHOLDER_HASH, ROLE_POLICIES, KeyPattern, render_acl_example, write_private_file
-from sink.codec import decode_packed_record, encode_record
+from sink.contract.codec import decode_packed_record, encode_record
+from sink.contract.records import CaptureLedgerCommit, StagedCallRecord, StagedCallSnapshot
 from sink.errors import StagingKeyOwnershipError
 from sink.ledger.redis import RedisCaptureLedger
-from sink.records import CaptureLedgerCommit, StagedCallRecord, StagedCallSnapshot
+from sink.ops.acl import PLACEHOLDER_HASH, ROLE_POLICIES, KeyPattern, render_acl_example, write_private_file
 from sink.server import durable_server
 from sink.settings import SinkSettings
 from sink.store.server_version import supports_waitaof
 from sink.store.sink import AsyncRedisStagingSink
-from sink.verify import linearize, verify_and_linearize
+from sink.trainer.verify import linearize, verify_and_linearize
 from tests.helpers.e2e import call_record_of
 from tests.helpers.staging import make_chain, make_record
 from tests.test_verify import example_case

@@ -19,10 +19,10 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sink.assembler import Assembler, finished
 from sink.keys import dead_letter_stream, done_stream, receipt_key, receipts_stream
-from sink.reader import RolloutReader
-from sink.receipt import build_receipt
+from sink.rollout.assembler import Assembler, finished
+from sink.rollout.receipt import build_receipt
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.replies import raw_entries, xadd_fields
 

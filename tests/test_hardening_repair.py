@@ -15,7 +15,7 @@ import anyio
 import pytest
 import redis
 
-from sink.codec import encode_record
+from sink.contract.codec import encode_record
 from sink.errors import CodecError
 from sink.keys import calls_stream, record_key
 from sink.server import durable_server

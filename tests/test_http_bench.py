@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from sink.cli.main import main
-from worker.http.bench import PathResult, format_report
+from worker.proxy.bench import PathResult, format_report
 
 
 def test_report_checks_both_targets() -> None:

@@ -10,13 +10,13 @@ import httpx
 import openai
 import pytest
 
-from sink.records import UNCOMMITTED_CALL_REASON
+from sink.contract.records import UNCOMMITTED_CALL_REASON
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, expected_ids, finish, manifest, pull, run_agent
-from worker.engine import BYTE_OFFSET, IM_END
-from worker.http.asgi import Receive, Scope, Send
-from worker.http.engine_app import DRIFT_SPACE_ID, EngineApp, EngineOptions
-from worker.http.in_process import EnvCaptureMiddleware, config_from_environment
-from worker.http.serve import running_server
+from worker.proxy.asgi import Receive, Scope, Send
+from worker.proxy.in_process import EnvCaptureMiddleware, config_from_environment
+from worker.proxy.serve import running_server
+from worker.simulated.engine import BYTE_OFFSET, IM_END
+from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp, EngineOptions
 
 MESSAGES: Any = [SYSTEM, {"role": "user", "content": "count to three"}]
 

@@ -14,11 +14,11 @@ PACKAGES = ("sink", "worker")
 # The wire contract: pure code, no Redis client, no event loop (issue 12's layer 1).
 CONTRACT_MODULES = (
     "sink.canonical",
-    "sink.codec",
-    "sink.digest",
-    "sink.fingerprint",
-    "sink.packed",
-    "sink.records",
+    "sink.contract.codec",
+    "sink.contract.digest",
+    "sink.contract.fingerprint",
+    "sink.contract.packed",
+    "sink.contract.records",
 )
 IO_LIBRARIES = ("redis", "anyio", "hiredis")
 
@@ -88,7 +88,7 @@ def _is_private(name: str) -> bool:
 
 
 def test_the_module_list_covers_the_tree() -> None:
-    assert {"sink", "sink.records", "sink.digest", "worker", "worker.capture"} <= set(MODULES)
+    assert {"sink", "sink.contract.records", "sink.contract.digest", "worker", "worker.capture"} <= set(MODULES)
 
 
 def test_no_import_cycles_between_modules() -> None:

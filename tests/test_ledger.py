@@ -20,14 +20,8 @@ import anyio.lowlevel
 import pytest
 import redis
 
-from sink.errors import CodecError, LedgerConflictError, RolloutRetiredError
-from sink.fingerprint import FINGERPRINT_VERSION
-from sink.keys import ledger_ids_key, ledger_stream
-from sink.ledger.lineage import AMBIGUOUS_REASON, NO_MATCH_REASON, LineageMatch, LineageResolution, LineageStatus
-from sink.ledger.memory import MemoryCaptureLedger
-from sink.ledger.redis import RedisCaptureLedger
-from sink.ledger.rows import custody_entry, custody_row, encode_row
-from sink.records import (
+from sink.contract.fingerprint import FINGERPRINT_VERSION
+from sink.contract.records import (
     LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
     LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     UNRESOLVED_PARENT_REASON,
@@ -35,6 +29,12 @@ from sink.records import (
     ManifestFailure,
     RolloutRemoval,
 )
+from sink.errors import CodecError, LedgerConflictError, RolloutRetiredError
+from sink.keys import ledger_ids_key, ledger_stream
+from sink.ledger.lineage import AMBIGUOUS_REASON, NO_MATCH_REASON, LineageMatch, LineageResolution, LineageStatus
+from sink.ledger.memory import MemoryCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
+from sink.ledger.rows import custody_entry, custody_row, encode_row
 from tests.helpers.ledger import (
     ANSWER1,
     CHILD_REQUEST,

@@ -15,15 +15,15 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from sink.cluster import LocalCluster
+from sink.contract.fingerprint import FINGERPRINT_VERSION
+from sink.contract.records import UNRESOLVED_PARENT_REASON
 from sink.errors import LedgerConflictError, RolloutRetiredError, StagingConnectionError
-from sink.fingerprint import FINGERPRINT_VERSION
 from sink.keys import fence_key, ledger_ids_key, ledger_stream
 from sink.ledger.lineage import LineageMatch, LineageResolution, LineageStatus
 from sink.ledger.memory import MemoryCaptureLedger
 from sink.ledger.redis import RedisCaptureLedger
 from sink.ledger.rows import custody_row, encode_row
-from sink.records import UNRESOLVED_PARENT_REASON
+from sink.ops.cluster import LocalCluster
 from sink.server import DurableServer, free_port
 from tests.helpers.ledger import CHILD_REQUEST, R, child_commit, hexdigest, root_commit
 

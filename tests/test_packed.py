@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sink.codec import decode_packed_record, decode_record, encode_record
+from sink.contract.codec import decode_packed_record, decode_record, encode_record
+from sink.contract.packed import PackedSnapshot
+from sink.contract.records import StagedCallRecord
 from sink.errors import CodecError
-from sink.packed import PackedSnapshot
-from sink.records import StagedCallRecord
 from tests.helpers.codec import SETTINGS, exact, record_of, repack, small_blob, staged_records
 
 
@@ -133,13 +133,13 @@ def test_oversize_and_wrong_types_raise_like_the_reference() -> None:
 
 
 def test_the_usual_shape_is_proved_on_the_bytes_without_the_reference_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sink.codec
+    import sink.contract.codec
 
     def no_reference_decode(blob: Any) -> Any:
         raise AssertionError("the reference decode ran")
 
     record, blob = small_blob()
-    monkeypatch.setattr(sink.codec, "_snapshot", no_reference_decode)
+    monkeypatch.setattr(sink.contract.codec, "_snapshot", no_reference_decode)
     packed = decode_packed_record(blob)
     assert packed.digest == record.digest
     assert exact(packed.token_ids_delta) == exact(record.token_ids_delta)
@@ -148,7 +148,7 @@ def test_the_usual_shape_is_proved_on_the_bytes_without_the_reference_decode(mon
 @settings(max_examples=80, deadline=None)
 @given(st.sampled_from([4, 8]), st.integers(0, 700), st.randoms(use_true_random=False))
 def test_numpy_and_plain_id_widening_agree(width: int, length: int, rng: Any) -> None:
-    from sink._packed.ids import ids_u64be, ids_u64be_plain
+    from sink.contract._packed.ids import ids_u64be, ids_u64be_plain
 
     ids_le = rng.randbytes(width * length)
     assert ids_u64be(ids_le, width, length) == ids_u64be_plain(ids_le, width, length)

@@ -9,8 +9,8 @@ import httpx
 import pytest
 import redis
 
-from sink.cluster import LocalCluster
 from sink.keys import DEFAULT_NAMESPACE
+from sink.ops.cluster import LocalCluster
 from sink.settings import ProxySettings
 from tests.helpers.acl import start_acl_server
 from tests.helpers.proxy import (
@@ -23,9 +23,9 @@ from tests.helpers.proxy import (
     pull,
     run_agent,
 )
-from worker.http.engine_app import EngineApp, EngineOptions
-from worker.http.proxy import build_proxy
-from worker.http.serve import running_server
+from worker.proxy.app import build_proxy
+from worker.proxy.serve import running_server
+from worker.simulated.http_app import EngineApp, EngineOptions
 
 
 @pytest.fixture(autouse=True)

@@ -10,20 +10,20 @@ import pytest
 
 from sink.errors import StagingError
 from worker.errors import EnginePayloadError
-from worker.http.routes import (
-    ClientAsked,
-    parse_target,
-    request_items,
-    response_items,
-    strip_token_fields,
-    upstream_request,
-)
 from worker.openai_adapters import (
     NemoGymChatAdapter,
     NemoGymResponsesAdapter,
     OpenAIChatAdapter,
     VLLMCompletionAdapter,
     ids_from_token_strings,
+)
+from worker.proxy.routes import (
+    ClientAsked,
+    parse_target,
+    request_items,
+    response_items,
+    strip_token_fields,
+    upstream_request,
 )
 
 COMPLETION: dict[str, Any] = {

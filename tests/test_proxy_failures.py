@@ -13,13 +13,13 @@ import openai
 import orjson
 import pytest
 
-from sink.records import WORKER_CAPTURE_FAILED_REASON, RolloutManifest
+from sink.contract.records import WORKER_CAPTURE_FAILED_REASON, RolloutManifest
 from sink.server import DurableServer
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, proxy_config
-from worker.http.asgi import Receive, Scope, Send, read_body, send_body
-from worker.http.engine_app import EngineApp, EngineOptions
-from worker.http.proxy import ProxyApp, build_proxy
-from worker.http.serve import running_server
+from worker.proxy.app import ProxyApp, build_proxy
+from worker.proxy.asgi import Receive, Scope, Send, read_body, send_body
+from worker.proxy.serve import running_server
+from worker.simulated.http_app import EngineApp, EngineOptions
 
 MESSAGES: list[Any] = [SYSTEM, {"role": "user", "content": "go"}]
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sink.records import WORKER_CAPTURE_FAILED_REASON
+from sink.contract.records import WORKER_CAPTURE_FAILED_REASON
 from tests.helpers.proxy import (
     SYSTEM,
     client_for,
@@ -22,11 +22,11 @@ from tests.helpers.proxy import (
     pull,
     run_agent,
 )
-from worker.engine import IM_END, IM_START
-from worker.http.asgi import Message, Receive, Scope, Send, header, send_body
-from worker.http.engine_app import DRIFT_SPACE_ID, EngineApp, EngineOptions
-from worker.http.proxy import ProxyApp, build_proxy
-from worker.http.serve import running_server
+from worker.proxy.app import ProxyApp, build_proxy
+from worker.proxy.asgi import Message, Receive, Scope, Send, header, send_body
+from worker.proxy.serve import running_server
+from worker.simulated.engine import IM_END, IM_START
+from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp, EngineOptions
 
 
 @pytest.fixture(autouse=True)

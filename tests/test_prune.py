@@ -10,16 +10,16 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from sink.assembler import finished
 from sink.cli.common import EXIT_OK
 from sink.cli.main import main
-from sink.cluster import LocalCluster
 from sink.keys import calls_stream, dead_letter_stream, done_stream, fence_key, ledger_stream, receipt_key
-from sink.pipeline_counters import pipeline_counters
-from sink.prune import prune_namespace
-from sink.reader import RolloutReader
+from sink.ops.cluster import LocalCluster
+from sink.ops.prune import prune_namespace
+from sink.rollout.assembler import finished
 from sink.settings import PruneSettings
 from sink.store.connection import Topology
+from sink.store.pipeline_counters import pipeline_counters
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.replies import raw_entries
 

@@ -1,4 +1,4 @@
-"""Public surface: a tuple ``__all__`` in every module, and the seed API of ``sink.records``.
+"""Public surface: a tuple ``__all__`` in every module, and the seed API of ``sink.contract.records``.
 
 In the spirit of anyio's ``tests/test_all_attributes.py``.
 """
@@ -17,8 +17,8 @@ from pydantic_core import PydanticUndefined
 
 import sink
 import worker
-from sink import records
-from sink.digest import EMPTY_EXTRAS_DIGEST
+from sink.contract import records
+from sink.contract.digest import EMPTY_EXTRAS_DIGEST
 
 
 def _walk_modules() -> list[str]:
@@ -35,7 +35,7 @@ MODULE_NAMES = _walk_modules()
 
 
 def test_walk_finds_the_core_modules() -> None:
-    assert {"sink", "worker", "sink.records", "sink.digest", "sink.errors", "sink.keys"} <= set(MODULE_NAMES)
+    assert {"sink", "worker", "sink.contract.records", "sink.contract.digest", "sink.errors", "sink.keys"} <= set(MODULE_NAMES)
 
 
 @pytest.mark.parametrize("module_name", MODULE_NAMES)

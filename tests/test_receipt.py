@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sink.fingerprint import assistant_fingerprint
-from sink.receipt import MANIFEST_UNAVAILABLE_REASON, build_receipt
-from sink.records import (
+from sink.contract.fingerprint import assistant_fingerprint
+from sink.contract.records import (
     INVALID_COMMIT_COORDS_REASON,
     TERMINAL_AMBIGUOUS,
     TERMINAL_DUPLICATE_CALL_ID,
@@ -22,6 +21,7 @@ from sink.records import (
     RolloutManifest,
     RolloutReceipt,
 )
+from sink.rollout.receipt import MANIFEST_UNAVAILABLE_REASON, build_receipt
 from tests.helpers.contract_examples import manifest_row
 
 ROLLOUT = "rollout-1"

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from sink import digest, record_schema
-from sink import records as R
-from sink.digest import (
+from sink.contract import digest, record_schema
+from sink.contract import records as R
+from sink.contract.digest import (
     EMPTY_EXTRAS_DIGEST,
     compute_chain_hash,
     compute_extras_digest,
@@ -592,7 +592,7 @@ def digest_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         calls.append(fields)
         return original(**fields)
 
-    monkeypatch.setattr("sink.staged_records.compute_staging_digest", counting)
+    monkeypatch.setattr("sink.contract.staged_records.compute_staging_digest", counting)
     # The fast path hashes packed columns through a second entry point; count it too.
     packed = digest.staging_digest_from_packed
 
@@ -600,7 +600,7 @@ def digest_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         calls.append(dict(fields))
         return packed(fields, *columns)
 
-    monkeypatch.setattr("sink.staged_records.staging_digest_from_packed", counting_packed)
+    monkeypatch.setattr("sink.contract.staged_records.staging_digest_from_packed", counting_packed)
     return calls
 
 
@@ -753,7 +753,7 @@ def test_tampering_any_single_field_is_rejected(
         model.model_validate_json(json.dumps(tampered))
 
 
-# --- the field table and its derivations (sink.record_schema) -----------------------
+# --- the field table and its derivations (sink.contract.record_schema) -----------------------
 
 # The orders below are wire facts: the digest payload (contract §4.3), the codec's
 # stored scalars, step 8f of contract §8.1 and the calls-stream entry. A table

@@ -23,9 +23,9 @@ import anyio
 import pytest
 import redis
 
-from sink.cluster import LocalCluster
+from sink.contract.records import StagedCallRecord
 from sink.keys import calls_stream, record_key
-from sink.records import StagedCallRecord
+from sink.ops.cluster import LocalCluster
 from sink.server import DurableServer, durable_server, find_server_binary
 from sink.settings import SinkSettings
 from sink.store.sink import AsyncRedisStagingSink

@@ -14,10 +14,10 @@ import anyio
 import pytest
 import redis
 
+from sink.contract.records import StagedCallRecord
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import calls_stream, record_key
 from sink.ledger.redis import RedisCaptureLedger
-from sink.records import StagedCallRecord
 from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource

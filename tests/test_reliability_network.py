@@ -22,10 +22,10 @@ from typing import TypedDict
 import anyio
 import pytest
 
+from sink.contract.records import StagedCallRecord
 from sink.errors import StagingConnectionError
 from sink.keys import calls_stream
 from sink.ledger.redis import RedisCaptureLedger
-from sink.records import StagedCallRecord
 from sink.server import DurableServer, durable_server, find_server_binary
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource

@@ -14,15 +14,15 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
 
-from sink.assembler import Assembler, finished
 from sink.cli.common import EXIT_OK, EXIT_USAGE
 from sink.cli.main import main
-from sink.cluster import LocalCluster
 from sink.errors import ClusterModeMismatchError, UnrecoverableServiceError
 from sink.keys import done_stream, receipt_key, receipts_stream
-from sink.reader import RolloutReader
+from sink.ops.cluster import LocalCluster
+from sink.rollout.assembler import Assembler, finished
 from sink.store.cluster_mode import resolve_cluster_mode
 from sink.store.sink import AsyncRedisStagingSink
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 
 SHARDS = 2

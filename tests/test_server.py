@@ -13,9 +13,9 @@ import pytest
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from sink import cluster as sink_cluster
 from sink import server as sink_server
 from sink.errors import StagingError
+from sink.ops import cluster as sink_cluster
 
 pytestmark = pytest.mark.redis
 

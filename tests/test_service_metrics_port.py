@@ -11,7 +11,7 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.done_event import finished
+from sink.rollout.done_event import finished
 
 pytestmark = pytest.mark.redis
 

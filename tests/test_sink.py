@@ -11,10 +11,10 @@ import anyio.lowlevel
 import pytest
 import redis
 
+from sink.contract.packed import PackedSnapshot
+from sink.contract.records import StagedCallRecord
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import calls_stream, record_key
-from sink.packed import PackedSnapshot
-from sink.records import StagedCallRecord
 from sink.server import DurableServer, durable_server, free_port
 from sink.settings import SinkSettings, SourceSettings
 from sink.store import scripts

@@ -6,8 +6,8 @@ import anyio
 import pytest
 import redis
 
-from sink.cluster import LocalCluster
 from sink.keys import calls_stream
+from sink.ops.cluster import LocalCluster
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from tests.helpers.staging import make_chain

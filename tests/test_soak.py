@@ -10,14 +10,14 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.assembler import finished
 from sink.ledger.redis import RedisCaptureLedger
-from sink.prune import prune_namespace
-from sink.reader import RolloutReader
+from sink.ops.prune import prune_namespace
+from sink.rollout.assembler import finished
 from sink.server import durable_server
 from sink.settings import DEFAULT_SHARDS, PruneSettings
 from sink.store.connection import Topology
 from sink.store.sink import AsyncRedisStagingSink
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import running_assembler, stage_rollout
 
 ROLLOUTS = 5_000

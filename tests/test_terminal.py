@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from sink.fingerprint import assistant_fingerprint
-from sink.records import (
+from sink.contract.fingerprint import assistant_fingerprint
+from sink.contract.records import (
     TERMINAL_AMBIGUOUS,
     TERMINAL_DUPLICATE_CALL_ID,
     TERMINAL_NO_RECORDS,
@@ -16,7 +16,7 @@ from sink.records import (
     TERMINAL_SELECTED,
     CallRecord,
 )
-from sink.terminal import (
+from sink.rollout.terminal import (
     TerminalAttribution,
     TerminalSelection,
     collapse_candidates,

@@ -9,13 +9,13 @@ import pydantic
 import pytest
 import redis.asyncio as aioredis
 
-from sink.assembler import finished
-from sink.done_event import GroupTag, parse_done_event
 from sink.errors import CodecError
 from sink.keys import done_stream, receipts_stream
-from sink.reader import STALE_WEIGHTS, RolloutReader
+from sink.rollout.assembler import finished
+from sink.rollout.done_event import GroupTag, parse_done_event
 from sink.settings import DEFAULT_SHARDS, ReaderSettings
-from sink.sync_reader import SyncRolloutReader
+from sink.trainer.reader import STALE_WEIGHTS, RolloutReader
+from sink.trainer.sync_reader import SyncRolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.trainer import publish
 

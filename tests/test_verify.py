@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sink.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, compute_extras_digest, hash_token_ids
+from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, compute_extras_digest, hash_token_ids
+from sink.contract.records import CallRecord, CaptureMode, RolloutReceipt, StagedCallBaseSnapshot, StagedCallSnapshot
 from sink.errors import RebuildError, ReceiptVerificationError, StagingError
-from sink.records import CallRecord, CaptureMode, RolloutReceipt, StagedCallBaseSnapshot, StagedCallSnapshot
-from sink.verify import (
+from sink.trainer.verify import (
     ExtrasCommitment,
     LinearizedRow,
     LinkSpan,
@@ -396,9 +396,9 @@ def test_mutation_table(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_mutation_table_through_the_trainers_packed_path(name: str) -> None:
+    from sink.contract.packed import PackedSnapshot
     from sink.errors import CodecError
-    from sink.packed import PackedSnapshot
-    from sink.verify import _verify_and_linearize
+    from sink.trainer.verify import _verify_and_linearize
 
     build, code = MUTATIONS[name]
     receipt, snapshots = build()
@@ -590,7 +590,7 @@ def test_as_numpy_without_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_module_import_does_not_import_numpy() -> None:
-    code = "import sys, sink.verify, sink.errors; assert 'numpy' not in sys.modules, 'numpy imported'"
+    code = "import sys, sink.trainer.verify, sink.errors; assert 'numpy' not in sys.modules, 'numpy imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
 
@@ -642,7 +642,7 @@ def test_random_chains_linearize_to_concatenated_deltas(data: st.DataObject, sha
 
 def _decoded_chain() -> tuple[RolloutReceipt, list[Any]]:
     from sink.bench.stage import build_records
-    from sink.codec import decode_record, encode_record
+    from sink.contract.codec import decode_record, encode_record
 
     records = build_records(1, 4, 300, tag="packed")
     snapshots = [decode_record(encode_record(r)) for r in records]
@@ -674,7 +674,7 @@ def _decoded_chain() -> tuple[RolloutReceipt, list[Any]]:
 
 
 def test_cached_columns_give_the_same_row_and_numpy_columns() -> None:
-    from sink.verify import _verify_and_linearize
+    from sink.trainer.verify import _verify_and_linearize
 
     receipt, snapshots = _decoded_chain()
     slow = verify_and_linearize(receipt, snapshots)
@@ -691,7 +691,7 @@ def test_cached_columns_give_the_same_row_and_numpy_columns() -> None:
 
 
 def test_a_replaced_column_is_not_vouched_for_by_the_cache() -> None:
-    from sink.verify import _verify_and_linearize
+    from sink.trainer.verify import _verify_and_linearize
 
     receipt, snapshots = _decoded_chain()
     tampered = list(snapshots[1].token_ids_delta)

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sink.records import CaptureAdmission
+from sink.contract.records import CaptureAdmission
 from sink.store.memory import MemoryStagingStore
 from worker import CaptureAdapter, MegatronAdapter, RolloutTokenCapture, VLLMChatAdapter, install_capture
 from worker.adapters import PREFIX_REQUEST_KEY, logprob_list, token_id_list
-from worker.engine import SimulatedEngine
+from worker.simulated.engine import SimulatedEngine
 
 
 def vllm_payload(**choice_updates: Any) -> dict[str, Any]:

@@ -14,10 +14,10 @@ from typing import Any
 import anyio
 import pytest
 
-from sink.digest import compute_chain_hash, compute_extras_digest, hash_token_ids
+from sink.contract.digest import compute_chain_hash, compute_extras_digest, hash_token_ids
+from sink.contract.packed import PackedSnapshot
+from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StagedCallSnapshot, StageResult
 from sink.errors import StagingError
-from sink.packed import PackedSnapshot
-from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StagedCallSnapshot, StageResult
 from sink.store.memory import MemoryStagingStore
 from tests.helpers.capture import (
     CHILD_CHAIN,

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from sink.packed import PackedSnapshot
-from sink.records import StagedCallSnapshot, StageResult
+from sink.contract.packed import PackedSnapshot
+from sink.contract.records import StagedCallSnapshot, StageResult
 from sink.store.memory import MemoryStagingStore
 from tests.helpers.capture import (
     GRAND_GEN,

@@ -8,10 +8,18 @@ from array import array
 
 import pytest
 
-from sink.digest import compute_chain_hash, hash_token_ids
+from sink.contract.digest import compute_chain_hash, hash_token_ids
 from sink.store.memory import MemoryStagingStore
 from worker import RolloutTokenCapture, VLLMChatAdapter
-from worker.engine import BYTE_OFFSET, IM_END, IM_START, ByteTokenizer, RolloutTrace, SimulatedEngine, simulate_rollout
+from worker.simulated.engine import (
+    BYTE_OFFSET,
+    IM_END,
+    IM_START,
+    ByteTokenizer,
+    RolloutTrace,
+    SimulatedEngine,
+    simulate_rollout,
+)
 
 
 def test_tokenizer_round_trip_and_replacement_character() -> None:

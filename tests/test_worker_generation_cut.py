@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sink.records import (
+from sink.contract.records import (
     CaptureAdmission,
     CommitCoords,
     GenerationCutContinuation,
@@ -23,7 +23,6 @@ from sink.records import (
 )
 from sink.store.memory import MemoryStagingStore
 from worker import CaptureError, GenerationCutError, RolloutTokenCapture, resolve_prefix
-from worker.engine import BYTE_OFFSET, ByteTokenizer, Generation, SimulatedEngine
 from worker.generation_cut import (
     afetch_cut_prefix,
     build_cut_continuation,
@@ -35,6 +34,7 @@ from worker.generation_cut import (
     plan_cut_continuation,
     rebuild_cut_prefix,
 )
+from worker.simulated.engine import BYTE_OFFSET, ByteTokenizer, Generation, SimulatedEngine
 
 CUT_AT, CHUNK_END, TOTAL = 16, 24, 40
 WEIGHTS = 7

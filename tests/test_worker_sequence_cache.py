@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sink.digest import hash_token_ids
-from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
+from sink.contract.digest import hash_token_ids
+from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
 from worker import CaptureError, RolloutTokenCapture
 from worker.sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 

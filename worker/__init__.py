@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from .adapters import CaptureAdapter as CaptureAdapter
-from .adapters import MegatronAdapter as MegatronAdapter
-from .adapters import VLLMChatAdapter as VLLMChatAdapter
-from .adapters import install_capture as install_capture
-from .call import ActiveCall as ActiveCall
-from .capture import RolloutTokenCapture as RolloutTokenCapture
-from .errors import CaptureError as CaptureError
-from .errors import GenerationCutError as GenerationCutError
-from .errors import PrefixResolutionError as PrefixResolutionError
-from .errors import StreamingUnsupportedError as StreamingUnsupportedError
-from .prefix import aresolve_prefix as aresolve_prefix
-from .prefix import resolve_prefix as resolve_prefix
+from worker.adapters import CaptureAdapter as CaptureAdapter
+from worker.adapters import MegatronAdapter as MegatronAdapter
+from worker.adapters import VLLMChatAdapter as VLLMChatAdapter
+from worker.adapters import install_capture as install_capture
+from worker.call import ActiveCall as ActiveCall
+from worker.capture import RolloutTokenCapture as RolloutTokenCapture
+from worker.errors import CaptureError as CaptureError
+from worker.errors import GenerationCutError as GenerationCutError
+from worker.errors import PrefixResolutionError as PrefixResolutionError
+from worker.errors import StreamingUnsupportedError as StreamingUnsupportedError
+from worker.prefix import aresolve_prefix as aresolve_prefix
+from worker.prefix import resolve_prefix as resolve_prefix
 
 __all__ = (
     "ActiveCall",

@@ -15,9 +15,8 @@ import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from sink.protocols import StagingSink
-
-from .capture import RolloutTokenCapture
+from sink.contract.protocols import StagingSink
+from worker.capture import RolloutTokenCapture
 
 __all__ = (
     "PREFIX_REQUEST_KEY",

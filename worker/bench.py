@@ -43,15 +43,14 @@ from sink.bench import (
     on_server,
     progress,
 )
+from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
 from sink.errors import StagingError
 from sink.keys import record_key
-from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
-
-from .bench_floor import digest_bytes_per_record, hash_inputs, hash_seconds
-from .capture import RolloutTokenCapture
-from .prefix import aresolve_prefix
+from worker.bench_floor import digest_bytes_per_record, hash_inputs, hash_seconds
+from worker.capture import RolloutTokenCapture
+from worker.prefix import aresolve_prefix
 
 __all__ = (
     "MAX_CHAIN_TO_FLOOR",

@@ -7,7 +7,7 @@ import hashlib
 import struct
 import time
 
-from sink.digest import (
+from sink.contract.digest import (
     CALL_DIGEST_DOMAIN,
     CHAIN_HASH_DOMAIN,
     EMPTY_EXTRAS_DIGEST,
@@ -15,7 +15,7 @@ from sink.digest import (
     encode_f32s,
     encode_token_ids,
 )
-from sink.records import CommitCoords
+from sink.contract.records import CommitCoords
 
 __all__ = ("call_hash_inputs", "digest_bytes_per_record", "hash_inputs", "hash_seconds")
 

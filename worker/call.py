@@ -12,18 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sink.digest import (
+from sink.contract.digest import (
     build_staging_delta,
     chain_hash_of_packed,
     compute_chain_hash,
     compute_extras_digest,
     hash_token_ids,
 )
-from sink.packed import TrustedColumns, record_from_trusted_columns, staging_delta_columns
-from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord
-
-from .errors import CaptureError
-from .sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
+from sink.contract.packed import TrustedColumns, record_from_trusted_columns, staging_delta_columns
+from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord
+from worker.errors import CaptureError
+from worker.sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 
 __all__ = ("ActiveCall", "build_call_record", "failed_coords", "staged_coords")
 

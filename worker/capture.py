@@ -1,7 +1,7 @@
 """Per-call token capture inside an inference worker (contract §5).
 
 :class:`RolloutTokenCapture` turns one admitted model call into one staged
-delta and a token-free :class:`~sink.records.CommitCoords`. The pure steps
+delta and a token-free :class:`~sink.contract.records.CommitCoords`. The pure steps
 (argument checks, prefix checks, the record build, the coords) are written
 once, as step generators that yield their single I/O request
 (``source.fetch`` or ``sink.stage``); the synchronous methods and their
@@ -19,18 +19,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sink.digest import is_token_id_list
-from sink.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StageResult
-
-from .call import ActiveCall, build_call_record, failed_coords, staged_coords
-from .errors import CaptureError, PrefixResolutionError, StreamingUnsupportedError
-from .generation_cut import check_cut_snapshot
-from .io_steps import IoRequest, Steps, run_async, run_blocking
-from .prefix import fetch_operation, verify_staging_chain
-from .sequence_cache import ProvenSequence, SequenceHashCache
+from sink.contract.digest import is_token_id_list
+from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StageResult
+from worker.call import ActiveCall, build_call_record, failed_coords, staged_coords
+from worker.errors import CaptureError, PrefixResolutionError, StreamingUnsupportedError
+from worker.generation_cut import check_cut_snapshot
+from worker.io_steps import IoRequest, Steps, run_async, run_blocking
+from worker.prefix import fetch_operation, verify_staging_chain
+from worker.sequence_cache import ProvenSequence, SequenceHashCache
 
 if TYPE_CHECKING:
-    from .adapters import CaptureAdapter
+    from worker.adapters import CaptureAdapter
 
 __all__ = ("RolloutTokenCapture",)
 

@@ -3,7 +3,7 @@
 At a checkpoint the worker stages, per in-flight call, a cumulative prefix
 record (:func:`build_prefix_record`) and later generated-only chunk records
 (:func:`build_generation_chunk_record`), and acknowledges them with a
-:class:`~sink.records.GenerationCutContinuation` (:func:`build_cut_continuation`).
+:class:`~sink.contract.records.GenerationCutContinuation` (:func:`build_cut_continuation`).
 After restore, the replacement attempt's admission carries that continuation:
 the host fetches and rebuilds the prefix (:func:`fetch_cut_prefix` /
 :func:`rebuild_cut_prefix`), passes it to ``begin_call`` (which runs
@@ -21,12 +21,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sink.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
-from sink.records import CaptureAdmission, GenerationCutContinuation, StagedCallBaseSnapshot, StagedCallRecord
-
-from .call import ActiveCall, build_call_record
-from .errors import CaptureError, GenerationCutError
-from .prefix import inline_prefix
+from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
+from sink.contract.records import (
+    CaptureAdmission,
+    GenerationCutContinuation,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+)
+from worker.call import ActiveCall, build_call_record
+from worker.errors import CaptureError, GenerationCutError
+from worker.prefix import inline_prefix
 
 __all__ = (
     "CUT_DECODE_WINDOW",

@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 
 import anyio.to_thread
 
-from .errors import CaptureError
+from worker.errors import CaptureError
 
 __all__ = ("IoRequest", "Steps", "run_async", "run_blocking")
 

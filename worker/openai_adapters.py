@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from .adapters import PREFIX_REQUEST_KEY, VLLMChatAdapter, logprob_list, token_id_list
-from .errors import EnginePayloadError
+from worker.adapters import PREFIX_REQUEST_KEY, VLLMChatAdapter, logprob_list, token_id_list
+from worker.errors import EnginePayloadError
 
 __all__ = (
     "NemoGymChatAdapter",

@@ -1,7 +1,7 @@
 """Prefix resolution for ``token_in`` admissions (contract §5.2, §10.8).
 
 An admission carries its prefix inline or by reference (``staging_chain``).
-By reference, the worker fetches the chain from a :class:`~sink.protocols.StagingSource`
+By reference, the worker fetches the chain from a :class:`~sink.contract.protocols.StagingSource`
 and verifies it before trusting a single id: the deltas must be contiguous,
 every snapshot's ``chain_hash`` must equal the running chain hash, the total
 length must be ``prev_len``, the last link must be the admission's
@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sink.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
-from sink.packed import PackedSnapshot, cached_packed_columns, ids_u64be, unpack_list
-from sink.records import CaptureAdmission, StagedCallBaseSnapshot
-
-from .errors import PrefixResolutionError
+from sink.contract.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
+from sink.contract.packed import PackedSnapshot, cached_packed_columns, ids_u64be, unpack_list
+from sink.contract.records import CaptureAdmission, StagedCallBaseSnapshot
+from worker.errors import PrefixResolutionError
 
 __all__ = ("aresolve_prefix", "fetch_operation", "inline_prefix", "resolve_prefix", "verify_staging_chain")
 
@@ -28,7 +27,7 @@ __all__ = ("aresolve_prefix", "fetch_operation", "inline_prefix", "resolve_prefi
 def _packed_chain_ids(position: int, snapshot: object) -> tuple[int, bytes | None]:
     """``(delta_len, ids as u64 big-endian or None)`` of one fetched chain record.
 
-    A :class:`~sink.packed.PackedSnapshot` (from ``fetch_packed``) carries the digest form of
+    A :class:`~sink.contract.packed.PackedSnapshot` (from ``fetch_packed``) carries the digest form of
     its ids; a model snapshot fresh from a source carries the packed columns its decoding proved.
     """
     if isinstance(snapshot, PackedSnapshot):
@@ -46,7 +45,7 @@ def verify_staging_chain(
 ) -> list[int]:
     """Check fetched chain snapshots against *admission* and return the prefix ids (§5.2).
 
-    Snapshots may be models (``fetch``) or :class:`~sink.packed.PackedSnapshot` (``fetch_packed``):
+    Snapshots may be models (``fetch``) or :class:`~sink.contract.packed.PackedSnapshot` (``fetch_packed``):
     for packed ones the hashes run over their bytes and the prefix is built from the very bytes hashed.
 
     :raises PrefixResolutionError: wrong count, a gap in the chain, a

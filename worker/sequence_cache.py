@@ -10,7 +10,7 @@ a third.
 
 A :class:`ProvenSequence` records, for ids the capture has already proved
 exact ints in ``[0, 2**64)`` (by packing them with
-:func:`sink.digest.encode_token_ids`): their u64 big-endian bytes, which the
+:func:`sink.contract.digest.encode_token_ids`): their u64 big-endian bytes, which the
 hash covers, and their *key*, the item bytes of ``marshal.dumps(ids, 2)``.
 A list whose key equals the proof's key is proved in that one ``marshal``
 pass plus a ``memcmp`` (the ids arrive as fresh objects or not).
@@ -49,9 +49,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from sink.digest import encode_token_ids, hash_packed_token_ids
-from sink.packed import TrustedColumns
-from sink.records import CaptureAdmission
+from sink.contract.digest import encode_token_ids, hash_packed_token_ids
+from sink.contract.packed import TrustedColumns
+from sink.contract.records import CaptureAdmission
 
 __all__ = ("EMPTY_SEQUENCE", "ProvenSequence", "SequenceHashCache")
 
@@ -84,7 +84,7 @@ class ProvenSequence:
         """This sequence followed by *token_ids*.
 
         *proved*, if given, holds exactly this list as its ids (``proved.token_ids is token_ids``):
-        :func:`sink.packed.staging_delta_columns` proved them exact ints and packed them, so they are not
+        :func:`sink.contract.packed.staging_delta_columns` proved them exact ints and packed them, so they are not
         packed again.
 
         :raises ValueError: an id is not an exact int in ``[0, 2**64)`` (the reference type gate).

@@ -25,8 +25,8 @@ from typing import Literal, TypeVar
 
 import redis.asyncio as aioredis
 
-from ..errors import BenchmarkNamespaceInUseError
-from ..server import DurableServer, durable_server
+from sink.errors import BenchmarkNamespaceInUseError
+from sink.server import DurableServer, durable_server
 
 __all__ = (
     "DEFAULT_BENCH_NAMESPACE",

@@ -32,13 +32,7 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 
-from ..assembler import Assembler, finished
-from ..errors import StagingError
-from ..keys import done_stream, receipt_key, receipts_stream
-from ..ledger.redis import RedisCaptureLedger
-from ..records import CallRecord, CaptureLedgerCommit
-from ..settings import DEFAULT_SHARDS, AssemblerSettings
-from . import (
+from sink.bench import (
     DEFAULT_BENCH_NAMESPACE,
     DEFAULT_REPEATS,
     Target,
@@ -48,6 +42,12 @@ from . import (
     on_server,
     progress,
 )
+from sink.contract.records import CallRecord, CaptureLedgerCommit
+from sink.errors import StagingError
+from sink.keys import done_stream, receipt_key, receipts_stream
+from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.assembler import Assembler, finished
+from sink.settings import DEFAULT_SHARDS, AssemblerSettings
 
 __all__ = (
     "MAX_LATENCY_P99_MS",
@@ -137,7 +137,7 @@ async def _record_ledgers(url: str, namespace: str, rollout_ids: Sequence[str], 
 
 def _assembler_process(url: str, settings_json: str) -> None:
     """One assembler in its own interpreter: open (group exists), wait for the start signal, run until SIGTERM."""
-    from ..assembler import run_assembler
+    from sink.rollout.assembler import run_assembler
 
     async def body() -> None:
         settings = AssemblerSettings.model_validate_json(settings_json)

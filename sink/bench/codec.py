@@ -36,8 +36,9 @@ from typing import Any
 
 import msgpack
 
-from ..codec import CODEC_VERSION, decode_record, encode_record
-from ..digest import (
+from sink.bench import Target, format_targets, progress
+from sink.contract.codec import CODEC_VERSION, decode_record, encode_record
+from sink.contract.digest import (
     CALL_DIGEST_DOMAIN,
     EMPTY_EXTRAS_DIGEST,
     build_staging_delta,
@@ -45,9 +46,8 @@ from ..digest import (
     digest_scalar_parts,
     hash_token_ids,
 )
-from ..record_schema import STORED_SCALAR_FIELDS
-from ..records import StagedCallRecord, StagedCallSnapshot
-from . import Target, format_targets, progress
+from sink.contract.record_schema import STORED_SCALAR_FIELDS
+from sink.contract.records import StagedCallRecord, StagedCallSnapshot
 
 __all__ = (
     "DEFAULT_SIZES",

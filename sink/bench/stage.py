@@ -36,14 +36,7 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 
-from ..codec import encode_record
-from ..digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
-from ..errors import StagingError
-from ..keys import record_key
-from ..records import StagedCallRecord
-from ..store.sink import AsyncRedisStagingSink
-from ..store.source import AsyncRedisStagingSource
-from . import (
+from sink.bench import (
     DEFAULT_BENCH_NAMESPACE,
     DEFAULT_REPEATS,
     Target,
@@ -53,6 +46,13 @@ from . import (
     on_server,
     progress,
 )
+from sink.contract.codec import encode_record
+from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
+from sink.contract.records import StagedCallRecord
+from sink.errors import StagingError
+from sink.keys import record_key
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
 
 __all__ = (
     "MAX_FETCH_PACKED_RATIO",

@@ -10,8 +10,8 @@ one run, in ns per linearized token:
   check, ``verify_and_linearize``) plus ``as_numpy()`` of every row, one
   batch's arrays alive at a time (``--keep-all``: every batch's);
 * ``collate`` / ``pack``: the same loop, each pull turned into one padded
-  :class:`~sink.batch.TrainingBatch` (:func:`~sink.batch.collate`) or into
-  bins of twice the row length (:func:`~sink.packing.pack`) instead of
+  :class:`~sink.trainer.batch.TrainingBatch` (:func:`~sink.trainer.batch.collate`) or into
+  bins of twice the row length (:func:`~sink.trainer.packing.pack`) instead of
   per-row arrays; the targets: collation adds <= 20% to the pull path,
   packing <= 40%, the packed trainer loop stays <= 3x the floor;
 * the same work split up, best of ``--repeats``: fetch+decode, verify+linearize,
@@ -36,21 +36,21 @@ from dataclasses import asdict, dataclass
 import anyio
 import redis.asyncio as aioredis
 
-from ..assembler import Assembler, finished
-from ..batch import collate
-from ..errors import StagingError
-from ..keys import claim_key, receipts_stream, record_key
-from ..ledger.redis import RedisCaptureLedger
-from ..packing import pack
-from ..reader import TRAINER_GROUP, RolloutReader
-from ..records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
-from ..settings import DEFAULT_SHARDS
-from ..store.sink import AsyncRedisStagingSink
-from ..store.source import AsyncRedisStagingSource
-from ..store.streams import StreamEntry
-from ..verify import LinearizedRow, verify_decoded_and_linearize
-from . import DEFAULT_BENCH_NAMESPACE, bench_namespace, on_server
-from .stage import build_records
+from sink.bench import DEFAULT_BENCH_NAMESPACE, bench_namespace, on_server
+from sink.bench.stage import build_records
+from sink.contract.records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
+from sink.errors import StagingError
+from sink.keys import claim_key, receipts_stream, record_key
+from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.assembler import Assembler, finished
+from sink.settings import DEFAULT_SHARDS
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
+from sink.store.streams import StreamEntry
+from sink.trainer.batch import collate
+from sink.trainer.packing import pack
+from sink.trainer.reader import TRAINER_GROUP, RolloutReader
+from sink.trainer.verify import LinearizedRow, verify_decoded_and_linearize
 
 __all__ = ("TrainerFigures", "format_report", "main", "run_trainer_benchmark")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import ClusterModeMismatchError
-from ..store.cluster_mode import detect_cluster_mode
-from .common import EXIT_USAGE, CommandError, check_redis_url, mask_url
+from sink.cli.common import EXIT_USAGE, CommandError, check_redis_url, mask_url
+from sink.errors import ClusterModeMismatchError
+from sink.store.cluster_mode import detect_cluster_mode
 
 __all__ = ("CLUSTER_HELP", "resolve_cluster_flag")
 

@@ -21,10 +21,10 @@ import redis.exceptions as redis_errors
 from anyio.abc import TaskStatus
 from rich.console import Console
 
-from ..errors import CommandError
-from ..keys import DEFAULT_NAMESPACE
-from ..settings import ConnectionSettings
-from ..store.connection import Topology, map_redis_errors
+from sink.errors import CommandError
+from sink.keys import DEFAULT_NAMESPACE
+from sink.settings import ConnectionSettings
+from sink.store.connection import Topology, map_redis_errors
 
 __all__ = (
     "EXIT_FAILURE",

@@ -1,6 +1,6 @@
 """``staging-sink export ROLLOUT... --format jsonl|parquet``: write verified rows before ``ack`` deletes them.
 
-The work is :func:`sink.export.export_rollouts`; this module parses the
+The work is :func:`sink.trainer.export.export_rollouts`; this module parses the
 arguments (registered by :func:`add_export_command`) and maps its errors to
 exit codes: 2 for a bad rollout id or format, 1 when a rollout cannot be
 exported (nothing is written then).
@@ -15,9 +15,17 @@ from pathlib import Path
 
 import anyio
 
-from ..errors import BatchInputError
-from ..export import EXPORT_FORMATS, ExportFormat, export_rollouts
-from .common import EXIT_OK, EXIT_USAGE, CommandError, RedisTarget, check_redis_url, open_topology, stderr_console
+from sink.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+    RedisTarget,
+    check_redis_url,
+    open_topology,
+    stderr_console,
+)
+from sink.errors import BatchInputError
+from sink.trainer.export import EXPORT_FORMATS, ExportFormat, export_rollouts
 
 __all__ = ("add_export_command", "export_command")
 

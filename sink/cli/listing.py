@@ -21,10 +21,10 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from ..keys import claim_key, receipt_key
-from ..records import RolloutReceipt
-from ..store.connection import Topology, map_redis_errors
-from .common import EXIT_OK, RedisTarget, decode_text, open_topology, stdout_console, write_json
+from sink.cli.common import EXIT_OK, RedisTarget, decode_text, open_topology, stdout_console, write_json
+from sink.contract.records import RolloutReceipt
+from sink.keys import claim_key, receipt_key
+from sink.store.connection import Topology, map_redis_errors
 
 __all__ = ("ROLLOUT_STATES", "RolloutState", "collect_rollouts", "list_command")
 

@@ -25,12 +25,9 @@ import anyio
 import pydantic
 import redis.exceptions as redis_errors
 
-from ..errors import StagingError
-from ..keys import DEFAULT_NAMESPACE
-from ..settings import DEFAULT_SHARDS
-from . import listing, removal, rollouts, services, stats
-from .cluster_flag import CLUSTER_HELP, resolve_cluster_flag
-from .common import (
+from sink.cli import listing, removal, rollouts, services, stats
+from sink.cli.cluster_flag import CLUSTER_HELP, resolve_cluster_flag
+from sink.cli.common import (
     EXIT_FAILURE,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
@@ -46,9 +43,12 @@ from .common import (
     positive_int,
     positive_seconds,
 )
-from .export import add_export_command
-from .logs import add_logging_options, configure_logging
-from .prune import add_prune_command
+from sink.cli.export import add_export_command
+from sink.cli.logs import add_logging_options, configure_logging
+from sink.cli.prune import add_prune_command
+from sink.errors import StagingError
+from sink.keys import DEFAULT_NAMESPACE
+from sink.settings import DEFAULT_SHARDS
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
 
@@ -342,7 +342,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         gate_url_default=env.get(ENV_GATE_REDIS_URL) or None,
     )
     redis = _redis_options(env, url_help=f"server URL (default: ${ENV_REDIS_URL})")
-    from worker.http.cli import add_http_parsers  # the proxy and the HTTP engine (the `proxy` extra)
+    from worker.proxy.cli import add_http_parsers  # the proxy and the HTTP engine (the `proxy` extra)
 
     add_http_parsers(commands, redis)
     _add_server_command(commands)

@@ -1,4 +1,4 @@
-"""``staging-sink prune [--dry-run] [--interval-s S]``: bounded state on demand (the rules: :mod:`sink.prune`).
+"""``staging-sink prune [--dry-run] [--interval-s S]``: bounded state on demand (the rules: :mod:`sink.ops.prune`).
 
 Namespace-only (``SCAN MATCH ns:*``). Needs a user that may delete the namespace's keys (``admin``, or the
 default user). With ``--interval-s`` it runs until SIGINT/SIGTERM, one pass per interval: the owner of
@@ -12,9 +12,7 @@ from functools import partial
 
 import anyio
 
-from ..prune import PruneReport, prune_namespace
-from ..settings import DEFAULT_ABANDON_AFTER_S, DEFAULT_RETENTION_S, PruneSettings
-from .common import (
+from sink.cli.common import (
     EXIT_OK,
     EXIT_USAGE,
     CommandError,
@@ -27,6 +25,8 @@ from .common import (
     stdout_console,
     write_json,
 )
+from sink.ops.prune import PruneReport, prune_namespace
+from sink.settings import DEFAULT_ABANDON_AFTER_S, DEFAULT_RETENTION_S, PruneSettings
 
 __all__ = ("add_prune_command", "prune_command")
 

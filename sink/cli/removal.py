@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..keys import calls_stream, claim_key, fence_key, ledger_stream, receipt_key
-from ..ledger.redis import RedisCaptureLedger
-from ..store.connection import Topology, map_redis_errors
-from .common import EXIT_OK, CommandError, RedisTarget, open_topology, stdout_console, write_json
-from .rollouts import checked_rollout_id
+from sink.cli.common import EXIT_OK, CommandError, RedisTarget, open_topology, stdout_console, write_json
+from sink.cli.rollouts import checked_rollout_id
+from sink.keys import calls_stream, claim_key, fence_key, ledger_stream, receipt_key
+from sink.ledger.redis import RedisCaptureLedger
+from sink.store.connection import Topology, map_redis_errors
 
 __all__ = ("delete_rollouts", "retire_rollouts")
 

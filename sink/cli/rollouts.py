@@ -12,17 +12,7 @@ from typing import Any
 import anyio
 from rich.table import Table
 
-from ..errors import CodecError, ReceiptVerificationError
-from ..keys import calls_stream, fence_key, ledger_stream, receipt_key, validate_rollout_id
-from ..ledger.ownership import ownership_problem
-from ..ledger.rows import manifest_from_entries
-from ..receipt import build_receipt
-from ..records import RolloutManifest, RolloutReceipt
-from ..settings import SourceSettings
-from ..store.connection import Topology, map_redis_errors
-from ..store.source import AsyncRedisStagingSource
-from ..verify import verify_and_linearize
-from .common import (
+from sink.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -34,7 +24,17 @@ from .common import (
     stderr_console,
     stdout_console,
 )
-from .common import write_json as _write_json
+from sink.cli.common import write_json as _write_json
+from sink.contract.records import RolloutManifest, RolloutReceipt
+from sink.errors import CodecError, ReceiptVerificationError
+from sink.keys import calls_stream, fence_key, ledger_stream, receipt_key, validate_rollout_id
+from sink.ledger.ownership import ownership_problem
+from sink.ledger.rows import manifest_from_entries
+from sink.rollout.receipt import build_receipt
+from sink.settings import SourceSettings
+from sink.store.connection import Topology, map_redis_errors
+from sink.store.source import AsyncRedisStagingSource
+from sink.trainer.verify import verify_and_linearize
 
 __all__ = ("checked_rollout_id", "inspect_rollout", "tail_rollout", "verify_rollout")
 

@@ -16,24 +16,7 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from ..acl import (
-    ADMIN_ROLE,
-    ROLE_NAMES,
-    env_file_text,
-    generate_passwords,
-    render_acl_example,
-    render_acl_file,
-    write_private_file,
-)
-from ..assembler import run_assembler
-from ..errors import MetricsExtraMissingError, StagingConnectionError
-from ..metrics import Metrics, serve_metrics, serve_process_metrics
-from ..reader import PulledRollout, RolloutReader
-from ..server import serve_forever
-from ..settings import AssemblerSettings, ReaderSettings
-from ..store.connection import Topology, describe_redis_error, map_redis_errors
-from ..store.scripts import LIBRARY
-from .common import (
+from sink.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -44,7 +27,24 @@ from .common import (
     stderr_console,
     stdout_console,
 )
-from .stats import shared_stream_names
+from sink.cli.stats import shared_stream_names
+from sink.errors import MetricsExtraMissingError, StagingConnectionError
+from sink.ops.acl import (
+    ADMIN_ROLE,
+    ROLE_NAMES,
+    env_file_text,
+    generate_passwords,
+    render_acl_example,
+    render_acl_file,
+    write_private_file,
+)
+from sink.ops.metrics import Metrics, serve_metrics, serve_process_metrics
+from sink.rollout.assembler import run_assembler
+from sink.server import serve_forever
+from sink.settings import AssemblerSettings, ReaderSettings
+from sink.store.connection import Topology, describe_redis_error, map_redis_errors
+from sink.store.scripts import LIBRARY
+from sink.trainer.reader import PulledRollout, RolloutReader
 
 __all__ = (
     "BENCHMARKS",
@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 BENCHMARKS = ("codec", "stage", "worker", "assembly", "trainer", "proxy")
 """``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)`` (``worker``: ``worker.bench``; ``proxy``:
-``worker.http.bench``)."""
+``worker.proxy.bench``)."""
 _PULL_BLOCK_MS = 1000
 
 
@@ -314,7 +314,7 @@ def bench_command(name: str, argv: Sequence[str]) -> int:
     if name not in BENCHMARKS:
         raise CommandError(f"unknown benchmark {name!r}: choose one of {', '.join(BENCHMARKS)}", exit_code=EXIT_USAGE)
     # The worker benchmark lives with the worker package (sink never imports worker outside the CLI).
-    module_name = {"worker": "worker.bench", "proxy": "worker.http.bench"}.get(name, f"sink.bench.{name}")
+    module_name = {"worker": "worker.bench", "proxy": "worker.proxy.bench"}.get(name, f"sink.bench.{name}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

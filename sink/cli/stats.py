@@ -23,10 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..metrics import STREAM_KINDS, collect_redis_gauges
-from ..store.connection import Topology, map_redis_errors
-from ..store.durability import REQUIRED_CONFIG, verify_durability
-from .common import (
+from sink.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     RedisTarget,
@@ -36,6 +33,9 @@ from .common import (
     stdout_console,
     write_json,
 )
+from sink.ops.metrics import STREAM_KINDS, collect_redis_gauges
+from sink.store.connection import Topology, map_redis_errors
+from sink.store.durability import REQUIRED_CONFIG, verify_durability
 
 __all__ = (
     "DEFAULT_MAX_LAG",

@@ -18,10 +18,8 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from ..errors import RolloutRetiredError
-from ..fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
-from ..keys import check_call_id
-from ..records import (
+from sink.contract.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
+from sink.contract.records import (
     INVALID_COMMIT_COORDS_REASON,
     UNCOMMITTED_CALL_REASON,
     UNRESOLVED_PARENT_REASON,
@@ -32,8 +30,10 @@ from ..records import (
     CaptureLedgerCommit,
     CommitCoords,
 )
-from .lineage import LineageResolution, LineageStatus
-from .ownership import is_call_staging_key
+from sink.errors import RolloutRetiredError
+from sink.keys import check_call_id
+from sink.ledger.lineage import LineageResolution, LineageStatus
+from sink.ledger.ownership import is_call_staging_key
 
 __all__ = ("CaptureGate", "CaptureLedgerProtocol", "new_model_call_id")
 

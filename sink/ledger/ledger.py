@@ -16,13 +16,12 @@ from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
 
-from ..errors import LedgerConflictError, RolloutRetiredError
-from ..keys import validate_rollout_id
-from ..records import CaptureLedgerCommit, RolloutManifest, RolloutRemoval
-from ..store.resource import AsyncResource
-from .lineage import RETIRED_REASON, LineageResolution, LineageStatus, is_root_request, resolve_from_rows
-from .ownership import check_chain_ownership, check_row_ownership
-from .rows import (
+from sink.contract.records import CaptureLedgerCommit, RolloutManifest, RolloutRemoval
+from sink.errors import LedgerConflictError, RolloutRetiredError
+from sink.keys import validate_rollout_id
+from sink.ledger.lineage import RETIRED_REASON, LineageResolution, LineageStatus, is_root_request, resolve_from_rows
+from sink.ledger.ownership import check_chain_ownership, check_row_ownership
+from sink.ledger.rows import (
     check_failure_args,
     commit_rollout_id,
     custody_entry,
@@ -38,6 +37,7 @@ from .rows import (
     warn_discarded_call,
     warn_discarded_failure,
 )
+from sink.store.resource import AsyncResource
 
 __all__ = ("AppendOutcome", "CaptureLedger")
 

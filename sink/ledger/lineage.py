@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from ..fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
+from sink.contract.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 
 __all__ = (
     "AMBIGUOUS_REASON",

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..records import RolloutRemoval
-from .ledger import AppendOutcome, CaptureLedger
+from sink.contract.records import RolloutRemoval
+from sink.ledger.ledger import AppendOutcome, CaptureLedger
 
 __all__ = ("MemoryCaptureLedger", "MemoryLedgerStore")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from ..errors import StagingKeyOwnershipError
-from ..keys import validate_rollout_id
-from ..records import CallRecord
+from sink.contract.records import CallRecord
+from sink.errors import StagingKeyOwnershipError
+from sink.keys import validate_rollout_id
 
 __all__ = (
     "FOREIGN_CAPTURE_KEY",

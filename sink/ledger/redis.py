@@ -21,13 +21,15 @@ import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from ..errors import CodecError, StagingConnectionError
-from ..keys import calls_stream, claim_key, fence_key, ledger_ids_key, ledger_stream, receipt_key, record_key
-from ..records import RolloutRemoval
-from ..settings import ConnectionSettings, LedgerSettings
-from ..store.connection import Topology, map_redis_errors, reply_text
-from ..store.resource import settings_or_fields
-from ..store.scripts import (
+from sink.contract.records import RolloutRemoval
+from sink.errors import CodecError, StagingConnectionError
+from sink.keys import calls_stream, claim_key, fence_key, ledger_ids_key, ledger_stream, receipt_key, record_key
+from sink.ledger.ledger import AppendOutcome, CaptureLedger
+from sink.ledger.ownership import keys_owned_by
+from sink.settings import ConnectionSettings, LedgerSettings
+from sink.store.connection import Topology, map_redis_errors, reply_text
+from sink.store.resource import settings_or_fields
+from sink.store.scripts import (
     APPEND_APPENDED,
     APPEND_CONFLICT,
     APPEND_DUPLICATE,
@@ -42,8 +44,6 @@ from ..store.scripts import (
     REMOVED,
     ServerScript,
 )
-from .ledger import AppendOutcome, CaptureLedger
-from .ownership import keys_owned_by
 
 __all__ = ("RedisCaptureLedger",)
 

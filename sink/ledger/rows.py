@@ -23,11 +23,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..canonical import canonical_json
-from ..errors import CodecError
-from ..fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
-from ..keys import validate_rollout_id
-from ..records import (
+from sink.canonical import canonical_json
+from sink.contract.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
+from sink.contract.records import (
     LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
     LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     CallRecord,
@@ -35,6 +33,8 @@ from ..records import (
     ManifestFailure,
     RolloutManifest,
 )
+from sink.errors import CodecError
+from sink.keys import validate_rollout_id
 
 __all__ = (
     "CUSTODY_KIND",

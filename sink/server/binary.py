@@ -15,7 +15,7 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import ServerNotFoundError, ServerProcessError
+from sink.errors import ServerNotFoundError, ServerProcessError
 
 __all__ = ("find_cli_binary", "find_server_binary", "server_version")
 

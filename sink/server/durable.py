@@ -27,10 +27,16 @@ from typing import Literal, Self
 
 import redis
 
-from ..errors import ServerProcessError
-from .binary import find_server_binary, server_version
-from .children import forget_process, forget_temp_dir, parent_death_hook, register_process, register_temp_dir
-from .loopback import LOOPBACK_HOST, free_port, server_client
+from sink.errors import ServerProcessError
+from sink.server.binary import find_server_binary, server_version
+from sink.server.children import (
+    forget_process,
+    forget_temp_dir,
+    parent_death_hook,
+    register_process,
+    register_temp_dir,
+)
+from sink.server.loopback import LOOPBACK_HOST, free_port, server_client
 
 __all__ = ("AppendFsync", "DurableServer", "durable_server", "serve_forever")
 

@@ -9,7 +9,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..errors import ServerProcessError
+from sink.errors import ServerProcessError
 
 __all__ = ("LOOPBACK_HOST", "free_port", "server_client")
 

@@ -1,7 +1,7 @@
 """Cluster mode, read from the server instead of trusted from a flag.
 
 The server says whether it is a cluster node: ``INFO cluster`` reports ``cluster_enabled:0|1``. A role whose
-ACL denies ``INFO`` can still run ``CLUSTER INFO`` (every role may, :data:`sink.acl.CONNECTION_COMMANDS`),
+ACL denies ``INFO`` can still run ``CLUSTER INFO`` (every role may, :data:`sink.ops.acl.CONNECTION_COMMANDS`),
 which a standalone server refuses with "cluster support disabled".
 
 :func:`resolve_cluster_mode` turns a requested mode (``True``, ``False`` or ``None`` = detect) and the
@@ -17,8 +17,8 @@ import redis
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from ..errors import ClusterModeMismatchError
-from .connection import map_redis_errors
+from sink.errors import ClusterModeMismatchError
+from sink.store.connection import map_redis_errors
 
 __all__ = (
     "detect_cluster_mode",

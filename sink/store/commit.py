@@ -19,13 +19,13 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from ..codec import DIGEST_HEAD_BYTES
-from ..records import StageResult
-from ..settings import SinkSettings
-from .connection import Topology, describe_redis_error
-from .durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address
-from .script_runner import ScriptMode
-from .scripts import LIBRARY, STAGE_SCRIPT
+from sink.contract.codec import DIGEST_HEAD_BYTES
+from sink.contract.records import StageResult
+from sink.settings import SinkSettings
+from sink.store.connection import Topology, describe_redis_error
+from sink.store.durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address
+from sink.store.script_runner import ScriptMode
+from sink.store.scripts import LIBRARY, STAGE_SCRIPT
 
 __all__ = ("GroupCommitWriter", "PendingStage", "Settle")
 

@@ -20,8 +20,8 @@ import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 
-from ..errors import ClusterModeMismatchError, CodecError, StagingConnectionError
-from ..settings import ConnectionSettings
+from sink.errors import ClusterModeMismatchError, CodecError, StagingConnectionError
+from sink.settings import ConnectionSettings
 
 __all__ = ("Topology", "describe_redis_error", "map_redis_errors", "reply_text")
 

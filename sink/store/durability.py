@@ -18,9 +18,9 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from ..settings import SinkSettings
-from .connection import Topology, describe_redis_error, reply_text
-from .server_version import supports_waitaof
+from sink.settings import SinkSettings
+from sink.store.connection import Topology, describe_redis_error, reply_text
+from sink.store.server_version import supports_waitaof
 
 __all__ = (
     "REQUIRED_CONFIG",

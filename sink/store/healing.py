@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 import anyio
 import redis.exceptions as redis_errors
 
-from ..errors import StagingConnectionError, UnrecoverableServiceError
-from .cluster_mode import resolve_cluster_mode, server_cluster_enabled
-from .connection import describe_redis_error, map_redis_errors
-from .streams import GroupConsumer, StreamEntry
+from sink.errors import StagingConnectionError, UnrecoverableServiceError
+from sink.store.cluster_mode import resolve_cluster_mode, server_cluster_enabled
+from sink.store.connection import describe_redis_error, map_redis_errors
+from sink.store.streams import GroupConsumer, StreamEntry
 
 __all__ = ("SelfHealingGroupConsumer", "is_missing_group", "raise_if_unrecoverable")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from ..records import StagedCallRecord, StagedCallSnapshot, StageResult
-from .sink import CONFLICT_ERROR
+from sink.contract.records import StagedCallRecord, StagedCallSnapshot, StageResult
+from sink.store.sink import CONFLICT_ERROR
 
 __all__ = ("MemoryStagingStore",)
 

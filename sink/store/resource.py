@@ -21,7 +21,7 @@ from typing import Any, Generic, Self, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ..settings import ConnectionSettings
+from sink.settings import ConnectionSettings
 
 __all__ = ("AsyncResource", "PortalOwner", "settings_or_fields")
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Final
 
-from .. import record_schema
-from .script_runner import ScriptLibrary, ServerScript
+from sink.contract import record_schema
+from sink.store.script_runner import ScriptLibrary, ServerScript
 
 # The status codes live in script_status (re-exported here, beside the scripts that return them).
-from .script_status import (
+from sink.store.script_status import (
     APPEND_APPENDED,
     APPEND_CONFLICT,
     APPEND_DUPLICATE,
@@ -344,7 +344,7 @@ return {$REMOVED}
 """,
 )
 
-# --- rollout claims (sink.reader) --------------------------------------------------------
+# --- rollout claims (sink.trainer.reader) --------------------------------------------------------
 
 # KEYS: claim key, fence key; ARGV: token (stream#entry id), consumer, check fence ('1'/'0').
 # Returns {status, the claim's previous value or ''}: CLAIM_RETIRED (the ledger was
@@ -376,7 +376,7 @@ return {$NOT_REMOVED}
 )
 
 
-# --- GRPO groups (sink.groups) ------------------------------------------------------------
+# --- GRPO groups (sink.trainer.groups) ------------------------------------------------------------
 
 # KEYS: meta, members. ARGV: member id, member record, consumer, size, claim_idle_ms, ttl_ms.
 # Records the member, then: {GROUP_COMPLETE, members...} when this call completes the group (or finds it complete

@@ -28,19 +28,19 @@ from anyio.streams.memory import MemoryObjectSendStream
 from pydantic_core import PydanticSerializationError
 from redis.asyncio.cluster import RedisCluster
 
-from ..codec import encode_record
-from ..digest import compute_extras_digest
-from ..errors import CodecError
-from ..keys import calls_stream, check_call_id, fence_key, record_key, rollout_of_staging_key, validate_rollout_id
-from ..pipeline_counters import count_stage, count_staged_bytes
-from ..record_schema import calls_entry
-from ..records import StagedCallRecord, StageResult
-from ..settings import SinkSettings
-from .commit import GroupCommitWriter, PendingStage
-from .connection import Topology, describe_redis_error, map_redis_errors
-from .durability import DurabilityMonitor
-from .resource import AsyncResource, PortalOwner, settings_or_fields
-from .scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_REPAIRED, STAGE_RETIRED, STAGE_SAME, STAGE_WRITTEN
+from sink.contract.codec import encode_record
+from sink.contract.digest import compute_extras_digest
+from sink.contract.record_schema import calls_entry
+from sink.contract.records import StagedCallRecord, StageResult
+from sink.errors import CodecError
+from sink.keys import calls_stream, check_call_id, fence_key, record_key, rollout_of_staging_key, validate_rollout_id
+from sink.settings import SinkSettings
+from sink.store.commit import GroupCommitWriter, PendingStage
+from sink.store.connection import Topology, describe_redis_error, map_redis_errors
+from sink.store.durability import DurabilityMonitor
+from sink.store.pipeline_counters import count_stage, count_staged_bytes
+from sink.store.resource import AsyncResource, PortalOwner, settings_or_fields
+from sink.store.scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_REPAIRED, STAGE_RETIRED, STAGE_SAME, STAGE_WRITTEN
 
 __all__ = (
     "CONFLICT_ERROR",

@@ -15,14 +15,14 @@ import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from ..codec import decode_packed_record, decode_record
-from ..errors import CodecError
-from ..keys import record_key
-from ..packed import PackedSnapshot
-from ..records import StagedCallSnapshot
-from ..settings import SourceSettings
-from .connection import Topology, map_redis_errors
-from .resource import AsyncResource, PortalOwner, settings_or_fields
+from sink.contract.codec import decode_packed_record, decode_record
+from sink.contract.packed import PackedSnapshot
+from sink.contract.records import StagedCallSnapshot
+from sink.errors import CodecError
+from sink.keys import record_key
+from sink.settings import SourceSettings
+from sink.store.connection import Topology, map_redis_errors
+from sink.store.resource import AsyncResource, PortalOwner, settings_or_fields
 
 __all__ = ("AsyncRedisStagingSource", "RedisStagingSource", "check_snapshot_key")
 

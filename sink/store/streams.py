@@ -38,12 +38,12 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from ..errors import CodecError
-from ..keys import dead_letter_stream
-from ..pipeline_counters import count_dead_letter
-from .connection import Topology, map_redis_errors, reply_text
-from .dead_letters import UndecodableEntry, dead_letter_record
-from .scripts import REMOVED, RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT
+from sink.errors import CodecError
+from sink.keys import dead_letter_stream
+from sink.store.connection import Topology, map_redis_errors, reply_text
+from sink.store.dead_letters import UndecodableEntry, dead_letter_record
+from sink.store.pipeline_counters import count_dead_letter
+from sink.store.scripts import REMOVED, RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT
 
 __all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
 

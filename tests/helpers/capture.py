@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sink.records import CaptureAdmission, CommitCoords, StagedCallRecord
+from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord
 from sink.store.memory import MemoryStagingStore
 from worker import RolloutTokenCapture
 

@@ -9,10 +9,10 @@ import msgpack
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from sink.codec import encode_record
-from sink.digest import compute_extras_digest, compute_staging_digest
-from sink.record_schema import COLUMN_FIELDS, DIGEST_SCALAR_FIELDS
-from sink.records import StagedCallBaseSnapshot, StagedCallRecord
+from sink.contract.codec import encode_record
+from sink.contract.digest import compute_extras_digest, compute_staging_digest
+from sink.contract.record_schema import COLUMN_FIELDS, DIGEST_SCALAR_FIELDS
+from sink.contract.records import StagedCallBaseSnapshot, StagedCallRecord
 
 HEX = st.text("0123456789abcdef", min_size=64, max_size=64)
 GOLDEN_EXTRAS = {"routed_experts": [[[1, 2]], [[3, 4]]]}

@@ -17,9 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sink import records
-from sink.digest import EMPTY_EXTRAS_DIGEST, compute_staging_digest
-from sink.fingerprint import FINGERPRINT_VERSION
+from sink.contract import records
+from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_staging_digest
+from sink.contract.fingerprint import FINGERPRINT_VERSION
 
 __all__ = (
     "GOLDEN_VECTOR",
@@ -161,7 +161,7 @@ def receipt_wire(**overrides: Any) -> dict[str, Any]:
 
 
 def valid_wire_by_model() -> dict[type[BaseModel], dict[str, Any]]:
-    """One valid wire dict for every record class of ``sink.records``."""
+    """One valid wire dict for every record class of ``sink.contract.records``."""
     cut = {
         "source_capture_key": "r1",
         "source_model_call_id": "root",

@@ -12,12 +12,12 @@ from typing import Any
 
 import anyio
 
-from sink.assembler import Assembler
+from sink.contract.records import CallRecord, CaptureLedgerCommit, StagedCallRecord
 from sink.ledger.redis import RedisCaptureLedger
-from sink.reader import PulledRollout, RolloutReader
-from sink.records import CallRecord, CaptureLedgerCommit, StagedCallRecord
+from sink.rollout.assembler import Assembler
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.streams import StreamEntry
+from sink.trainer.reader import PulledRollout, RolloutReader
 from tests.helpers.staging import make_chain
 
 __all__ = (

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from sink.fingerprint import FINGERPRINT_VERSION
-from sink.records import EMPTY_EXTRAS_DIGEST, CallRecord, CaptureLedgerCommit
+from sink.contract.fingerprint import FINGERPRINT_VERSION
+from sink.contract.records import EMPTY_EXTRAS_DIGEST, CallRecord, CaptureLedgerCommit
 
 __all__ = (
     "ANSWER1",

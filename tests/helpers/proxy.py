@@ -8,14 +8,14 @@ import anyio
 import httpx
 import openai
 
+from sink.contract.records import RolloutManifest
 from sink.ledger.redis import RedisCaptureLedger
-from sink.pulled import PulledRollout
-from sink.reader import RolloutReader
-from sink.records import RolloutManifest
 from sink.settings import ProxySettings
+from sink.trainer.pulled import PulledRollout
+from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler
-from worker.engine import IM_END
-from worker.http.engine_app import EngineApp
+from worker.simulated.engine import IM_END
+from worker.simulated.http_app import EngineApp
 
 __all__ = (
     "SYSTEM",

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import redis
 
+from sink.contract.records import CaptureLedgerCommit, RolloutManifest, StagedCallRecord
 from sink.ledger.rows import manifest_from_entries
-from sink.records import CaptureLedgerCommit, RolloutManifest, StagedCallRecord
 from tests.helpers.e2e import call_record_of
 from tests.helpers.replies import raw_entries
 

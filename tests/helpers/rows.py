@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sink.done_event import GroupTag
-from sink.pulled import PulledRollout
-from sink.records import RolloutReceipt, StagedCallRecord
-from sink.verify import verify_and_linearize
+from sink.contract.records import RolloutReceipt, StagedCallRecord
+from sink.rollout.done_event import GroupTag
+from sink.trainer.pulled import PulledRollout
+from sink.trainer.verify import verify_and_linearize
 from tests.helpers.e2e import call_record_of
 from tests.helpers.staging import make_record
 

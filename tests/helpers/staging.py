@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from sink.digest import compute_chain_hash, compute_extras_digest, hash_token_ids
-from sink.records import StagedCallRecord
+from sink.contract.digest import compute_chain_hash, compute_extras_digest, hash_token_ids
+from sink.contract.records import StagedCallRecord
 
 __all__ = ("make_chain", "make_record")
 

@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 
-from sink.assembler import finished
+from sink.rollout.assembler import finished
 from sink.settings import DEFAULT_SHARDS
 from tests.helpers.e2e import EventCounter, StagedRollout, running_assembler, stage_rollouts
 

@@ -2,7 +2,7 @@
 
 Worker processes (``multiprocessing``, spawn) play gate and inference worker for their share of the
 rollouts (:mod:`worker.demo.worker_process`, started by :mod:`worker.demo.worker_pool`); this process
-runs the receipt :class:`~sink.assembler.Assembler` and a trainer :class:`~sink.reader.RolloutReader`
+runs the receipt :class:`~sink.rollout.assembler.Assembler` and a trainer :class:`~sink.trainer.reader.RolloutReader`
 that pulls, verifies and acknowledges every rollout, all in one anyio task group under a deadline, with
 live progress on stderr and a summary on stdout. A few rollouts get an injected capture failure on
 purpose: they must come back skipped, with their reason, and every other rollout must verify. That is
@@ -23,7 +23,6 @@ from typing import Any
 
 import anyio
 
-from sink.assembler import Assembler
 from sink.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -42,16 +41,16 @@ from sink.cli.common import (
     write_json,
 )
 from sink.keys import DEFAULT_NAMESPACE, calls_stream
-from sink.reader import RolloutReader
+from sink.rollout.assembler import Assembler
 from sink.server import durable_server
 from sink.settings import DEFAULT_SHARDS, AssemblerSettings, ReaderSettings
 from sink.store.connection import Topology, map_redis_errors
 from sink.store.durability import verify_durability
-
-from ..errors import WorkersFailedError
-from .report import DemoTally, live_progress, render_summary, show_progress
-from .worker_pool import WorkerPool
-from .worker_process import RolloutPlan, WorkerConfig
+from sink.trainer.reader import RolloutReader
+from worker.demo.report import DemoTally, live_progress, render_summary, show_progress
+from worker.demo.worker_pool import WorkerPool
+from worker.demo.worker_process import RolloutPlan, WorkerConfig
+from worker.errors import WorkersFailedError
 
 __all__ = ("DemoOptions", "add_demo_parser", "make_plans", "run_demo", "run_demo_command")
 
@@ -346,7 +345,7 @@ async def _remove_namespace(target: RedisTarget) -> int:
 def run_demo_command(args: argparse.Namespace) -> int:
     """The ``demo`` handler: start the embedded server unless ``--redis-url`` is given, run, summarize."""
     if args.http:
-        from worker.http.demo import http_demo_command  # the proxy extra, loaded only for --http
+        from worker.demo.http import http_demo_command  # the proxy extra, loaded only for --http
 
         return http_demo_command(args)
     options = DemoOptions(

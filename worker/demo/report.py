@@ -15,8 +15,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sink.assembler import Assembler
-from sink.records import WORKER_CAPTURE_FAILED_REASON
+from sink.contract.records import WORKER_CAPTURE_FAILED_REASON
+from sink.rollout.assembler import Assembler
 
 __all__ = ("EXPECTED_SKIP", "DemoTally", "live_progress", "percentile", "render_summary", "show_progress")
 

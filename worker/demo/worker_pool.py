@@ -10,11 +10,10 @@ from typing import Any
 
 import anyio
 
-from sink.pipeline_counters import pipeline_counters
-
-from ..errors import WorkersFailedError
-from .report import DemoTally
-from .worker_process import WorkerConfig, worker_process_main
+from sink.store.pipeline_counters import pipeline_counters
+from worker.demo.report import DemoTally
+from worker.demo.worker_process import WorkerConfig, worker_process_main
+from worker.errors import WorkersFailedError
 
 __all__ = ("WorkerPool",)
 

@@ -4,10 +4,10 @@ For each of its rollouts the process runs a multi-turn agent conversation agains
 the gate resolves the parent call through the :class:`~sink.ledger.redis.RedisCaptureLedger` and builds the
 admission (contract §6.6), the inference worker begins the call through
 :class:`~worker.capture.RolloutTokenCapture` (a ``staging_chain`` prefix is fetched from the
-:class:`~sink.store.source.AsyncRedisStagingSource`), the :class:`~worker.engine.SimulatedEngine` generates,
+:class:`~sink.store.source.AsyncRedisStagingSource`), the :class:`~worker.simulated.engine.SimulatedEngine` generates,
 the capture stages the delta through the :class:`~sink.store.sink.AsyncRedisStagingSink` *before* the
 response exists, the gate commits the ledger row, and at the end the framework calls
-:func:`~sink.assembler.finished`. Planned retries, abandoned branches and injected capture failures make
+:func:`~sink.rollout.assembler.finished`. Planned retries, abandoned branches and injected capture failures make
 the rollouts look like real agent traffic. This module is the demo's only bridge from ``sink`` into the
 ``worker`` package.
 
@@ -25,24 +25,18 @@ from typing import Any
 
 import anyio
 
-from sink.assembler import finished
+from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
 from sink.ledger.gate import CaptureGate
 from sink.ledger.redis import RedisCaptureLedger
-from sink.pipeline_counters import pipeline_counters
-from sink.records import (
-    CaptureAdmission,
-    CommitCoords,
-    StagedCallRecord,
-    StageResult,
-)
+from sink.rollout.assembler import finished
 from sink.settings import ConnectionSettings
 from sink.store.connection import Topology
+from sink.store.pipeline_counters import pipeline_counters
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
-
-from ..call import ActiveCall
-from ..capture import RolloutTokenCapture
-from ..engine import SimulatedEngine
+from worker.call import ActiveCall
+from worker.capture import RolloutTokenCapture
+from worker.simulated.engine import SimulatedEngine
 
 __all__ = ("INJECTED_FAILURE_NOTE", "RolloutPlan", "WorkerConfig", "WorkerCounters", "worker_process_main")
 

@@ -1,0 +1,1 @@
+"""Operations: pruning, metrics, cluster setup and ACL roles."""

@@ -1,0 +1,225 @@
+"""Bounded state: the owner of everything no running service removes (``staging-sink prune``).
+
+Every key and stream of a namespace has an owner that removes it:
+
+========================================  =============================================================
+key                                       removed by
+========================================  =============================================================
+``ns:{R}:rec:*``, ``ns:{R}:calls``        the trainer's ``ack`` (``clear_staged``); else abandonment here
+``ns:{R}:ledger``, ``ns:{R}:ledger:ids``  the trainer's ``ack`` (ledger retirement); else abandonment here
+``ns:{R}:claimed``                        the trainer's ``ack``; else abandonment here
+``ns:{R}:receipt``, ``ns:{R}:fence``      expire ``retention_s`` after the ack (:mod:`sink.trainer.retention`);
+                                          a consumed rollout's keys left without a TTL get one here
+``ns:{grp:G}:*``                          the reader (``PEXPIRE``, GRPO group mode)
+``ns:done:<k>``, ``ns:receipts:<k>``      fixed count; entries ``XACK`` + ``XDEL`` once processed;
+                                          consumer names idle ``consumer_idle_max_s`` with nothing
+                                          pending are deleted here
+``ns:dead:*``                             trimmed here to the newest ``dead_letter_max_entries``
+========================================  =============================================================
+
+**Abandonment.** A rollout with staged records or a ledger but no receipt, whose last ``calls`` or ledger
+entry is older than ``abandon_after_s``, never finished: its records, ``calls`` stream, ledger and claim are
+deleted and its fence set (expiring after ``retention_s``) in one ``MULTI`` guarded by ``WATCH`` (a write in
+between leaves it alone), and a failure is recorded on ``ns:dead:abandoned`` and counted
+(``staging_sink_rollouts_abandoned_total``). A rollout that has a receipt belongs to the trainer: never touched.
+
+Only keys of the namespace are read or changed (``SCAN MATCH ns:*`` on every primary).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+
+from sink.keys import (
+    calls_stream,
+    claim_key,
+    dead_letter_stream,
+    fence_key,
+    ledger_ids_key,
+    ledger_stream,
+    receipt_key,
+)
+from sink.settings import PruneSettings
+from sink.store.connection import Topology, map_redis_errors, reply_text
+from sink.store.pipeline_counters import count_rollouts_abandoned
+
+__all__ = ("ABANDONED_STREAM", "PruneReport", "prune_namespace")
+
+ABANDONED_STREAM = "abandoned"
+"""``ns:dead:abandoned``: one entry per abandoned rollout (``rollout_id``, ``reason``, ``last_activity_ms``)."""
+
+_LIVE_KINDS = frozenset({"calls", "ledger", "ledger:ids", "claimed", "rec"})
+
+
+@dataclass
+class PruneReport:
+    """What :func:`prune_namespace` did (or, with ``dry_run``, would do)."""
+
+    dry_run: bool
+    rollouts_seen: int = 0
+    retained: list[str] = field(default_factory=list)
+    """Consumed rollouts whose receipt/fence got the ``retention_s`` TTL."""
+    abandoned: list[str] = field(default_factory=list)
+    dead_letters_trimmed: dict[str, int] = field(default_factory=dict)
+    consumers_removed: list[str] = field(default_factory=list)
+    """``stream group consumer`` of each deleted consumer name."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dry_run": self.dry_run,
+            "rollouts_seen": self.rollouts_seen,
+            "retained": sorted(self.retained),
+            "abandoned": sorted(self.abandoned),
+            "dead_letters_trimmed": dict(sorted(self.dead_letters_trimmed.items())),
+            "consumers_removed": sorted(self.consumers_removed),
+        }
+
+
+@dataclass
+class _Rollout:
+    kinds: set[str] = field(default_factory=set)
+    records: list[str] = field(default_factory=list)
+
+
+async def _scan(topology: Topology, match: str, count: int, key_type: str | None = None) -> AsyncIterator[str]:
+    for node in topology.primaries():
+        async for key in node.scan_iter(match=match, count=count, _type=key_type):
+            yield reply_text(key, "key name")
+
+
+async def _rollouts(topology: Topology, ns: str, count: int) -> dict[str, _Rollout]:
+    found: dict[str, _Rollout] = {}
+    prefix = f"{ns}:{{"
+    async for key in _scan(topology, f"{prefix}*", count):
+        tag, sep, kind = key[len(prefix) :].partition("}:")
+        if not sep or tag.startswith("grp:"):
+            continue
+        rollout = found.setdefault(tag, _Rollout())
+        if kind.startswith("rec:"):
+            rollout.kinds.add("rec")
+            rollout.records.append(key)
+        else:
+            rollout.kinds.add(kind)
+    return found
+
+
+def _entry_ms(entry_id: object) -> int:
+    return int(reply_text(entry_id, "stream id").split("-", 1)[0])
+
+
+async def _last_activity_ms(client: aioredis.Redis, ns: str, rollout_id: str) -> int:
+    """Newest ``calls``/ledger entry time; 0 when neither stream exists (orphaned records)."""
+    newest = 0
+    for stream in (calls_stream(ns, rollout_id), ledger_stream(ns, rollout_id)):
+        entries = await client.xrevrange(stream, count=1)
+        if entries:
+            newest = max(newest, _entry_ms(entries[0][0]))
+    return newest
+
+
+async def _retain(topology: Topology, ns: str, rollout_id: str, settings: PruneSettings, report: PruneReport) -> None:
+    keys = [receipt_key(ns, rollout_id), fence_key(ns, rollout_id)]
+    client = topology.node_for_key(keys[0])
+    untimed = [key for key in keys if await client.ttl(key) == -1]
+    if not untimed:
+        return
+    report.retained.append(rollout_id)
+    if not report.dry_run:
+        for key in untimed:
+            await client.expire(key, max(1, math.ceil(settings.retention_s)))
+
+
+async def _abandon(
+    topology: Topology, ns: str, rollout_id: str, rollout: _Rollout, settings: PruneSettings, report: PruneReport
+) -> None:
+    client = topology.node_for_key(calls_stream(ns, rollout_id))
+    cutoff_ms = int((time.time() - settings.abandon_after_s) * 1000)
+    watched = [calls_stream(ns, rollout_id), ledger_stream(ns, rollout_id), receipt_key(ns, rollout_id)]
+    async with client.pipeline(transaction=True) as pipe:
+        await pipe.watch(*watched)
+        last_ms = await _last_activity_ms(pipe, ns, rollout_id)  # immediate mode while watching
+        if last_ms > cutoff_ms or await pipe.exists(watched[2]):
+            await pipe.unwatch()  # type: ignore[no-untyped-call]
+            return
+        if report.dry_run:
+            await pipe.unwatch()  # type: ignore[no-untyped-call]
+            report.abandoned.append(rollout_id)
+            return
+        pipe.multi()  # type: ignore[no-untyped-call]
+        pipe.delete(*watched[:2], ledger_ids_key(ns, rollout_id), claim_key(ns, rollout_id), *rollout.records)
+        pipe.set(fence_key(ns, rollout_id), repr(time.time()), ex=max(1, math.ceil(settings.retention_s)))
+        try:
+            await pipe.execute()
+        except redis_errors.WatchError:
+            return  # written to meanwhile: alive after all
+    dead = dead_letter_stream(ns, ABANDONED_STREAM)
+    await topology.node_for_key(dead).xadd(
+        dead,
+        {
+            "rollout_id": rollout_id,
+            "dead_reason": f"abandoned: no receipt and no activity for {settings.abandon_after_s:g} s",
+            "last_activity_ms": str(last_ms),
+            "records": str(len(rollout.records)),
+        },
+        maxlen=settings.dead_letter_max_entries,
+        approximate=True,
+    )
+    report.abandoned.append(rollout_id)
+    count_rollouts_abandoned(ns)
+
+
+async def _trim_dead_letters(topology: Topology, ns: str, settings: PruneSettings, report: PruneReport) -> None:
+    limit = settings.dead_letter_max_entries
+    async for stream in _scan(topology, f"{ns}:dead:*", settings.scan_count, "stream"):
+        client = topology.node_for_key(stream)
+        length = int(await client.xlen(stream))
+        if length <= limit:
+            continue
+        if report.dry_run:
+            report.dead_letters_trimmed[stream] = length - limit
+            continue
+        await client.xtrim(stream, maxlen=limit, approximate=False)
+        report.dead_letters_trimmed[stream] = length - int(await client.xlen(stream))
+
+
+async def _remove_idle_consumers(topology: Topology, ns: str, settings: PruneSettings, report: PruneReport) -> None:
+    idle_ms = settings.consumer_idle_max_s * 1000
+    for pattern in (f"{ns}:done:*", f"{ns}:receipts:*"):
+        async for stream in _scan(topology, pattern, settings.scan_count, "stream"):
+            client = topology.node_for_key(stream)
+            for group in await client.xinfo_groups(stream):
+                name = reply_text(group["name"], "group name")
+                for consumer in await client.xinfo_consumers(stream, name):
+                    if int(consumer["pending"]) or int(consumer["idle"]) < idle_ms:
+                        continue
+                    who = reply_text(consumer["name"], "consumer name")
+                    if not report.dry_run:
+                        await client.xgroup_delconsumer(stream, name, who)
+                    report.consumers_removed.append(f"{stream} {name} {who}")
+
+
+async def prune_namespace(topology: Topology, settings: PruneSettings, *, dry_run: bool = False) -> PruneReport:
+    """Apply the module's rules to ``settings.namespace`` once; *dry_run*: report only, change nothing.
+
+    :raises StagingConnectionError: the server could not be reached or refused a command.
+    """
+    ns = settings.namespace
+    report = PruneReport(dry_run=dry_run)
+    with map_redis_errors(f"prune namespace {ns!r}"):
+        rollouts = await _rollouts(topology, ns, settings.scan_count)
+        report.rollouts_seen = len(rollouts)
+        for rollout_id, rollout in sorted(rollouts.items()):
+            if not rollout.kinds & _LIVE_KINDS:
+                await _retain(topology, ns, rollout_id, settings, report)
+            elif "receipt" not in rollout.kinds:
+                await _abandon(topology, ns, rollout_id, rollout, settings, report)
+        await _trim_dead_letters(topology, ns, settings, report)
+        await _remove_idle_consumers(topology, ns, settings, report)
+    return report

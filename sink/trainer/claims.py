@@ -1,0 +1,116 @@
+"""The trainer reader's rollout claims: one owner per rollout across ranks, duplicates dropped (contract §8).
+
+Before consuming a rollout a :class:`~sink.trainer.reader.RolloutReader` claims it with
+one script on the rollout's own slot: ``ns:{R}:claimed`` names the receipt
+entry and reader that own the rollout; another entry for the same rollout is
+acknowledged and dropped, and a retire fence marks a rollout consumed before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import anyio
+
+from sink.contract.records import RolloutReceipt
+from sink.keys import claim_key, fence_key
+from sink.store.connection import Topology, map_redis_errors
+from sink.store.scripts import CLAIM_CLAIMED, CLAIM_RETIRED, CLAIM_SCRIPT, RELEASE_SCRIPT
+from sink.store.sink import clear_staged
+from sink.store.streams import GroupConsumer, StreamEntry
+from sink.trainer.held import HeldRollouts, claim_rounds
+from sink.trainer.held import entry_token as _token
+from sink.trainer.reader_guards import own_keys
+
+__all__ = ("RolloutClaims",)
+
+logger = logging.getLogger("sink.trainer.reader")
+
+
+class RolloutClaims:
+    """Claims rollouts for one reader (its *consumer* and *held* rollouts); ``duplicates``: entries dropped."""
+
+    def __init__(self, topology: Topology, namespace: str, consumer: GroupConsumer, held: HeldRollouts) -> None:
+        self._topology = topology
+        self._ns = namespace
+        self._consumer = consumer
+        self._held = held
+        self.duplicates = 0
+        self.double_deliveries = 0
+
+    async def claim_all(
+        self, parsed: list[tuple[StreamEntry, RolloutReceipt]], settled: set[tuple[str, str]]
+    ) -> list[tuple[StreamEntry, RolloutReceipt]]:
+        """Claim every parsed entry's rollout; return the claimed ones in delivery order.
+
+        The first entry of each rollout claims concurrently with the other rollouts' (one round
+        trip for all); a later entry of the same rollout in this pull claims after them, so the
+        first entry in delivery order wins.
+        """
+        firsts, later = claim_rounds([receipt.rollout_id for _entry, receipt in parsed])
+        won = [False] * len(parsed)
+
+        async def claim(index: int) -> None:
+            entry, receipt = parsed[index]
+            won[index] = await self.claim(entry, receipt)
+
+        async with anyio.create_task_group() as group:
+            for index in firsts:
+                group.start_soon(claim, index)
+        for index in later:
+            await claim(index)
+        claimed = []
+        for (entry, receipt), ours in zip(parsed, won, strict=True):
+            if ours:
+                claimed.append((entry, receipt))
+            else:
+                settled.add((entry.stream, entry.entry_id))
+        return claimed
+
+    async def claim(self, entry: StreamEntry, receipt: RolloutReceipt) -> bool:
+        """Claim *receipt*'s rollout for this entry; acknowledge and drop the entry if it is a duplicate."""
+        rollout_id = receipt.rollout_id
+        if self._held.holds(entry):
+            return False  # already in hand from an earlier pull
+        # A state-3 receipt (no attribution ran: the ledger was unreadable or
+        # already retired at assembly) is always reported; for any other
+        # receipt a retire fence means the rollout was consumed already.
+        check_fence = "1" if receipt.terminal_selection is not None else "0"
+        keys = [claim_key(self._ns, rollout_id), fence_key(self._ns, rollout_id)]
+        with map_redis_errors(f"claim rollout {rollout_id!r}"):
+            reply = await CLAIM_SCRIPT.run(
+                self._topology.client, keys, [_token(entry), self._consumer.consumer, check_fence]
+            )
+        if reply[0] == CLAIM_CLAIMED:
+            if entry.deliveries > 1:
+                self.double_deliveries += 1
+                logger.warning(
+                    "reader %s claimed %r from an entry delivered %d times: it may have been trained before",
+                    self._consumer.consumer,
+                    rollout_id,
+                    entry.deliveries,
+                )
+            return True
+        retired = reply[0] == CLAIM_RETIRED
+        if retired:
+            # Consumed (or given up) before: finish its cleanup idempotently, then drop.
+            await clear_staged(self._topology, self._ns, own_keys(receipt))
+            await self.release([(rollout_id, _token(entry))])
+        if retired:
+            # Said where an operator sees it (the trainer command prints warnings): never dropped silently.
+            logger.warning(
+                "reader %s skipped rollout %r: it is retired (consumed before, or retired by an operator)",
+                self._consumer.consumer,
+                rollout_id,
+            )
+        else:
+            logger.info("reader %s dropped a duplicate receipt of %r", self._consumer.consumer, rollout_id)
+        self.duplicates += 1
+        await self._consumer.ack([entry])
+        return False
+
+    async def release(self, claims: Sequence[tuple[str, str]]) -> None:
+        with map_redis_errors("release rollout claims"):
+            for rollout_id, token in claims:
+                await RELEASE_SCRIPT.run(self._topology.client, [claim_key(self._ns, rollout_id)], [token])

@@ -1,0 +1,207 @@
+"""Keep what was trained: verified rows written to JSON Lines or Parquet before ``ack`` deletes them.
+
+``RolloutReader.ack`` deletes the staged records; export first when the rows
+must outlive training (audits, replays, offline RL). One exported row per
+verified rollout (skipped rollouts have no row and are not written):
+
+``rollout_id``, ``token_ids`` (ints), ``token_mask`` and ``logprobs``
+(floats, exactly the verified row's values; Parquet stores them as float64), ``reward``, ``group_id``/``group_size`` (``None`` outside a group),
+``prompt_len``, ``model_call_ids`` and ``weight_versions`` (per call, root
+first), ``terminal_model_call_id``, ``terminal_selection`` and ``receipt``
+(the token-free receipt, JSON).
+
+From Python: :func:`write_export` (pulled rollouts) or :func:`export_rollouts`
+(by id, from the stored receipts, the same as ``staging-sink export``);
+:func:`read_export` reads either format back. Parquet needs ``pyarrow`` (the
+``parquet`` extra).
+
+When to acknowledge: after the optimizer step that used the rows (and after
+exporting them). A crash between ``pull`` and ``ack`` loses nothing: the
+rollouts stay pending and another rank reclaims them after ``claim_idle_ms``
+(or the same rank, restarted under the same consumer name, at once); they are
+then trained again, so a step that was applied but not acknowledged is
+repeated (at-least-once delivery).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from sink.contract.records import RolloutReceipt
+from sink.errors import BatchInputError, CodecError, ReceiptVerificationError, RowUnavailableError
+from sink.keys import DEFAULT_NAMESPACE, receipt_key, validate_rollout_id
+from sink.settings import SourceSettings
+from sink.store.connection import map_redis_errors
+from sink.store.source import AsyncRedisStagingSource
+from sink.trainer.pulled import PulledRollout
+from sink.trainer.verify import verify_and_linearize
+
+__all__ = ("EXPORT_FORMATS", "ExportFormat", "export_record", "export_rollouts", "read_export", "write_export")
+
+ExportFormat = Literal["jsonl", "parquet"]
+EXPORT_FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
+
+
+def export_record(pulled: PulledRollout) -> dict[str, Any]:
+    """The exported row of one trainable pulled rollout.
+
+    :raises BatchInputError: *pulled* is not a trainable :class:`PulledRollout`.
+    """
+    if not isinstance(pulled, PulledRollout) or pulled.row is None:
+        raise BatchInputError(f"only trainable pulled rollouts have a row to export, got {pulled!r}")
+    row, receipt = pulled.row, pulled.receipt
+    return {
+        "rollout_id": row.rollout_id,
+        "token_ids": list(row.token_ids),
+        "token_mask": list(row.token_mask),
+        "logprobs": list(row.logprobs),
+        "reward": receipt.reward,
+        "group_id": None if pulled.group is None else pulled.group.group_id,
+        "group_size": None if pulled.group is None else pulled.group.group_size,
+        "prompt_len": row.prompt_len,
+        "model_call_ids": list(row.model_call_ids),
+        "weight_versions": list(row.weight_versions),
+        "terminal_model_call_id": receipt.terminal_model_call_id,
+        "terminal_selection": receipt.terminal_selection,
+        "receipt": receipt.model_dump_json(),
+    }
+
+
+def _check_format(fmt: object) -> ExportFormat:
+    for known in EXPORT_FORMATS:
+        if fmt == known:
+            return known
+    raise BatchInputError(f"unknown export format {fmt!r}; expected one of {EXPORT_FORMATS}")
+
+
+def _import_pyarrow() -> Any:
+    try:
+        pyarrow = importlib.import_module("pyarrow")
+        importlib.import_module("pyarrow.parquet")
+    except ImportError as exc:  # pragma: no cover - the extra is installed in CI
+        raise ImportError("Parquet export needs pyarrow: pip install 'staging-sink[parquet]'") from exc
+    return pyarrow
+
+
+def _write_jsonl(records: Iterable[dict[str, Any]], out: IO[str]) -> int:
+    count = 0
+    for record in records:
+        out.write(json.dumps(record, allow_nan=False) + "\n")
+        count += 1
+    return count
+
+
+def write_export(
+    pulled: Sequence[PulledRollout], destination: str | Path | IO[str], *, fmt: ExportFormat = "jsonl"
+) -> int:
+    """Write the rows of the trainable rollouts in *pulled* to *destination* (a path, or a text stream for
+    ``jsonl``); skipped rollouts are left out.
+
+    :returns: how many rows were written.
+    :raises BatchInputError: an unknown format, an item that is not a :class:`PulledRollout`, or a Parquet
+        export to a stream.
+    """
+    fmt = _check_format(fmt)
+    if isinstance(pulled, str | bytes) or any(not isinstance(p, PulledRollout) for p in pulled):
+        raise BatchInputError("write_export takes a sequence of PulledRollout")
+    records = [export_record(p) for p in pulled if p.trainable]
+    if fmt == "parquet":
+        if not isinstance(destination, str | Path):
+            raise BatchInputError("a Parquet export needs a file path")
+        pyarrow = _import_pyarrow()
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records, schema=_parquet_schema(pyarrow)), destination)
+        return len(records)
+    if isinstance(destination, str | Path):
+        with open(destination, "w", encoding="utf-8") as out:
+            return _write_jsonl(records, out)
+    return _write_jsonl(records, destination)
+
+
+def _parquet_schema(pa: Any) -> Any:
+    return pa.schema(
+        [
+            ("rollout_id", pa.string()),
+            ("token_ids", pa.list_(pa.int64())),
+            ("token_mask", pa.list_(pa.float64())),
+            ("logprobs", pa.list_(pa.float64())),
+            ("reward", pa.float64()),
+            ("group_id", pa.string()),
+            ("group_size", pa.int64()),
+            ("prompt_len", pa.int64()),
+            ("model_call_ids", pa.list_(pa.string())),
+            ("weight_versions", pa.list_(pa.int64())),
+            ("terminal_model_call_id", pa.string()),
+            ("terminal_selection", pa.string()),
+            ("receipt", pa.string()),
+        ]
+    )
+
+
+def read_export(path: str | Path, *, fmt: ExportFormat | None = None) -> list[dict[str, Any]]:
+    """The rows of an export file (format from the suffix ``.parquet`` unless given), as :func:`export_record`
+    built them (float columns are stored as float64, so every value comes back exactly)."""
+    fmt = _check_format(fmt or ("parquet" if str(path).endswith(".parquet") else "jsonl"))
+    if fmt == "parquet":
+        rows: list[dict[str, Any]] = _import_pyarrow().parquet.read_table(path).to_pylist()
+        return rows
+    with open(path, encoding="utf-8") as source:
+        return [json.loads(line) for line in source if line.strip()]
+
+
+async def export_rollouts(
+    client: aioredis.Redis | RedisCluster,
+    rollout_ids: Sequence[str],
+    destination: str | Path | IO[str],
+    *,
+    fmt: ExportFormat = "jsonl",
+    namespace: str = DEFAULT_NAMESPACE,
+    cluster: bool = False,
+) -> int:
+    """Export rollouts by id: read each stored receipt, fetch and verify its staged records, write the rows.
+
+    Nothing is consumed or acknowledged; run it before ``ack`` (which deletes the records). Every rollout must
+    verify, or nothing is written. Group ids are not known here (they travel on the receipt entries).
+
+    :returns: how many rows were written.
+    :raises BatchInputError: an invalid rollout id or format.
+    :raises RowUnavailableError: a rollout has no stored receipt or a staged record is gone (nothing written).
+    :raises ReceiptVerificationError: a rollout does not verify (nothing written).
+    :raises CodecError: a stored receipt or record is corrupt (nothing written).
+    :raises StagingConnectionError: the server could not be reached.
+    """
+    fmt = _check_format(fmt)
+    if isinstance(rollout_ids, str | bytes):
+        raise BatchInputError("export_rollouts takes a sequence of rollout ids, not a single str")
+    try:
+        ids = [validate_rollout_id(rollout_id) for rollout_id in dict.fromkeys(rollout_ids)]
+    except ValueError as exc:
+        raise BatchInputError(str(exc)) from exc
+    pulled: list[PulledRollout] = []
+    settings = SourceSettings(namespace=namespace, cluster=cluster)
+    async with AsyncRedisStagingSource(client, settings) as source:
+        for rollout_id in ids:
+            with map_redis_errors(f"read the receipt of {rollout_id!r}"):
+                text = await client.get(receipt_key(namespace, rollout_id))
+            if text is None:
+                raise RowUnavailableError(
+                    f"rollout {rollout_id!r} has no stored receipt (not finished, or acknowledged)"
+                )
+            try:
+                receipt = RolloutReceipt.model_validate_json(text)
+            except ValueError as exc:
+                raise CodecError(f"stored receipt of {rollout_id!r} is corrupt: {exc}") from exc
+            if receipt.capture_poisoned:
+                raise ReceiptVerificationError("capture_poisoned", f"rollout {rollout_id!r} has no trainable row")
+            try:
+                snapshots = await source.fetch([row.staging_key for row in receipt.manifest])
+            except KeyError as exc:
+                raise RowUnavailableError(f"rollout {rollout_id!r}: staged record gone ({exc.args[0]})") from exc
+            pulled.append(PulledRollout(receipt=receipt, row=verify_and_linearize(receipt, snapshots)))
+    return write_export(pulled, destination, fmt=fmt)

@@ -1,0 +1,325 @@
+"""GRPO group delivery: all rollouts of one prompt together, never split between trainer ranks.
+
+Rollouts join a group through :func:`~sink.rollout.done_event.finished`
+(``group_id=``, ``group_size=``). A :class:`GroupReader` wraps a
+:class:`~sink.trainer.reader.RolloutReader`; each rank pulls rollouts as usual and
+records every group member it receives in the group's server-side record
+(``ns:{grp:<id>}:members`` and ``:meta``, one slot) with one script. The rank
+whose member completes the group becomes its *owner* (atomically: exactly
+one rank) and takes the other ranks' members over (``XCLAIM`` of their
+receipt entries, then claim, fetch and verify as a pull does); the other ranks
+see the owner on their next :meth:`GroupReader.pull_groups` and let go of their
+members without acknowledging them. So one group is delivered whole, by one
+rank.
+
+Members that are not trainable (failed, poisoned, corrupt, stale weights) are
+acknowledged by the rank that received them and recorded with their skip
+code. ``group_failure_policy``: ``deliver_rest`` delivers the trainable members
+with the others listed in :attr:`RolloutGroup.failed`; ``drop_group``
+acknowledges the members and delivers nothing (counted as dropped).
+
+A group still incomplete ``group_timeout_s`` after its first member arrived is
+sealed by a rank holding one of its members: delivered partial
+(``complete=False``) or, with ``group_timeout_policy="dead_letter"``, its
+members acknowledged and the group recorded on ``ns:dead:groups``. An owner
+that stops refreshing its groups for ``claim_idle_ms`` (a crash) loses them to
+the next rank that finds them. Rollouts without a group are delivered as
+groups of one (``group_id=None``).
+
+Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import anyio
+
+from sink.keys import dead_letter_stream, group_keys
+from sink.rollout.done_event import GroupTag
+from sink.store.connection import map_redis_errors
+from sink.store.scripts import (
+    GROUP_CHECK_SCRIPT,
+    GROUP_COMPLETE,
+    GROUP_GATHER_SCRIPT,
+    GROUP_GONE,
+    GROUP_SEALED,
+    GROUP_TAKEN,
+    GROUP_WAIT,
+)
+from sink.trainer.pulled import PulledRollout, SkippedRollout
+from sink.trainer.reader import RolloutReader
+
+__all__ = ("GroupReader", "GroupStatistics", "RolloutGroup")
+
+logger = logging.getLogger(__name__)
+
+MEMBER_UNAVAILABLE = "member_unavailable"
+"""Failed-member code: the member's receipt entry was gone when the owner took it over."""
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RolloutGroup:
+    """One delivered group: its trainable ``members`` (by rollout id), the ``failed`` ones, and reward statistics
+    over the members (``NaN`` when no member has a reward). ``complete``: every member arrived."""
+
+    group_id: str | None
+    group_size: int
+    members: tuple[PulledRollout, ...]
+    failed: tuple[SkippedRollout, ...]
+    complete: bool
+    reward_mean: float = field(init=False)
+    reward_std: float = field(init=False)
+    reward_min: float = field(init=False)
+    reward_max: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        rewards = [m.receipt.reward for m in self.members if m.receipt.reward is not None]
+        mean = math.fsum(rewards) / len(rewards) if rewards else math.nan
+        std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else math.nan
+        object.__setattr__(self, "reward_mean", mean)
+        object.__setattr__(self, "reward_std", std)
+        object.__setattr__(self, "reward_min", min(rewards) if rewards else math.nan)
+        object.__setattr__(self, "reward_max", max(rewards) if rewards else math.nan)
+
+    @property
+    def rollout_ids(self) -> tuple[str, ...]:
+        """The trainable members' ids (acknowledge them with :meth:`GroupReader.ack_groups`)."""
+        return tuple(m.rollout_id for m in self.members)
+
+    def __repr__(self) -> str:
+        return (
+            f"<RolloutGroup {self.group_id!r} members={len(self.members)}/{self.group_size} "
+            f"failed={len(self.failed)} complete={self.complete} reward_mean={self.reward_mean:.4g}>"
+        )
+
+
+class GroupStatistics(NamedTuple):
+    """Counters of one :class:`GroupReader`: groups delivered (``partial`` of them sealed at the timeout),
+    dropped by ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups this
+    rank holds members of, not yet complete."""
+
+    delivered: int
+    partial: int
+    dropped: int
+    dead_lettered: int
+    handed_over: int
+    waiting: int
+
+
+class GroupReader:
+    """Delivers whole GRPO groups over a :class:`~sink.trainer.reader.RolloutReader` (borrowed; open it first)."""
+
+    def __init__(self, reader: RolloutReader) -> None:
+        self._reader = reader
+        self._settings = reader.settings
+        self._ns = self._settings.namespace
+        self._parked: dict[str, dict[str, PulledRollout]] = {}
+        self._watched: dict[str, GroupTag] = {}
+        # This pull's rollouts: a group completed by one of them may include others not gathered yet.
+        self._fresh: dict[str, PulledRollout] = {}
+        self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed"), 0)
+
+    @property
+    def reader(self) -> RolloutReader:
+        return self._reader
+
+    def statistics(self) -> GroupStatistics:
+        c = self._counts
+        return GroupStatistics(c["delivered"], c["partial"], c["dropped"], c["dead"], c["handed"], len(self._watched))
+
+    async def pull_groups(self, max_rollouts: int, *, block_ms: int = 0) -> list[RolloutGroup]:
+        """Pull up to *max_rollouts* rollouts and return the groups that are now whole (or timed out) and owned
+        by this rank; members of incomplete groups stay held here until their group completes.
+
+        :raises ValueError: as :meth:`RolloutReader.pull`.
+        :raises StagingConnectionError: the server could not be reached.
+        """
+        delivered = await self._check_watched()
+        pulled = await self._reader.pull(max_rollouts, block_ms=block_ms)
+        self._fresh = {item.rollout_id: item for item in pulled if item.trainable}
+        for item in pulled:
+            if item.group is None:
+                delivered.append(await self._solo(item))
+                continue
+            group = await self._gather(item)
+            if group is not None:
+                delivered += group
+        return delivered
+
+    async def ack_groups(self, groups: Iterable[RolloutGroup]) -> None:
+        """Acknowledge delivered groups (their trainable members) and delete their server-side records."""
+        groups = list(groups)
+        await self._reader.ack([rollout_id for group in groups for rollout_id in group.rollout_ids])
+        await self._delete([g.group_id for g in groups if g.group_id is not None])
+
+    async def _delete(self, group_ids: Sequence[str]) -> None:
+        with map_redis_errors("delete group records"):
+            for group_id in group_ids:
+                await self._reader.client.delete(*group_keys(self._ns, group_id))
+
+    def _record(self, item: PulledRollout) -> str:
+        consumer = self._reader.consumer_name
+        if item.trainable:
+            return f"ok\n{self._reader.entry_token(item.rollout_id)}\n{consumer}"
+        return f"skip\n{item.skip_code}\n{item.skip_reason or ''}"
+
+    async def _gather(self, item: PulledRollout) -> list[RolloutGroup] | None:
+        tag = item.group
+        assert tag is not None
+        ttl_ms = int(max(self._settings.group_timeout_s * 1000 * 4, self._settings.claim_idle_ms * 4))
+        with map_redis_errors(f"record member {item.rollout_id!r} of group {tag.group_id!r}"):
+            reply = await GROUP_GATHER_SCRIPT.run(
+                self._reader.client,
+                group_keys(self._ns, tag.group_id),
+                [
+                    item.rollout_id,
+                    self._record(item),
+                    self._reader.consumer_name,
+                    tag.group_size,
+                    self._settings.claim_idle_ms,
+                    ttl_ms,
+                ],
+            )
+        state = int(reply[0])
+        if not item.trainable:
+            await self._reader.ack([item.rollout_id])  # recorded with its code; nothing to train on
+        elif state in (GROUP_WAIT, GROUP_COMPLETE):
+            self._parked.setdefault(tag.group_id, {})[item.rollout_id] = item
+        if state == GROUP_TAKEN:
+            self._hand_over(tag.group_id, [item.rollout_id])
+            return None
+        if state == GROUP_WAIT:
+            self._watched[tag.group_id] = tag
+            return None
+        if state == GROUP_COMPLETE:
+            return await self._own(tag, reply[1:], complete=True)
+        return None  # GROUP_OWNED: delivered by this rank already
+
+    async def _check_watched(self) -> list[RolloutGroup]:
+        """Check every group this rank waits on (the scripts run concurrently), then act on each state."""
+        watched = list(self._watched.items())
+        replies: list[Any] = [None] * len(watched)
+        limiter = anyio.CapacityLimiter(self._settings.fetch_concurrency)
+        arguments = [
+            self._reader.consumer_name,
+            int(self._settings.group_timeout_s * 1000),
+            self._settings.claim_idle_ms,
+        ]
+
+        async def check(index: int, group_id: str) -> None:
+            async with limiter:
+                with map_redis_errors(f"check group {group_id!r}"):
+                    replies[index] = await GROUP_CHECK_SCRIPT.run(self._reader.client, group_keys(self._ns, group_id), arguments)
+
+        async with anyio.create_task_group() as checks:
+            for index, (group_id, _tag) in enumerate(watched):
+                checks.start_soon(check, index, group_id)
+        delivered: list[RolloutGroup] = []
+        for (group_id, tag), reply in zip(watched, replies, strict=True):
+            state = int(reply[0])
+            if state == GROUP_WAIT:
+                continue
+            del self._watched[group_id]
+            if state in (GROUP_TAKEN, GROUP_GONE):
+                self._hand_over(group_id, list(self._parked.pop(group_id, {})))
+            elif state in (GROUP_COMPLETE, GROUP_SEALED):
+                delivered += await self._own(tag, reply[1:], complete=state == GROUP_COMPLETE)
+        return delivered
+
+    def _hand_over(self, group_id: str, rollout_ids: list[str]) -> None:
+        """Another rank owns the group: let go of our members without acknowledging them."""
+        self._reader.forget(rollout_ids)
+        parked = self._parked.get(group_id, {})
+        for rollout_id in rollout_ids:
+            parked.pop(rollout_id, None)
+        if not parked:
+            self._parked.pop(group_id, None)
+        self._counts["handed"] += len(rollout_ids)
+
+    async def _own(self, tag: GroupTag, flat: Sequence[object], *, complete: bool) -> list[RolloutGroup]:
+        """This rank owns the group: collect every member (taking over the other ranks'), then deliver."""
+        self._watched.pop(tag.group_id, None)
+        local = self._parked.pop(tag.group_id, {})
+        members: dict[str, PulledRollout] = {}
+        failed: list[SkippedRollout] = []
+        tokens: dict[str, str] = {}
+        for index in range(0, len(flat), 2):
+            rollout_id, (kind, first, second) = (
+                _text(flat[index]),
+                (_text(flat[index + 1]).split("\n", 2) + ["", ""])[:3],
+            )
+            if kind == "skip":
+                failed.append(SkippedRollout(rollout_id, first, second))
+            elif (mine := local.get(rollout_id) or self._fresh.get(rollout_id)) and self._reader.holds(rollout_id):
+                members[rollout_id] = mine
+            else:
+                tokens[rollout_id] = first
+        for item in await self._reader.take_over(list(tokens.values())) if tokens else []:
+            if item.trainable:
+                members[item.rollout_id] = item
+            else:
+                failed.append(item.skipped())
+                await self._reader.ack([item.rollout_id])
+        for rollout_id in tokens:
+            if rollout_id not in members and all(f.rollout_id != rollout_id for f in failed):
+                failed.append(SkippedRollout(rollout_id, MEMBER_UNAVAILABLE, "its receipt entry was gone"))
+        ordered = [members[rollout_id] for rollout_id in sorted(members)]
+        return await self._finish(tag, ordered, failed, complete=complete)
+
+    async def _solo(self, item: PulledRollout) -> RolloutGroup:
+        """A rollout without a group, as a group of one (a skipped one is acknowledged here and listed failed)."""
+        self._counts["delivered"] += 1
+        if item.trainable:
+            return RolloutGroup(None, 1, (item,), (), True)
+        await self._reader.ack([item.rollout_id])
+        return RolloutGroup(None, 1, (), (item.skipped(),), True)
+
+    async def _finish(
+        self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout], *, complete: bool
+    ) -> list[RolloutGroup]:
+        settings = self._settings
+        if not members:
+            failed_only = RolloutGroup(tag.group_id, tag.group_size, (), tuple(failed), complete)
+            self._counts["dropped"] += 1
+            logger.warning("group %r has no trainable member: %r", tag.group_id, failed_only)
+            await self._delete([tag.group_id])
+            return []
+        if failed and settings.group_failure_policy == "drop_group":
+            await self._reader.ack([m.rollout_id for m in members])
+            await self._delete([tag.group_id])
+            self._counts["dropped"] += 1
+            logger.warning("dropped group %r: failed members %s", tag.group_id, [f.skip_code for f in failed])
+            return []
+        if not complete and settings.group_timeout_policy == "dead_letter":
+            await self._dead_letter(tag, members, failed)
+            return []
+        if not complete:
+            self._counts["partial"] += 1
+        self._counts["delivered"] += 1
+        return [RolloutGroup(tag.group_id, tag.group_size, tuple(members), tuple(failed), complete)]
+
+    async def _dead_letter(self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout]) -> None:
+        stream = dead_letter_stream(self._ns, "groups")
+        record = {
+            "group_id": tag.group_id,
+            "group_size": str(tag.group_size),
+            "members": ",".join(m.rollout_id for m in members),
+            "failed": ",".join(f"{f.rollout_id}:{f.skip_code}" for f in failed),
+            "dead_reason": f"incomplete after group_timeout_s={self._settings.group_timeout_s}",
+            "dead_consumer": self._reader.consumer_name,
+        }
+        with map_redis_errors(f"dead-letter group {tag.group_id!r}"):
+            await self._reader.client.xadd(stream, record)  # type: ignore[arg-type]
+        await self._reader.ack([m.rollout_id for m in members])
+        await self._delete([tag.group_id])
+        self._counts["dead"] += 1
+        logger.warning("dead-lettered incomplete group %r to %s", tag.group_id, stream)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

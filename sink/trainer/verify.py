@@ -1,0 +1,401 @@
+"""Trainer-side verification and linearization (contract §8).
+
+:func:`verify_and_linearize` proves a token-free :class:`RolloutReceipt`
+against the staged snapshots fetched for it (every digest, every lineage link,
+the terminal's chain and cumulative hash) and concatenates the terminal call's
+ancestry, root first, into one :class:`LinearizedRow`. Checks run in exactly
+the order of contract §8.1; the first failure raises a
+:class:`ReceiptVerificationError` (steps 2-8) or :class:`RebuildError`
+(steps 9-13) whose ``code`` names the check. Verification reads no extras, has
+no side effects, and is deterministic, so it is safe to retry.
+
+Snapshots come as :class:`~sink.contract.records.StagedCallBaseSnapshot` models or as
+:class:`~sink.contract.packed.PackedSnapshot` (the trainer's decode form,
+whose digest was recomputed over its bytes when it was decoded and which is
+immutable). A row built only from packed snapshots keeps their bytes and
+builds Python tuples only when a column is read (see :mod:`sink.trainer.row`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Final, NamedTuple, TypeAlias
+
+from sink.contract._packed import PackedColumns
+from sink.contract.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
+from sink.contract.packed import PackedSnapshot
+from sink.contract.record_schema import IDENTITY_FIELDS, SUPPORTED_VERSIONS, unsupported_version
+from sink.contract.records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
+from sink.errors import RebuildError, ReceiptVerificationError
+from sink.trainer.row import ExtrasCommitment, LinearizedRow, LinkSpan, NumpyColumns, RowColumns, WeightVersionSpan
+
+__all__ = (
+    "ExtrasCommitment",
+    "LinearizedRow",
+    "LinkSpan",
+    "NumpyColumns",
+    "WeightVersionSpan",
+    "linearize",
+    "verify_and_linearize",
+    "verify_decoded_and_linearize",
+)
+
+# Step 2: the code for each unsupported receipt version.
+_VERSION_CODES: Final = {
+    "schema_version": "unsupported_schema",
+    "digest_version": "unsupported_digest",
+    "extras_digest_version": "unsupported_extras_digest",
+}
+_MISSING: Final = object()
+
+#: What verification takes per manifest row.
+Snapshot: TypeAlias = StagedCallBaseSnapshot | PackedSnapshot
+
+
+class _PackedCall(NamedTuple):
+    """A snapshot's packed columns (proved at decode time) and its ids in digest form, hashed at step 8."""
+
+    packed: PackedColumns
+    ids_u64be: bytes
+
+
+# --- verification steps ----------------------------------------------------------
+
+
+def _fail(code: str, detail: str) -> ReceiptVerificationError:
+    return ReceiptVerificationError(code, detail)
+
+
+def _check_argument_types(receipt: object, snapshots: object) -> None:
+    # Step 1, plus the type of the snapshots argument (a programming error,
+    # reported before anything about the receipt's state).
+    if not isinstance(receipt, RolloutReceipt):
+        raise TypeError(f"receipt must be a RolloutReceipt, got {type(receipt).__name__}")
+    if not isinstance(snapshots, Sequence) or isinstance(snapshots, (str, bytes, bytearray)):
+        raise TypeError(f"snapshots must be a sequence of StagedCallBaseSnapshot, got {type(snapshots).__name__}")
+
+
+def _check_receipt_state(receipt: RolloutReceipt) -> None:
+    # Steps 2-5.
+    for name, expected in SUPPORTED_VERSIONS.items():
+        if problem := unsupported_version(f"receipt {name}", getattr(receipt, name, _MISSING), expected):
+            raise _fail(_VERSION_CODES[name], problem)
+    if receipt.failure_reason is not None:
+        raise _fail("rollout_failed", f"rollout {receipt.rollout_id!r} failed: {receipt.failure_reason}")
+    if receipt.capture_poisoned:
+        raise _fail("capture_poisoned", f"rollout {receipt.rollout_id!r} is capture-poisoned")
+    if not receipt.manifest:
+        raise _fail("empty_manifest", f"rollout {receipt.rollout_id!r} has an empty manifest")
+
+
+def _index_manifest(manifest: Sequence[CallRecord]) -> dict[str, int]:
+    # Step 6: one pass; per row the id is checked before the key.
+    index_by_id: dict[str, int] = {}
+    seen_keys: set[str] = set()
+    for position, record in enumerate(manifest):
+        if not isinstance(record, CallRecord):
+            raise TypeError(f"manifest row {position} is a {type(record).__name__}, not a CallRecord")
+        if record.model_call_id in index_by_id:
+            raise _fail("duplicate_manifest_row", f"model_call_id {record.model_call_id!r} appears twice")
+        if record.staging_key in seen_keys:
+            raise _fail("duplicate_staging_key", f"staging key {record.staging_key!r} appears twice")
+        index_by_id[record.model_call_id] = position
+        seen_keys.add(record.staging_key)
+    return index_by_id
+
+
+def _verify_snapshot(
+    position: int,
+    snapshot: object,
+    record: CallRecord,
+    receipt: RolloutReceipt,
+    index_by_id: dict[str, int],
+    seen_ids: set[object],
+    own_decode: bool,
+) -> _PackedCall | None:
+    # Steps 8a-8h for one manifest position. With packed columns, returns them
+    # with the ids' digest form, which the chain and row hashes reuse.
+    if not isinstance(snapshot, StagedCallBaseSnapshot) and not (own_decode and isinstance(snapshot, PackedSnapshot)):
+        raise TypeError(f"snapshot {position} is a {type(snapshot).__name__}, not a StagedCallBaseSnapshot")
+    call_id = getattr(snapshot, "model_call_id", _MISSING)
+    where = f"position {position} ({record.model_call_id!r})"
+    if call_id in seen_ids:
+        raise _fail("duplicate_snapshot", f"{where}: snapshot {call_id!r} was already supplied")
+    seen_ids.add(call_id)
+    if call_id not in index_by_id:
+        raise _fail("snapshot_identity_mismatch", f"{where}: snapshot {call_id!r} is not in the manifest")
+    if call_id != record.model_call_id:
+        raise _fail("snapshot_order_mismatch", f"{where}: got snapshot {call_id!r} out of manifest order")
+    owner = record.capture_key or receipt.rollout_id
+    staged_owner = getattr(snapshot, "rollout_id", _MISSING)
+    if staged_owner != owner:
+        raise _fail("wrong_rollout", f"{where}: snapshot staged under {staged_owner!r}, expected {owner!r}")
+    for name in IDENTITY_FIELDS:  # step 8f: first mismatch wins
+        staged, recorded = getattr(snapshot, name, _MISSING), getattr(record, name)
+        if staged != recorded:
+            raise _fail(f"wrong_{name}", f"{where}: snapshot {name} {staged!r} != manifest {recorded!r}")
+    for name in SUPPORTED_VERSIONS:  # step 8g: equal on snapshot, manifest row and receipt
+        values = (getattr(snapshot, name, _MISSING), getattr(record, name), getattr(receipt, name))
+        if not values[0] == values[1] == values[2]:
+            raise _fail(f"wrong_{name}", f"{where}: {name} differs (snapshot, manifest, receipt) = {values!r}")
+    if isinstance(snapshot, PackedSnapshot):
+        # Step 8h ran when the caller decoded it: its digest was recomputed over
+        # exactly these (immutable) bytes and compared.
+        return _PackedCall(snapshot.columns, snapshot.ids_u64be)
+    packed_call = None
+    packed = _cached_columns(snapshot) if own_decode else None
+    try:
+        # With packed columns proved at decode time the digest is hashed from
+        # them; the result is the same digest, only the packing is skipped.
+        recomputed = None
+        if packed is not None:
+            forms = packed.digest_forms()
+            packed_call = _PackedCall(packed, b"".join(forms[0]))
+            recomputed = snapshot._packed_digest(forms)  # noqa: SLF001 (the records' packed digest, inside sink)
+        recomputed = recomputed or snapshot.recompute_digest()
+    except Exception as exc:  # any failure to recompute is reported, typed, with its cause chained
+        raise _fail("invalid_snapshot", f"{where}: cannot recompute the call digest: {exc}") from exc
+    if recomputed != snapshot.digest:
+        raise _fail("corrupt_digest", f"{where}: recorded digest {snapshot.digest} != recomputed {recomputed}")
+    return packed_call
+
+
+def _verify_lineage(manifest: Sequence[CallRecord], index_by_id: dict[str, int]) -> None:
+    # Step 9, every row (side branches included), each row's checks in order.
+    acyclic: set[str] = set()
+    for record in manifest:
+        parent_id = record.parent_call_id
+        if parent_id is not None:
+            parent_index = index_by_id.get(parent_id)
+            if parent_index is None:
+                raise RebuildError("missing_parent", f"{record.model_call_id!r} names absent parent {parent_id!r}")
+            parent = manifest[parent_index]
+            if parent.cum_len != record.prev_len:
+                raise RebuildError(
+                    "parent_length_mismatch",
+                    f"{record.model_call_id!r} has prev_len {record.prev_len}, "
+                    f"parent {parent_id!r} has cum_len {parent.cum_len}",
+                )
+        path: set[str] = set()
+        node: CallRecord | None = record
+        while node is not None and node.model_call_id not in acyclic:
+            if node.model_call_id in path:
+                raise RebuildError(
+                    "lineage_cycle", f"walking the parents of {record.model_call_id!r} revisits {node.model_call_id!r}"
+                )
+            path.add(node.model_call_id)
+            next_index = None if node.parent_call_id is None else index_by_id.get(node.parent_call_id)
+            node = None if next_index is None else manifest[next_index]
+        acyclic |= path
+
+
+def _chain_positions(receipt: RolloutReceipt, index_by_id: dict[str, int]) -> list[int]:
+    # Step 10, then the terminal's ancestry root first (step 9 proved it finite and complete).
+    terminal_id = receipt.terminal_model_call_id
+    terminal_index = None if terminal_id is None else index_by_id.get(terminal_id)
+    if terminal_index is None:
+        raise RebuildError("missing_terminal", f"terminal {terminal_id!r} is not a manifest row")
+    manifest = receipt.manifest
+    chain = [terminal_index]
+    parent_id = manifest[terminal_index].parent_call_id
+    while parent_id is not None:
+        chain.append(index_by_id[parent_id])
+        parent_id = manifest[chain[-1]].parent_call_id
+    chain.reverse()
+    return chain
+
+
+def _mask_counts(masks: Sequence[float] | bytes) -> tuple[int, int, int]:
+    """``(carry, generated, index of the first 1.0 or -1)`` of a mask column, or of its codes (``bytes``);
+    masks are exactly 0.0/1.0 here (step 8h)."""
+    if isinstance(masks, bytes):
+        generated = masks.count(0x3F)
+        return len(masks) - generated, generated, masks.find(0x3F)
+    generated = masks.count(1.0)
+    return len(masks) - generated, generated, masks.index(1.0) if generated else -1
+
+
+def _linearize_chain(
+    receipt: RolloutReceipt,
+    snapshots: Sequence[Snapshot],
+    chain: list[int],
+    packed_calls: Sequence[_PackedCall | None],
+) -> LinearizedRow:
+    # Steps 11-13 while laying out the chain's columns. Where a call's packed
+    # columns are known (decoded just now), hashes run over those bytes.
+    manifest = receipt.manifest
+    spans: list[WeightVersionSpan] = []
+    links: list[LinkSpan] = []
+    commitments: list[ExtrasCommitment] = []
+    running_chain_hash: str | None = None
+    offset = 0
+    chain_calls = [packed_calls[position] for position in chain]
+    for position, packed_call in zip(chain, chain_calls, strict=True):
+        record, snapshot = manifest[position], snapshots[position]
+        call_id = record.model_call_id
+        if packed_call is None:
+            running_chain_hash = compute_chain_hash(running_chain_hash, snapshot.token_ids_delta)
+            masks = snapshot.token_mask_delta
+            carry, generated, first_one = _mask_counts(masks)
+            length = len(masks)
+        else:
+            running_chain_hash = chain_hash_of_packed(running_chain_hash, packed_call.ids_u64be)
+            carry, generated, first_one = _mask_counts(packed_call.packed.mask_codes)
+            length = packed_call.packed.length
+        if running_chain_hash != record.chain_hash:
+            raise RebuildError(
+                "chain_hash_mismatch", f"{call_id!r}: chain hash {record.chain_hash} != recomputed {running_chain_hash}"
+            )
+        # "Zeros then ones" holds iff the first 1.0 sits right after the zeros.
+        if generated and first_one != carry:
+            raise RebuildError("invalid_mask_order", f"{call_id!r}: masks are not carry zeros followed by ones")
+        # Step 11's "at least one 1.0" per chain call. It also makes step 12 ("some mask in the row
+        # is 1.0", empty_training_row) hold for every chain, so that defensive check has no branch.
+        if not generated:
+            raise RebuildError("empty_generation", f"{call_id!r}: the delta has no generated (mask 1.0) token")
+        end = offset + length
+        spans.append(WeightVersionSpan(call_id, offset, end, record.weight_version))
+        links.append(LinkSpan(call_id, carry, generated))
+        commitments.append(ExtrasCommitment(call_id, record.extras_digest_version, record.extras_digest))
+        offset = end
+    columns, row_hash = _row_columns([snapshots[position] for position in chain], chain_calls, offset)
+    terminal = manifest[chain[-1]]
+    if row_hash != terminal.cumulative_hash:
+        raise RebuildError(
+            "cumulative_hash_mismatch",
+            f"terminal {terminal.model_call_id!r}: cumulative hash {terminal.cumulative_hash} != row hash {row_hash}",
+        )
+    return LinearizedRow(
+        rollout_id=receipt.rollout_id,
+        columns=columns,
+        model_call_ids=tuple(link.model_call_id for link in links),
+        prompt_len=links[0].carry_count,
+        weight_versions=tuple(span.weight_version for span in spans),
+        weight_version_spans=tuple(spans),
+        link_spans=tuple(links),
+        extras_commitments=tuple(commitments),
+    )
+
+
+def _row_columns(
+    chain_snapshots: Sequence[Snapshot], chain_calls: Sequence[_PackedCall | None], length: int
+) -> tuple[RowColumns, str]:
+    """The row's columns and the hash of its ids (step 13's input).
+
+    Packed, without a Python object per token, when every chain call has packed
+    columns that hold its values exactly (float32 log-probabilities); else tuples
+    of the snapshots' own values.
+    """
+    packed = [call for call in chain_calls if call is not None and call.packed.lp_f32_exact is True]
+    if len(packed) == len(chain_calls):
+        return RowColumns(parts=[call.packed for call in packed]), hash_packed_token_ids(
+            [call.ids_u64be for call in packed], length
+        )
+    token_ids = tuple(itertools.chain.from_iterable(snapshot.token_ids_delta for snapshot in chain_snapshots))
+    tuples = (
+        token_ids,
+        tuple(itertools.chain.from_iterable(snapshot.token_mask_delta for snapshot in chain_snapshots)),
+        tuple(itertools.chain.from_iterable(snapshot.generation_log_probs_delta for snapshot in chain_snapshots)),
+    )
+    return RowColumns(tuples=tuples), hash_token_ids(token_ids)
+
+
+# --- public entry points ---------------------------------------------------------
+
+
+def verify_and_linearize(receipt: RolloutReceipt, snapshots: Sequence[StagedCallBaseSnapshot]) -> LinearizedRow:
+    """Verify *receipt* against *snapshots* (in manifest order) and linearize its terminal chain.
+
+    Runs every check of contract §8.1 in order. Side branches are verified
+    (steps 8 and 9) but not linearized. Extras are never read; the row's
+    ``extras_commitments`` let consumers verify extras at point of use.
+
+    :raises TypeError: *receipt* is not a ``RolloutReceipt``, *snapshots* is
+        not a sequence, or an element is not a ``StagedCallBaseSnapshot``.
+    :raises ReceiptVerificationError: steps 2-8 fail (``.code`` names the check).
+    :raises RebuildError: steps 9-13 fail (lineage, terminal, chain, masks, hashes).
+    """
+    return _verify_and_linearize(receipt, snapshots, use_cached_columns=False)
+
+
+def verify_decoded_and_linearize(receipt: RolloutReceipt, snapshots: Sequence[Snapshot]) -> LinearizedRow:
+    """:func:`verify_and_linearize` for snapshots the caller decoded itself and never handed out.
+
+    A :class:`PackedSnapshot` is accepted (its digest was checked when it was decoded) and proved packed columns
+    are hashed as they are. Only for snapshots straight from :mod:`sink.contract.codec` (the trainer reader, its
+    benchmark); callers holding arbitrary snapshots use :func:`verify_and_linearize`.
+    """
+    return _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
+
+
+def _verify_and_linearize(
+    receipt: RolloutReceipt, snapshots: Sequence[Snapshot], *, use_cached_columns: bool
+) -> LinearizedRow:
+    """:func:`verify_and_linearize`; with *use_cached_columns*, for snapshots the caller decoded itself.
+
+    Then a :class:`PackedSnapshot` is accepted (its digest was checked when it
+    was decoded), and a model snapshot's packed columns, proved at decode
+    time, are hashed instead of re-packing its lists. Only the trainer reader
+    and its benchmark set it, for snapshots they decoded and never handed out:
+    a record's cache cannot notice element assignment after validation, and a
+    ``PackedSnapshot`` built by hand is not checked, so callers holding
+    arbitrary snapshots use the public function.
+    """
+    _check_argument_types(receipt, snapshots)
+    _check_receipt_state(receipt)
+    manifest = receipt.manifest
+    index_by_id = _index_manifest(manifest)
+    if len(snapshots) != len(manifest):
+        raise _fail("row_count_mismatch", f"{len(snapshots)} snapshots for {len(manifest)} manifest rows")
+    seen_ids: set[object] = set()
+    packed_calls = [
+        _verify_snapshot(position, snapshot, record, receipt, index_by_id, seen_ids, use_cached_columns)
+        for position, (snapshot, record) in enumerate(zip(snapshots, manifest, strict=True))
+    ]
+    _verify_lineage(manifest, index_by_id)
+    chain = _chain_positions(receipt, index_by_id)
+    return _linearize_chain(receipt, snapshots, chain, packed_calls)
+
+
+def _cached_columns(snapshot: object) -> PackedColumns | None:
+    getter = getattr(snapshot, "_cached_packed_columns", None)
+    return getter() if getter is not None else None
+
+
+def linearize(
+    rollout_id: str,
+    snapshots: Sequence[StagedCallBaseSnapshot],
+    manifest: Sequence[CallRecord],
+    *,
+    terminal_hint: str | None = None,
+) -> LinearizedRow:
+    """Linearize a manifest with a declared terminal (contract §8.4).
+
+    Builds an unpoisoned receipt with ``terminal_selection="declared"`` and
+    calls :func:`verify_and_linearize`. The receipt is assembled without
+    pydantic validation on purpose: verification re-checks everything the
+    receipt validators would (empty manifest, duplicate ids, absent terminal)
+    and reports each with its precise §8.1 code instead of a ``ValidationError``.
+
+    :raises RebuildError: ``missing_terminal`` when *terminal_hint* is ``None``
+        (or names no manifest row).
+    :raises TypeError: an argument has the wrong type.
+    :raises ValueError: *rollout_id* is empty.
+    :raises ReceiptVerificationError: any other check of §8.1 fails.
+    """
+    if terminal_hint is None:
+        raise RebuildError("missing_terminal", f"no terminal hint for rollout {rollout_id!r}")
+    if type(rollout_id) is not str or type(terminal_hint) is not str:
+        raise TypeError("rollout_id and terminal_hint must be str")
+    if not rollout_id:
+        raise ValueError("rollout_id must be non-empty")
+    if not isinstance(manifest, Sequence) or isinstance(manifest, (str, bytes, bytearray)):
+        raise TypeError(f"manifest must be a sequence of CallRecord, got {type(manifest).__name__}")
+    receipt = RolloutReceipt.model_construct(
+        rollout_id=rollout_id,
+        manifest=list(manifest),
+        terminal_model_call_id=terminal_hint,
+        terminal_selection="declared",
+    )
+    return verify_and_linearize(receipt, snapshots)

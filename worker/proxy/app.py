@@ -1,0 +1,138 @@
+"""The capture proxy application: :class:`~worker.proxy.middleware.CaptureMiddleware` over a forwarding app.
+
+:func:`build_proxy` returns an ASGI app whose lifespan opens the Redis resources (staging sink, source for
+``staging_chain`` prefixes, capture ledger, a client for ``finished``) and closes them with the upstream pool.
+``capture=False`` gives the bare forwarding proxy (same server stack, no capture) the benchmark compares against.
+All state lives in Redis, so any number of proxy processes may serve one rollout's calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from sink.ledger.gate import CaptureGate
+from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.done_event import finished
+from sink.settings import LedgerSettings, ProxySettings, SinkSettings, SourceSettings
+from sink.store.sink import AsyncRedisStagingSink
+from sink.store.source import AsyncRedisStagingSource
+from worker.capture import RolloutTokenCapture
+from worker.proxy.asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
+from worker.proxy.forward import ForwardingApp
+from worker.proxy.metrics import ProxyMetrics
+from worker.proxy.middleware import CaptureMiddleware, CapturePolicy
+from worker.proxy.routes import parse_target
+
+__all__ = ("ProxyApp", "build_proxy")
+
+logger = logging.getLogger(__name__)
+
+
+class ProxyApp:
+    """ASGI app: the forwarding app, wrapped in capture when configured; lifespan owns the resources."""
+
+    def __init__(self, config: ProxySettings) -> None:
+        self.config = config
+        self.forward = ForwardingApp(config.upstream_url, timeout_s=config.upstream_timeout_s)
+        self.metrics = ProxyMetrics()
+        self.middleware: CaptureMiddleware | None = None
+        self._stack = contextlib.AsyncExitStack()
+
+    async def open(self, inner: ASGIApp | None = None) -> None:
+        """Open the Redis resources and build the middleware around *inner* (default: the forwarder); idempotent."""
+        config = self.config
+        if not config.capture or self.middleware is not None:
+            return
+        timeouts: dict[str, Any] = {
+            "namespace": config.namespace,
+            "cluster": config.cluster,
+            "connect_timeout_s": config.redis_timeout_s,
+            "command_timeout_s": config.redis_timeout_s,
+        }
+        stack = self._stack
+        sink = await stack.enter_async_context(
+            AsyncRedisStagingSink.from_url(config.redis_url, SinkSettings(durability=config.durability, **timeouts))
+        )
+        source = await stack.enter_async_context(
+            AsyncRedisStagingSource.from_url(config.redis_url, SourceSettings(**timeouts))
+        )
+        gate_url = config.gate_redis_url or config.redis_url
+        ledger = await stack.enter_async_context(RedisCaptureLedger.from_url(gate_url, LedgerSettings(**timeouts)))
+        client: aioredis.Redis | RedisCluster = (
+            RedisCluster.from_url(gate_url, socket_timeout=config.redis_timeout_s)
+            if config.cluster
+            else aioredis.Redis.from_url(gate_url, socket_timeout=config.redis_timeout_s)
+        )
+        stack.push_async_callback(client.aclose)
+        weight_version = config.weight_version
+
+        async def announce(rollout_id: str, reward: float | None, response: Any, declared: str | None) -> str:
+            return await finished(
+                client,
+                rollout_id,
+                reward=reward,
+                response=response,
+                declared_response_id=declared,
+                namespace=config.namespace,
+            )
+
+        capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: weight_version, source=source)
+        policy = CapturePolicy(
+            upstream_kind=config.upstream_kind,
+            fail_closed=config.fail_closed,
+            max_request_bytes=config.max_request_bytes,
+            max_response_bytes=config.max_response_bytes,
+        )
+        self.middleware = CaptureMiddleware(
+            inner or self.forward,
+            capture=capture,
+            gate=CaptureGate(ledger),
+            policy=policy,
+            announce=announce,
+            metrics=self.metrics,
+        )
+
+    async def aclose(self) -> None:
+        """Close the Redis resources and the upstream pool."""
+        self.middleware = None
+        await self._stack.aclose()
+        await self.forward.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI event."""
+        if scope["type"] == "lifespan":
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.open()
+                except Exception as exc:  # noqa: BLE001 -- reported to the server, which exits
+                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+                message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+            return
+        if self.middleware is not None:
+            await self.middleware(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["path"].startswith("/r/"):
+            # Capture off: agents configured with rollout routes still reach the engine.
+            try:
+                target = parse_target(scope["path"], None)
+            except ValueError as exc:
+                await send_body(send, 400, error_body(400, str(exc), "InvalidRolloutId"))
+                return
+            scope = {**scope, "path": target.path, "raw_path": target.path.encode()}
+        await self.forward(scope, receive, send)
+
+
+def build_proxy(config: ProxySettings) -> ProxyApp:
+    """The proxy app for *config* (open it with its ASGI lifespan, or :meth:`ProxyApp.open`)."""
+    return ProxyApp(config)

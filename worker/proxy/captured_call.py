@@ -1,0 +1,290 @@
+"""One captured call through admission, begin, upstream, stage, commit and the reply (contract §5, §6.6).
+
+For a ``vllm`` upstream the admission (a ledger read, plus the parent's ``staging_chain`` fetch for a
+continuation) runs concurrently with the generation: the engine request does not depend on it, and the parent
+was committed before the agent could send this request (INV-2). A ``nemo-rl`` upstream needs the parent's exact
+prefix in the request, so admission comes first there. Either way the delta is staged and the ledger row
+committed before the first byte of the response leaves (INV-1, INV-2).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import orjson
+
+from sink.contract.records import CaptureAdmission, CommitCoords
+from worker.call import ActiveCall
+from worker.proxy.asgi import Message, Receive, Scope, Send, replay_receive, send_body
+from worker.proxy.routes import (
+    ClientAsked,
+    RouteKind,
+    adapter_for,
+    response_items,
+    strip_token_fields,
+    upstream_request,
+)
+from worker.proxy.sse import sse_events
+
+if TYPE_CHECKING:
+    from worker.proxy.middleware import CaptureMiddleware
+
+__all__ = ("CapturedCall", "UpstreamAnswer")
+
+logger = logging.getLogger(__name__)
+
+_AdmitFailure = Literal["ledger unreachable", "no admission", "begin failed"]
+
+
+@dataclass
+class UpstreamAnswer:
+    """The inner app's whole response."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    oversized: bool
+
+
+async def _client_gone(receive: Receive) -> bool:
+    """Whether the client already disconnected (a non-blocking look at ``receive``)."""
+    with anyio.move_on_after(0):
+        message = await receive()
+        return bool(message["type"] == "http.disconnect")
+    return False
+
+
+class CapturedCall:
+    """One call with a rollout id on a capture route (see the module docstring)."""
+
+    def __init__(
+        self,
+        owner: CaptureMiddleware,
+        route: RouteKind,
+        scope: Scope,
+        request: dict[str, Any],
+        items: list[dict[str, Any]],
+        rollout_id: str,
+    ) -> None:
+        self.owner, self.route, self.scope, self.request, self.items = owner, route, scope, request, items
+        self.rollout_id = rollout_id
+        self.ids = f"rollout {rollout_id}"
+        self.admitted_at = time.time()
+        self.admission: CaptureAdmission | None = None
+        self.active: ActiveCall | None = None
+        self.admit_failure: _AdmitFailure | None = None
+        self.settled = False
+        self.captured = False
+
+    # --- admission ------------------------------------------------------------
+
+    async def _admit(self) -> None:
+        """Admit and begin the call; never raises (a failure is remembered in ``admit_failure``)."""
+        owner = self.owner
+        try:
+            self.admission = await owner.gate.admit(self.rollout_id, self.items)
+        except Exception as exc:  # noqa: BLE001 -- the ledger is unreachable: fail open (or closed) as configured
+            logger.error("%s: capture admission failed (ledger unreachable?): %r", self.ids, exc)
+            self.admit_failure = "ledger unreachable"
+            return
+        if self.admission is None:
+            logger.warning("%s: no admission (retired rollout or unresolved parent); served uncaptured", self.ids)
+            self.admit_failure = "no admission"
+            return
+        self.ids = f"rollout {self.rollout_id} call {self.admission.model_call_id}"
+        try:
+            self.active = await owner.capture.abegin_call(self.admission)
+        except Exception as exc:  # noqa: BLE001 -- e.g. an invalid weight version: serve uncaptured (INV-4)
+            logger.error("%s: begin failed: %r; served uncaptured", self.ids, exc)
+            self.admit_failure = "begin failed"
+            await self._settle(None, None)
+
+    # --- ledger -----------------------------------------------------------------
+
+    async def _settle(self, coords: CommitCoords | None, payload: dict[str, Any] | None) -> None:
+        """Commit *coords* (or a failure) to the ledger; shielded, so a cancelled request never half-writes."""
+        admission, active, capture = self.admission, self.active, self.owner.capture
+        if admission is None or self.settled:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                if coords is None:
+                    coords = (
+                        capture.fail_admission(admission, reason="no completion")
+                        if active is None or active.completed
+                        else await capture.afail_call(active, reason="the call ended without a completion")
+                    )
+                row = await self.owner.gate.commit(
+                    admission,
+                    coords,
+                    response_id="" if payload is None else str(payload.get("id") or ""),
+                    request_items=self.items,
+                    response_items=[] if payload is None else response_items(self.route, payload),
+                    admitted_at=self.admitted_at,
+                )
+                self.captured = row is not None
+            except Exception as exc:  # noqa: BLE001 -- the ledger failed after the stage: the call is not captured
+                logger.error("%s: ledger commit failed: %r (staged tokens have no ledger row)", self.ids, exc)
+                self.captured = False
+            finally:
+                self.settled = True
+
+    async def _abandon(self) -> None:
+        """The request ended (cancelled or failed) before its capture completed: record it failed (§6.6 step 12)."""
+        admission, active = self.admission, self.active
+        assert admission is not None
+        with anyio.CancelScope(shield=True):
+            try:
+                if active is not None and not active.completed:
+                    await self.owner.capture.afail_call(active, reason="the request ended before its completion")
+                await self.owner.gate.abandon(admission)
+            except Exception as exc:  # noqa: BLE001 -- the ledger is unreachable too: nothing more can be recorded
+                logger.error("%s: cannot record the abandoned call: %r", self.ids, exc)
+            finally:
+                self.settled = True
+        logger.warning("%s: request ended before its capture completed; recorded as failed", self.ids)
+
+    # --- upstream ------------------------------------------------------------------
+
+    async def _upstream(self, body: bytes, receive: Receive) -> UpstreamAnswer:
+        result = UpstreamAnswer(502, [], b"", oversized=False)
+        chunks: list[bytes] = []
+        size = 0
+        limit = self.owner.policy.max_response_bytes
+
+        async def collect(message: Message) -> None:
+            nonlocal size
+            if message["type"] == "http.response.start":
+                result.status = message["status"]
+                result.headers = list(message.get("headers", ()))
+            elif message["type"] == "http.response.body":
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                result.oversized = result.oversized or size > limit
+                chunks.append(chunk)
+
+        # The body must come back as plain JSON: never let the upstream compress it.
+        kept = [(k, v) for k, v in self.scope.get("headers", ()) if k.lower() != b"accept-encoding"]
+        headers = [*kept, (b"accept-encoding", b"identity")]
+        scope = {**self.scope, "headers": headers}
+        started = time.perf_counter()
+        await self.owner.app(scope, replay_receive(body, receive), collect)
+        self.owner.metrics.observe(upstream_s=time.perf_counter() - started)
+        result.body = b"".join(chunks)
+        return result
+
+    def _parsed(self, upstream: UpstreamAnswer) -> dict[str, Any] | None:
+        if upstream.status != 200:
+            logger.warning("%s: upstream answered %d; capture failed", self.ids, upstream.status)
+            return None
+        try:
+            payload = orjson.loads(upstream.body)
+        except ValueError as exc:
+            logger.warning("%s: upstream response is not JSON (%s); capture failed", self.ids, exc)
+            return None
+        if not isinstance(payload, dict):
+            logger.warning("%s: upstream response is not a JSON object; capture failed", self.ids)
+            return None
+        return payload
+
+    async def _complete(
+        self, active: ActiveCall, upstream: UpstreamAnswer, payload: dict[str, Any] | None
+    ) -> CommitCoords:
+        """Stage the call from the upstream response, or fail it (§5.5, §5.6)."""
+        capture = self.owner.capture
+        if payload is None:
+            return await capture.afail_call(active, reason=f"upstream status {upstream.status} or not JSON")
+        if upstream.oversized:
+            logger.warning(
+                "%s: upstream response of %d bytes exceeds max_response_bytes=%d; capture failed",
+                self.ids,
+                len(upstream.body),
+                self.owner.policy.max_response_bytes,
+            )
+            return await capture.afail_call(active, reason="oversized response")
+        adapter = adapter_for(self.route)
+        try:
+            prompt = adapter.extract_prompt_ids(payload)
+            generated, logprobs = adapter.extract_generation(payload)
+            extras = adapter.extract_extras(payload)
+        except Exception as exc:  # noqa: BLE001 -- any malformed payload poisons, never fails the completion
+            logger.warning("%s: malformed engine payload (%s); capture failed", self.ids, exc)
+            return await capture.afail_call(active, reason=f"malformed engine payload: {exc}")
+        with anyio.CancelScope(shield=True):  # the stage completes or the call is recorded failed, never half
+            coords = await capture.acomplete_call(
+                active,
+                prompt_token_ids=prompt,
+                generated_token_ids=generated,
+                generated_logprobs=logprobs,
+                extras=extras,
+            )
+        if coords.disposition != "staged":
+            logger.warning("%s: not staged (prefix drift, store refusal or invalid ids: see above)", self.ids)
+        return coords
+
+    # --- the whole call ---------------------------------------------------------------
+
+    def _body(self) -> tuple[bytes, ClientAsked]:
+        active = self.active
+        prefix = active.prefix_token_ids if active is not None and not active.capture_failed else []
+        body, asked = upstream_request(self.route, self.request, self.owner.policy.upstream_kind, prefix)
+        return orjson.dumps(body), asked
+
+    async def run(self, receive: Receive, send: Send) -> None:
+        """Serve the call: capture it, then reply (or refuse with 503 when fail-closed and not captured)."""
+        owner, metrics = self.owner, self.owner.metrics
+        try:
+            if owner.policy.upstream_kind == "nemo-rl":
+                await self._admit()
+                body, asked = self._body()
+                upstream = await self._upstream(body, receive)
+            else:
+                body, asked = self._body()
+                async with anyio.create_task_group() as group:
+                    group.start_soon(self._admit)
+                    upstream = await self._upstream(body, receive)
+            payload = self._parsed(upstream)
+            staged_at = time.perf_counter()
+            if self.active is not None:
+                coords = await self._complete(self.active, upstream, payload)
+                if payload is not None:
+                    strip_token_fields(self.route, payload, asked)
+                await self._settle(coords, payload)
+                metrics.observe(stage_s=time.perf_counter() - staged_at)
+            elif payload is not None:
+                strip_token_fields(self.route, payload, asked)
+        finally:
+            if self.admission is not None and not self.settled:
+                await self._abandon()
+        uncaptured = self.admit_failure == "no admission" and not owner.policy.fail_closed
+        metrics.count("captured" if self.captured else "uncaptured" if uncaptured else "capture_failed")
+        if await _client_gone(receive):
+            logger.warning(
+                "%s: client disconnected mid-call; the call was %s before the response was dropped",
+                self.ids,
+                "committed" if self.captured else "not captured",
+            )
+            return
+        if not self.captured and owner.policy.fail_closed:
+            await owner.refuse(send, self.admit_failure or "see the proxy log")
+            return
+        await self._reply(upstream, payload, send)
+
+    async def _reply(self, upstream: UpstreamAnswer, payload: dict[str, Any] | None, send: Send) -> None:
+        if payload is None:  # upstream error or non-JSON: passed through as received
+            self.owner.metrics.observe(nbytes=len(upstream.body))
+            await send({"type": "http.response.start", "status": upstream.status, "headers": upstream.headers})
+            await send({"type": "http.response.body", "body": upstream.body, "more_body": False})
+            return
+        if self.request.get("stream") is True:
+            options = self.request.get("stream_options")
+            usage = isinstance(options, dict) and options.get("include_usage") is True
+            body, content_type = sse_events(self.route, payload, include_usage=usage), b"text/event-stream"
+        else:
+            body, content_type = orjson.dumps(payload), b"application/json"
+        self.owner.metrics.observe(nbytes=len(body))
+        await send_body(send, 200, body, content_type)

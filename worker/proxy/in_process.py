@@ -1,0 +1,76 @@
+"""Capture inside the inference server process: ``vllm serve ... --middleware worker.proxy.in_process.EnvCaptureMiddleware``.
+
+vLLM builds each ``--middleware`` class with the app alone, so :class:`EnvCaptureMiddleware` reads its settings
+from the environment and opens its Redis resources on the first request (in the server's event loop):
+
+* ``STAGING_SINK_REDIS_URL`` (required), ``STAGING_SINK_NAMESPACE`` (default ``stg``);
+* ``STAGING_SINK_UPSTREAM_KIND`` (``vllm`` or ``nemo-rl``), ``STAGING_SINK_FAIL_CLOSED`` (``1`` for 503s);
+* ``STAGING_SINK_WEIGHT_VERSION`` (default 0).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import cast
+
+import anyio
+
+from sink.keys import DEFAULT_NAMESPACE
+from sink.settings import ProxySettings
+from worker.proxy.app import ProxyApp
+from worker.proxy.asgi import ASGIApp, Message, Receive, Scope, Send
+from worker.proxy.routes import UpstreamKind
+
+__all__ = ("EnvCaptureMiddleware", "config_from_environment")
+
+
+def config_from_environment(env: Mapping[str, str]) -> ProxySettings:
+    """The capture settings of *env* (the upstream is the wrapped app itself, so ``upstream_url`` is unused).
+
+    :raises ValueError: ``STAGING_SINK_REDIS_URL`` is missing or a value is invalid.
+    """
+    url = env.get("STAGING_SINK_REDIS_URL")
+    if not url:
+        raise ValueError("EnvCaptureMiddleware needs STAGING_SINK_REDIS_URL")
+    kind = env.get("STAGING_SINK_UPSTREAM_KIND", "vllm")
+    if kind not in ("vllm", "nemo-rl"):
+        raise ValueError(f"STAGING_SINK_UPSTREAM_KIND must be vllm or nemo-rl, got {kind!r}")
+    return ProxySettings(
+        upstream_url="http://in-process",
+        redis_url=url,
+        namespace=env.get("STAGING_SINK_NAMESPACE") or DEFAULT_NAMESPACE,
+        upstream_kind=cast(UpstreamKind, kind),
+        fail_closed=env.get("STAGING_SINK_FAIL_CLOSED", "0") == "1",
+        weight_version=int(env.get("STAGING_SINK_WEIGHT_VERSION", "0")),
+    )
+
+
+class EnvCaptureMiddleware:
+    """Capture middleware around *app* (vLLM's OpenAI server), configured from the environment."""
+
+    def __init__(self, app: ASGIApp, env: Mapping[str, str] | None = None) -> None:
+        self.app = app
+        self._proxy = ProxyApp(config_from_environment(os.environ if env is None else env))
+        self._lock = anyio.Lock()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Capture ``http`` calls around the wrapped app; the Redis resources close at lifespan shutdown."""
+        if scope["type"] == "lifespan":
+
+            async def closing_send(message: Message) -> None:
+                if message["type"] == "lifespan.shutdown.complete":
+                    await self._proxy.aclose()
+                await send(message)
+
+            await self.app(scope, receive, closing_send)
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._proxy.middleware is None:
+            async with self._lock:
+                await self._proxy.open(inner=self.app)
+        middleware = self._proxy.middleware
+        assert middleware is not None
+        await middleware(scope, receive, send)

@@ -1,0 +1,170 @@
+"""ASGI capture middleware: the contract's gate and worker flow around an OpenAI-compatible app (§5, §6.6).
+
+Per captured call (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` with a rollout id from
+``/r/{rollout_id}/...`` or ``X-Staging-Rollout-Id``): admission with parent resolution from the request items,
+``begin`` (the parent's exact prefix fetched from the staging chain), the inner app called with the fields that
+return exact ids and log-probs, the delta staged durably **before** the response leaves, the ledger row
+committed, and the token fields the client did not ask for stripped. A ``token_in`` call whose reported prompt
+does not start with the parent's exact ids (re-tokenization drift) becomes a capture failure, never a wrong row.
+
+Failure policy: fail-open (default, INV-4): a capture failure writes a failure row where the ledger can be
+reached, logs one line and serves the completion; ``fail_closed=True`` answers 503 instead. Everything that is
+not a captured call passes through unchanged; requests without a rollout id are forwarded and counted.
+``POST /r/{rollout_id}/finished`` with ``{"reward": ...}`` announces the rollout's end (``finished()``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from sink.ledger.gate import CaptureGate
+from worker.capture import RolloutTokenCapture
+from worker.proxy.asgi import (
+    ASGIApp,
+    BodyTooLargeError,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    header,
+    read_body,
+    replay_receive,
+    send_body,
+    send_json,
+)
+from worker.proxy.captured_call import CapturedCall
+from worker.proxy.metrics import ProxyMetrics
+from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, UpstreamKind, parse_target, request_items
+
+__all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware", "CapturePolicy")
+
+logger = logging.getLogger(__name__)
+
+METRICS_PATH = "/staging-sink/metrics"
+Announce = Callable[[str, float | None, Any, str | None], Awaitable[str]]
+"""``(rollout_id, reward, response, declared_response_id) -> event id``: :func:`sink.rollout.done_event.finished` bound."""
+
+
+@dataclass(frozen=True)
+class CapturePolicy:
+    """How the middleware captures."""
+
+    upstream_kind: UpstreamKind = "vllm"
+    fail_closed: bool = False
+    max_request_bytes: int = 64 * 1024 * 1024
+    max_response_bytes: int = 64 * 1024 * 1024
+    """A larger upstream response is served but not captured (capture failure)."""
+
+
+class CaptureMiddleware:
+    """Capture around *app* (a forwarding app, or vLLM's own OpenAI server via ``--middleware``)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        capture: RolloutTokenCapture,
+        gate: CaptureGate,
+        policy: CapturePolicy | None = None,
+        announce: Announce | None = None,
+        metrics: ProxyMetrics | None = None,
+    ) -> None:
+        self.app = app
+        self.capture = capture
+        self.gate = gate
+        self.policy = policy or CapturePolicy()
+        self.announce = announce
+        self.metrics = metrics or ProxyMetrics()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Route one ASGI event: finished, metrics, a captured call, or pass-through."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] == "GET" and scope["path"] == METRICS_PATH:
+            await send_body(send, 200, self.metrics.exposition(), b"text/plain; version=0.0.4")
+            return
+        try:
+            target = parse_target(scope["path"], header(scope, ROLLOUT_HEADER))
+        except ValueError as exc:
+            await send_body(send, 400, error_body(400, str(exc), "InvalidRolloutId"))
+            return
+        if target.finished and target.rollout_id is not None and scope["method"] == "POST":
+            await self._finished(target.rollout_id, receive, send)
+            return
+        inner = (
+            scope if target.path == scope["path"] else {**scope, "path": target.path, "raw_path": target.path.encode()}
+        )
+        route = CAPTURE_ROUTES.get(target.path) if scope["method"] == "POST" else None
+        if route is None:
+            await self.app(inner, receive, send)
+            return
+        if target.rollout_id is None:
+            self.metrics.count("uncaptured")
+            await self.app(inner, receive, send)
+            return
+        await self._captured(route, target.rollout_id, inner, receive, send)
+
+    # --- finished -----------------------------------------------------------
+
+    async def _finished(self, rollout_id: str, receive: Receive, send: Send) -> None:
+        if self.announce is None:
+            await send_body(send, 501, error_body(501, "this proxy cannot announce finished rollouts", "NotConfigured"))
+            return
+        try:
+            body = orjson.loads(await read_body(receive, 1 << 20))
+            if not isinstance(body, dict) or set(body) - {"reward", "response", "declared_response_id"}:
+                raise ValueError('body must be {"reward": number|null[, "response": ..., "declared_response_id": str]}')
+            event = await self.announce(
+                rollout_id, body.get("reward"), body.get("response"), body.get("declared_response_id")
+            )
+        except (ValueError, TypeError, BodyTooLargeError) as exc:
+            await send_body(send, 422, error_body(422, str(exc), "InvalidFinished"))
+            return
+        except Exception as exc:  # noqa: BLE001 -- the store failed: answer 503 so the harness retries
+            logger.error("cannot announce that rollout %s finished: %r", rollout_id, exc)
+            await send_body(send, 503, error_body(503, f"cannot announce finished: {exc!r}", "StoreUnavailable"))
+            return
+        logger.info("rollout %s finished (event %s)", rollout_id, event)
+        await send_json(send, 200, {"rollout_id": rollout_id, "event_id": event})
+
+    # --- captured calls -------------------------------------------------------
+
+    async def _uncaptured(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        self.metrics.count("uncaptured")
+        await self.app(scope, replay_receive(body, receive), send)
+
+    async def refuse(self, send: Send, reason: str) -> None:
+        """Answer 503 for a call that could not be captured (``fail_closed``)."""
+        await send_body(
+            send, 503, error_body(503, f"capture failed ({reason}); --fail-closed refuses", "CaptureFailed")
+        )
+
+    async def _captured(self, route: RouteKind, rollout_id: str, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = await read_body(receive, self.policy.max_request_bytes)
+        except BodyTooLargeError as exc:
+            await send_body(send, 413, error_body(413, str(exc), "RequestTooLarge"))
+            return
+        request: Any = None
+        try:
+            request = orjson.loads(body)
+            if not isinstance(request, dict):
+                raise TypeError("not a JSON object")
+            items = request_items(route, request)
+            if request.get("n", 1) != 1:
+                raise ValueError("capture needs n == 1")
+        except (TypeError, ValueError) as exc:  # the upstream answers the malformed request itself
+            logger.warning("rollout %s: request not captured (%s); forwarded as is", rollout_id, exc)
+            if self.policy.fail_closed and isinstance(request, dict):  # well-formed, but not capturable (n > 1)
+                self.metrics.count("capture_failed")
+                await self.refuse(send, str(exc))
+                return
+            await self._uncaptured(scope, body, receive, send)
+            return
+        await CapturedCall(self, route, scope, request, items, rollout_id).run(receive, send)

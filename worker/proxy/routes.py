@@ -1,0 +1,176 @@
+"""What the capture proxy reads from and writes to OpenAI-compatible requests and responses.
+
+* the rollout identity: the route prefix ``/r/{rollout_id}`` or the header ``X-Staging-Rollout-Id``;
+* the request items the gate resolves a parent from (chat ``messages``, Responses ``input``, a completion prompt);
+* the request fields the upstream needs to return exact ids and log-probs (vLLM 0.10.2+ ``return_token_ids``,
+  ``logprobs`` with ``return_tokens_as_token_ids``; ``required_prefix_token_ids`` for a ``nemo-rl`` upstream);
+* the token fields stripped from the response before the agent sees it (those the client did not ask for).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sink.keys import validate_rollout_id
+from worker.adapters import CaptureAdapter
+from worker.errors import EnginePayloadError
+from worker.openai_adapters import NemoGymResponsesAdapter, OpenAIChatAdapter, VLLMCompletionAdapter
+
+__all__ = (
+    "CAPTURE_ROUTES",
+    "ROLLOUT_HEADER",
+    "ClientAsked",
+    "RouteKind",
+    "Target",
+    "UpstreamKind",
+    "adapter_for",
+    "parse_target",
+    "request_items",
+    "response_items",
+    "strip_token_fields",
+    "upstream_request",
+)
+
+RouteKind = Literal["chat", "completions", "responses"]
+UpstreamKind = Literal["vllm", "nemo-rl"]
+CAPTURE_ROUTES: dict[str, RouteKind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+}
+ROLLOUT_HEADER = b"x-staging-rollout-id"
+"""Request header naming the rollout (lower-case, as ASGI delivers it)."""
+
+_ROUTE = re.compile(r"^/r/([^/]+)(/.*)?$")
+_MESSAGE_TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
+_ADAPTERS: dict[RouteKind, CaptureAdapter] = {
+    "chat": OpenAIChatAdapter(),
+    "completions": VLLMCompletionAdapter(),
+    "responses": NemoGymResponsesAdapter(),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a request goes: its rollout (if any), the upstream path, and whether it is ``/r/{id}/finished``."""
+
+    rollout_id: str | None
+    path: str
+    finished: bool = False
+
+
+def parse_target(path: str, rollout_header: str | None) -> Target:
+    """The rollout and upstream path of a request (the route prefix wins over the header).
+
+    :raises ValueError: an invalid rollout id (contract §6.8).
+    """
+    match = _ROUTE.match(path)
+    if match is None:
+        if rollout_header is None:
+            return Target(None, path)
+        return Target(validate_rollout_id(rollout_header), path)
+    rollout_id = validate_rollout_id(match.group(1))
+    rest = match.group(2) or "/"
+    return Target(rollout_id, rest, finished=rest == "/finished")
+
+
+def adapter_for(route: RouteKind) -> CaptureAdapter:
+    """The payload adapter of *route*."""
+    return _ADAPTERS[route]
+
+
+@dataclass(frozen=True)
+class ClientAsked:
+    """The token fields the client itself requested (these are not stripped)."""
+
+    token_ids: bool
+    logprobs: bool
+
+
+def _items(value: Any, what: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise EnginePayloadError(f"{what} must be a list of JSON objects")
+    return value
+
+
+def request_items(route: RouteKind, request: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation items the gate fingerprints (a completion prompt is one user item: always a root).
+
+    :raises EnginePayloadError: the request has no usable messages / input / prompt.
+    """
+    if route == "chat":
+        return _items(request.get("messages"), "messages")
+    if route == "responses":
+        raw = request.get("input")
+        return [{"role": "user", "content": raw}] if isinstance(raw, str) else _items(raw, "input")
+    prompt = request.get("prompt")
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and all(type(token) is int for token in prompt):
+        return [{"role": "user", "content": "token_ids:" + ",".join(map(str, prompt))}]
+    raise EnginePayloadError("prompt must be a string or a list of token ids")
+
+
+def upstream_request(
+    route: RouteKind, request: dict[str, Any], kind: UpstreamKind, prefix_ids: list[int]
+) -> tuple[dict[str, Any], ClientAsked]:
+    """The request sent upstream (exact ids and log-probs asked for, never streamed) and what the client asked."""
+    asked = ClientAsked(
+        token_ids=request.get("return_token_ids") is True,
+        logprobs=request.get("logprobs") not in (None, False),
+    )
+    body = dict(request)
+    body.pop("stream", None)
+    body.pop("stream_options", None)
+    body["return_token_ids"] = True
+    if not asked.logprobs:
+        if route == "chat":
+            body["logprobs"], body["top_logprobs"] = True, 0
+        elif route == "completions":
+            body["logprobs"] = 0
+        body["return_tokens_as_token_ids"] = True
+    if kind == "nemo-rl" and prefix_ids:
+        body = adapter_for(route).enter_prefix(body, prefix_ids)
+    return body, asked
+
+
+def strip_token_fields(route: RouteKind, payload: dict[str, Any], asked: ClientAsked) -> dict[str, Any]:
+    """*payload* without the token fields the client did not ask for (modified in place and returned)."""
+    payload.pop("ng_commit_coords", None)
+    if route == "responses":
+        for item in payload.get("output") or ():
+            if isinstance(item, dict) and not asked.token_ids:
+                for name in _MESSAGE_TOKEN_FIELDS:
+                    item.pop(name, None)
+        return payload
+    if not asked.token_ids:
+        payload.pop("prompt_token_ids", None)
+    for choice in payload.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if not asked.token_ids:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+            message = choice.get("message")
+            if isinstance(message, dict):
+                for name in _MESSAGE_TOKEN_FIELDS:
+                    message.pop(name, None)
+        if not asked.logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+    return payload
+
+
+def response_items(route: RouteKind, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The served items the gate fingerprints (the stripped assistant message or output items)."""
+    if route == "responses":
+        return [item for item in payload.get("output") or () if isinstance(item, dict)]
+    choices = payload.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    if route == "chat":
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            return []
+        return [{key: value for key, value in message.items() if key not in _MESSAGE_TOKEN_FIELDS}]
+    return [{"role": "assistant", "content": choice.get("text") or ""}]

@@ -1,0 +1,1 @@
+"""The simulated inference engine: a deterministic engine and rollout driver, and its OpenAI-compatible HTTP app."""

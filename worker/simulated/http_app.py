@@ -1,0 +1,298 @@
+"""The simulated engine over HTTP, answering like vLLM's OpenAI-compatible server (``staging-sink engine``).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (text or token-id prompts), ``POST /v1/responses``,
+``POST /tokenize``, ``GET /v1/models``, ``GET /health``. Responses carry vLLM's token fields when asked
+(``return_token_ids``: top-level ``prompt_token_ids`` and ``choices[i].token_ids``; ``logprobs``/``top_logprobs``
+with ``return_tokens_as_token_ids``: ``"token_id:<n>"`` strings) and ``usage``. Options:
+
+* ``shape="nemo-gym"`` puts NeMo Gym's message-level fields (``prompt_token_ids``, ``generation_token_ids``,
+  ``generation_log_probs``) on ``choices[0].message`` instead;
+* ``honour_prefix=True`` starts the prompt with ``required_prefix_token_ids`` (a NeMo RL generation server);
+* ``drift=True`` re-tokenizes earlier assistant text differently (a space becomes a merged token), so a
+  continuation's prompt no longer starts with the parent's exact ids: the ``token_in`` check must fire.
+
+Generations always end cleanly (``<im_end>`` after valid UTF-8), so without drift a re-rendered conversation
+reproduces the parent's exact ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import orjson
+
+from worker.proxy.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
+from worker.simulated.engine import BYTE_OFFSET, IM_END, IM_START, Generation, SimulatedEngine
+
+__all__ = ("DRIFT_SPACE_ID", "EngineApp", "EngineOptions", "item_text")
+
+DRIFT_SPACE_ID = 3
+"""The id a drifting engine gives a space inside earlier assistant text (a "merged" token)."""
+_SPACE_ID = BYTE_OFFSET + 0x20
+_MODEL = "simulated"
+_TOKEN_ID_STRINGS = [f"token_id:{token}" for token in range(BYTE_OFFSET + 256)]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the HTTP engine behaves."""
+
+    seed: int = 0
+    shape: Literal["vllm", "nemo-gym"] = "vllm"
+    honour_prefix: bool = False
+    drift: bool = False
+    delay_s: float = 0.0
+    """Latency added to every generation (timeout tests)."""
+    default_max_tokens: int = 16
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def item_text(item: dict[str, Any]) -> str:
+    """The text of a chat message or Responses item (string content, or the texts of its parts)."""
+    content = item.get("content", item.get("output", ""))
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    raise _BadRequest("message content must be a string or a list of parts")
+
+
+def _stop_clean(generation: Generation) -> Generation:
+    """*generation* ending with ``<im_end>`` after valid UTF-8 (same length and log-probs)."""
+    if generation.finish_reason == "stop":
+        return generation
+    body = bytes(token - BYTE_OFFSET for token in generation.token_ids[:-1])
+    valid = body.decode("utf-8", errors="ignore").encode("utf-8")
+    valid += b" " * (len(body) - len(valid))
+    return Generation([BYTE_OFFSET + byte for byte in valid] + [IM_END], generation.logprobs, "stop")
+
+
+class EngineApp:
+    """ASGI app: the simulated engine behind an OpenAI-compatible surface (see the module docstring)."""
+
+    def __init__(self, options: EngineOptions | None = None) -> None:
+        self.options = options or EngineOptions()
+        self.engine = SimulatedEngine(self.options.seed)
+        self._ids = itertools.count(1)
+        self.calls = 0
+
+    # --- rendering -----------------------------------------------------------
+
+    def render(self, items: Sequence[Any]) -> list[int]:
+        """Chat-template *items* (messages or Responses items) into prompt ids, drift applied."""
+        encode = self.engine.tokenizer.encode
+        ids: list[int] = []
+        for item in items:
+            if not isinstance(item, dict):
+                raise _BadRequest("every message must be a JSON object")
+            role = item.get("role") or item.get("type") or "user"
+            text = item_text(item)
+            body = encode(f"{role}\n{text}")
+            if self.options.drift and role == "assistant":
+                body = [DRIFT_SPACE_ID if token == _SPACE_ID else token for token in body]
+            ids += [IM_START, *body, IM_END]
+        return [*ids, IM_START, *encode("assistant\n")]
+
+    def _prompt(self, request: dict[str, Any], rendered: list[int]) -> list[int]:
+        prefix = request.get("required_prefix_token_ids")
+        if not (self.options.honour_prefix and prefix):
+            return rendered
+        if not isinstance(prefix, list) or not all(type(t) is int and t >= 0 for t in prefix):
+            raise _BadRequest("required_prefix_token_ids must be a list of non-negative ints")
+        return [*prefix, *rendered[len(prefix) :]]
+
+    async def _generate(self, request: dict[str, Any], prompt: list[int]) -> Generation:
+        keys = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+        max_tokens = next((request[k] for k in keys if request.get(k) is not None), self.options.default_max_tokens)
+        min_tokens = request.get("min_tokens") or 0
+        if type(max_tokens) is not int or type(min_tokens) is not int or max_tokens < 1 or min_tokens > max_tokens:
+            raise _BadRequest(f"need 1 <= max_tokens and min_tokens <= max_tokens, got {min_tokens}..{max_tokens}")
+        if request.get("n", 1) != 1:
+            raise _BadRequest("the simulated engine serves n == 1 only")
+        if self.options.delay_s:
+            await anyio.sleep(self.options.delay_s)
+        self.calls += 1
+        return _stop_clean(self.engine.generate(prompt, max_tokens, min_tokens=min_tokens))
+
+    # --- payloads ----------------------------------------------------------------
+
+    def _token_strings(self, request: dict[str, Any], tokens: list[int]) -> list[str]:
+        if request.get("return_tokens_as_token_ids"):
+            return [_TOKEN_ID_STRINGS[token] for token in tokens]
+        return [self.engine.tokenizer.decode([token]) for token in tokens]
+
+    def _usage(self, prompt: list[int], generation: Generation) -> dict[str, int]:
+        completion = len(generation.token_ids)
+        return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+
+    def _gym_fields(self, prompt: list[int], generation: Generation) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": prompt,
+            "generation_token_ids": generation.token_ids,
+            "generation_log_probs": generation.logprobs,
+        }
+
+    def chat(self, request: dict[str, Any], prompt: list[int], generation: Generation) -> dict[str, Any]:
+        """A vLLM chat-completion payload."""
+        text = self.engine.tokenizer.decode(generation.token_ids)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": []}
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}
+        payload: dict[str, Any] = {
+            "id": f"chatcmpl-sim-{next(self._ids)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": _MODEL,
+            "choices": [choice],
+            "usage": self._usage(prompt, generation),
+        }
+        if self.options.shape == "nemo-gym":
+            message.update(self._gym_fields(prompt, generation))
+            return payload
+        if request.get("logprobs"):
+            strings = self._token_strings(request, generation.token_ids)
+            content = [
+                {"token": text, "logprob": logprob, "top_logprobs": ()}
+                for text, logprob in zip(strings, generation.logprobs, strict=True)
+            ]
+            choice["logprobs"] = {"content": content}
+        if request.get("return_token_ids"):
+            choice["token_ids"] = generation.token_ids
+            payload["prompt_token_ids"] = prompt
+        return payload
+
+    def completion(self, request: dict[str, Any], prompt: list[int], generation: Generation) -> dict[str, Any]:
+        """A vLLM text-completion payload (token fields on the choice)."""
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": self.engine.tokenizer.decode(generation.token_ids),
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+        if request.get("logprobs") is not None:
+            choice["logprobs"] = {
+                "tokens": self._token_strings(request, generation.token_ids),
+                "token_logprobs": generation.logprobs,
+                "top_logprobs": None,
+                "text_offset": list(range(len(generation.token_ids))),
+            }
+        if request.get("return_token_ids"):
+            choice["prompt_token_ids"] = prompt
+            choice["token_ids"] = generation.token_ids
+        return {
+            "id": f"cmpl-sim-{next(self._ids)}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": _MODEL,
+            "choices": [choice],
+            "usage": self._usage(prompt, generation),
+        }
+
+    def response(self, request: dict[str, Any], prompt: list[int], generation: Generation) -> dict[str, Any]:
+        """A Responses-API payload; the message item carries NeMo Gym's fields when ``return_token_ids`` is set."""
+        number = next(self._ids)
+        text = self.engine.tokenizer.decode(generation.token_ids)
+        item: dict[str, Any] = {
+            "type": "message",
+            "id": f"msg-sim-{number}",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+        if request.get("return_token_ids") or self.options.shape == "nemo-gym":
+            item.update(self._gym_fields(prompt, generation))
+        completion = len(generation.token_ids)
+        return {
+            "id": f"resp-sim-{number}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": _MODEL,
+            "status": "completed",
+            "output": [item],
+            "parallel_tool_calls": False,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {
+                "input_tokens": len(prompt),
+                "output_tokens": completion,
+                "total_tokens": len(prompt) + completion,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+        }
+
+    # --- ASGI -----------------------------------------------------------------
+
+    async def _handle(self, path: str, request: dict[str, Any]) -> dict[str, Any]:
+        if path == "/v1/chat/completions":
+            messages = request.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _BadRequest("messages must be a non-empty list")
+            prompt = self._prompt(request, self.render(messages))
+            return self.chat(request, prompt, await self._generate(request, prompt))
+        if path == "/v1/completions":
+            raw = request.get("prompt")
+            if isinstance(raw, str):
+                prompt = self.engine.tokenizer.encode(raw)
+            elif isinstance(raw, list) and raw and all(type(t) is int and t >= 0 for t in raw):
+                prompt = list(raw)
+            else:
+                raise _BadRequest("prompt must be a string or a non-empty list of token ids")
+            prompt = self._prompt(request, prompt)
+            return self.completion(request, prompt, await self._generate(request, prompt))
+        if path == "/v1/responses":
+            raw_input = request.get("input")
+            items = [{"role": "user", "content": raw_input}] if isinstance(raw_input, str) else raw_input
+            if not isinstance(items, list) or not items:
+                raise _BadRequest("input must be a string or a non-empty list of items")
+            prompt = self._prompt(request, self.render(items))
+            return self.response(request, prompt, await self._generate(request, prompt))
+        if path == "/tokenize":
+            if "messages" in request:
+                tokens = self.render(request["messages"])
+            else:
+                tokens = self.engine.tokenizer.encode(str(request.get("prompt", "")))
+            return {"tokens": tokens, "count": len(tokens), "max_model_len": 1 << 20}
+        raise LookupError(path)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI request (lifespan events are acknowledged)."""
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path == "/health":
+            await send_body(send, 200, b"", b"text/plain")
+            return
+        if method == "GET" and path == "/v1/models":
+            models = {"object": "list", "data": [{"id": _MODEL, "object": "model", "created": 0, "owned_by": "sim"}]}
+            await send_json(send, 200, models)
+            return
+        if method != "POST":
+            await send_body(send, 404, error_body(404, f"no route {method} {path}", "NotFoundError"))
+            return
+        try:
+            request = orjson.loads(await read_body(receive))
+            if not isinstance(request, dict):
+                raise _BadRequest("the request body must be a JSON object")
+            payload = await self._handle(path, request)
+        except (_BadRequest, orjson.JSONDecodeError, ValueError) as exc:
+            await send_body(send, 400, error_body(400, str(exc), "BadRequestError"))
+            return
+        except LookupError:
+            await send_body(send, 404, error_body(404, f"no route {method} {path}", "NotFoundError"))
+            return
+        await send_json(send, 200, payload)
