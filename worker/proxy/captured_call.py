@@ -18,8 +18,8 @@ import anyio
 import orjson
 
 from sink.contract.records import CaptureAdmission, CommitCoords
+from worker.asgi import Message, Receive, Scope, Send, replay_receive, send_body
 from worker.call import ActiveCall
-from worker.proxy.asgi import Message, Receive, Scope, Send, replay_receive, send_body
 from worker.proxy.routes import (
     ClientAsked,
     RouteKind,

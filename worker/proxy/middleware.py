@@ -23,8 +23,7 @@ from typing import Any
 import orjson
 
 from sink.ledger.gate import CaptureGate
-from worker.capture import RolloutTokenCapture
-from worker.proxy.asgi import (
+from worker.asgi import (
     ASGIApp,
     BodyTooLargeError,
     Receive,
@@ -37,6 +36,7 @@ from worker.proxy.asgi import (
     send_body,
     send_json,
 )
+from worker.capture import RolloutTokenCapture
 from worker.proxy.captured_call import CapturedCall
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, UpstreamKind, parse_target, request_items
