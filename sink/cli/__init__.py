@@ -1,7 +1,7 @@
 """The ``staging-sink`` command line, one module per kind of command.
 
-The rule: :mod:`~sink.cli.main` only parses arguments and dispatches (and turns expected failures into exit
-codes); each command lives in the module for its kind:
+The rule: :mod:`~sink.cli.main` only parses arguments and dispatches (:mod:`~sink.cli.failures` turns expected
+failures into exit codes); each command lives in the module for its kind:
 
 * :mod:`~sink.cli.rollouts`: commands that read single rollouts (``inspect``, ``verify``, ``tail``);
 * :mod:`~sink.cli.removal`: commands that remove rollouts' ledgers and fences (``retire``, ``delete``);

@@ -16,37 +16,30 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
-import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
 import anyio
-import pydantic
-import redis.exceptions as redis_errors
 
 from sink.cli import listing, removal, rollouts, services, stats
 from sink.cli.cluster_flag import CLUSTER_HELP, resolve_cluster_flag
 from sink.cli.common import (
-    EXIT_FAILURE,
-    EXIT_UNREACHABLE,
     EXIT_USAGE,
     CommandError,
     CommandParser,
     DefaultsHelpFormatter,
     RedisTarget,
     check_redis_url,
-    is_unreachable,
-    mask_url,
     namespace_name,
     non_negative_int,
     positive_int,
     positive_seconds,
 )
 from sink.cli.export import add_export_command
+from sink.cli.failures import leaf_error, report_failure
 from sink.cli.logs import add_logging_options, configure_logging
 from sink.cli.prune import add_prune_command
-from sink.errors import StagingError
 from sink.keys import DEFAULT_NAMESPACE
 from sink.settings import DEFAULT_SHARDS
 
@@ -55,7 +48,6 @@ __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser
 ENV_REDIS_URL = "STAGING_SINK_REDIS_URL"
 ENV_GATE_REDIS_URL = "STAGING_SINK_GATE_REDIS_URL"
 ENV_NAMESPACE = "STAGING_SINK_NAMESPACE"
-_EXIT_INTERRUPTED = 130
 _NO_URL_HINT = (
     f"no Redis URL: pass --redis-url or set {ENV_REDIS_URL} "
     "(run `staging-sink server` in another terminal for a local durable server and use the URL it prints)"
@@ -366,41 +358,6 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _leaf(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
-
-
-def _fail(message: str, code: int) -> int:
-    sys.stderr.write(f"staging-sink: error: {message}\n")
-    return code
-
-
-def _report(exc: BaseException, args: argparse.Namespace) -> int | None:
-    """The exit code for an expected failure (after printing one line), ``None`` for anything else."""
-    url = mask_url(getattr(args, "redis_url", None) or "") or "the server"
-    if isinstance(exc, CommandError):
-        return _fail(str(exc), exc.exit_code)
-    if isinstance(exc, KeyboardInterrupt):
-        return _fail("interrupted", _EXIT_INTERRUPTED)
-    if isinstance(exc, StagingError | redis_errors.RedisError | OSError) and is_unreachable(exc):
-        return _fail(
-            f"cannot reach Redis at {url}: {str(exc).rstrip('.')}. Is the server running? "
-            "(`staging-sink server` starts a local durable one; or pass the right --redis-url)",
-            EXIT_UNREACHABLE,
-        )
-    if isinstance(exc, StagingError | redis_errors.RedisError):
-        return _fail(f"{exc}", EXIT_FAILURE)
-    if isinstance(exc, pydantic.ValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc']) or 'value'}: {error['msg']}"
-            for error in exc.errors(include_url=False)
-        )
-        return _fail(f"invalid setting: {problems}", EXIT_USAGE)
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``staging-sink`` with *argv* (default ``sys.argv[1:]``) and return the exit code.
 
@@ -414,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_cluster_flag(args)  # issue 15: detected from the server; a contradicting flag is one line
         return handler(args)
     except BaseException as exc:
-        code = None if isinstance(exc, SystemExit) else _report(_leaf(exc), args)
+        code = None if isinstance(exc, SystemExit) else report_failure(leaf_error(exc), args)
         if code is None:
             raise
         return code
