@@ -23,7 +23,7 @@ from pathlib import Path
 import anyio
 
 from sink.cli import listing, removal, rollouts, services, stats
-from sink.cli.cluster_flag import CLUSTER_HELP, resolve_cluster_flag
+from sink.cli.cluster_flag import resolve_cluster_flag
 from sink.cli.common import (
     EXIT_USAGE,
     CommandError,
@@ -39,41 +39,25 @@ from sink.cli.common import (
 from sink.cli.export import add_export_command
 from sink.cli.failures import leaf_error, report_failure
 from sink.cli.logs import add_logging_options, configure_logging
+from sink.cli.plugin import (
+    ENV_GATE_REDIS_URL,
+    ENV_NAMESPACE,
+    ENV_REDIS_URL,
+    CommandContext,
+    redis_options,
+    register_commands,
+)
 from sink.cli.prune import add_prune_command
 from sink.keys import DEFAULT_NAMESPACE
 from sink.settings import DEFAULT_SHARDS
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
 
-ENV_REDIS_URL = "STAGING_SINK_REDIS_URL"
-ENV_GATE_REDIS_URL = "STAGING_SINK_GATE_REDIS_URL"
-ENV_NAMESPACE = "STAGING_SINK_NAMESPACE"
 _NO_URL_HINT = (
     f"no Redis URL: pass --redis-url or set {ENV_REDIS_URL} "
     "(run `staging-sink server` in another terminal for a local durable server and use the URL it prints)"
 )
 Handler = Callable[[argparse.Namespace], int]
-
-
-def _redis_options(
-    env: Mapping[str, str],
-    *,
-    url_help: str,
-    namespace_default: str | None = DEFAULT_NAMESPACE,
-    namespace_help: str | None = None,
-) -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("Redis")
-    group.add_argument("--redis-url", default=env.get(ENV_REDIS_URL) or None, metavar="URL", help=url_help)
-    group.add_argument(
-        "--namespace",
-        default=env.get(ENV_NAMESPACE) or namespace_default,
-        type=namespace_name,
-        metavar="NS",
-        help=namespace_help or f"key namespace (default: ${ENV_NAMESPACE} or {DEFAULT_NAMESPACE!r})",
-    )
-    group.add_argument("--cluster", action=argparse.BooleanOptionalAction, default=None, help=CLUSTER_HELP)
-    return parent
 
 
 def _target(args: argparse.Namespace) -> RedisTarget:
@@ -300,7 +284,8 @@ def _add_tool_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     bench = commands.add_parser(
         "bench", help="run a benchmark: bench NAME [ARGS...] (bench NAME --help for its options)"
     )
-    bench.add_argument("name", choices=services.BENCHMARKS, metavar="NAME", help=" | ".join(services.BENCHMARKS))
+    names = services.benchmarks()
+    bench.add_argument("name", choices=names, metavar="NAME", help=" | ".join(names))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the benchmark")
     bench.set_defaults(handler=lambda a: services.bench_command(a.name, a.bench_args))
 
@@ -317,26 +302,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     parser.add_argument("--version", action="version", version=f"staging-sink {_version()}")
     add_logging_options(parser, default=False, log_format="text")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # The CLI is the composition root: the only sink module that loads worker, and only when a parser is built.
-    from worker.demo.main import add_demo_parser
-
-    add_demo_parser(
-        commands,
-        _redis_options(
-            env,
-            url_help=f"use this server instead of a private embedded one (default: ${ENV_REDIS_URL})",
-            namespace_default=None,
-            namespace_help=(
-                f"key namespace (default: ${ENV_NAMESPACE}, else {DEFAULT_NAMESPACE!r}; with --redis-url and "
-                "--role all a private demo-<run> namespace, removed afterwards)"
-            ),
-        ),
-        gate_url_default=env.get(ENV_GATE_REDIS_URL) or None,
-    )
-    redis = _redis_options(env, url_help=f"server URL (default: ${ENV_REDIS_URL})")
-    from worker.proxy.cli import add_http_parsers  # the proxy and the HTTP engine (the `proxy` extra)
-
-    add_http_parsers(commands, redis)
+    redis = redis_options(env, url_help=f"server URL (default: ${ENV_REDIS_URL})")
+    # demo, proxy, engine: the worker's commands, registered through entry points (sink never imports worker).
+    register_commands(commands, CommandContext(env, redis))
     _add_server_command(commands)
     _add_stats_command(commands, redis)
     _add_service_commands(commands, redis)

@@ -23,10 +23,14 @@ from typing import Any
 
 import anyio
 
-from sink.cli.common import (
+from sink.cli.plugin import (
+    ENV_GATE_REDIS_URL,
+    ENV_NAMESPACE,
+    ENV_REDIS_URL,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    CommandContext,
     CommandError,
     RedisTarget,
     check_redis_url,
@@ -52,7 +56,7 @@ from worker.demo.worker_pool import WorkerPool
 from worker.demo.worker_process import RolloutPlan, WorkerConfig
 from worker.errors import WorkersFailedError
 
-__all__ = ("DemoOptions", "add_demo_parser", "make_plans", "run_demo", "run_demo_command")
+__all__ = ("DemoOptions", "add_demo_parser", "make_plans", "register", "run_demo", "run_demo_command")
 
 _PULL_BLOCK_MS = 200
 _PULL_BATCH = 32
@@ -93,6 +97,19 @@ class DemoOptions:
 
 def _at_least_two(text: str) -> int:
     return int_at_least(text, 2, "an integer >= 2")
+
+
+def register(commands: Any, context: CommandContext) -> None:
+    """The ``staging_sink.commands`` entry point (see :mod:`sink.cli.plugin`): add ``demo`` to *commands*."""
+    redis_options = context.redis_options(
+        url_help=f"use this server instead of a private embedded one (default: ${ENV_REDIS_URL})",
+        namespace_default=None,
+        namespace_help=(
+            f"key namespace (default: ${ENV_NAMESPACE}, else {DEFAULT_NAMESPACE!r}; with --redis-url and "
+            "--role all a private demo-<run> namespace, removed afterwards)"
+        ),
+    )
+    add_demo_parser(commands, redis_options, gate_url_default=context.env.get(ENV_GATE_REDIS_URL) or None)
 
 
 def add_demo_parser(commands: Any, redis_options: argparse.ArgumentParser, *, gate_url_default: str | None) -> None:
