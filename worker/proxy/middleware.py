@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -37,9 +36,9 @@ from worker.asgi import (
     send_json,
 )
 from worker.capture import RolloutTokenCapture
-from worker.proxy.captured_call import CapturedCall
+from worker.proxy.captured_call import CapturedCall, CapturePolicy
 from worker.proxy.metrics import ProxyMetrics
-from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, UpstreamKind, parse_target, request_items
+from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, parse_target, request_items
 
 __all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware", "CapturePolicy")
 
@@ -48,17 +47,6 @@ logger = logging.getLogger(__name__)
 METRICS_PATH = "/staging-sink/metrics"
 Announce = Callable[[str, float | None, Any, str | None], Awaitable[str]]
 """``(rollout_id, reward, response, declared_response_id) -> event id``: :func:`sink.rollout.done_event.finished` bound."""
-
-
-@dataclass(frozen=True)
-class CapturePolicy:
-    """How the middleware captures."""
-
-    upstream_kind: UpstreamKind = "vllm"
-    fail_closed: bool = False
-    max_request_bytes: int = 64 * 1024 * 1024
-    max_response_bytes: int = 64 * 1024 * 1024
-    """A larger upstream response is served but not captured (capture failure)."""
 
 
 class CaptureMiddleware:
