@@ -1,4 +1,4 @@
-"""The engine-specific extraction a capture uses (:class:`CaptureAdapter`); implementations in :mod:`worker.adapters`."""
+"""The engine-specific extraction a capture uses; its implementations are in :mod:`worker.adapters`."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ __all__ = ("ReaderStatistics",)
 
 
 class ReaderStatistics(NamedTuple):
-    """Counters of one :class:`~sink.trainer.reader.RolloutReader` since it was opened; ``held`` = pulled, not yet acknowledged.
+    """Counters of one :class:`~sink.trainer.reader.RolloutReader` since it was opened; ``held``: pulled, not acked.
 
     ``skipped_by_code``: skipped rollouts per skip code (e.g. ``stale_weights``, ``rollout_failed``), sorted.
     """
