@@ -1,1 +1,5 @@
 """The rollout end: the done event, the assembler that seals a receipt, and terminal selection."""
+
+from __future__ import annotations
+
+__all__ = ()
