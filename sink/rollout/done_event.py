@@ -29,9 +29,14 @@ def _check_reward(reward: object) -> float | None:
         return None
     if isinstance(reward, bool) or not isinstance(reward, int | float):
         raise TypeError(f"reward must be a float or None, got {type(reward).__name__}")
-    if not math.isfinite(reward):
-        raise ValueError(f"reward must be finite, got {reward!r}")
-    return float(reward)
+    try:
+        value = float(reward)  # an int beyond any float (10**400) overflows here
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        shown = repr(reward) if isinstance(reward, float) else f"an int of {reward.bit_length()} bits"
+        raise ValueError(f"reward must be finite, got {shown}")
+    return value
 
 
 class GroupTag(NamedTuple):
@@ -98,7 +103,7 @@ async def finished(
     assembler keeps the first receipt.
 
     :returns: the stream entry id.
-    :raises ValueError: invalid rollout id or group id, non-finite reward, a response that is not
+    :raises ValueError: invalid rollout id or group id, non-finite reward (or an int too large for a float), a response that is not
         JSON-serializable, ``group_size`` < 1, or only one of ``group_id``/``group_size``.
     :raises TypeError: *reward* is not a number, *group_id* not a str, or *response* holds a non-JSON type.
     :raises StagingConnectionError: the server could not be reached.
