@@ -415,7 +415,7 @@ async def test_stage_and_clear_reload_their_scripts_after_a_script_flush(redis_u
 
 
 async def test_a_positive_generation_log_prob_is_staged_and_read_back_exactly(redis_url: str) -> None:
-    """Accepted by design: contract §3 sets no upper bound on generation log-probs, so a NeMo Gym producer may
+    """Accepted by design: contract §3.3 sets no upper bound on generation log-probs, so a NeMo Gym producer may
     stage one (engines round log-softmax in low precision and report values like ``+1e-7``); refusing here
     would refuse wire-valid records. The value travels unchanged (its float32 pattern is in the digest)."""
     base = make_record("r-pos", "c1", n_tokens=4, carry=1)
