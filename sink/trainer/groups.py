@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 MEMBER_UNAVAILABLE = "member_unavailable"
 """Failed-member code: the member's receipt entry was gone when the owner took it over."""
 
+
 @dataclass(frozen=True, slots=True, eq=False)
 class RolloutGroup:
     """One delivered group: its trainable ``members`` (by rollout id), the ``failed`` ones, and reward statistics
@@ -214,7 +215,9 @@ class GroupReader:
         async def check(index: int, group_id: str) -> None:
             async with limiter:
                 with map_redis_errors(f"check group {group_id!r}"):
-                    replies[index] = await GROUP_CHECK_SCRIPT.run(self._reader.client, group_keys(self._ns, group_id), arguments)
+                    replies[index] = await GROUP_CHECK_SCRIPT.run(
+                        self._reader.client, group_keys(self._ns, group_id), arguments
+                    )
 
         async with anyio.create_task_group() as checks:
             for index, (group_id, _tag) in enumerate(watched):

@@ -130,6 +130,8 @@ class RolloutReader(AsyncResource):
             consumer=settings.consumer_name or default_consumer_name(),
             claim_idle_ms=settings.claim_idle_ms,
             max_deliveries=settings.max_deliveries,
+            durability=settings.durability,
+            confirm_timeout_s=settings.command_timeout_s / 2,
         )
         self._held = HeldRollouts()
         self._claims = RolloutClaims(topology, self._ns, self._consumer, self._held)
