@@ -164,6 +164,7 @@ class RedisCaptureLedger(CaptureLedger):
         self._check_open()
         async with self._in_flight:
             with map_redis_errors(action):
+                await self._topology.initialize()  # a borrowed cluster client may not know its slots yet
                 return await run_script_durably(
                     self._topology.node_for_key(keys[0]),
                     script,

@@ -140,6 +140,7 @@ async def execute_durably(
     if isinstance(client, RedisCluster):
         if route_key is None:
             raise ValueError("a durable write on a cluster client needs the key it writes (route_key)")
+        await client.initialize()  # a no-op once the client knows its slots
         node = client.get_node_from_key(route_key)
         if node is None:
             raise redis_errors.ClusterDownError(f"no node serves the slot of {route_key!r}")
