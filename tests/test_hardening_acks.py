@@ -94,8 +94,10 @@ async def test_the_assembler_stores_no_receipt_on_a_non_durable_server(redis_url
         await _break_durability(redis_url, name, value)
         async with running_assembler(redis_url) as assembler:
             with anyio.fail_after(20):
-                while assembler.statistics().failures < 1:
-                    await anyio.sleep(0.02)  # waiting for a condition (the failed attempt), not for time
+                while True:  # waiting for a condition (the failed attempt), not for time
+                    if assembler.statistics().failures >= 1:
+                        break
+                    await anyio.sleep(0.02)
         assert await _receipt_entries(client) == 0  # nothing published
         stream = done_stream(NS, shard_of(staged.rollout_id, DEFAULT_SHARDS))
         pending = await client.xpending(stream, ASSEMBLER_GROUP)
