@@ -108,7 +108,7 @@ def grpo_loss(groups: Sequence[RolloutGroup], max_tokens: int) -> tuple[float, i
 
 def fits(group: RolloutGroup, max_tokens: int) -> bool:
     """Whether every member's row fits one bin (a longer row is never truncated: the group is not trained)."""
-    return all(len(member.row.token_ids) <= max_tokens for member in group.members)
+    return all(member.row is None or len(member.row.token_ids) <= max_tokens for member in group.members)
 
 
 def train(url: str, *, steps: int, groups_per_step: int, max_tokens: int, block_ms: int = 200) -> list[str]:

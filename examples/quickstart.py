@@ -18,11 +18,7 @@ async def rollout_step(url: str) -> None:
         await gate.commit(admission, coords, response_id="resp-1", request_items=request, response_items=response)
         async with redis.Redis.from_url(url) as client:
             await finished(client, "rollout-1", reward=1.0)  # the rollout is scored
-    async with (
-        Assembler.from_url(url) as assembler,
-        RolloutReader.from_url(url) as reader,
-        anyio.create_task_group() as tg,
-    ):
+    async with Assembler.from_url(url) as assembler, RolloutReader.from_url(url) as reader, anyio.create_task_group() as tg:
         tg.start_soon(assembler.run)  # builds the receipt
         [pulled] = await reader.pull(1, block_ms=5_000)  # the trainer: fetched, verified, linearized
         print(pulled.row.token_ids, pulled.row.token_mask, pulled.row.as_numpy().logprobs)

@@ -424,7 +424,7 @@ async def test_a_positive_generation_log_prob_is_staged_and_read_back_exactly(re
     record = StagedCallRecord.from_components(**{**fields, "generation_log_probs_delta": log_probs})
     async with AsyncRedisStagingSink.from_url(redis_url, namespace=NS) as sink:
         result = await sink.stage(record)
-    assert result.ok, result.error
+    assert result.ok and result.staging_key is not None, result.error
     async with AsyncRedisStagingSource.from_url(redis_url, namespace=NS) as source:
         (fetched,) = await source.fetch([result.staging_key])
     assert fetched.generation_log_probs_delta == record.generation_log_probs_delta
