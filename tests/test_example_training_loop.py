@@ -44,7 +44,9 @@ def test_the_training_loop_example_prints_one_line_per_step_and_acks_everything(
         # Everything trained was acknowledged: no receipt entry left, no staged record left.
         assert [client.xlen(receipts_stream("stg", shard)) for shard in range(DEFAULT_SHARDS)] == [0] * DEFAULT_SHARDS
         assert list(client.scan_iter(match="stg:{*}:rec:*")) == []
-        assert list(client.scan_iter(match="stg:{grp:*")) == []  # group records deleted at ack
+        assert list(client.scan_iter(match="stg:{grp:*}:members")) == []  # group members records deleted at ack
+        metas = list(client.scan_iter(match="stg:{grp:*}:meta"))  # closed tombstones, expiring
+        assert all(client.hget(meta, "closed") == b"1" and client.pttl(meta) > 0 for meta in metas)
 
 
 def test_the_example_acknowledges_only_what_it_trained_and_says_what_it_left(redis_url: str, tmp_path: Path) -> None:

@@ -26,6 +26,14 @@ that stops refreshing its groups for ``claim_idle_ms`` (a crash) loses them to
 the next rank that finds them. Rollouts without a group are delivered as
 groups of one (``group_id=None``).
 
+Never silent, never pending forever, never ``complete=True`` with fewer members than announced: a member arriving
+after its group went out (delivered by any rank, acknowledged, dropped, sealed) is not delivered alone (a group of
+one has no reward variance) but acknowledged and recorded on ``ns:dead:groups`` with ``dead_code`` ``late_member``
+(a closed group's ``:meta`` stays ``retention_s`` as a tombstone, so it is never a second group of the same id);
+members disagreeing on ``group_size`` make the group wait for the largest size announced (``complete=True`` only
+with that many; else sealed at the timeout), with a ``group_size_mismatch`` warning. Both are counted in
+:class:`GroupStatistics`.
+
 Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the
 optimizer step.
 """
@@ -43,11 +51,14 @@ import anyio
 from sink.keys import dead_letter_stream, group_keys
 from sink.rollout.done_event import GroupTag
 from sink.store.connection import map_redis_errors
+from sink.store.durability import execute_durably
 from sink.store.scripts import (
     GROUP_CHECK_SCRIPT,
+    GROUP_CLOSE_SCRIPT,
     GROUP_COMPLETE,
     GROUP_GATHER_SCRIPT,
     GROUP_GONE,
+    GROUP_LATE,
     GROUP_SEALED,
     GROUP_TAKEN,
     GROUP_WAIT,
@@ -55,12 +66,18 @@ from sink.store.scripts import (
 from sink.trainer.pulled import PulledRollout, SkippedRollout
 from sink.trainer.reader import RolloutReader
 
-__all__ = ("GroupReader", "GroupStatistics", "RolloutGroup")
+__all__ = ("GROUP_SIZE_MISMATCH", "LATE_MEMBER", "GroupReader", "GroupStatistics", "RolloutGroup")
 
 logger = logging.getLogger(__name__)
 
 MEMBER_UNAVAILABLE = "member_unavailable"
 """Failed-member code: the member's receipt entry was gone when the owner took it over."""
+LATE_MEMBER = "late_member"
+"""``dead_code`` on ``ns:dead:groups``: a member that arrived after its group went out (acknowledged, recorded)."""
+GROUP_SIZE_MISMATCH = "group_size_mismatch"
+"""Warning code: the members of a group announced different ``group_size`` s (the largest is used)."""
+GROUP_TIMEOUT = "group_timeout"
+"""``dead_code`` on ``ns:dead:groups``: incomplete at ``group_timeout_s`` under ``group_timeout_policy="dead_letter"``."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -102,7 +119,9 @@ class RolloutGroup:
 class GroupStatistics(NamedTuple):
     """Counters of one :class:`GroupReader`: groups delivered (``partial`` of them sealed at the timeout),
     dropped by ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups this
-    rank holds members of, not yet complete."""
+    rank holds members of, not yet complete; ``late``: members that came after their group went out
+    (acknowledged and recorded, :data:`LATE_MEMBER`); ``size_mismatches``: groups whose members disagreed on
+    ``group_size``."""
 
     delivered: int
     partial: int
@@ -110,6 +129,8 @@ class GroupStatistics(NamedTuple):
     dead_lettered: int
     handed_over: int
     waiting: int
+    late: int = 0
+    size_mismatches: int = 0
 
 
 class GroupReader:
@@ -123,7 +144,7 @@ class GroupReader:
         self._watched: dict[str, GroupTag] = {}
         # This pull's rollouts: a group completed by one of them may include others not gathered yet.
         self._fresh: dict[str, PulledRollout] = {}
-        self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed"), 0)
+        self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed", "late", "mismatch"), 0)
 
     @property
     def reader(self) -> RolloutReader:
@@ -131,7 +152,16 @@ class GroupReader:
 
     def statistics(self) -> GroupStatistics:
         c = self._counts
-        return GroupStatistics(c["delivered"], c["partial"], c["dropped"], c["dead"], c["handed"], len(self._watched))
+        return GroupStatistics(
+            c["delivered"],
+            c["partial"],
+            c["dropped"],
+            c["dead"],
+            c["handed"],
+            len(self._watched),
+            c["late"],
+            c["mismatch"],
+        )
 
     async def pull_groups(self, max_rollouts: int, *, block_ms: int = 0) -> list[RolloutGroup]:
         """Pull up to *max_rollouts* rollouts and return the groups that are now whole (or timed out) and owned
@@ -159,9 +189,12 @@ class GroupReader:
         await self._delete([g.group_id for g in groups if g.group_id is not None])
 
     async def _delete(self, group_ids: Sequence[str]) -> None:
-        with map_redis_errors("delete group records"):
+        """Close groups that went out: members record deleted, the meta kept as a tombstone (see the module)."""
+        settings = self._settings
+        ttl_ms = int(max(settings.retention_s, settings.group_timeout_s * 4, settings.claim_idle_ms / 1000 * 4) * 1000)
+        with map_redis_errors("close group records"):
             for group_id in group_ids:
-                await self._reader.client.delete(*group_keys(self._ns, group_id))
+                await GROUP_CLOSE_SCRIPT.run(self._reader.client, group_keys(self._ns, group_id), [ttl_ms])
 
     def _record(self, item: PulledRollout) -> str:
         consumer = self._reader.consumer_name
@@ -187,6 +220,11 @@ class GroupReader:
                 ],
             )
         state = int(reply[0])
+        if state == GROUP_LATE:
+            await self._record_dead(tag, [item.rollout_id], [], LATE_MEMBER, "arrived after its group went out")
+            await self._reader.ack([item.rollout_id])
+            self._counts["late"] += 1
+            return None
         if not item.trainable:
             await self._reader.ack([item.rollout_id])  # recorded with its code; nothing to train on
         elif state in (GROUP_WAIT, GROUP_COMPLETE):
@@ -244,9 +282,22 @@ class GroupReader:
             self._parked.pop(group_id, None)
         self._counts["handed"] += len(rollout_ids)
 
-    async def _own(self, tag: GroupTag, flat: Sequence[object], *, complete: bool) -> list[RolloutGroup]:
-        """This rank owns the group: collect every member (taking over the other ranks'), then deliver."""
+    async def _own(self, tag: GroupTag, reply: Sequence[object], *, complete: bool) -> list[RolloutGroup]:
+        """This rank owns the group: collect every member (taking over the other ranks'), then deliver.
+
+        *reply*: the group's size (the largest announced), whether sizes disagreed, then its members record.
+        """
         self._watched.pop(tag.group_id, None)
+        announced, mismatch, flat = int(_text(reply[0])), _text(reply[1]) == "1", reply[2:]
+        if mismatch:
+            self._counts["mismatch"] += 1
+            logger.warning(
+                "%s: members of group %r announced different group_size values; using the largest, %d",
+                GROUP_SIZE_MISMATCH,
+                tag.group_id,
+                announced,
+            )
+        tag = GroupTag(tag.group_id, announced)
         local = self._parked.pop(tag.group_id, {})
         members: dict[str, PulledRollout] = {}
         failed: list[SkippedRollout] = []
@@ -306,22 +357,40 @@ class GroupReader:
         self._counts["delivered"] += 1
         return [RolloutGroup(tag.group_id, tag.group_size, tuple(members), tuple(failed), complete)]
 
-    async def _dead_letter(self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout]) -> None:
+    async def _record_dead(
+        self, tag: GroupTag, members: Sequence[str], failed: Sequence[SkippedRollout], code: str, reason: str
+    ) -> None:
+        """One durable ``ns:dead:groups`` entry (``dead_code`` *code*) for *members* of the group *tag*."""
         stream = dead_letter_stream(self._ns, "groups")
         record = {
             "group_id": tag.group_id,
             "group_size": str(tag.group_size),
-            "members": ",".join(m.rollout_id for m in members),
+            "members": ",".join(members),
             "failed": ",".join(f"{f.rollout_id}:{f.skip_code}" for f in failed),
-            "dead_reason": f"incomplete after group_timeout_s={self._settings.group_timeout_s}",
+            "dead_code": code,
+            "dead_reason": reason,
             "dead_consumer": self._reader.consumer_name,
         }
-        with map_redis_errors(f"dead-letter group {tag.group_id!r}"):
-            await self._reader.client.xadd(stream, record)  # type: ignore[arg-type]
+        settings, action = self._settings, f"dead-letter group {tag.group_id!r}"
+        with map_redis_errors(action):
+            (reply,) = await execute_durably(
+                self._reader.client,
+                lambda pipe: pipe.xadd(stream, record),  # type: ignore[arg-type]
+                durability=settings.durability,
+                timeout_s=settings.command_timeout_s / 2,
+                action=action,
+                route_key=stream,
+            )
+            if isinstance(reply, BaseException):
+                raise reply
+        logger.warning("%s: group %r members %s recorded on %s: %s", code, tag.group_id, list(members), stream, reason)
+
+    async def _dead_letter(self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout]) -> None:
+        reason = f"incomplete after group_timeout_s={self._settings.group_timeout_s}"
+        await self._record_dead(tag, [m.rollout_id for m in members], failed, GROUP_TIMEOUT, reason)
         await self._reader.ack([m.rollout_id for m in members])
         await self._delete([tag.group_id])
         self._counts["dead"] += 1
-        logger.warning("dead-lettered incomplete group %r to %s", tag.group_id, stream)
 
 
 def _text(value: object) -> str:
