@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Final
 
 from sink.contract import record_schema
+from sink.store.gym_scripts import GYM_CODES, GYM_LUA, TOMBSTONE_PREFIX
 from sink.store.script_runner import ScriptLibrary, ServerScript
 
 # The status codes live in script_status (re-exported here, beside the scripts that return them).
@@ -75,6 +76,7 @@ __all__ = (
     "GROUP_SEALED",
     "GROUP_TAKEN",
     "GROUP_WAIT",
+    "GYM_SCRIPT",
     "HAS_ROWS_SCRIPT",
     "LEDGER_DELETE_SCRIPT",
     "LEDGER_FENCED",
@@ -429,3 +431,6 @@ redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_at', now)
 return {state, unpack(redis.call('HGETALL', KEYS[2]))}
 """,
 )
+
+# The NeMo Gym transport's batch script (sink.gym), text and codes in sink.store.gym_scripts.
+GYM_SCRIPT: Final = _script("gym", GYM_LUA, TOMBSTONE_PREFIX=TOMBSTONE_PREFIX, **GYM_CODES)

@@ -1,0 +1,154 @@
+"""``RedisTokenSink`` and ``RedisTokenSource``: NeMo Gym's ``TokenSink`` / ``TokenSource`` on Redis/Valkey.
+
+Both are structural implementations of Gym's protocols (no ``nemo_gym`` import needed), built the way Gym
+builds a configured sink: keyword arguments only, ``RedisTokenSink(redis_url="redis://...", namespace="stg")``
+(any further keyword is a :class:`~sink.settings.GymTransportSettings` field). Their methods are coroutines
+for an asyncio caller; the work runs on one private event-loop thread per object (started on first use),
+where an :class:`~sink.gym.store.AsyncGymStore` group-commits every operation and confirms it durable
+before the caller's coroutine resumes. An object belongs to the process that first used it: Gym builds one
+per server process, which is what is needed (using one across a ``fork`` raises ``RuntimeError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from sink.gym.codec import encode_entry
+from sink.gym.entry import entry_types
+from sink.gym.store import AsyncGymStore
+from sink.settings import GymTransportSettings
+from sink.store.resource import PortalOwner
+
+__all__ = ("RedisTokenSink", "RedisTokenSource")
+
+T = TypeVar("T")
+
+
+class _StoreThread(PortalOwner[AsyncGymStore]):
+    """The store, entered on a private loop thread; :meth:`submit` runs a coroutine there."""
+
+    def submit(self, func: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
+        portal = self._portal
+        if portal is None:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        return portal.start_task_soon(func, *args)
+
+
+class _Transport:
+    """What the sink and the source share: settings, the lazily started store thread, close."""
+
+    def __init__(self, *, redis_url: str, namespace: str = "stg", **settings: Any) -> None:
+        if not isinstance(redis_url, str) or not redis_url:
+            raise ValueError(f"redis_url must be a non-empty str, got {redis_url!r}")
+        self._url = redis_url
+        self._settings = GymTransportSettings(namespace=namespace, **settings)
+        self._lock = threading.Lock()
+        self._thread: _StoreThread | None = None
+        self._pid = os.getpid()
+        self._closed = False
+
+    @property
+    def settings(self) -> GymTransportSettings:
+        return self._settings
+
+    def _store_thread(self) -> _StoreThread:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{type(self).__name__} is closed")
+            if os.getpid() != self._pid:
+                raise RuntimeError(f"{type(self).__name__} was used before a fork: build one in each process")
+            if self._thread is None:
+                self._thread = _StoreThread(AsyncGymStore(self._url, self._settings, entry_types()))
+            return self._thread
+
+    async def _call(self, method: Callable[[AsyncGymStore], Callable[..., Awaitable[T]]], *args: Any) -> T:
+        thread = self._store_thread()
+        future = thread.submit(method(thread._resource), *args)  # noqa: SLF001 (the store this thread owns)
+        return await asyncio.wrap_future(future)
+
+    async def close(self) -> None:
+        """Finish queued operations and close the connections (idempotent)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._closed = True
+        if thread is not None:
+            await asyncio.to_thread(thread.close)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open" if self._thread is not None else "not started"
+        return f"<{type(self).__name__} namespace={self._settings.namespace!r} {state}>"
+
+
+class RedisTokenSink(_Transport):
+    """Gym's ``TokenSink``, in each model-server process: ``put`` returns once the entry is durable.
+
+    Gym's config: ``token_id_capture: {sink: "sink.gym:RedisTokenSink", sink_kwargs: {redis_url: ...,
+    namespace: ...}}``.
+    """
+
+    async def put(self, entry: Any) -> None:
+        """Store *entry* (a ``TokenEntry``) durably: every later ``freeze``, from any process, includes it.
+
+        An identical payload under a known ``model_call_id`` is a no-op.
+
+        :raises TokenEntryConflictError: (a ``ValueError``) another payload under a known ``model_call_id``;
+            the stored entry is kept and the rollout marked incomplete.
+        :raises RolloutFrozenError: (a ``RuntimeError``) the rollout is frozen; nothing was written.
+        :raises RolloutRetiredError: (a ``RuntimeError``) the rollout was dropped or retired.
+        :raises CaptureWriteError: the write could not be confirmed durable.
+        :raises ValueError, TypeError: *entry* is not a valid ``TokenEntry`` (nothing was written).
+        """
+        encoded = encode_entry(entry)
+        await self._call(lambda store: store.put, encoded)
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        """Record durably that a call of *rollout_id* was lost: a later snapshot is ``incomplete``. Works on a
+        rollout without entries and after freeze (the snapshot's ``version`` changes).
+
+        :raises RolloutRetiredError: the rollout was dropped or retired.
+        :raises CaptureWriteError: the mark could not be confirmed durable.
+        :raises ValueError: an invalid rollout id.
+        """
+        await self._call(lambda store: store.mark_incomplete, rollout_id, model_call_id)
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Record durably that *model_call_id* was dispatched: a freeze without its entry is ``incomplete``.
+        Does not change the ``version``.
+
+        :raises RolloutFrozenError: the rollout is frozen.
+        :raises RolloutRetiredError: the rollout was dropped or retired.
+        :raises CaptureWriteError: the intent could not be confirmed durable.
+        :raises ValueError: an invalid rollout or call id.
+        """
+        await self._call(lambda store: store.begin_call, rollout_id, model_call_id)
+
+
+class RedisTokenSource(_Transport):
+    """Gym's ``TokenSource``, in the process that consumes rollouts; same keywords as :class:`RedisTokenSink`."""
+
+    async def freeze(self, rollout_id: str) -> Any:
+        """Freeze *rollout_id* atomically and return its ``TokenCaptureSnapshot`` (Gym's class when ``nemo_gym``
+        is importable). Idempotent while nothing changes (same ``snapshot_id`` and ``version``); a fence: no
+        ``put`` or ``begin_call`` succeeds after it. An unknown rollout freezes to an empty snapshot.
+
+        :raises RolloutRetiredError: the rollout was dropped or retired.
+        :raises CodecError: a stored entry is corrupt or has a newer ``schema_version`` than this reader's.
+        :raises CaptureWriteError: the freeze could not be confirmed durable.
+        :raises ValueError: an invalid rollout id.
+        """
+        return await self._call(lambda store: store.freeze, rollout_id)
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """Retire the consumed snapshot, only if the rollout is frozen at exactly *snapshot_id* and *version*:
+        ``True`` (also for a repeated drop of the same identity), else ``False`` and nothing is deleted. A
+        tombstone then keeps every later operation on the rollout failing for ``tombstone_retention_s``.
+
+        :raises CaptureWriteError: the drop could not be confirmed durable.
+        :raises ValueError: an invalid rollout id, ``snapshot_id`` or ``version``.
+        """
+        return await self._call(lambda store: store.drop, rollout_id, snapshot_id, version)
