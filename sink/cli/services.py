@@ -59,7 +59,7 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("codec", "stage", "worker", "assembly", "trainer", "proxy")
+BENCHMARKS = ("codec", "stage", "worker", "assembly", "trainer", "proxy", "gym")
 """``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)`` (``worker``: ``worker.bench``; ``proxy``:
 ``worker.proxy.bench``)."""
 _PULL_BLOCK_MS = 1000

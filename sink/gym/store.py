@@ -1,27 +1,26 @@
 """The NeMo Gym transport's store: every operation is one item of the staging sink's group commit.
 
-:class:`AsyncGymStore` queues each ``put``, ``mark_incomplete``, ``begin_call``, ``freeze`` and ``drop`` for
-the group commit of :mod:`sink.store.commit`, which runs them with :data:`~sink.store.scripts.GYM_SCRIPT`
-(one call per cluster slot per batch), pipelined with the same durability confirmation as ``stage()``:
+:class:`AsyncGymStore` queues each ``put``, ``mark_incomplete``, ``begin_call``, ``freeze`` and ``drop``, and
+writes the queue in batches with the group commit of :mod:`sink.store.commit` (``GroupCommitWriter.write_batch``),
+which runs them with :data:`~sink.store.scripts.GYM_SCRIPT` (one call per cluster slot per batch), pipelined
+with the same durability confirmation as ``stage()``:
 ``WAITAOF`` (the server fsynced), ``WAIT`` when ``min_replicas > 0``, and the persistence settings read back in
 the same round trip, after a :class:`~sink.store.durability.DurabilityMonitor` verdict. So concurrent puts
 share one fsync, and an operation returns only once its effect is durable; otherwise it raises
-:class:`~sink.errors.CaptureWriteError`. The transport classes of :mod:`sink.gym.transport` run it on a
-private loop thread.
+:class:`~sink.errors.CaptureWriteError`. It runs in the caller's event loop (no thread, no task of its own).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Final
 
 import anyio
 import redis.exceptions as redis_errors
-from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectSendStream
 
 from sink.errors import CaptureWriteError, RolloutFrozenError, RolloutRetiredError, TokenEntryConflictError
 from sink.gym.codec import EncodedEntry, check_call_id, check_rollout_id, decode_entry
@@ -40,7 +39,6 @@ from sink.store.gym_scripts import (
     GYM_SAME,
     GYM_WRONG_TYPE,
 )
-from sink.store.resource import AsyncResource
 from sink.store.scripts import GYM_SCRIPT
 
 __all__ = ("AsyncGymStore", "GymOp")
@@ -99,8 +97,14 @@ def _status(reply: list[Any]) -> int:
     return int(reply[0])
 
 
-class AsyncGymStore(AsyncResource):
-    """The operations of :class:`~sink.gym.RedisTokenSink` and :class:`~sink.gym.RedisTokenSource`, durable."""
+class AsyncGymStore:
+    """The operations of :class:`~sink.gym.RedisTokenSink` and :class:`~sink.gym.RedisTokenSource`, durable.
+
+    It has no task of its own: the caller whose operation finds fewer than ``writer_connections`` batches in
+    flight takes everything queued (up to ``max_batch_records``) and writes it as one batch, shielded from
+    cancellation (bounded by the socket timeouts), so one fsync covers every operation queued meanwhile. It
+    belongs to the event loop that first used it.
+    """
 
     def __init__(self, url: str, settings: GymTransportSettings, types: EntryTypes) -> None:
         self._settings = settings
@@ -108,59 +112,98 @@ class AsyncGymStore(AsyncResource):
         self._topology = Topology.from_url(url, settings)
         self._durability = DurabilityMonitor(self._topology, settings)
         self._writer = GroupCommitWriter(self._topology, settings, self._durability, _settle, _GYM_BATCH)
-        self._send: MemoryObjectSendStream[GymOp] | None = None
-        self._task_group: TaskGroup | None = None
+        self._queue: deque[GymOp] = deque()
+        self._flushing = 0
+        self._flushed: anyio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open_lock: anyio.Lock | None = None
+        self._opened = False
+        self._closed = False
 
     @property
     def settings(self) -> GymTransportSettings:
         return self._settings
 
-    async def _open(self) -> None:
-        try:
-            await self._topology.initialize()
-        except (redis_errors.RedisError, OSError) as exc:
-            # Not fatal: operations fail with this error until the server is reachable.
-            logger.warning("gym transport could not load the cluster topology: %s", describe_redis_error(exc))
-        await self._durability.report(force=True)
-        send, receive = anyio.create_memory_object_stream[GymOp](self._settings.max_batch_records * 4)
-        self._send = send
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        for _ in range(self._settings.writer_connections):
-            self._task_group.start_soon(self._writer.run, receive.clone())
-        receive.close()
+    @property
+    def batches(self) -> int:
+        """Batches written so far (each one script call per slot and one durability confirmation)."""
+        return self._writer.batches
 
-    async def _stop(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def _ensure_open(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop, self._open_lock, self._flushed = loop, anyio.Lock(), anyio.Event()
+        elif self._loop is not loop:
+            raise RuntimeError("the gym transport is bound to the event loop that first used it")
+        if self._closed:
+            raise RuntimeError("the gym transport is closed")
+        if self._opened:
+            return
+        assert self._open_lock is not None
+        async with self._open_lock:
+            if not self._opened:
+                try:
+                    await self._topology.initialize()
+                except (redis_errors.RedisError, OSError) as exc:
+                    # Not fatal: operations fail with this error until the server is reachable.
+                    logger.warning("gym transport could not load the cluster topology: %s", describe_redis_error(exc))
+                await self._durability.report(force=True)
+                self._opened = True
+
+    async def aclose(self) -> None:
+        """Refuse new operations, let queued ones finish, close the connections (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None:
+            while self._queue or self._flushing:
+                if self._queue and self._flushing < self._settings.writer_connections:
+                    await self._flush()
+                else:
+                    assert self._flushed is not None
+                    await self._flushed.wait()
+        with anyio.CancelScope(shield=True):
+            await self._topology.aclose()
+
+    async def _flush(self) -> None:
+        batch: list[GymOp] = []
+        while self._queue and len(batch) < self._settings.max_batch_records:
+            batch.append(self._queue.popleft())
+        self._flushing += 1
         try:
-            if self._send is not None:
-                self._send.close()  # the writers drain what is queued, then stop
-            if self._task_group is not None:
-                await self._task_group.__aexit__(exc_type, exc, tb)
+            # Shielded: the batch holds other callers' operations; the socket timeouts bound it.
+            with anyio.CancelScope(shield=True):
+                await self._writer.write_batch(batch)
         finally:
-            self._send = None
+            self._flushing -= 1
+            assert self._flushed is not None
+            flushed, self._flushed = self._flushed, anyio.Event()
+            flushed.set()
 
-    async def _close_resources(self) -> None:
-        await self._topology.aclose()
+    async def _commit(self, op: GymOp) -> None:
+        self._queue.append(op)
+        try:
+            while not op.done.is_set():
+                if self._queue and self._flushing < self._settings.writer_connections:
+                    await self._flush()
+                else:
+                    assert self._flushed is not None
+                    await self._flushed.wait()
+        except BaseException:
+            if op in self._queue:  # cancelled before any batch took it: it is never written
+                self._queue.remove(op)
+            raise
 
     # --- one operation --------------------------------------------------------------------------------
 
     async def _run(self, rollout_id: str, op: str, *values: Any) -> list[Any]:
-        send = self._send
-        if send is None:
-            raise RuntimeError("the gym transport is closed")
+        await self._ensure_open()
         report = await self._durability.report()
         if report.problem is not None:
             raise CaptureWriteError(f"{op} of rollout {rollout_id!r} refused: {report.problem}")
         padded = (op, *values, *([""] * (3 - len(values))))
         pending = GymOp(keys=gym_keys(self._settings.namespace, rollout_id), args=padded)
-        try:
-            await send.send(pending)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise RuntimeError("the gym transport is closing") from None
-        # Cancelling here leaves the queued operation to complete atomically or not at all.
-        await pending.done.wait()
+        await self._commit(pending)
         if pending.error is not None or pending.reply is None:
             raise CaptureWriteError(f"{op} of rollout {rollout_id!r} is not confirmed durable: {pending.error}")
         if _status(pending.reply) == GYM_WRONG_TYPE:

@@ -3,52 +3,34 @@
 Both are structural implementations of Gym's protocols (no ``nemo_gym`` import needed), built the way Gym
 builds a configured sink: keyword arguments only, ``RedisTokenSink(redis_url="redis://...", namespace="stg")``
 (any further keyword is a :class:`~sink.settings.GymTransportSettings` field). Their methods are coroutines
-for an asyncio caller; the work runs on one private event-loop thread per object (started on first use),
-where an :class:`~sink.gym.store.AsyncGymStore` group-commits every operation and confirms it durable
-before the caller's coroutine resumes. An object belongs to the process that first used it: Gym builds one
-per server process, which is what is needed (using one across a ``fork`` raises ``RuntimeError``).
+(asyncio, as Gym's protocols are async); an :class:`~sink.gym.store.AsyncGymStore`, built on first use,
+group-commits every operation in the caller's event loop and confirms it durable before the coroutine
+returns. An object belongs to the process and the event loop that first used it: Gym builds one per server
+process, which is what is needed (using one across a ``fork``, or from a second loop, raises ``RuntimeError``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import os
-import threading
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from sink.gym.codec import encode_entry
 from sink.gym.entry import entry_types
 from sink.gym.store import AsyncGymStore
 from sink.settings import GymTransportSettings
-from sink.store.resource import PortalOwner
 
 __all__ = ("RedisTokenSink", "RedisTokenSource")
 
-T = TypeVar("T")
-
-
-class _StoreThread(PortalOwner[AsyncGymStore]):
-    """The store, entered on a private loop thread; :meth:`submit` runs a coroutine there."""
-
-    def submit(self, func: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
-        portal = self._portal
-        if portal is None:
-            raise RuntimeError(f"{type(self).__name__} is closed")
-        return portal.start_task_soon(func, *args)
-
 
 class _Transport:
-    """What the sink and the source share: settings, the lazily started store thread, close."""
+    """What the sink and the source share: settings, the lazily built store, close."""
 
     def __init__(self, *, redis_url: str, namespace: str = "stg", **settings: Any) -> None:
         if not isinstance(redis_url, str) or not redis_url:
             raise ValueError(f"redis_url must be a non-empty str, got {redis_url!r}")
         self._url = redis_url
         self._settings = GymTransportSettings(namespace=namespace, **settings)
-        self._lock = threading.Lock()
-        self._thread: _StoreThread | None = None
+        self._store: AsyncGymStore | None = None
         self._pid = os.getpid()
         self._closed = False
 
@@ -56,31 +38,24 @@ class _Transport:
     def settings(self) -> GymTransportSettings:
         return self._settings
 
-    def _store_thread(self) -> _StoreThread:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{type(self).__name__} is closed")
-            if os.getpid() != self._pid:
-                raise RuntimeError(f"{type(self).__name__} was used before a fork: build one in each process")
-            if self._thread is None:
-                self._thread = _StoreThread(AsyncGymStore(self._url, self._settings, entry_types()))
-            return self._thread
-
-    async def _call(self, method: Callable[[AsyncGymStore], Callable[..., Awaitable[T]]], *args: Any) -> T:
-        thread = self._store_thread()
-        future = thread.submit(method(thread._resource), *args)  # noqa: SLF001 (the store this thread owns)
-        return await asyncio.wrap_future(future)
+    def _get_store(self) -> AsyncGymStore:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"{type(self).__name__} was used before a fork: build one in each process")
+        if self._store is None:
+            self._store = AsyncGymStore(self._url, self._settings, entry_types())
+        return self._store
 
     async def close(self) -> None:
         """Finish queued operations and close the connections (idempotent)."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-            self._closed = True
-        if thread is not None:
-            await asyncio.to_thread(thread.close)
+        self._closed = True
+        store, self._store = self._store, None
+        if store is not None:
+            await store.aclose()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open" if self._thread is not None else "not started"
+        state = "closed" if self._closed else "open" if self._store is not None else "not started"
         return f"<{type(self).__name__} namespace={self._settings.namespace!r} {state}>"
 
 
@@ -104,7 +79,7 @@ class RedisTokenSink(_Transport):
         :raises ValueError, TypeError: *entry* is not a valid ``TokenEntry`` (nothing was written).
         """
         encoded = encode_entry(entry)
-        await self._call(lambda store: store.put, encoded)
+        await self._get_store().put(encoded)
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Record durably that a call of *rollout_id* was lost: a later snapshot is ``incomplete``. Works on a
@@ -114,7 +89,7 @@ class RedisTokenSink(_Transport):
         :raises CaptureWriteError: the mark could not be confirmed durable.
         :raises ValueError: an invalid rollout id.
         """
-        await self._call(lambda store: store.mark_incomplete, rollout_id, model_call_id)
+        await self._get_store().mark_incomplete(rollout_id, model_call_id)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Record durably that *model_call_id* was dispatched: a freeze without its entry is ``incomplete``.
@@ -125,7 +100,7 @@ class RedisTokenSink(_Transport):
         :raises CaptureWriteError: the intent could not be confirmed durable.
         :raises ValueError: an invalid rollout or call id.
         """
-        await self._call(lambda store: store.begin_call, rollout_id, model_call_id)
+        await self._get_store().begin_call(rollout_id, model_call_id)
 
 
 class RedisTokenSource(_Transport):
@@ -141,7 +116,7 @@ class RedisTokenSource(_Transport):
         :raises CaptureWriteError: the freeze could not be confirmed durable.
         :raises ValueError: an invalid rollout id.
         """
-        return await self._call(lambda store: store.freeze, rollout_id)
+        return await self._get_store().freeze(rollout_id)
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         """Retire the consumed snapshot, only if the rollout is frozen at exactly *snapshot_id* and *version*:
@@ -151,4 +126,4 @@ class RedisTokenSource(_Transport):
         :raises CaptureWriteError: the drop could not be confirmed durable.
         :raises ValueError: an invalid rollout id, ``snapshot_id`` or ``version``.
         """
-        return await self._call(lambda store: store.drop, rollout_id, snapshot_id, version)
+        return await self._get_store().drop(rollout_id, snapshot_id, version)

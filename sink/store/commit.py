@@ -141,9 +141,14 @@ class GroupCommitWriter(Generic[_Item]):
                         batch.append(receive.receive_nowait())
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
-                await self._write_batch(batch)
+                await self.write_batch(batch)
 
-    async def _write_batch(self, batch: list[_Item]) -> None:
+    async def write_batch(self, batch: list[_Item]) -> None:
+        """Write *batch* (one script call per slot, then the confirmation) and settle every item of it.
+
+        :meth:`run` calls it for each batch it forms; a caller that forms batches itself (the Gym transport,
+        which has no writer tasks of its own) calls it directly.
+        """
         self.batches += 1
         by_node: dict[int, tuple[aioredis.Redis, list[_Item]]] = {}
         try:
