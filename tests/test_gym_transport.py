@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
+import sys
 import time
+import types
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,9 +24,10 @@ from sink.errors import (
     RolloutRetiredError,
     TokenEntryConflictError,
 )
-from sink.gym import LocalTokenCaptureSnapshot, LocalTokenEntry, RedisTokenSink, RedisTokenSource
+from sink.gym import LocalTokenCaptureSnapshot, LocalTokenEntry, RedisTokenSink, RedisTokenSource, entry_types
 from sink.keys import gym_keys
 from sink.server import DurableServer
+from sink.store.pipeline_counters import pipeline_counters
 from tests.helpers.gym import make_entry
 
 pytestmark = pytest.mark.anyio
@@ -50,6 +54,15 @@ def _wait_until_expired(url: str, key: str) -> None:
         while client.exists(key):
             assert time.monotonic() < deadline, f"{key} did not expire"
             time.sleep(0.005)
+
+
+def _gym_count(operation: str, result: str) -> float:
+    return sum(
+        value
+        for name, labels, value in pipeline_counters().counters()
+        if name == "staging_sink_gym_operations"
+        and labels == {"namespace": NS, "operation": operation, "result": result}
+    )
 
 
 def _key_count(url: str) -> int:
@@ -99,11 +112,13 @@ async def test_other_payload_under_a_known_call_id_raises_and_marks_incomplete(
     redis_url: str, change: dict[str, Any]
 ) -> None:
     first = make_entry("t-3", "c1")
+    conflicts = _gym_count("put", "conflict")
     async with transport(redis_url) as (sink, source):
         await sink.put(first)
         with pytest.raises(TokenEntryConflictError) as raised:
             await sink.put(make_entry("t-3", "c1", **change))
         assert isinstance(raised.value, ValueError)
+        assert _gym_count("put", "conflict") == conflicts + 1  # counted for the metrics exporter
         snapshot = await source.freeze("t-3")
     assert snapshot.incomplete
     assert [e.model_dump(mode="json") for e in snapshot.entries] == [first.model_dump(mode="json")]  # kept
@@ -321,3 +336,38 @@ async def test_missing_replicas_fail_the_put(redis_url: str) -> None:
     async with transport(redis_url, min_replicas=1, confirm_timeout_s=0.2) as (sink, _source):
         with pytest.raises(CaptureWriteError, match="replica"):
             await sink.put(make_entry("t-19", "c1"))
+
+
+async def test_gyms_own_classes_are_returned_when_nemo_gym_is_importable(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in ``nemo_gym.token_id_capture`` module (a second implementation of the two record types):
+    the source builds its classes, not the local ones."""
+
+    class GymTokenEntry(LocalTokenEntry):
+        pass
+
+    @dataclasses.dataclass(frozen=True)
+    class GymSnapshot:
+        rollout_id: str
+        entries: tuple[Any, ...]
+        incomplete: bool
+        snapshot_id: str
+        version: int
+
+    module = types.ModuleType("nemo_gym.token_id_capture")
+    module.TokenEntry = GymTokenEntry  # type: ignore[attr-defined]
+    module.TokenCaptureSnapshot = GymSnapshot  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nemo_gym", types.ModuleType("nemo_gym"))
+    monkeypatch.setitem(sys.modules, "nemo_gym.token_id_capture", module)
+    entry_types.cache_clear()
+    try:
+        assert entry_types().from_gym
+        async with transport(redis_url) as (sink, source):
+            await sink.put(GymTokenEntry(**make_entry("t-20", "c1").model_dump()))
+            snapshot = await source.freeze("t-20")
+        assert type(snapshot) is GymSnapshot and type(snapshot.entries[0]) is GymTokenEntry
+    finally:
+        monkeypatch.undo()
+        entry_types.cache_clear()
+    assert not entry_types().from_gym

@@ -39,6 +39,7 @@ from sink.store.gym_scripts import (
     GYM_SAME,
     GYM_WRONG_TYPE,
 )
+from sink.store.pipeline_counters import count_gym_operation
 from sink.store.scripts import GYM_SCRIPT
 
 __all__ = ("AsyncGymStore", "GymOp")
@@ -46,6 +47,14 @@ __all__ = ("AsyncGymStore", "GymOp")
 logger = logging.getLogger(__name__)
 
 _WRONG_TYPE: Final = "a key of this rollout holds a value of the wrong type; nothing was written"
+_RESULTS: Final = {
+    GYM_OK: "ok",
+    GYM_SAME: "ok",
+    GYM_CONFLICT: "conflict",
+    GYM_FROZEN: "frozen",
+    GYM_RETIRED: "retired",
+    GYM_DROP_REFUSED: "refused",
+}
 
 
 @dataclass(slots=True)
@@ -197,6 +206,15 @@ class AsyncGymStore:
     # --- one operation --------------------------------------------------------------------------------
 
     async def _run(self, rollout_id: str, op: str, *values: Any) -> list[Any]:
+        result = "failed"
+        try:
+            reply = await self._run_once(rollout_id, op, *values)
+            result = _RESULTS.get(_status(reply), "failed")
+            return reply
+        finally:
+            count_gym_operation(self._settings.namespace, op, result)
+
+    async def _run_once(self, rollout_id: str, op: str, *values: Any) -> list[Any]:
         await self._ensure_open()
         report = await self._durability.report()
         if report.problem is not None:
