@@ -44,7 +44,16 @@ from sink.bench import (
 from sink.errors import StagingError
 from sink.gym import LocalTokenEntry, RedisTokenSink, RedisTokenSource
 
-__all__ = ("MAX_FREEZE_400_MS", "MAX_P99_RATIO", "MIN_PUT_RATIO", "JsonlFloorStore", "main", "run_gym_benchmark")
+__all__ = (
+    "MAX_FREEZE_400_MS",
+    "MAX_P99_RATIO",
+    "MIN_PUT_RATIO",
+    "JsonlFloorStore",
+    "format_report",
+    "gym_targets",
+    "main",
+    "run_gym_benchmark",
+)
 
 MIN_PUT_RATIO = 3.0
 """Target: at 16 concurrent tasks, the transport's puts/s at least this many times the floor's."""
