@@ -75,6 +75,7 @@ async def test_two_processes_put_into_one_rollout(redis_url: str) -> None:
     processes = [context.Process(target=_put_from_process, args=(redis_url, w, barrier)) for w in range(2)]
     for process in processes:
         process.start()
+
     def join_all() -> None:
         for process in processes:
             process.join(120)
