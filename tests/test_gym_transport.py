@@ -371,3 +371,37 @@ async def test_gyms_own_classes_are_returned_when_nemo_gym_is_importable(
         monkeypatch.undo()
         entry_types.cache_clear()
     assert not entry_types().from_gym
+
+
+async def test_a_durability_setting_changed_under_an_open_sink_fails_the_next_put(redis_url: str) -> None:
+    async with transport(redis_url) as (sink, _source):
+        await sink.put(make_entry("t-21", "c1"))
+        with redis.Redis.from_url(redis_url) as client:
+            client.config_set("appendfsync", "everysec")  # checked again in the round trip of every batch
+        with pytest.raises(CaptureWriteError, match="appendfsync"):
+            await sink.put(make_entry("t-21", "c2"))
+        with pytest.raises(CaptureWriteError, match="appendfsync"):
+            await sink.mark_incomplete("t-21")  # refused until a fresh check passes
+
+
+async def test_cancelled_puts_leave_whole_entries_or_none(redis_url: str) -> None:
+    async with transport(redis_url) as (sink, source):
+        await sink.put(make_entry("t-22", "c-first"))
+        acknowledged: set[str] = set()
+
+        async def put(index: int) -> None:
+            await sink.put(make_entry("t-22", f"c{index}", n_tokens=256))
+            acknowledged.add(f"c{index}")
+
+        with anyio.move_on_after(0.005):
+            async with anyio.create_task_group() as group:
+                for index in range(40):
+                    group.start_soon(put, index)
+        await sink.put(make_entry("t-22", "c-after"))  # the transport still works
+        snapshot = await source.freeze("t-22")
+    stored = {e.model_call_id: e for e in snapshot.entries}
+    assert {"c-first", "c-after"} | acknowledged <= set(stored)
+    for call_id, entry in stored.items():  # every stored entry is whole and exactly what was put
+        if call_id.startswith("c") and call_id[1:].isdigit():
+            expected = make_entry("t-22", call_id, n_tokens=256)
+            assert entry.model_dump(mode="json") == expected.model_dump(mode="json")

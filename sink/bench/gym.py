@@ -133,6 +133,11 @@ class JsonlFloorStore:
         await asyncio.to_thread(self._drop, rollout_id)
 
 
+def _empty(directory: Path) -> None:
+    for path in directory.iterdir():
+        path.unlink()
+
+
 def _percentile_ms(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
@@ -196,12 +201,15 @@ class _Systems:
 _PUT_CONFIGS = (("one rollout", 1, 1), ("one rollout", 16, 1), ("many rollouts", 1, 64), ("many rollouts", 16, 64))
 
 
-async def _bench_puts(systems: _Systems, puts: int, repeats: int) -> list[dict[str, Any]]:
+async def _bench_puts(
+    systems: _Systems, puts: int, repeats: int, reset: Callable[[], Awaitable[None]]
+) -> list[dict[str, Any]]:
     rows = []
     for config, (shape, tasks, rollouts) in enumerate(_PUT_CONFIGS):
         for system in ("jsonl", "redis"):
             runs = []
             for repeat in range(repeats):
+                await reset()
                 progress(f"gym: put {shape} x{tasks} {system}, repeat {repeat + 1}/{repeats}")
                 items = _entries(f"p{config}r{repeat}{system[0]}", puts, rollouts)
                 runs.append(await _drive(items, tasks, systems.put(system)))
@@ -210,12 +218,15 @@ async def _bench_puts(systems: _Systems, puts: int, repeats: int) -> list[dict[s
     return rows
 
 
-async def _bench_lifecycle(systems: _Systems, repeats: int) -> list[dict[str, Any]]:
+async def _bench_lifecycle(
+    systems: _Systems, repeats: int, reset: Callable[[], Awaitable[None]]
+) -> list[dict[str, Any]]:
     rows = []
     for size in (8, 400):
         for system in ("jsonl", "redis"):
             freeze_ms, drop_ms = [], []
             for repeat in range(repeats):
+                await reset()
                 progress(f"gym: freeze/drop of {size} entries, {system}, repeat {repeat + 1}/{repeats}")
                 rollout_id = f"f{size}r{repeat}{system[0]}"
                 await _drive(_entries(rollout_id, size, 1), 16, systems.put(system))
@@ -243,13 +254,19 @@ async def run_gym_benchmark(
         raise ValueError("repeats and puts must be at least 1")
     root = Path(tempfile.mkdtemp(prefix="stg-bench-gym-"))
     try:
-        async with bench_namespace(url, namespace):
+        async with bench_namespace(url, namespace) as space:
             systems = _Systems(url, namespace, root)
+
+            async def reset() -> None:
+                """Every run starts empty: the namespace's keys and the floor's files deleted."""
+                await space.clear()
+                await asyncio.to_thread(_empty, root)
+
             try:
                 for system in ("jsonl", "redis"):  # connect, verify durability, load the scripts: not timed
                     await systems.put(system)(_entry(f"warmup-{system}", "c0", 0))
-                put_rows = await _bench_puts(systems, puts, repeats)
-                lifecycle_rows = await _bench_lifecycle(systems, repeats)
+                put_rows = await _bench_puts(systems, puts, repeats, reset)
+                lifecycle_rows = await _bench_lifecycle(systems, repeats, reset)
             finally:
                 await systems.close()
     finally:
