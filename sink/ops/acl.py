@@ -37,11 +37,21 @@ import os
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from sink.keys import DEFAULT_NAMESPACE
+from sink.ops.acl_grants import (
+    CONNECTION_COMMANDS,
+    FENCE_PATTERN,
+    SCRIPT_COMMANDS,
+    Grant,
+    KeyPattern,
+    RolePolicy,
+    read_only,
+    read_write,
+    write_only,
+)
+from sink.ops.acl_gym import GYM_ROLE_POLICIES
 
 __all__ = (
     "ADMIN_ROLE",
@@ -64,59 +74,13 @@ __all__ = (
     "write_private_file",
 )
 
-Access = Literal["R", "W", "RW"]
-
-
-@dataclass(frozen=True, slots=True)
-class KeyPattern:
-    """A key glob with ``<ns>`` standing for the namespace, and the access it grants (read, write or both)."""
-
-    pattern: str
-    access: Access = "RW"
-
-    def render(self, namespace: str, *, read_write_only: bool) -> str:
-        """``~glob``, ``%R~glob`` or ``%W~glob`` (always ``~glob`` with ``read_write_only``)."""
-        glob = self.pattern.replace("<ns>", namespace)
-        return f"~{glob}" if read_write_only or self.access == "RW" else f"%{self.access}~{glob}"
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """Commands (``xadd``, ``config|get``) and the key patterns they may touch; no patterns: keyless only."""
-
-    commands: tuple[str, ...]
-    keys: tuple[KeyPattern, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RolePolicy:
-    """What one role does, and its grants (the first one is the user's root permissions)."""
-
-    purpose: str
-    grants: tuple[Grant, ...]
-
-    def commands(self) -> frozenset[str]:
-        """Every command of every grant."""
-        return frozenset(command for grant in self.grants for command in grant.commands)
-
-
-def _rw(pattern: str) -> KeyPattern:
-    return KeyPattern(pattern, "RW")
-
-
-def _ro(pattern: str) -> KeyPattern:
-    return KeyPattern(pattern, "R")
-
-
-def _wo(pattern: str) -> KeyPattern:
-    return KeyPattern(pattern, "W")
-
+_rw, _ro, _wo = read_write, read_only, write_only
+_FENCE, _SCRIPTS = FENCE_PATTERN, SCRIPT_COMMANDS
 
 _REC = "<ns>:{*}:rec:*"
 _CALLS = "<ns>:{*}:calls"
 _LEDGER = "<ns>:{*}:ledger"
 _LEDGER_IDS = "<ns>:{*}:ledger:ids"
-_FENCE = "<ns>:{*}:fence"
 _RECEIPT = "<ns>:{*}:receipt"
 _CLAIMED = "<ns>:{*}:claimed"
 _DONE = "<ns>:done:*"
@@ -124,34 +88,7 @@ _RECEIPTS = "<ns>:receipts:*"
 _DEAD = "<ns>:dead:*"
 _GROUP_META = "<ns>:{grp:*}:meta"
 _GROUP_MEMBERS = "<ns>:{grp:*}:members"
-_GYM = "<ns>:{*}:gym"
-_GYM_ENTRIES = "<ns>:{*}:gym:entries"
-_GYM_DIGESTS = "<ns>:{*}:gym:digests"
-_GYM_INTENTS = "<ns>:{*}:gym:intents"
-_GYM_KEYS = (_GYM, _GYM_ENTRIES, _GYM_DIGESTS, _GYM_INTENTS, _FENCE)
 
-CONNECTION_COMMANDS: tuple[str, ...] = (
-    "ping",
-    "hello",
-    "auth",
-    "client|setname",
-    "client|getname",
-    "client|id",
-    "client|setinfo",
-    "command",
-    "asking",
-    "readonly",
-    "readwrite",
-    "cluster|slots",
-    "cluster|shards",
-    "cluster|nodes",
-    "cluster|info",
-)
-"""What any redis-py client (plain or cluster) sends besides its real work; every role has these."""
-
-_SCRIPTS = ("fcall", "fcall_ro", "evalsha", "eval")
-"""Running the package's scripts: ``FCALL`` of the loaded function library on Redis >= 7.0 and Valkey,
-``EVALSHA``/``EVAL`` only on Redis 6.2 (see :data:`COMMANDS_UNTIL`)."""
 _TRANSACTIONS = ("multi", "exec", "discard")
 # sink.store.streams: read, reclaim, acknowledge (XACK + XDEL in one MULTI), count deliveries, and its scripts
 # (touch: XPENDING, XCLAIM; retire a consumer: EXISTS, XPENDING, XGROUP DELCONSUMER).
@@ -280,33 +217,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             ),
         ),
     ),
-    "gym_sink": RolePolicy(
-        "NeMo Gym model server (sink.gym.RedisTokenSink): put, mark_incomplete, begin_call through the gym script "
-        "(TYPE, TIME, HGET, HSET, HSETNX, HINCRBY on gym, gym:entries, gym:digests; SADD gym:intents; EXISTS fence: "
-        "a dropped rollout refuses late writes), verify durability (CONFIG GET, INFO), confirm writes (WAIT, WAITAOF)",
-        (
-            Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof", "time")),
-            Grant(_SCRIPTS, tuple(_rw(p) for p in _GYM_KEYS)),
-            Grant(("type", "hget", "hset", "hsetnx", "hincrby"), (_rw(_GYM),)),
-            Grant(("type", "hget", "hset"), (_rw(_GYM_ENTRIES), _rw(_GYM_DIGESTS))),
-            Grant(("type", "sadd"), (_rw(_GYM_INTENTS),)),
-            Grant(("type", "exists"), (_ro(_FENCE),)),
-        ),
-    ),
-    "gym_source": RolePolicy(
-        "NeMo Gym consumer (sink.gym.RedisTokenSource): freeze (gym script: TYPE, TIME, HGET, HSET, HSETNX, HINCRBY "
-        "gym; HVALS gym:entries; HEXISTS gym:digests; SMEMBERS gym:intents; EXISTS fence) and drop (GET, SET fence "
-        "as the tombstone; DEL of the gym keys, one key per DEL), verify durability, confirm writes",
-        (
-            Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof", "time")),
-            Grant(_SCRIPTS, tuple(_rw(p) for p in _GYM_KEYS)),
-            Grant(("type", "hget", "hset", "hsetnx", "hincrby", "del"), (_rw(_GYM),)),
-            Grant(("type", "hvals", "del"), (_rw(_GYM_ENTRIES),)),
-            Grant(("type", "hexists", "del"), (_rw(_GYM_DIGESTS),)),
-            Grant(("type", "smembers", "del"), (_rw(_GYM_INTENTS),)),
-            Grant(("type", "exists", "get", "set"), (_rw(_FENCE),)),
-        ),
-    ),
+    **GYM_ROLE_POLICIES,
     "replica": RolePolicy(
         "replication link only: the replicas' `masteruser` (PSYNC/SYNC, REPLCONF, PING). A leaked `masterauth` "
         "(which CONFIG GET shows the worker and ops roles) then lets its holder copy the dataset, but run no "
