@@ -219,9 +219,10 @@ class GymTransportSettings(SinkSettings):
     ``begin_call`` failing; afterwards the rollout id is free again."""
     max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
     """Encoded entries larger than this are refused before any write."""
-    writer_connections: int = Field(default=1, ge=1, le=64)
-    """Batches in flight at once. One: a server fsyncs one batch at a time anyway, and every operation queued
-    while a batch waits for its fsync goes into the next one (a batch still writes to every cluster node at once)."""
+    writer_connections: int = Field(default=2, ge=1, le=64)
+    """Batches in flight at once (each writes to every cluster node it touches at once). Two: while one batch
+    waits for its fsync the next one is on its way; more only splits the waiting operations into smaller batches
+    (a server fsyncs them one after the other anyway)."""
 
 
 class PruneSettings(ConnectionSettings):
