@@ -102,6 +102,10 @@ def _settle(op: GymOp, reply: Any, error: str | None) -> None:
     op.settle(reply, error)
 
 
+def _call_id(entry: Any) -> str:
+    return str(entry.model_call_id)
+
+
 def _status(reply: list[Any]) -> int:
     return int(reply[0])
 
@@ -276,7 +280,8 @@ class AsyncGymStore:
             self._refuse(_status(reply), rollout_id, "freeze")
         snapshot_id, version, incomplete = reply[1], reply[2], reply[3]
         entry_type = self._types.entry
-        entries = tuple(decode_entry(blob, entry_type) for blob in reply[4:])
+        # Sorted by call id: the order carries no meaning, and a repeated freeze returns an equal snapshot.
+        entries = tuple(sorted((decode_entry(blob, entry_type) for blob in reply[4:]), key=_call_id))
         return self._types.snapshot(
             rollout_id=rollout_id,
             entries=entries,
