@@ -265,6 +265,9 @@ async def test_invalid_entries_are_refused(redis_url: str) -> None:
                 await sink.put(LocalTokenEntry.model_construct(**{**good, **change}))
         with pytest.raises(TypeError):
             await sink.put({"rollout_id": "t-14"})
+    async with transport(redis_url, max_record_bytes=4096) as (sink, _source):
+        with pytest.raises(ValueError, match="max_record_bytes"):
+            await sink.put(make_entry("t-14", "c1", n_tokens=1024))
     assert _key_count(redis_url) == 0
 
 

@@ -86,16 +86,14 @@ class GymOp:
         self.done.set()
 
 
-def _head(settings: Any) -> list[Any]:
-    assert isinstance(settings, GymTransportSettings)
-    return [int(settings.tombstone_retention_s * 1000), "1" if settings.min_replicas > 0 else "0"]
-
-
 def _item(op: GymOp) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     return op.keys, op.args
 
 
-_GYM_BATCH: Final[BatchScript[GymOp]] = BatchScript(GYM_SCRIPT, _head, _item)
+def _batch_script(settings: GymTransportSettings) -> BatchScript[GymOp]:
+    """:data:`GYM_SCRIPT` over :class:`GymOp` s; ``ARGV`` starts with the tombstone retention and the rewrite flag."""
+    head = (int(settings.tombstone_retention_s * 1000), "1" if settings.min_replicas > 0 else "0")
+    return BatchScript(GYM_SCRIPT, lambda _settings: head, _item)
 
 
 def _settle(op: GymOp, reply: Any, error: str | None) -> None:
@@ -124,7 +122,7 @@ class AsyncGymStore:
         self._types = types
         self._topology = Topology.from_url(url, settings)
         self._durability = DurabilityMonitor(self._topology, settings)
-        self._writer = GroupCommitWriter(self._topology, settings, self._durability, _settle, _GYM_BATCH)
+        self._writer = GroupCommitWriter(self._topology, settings, self._durability, _settle, _batch_script(settings))
         self._queue: deque[GymOp] = deque()
         self._flushing = 0
         self._flushed: anyio.Event | None = None
@@ -235,7 +233,15 @@ class AsyncGymStore:
     # --- the sink side ----------------------------------------------------------------------------------
 
     async def put(self, encoded: EncodedEntry) -> None:
-        """Store one encoded entry (see :class:`~sink.gym.RedisTokenSink.put`)."""
+        """Store one encoded entry (see :class:`~sink.gym.RedisTokenSink.put`).
+
+        :raises ValueError: the entry is larger than ``max_record_bytes`` (nothing is written).
+        """
+        if len(encoded.blob) > self._settings.max_record_bytes:
+            raise ValueError(
+                f"entry {encoded.model_call_id!r} of rollout {encoded.rollout_id!r} is {len(encoded.blob)} bytes "
+                f"encoded, more than max_record_bytes={self._settings.max_record_bytes}"
+            )
         reply = await self._run(encoded.rollout_id, "put", encoded.model_call_id, encoded.digest, encoded.blob)
         status = _status(reply)
         if status in (GYM_OK, GYM_SAME):
