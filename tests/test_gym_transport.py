@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import struct
 import sys
@@ -408,3 +409,24 @@ async def test_cancelled_puts_leave_whole_entries_or_none(redis_url: str) -> Non
         if call_id.startswith("c") and call_id[1:].isdigit():
             expected = make_entry("t-22", call_id, n_tokens=256)
             assert entry.model_dump(mode="json") == expected.model_dump(mode="json")
+
+
+def test_a_transport_belongs_to_the_loop_of_its_first_call(redis_url: str) -> None:
+    sink = RedisTokenSink(redis_url=redis_url, namespace=NS)  # built outside any loop, as Gym may
+
+    async def use_twice() -> None:
+        await sink.put(make_entry("t-23", "c1"))
+        await sink.put(make_entry("t-23", "c2"))
+
+    async def other_loop() -> None:
+        with pytest.raises(RuntimeError, match="event loop"):
+            await sink.put(make_entry("t-23", "c3"))
+
+    async def close() -> None:
+        await sink.close()
+
+    runner = asyncio.Runner()
+    with runner:
+        runner.run(use_twice())
+        asyncio.run(other_loop())
+        runner.run(close())

@@ -166,6 +166,8 @@ class AsyncGymStore:
         if self._closed:
             return
         self._closed = True
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            return  # the connections belong to another (ended) loop: nothing here can close them
         if self._loop is not None:
             while self._queue or self._flushing:
                 if self._queue and self._flushing < self._settings.writer_connections:

@@ -5,8 +5,9 @@ builds a configured sink: keyword arguments only, ``RedisTokenSink(redis_url="re
 (any further keyword is a :class:`~sink.settings.GymTransportSettings` field). Their methods are coroutines
 (asyncio, as Gym's protocols are async); an :class:`~sink.gym.store.AsyncGymStore`, built on first use,
 group-commits every operation in the caller's event loop and confirms it durable before the coroutine
-returns. An object belongs to the process and the event loop that first used it: Gym builds one per server
-process, which is what is needed (using one across a ``fork``, or from a second loop, raises ``RuntimeError``).
+returns. An object belongs to one process (Gym builds one per server process; using one across a ``fork``
+raises ``RuntimeError``) and to the event loop of its first call (it connects then, not when built; a call
+from another loop raises ``RuntimeError``).
 """
 
 from __future__ import annotations
