@@ -27,7 +27,7 @@ from sink.errors import (
 )
 from sink.gym import LocalTokenCaptureSnapshot, LocalTokenEntry, RedisTokenSink, RedisTokenSource, entry_types
 from sink.keys import gym_keys
-from sink.server import DurableServer
+from sink.server import DurableServer, durable_server
 from sink.store.pipeline_counters import pipeline_counters
 from tests.helpers.gym import make_entry
 
@@ -430,3 +430,25 @@ def test_a_transport_belongs_to_the_loop_of_its_first_call(redis_url: str) -> No
         runner.run(use_twice())
         asyncio.run(other_loop())
         runner.run(close())
+
+
+async def test_min_replicas_puts_reach_the_replica_and_a_paused_one_fails_them(fresh_server: DurableServer) -> None:
+    with durable_server(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
+        async with transport(fresh_server.url, min_replicas=1, confirm_timeout_s=0.5) as (sink, _source):
+            for _attempt in range(100):  # a loaded machine may take a few windows for the first sync
+                try:
+                    await sink.put(make_entry("t-24", "c1"))
+                    break
+                except CaptureWriteError:
+                    await anyio.sleep(0.1)
+            else:
+                pytest.fail("the healthy replica never confirmed a put")
+            await sink.put(make_entry("t-24", "c2"))
+            with replica.client() as client:  # WAIT returned: the replica has it already
+                assert client.hexists(gym_keys(NS, "t-24")[1], "c2")
+            replica.pause()
+            try:
+                with pytest.raises(CaptureWriteError, match="replica"), anyio.fail_after(10):
+                    await sink.put(make_entry("t-24", "c3"))
+            finally:
+                replica.resume()
