@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -271,7 +272,31 @@ async def run_gym_benchmark(
                 await systems.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"repeats": repeats, "floor_dir": str(root.parent), "put": put_rows, "lifecycle": lifecycle_rows}
+    return {
+        "repeats": repeats,
+        "floor_dir": str(root.parent),
+        "put": put_rows,
+        "lifecycle": lifecycle_rows,
+        "lists_400_ms": _lists_floor_ms(400, repeats),
+    }
+
+
+def _lists_floor_ms(size: int, repeats: int) -> float:
+    """What any transport pays to hand *size* entries back as ``TokenEntry`` lists: the three token lists of
+    each built from packed arrays, nothing else (no I/O, no parsing), best of *repeats*."""
+    entry = _entry("lists", "c0", 1)
+    packed: list[array[Any]] = [
+        array("I", entry.prompt_token_ids),
+        array("I", entry.generation_token_ids),
+        array("f", entry.generation_log_probs),
+    ]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        built = [[column.tolist() for column in packed] for _ in range(size)]
+        times.append(time.perf_counter() - start)
+        del built
+    return min(times) * 1000
 
 
 def gym_targets(report: dict[str, Any]) -> list[Target]:
@@ -316,6 +341,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'':<14} {r['entries']:>5} {r['system']:>6} {r['freeze_ms']:>10.2f} {r['drop_ms']:>8.2f}"
         for r in report["lifecycle"]
     ]
+    lines.append(
+        f"floor of any 400-entry freeze that returns lists: building the token lists alone takes "
+        f"{report['lists_400_ms']:.2f} ms here"
+    )
     lines.extend(format_targets(gym_targets(report)))
     return "\n".join(lines)
 
