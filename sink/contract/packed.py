@@ -43,6 +43,7 @@ from sink.errors import CodecError
 # The packed-column API the worker and the Gym transport build on (sink.contract._packed stays private).
 __all__ = (
     "ID_TYPECODES",
+    "PackedColumns",
     "PackedSnapshot",
     "TrustedColumns",
     "cached_packed_columns",

@@ -1,5 +1,5 @@
-"""The Lua text of the NeMo Gym transport's one script, and its status codes (registered in
-:mod:`sink.store.scripts` as ``GYM_SCRIPT``, so every process loads one library whatever it imports).
+"""The NeMo Gym transport's one Lua script, ``GYM_SCRIPT``, and its status codes (re-exported by
+:mod:`sink.store.scripts`, whose import registers every script in the one library).
 
 The script runs a batch of operations, each on the keys of one rollout, all of one cluster slot (the
 group commit in :mod:`sink.store.commit` queues it like the staging script). Per rollout ``R``:
@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from sink.store.script_status import library_script
+
 __all__ = (
     "GYM_CODES",
     "GYM_CONFLICT",
@@ -45,6 +47,7 @@ __all__ = (
     "GYM_OK",
     "GYM_RETIRED",
     "GYM_SAME",
+    "GYM_SCRIPT",
     "GYM_WRONG_TYPE",
     "TOMBSTONE_PREFIX",
 )
@@ -179,3 +182,6 @@ for i = 1, n do
 end
 return replies
 """
+
+GYM_SCRIPT: Final = library_script("gym", GYM_LUA, TOMBSTONE_PREFIX=TOMBSTONE_PREFIX, **GYM_CODES)
+"""The batch script of :mod:`sink.gym.store` (see the module docstring)."""
