@@ -9,6 +9,8 @@ for the largest size announced; it is ``complete=True`` only with that many memb
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import redis.asyncio as aioredis
@@ -25,7 +27,8 @@ NS = "stg"
 
 async def _dead_groups(url: str) -> list[dict[str, str]]:
     async with aioredis.Redis.from_url(url, decode_responses=True) as client:
-        return [fields for _id, fields in await client.xrange(dead_letter_stream(NS, "groups"))]
+        entries = await client.xrange(dead_letter_stream(NS, "groups")) or []
+        return [{str(k): str(v) for k, v in (fields or {}).items()} for _id, fields in entries]
 
 
 async def _pull_until(reader: GroupReader, *, timeout_s: float = 20.0) -> list[RolloutGroup]:
@@ -64,7 +67,7 @@ async def test_a_late_member_on_the_same_rank_is_acknowledged_and_recorded_never
 async def test_a_member_after_its_group_was_acknowledged_is_never_a_second_group(redis_url: str) -> None:
     size = {"a-0": ("acked", 2), "a-1": ("acked", 2), "a-2": ("acked", 2)}
     await publish(redis_url, ["a-0", "a-1"], groups=size, receipt_shards=1)
-    settings = {"receipt_shards": 1, "group_timeout_s": 0.5}
+    settings: dict[str, Any] = {"receipt_shards": 1, "group_timeout_s": 0.5}
     async with (
         RolloutReader.from_url(redis_url, consumer_name="rank-0", **settings) as rank0,
         RolloutReader.from_url(redis_url, consumer_name="rank-1", **settings) as rank1,
@@ -90,7 +93,7 @@ async def test_members_disagreeing_on_the_size_never_make_a_complete_group_with_
     redis_url: str,
 ) -> None:
     announced = {"s-0": ("sized", 2), "s-1": ("sized", 3)}
-    settings = {"receipt_shards": 1, "group_timeout_s": 0.5}
+    settings: dict[str, Any] = {"receipt_shards": 1, "group_timeout_s": 0.5}
     await publish(redis_url, ["s-0"], groups=announced, receipt_shards=1)
     async with (
         RolloutReader.from_url(redis_url, consumer_name="rank-0", **settings) as rank0,
