@@ -46,6 +46,7 @@ SUBCOMMANDS = (
     "delete",
     "list",
     "acl",
+    "dead-letters",
     "bench",
 )
 
