@@ -29,7 +29,7 @@ import pytest
 from sink import server as sink_server
 from sink.ops import cluster as sink_cluster
 from tests.helpers.servers import require_binary, skip_or_fail
-from tests.helpers.vllm_server import VLLM_FIXTURES, deselect_without_vllm
+from tests.helpers.vllm_server import VLLM_FIXTURES, VLLM_TIMEOUT_S, deselect_without_vllm
 
 pytest_plugins = ["tests.helpers.vllm_fixtures"]
 
@@ -53,6 +53,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
         if fixture_names & VLLM_FIXTURES:
             item.add_marker(pytest.mark.vllm)
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))  # the first test waits for the servers' start
     items[:] = deselect_without_vllm(config, items)
 
 

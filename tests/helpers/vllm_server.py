@@ -28,6 +28,7 @@ from tests.helpers.servers import running_in_ci
 __all__ = (
     "ENV_VARIABLE",
     "VLLM_FIXTURES",
+    "VLLM_TIMEOUT_S",
     "VllmServer",
     "build_model",
     "deselect_without_vllm",
@@ -41,6 +42,8 @@ VLLM_FIXTURES = frozenset({"vllm_fleet", "vllm_chatml", "vllm_reasoning", "vllm_
 """The tier's fixtures (:mod:`tests.helpers.vllm_fixtures`): a test using one gets the ``vllm`` marker."""
 _BUILDER = Path(__file__).with_name("tiny_model.py")
 _READY_DEADLINE_S = 600.0
+VLLM_TIMEOUT_S = 900.0
+"""pytest-timeout of a tier test: the first one waits for every server's start (up to ``_READY_DEADLINE_S``)."""
 _STOP_DEADLINE_S = 30.0
 _PARSER_FLAGS = {
     "chatml": [],
@@ -179,10 +182,14 @@ def require_vllm() -> Path | None:
 
 
 def deselect_without_vllm(config: pytest.Config, items: list[pytest.Item]) -> list[pytest.Item]:
-    """Drop the tier's tests when no vLLM environment is configured and CI is not set; returns the kept items."""
-    if require_vllm() is not None:
+    """Drop the tier's tests when no vLLM environment is configured and CI is not set; returns the kept items.
+
+    With CI set they are kept (selection by ``-m vllm`` / ``-m "not vllm"`` decides), so a missing environment fails.
+    """
+    if vllm_python() is not None or running_in_ci():
         return items
-    kept, dropped = [], []
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
     for item in items:
         (dropped if item.get_closest_marker("vllm") else kept).append(item)
     if dropped:

@@ -73,7 +73,7 @@ def derender_chat(tokenizer: ByteTokenizer, request: dict[str, Any]) -> dict[str
     choice = generated["choices"][0]
     ids = choice.get("token_ids") or []
     content = _visible(ids, choice.get("stop_reason"), final=True, stops=())
-    message = {"role": "assistant", "content": content, "reasoning": None, "tool_calls": []}
+    message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning": None, "tool_calls": []}
     prompt_tokens = request.get("prompt_tokens") or 0
     return {
         "id": generated.get("request_id", "chatcmpl-sim"),

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.simulated.engine import BYTE_OFFSET, IM_END, Generation, SimulatedEngine
+from worker.simulated.engine import BYTE_OFFSET, IM_END, FinishReason, Generation, SimulatedEngine
 
 __all__ = ("SCALE_OUT_DISABLED", "BadScaleOutRequest", "SamplingParams", "ScaleOut")
 
@@ -144,7 +144,7 @@ class ScaleOut:
             logprobs += part.logprobs
             if body[-1] == IM_END and not params.ignore_eos:
                 break
-        finish = "stop" if ids[-1] == IM_END and not params.ignore_eos else "length"
+        finish: FinishReason = "stop" if ids[-1] == IM_END and not params.ignore_eos else "length"
         for end in range(1, len(ids) + 1):
             text = self.engine.tokenizer.decode(ids[:end])
             hit = next((stop for stop in params.stop if stop in text), None)
