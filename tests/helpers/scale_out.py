@@ -7,7 +7,7 @@ ids of the generation prompt, how its text decodes) so that one test body runs a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ import orjson
 from tests.helpers.vllm_server import VllmServer
 from worker.simulated.engine import IM_END, IM_START, ByteTokenizer
 
-__all__ = ("ScaleOutEngine", "post", "simulated_engine", "stream", "vllm_engine")
+__all__ = ("ScaleOutEngine", "engine_call", "post", "simulated_engine", "stream", "vllm_engine")
 
 _TIMEOUT = httpx.Timeout(120.0)
 
@@ -70,3 +70,13 @@ def stream(engine: ScaleOutEngine, path: str, body: dict[str, Any]) -> list[dict
     lines = [line for line in answer.text.splitlines() if line.startswith("data: ")]
     assert lines and lines[-1] == "data: [DONE]", answer.text[-200:]
     return [orjson.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+
+def engine_call(client: httpx.AsyncClient, url: str) -> Callable[[str, dict[str, Any]], Awaitable[tuple[int, Any]]]:
+    """An :data:`worker.exact_chat.EngineCall` over *client* to the engine at *url*."""
+
+    async def call(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        answer = await client.post(url + path, content=orjson.dumps(body), headers={"content-type": "application/json"})
+        return answer.status_code, orjson.loads(answer.content)
+
+    return call

@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 
 VARIANTS = ("chatml", "reasoning", "tools")
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+THINK = ("<think>", "</think>")
+"""Added tokens that are not special (as in DeepSeek-R1's and Qwen3's tokenizers): the text shows them."""
 
 _TURN = "<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n"
 _GENERATION = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -56,13 +58,14 @@ TEMPLATES = {"chatml": CHATML, "reasoning": REASONING, "tools": TOOLS}
 def build(out_dir: Path, variant: str) -> None:
     """Write the tokenizer and the random model of *variant* into *out_dir*."""
     import torch
-    from tokenizers import Tokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     characters = [*string.printable[:95], "\n"]  # digits, letters, punctuation, space; then newline
-    vocab = {token: index for index, token in enumerate([*SPECIALS, *characters])}
+    vocab = {token: index for index, token in enumerate([*SPECIALS, *THINK, *characters])}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
     core.add_special_tokens(list(SPECIALS))
+    core.add_tokens([AddedToken(token, special=False, normalized=False) for token in THINK])
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,

@@ -4,10 +4,16 @@
 at once (their start-ups overlap); ``vllm_chatml``, ``vllm_reasoning``, ``vllm_tools`` wait for their own server.
 Every server is stopped by PID at the session's end. Tests using them get the ``vllm`` marker automatically;
 without ``STAGING_SINK_VLLM_ENV`` they are deselected locally, and fail in CI.
+
+For a developer's edit-run loop, ``STAGING_SINK_VLLM_REUSE=DIR`` (never set by ``scripts/test``) reuses servers
+already running: ``DIR/<variant>.url`` holds a base URL and ``DIR/<variant>/`` the model folder
+(:func:`tests.helpers.vllm_server.build_model`'s output); they are left running.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +55,13 @@ class VllmFleet:
             log = self.work_dir / f"{variant}.log"
             self._processes[variant] = start_vllm(self.python, self.work_dir / variant, variant, log)
 
+    def reuse(self, folder: Path) -> None:
+        """Use the servers described in *folder* (see the module docstring) instead of starting any."""
+        for variant in VARIANTS:
+            url = (folder / f"{variant}.url").read_text().strip()
+            vocab = json.loads((folder / variant / "staging_sink_variant.json").read_text())["vocab"]
+            self._ready[variant] = VllmServer(variant, url, variant, vocab, pid=0)
+
     def server(self, variant: str) -> VllmServer:
         """The ready server of *variant* (waits for it the first time)."""
         if variant not in self._ready:
@@ -69,6 +82,11 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     if python is None:  # deselected before this point; reached only when a test is selected by hand
         pytest.skip("STAGING_SINK_VLLM_ENV is not set")
     fleet = VllmFleet(python, tmp_path_factory.mktemp("vllm"))
+    reuse = os.environ.get("STAGING_SINK_VLLM_REUSE", "").strip()
+    if reuse:
+        fleet.reuse(Path(reuse))
+        yield fleet
+        return
     try:
         fleet.start()
         yield fleet
