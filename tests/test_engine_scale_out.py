@@ -25,10 +25,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.helpers.scale_out import ScaleOutEngine, post, simulated_engine, stream, vllm_engine
+from tests.helpers.scale_out import (
+    ScaleOutEngine,
+    engine_call,
+    engine_get,
+    post,
+    simulated_engine,
+    stream,
+    vllm_engine,
+)
 from tests.helpers.vllm_server import VllmServer
+from worker.exact_probe import probe_exact_prefix
+from worker.proxy.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp, EngineOptions
 
@@ -164,8 +175,6 @@ def test_completions_take_a_token_id_prompt(engine: ScaleOutEngine) -> None:
 
 
 def test_weight_version_routes_label_the_spans(engine: ScaleOutEngine) -> None:
-    import httpx
-
     assert httpx.get(engine.url + "/weight_info").json() == {"weight_version": "default"}
     try:
         answer = post(engine, "/update_weight_version", {"new_version": "3"})
@@ -199,3 +208,33 @@ def test_scale_out_routes_answer_403_when_disabled() -> None:
             assert answer.status_code == 403, answer.text
             error = answer.json()["error"]
             assert error["type"] == "PermissionDeniedError" and "--enable-scale-out" in error["message"]
+
+
+@pytest.mark.anyio
+async def test_the_probe_finds_exact_mode_and_the_end_of_turn(engine: ScaleOutEngine) -> None:
+    async with httpx.AsyncClient(timeout=120) as client:
+        probe = await probe_exact_prefix(engine_call(client, engine.url), engine_get(client, engine.url))
+    assert probe.mode == "exact", probe.reason
+    assert probe.eot_ids == {engine.eot_id} and probe.model == engine.model
+
+
+@pytest.mark.anyio
+async def test_the_probe_keeps_verify_mode_with_the_reason() -> None:
+    async with httpx.AsyncClient(timeout=20) as client:
+        with running_server(EngineApp(EngineOptions())) as url:
+            probe = await probe_exact_prefix(engine_call(client, url), engine_get(client, url))
+            assert probe.mode == "verify" and "--enable-scale-out" in probe.reason
+        with running_server(_old_engine) as url:
+            probe = await probe_exact_prefix(engine_call(client, url), engine_get(client, url))
+            assert probe.mode == "verify" and "answered 404" in probe.reason
+
+
+async def _old_engine(scope: Scope, receive: Receive, send: Send) -> None:
+    """An OpenAI-compatible engine older than the token-in/token-out routes: 404 on them."""
+    if scope["type"] != "http":
+        return
+    await read_body(receive)
+    if scope["path"] == "/v1/models":
+        await send_json(send, 200, {"object": "list", "data": [{"id": "old", "object": "model"}]})
+        return
+    await send_body(send, 404, error_body(404, "Not Found", "NotFoundError"))

@@ -89,7 +89,9 @@ async def test_splice_on_the_real_templates(variant: str, kind: str, request: py
         closing = [] if generated[-1] == eot else [eot]
         alone = await render_ids(client, server, messages=new)  # the new turns as the template renders them
         assert spliced == parent + closing + server.encode("\n") + alone
-        if kind != "eos" or variant == "reasoning":
+        # Where re-templating the history would have drifted. (With a tool parser vLLM keeps special tokens in the
+        # text, so an ignore_eos reply's end-of-turns come back as text that re-tokenizes to the same ids.)
+        if kind == "stop-string" or variant == "reasoning" or (kind == "ignore-eos" and variant == "chatml"):
             assert full[: len(parent)] != parent, "re-templating this history would have drifted"
         rendered = await client.post(server.url + RENDER_PATH, json={"model": server.model, "messages": history + new})
         generate = {**rendered.json(), "token_ids": spliced}

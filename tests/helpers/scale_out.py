@@ -17,7 +17,7 @@ import orjson
 from tests.helpers.vllm_server import VllmServer
 from worker.simulated.engine import IM_END, IM_START, ByteTokenizer
 
-__all__ = ("ScaleOutEngine", "engine_call", "post", "simulated_engine", "stream", "vllm_engine")
+__all__ = ("ScaleOutEngine", "engine_call", "engine_get", "post", "simulated_engine", "stream", "vllm_engine")
 
 _TIMEOUT = httpx.Timeout(120.0)
 
@@ -80,3 +80,13 @@ def engine_call(client: httpx.AsyncClient, url: str) -> Callable[[str, dict[str,
         return answer.status_code, orjson.loads(answer.content)
 
     return call
+
+
+def engine_get(client: httpx.AsyncClient, url: str) -> Callable[[str], Awaitable[tuple[int, Any]]]:
+    """A :data:`worker.exact_probe.EngineGet` over *client* to the engine at *url*."""
+
+    async def get(path: str) -> tuple[int, Any]:
+        answer = await client.get(url + path)
+        return answer.status_code, orjson.loads(answer.content) if answer.content else None
+
+    return get
