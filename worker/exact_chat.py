@@ -36,6 +36,7 @@ __all__ = (
     "EngineCall",
     "ExactAnswer",
     "exact_chat",
+    "render_chat",
 )
 
 RENDER_PATH = "/v1/chat/completions/render"
@@ -120,22 +121,31 @@ async def _history_eot_count(
     return count_end_of_turn(answer["token_ids"], eot_ids)
 
 
+async def render_chat(call: EngineCall, request: dict[str, Any]) -> tuple[int, Any]:
+    """Step 1 alone: the engine's generate request for *request* (or its error answer: nothing generated)."""
+    return await call(RENDER_PATH, _render_request(request))
+
+
 async def exact_chat(
     call: EngineCall,
     request: dict[str, Any],
     *,
     parent_ids: Sequence[int] | None,
     eot_ids: Collection[int],
+    rendered: dict[str, Any] | None = None,
 ) -> ExactAnswer:
     """Serve one chat request exactly (see the module docstring).
 
     :param parent_ids: the parent's exact staged sequence for a continuation; ``None`` for a root call.
+    :param rendered: the answer of step 1 when the caller already rendered the request (:func:`render_chat`).
     :raises worker.errors.SpliceError: the rendering cannot be spliced (the caller falls back to verify mode).
     :raises EnginePayloadError: an engine answer without the expected fields.
     """
-    status, rendered = await call(RENDER_PATH, _render_request(request))
-    if status != 200:
-        return ExactAnswer(status, rendered, spliced=False)
+    if rendered is None:
+        status, answer = await render_chat(call, request)
+        if status != 200:
+            return ExactAnswer(status, answer, spliced=False)
+        rendered = answer
     prompt: list[int] = list(rendered["token_ids"])
     spliced = False
     if parent_ids:

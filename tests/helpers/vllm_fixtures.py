@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from sink import server as sink_server
+from tests.helpers.servers import require_binary
 from tests.helpers.vllm_server import (
     VllmServer,
     build_model,
@@ -107,3 +109,17 @@ def vllm_reasoning(vllm_fleet: VllmFleet) -> VllmServer:
 @pytest.fixture(scope="session")
 def vllm_tools(vllm_fleet: VllmFleet) -> VllmServer:
     return vllm_fleet.server("tools")
+
+
+@pytest.fixture(scope="session")
+def _scenario_server() -> Iterator[sink_server.DurableServer]:
+    with sink_server.durable_server(binary=require_binary("valkey-server")) as server:
+        yield server
+
+
+@pytest.fixture
+def scenario_redis_url(_scenario_server: sink_server.DurableServer) -> str:
+    """One durable Valkey for the scenario tests (both engines), emptied before each test."""
+    with _scenario_server.client() as connection:
+        connection.flushall()
+    return _scenario_server.url

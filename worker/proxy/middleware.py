@@ -38,8 +38,10 @@ from worker.proxy.asgi import (
     send_json,
 )
 from worker.proxy.captured_call import CapturedCall
+from worker.proxy.exact_mode import ExactMode
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, UpstreamKind, parse_target, request_items
+from worker.weight_version import PublishedWeightVersion
 
 __all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware", "CapturePolicy")
 
@@ -80,6 +82,10 @@ class CaptureMiddleware:
         self.policy = policy or CapturePolicy()
         self.announce = announce
         self.metrics = metrics or ProxyMetrics()
+        self.exact: ExactMode | None = None
+        """Set by the proxy after its start-up probe: chat calls in exact-prefix mode (``None``: verify mode)."""
+        self.published: PublishedWeightVersion | None = None
+        """The trainer's published weight version, when calls are stamped with it (``weight_source="published"``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Route one ASGI event: finished, metrics, a captured call, or pass-through."""

@@ -257,6 +257,7 @@ class EngineApp:
             raise _BadRequest("messages must be a non-empty list")
         rendered = self.render(messages, add_generation_prompt=request.get("add_generation_prompt", True) is not False)
         self.scale_out.check_length(rendered)
+        self.scale_out.check_max_tokens(request)
         return rendered
 
     async def _scale_out(self, path: str, request: dict[str, Any], send: Send) -> None:

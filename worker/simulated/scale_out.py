@@ -115,9 +115,20 @@ class ScaleOut:
                 f"contains at least {len(prompt)} input tokens. Please reduce the length of the input prompt."
             )
 
+    def check_max_tokens(self, request: dict[str, Any]) -> None:
+        """:raises BadScaleOutRequest: a chat request's ``max_tokens`` over the context (render and chat refuse it)."""
+        for key in ("max_completion_tokens", "max_tokens"):
+            value = request.get(key)
+            if type(value) is int and value > self.max_model_len:
+                raise BadScaleOutRequest(
+                    f"{key}={value} cannot be greater than max_model_len={self.max_model_len}. "
+                    "Please request fewer output tokens."
+                )
+
     def render(self, request: dict[str, Any], token_ids: list[int], default_max_tokens: int) -> dict[str, Any]:
         """The generate request of a chat request whose template rendered *token_ids*."""
         self.check_length(token_ids)
+        self.check_max_tokens(request)
         return {
             "request_id": f"chatcmpl-sim-{next(self._ids)}",
             "token_ids": token_ids,

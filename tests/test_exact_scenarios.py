@@ -1,0 +1,169 @@
+"""Exact custody of real multi-turn agent traffic: the official ``openai`` client -> the capture proxy (uvicorn) ->
+a logging hop (uvicorn) -> the engine, for every scenario, against the simulated engine (fast tier) and the real
+vLLM 0.32 (``vllm`` tier). Every rollout must be trainable and equal, token for token (ids, mask, log-probs), to
+what the engine generated as the logging hop saw it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.helpers.engine_truth import assert_row_is_exact, generations
+from tests.helpers.logging_hop import running_hop
+from tests.helpers.proxy import close_clients, finish, proxy_config, pull
+from tests.helpers.scenario_agent import Turn, run_scenario
+from tests.helpers.vllm_server import VllmServer
+from worker.proxy.app import build_proxy
+from worker.proxy.serve import running_server
+from worker.simulated.engine import IM_END
+from worker.simulated.http_app import EngineApp, EngineOptions
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+        },
+    }
+]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine a scenario runs on: its URL, served model, and ids the scenarios bias."""
+
+    url: str
+    model: str
+    eot: int
+    hidden: tuple[int, ...] = ()
+    """Ids the tiny model must not sample in plain scenarios (specials its text would hide)."""
+    think_end: int | None = None
+
+
+Options = Callable[[Engine, int], dict[str, Any]]
+
+
+def bias(engine: Engine, **by_id: float) -> dict[str, float]:
+    out = {str(token): -100.0 for token in engine.hidden}
+    out.update(by_id)
+    return out
+
+
+def plain(engine: Engine, turn: int) -> dict[str, Any]:
+    return {"max_tokens": 12, "seed": turn, "logit_bias": bias(engine)}
+
+
+def streaming(engine: Engine, turn: int) -> dict[str, Any]:
+    return {**plain(engine, turn), "stream": True, "stream_options": {"include_usage": True}}
+
+
+def tools(engine: Engine, turn: int) -> dict[str, Any]:
+    return {**plain(engine, turn), "tools": TOOLS}
+
+
+def reasoning(engine: Engine, turn: int) -> dict[str, Any]:
+    think = {str(engine.think_end): 2.0} if engine.think_end is not None else {}
+    return {"max_tokens": 16, "seed": turn, "logit_bias": {**bias(engine), **think}}
+
+
+def reasoning_streaming(engine: Engine, turn: int) -> dict[str, Any]:
+    return {**reasoning(engine, turn), "stream": True}
+
+
+def stop_strings(engine: Engine, turn: int) -> dict[str, Any]:
+    return {"max_tokens": 40, "seed": turn, "stop": ["e", "t", "a", "o"], "logit_bias": bias(engine)}
+
+
+def ignore_eos(engine: Engine, turn: int) -> dict[str, Any]:
+    eot = {str(engine.eot): 4.0}
+    return {"max_tokens": 10, "seed": turn, "logit_bias": {**bias(engine), **eot}, "extra_body": {"ignore_eos": True}}
+
+
+def forced_empty(engine: Engine, turn: int) -> dict[str, Any]:
+    eot = 100.0 if turn == 1 else -100.0  # turn 1's reply is empty: its first sampled id is the end-of-turn
+    return {"max_tokens": 8, "seed": turn, "logit_bias": bias(engine, **{str(engine.eot): eot})}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    variant: str
+    options: Options
+    proxies: int = 1
+    observation: str = "tool"
+    retry_400_on: int | None = None
+
+
+SCENARIOS = {
+    "plain": Scenario("chatml", plain, observation="user"),
+    "streaming": Scenario("chatml", streaming),
+    "tools": Scenario("tools", tools),
+    "reasoning": Scenario("reasoning", reasoning, observation="user"),
+    "reasoning-streaming": Scenario("reasoning", reasoning_streaming, observation="user"),
+    "stop-strings": Scenario("chatml", stop_strings),
+    "ignore-eos": Scenario("chatml", ignore_eos),
+    "forced-empty": Scenario("chatml", forced_empty),
+    "400-then-retry": Scenario("chatml", plain, retry_400_on=1),
+    "two-proxies": Scenario("chatml", plain, proxies=2),
+}
+ENGINES = ["simulated", pytest.param("vllm", marks=pytest.mark.vllm)]
+
+
+@pytest.fixture(autouse=True)
+def _clients() -> Iterator[None]:
+    yield
+    close_clients()
+
+
+def _engine(kind: str, variant: str, request: pytest.FixtureRequest, stack: ExitStack) -> Engine:
+    if kind == "simulated":
+        app = EngineApp(EngineOptions(seed=5, scale_out=True, max_model_len=1024))
+        return Engine(stack.enter_context(running_server(app)), "simulated", IM_END)
+    server: VllmServer = request.getfixturevalue(f"vllm_{variant}")
+    hidden = tuple(server.id_of(token) for token in ("<|endoftext|>", "<|im_start|>", "<think>"))
+    think_end = server.id_of("</think>") if variant == "reasoning" else None
+    return Engine(server.url, server.model, server.id_of("<|im_end|>"), hidden, think_end)
+
+
+def _check_scenario(name: str, kind: str, turns: list[Turn]) -> None:
+    if name == "forced-empty":
+        assert turns[1].content in ("", None)
+    if name.startswith("reasoning") and kind == "vllm":
+        assert any(turn.reasoning for turn in turns), "the reasoning parser must have split some reasoning off"
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_rollout_is_trainable_and_exact(
+    name: str, kind: str, scenario_redis_url: str, request: pytest.FixtureRequest
+) -> None:
+    scenario = SCENARIOS[name]
+    rollout_id = f"{name}-{kind}"
+    with ExitStack() as stack:
+        engine = _engine(kind, scenario.variant, request, stack)
+        hop, hop_url = stack.enter_context(running_hop(engine.url))
+        bases = [
+            stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, hop_url))))
+            for _ in range(scenario.proxies)
+        ]
+        conversation, turns = run_scenario(
+            bases,
+            rollout_id,
+            engine.model,
+            3,
+            lambda turn: scenario.options(engine, turn),
+            observation=scenario.observation,
+            retry_400_on=scenario.retry_400_on,
+        )
+        finish(bases[0], rollout_id, 1.0, turns[-1].response_id)
+        engine_answers = generations(hop)
+    [pulled] = pull(scenario_redis_url, 1)
+    assert pulled.row is not None, f"{pulled.skip_code}: {pulled.skip_reason}"
+    assert len(pulled.row.model_call_ids) == 3
+    assert_row_is_exact(pulled.row, engine_answers)
+    _check_scenario(name, kind, turns)
+    assert conversation[-1]["role"] == "assistant"
