@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.engine_truth import assert_row_is_exact, generations
+from sink.trainer.pulled import PulledRollout
+from tests.helpers.engine_truth import Generated, assert_row_is_exact, generations
 from tests.helpers.logging_hop import running_hop
 from tests.helpers.proxy import close_clients, finish, proxy_config, pull
 from tests.helpers.scenario_agent import Turn, run_scenario
@@ -136,18 +137,18 @@ def _check_scenario(name: str, kind: str, turns: list[Turn]) -> None:
         assert any(turn.reasoning for turn in turns), "the reasoning parser must have split some reasoning off"
 
 
-@pytest.mark.parametrize("kind", ENGINES)
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_every_rollout_is_trainable_and_exact(
-    name: str, kind: str, scenario_redis_url: str, request: pytest.FixtureRequest
-) -> None:
+def _run(
+    name: str, kind: str, redis_url: str, request: pytest.FixtureRequest, **settings: Any
+) -> tuple[PulledRollout, list[Generated], list[Turn], list[str]]:
+    """Run scenario *name* on engine *kind*; returns the pulled rollout, the engine's generations as the hop saw
+    them, the agent's turns and the paths the hop relayed."""
     scenario = SCENARIOS[name]
     rollout_id = f"{name}-{kind}"
     with ExitStack() as stack:
         engine = _engine(kind, scenario.variant, request, stack)
         hop, hop_url = stack.enter_context(running_hop(engine.url))
         bases = [
-            stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, hop_url))))
+            stack.enter_context(running_server(build_proxy(proxy_config(redis_url, hop_url, **settings))))
             for _ in range(scenario.proxies)
         ]
         conversation, turns = run_scenario(
@@ -160,10 +161,32 @@ def test_every_rollout_is_trainable_and_exact(
             retry_400_on=scenario.retry_400_on,
         )
         finish(bases[0], rollout_id, 1.0, turns[-1].response_id)
-        engine_answers = generations(hop)
-    [pulled] = pull(scenario_redis_url, 1)
+        assert conversation[-1]["role"] == "assistant"
+        engine_answers, paths = generations(hop), [exchange.path for exchange in hop.exchanges]
+    [pulled] = pull(redis_url, 1)
+    return pulled, engine_answers, turns, paths
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_rollout_is_trainable_and_exact(
+    name: str, kind: str, scenario_redis_url: str, request: pytest.FixtureRequest
+) -> None:
+    pulled, engine_answers, turns, paths = _run(name, kind, scenario_redis_url, request)
     assert pulled.row is not None, f"{pulled.skip_code}: {pulled.skip_reason}"
     assert len(pulled.row.model_call_ids) == 3
     assert_row_is_exact(pulled.row, engine_answers)
     _check_scenario(name, kind, turns)
-    assert conversation[-1]["role"] == "assistant"
+    # Exact-prefix mode: every generation went through the token-in route, none through the re-templating one.
+    assert "/v1/chat/completions" not in paths and paths.count("/inference/v1/generate") == len(engine_answers) == 3
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["reasoning", "stop-strings", "ignore-eos"])
+def test_verify_mode_skips_what_exact_mode_trains(
+    name: str, scenario_redis_url: str, request: pytest.FixtureRequest
+) -> None:
+    # The control: with the engine re-templating history, these rollouts drift and are never trained.
+    pulled, _, _, paths = _run(name, "vllm", scenario_redis_url, request, prefix_mode="verify")
+    assert pulled.row is None and pulled.skip_code == "rollout_failed", pulled.skip_reason
+    assert "/inference/v1/generate" not in paths
