@@ -5,11 +5,14 @@ what the engine generated as the logging hop saw it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import anyio
 import pytest
 
 from sink.trainer.pulled import PulledRollout
@@ -18,6 +21,7 @@ from tests.helpers.logging_hop import running_hop
 from tests.helpers.proxy import close_clients, finish, proxy_config, pull
 from tests.helpers.scenario_agent import Turn, run_scenario
 from tests.helpers.vllm_server import VllmServer
+from worker.errors import StagingModeError
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
 from worker.simulated.engine import IM_END
@@ -190,3 +194,29 @@ def test_verify_mode_skips_what_exact_mode_trains(
     pulled, _, _, paths = _run(name, "vllm", scenario_redis_url, request, prefix_mode="verify")
     assert pulled.row is None and pulled.skip_code == "rollout_failed", pulled.skip_reason
     assert "/inference/v1/generate" not in paths
+
+
+def test_the_mode_is_probed_at_start_and_logged_once(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="worker.proxy.exact_mode")
+
+    async def mode_of(url: str, **settings: Any) -> bool:
+        proxy = build_proxy(proxy_config(redis_url, url, **settings))
+        await proxy.open()
+        try:
+            assert proxy.middleware is not None
+            return proxy.middleware.exact is not None
+        finally:
+            await proxy.aclose()
+
+    with running_server(EngineApp(EngineOptions(scale_out=True))) as url:
+        assert anyio.run(mode_of, url) is True
+    with running_server(EngineApp(EngineOptions())) as url:
+        assert anyio.run(mode_of, url) is False
+        with pytest.raises(StagingModeError, match="--enable-scale-out"):
+            anyio.run(partial(mode_of, url, prefix_mode="exact"))
+    lines = [record.getMessage() for record in caplog.records if record.name == "worker.proxy.exact_mode"]
+    assert lines[0].startswith("prefix mode: exact (") and "end-of-turn ids [2]" in lines[0]
+    assert lines[1] == (
+        "prefix mode: verify (the engine's token-in/token-out routes are disabled (start vLLM with --enable-scale-out))"
+    )
+    assert len(lines) == 2

@@ -75,3 +75,18 @@ async def test_a_garbled_published_version_is_refused(redis_url: str) -> None:
         await client.set(weight_version_key("stg"), "seven")
         with pytest.raises(WeightVersionKeyError, match="seven"):
             await read_published_weight_version(client, "stg")
+
+
+def test_the_weights_command_publishes_and_shows(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from sink.cli.main import main
+
+    assert main(["weights", "show", "--redis-url", redis_url]) == 1
+    assert "no weight version published" in capsys.readouterr().out
+    assert main(["weights", "set", "7", "--redis-url", redis_url]) == 0
+    assert "weight version 7" in capsys.readouterr().out
+    assert main(["weights", "show", "--redis-url", redis_url, "--namespace", "other"]) == 1
+    capsys.readouterr()
+    assert main(["weights", "show", "--redis-url", redis_url]) == 0
+    assert "weight version 7" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["weights", "set", "-1", "--redis-url", redis_url])

@@ -104,7 +104,13 @@ class ProxyApp:
             )
         if inner is None:  # the forwarding proxy probes its engine; in-process (vLLM's --middleware) stays verify
             labels = WeightLabelRule(default_version=weight_version) if config.weight_source == "engine" else None
-            self.middleware.exact = await choose_mode(self.forward, config.prefix_mode, labels)
+            try:
+                self.middleware.exact = await choose_mode(self.forward, config.prefix_mode, labels)
+            except BaseException:  # the start fails: nothing opened above stays open
+                self.middleware = None
+                await stack.aclose()
+                await self.forward.aclose()
+                raise
         else:
             logger.info("prefix mode: verify (in-process middleware: no start-up probe of the engine)")
 
