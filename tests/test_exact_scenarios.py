@@ -68,7 +68,10 @@ def streaming(engine: Engine, turn: int) -> dict[str, Any]:
 
 
 def tools(engine: Engine, turn: int) -> dict[str, Any]:
-    return {**plain(engine, turn), "tools": TOOLS}
+    # Turns 0 and 1: structured outputs make the tiny model write a pythonic call, which the tool parser turns
+    # into tool_calls (the simulated engine has no parser and ignores the constraint).
+    forced = {"extra_body": {"structured_outputs": {"choice": [f"[lookup(q='t{turn}')]"]}}} if turn < 2 else {}
+    return {**plain(engine, turn), "max_tokens": 24, "tools": TOOLS, **forced}
 
 
 def reasoning(engine: Engine, turn: int) -> dict[str, Any]:
@@ -137,6 +140,8 @@ def _engine(kind: str, variant: str, request: pytest.FixtureRequest, stack: Exit
 def _check_scenario(name: str, kind: str, turns: list[Turn]) -> None:
     if name == "forced-empty":
         assert turns[1].content in ("", None)
+    if name == "tools" and kind == "vllm":
+        assert [call["function"]["name"] for turn in turns[:2] for call in turn.tool_calls] == ["lookup", "lookup"]
     if name.startswith("reasoning") and kind == "vllm":
         assert any(turn.reasoning for turn in turns), "the reasoning parser must have split some reasoning off"
 

@@ -98,30 +98,51 @@ async def test_splice_on_the_real_templates(variant: str, kind: str, request: py
         assert (await client.post(server.url + "/inference/v1/generate", json=generate)).status_code == 200
 
 
-@pytest.mark.parametrize("variant", ["chatml", "reasoning", "tools"])
-async def test_a_root_call_answers_as_the_chat_route_does(variant: str, request: pytest.FixtureRequest) -> None:
+ROOT_CASES = {
+    "stop-string": {"stop": ["q", "w"], "max_tokens": 24},
+    "eos": {"max_tokens": 24},
+    "tool-call": {"max_tokens": 30, "structured_outputs": {"choice": ["[get_weather(city='Oslo')]"]}},
+}
+
+
+@pytest.mark.parametrize(
+    ("variant", "case"),
+    [(v, c) for v in ("chatml", "reasoning", "tools") for c in ("stop-string", "eos")] + [("tools", "tool-call")],
+)
+async def test_a_root_call_answers_as_the_chat_route_does(
+    variant: str, case: str, request: pytest.FixtureRequest
+) -> None:
     server: VllmServer = request.getfixturevalue(f"vllm_{variant}")
+    eot = server.id_of("<|im_end|>")
     extra = {"</think>": 2.0} if variant == "reasoning" else {}
+    if case == "eos":
+        extra["<|im_end|>"] = 3.0
     body: dict[str, Any] = {
         "model": server.model,
         "messages": [SYSTEM, {"role": "user", "content": "Go."}],
-        "max_tokens": 24,
         "seed": 5,
-        "stop": ["q", "w"],
         "logit_bias": bias(server, **extra),
+        **ROOT_CASES[case],
         **({"tools": TOOLS} if variant == "tools" else {}),
     }
     async with httpx.AsyncClient(timeout=120) as client:
-        direct = await client.post(server.url + "/v1/chat/completions", json={**body, "return_token_ids": True,
-                                                                              "logprobs": True})  # fmt: skip
+        direct = await client.post(
+            server.url + "/v1/chat/completions", json={**body, "return_token_ids": True, "logprobs": True}
+        )
         assert direct.status_code == 200, direct.text
-        answer = await exact_chat(engine_call(client, server.url), body, parent_ids=None, eot_ids={1})
+        answer = await exact_chat(engine_call(client, server.url), body, parent_ids=None, eot_ids={eot})
     expected, got = direct.json(), answer.payload
     assert got["prompt_token_ids"] == expected["prompt_token_ids"]
     [want], [have] = expected["choices"], got["choices"]
     assert have["token_ids"] == want["token_ids"]
-    for field in ("content", "reasoning", "tool_calls"):
+    if case == "eos":
+        assert have["token_ids"][-1] == eot and have["stop_reason"] is None
+    for field in ("content", "reasoning"):
         assert have["message"].get(field) == want["message"].get(field), field
+    calls = [{**call, "id": None} for call in have["message"].get("tool_calls") or ()]
+    assert calls == [{**call, "id": None} for call in want["message"].get("tool_calls") or ()]
+    if case == "tool-call":
+        assert [call["function"]["name"] for call in calls] == ["get_weather"]
     assert have["finish_reason"] == want["finish_reason"] and have["stop_reason"] == want["stop_reason"]
     assert [e["logprob"] for e in have["logprobs"]["content"]] == pytest.approx(
         [e["logprob"] for e in want["logprobs"]["content"]], abs=1e-4

@@ -159,8 +159,19 @@ async def exact_chat(
     if status != 200:
         return ExactAnswer(status, generated, spliced=spliced)
     choice = _checked_generation(generated)
-    body = {"model": request.get("model"), "generate_response": generated, "prompt_token_ids": prompt,
-            "prompt_tokens": len(prompt), "chat_request": _render_request(request)}  # fmt: skip
+    ids, entries = choice["token_ids"], choice["logprobs"]["content"]
+    # Stopped on an end-of-turn id: vLLM's chat route never shows it in the text, but derender keeps special tokens
+    # for its parsers, and a trailing "<|im_end|>" breaks them (a tool call stays text). Derender without it.
+    eos_stop = choice.get("finish_reason") == "stop" and choice.get("stop_reason") is None and ids[-1] in eot_ids
+    shown_ids = ids[:-1] if eos_stop and len(ids) > 1 else ids
+    trimmed = {**choice, "token_ids": shown_ids, "logprobs": {"content": entries[: len(shown_ids)]}}
+    body = {
+        "model": request.get("model"),
+        "generate_response": {**generated, "choices": [trimmed]},
+        "prompt_token_ids": prompt,
+        "prompt_tokens": len(prompt),
+        "chat_request": _render_request(request),
+    }
     status, completion = await call(DERENDER_PATH, body)
     if status != 200:
         return ExactAnswer(status, completion, spliced=spliced)
@@ -168,8 +179,10 @@ async def exact_chat(
         [out] = completion["choices"]
     except (KeyError, TypeError, ValueError) as exc:
         raise EnginePayloadError(f"derender answer lacks one choice: {exc!r}") from exc
-    ids, entries = choice["token_ids"], choice["logprobs"]["content"]
+    if eos_stop and len(ids) == 1:  # an empty reply: the chat route's empty message, whatever the parsers say
+        out["message"] = {**out.get("message", {}), "content": "", "reasoning": None, "tool_calls": []}
     shown = (out.get("logprobs") or {}).get("content") or []
+    shown = shown[: len(ids)] + [{"token": f"token_id:{token}", "top_logprobs": []} for token in ids[len(shown) :]]
     if len(shown) != len(ids):  # keep the engine's token strings only where they line up with the ids
         shown = [{"token": f"token_id:{token}", "top_logprobs": []} for token in ids]
     out["logprobs"] = {"content": [{**s, "logprob": e["logprob"]} for s, e in zip(shown, entries, strict=True)]}
