@@ -98,7 +98,7 @@ async def test_splice_on_the_real_templates(variant: str, kind: str, request: py
         assert (await client.post(server.url + "/inference/v1/generate", json=generate)).status_code == 200
 
 
-ROOT_CASES = {
+ROOT_CASES: dict[str, dict[str, Any]] = {
     "stop-string": {"stop": ["q", "w"], "max_tokens": 24},
     "eos": {"max_tokens": 24},
     "tool-call": {"max_tokens": 30, "structured_outputs": {"choice": ["[get_weather(city='Oslo')]"]}},
