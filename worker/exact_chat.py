@@ -181,6 +181,9 @@ async def exact_chat(
         raise EnginePayloadError(f"derender answer lacks one choice: {exc!r}") from exc
     if eos_stop and len(ids) == 1:  # an empty reply: the chat route's empty message, whatever the parsers say
         out["message"] = {**out.get("message", {}), "content": "", "reasoning": None, "tool_calls": []}
+    message = out.get("message")
+    if isinstance(message, dict) and message.get("tool_calls") and out.get("finish_reason") == "stop":
+        out["finish_reason"] = "tool_calls"  # as vLLM's chat route answers a parsed tool call
     shown = (out.get("logprobs") or {}).get("content") or []
     shown = shown[: len(ids)] + [{"token": f"token_id:{token}", "top_logprobs": []} for token in ids[len(shown) :]]
     if len(shown) != len(ids):  # keep the engine's token strings only where they line up with the ids
