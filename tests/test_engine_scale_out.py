@@ -38,8 +38,8 @@ from tests.helpers.scale_out import (
     vllm_engine,
 )
 from tests.helpers.vllm_server import VllmServer
+from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
 from worker.exact_probe import probe_exact_prefix
-from worker.proxy.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp, EngineOptions
 

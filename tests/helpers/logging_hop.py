@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import orjson
 
-from worker.proxy.asgi import Receive, Scope, Send, read_body
+from worker.asgi import Receive, Scope, Send, read_body
 from worker.proxy.serve import running_server
 
 __all__ = ("Exchange", "LoggingHop", "running_hop")

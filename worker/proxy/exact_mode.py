@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 import orjson
 
+from worker.asgi import ASGIApp, Message
 from worker.errors import StagingModeError
 from worker.exact_chat import ExactAnswer, exact_chat, render_chat
 from worker.exact_probe import ExactProbe, probe_exact_prefix
-from worker.proxy.asgi import ASGIApp, Message
 from worker.weight_version import WeightLabelRule, WeightVersionError, version_of_spans
 
 __all__ = ("ExactMode", "PrefixMode", "choose_mode", "sub_request")

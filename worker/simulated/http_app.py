@@ -29,7 +29,7 @@ from typing import Any, Literal
 import anyio
 import orjson
 
-from worker.proxy.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
+from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
 from worker.simulated.derender import derender_chat, derender_chat_chunk
 from worker.simulated.engine import BYTE_OFFSET, IM_END, IM_START, Generation, SimulatedEngine
 from worker.simulated.scale_out import SCALE_OUT_DISABLED, BadScaleOutRequest, ScaleOut
