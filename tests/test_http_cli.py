@@ -155,6 +155,7 @@ def test_exact_mode_refuses_an_engine_without_the_routes(redis_url: str) -> None
                 "--port",
                 str(proxy_port),
             ],
+            check=False,
             cwd=ROOT,
             capture_output=True,
             timeout=60,
