@@ -26,7 +26,9 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.errors import EnginePayloadError
+import anyio
+
+from worker.errors import EnginePayloadError, SpliceError
 from worker.exact_prefix import count_end_of_turn, last_assistant_index, splice_exact_prompt
 
 __all__ = (
@@ -35,6 +37,7 @@ __all__ = (
     "RENDER_PATH",
     "EngineCall",
     "ExactAnswer",
+    "Rendering",
     "exact_chat",
     "render_chat",
 )
@@ -105,25 +108,39 @@ def _drop_stop_string(choice: dict[str, Any], stop_reason: Any, request: dict[st
             return
 
 
-async def _history_eot_count(
-    call: EngineCall, request: dict[str, Any], eot_ids: Collection[int]
-) -> tuple[int, Any] | int:
-    """End-of-turn ids in the rendering of the messages through the last assistant one (or the error answer)."""
+@dataclass(frozen=True)
+class Rendering:
+    """Steps 1 and 2: the engine's generate request for the request, and the history's end-of-turn count."""
+
+    status: int
+    answer: Any
+    """The generate request (status 200), or the failing render's error body (nothing was generated)."""
+    history_eot_count: int | None
+    """End-of-turn ids in the rendering of the messages through the last assistant one (``None``: no such message)."""
+
+
+async def render_chat(call: EngineCall, request: dict[str, Any], eot_ids: Collection[int]) -> Rendering:
+    """Render *request*, and its history through the last assistant message (without the generation prompt), at once."""
     messages = request.get("messages") or []
-    index = last_assistant_index(messages)
-    if index is None:
-        return 0
-    body = {**_render_request(request), "messages": messages[: index + 1], "add_generation_prompt": False}
-    body.pop("continue_final_message", None)
-    status, answer = await call(RENDER_PATH, body)
-    if status != 200:
-        return status, answer
-    return count_end_of_turn(answer["token_ids"], eot_ids)
+    index = last_assistant_index(messages) if isinstance(messages, list) else None
+    answers: dict[str, tuple[int, Any]] = {}
 
+    async def render(name: str, body: dict[str, Any]) -> None:
+        answers[name] = await call(RENDER_PATH, body)
 
-async def render_chat(call: EngineCall, request: dict[str, Any]) -> tuple[int, Any]:
-    """Step 1 alone: the engine's generate request for *request* (or its error answer: nothing generated)."""
-    return await call(RENDER_PATH, _render_request(request))
+    async with anyio.create_task_group() as group:
+        group.start_soon(render, "full", _render_request(request))
+        if index is not None:
+            history = {**_render_request(request), "messages": messages[: index + 1], "add_generation_prompt": False}
+            history.pop("continue_final_message", None)
+            group.start_soon(render, "history", history)
+    status, answer = answers["full"]
+    if status != 200 or index is None:
+        return Rendering(status, answer, None)
+    history_status, history_answer = answers["history"]
+    if history_status != 200:
+        return Rendering(history_status, history_answer, None)
+    return Rendering(200, answer, count_end_of_turn(history_answer["token_ids"], eot_ids))
 
 
 async def exact_chat(
@@ -132,26 +149,26 @@ async def exact_chat(
     *,
     parent_ids: Sequence[int] | None,
     eot_ids: Collection[int],
-    rendered: dict[str, Any] | None = None,
+    rendering: Rendering | None = None,
 ) -> ExactAnswer:
     """Serve one chat request exactly (see the module docstring).
 
     :param parent_ids: the parent's exact staged sequence for a continuation; ``None`` for a root call.
-    :param rendered: the answer of step 1 when the caller already rendered the request (:func:`render_chat`).
+    :param rendering: steps 1 and 2 when the caller already ran them (:func:`render_chat`).
     :raises worker.errors.SpliceError: the rendering cannot be spliced (the caller falls back to verify mode).
     :raises EnginePayloadError: an engine answer without the expected fields.
     """
-    if rendered is None:
-        status, answer = await render_chat(call, request)
-        if status != 200:
-            return ExactAnswer(status, answer, spliced=False)
-        rendered = answer
+    if rendering is None:
+        rendering = await render_chat(call, request, eot_ids)
+    if rendering.status != 200:
+        return ExactAnswer(rendering.status, rendering.answer, spliced=False)
+    rendered = rendering.answer
     prompt: list[int] = list(rendered["token_ids"])
     spliced = False
     if parent_ids:
-        counted = await _history_eot_count(call, request, eot_ids)
-        if isinstance(counted, tuple):
-            return ExactAnswer(counted[0], counted[1], spliced=False)
+        counted = rendering.history_eot_count
+        if counted is None:
+            raise SpliceError("a continuation without an assistant message: nothing to splice onto")
         prompt = splice_exact_prompt(prompt, history_eot_count=counted, eot_ids=eot_ids, parent_ids=parent_ids)
         spliced = True
     generate = {**rendered, "token_ids": prompt, "stream": False}

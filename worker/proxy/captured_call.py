@@ -23,6 +23,7 @@ from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, repl
 from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
 from worker.errors import EnginePayloadError, SpliceError
+from worker.exact_chat import Rendering
 from worker.proxy.exact_mode import ExactMode
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
@@ -40,6 +41,7 @@ from worker.weight_version import PublishedWeightVersion, WeightVersionError
 __all__ = ("CallOwner", "CapturePolicy", "CapturedCall", "UpstreamAnswer")
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class CapturePolicy:
@@ -279,7 +281,7 @@ class CapturedCall:
         return orjson.dumps(body), asked
 
     async def _exact_upstream(
-        self, exact: ExactMode, rendered: dict[str, Any], receive: Receive
+        self, exact: ExactMode, rendering: Rendering, receive: Receive
     ) -> tuple[UpstreamAnswer, ClientAsked]:
         """The upstream answer of an exact-prefix chat call (admission already done): a continuation's prompt is its
         parent's exact sequence plus the rendered suffix. A request that cannot be spliced is served in verify mode."""
@@ -292,7 +294,7 @@ class CapturedCall:
             logprobs=self.request.get("logprobs") not in (None, False),
         )
         try:
-            answer = await exact.chat(self.request, rendered, parent)
+            answer = await exact.chat(self.request, rendering, parent)
         except SpliceError as exc:
             logger.warning("%s: cannot splice onto the parent (%s); served in verify mode", self.ids, exc)
             body, asked = self._body()
@@ -320,15 +322,18 @@ class CapturedCall:
         owner, metrics = self.owner, self.owner.metrics
         try:
             if owner.exact is not None and self.route == "chat":
-                status, rendered = await owner.exact.render(self.request)
-                if status != 200:  # the engine refused the request (over the context...): nothing to capture
-                    logger.warning("%s: the engine refused the request (%d); nothing generated, not admitted", self.ids,
-                                   status)  # fmt: skip
+                rendering = await owner.exact.render(self.request)
+                if rendering.status != 200:  # the engine refused the request (over the context...): nothing to capture
+                    logger.warning(
+                        "%s: the engine refused the request (%d); nothing generated, not admitted",
+                        self.ids,
+                        rendering.status,
+                    )
                     owner.metrics.count("uncaptured")
-                    await send_body(send, status, orjson.dumps(rendered))
+                    await send_body(send, rendering.status, orjson.dumps(rendering.answer))
                     return
                 await self._admit()  # a continuation's prompt starts with its parent's exact ids: admit first
-                upstream, asked = await self._exact_upstream(owner.exact, rendered, receive)
+                upstream, asked = await self._exact_upstream(owner.exact, rendering, receive)
             elif owner.policy.upstream_kind == "nemo-rl":
                 await self._admit()
                 body, asked = self._body()
