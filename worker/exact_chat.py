@@ -80,8 +80,10 @@ def _checked_generation(answer: Any) -> dict[str, Any]:
         entry_ids = [entry["token_id"] for entry in content]
     except (KeyError, TypeError, ValueError) as exc:
         raise EnginePayloadError(f"generate answer lacks choices[0] token_ids / logprobs.content: {exc!r}") from exc
-    if not isinstance(ids, list) or entry_ids != ids:
-        raise EnginePayloadError("generate answer: logprobs.content token ids differ from choices[0].token_ids")
+    if not isinstance(ids, list) or not ids or entry_ids != ids:
+        raise EnginePayloadError(
+            "generate answer: no ids, or logprobs.content token ids differ from choices[0].token_ids"
+        )
     if not isinstance(choice, dict):
         raise EnginePayloadError("generate answer: choices[0] is not an object")
     return choice
@@ -181,7 +183,12 @@ async def exact_chat(
     # for its parsers, and a trailing "<|im_end|>" breaks them (a tool call stays text). Derender without it.
     eos_stop = choice.get("finish_reason") == "stop" and choice.get("stop_reason") is None and ids[-1] in eot_ids
     shown_ids = ids[:-1] if eos_stop and len(ids) > 1 else ids
-    trimmed = {**choice, "token_ids": shown_ids, "logprobs": {"content": entries[: len(shown_ids)]}}
+    trimmed = {
+        **choice,
+        "token_ids": shown_ids,
+        "logprobs": {"content": entries[: len(shown_ids)]},
+        "weight_versions": None,
+    }
     body = {
         "model": request.get("model"),
         "generate_response": {**generated, "choices": [trimmed]},
@@ -201,10 +208,9 @@ async def exact_chat(
     message = out.get("message")
     if isinstance(message, dict) and message.get("tool_calls") and out.get("finish_reason") == "stop":
         out["finish_reason"] = "tool_calls"  # as vLLM's chat route answers a parsed tool call
-    shown = (out.get("logprobs") or {}).get("content") or []
-    shown = shown[: len(ids)] + [{"token": f"token_id:{token}", "top_logprobs": []} for token in ids[len(shown) :]]
-    if len(shown) != len(ids):  # keep the engine's token strings only where they line up with the ids
-        shown = [{"token": f"token_id:{token}", "top_logprobs": []} for token in ids]
+    # The engine's token strings where derender gave them; the trimmed end-of-turn as "token_id:<n>".
+    shown = ((out.get("logprobs") or {}).get("content") or [])[: len(ids)]
+    shown += [{"token": f"token_id:{token}", "top_logprobs": []} for token in ids[len(shown) :]]
     out["logprobs"] = {"content": [{**s, "logprob": e["logprob"]} for s, e in zip(shown, entries, strict=True)]}
     out["token_ids"] = ids
     _drop_stop_string(out, choice.get("stop_reason"), request)
