@@ -24,7 +24,7 @@ from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
 from worker.errors import EnginePayloadError, SpliceError
 from worker.exact_chat import Rendering
-from worker.proxy.exact_mode import ExactMode
+from worker.proxy.exact_mode import ExactMode, PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     ClientAsked,
@@ -62,8 +62,8 @@ class CallOwner(Protocol):
     gate: CaptureGate
     policy: CapturePolicy
     metrics: ProxyMetrics
-    exact: ExactMode | None
-    """Chat calls in exact-prefix mode (``None``: verify mode)."""
+    prefix_mode: PrefixModeChoice
+    """Whether chat calls go in exact-prefix mode."""
     published: PublishedWeightVersion | None
     """The trainer's published weight version, when calls are stamped with it."""
 
@@ -321,8 +321,9 @@ class CapturedCall:
         """Serve the call: capture it, then reply (or refuse with 503 when fail-closed and not captured)."""
         owner, metrics = self.owner, self.owner.metrics
         try:
-            if owner.exact is not None and self.route == "chat":
-                rendering = await owner.exact.render(self.request)
+            exact = await owner.prefix_mode.current() if self.route == "chat" else None
+            if exact is not None:
+                rendering = await exact.render(self.request)
                 if rendering.status != 200:  # the engine refused the request (over the context...): nothing to capture
                     logger.warning(
                         "%s: the engine refused the request (%d); nothing generated, not admitted",
@@ -333,7 +334,7 @@ class CapturedCall:
                     await send_body(send, rendering.status, orjson.dumps(rendering.answer))
                     return
                 await self._admit()  # a continuation's prompt starts with its parent's exact ids: admit first
-                upstream, asked = await self._exact_upstream(owner.exact, rendering, receive)
+                upstream, asked = await self._exact_upstream(exact, rendering, receive)
             elif owner.policy.upstream_kind == "nemo-rl":
                 await self._admit()
                 body, asked = self._body()
