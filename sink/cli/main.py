@@ -46,6 +46,7 @@ from sink.cli.common import (
 from sink.cli.export import add_export_command
 from sink.cli.logs import add_logging_options, configure_logging
 from sink.cli.prune import add_prune_command
+from sink.cli.report import add_report_commands
 from sink.errors import StagingError
 from sink.keys import DEFAULT_NAMESPACE
 from sink.settings import DEFAULT_SHARDS
@@ -101,6 +102,7 @@ def _add_rollout_commands(
     inspect.add_argument("rollout_id", metavar="ROLLOUT")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(handler=lambda a: _run(rollouts.inspect_rollout, _target(a), a.rollout_id, as_json=a.json))
+    add_report_commands(commands, redis, inspect, _target)
 
     verify = commands.add_parser(
         "verify", parents=[redis], help="verify a rollout's staged records against its receipt (exit 0 iff verified)"
