@@ -27,6 +27,7 @@ from sink.settings import ConnectionSettings
 from sink.store.connection import Topology, map_redis_errors
 
 __all__ = (
+    "EXIT_CANNOT_LISTEN",
     "EXIT_FAILURE",
     "EXIT_OK",
     "EXIT_UNREACHABLE",
@@ -59,6 +60,8 @@ EXIT_USAGE = 2
 """Bad arguments (argparse's own code), a malformed URL or rollout id."""
 EXIT_UNREACHABLE = 3
 """The server could not be reached (connection refused, timeout, DNS)."""
+EXIT_CANNOT_LISTEN = 4
+"""A service (``proxy``, ``engine``) could not listen on its address: the port is in use, or not allowed."""
 
 URL_SCHEMES = ("redis", "rediss", "unix")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9._-]+")  # the rule of ConnectionSettings.namespace

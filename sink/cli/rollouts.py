@@ -85,6 +85,14 @@ async def _rollout_state(topology: Topology, target: RedisTarget, rollout_id: st
     return {"calls": calls, "fenced": fenced, "manifest": manifest, "receipt": receipt, "exists": exists}
 
 
+_INT_FIELDS = frozenset(("prev_len", "delta_len", "cum_len", "weight", "bytes"))
+
+
+def _typed(fields: dict[str, str]) -> dict[str, str | int]:
+    """A calls-stream entry's fields with its counts as numbers (stream fields are stored as text)."""
+    return {k: int(v) if k in _INT_FIELDS and v.isdigit() else v for k, v in fields.items()}
+
+
 def _no_such_rollout(rollout_id: str, target: RedisTarget) -> CommandError:
     return CommandError(
         f"no such rollout {rollout_id!r} in namespace {target.namespace!r} at {target.display_url} "
@@ -108,7 +116,7 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
         _write_json(
             {
                 "rollout_id": rollout_id,
-                "calls": [{"entry_id": entry_id, **fields} for entry_id, fields in state["calls"]],
+                "calls": [{"entry_id": entry_id, **_typed(fields)} for entry_id, fields in state["calls"]],
                 "retired": state["fenced"],
                 "manifest": None if manifest is None else manifest.model_dump(mode="json"),
                 "receipt": None if receipt is None else receipt.model_dump(mode="json"),

@@ -246,7 +246,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
         ),
     ),
     "ops": RolePolicy(
-        "operators, the stats/inspect/tail CLI and the metrics exporter: read-only inspection, no writes, no scripts",
+        "operators, the stats/inspect/tail/report/prune --dry-run CLI and the metrics exporter: read-only, no writes, "
+        "no scripts",
         (
             Grant(
                 (
@@ -259,6 +260,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                     "scan",
                     "type",
                     "exists",
+                    "ttl",
                     "get",
                     "mget",
                     "xlen",

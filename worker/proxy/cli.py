@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from sink.cli.common import EXIT_USAGE, CommandError
+from worker.proxy.listen import check_listen
 
 if TYPE_CHECKING:
     from sink.settings import ProxySettings
@@ -166,6 +167,7 @@ def _tune_gc() -> None:
 def proxy_command(args: argparse.Namespace) -> int:
     """Run the proxy in the foreground until SIGINT/SIGTERM."""
     config = proxy_config(args)
+    check_listen(args.host, args.port)
     import uvicorn
 
     from worker.proxy.app import build_proxy
@@ -194,6 +196,7 @@ def proxy_command(args: argparse.Namespace) -> int:
 def engine_command(args: argparse.Namespace) -> int:
     """Run the simulated HTTP engine in the foreground until SIGINT/SIGTERM."""
     _require_extra()
+    check_listen(args.host, args.port)
     import uvicorn
 
     from worker.simulated.http_app import EngineApp, EngineOptions
