@@ -415,7 +415,27 @@ class RolloutReader(AsyncResource):
     def forget(self, rollout_ids: Iterable[str]) -> None:
         """Stop holding *rollout_ids* without acknowledging them (another rank takes them over); unknown ids
         are ignored."""
-        self._held.release([i for i in rollout_ids if i in self._held])
+        ids = list(rollout_ids)
+        self._held.release([i for i in ids if i in self._held])
+        self._claims.redelivered_grouped.difference_update(ids)
+
+    def defer_group_redeliveries(self) -> None:
+        """For :class:`~sink.trainer.groups.GroupReader`: a grouped rollout read again is not a double delivery
+        at claim time (it may only have been parked); the group reader reports it with
+        :meth:`count_double_deliveries` when its group is delivered a second time."""
+        self._claims.defer_grouped = True
+
+    def take_redelivered(self, rollout_ids: Iterable[str]) -> bool:
+        """Whether any of *rollout_ids* was read again while deferred (and stop tracking them)."""
+        ids = set(rollout_ids)
+        found = bool(ids & self._claims.redelivered_grouped)
+        self._claims.redelivered_grouped.difference_update(ids)
+        return found
+
+    def count_double_deliveries(self, rollout_ids: Iterable[str], why: str) -> None:
+        """Count and log each of *rollout_ids* as delivered to a trainer again (``double_deliveries``)."""
+        for rollout_id in rollout_ids:
+            self._claims.count_double_delivery(rollout_id, why)
 
     def holds(self, rollout_id: str) -> bool:
         """Whether this reader holds *rollout_id* (pulled, not yet acknowledged)."""
@@ -459,6 +479,7 @@ class RolloutReader(AsyncResource):
         retained = [h.receipt.rollout_id for h in held]
         await expire_consumed(self._topology, self._ns, retained, self._settings.retention_s)  # bounded state
         self._held.release(ids)
+        self._claims.redelivered_grouped.difference_update(ids)
         return AckOutcome(removed=removal.removed, absent=removal.absent, lost_lease=lost_lease)
 
     async def retire_consumer(self) -> int:
