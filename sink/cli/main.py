@@ -129,7 +129,14 @@ def _add_rollout_commands(
 
     for verb, function, text in (
         ("retire", removal.retire_rollouts, "fence rollouts and remove their ledgers (staged records stay)"),
-        ("delete", removal.delete_rollouts, "remove rollouts' ledgers and fences (the ids become reusable)"),
+        (
+            "delete",
+            removal.delete_rollouts,
+            (
+                "remove every key of the rollouts (ledger, fence, receipt, claim, staged records, calls): the ids "
+                "become reusable"
+            ),
+        ),
     ):
         command = commands.add_parser(verb, parents=[redis], help=text, description=text)
         command.add_argument("rollout_ids", metavar="ROLLOUT", nargs="+")

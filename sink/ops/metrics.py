@@ -18,7 +18,7 @@ No ``_created`` series are exported (``prometheus_client.disable_created_metrics
 :func:`serve_metrics` exposes a :class:`Metrics` over HTTP (each service's ``--metrics-port``, or the exporter)
 and returns a :class:`MetricsServer` that :meth:`~MetricsServer.stop` shuts down.
 
-``prometheus_client`` is the ``metrics`` extra (``pip install 'staging-sink[metrics]'``); it is imported
+``prometheus_client`` is the ``metrics`` extra (``pip install -e '.[metrics]'`` in a clone); it is imported
 when a :class:`Metrics` is made, and its absence raises :class:`MetricsExtraMissingError`. The counting
 itself (:mod:`sink.store.pipeline_counters`) and :func:`collect_redis_gauges` do not need it.
 """
@@ -109,7 +109,9 @@ def _prometheus() -> ModuleType:
     try:
         return importlib.import_module("prometheus_client")
     except ImportError as exc:
-        raise MetricsExtraMissingError("metrics need prometheus_client: pip install 'staging-sink[metrics]'") from exc
+        raise MetricsExtraMissingError(
+            "metrics need prometheus_client, the 'metrics' extra: pip install -e '.[metrics]' in a clone"
+        ) from exc
 
 
 def _version() -> str:

@@ -54,7 +54,7 @@ def _require_extra() -> None:
             __import__(module)
         except ImportError:
             raise CommandError(
-                f"{module} is missing: install the proxy extra (pip install 'staging-sink[proxy]')"
+                f"{module} is missing: install the proxy extra (pip install -e '.[proxy]' in a clone)"
             ) from None
 
 

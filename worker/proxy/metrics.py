@@ -38,6 +38,7 @@ class ProxyMetrics:
             prometheus = importlib.import_module("prometheus_client")
         except ImportError:
             return
+        prometheus.disable_created_metrics()  # as sink.ops.metrics: no `_created` twin of any series
         registry = prometheus.CollectorRegistry()
         self._prom = {
             "module": prometheus,
