@@ -4,21 +4,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.helpers.processes import free_port, service, wait_for
 from tests.helpers.proxy import close_clients, manifest, run_agent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,51 +25,6 @@ def _clients() -> Iterator[None]:
     close_clients()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _service(*args: str, health: str) -> Iterator[list[str]]:
-    """Run ``staging-sink ARGS`` until the block ends (SIGTERM); yields its stderr lines as they arrive."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sink", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    lines: list[str] = []
-    stream = process.stderr
-    assert stream is not None
-    reader = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in stream), daemon=True)
-    reader.start()
-    try:
-        _wait(lambda: _healthy(health), f"{args[0]} did not come up: {lines}", process)
-        yield lines
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        reader.join(timeout=10)
-        stream.close()
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url, timeout=1).status_code == 200
-    return False
-
-
-def _wait(condition: Callable[[], bool], message: str, process: subprocess.Popen[str] | None = None) -> None:
-    deadline = time.monotonic() + 60
-    while not condition():
-        assert process is None or process.poll() is None, message
-        assert time.monotonic() < deadline, message
-        time.sleep(0.1)
-
-
 def _value(body: str, series: str) -> float:
     match = re.search(rf"^{re.escape(series)} (\S+)$", body, re.MULTILINE)
     assert match, f"{series} not in the scrape:\n{body}"
@@ -84,13 +33,13 @@ def _value(body: str, series: str) -> float:
 
 @pytest.mark.slow
 def test_every_scrape_of_a_four_worker_proxy_sees_every_call(redis_url: str) -> None:
-    engine_port, proxy_port = _free_port(), _free_port()
+    engine_port, proxy_port = free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     base = f"http://127.0.0.1:{proxy_port}"
     rollouts, turns = 3, 4
     with (
-        _service("engine", "--port", str(engine_port), health=f"{engine}/health"),
-        _service(
+        service("engine", "--port", str(engine_port), health=f"{engine}/health"),
+        service(
             "proxy",
             "--upstream",
             engine,
@@ -122,12 +71,12 @@ def test_every_scrape_of_a_four_worker_proxy_sees_every_call(redis_url: str) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("log_format", ["json", "text"])
 def test_proxy_workers_log_with_the_parents_options(redis_url: str, log_format: str) -> None:
-    engine_port, proxy_port = _free_port(), _free_port()
+    engine_port, proxy_port = free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     base = f"http://127.0.0.1:{proxy_port}"
     with (
-        _service("engine", "--port", str(engine_port), health=f"{engine}/health"),
-        _service(
+        service("engine", "--port", str(engine_port), health=f"{engine}/health"),
+        service(
             "proxy",
             "--upstream",
             engine,
@@ -144,7 +93,7 @@ def test_proxy_workers_log_with_the_parents_options(redis_url: str, log_format: 
         ) as lines,
     ):
         # Each worker logs one INFO line when it builds its app: wait for both.
-        _wait(lambda: sum("proxy worker " in line for line in lines) >= 2, f"workers did not log: {lines}")
+        wait_for(lambda: sum("proxy worker " in line for line in lines) >= 2, f"workers did not log: {lines}")
     logged = [line for line in lines if not line.startswith("capture proxy on ")]
     assert logged, lines
     if log_format == "json":
