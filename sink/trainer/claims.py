@@ -3,13 +3,15 @@
 Before consuming a rollout a :class:`~sink.trainer.reader.RolloutReader` claims it with
 one script on the rollout's own slot: ``ns:{R}:claimed`` names the receipt
 entry and reader that own the rollout; another entry for the same rollout is
-acknowledged and dropped, and a retire fence marks a rollout consumed before.
+acknowledged and dropped, across ranks too, and a retire fence (left by the ledger's ``retire``) marks a
+rollout consumed before. A receipt can be published twice (an assembler crash between publish and
+acknowledgement); the same entry redelivered after a reader crash (``XAUTOCLAIM``) takes the claim over.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import anyio
 
@@ -109,6 +111,13 @@ class RolloutClaims:
         self.duplicates += 1
         await self._consumer.ack([entry])
         return False
+
+    def take_redelivered(self, rollout_ids: Iterable[str]) -> bool:
+        """Whether any of *rollout_ids* was read again while deferred (see ``defer_grouped``); stop tracking them."""
+        ids = set(rollout_ids)
+        found = bool(ids & self.redelivered_grouped)
+        self.redelivered_grouped.difference_update(ids)
+        return found
 
     def count_double_delivery(self, rollout_id: str, why: str) -> None:
         """Count and log a rollout delivered to a trainer again (it may have been trained before)."""

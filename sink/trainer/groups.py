@@ -123,7 +123,7 @@ class GroupReader:
         # This pull's rollouts: a group completed by one of them may include others not gathered yet.
         self._fresh: dict[str, PulledRollout] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed"), 0)
-        reader.defer_group_redeliveries()  # a parked member read again was never trained: counted at delivery
+        reader.claims.defer_grouped = True  # a parked member read again was never trained: counted at delivery
 
     @property
     def reader(self) -> RolloutReader:
@@ -303,8 +303,9 @@ class GroupReader:
             self._counts["partial"] += 1
         self._counts["delivered"] += 1
         ids = [m.rollout_id for m in members]
-        if self._reader.take_redelivered(ids) and await self._delivered_before(tag.group_id):
-            self._reader.count_double_deliveries(ids, f"group {tag.group_id!r}, delivered to a trainer before")
+        if self._reader.claims.take_redelivered(ids) and await self._delivered_before(tag.group_id):
+            for rollout_id in ids:
+                self._reader.claims.count_double_delivery(rollout_id, f"group {tag.group_id!r}, delivered before")
         return [RolloutGroup(tag.group_id, tag.group_size, tuple(members), tuple(failed), complete)]
 
     async def _delivered_before(self, group_id: str) -> bool:

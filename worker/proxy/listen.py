@@ -1,12 +1,12 @@
 """The listen check of the HTTP services (``staging-sink proxy`` / ``engine``): fail with one line and
-:data:`~sink.cli.common.EXIT_CANNOT_LISTEN` when the address cannot be bound, before uvicorn starts (uvicorn
+:data:`~sink.cli.plugin.EXIT_CANNOT_LISTEN` when the address cannot be bound, before uvicorn starts (uvicorn
 would exit 3, the CLI's code for "server unreachable")."""
 
 from __future__ import annotations
 
 import socket
 
-from sink.cli.common import EXIT_CANNOT_LISTEN, CommandError
+from sink.cli.plugin import EXIT_CANNOT_LISTEN, CommandError
 
 __all__ = ("check_listen",)
 
@@ -14,7 +14,7 @@ __all__ = ("check_listen",)
 def check_listen(host: str, port: int) -> None:
     """Bind *host*:*port* once (as uvicorn will, with ``SO_REUSEADDR``) and let go.
 
-    :raises CommandError: (exit :data:`~sink.cli.common.EXIT_CANNOT_LISTEN`) the address cannot be bound
+    :raises CommandError: (exit :data:`~sink.cli.plugin.EXIT_CANNOT_LISTEN`) the address cannot be bound
         (in use, not local, a privileged port) or *host* does not resolve.
     """
     try:
