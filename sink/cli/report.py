@@ -27,7 +27,7 @@ from sink.cli.common import (
     stderr_console,
 )
 from sink.cli.listing import collect_rollouts
-from sink.cli.rollouts import _no_such_rollout, _rollout_state, checked_rollout_id
+from sink.cli.rollouts import checked_rollout_id, no_such_rollout, rollout_state
 from sink.contract.records import RolloutReceipt, StagedCallSnapshot
 from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import calls_stream
@@ -166,9 +166,9 @@ def _view(record: StagedCallSnapshot, cum_by_call: dict[str, int]) -> CallView:
 async def _rollout_view(
     topology: Topology, target: RedisTarget, rollout_id: str, skips: Counter[str], state_of: dict[str, str]
 ) -> RolloutView:
-    state: dict[str, Any] = await _rollout_state(topology, target, rollout_id)
+    state: dict[str, Any] = await rollout_state(topology, target, rollout_id)
     if not state["exists"]:
-        raise _no_such_rollout(rollout_id, target)
+        raise no_such_rollout(rollout_id, target)
     receipt: RolloutReceipt | None = state["receipt"]
     keys = [fields["key"] for _, fields in state["calls"] if fields.get("key")]
     settings = SourceSettings(namespace=target.namespace, cluster=target.cluster)
