@@ -194,7 +194,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 ),
             ),
             Grant(
-                ("hsetnx", "hset", "hget", "hlen", "hgetall", "pexpire", "exists", "del"),
+                ("hsetnx", "hset", "hget", "hincrby", "hlen", "hgetall", "pexpire", "exists", "del"),
                 (_rw(_GROUP_META), _rw(_GROUP_MEMBERS)),
             ),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
