@@ -45,6 +45,7 @@ SUBCOMMANDS = (
     "retire",
     "delete",
     "list",
+    "report",
     "acl",
     "bench",
 )
