@@ -342,7 +342,14 @@ class RolloutReader(AsyncResource):
     def forget(self, rollout_ids: Iterable[str]) -> None:
         """Stop holding *rollout_ids* without acknowledging them (another rank takes them over); unknown ids
         are ignored."""
-        self._held.release([i for i in rollout_ids if i in self._held])
+        ids = list(rollout_ids)
+        self._held.release([i for i in ids if i in self._held])
+        self._claims.take_redelivered(ids)
+
+    @property
+    def claims(self) -> RolloutClaims:
+        """This reader's claims (:class:`~sink.trainer.groups.GroupReader` defers double-delivery counts there)."""
+        return self._claims
 
     def holds(self, rollout_id: str) -> bool:
         """Whether this reader holds *rollout_id* (pulled, not yet acknowledged)."""
@@ -386,6 +393,7 @@ class RolloutReader(AsyncResource):
         retained = [h.receipt.rollout_id for h in held]
         await expire_consumed(self._topology, self._ns, retained, self._settings.retention_s)  # bounded state
         self._held.release(ids)
+        self._claims.take_redelivered(ids)
         return AckOutcome(removed=removal.removed, absent=removal.absent, lost_lease=lost_lease)
 
     async def retire_consumer(self) -> int:
