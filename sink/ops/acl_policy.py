@@ -205,7 +205,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 ),
             ),
             Grant(
-                ("hsetnx", "hset", "hget", "hlen", "hgetall", "pexpire", "exists", "del"),
+                ("hsetnx", "hset", "hget", "hincrby", "hlen", "hgetall", "pexpire", "exists", "del"),
                 (_rw(_GROUP_META), _rw(_GROUP_MEMBERS)),
             ),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
@@ -220,7 +220,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
         ),
     ),
     "ops": RolePolicy(
-        "operators, the stats/inspect/tail CLI and the metrics exporter: read-only inspection, no writes, no scripts",
+        "operators, the stats/inspect/tail/report/prune --dry-run CLI and the metrics exporter: read-only, no writes, "
+        "no scripts",
         (
             Grant(
                 (
@@ -233,6 +234,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                     "scan",
                     "type",
                     "exists",
+                    "ttl",
                     "get",
                     "mget",
                     "xlen",

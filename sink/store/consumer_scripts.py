@@ -90,7 +90,8 @@ return {$NOT_REMOVED}
 # {GROUP_LATE} (nothing recorded) when the group went out already: closed (acknowledged, dropped, dead-lettered)
 # or owned, and this member is not one of it. Else records the member; sizes that disagree keep the largest and
 # set 'mismatch'. Then: {GROUP_COMPLETE, size, mismatch, members...} when this call completes the group (or finds
-# it complete with no live owner) and makes the caller its owner; {GROUP_OWNED} when the caller owns it already;
+# it complete with no live owner) and makes the caller its owner (meta 'deliveries' counts the owners it had:
+# above 1, the group was delivered before); {GROUP_OWNED} when the caller owns it already;
 # {GROUP_TAKEN, owner} when a live rank owns it; {GROUP_WAIT} otherwise.
 GROUP_GATHER_SCRIPT: Final = library_script(
     "group_gather",
@@ -117,6 +118,7 @@ local size = redis.call('HGET', KEYS[1], 'size')
 if redis.call('HLEN', KEYS[2]) < tonumber(size) then return {$GROUP_WAIT} end
 redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'owner_at', now)
 local mismatch = redis.call('HGET', KEYS[1], 'mismatch') or '0'
+redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
 return {$GROUP_COMPLETE, size, mismatch, unpack(redis.call('HGETALL', KEYS[2]))}
 """,
 )
@@ -159,6 +161,7 @@ if redis.call('HLEN', KEYS[2]) < tonumber(size) then
   state = $GROUP_SEALED
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_at', now)
+redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
 return {state, size, redis.call('HGET', KEYS[1], 'mismatch') or '0', unpack(redis.call('HGETALL', KEYS[2]))}
 """,
 )

@@ -1,30 +1,23 @@
 """GRPO group delivery: all rollouts of one prompt together, never split between trainer ranks.
 
-Rollouts join a group through :func:`~sink.rollout.done_event.finished`
-(``group_id=``, ``group_size=``). A :class:`GroupReader` wraps a
-:class:`~sink.trainer.reader.RolloutReader`; each rank pulls rollouts as usual and
-records every group member it receives in the group's server-side record
-(``ns:{grp:<id>}:members`` and ``:meta``, one slot) with one script. The rank
-whose member completes the group becomes its *owner* (atomically: exactly
-one rank) and takes the other ranks' members over (``XCLAIM`` of their
-receipt entries, then claim, fetch and verify as a pull does); the other ranks
-see the owner on their next :meth:`GroupReader.pull_groups` and let go of their
-members without acknowledging them. So one group is delivered whole, by one
-rank.
+Rollouts join a group through :func:`~sink.rollout.done_event.finished` (``group_id=``, ``group_size=``). A
+:class:`GroupReader` wraps a :class:`~sink.trainer.reader.RolloutReader`; each rank pulls rollouts as usual and
+records every group member it receives in the group's server-side record (``ns:{grp:<id>}:members`` and
+``:meta``, one slot) with one script. The rank whose member completes the group becomes its *owner* (atomically:
+exactly one rank) and takes the other ranks' members over (``XCLAIM`` of their receipt entries, then claim,
+fetch and verify as a pull does); the other ranks see the owner on their next :meth:`GroupReader.pull_groups`
+and let go of their members without acknowledging them. So one group is delivered whole, by one rank.
 
-Members that are not trainable (failed, poisoned, corrupt, stale weights) are
-acknowledged by the rank that received them and recorded with their skip
-code. ``group_failure_policy``: ``deliver_rest`` delivers the trainable members
-with the others listed in :attr:`RolloutGroup.failed`; ``drop_group``
-acknowledges the members and delivers nothing (counted as dropped).
+Members that are not trainable (failed, poisoned, corrupt, stale weights) are acknowledged by the rank that
+received them and recorded with their skip code. ``group_failure_policy``: ``deliver_rest`` delivers the
+trainable members with the others listed in :attr:`RolloutGroup.failed`; ``drop_group`` acknowledges the members
+and delivers nothing (counted as dropped).
 
-A group still incomplete ``group_timeout_s`` after its first member arrived is
-sealed by a rank holding one of its members: delivered partial
-(``complete=False``) or, with ``group_timeout_policy="dead_letter"``, its
-members acknowledged and the group recorded on ``ns:dead:groups``. An owner
-that stops refreshing its groups for ``claim_idle_ms`` (a crash) loses them to
-the next rank that finds them. Rollouts without a group are delivered as
-groups of one (``group_id=None``).
+A group still incomplete ``group_timeout_s`` after its first member arrived is sealed by a rank holding one of
+its members: delivered partial (``complete=False``) or, with ``group_timeout_policy="dead_letter"``, its members
+acknowledged and the group recorded on ``ns:dead:groups``. An owner that stops refreshing its groups for
+``claim_idle_ms`` (a crash) loses them to the next rank that finds them. Rollouts without a group are delivered
+as groups of one (``group_id=None``).
 
 Never silent, never pending forever, never ``complete=True`` with fewer members than announced: a member arriving
 after its group went out (delivered by any rank, acknowledged, dropped, sealed) is not delivered alone (a group of
@@ -34,8 +27,7 @@ members disagreeing on ``group_size`` make the group wait for the largest size a
 with that many; else sealed at the timeout), with a ``group_size_mismatch`` warning. Both are counted in
 :class:`GroupStatistics`.
 
-Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the
-optimizer step.
+Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the optimizer step.
 """
 
 from __future__ import annotations
@@ -145,6 +137,7 @@ class GroupReader:
         # This pull's rollouts: a group completed by one of them may include others not gathered yet.
         self._fresh: dict[str, PulledRollout] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed", "late", "mismatch"), 0)
+        reader.claims.defer_grouped = True  # a parked member read again was never trained: counted at delivery
 
     @property
     def reader(self) -> RolloutReader:
@@ -355,7 +348,17 @@ class GroupReader:
         if not complete:
             self._counts["partial"] += 1
         self._counts["delivered"] += 1
+        ids = [m.rollout_id for m in members]
+        if self._reader.claims.take_redelivered(ids) and await self._delivered_before(tag.group_id):
+            for rollout_id in ids:
+                self._reader.claims.count_double_delivery(rollout_id, f"group {tag.group_id!r}, delivered before")
         return [RolloutGroup(tag.group_id, tag.group_size, tuple(members), tuple(failed), complete)]
+
+    async def _delivered_before(self, group_id: str) -> bool:
+        """Whether the group had an owner before this rank (``deliveries`` counts them, in the scripts)."""
+        with map_redis_errors(f"read group {group_id!r}"):
+            count = await self._reader.client.hget(group_keys(self._ns, group_id)[0], "deliveries")
+        return int(_text(count or 0)) > 1
 
     async def _record_dead(
         self, tag: GroupTag, members: Sequence[str], failed: Sequence[SkippedRollout], code: str, reason: str
