@@ -114,3 +114,17 @@ async def test_members_disagreeing_on_the_size_never_make_a_complete_group_with_
         await owner.ack_groups([group])
         assert first.statistics().size_mismatches + second.statistics().size_mismatches == 1
         assert await rank0.pending() == 0
+
+
+async def test_rollouts_without_a_group_are_counted_as_delivered_groups(redis_url: str) -> None:
+    """Kills the mutant ``delivered += 1`` -> ``= 1`` of groups of one (found by mutmut)."""
+    await publish(redis_url, ["solo-0", "solo-1", "solo-2"], receipt_shards=1)
+    async with RolloutReader.from_url(redis_url, consumer_name="rank-0", receipt_shards=1) as rank0:
+        groups = GroupReader(rank0)
+        delivered: list[RolloutGroup] = []
+        with anyio.fail_after(20):
+            while len(delivered) < 3:
+                delivered += await groups.pull_groups(1, block_ms=50)
+        assert [g.group_id for g in delivered] == [None, None, None]
+        assert groups.statistics().delivered == 3
+        await groups.ack_groups(delivered)
