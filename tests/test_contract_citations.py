@@ -167,10 +167,29 @@ def test_section_signs_cite_the_contract_only() -> None:
     assert not wrong, "section signs citing another document:\n" + _listing(wrong)
 
 
-def test_the_contract_numbers_its_invariants_and_sections(index: ContractIndex) -> None:
+# The reference contract's numbering, kept section for section so that citations keep their meaning; the
+# decisions of section 10 are numbered subsections here, and the project's own sections follow it.
+# Section number -> number of its subsections in the reference contract.
+REFERENCE_SUBSECTIONS = {1: 0, 2: 4, 3: 12, 4: 9, 5: 8, 6: 10, 7: 4, 8: 4, 9: 4, 10: 0}
+REFERENCE_SECTIONS = frozenset(
+    number
+    for top, count in REFERENCE_SUBSECTIONS.items()
+    for number in (str(top), *(f"{top}.{n}" for n in range(1, count + 1)))
+)
+
+
+def test_the_contract_keeps_the_reference_numbering(index: ContractIndex) -> None:
     assert index.invariants == {f"INV-{n}" for n in range(1, 6)}
-    assert {str(n) for n in range(1, 14)} <= index.sections
+    assert REFERENCE_SECTIONS <= index.sections
     assert {f"10.{n}" for n in range(1, 14)} <= index.sections
+    assert {"11", "12", "13"} <= index.sections
+
+
+def test_the_contract_headings_are_in_order() -> None:
+    numbers = [m.group(1) for m in _NUMBERED_HEADING.finditer(_FENCE.sub("", CONTRACT.read_text(encoding="utf-8")))]
+    keys = [tuple(int(part) for part in number.split(".")) for number in numbers]
+    assert keys == sorted(keys)
+    assert len(set(keys)) == len(keys), "a section number is used twice"
 
 
 # --- README and docs link to the contract ------------------------------------------
