@@ -3,6 +3,7 @@
 * Each section sign (a section number such as 5.5 after the sign) and each ``INV-<n>`` in ``sink/``,
   ``worker/``, ``tests/``, ``docs/`` and ``README.md`` names a heading or an anchor of ``docs/contract.md``;
   no section sign cites another document.
+* The page keeps the reference's numbering, and every module or object it names (``sink.x.y``) exists.
 * Outside code blocks, README and the other docs link their contract references (section signs, invariants,
   "the contract", "the seed") to ``docs/contract.md``, and every such link's anchor exists.
 * No Python source cites a tracker issue number: say what is meant instead.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,6 +192,36 @@ def test_the_contract_headings_are_in_order() -> None:
     keys = [tuple(int(part) for part in number.split(".")) for number in numbers]
     assert keys == sorted(keys)
     assert len(set(keys)) == len(keys), "a section number is used twice"
+
+
+_DOTTED_NAME = re.compile(r"`((?:sink|worker)(?:\.[A-Za-z_]\w*)+)")
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether *dotted* is an importable module, or an attribute reached from the longest importable prefix."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_the_contract_names_modules_and_objects_that_exist() -> None:
+    # The page says where each rule lives; a module moved without the page following is caught here.
+    text = CONTRACT.read_text(encoding="utf-8")
+    names = sorted(set(_DOTTED_NAME.findall(text)))
+    assert len(names) > 30
+    missing = [name for name in names if not _resolves(name)]
+    assert not missing, f"docs/contract.md names what does not exist: {missing}"
+    assert not _resolves("sink.contract.no_such_module")
+    assert not _resolves("sink.keys.no_such_function")
 
 
 # --- README and docs link to the contract ------------------------------------------
