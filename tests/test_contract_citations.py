@@ -220,6 +220,8 @@ def test_the_contract_names_modules_and_objects_that_exist() -> None:
     assert len(names) > 30
     missing = [name for name in names if not _resolves(name)]
     assert not missing, f"docs/contract.md names what does not exist: {missing}"
+    paths = set(re.findall(r"`((?:tests|sink|worker|docs|scripts)/[\w./-]+)`", text))
+    assert not [path for path in paths if not (ROOT / path).exists()], "docs/contract.md names missing files"
     assert not _resolves("sink.contract.no_such_module")
     assert not _resolves("sink.keys.no_such_function")
 
