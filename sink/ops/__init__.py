@@ -1,1 +1,3 @@
 """Operations: pruning, metrics, cluster setup and ACL roles."""
+
+__all__ = ()
