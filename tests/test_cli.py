@@ -21,7 +21,7 @@ import yaml
 
 from sink.cli.common import EXIT_FAILURE, EXIT_UNREACHABLE, EXIT_USAGE, mask_url
 from sink.cli.main import ENV_REDIS_URL, build_parser, main
-from sink.cli.services import BENCHMARKS
+from sink.cli.services import benchmarks
 from sink.keys import record_key
 from sink.ops.acl import ADMIN_ROLE, ROLE_NAMES
 from sink.rollout.assembler import finished
@@ -360,7 +360,14 @@ def test_acl_generates_missing_passwords_into_an_env_file(tmp_path: Path, capsys
     assert "user worker on #" in out and not any(password in out for password in lines.values())
 
 
-@pytest.mark.parametrize("name", BENCHMARKS)
+def test_the_worker_registers_its_commands_and_benchmarks_through_entry_points() -> None:
+    parser = build_parser({})
+    for argv in (["demo"], ["proxy", "--upstream", "http://x"], ["engine"]):
+        assert callable(parser.parse_args(argv).handler), argv
+    assert {"worker", "proxy"} <= set(benchmarks())
+
+
+@pytest.mark.parametrize("name", benchmarks())
 def test_bench_dispatches_to_the_module(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["bench", name, "--help"])

@@ -12,7 +12,7 @@ import pytest
 
 from sink.contract.records import UNCOMMITTED_CALL_REASON
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, expected_ids, finish, manifest, pull, run_agent
-from worker.proxy.asgi import Receive, Scope, Send
+from worker.asgi import Receive, Scope, Send
 from worker.proxy.in_process import EnvCaptureMiddleware, config_from_environment
 from worker.proxy.serve import running_server
 from worker.simulated.engine import BYTE_OFFSET, IM_END

@@ -1,17 +1,57 @@
-"""The architecture rules of the tree, checked on the source: no import cycles, no private names across packages,
-a pure wire-contract layer, and ``sink`` never importing ``worker`` at import time."""
+"""The architecture rules of the tree, checked on the source.
+
+Sizes (no folder over 20 modules, no module over 400 lines), no import circles (type-only and function-level
+imports included), folders in a strict layer order (a module imports only its own folder and lower ones),
+``sink`` never importing ``worker`` (lazily or by name), no private module or name imported across packages,
+the documented re-export shims used only from outside the source tree, a pure wire-contract layer, and blind
+``except Exception`` only at the documented boundaries listed below.
+
+Each rule is a function over a :class:`Tree` (parsed source), so the tests at the bottom also run every rule on a
+deliberately broken copy of the tree and check that it fails.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
+import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("sink", "worker")
-# The wire contract: pure code, no Redis client, no event loop (issue 12's layer 1).
+MAX_MODULE_LINES = 400
+MAX_FOLDER_MODULES = 20  # .py files directly in one folder, __init__ included
+
+# Folders from the lowest layer to the highest. A module may import modules of its own folder and of lower ones.
+# Sub-folders not listed (for example sink.contract._packed) belong to the layer of their parent folder.
+LAYERS: tuple[str, ...] = (
+    "sink",  # the top modules every part uses: errors, keys, settings, canonical
+    "sink.server",  # private durable servers
+    "sink.contract",  # the wire contract: records, schema table, digests, codec, packed rows
+    "sink.store",  # the connection and the staging store
+    "sink.ledger",  # the per-rollout ledger and the commit gate
+    "sink.rollout",  # done event, assembler, terminal selection, receipt
+    "sink.trainer",  # the reader and everything the trainer pulls
+    "sink.ops",  # prune, metrics, cluster, ACL
+    "sink.bench",  # benchmarks
+    "sink.cli",  # the command line
+    "worker",  # capture core
+    "worker.simulated",  # the simulated engine
+    "worker.proxy",  # the OpenAI-compatible capture proxy
+    "worker.demo",  # the demo
+)
+# Facades: they re-export (sink/__init__) or run (sink/__main__) the package; they may import anything in sink and
+# nothing in sink imports them.
+FACADES = frozenset({"sink", "sink.__main__"})
+# Thin re-exports at import paths the seed documents; only code outside the source tree imports them.
+SHIMS = frozenset({"sink.records", "sink.digest", "sink.protocols"})
+# What other packages may import from the command line: its public plugin API (the rest of sink.cli is private).
+CLI_PUBLIC = frozenset({"sink.cli.plugin"})
+# The wire contract: pure code, no Redis client, no event loop.
 CONTRACT_MODULES = (
     "sink.canonical",
     "sink.contract.codec",
@@ -22,92 +62,160 @@ CONTRACT_MODULES = (
 )
 IO_LIBRARIES = ("redis", "anyio", "hiredis")
 
+# Blind handlers (``except Exception``, ``except BaseException``, bare ``except:``) allowed only here, one line why.
+# Key: "path:function" (the innermost enclosing function, or "<module>"); one entry covers every blind handler of that
+# function. A handler that only cleans up and re-raises (its last statement a bare ``raise``) is not blind.
+# Remove an entry with its handler (a stale entry fails the test too).
+BLIND_EXCEPT_BOUNDARIES: dict[str, str] = {
+    "sink/cli/main.py:main": "the CLI top: an expected failure is one stderr line + exit code",
+    "sink/store/commit.py:_write_node": "group commit: a bug must not strand waiting callers; logged",
+    "sink/store/resource.py:_close_forgotten": "finalizer of an unclosed resource: best effort, logged, never raises",
+    "sink/store/resource.py:run": "loop thread: a startup failure goes to the waiting constructor",
+    "sink/trainer/verify.py:_verify_snapshot": "a failed digest recompute becomes a typed error, chained",
+    "worker/capture.py:_begin_steps": "any staging-source failure disables capture of this call (served uncaptured)",
+    "worker/capture.py:_completion_steps": "the worker catches every sink failure: the call is recorded failed",
+    "worker/capture.py:_extract": "any adapter failure poisons the call, never fails the completion",
+    "worker/demo/worker_process.py:worker_process_main": "demo worker process: failure sent to the parent",
+    "worker/io_steps.py:run_async": "the capture steps turn any I/O failure into failed coordinates",
+    "worker/io_steps.py:run_blocking": "the capture steps turn any I/O failure into failed coordinates",
+    "worker/proxy/app.py:__call__": "ASGI lifespan startup: the failure is reported to the server, which exits",
+    "worker/proxy/captured_call.py:_abandon": "per call: ledger unreachable recording an abandon; logged",
+    "worker/proxy/captured_call.py:_admit": "per call: ledger down or begin failed; logged, fail-open/closed",
+    "worker/proxy/captured_call.py:_complete": "per call: a malformed payload fails capture, not the reply",
+    "worker/proxy/captured_call.py:_settle": "per call: ledger failed after the stage; logged, uncaptured",
+    "worker/proxy/middleware.py:_finished": "per request: announcing finished failed; logged, 503 (retry)",
+}
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+
+def _module_name(relative: Path) -> str:
+    parts = list(relative.with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+@dataclass(frozen=True)
+class Import:
+    target: str  # the imported module (resolved, inside the tree)
+    names: tuple[str, ...]  # names imported from it (empty for ``import x`` or a submodule)
+    line: int
 
 
-MODULES = _modules()
+@dataclass
+class Tree:
+    """The parsed source of the packages under *root*."""
+
+    root: Path
+    paths: dict[str, Path] = field(default_factory=dict)
+    trees: dict[str, ast.Module] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, root: Path) -> Tree:
+        tree = cls(root)
+        for package in PACKAGES:
+            for path in sorted((root / package).rglob("*.py")):
+                name = _module_name(path.relative_to(root))
+                tree.paths[name] = path
+                tree.trees[name] = ast.parse(path.read_text(), filename=str(path))
+        return tree
+
+    def is_package(self, module: str) -> bool:
+        return self.paths[module].name == "__init__.py"
+
+    def package_of(self, module: str) -> str:
+        return module if self.is_package(module) else module.rpartition(".")[0]
+
+    def relative(self, module: str) -> str:
+        return self.paths[module].relative_to(self.root).as_posix()
+
+    def imports(self, module: str) -> Iterator[Import]:
+        """Every import of *module* inside the tree: module level, ``TYPE_CHECKING``, function bodies, all."""
+        for node in ast.walk(self.trees[module]):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in self.paths:
+                        yield Import(alias.name, (), node.lineno)
+                    else:  # ``import sink.store.x`` also imports its packages; only the leaf counts here
+                        parent = alias.name.rpartition(".")[0]
+                        if parent in self.paths:
+                            yield Import(parent, (), node.lineno)
+            elif isinstance(node, ast.ImportFrom):
+                target = self._absolute(module, node)
+                if target not in self.paths:
+                    continue
+                names = [alias.name for alias in node.names]
+                plain = tuple(n for n in names if f"{target}.{n}" not in self.paths)
+                if plain or not names:
+                    yield Import(target, plain, node.lineno)
+                for name in names:
+                    if f"{target}.{name}" in self.paths:
+                        yield Import(f"{target}.{name}", (), node.lineno)
+
+    def _absolute(self, module: str, node: ast.ImportFrom) -> str:
+        if node.level == 0:
+            return node.module or ""
+        base = module.split(".") if self.is_package(module) else module.split(".")[:-1]
+        base = base[: len(base) - node.level + 1]
+        return ".".join([*base, node.module] if node.module else base)
+
+    def graph(self) -> dict[str, set[str]]:
+        """Module -> modules it imports. A package's ``__init__`` re-exporting its own submodules is not a circle
+        with them: edges into a package from its own submodules are dropped (Python imports the package first)."""
+        graph: dict[str, set[str]] = {}
+        for module in self.paths:
+            targets = {i.target for i in self.imports(module) if i.target != module}
+            graph[module] = {t for t in targets if not (self.is_package(t) and module.startswith(t + "."))}
+        return graph
 
 
-def _is_package(name: str) -> bool:
-    return MODULES[name].name == "__init__.py"
-
-
-def _runtime_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Module-level imports that run on import (``if TYPE_CHECKING:`` blocks and function bodies excluded)."""
-    for node in tree.body:
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            yield node
-        elif (
-            isinstance(node, ast.If)
-            and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
-            or isinstance(node, ast.Try)
-        ):
-            yield from (n for n in node.body if isinstance(n, ast.Import | ast.ImportFrom))
-
-
-def _absolute(module: str, node: ast.ImportFrom) -> str:
-    if node.level == 0:
-        return node.module or ""
-    base = module.split(".") if _is_package(module) else module.split(".")[:-1]
-    base = base[: len(base) - node.level + 1]
-    return ".".join([*base, node.module] if node.module else base)
-
-
-def _edges(module: str) -> Iterator[tuple[str, list[str]]]:
-    """(imported module, names imported from it) for each runtime import of *module* inside the project."""
-    tree = ast.parse(MODULES[module].read_text())
-    for node in _runtime_imports(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name in MODULES:
-                    yield alias.name, []
-            continue
-        target = _absolute(module, node)
-        if target not in MODULES:
-            continue
-        names = [alias.name for alias in node.names]
-        submodules = [f"{target}.{name}" for name in names if f"{target}.{name}" in MODULES]
-        yield target, [name for name in names if f"{target}.{name}" not in MODULES]
-        for sub in submodules:
-            yield sub, []
-
-
-def _package_of(module: str) -> str:
-    return module if _is_package(module) else module.rpartition(".")[0]
+def layer_of(module: str) -> int:
+    """The rank of *module*'s folder in :data:`LAYERS` (the longest listed folder that contains it)."""
+    best = -1
+    for rank, folder in enumerate(LAYERS):
+        parent = module.rpartition(".")[0] if module not in LAYERS else module
+        if (parent == folder or parent.startswith(folder + ".")) and (best < 0 or len(folder) > len(LAYERS[best])):
+            best = rank
+    return best
 
 
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def test_the_module_list_covers_the_tree() -> None:
-    assert {"sink", "sink.contract.records", "sink.contract.digest", "worker", "worker.capture"} <= set(MODULES)
+# The rules: each returns the list of violations (empty when the tree obeys it).
 
 
-def test_no_import_cycles_between_modules() -> None:
-    graph = {module: {target for target, _ in _edges(module) if target != module} for module in MODULES}
-    # A package's __init__ re-exporting its submodules is not a cycle with them: drop edges into a package from
-    # its own submodules (Python imports the package first either way).
-    for module, targets in graph.items():
-        graph[module] = {t for t in targets if not (_is_package(t) and module.startswith(t + "."))}
+def oversized_modules(tree: Tree) -> list[str]:
+    found = []
+    for module, path in tree.paths.items():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{tree.relative(module)}: {lines} lines (max {MAX_MODULE_LINES})")
+    return found
+
+
+def oversized_folders(tree: Tree) -> list[str]:
+    folders: dict[Path, int] = {}
+    for path in tree.paths.values():
+        folders[path.parent] = folders.get(path.parent, 0) + 1
+    return [
+        f"{folder.relative_to(tree.root).as_posix()}/: {count} modules (max {MAX_FOLDER_MODULES})"
+        for folder, count in sorted(folders.items())
+        if count > MAX_FOLDER_MODULES
+    ]
+
+
+def import_circles(tree: Tree) -> list[str]:
+    graph = tree.graph()
     state: dict[str, int] = {}
     path: list[str] = []
+    found: list[str] = []
 
     def visit(module: str) -> None:
         state[module] = 1
         path.append(module)
         for target in sorted(graph[module]):
             if state.get(target) == 1:
-                cycle = path[path.index(target) :] + [target]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if target not in state:
+                found.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
                 visit(target)
         path.pop()
         state[module] = 2
@@ -115,38 +223,216 @@ def test_no_import_cycles_between_modules() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module)
+    return found
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_no_private_name_is_imported_across_packages(module: str) -> None:
-    """``_name`` (or a module under a ``_private`` package) is imported only inside the package that owns it."""
-    package = _package_of(module)
-    for target, names in _edges(module):
-        owner = _package_of(target)
-        private_parts = [i for i, part in enumerate(target.split(".")) if _is_private(part)]
-        if private_parts:
-            owning = ".".join(target.split(".")[: private_parts[0]])
-            assert module == owning or module.startswith(owning + "."), f"{module} imports private module {target}"
-        for name in names:
-            if _is_private(name):
-                assert owner == package, f"{module} imports private {target}.{name} from another package"
-
-
-@pytest.mark.parametrize("module", CONTRACT_MODULES)
-def test_the_wire_contract_layer_does_no_io(module: str) -> None:
-    """records, digest, fingerprint, codec, packed: pure code, importable without touching Redis or an event loop."""
-    seen: set[str] = set()
-    todo = [module]
-    while todo:
-        current = todo.pop()
-        if current in seen:
+def layer_violations(tree: Tree) -> list[str]:
+    found = []
+    for module in tree.paths:
+        if module in FACADES or module in SHIMS:
+            continue  # checked by facade_and_shim_imports
+        rank = layer_of(module)
+        if rank < 0:
+            found.append(f"{module}: its folder is not in LAYERS")
             continue
-        seen.add(current)
-        tree = ast.parse(MODULES[current].read_text())
-        for node in _runtime_imports(tree):
-            external = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            if isinstance(node, ast.ImportFrom) and node.level:
-                external = []
-            for name in external:
-                assert name.split(".")[0] not in IO_LIBRARIES, f"{current} (reached from {module}) imports {name}"
-        todo.extend(target for target, _ in _edges(current) if target.startswith("sink"))
+        for imp in tree.imports(module):
+            if imp.target in FACADES or imp.target in SHIMS:
+                continue  # checked by facade_and_shim_imports
+            if layer_of(imp.target) > rank:
+                found.append(
+                    f"{tree.relative(module)}:{imp.line}: {module} ({LAYERS[rank]}) imports {imp.target} "
+                    f"({LAYERS[layer_of(imp.target)]}), a higher layer"
+                )
+    return found
+
+
+def facade_and_shim_imports(tree: Tree) -> list[str]:
+    """Nothing in sink imports a facade; nothing in the tree imports a shim; facades and shims stay in sink."""
+    found = []
+    for module in tree.paths:
+        for imp in tree.imports(module):
+            if imp.target in SHIMS:
+                found.append(f"{tree.relative(module)}:{imp.line}: imports the shim {imp.target}")
+            elif imp.target in FACADES and module.split(".")[0] == "sink" and module not in FACADES | SHIMS:
+                found.append(f"{tree.relative(module)}:{imp.line}: imports the facade {imp.target}")
+            if module in FACADES | SHIMS and not imp.target.startswith("sink"):
+                found.append(f"{tree.relative(module)}:{imp.line}: facade/shim imports {imp.target}")
+    return found
+
+
+_WORKER_NAME = re.compile(r"^worker(\.[A-Za-z_][A-Za-z0-9_.]*)?(:[A-Za-z_]\w*)?$")
+
+
+def sink_to_worker(tree: Tree) -> list[str]:
+    """``sink`` never imports ``worker``: not at the top, not in a function, not by name (``import_module``)."""
+    found: list[str] = []
+    for module, parsed in tree.trees.items():
+        if module.split(".")[0] != "sink":
+            continue
+        for node in ast.walk(parsed):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                targets = [node.module or ""] if node.level == 0 else []
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
+                targets = [node.value] if _WORKER_NAME.match(node.value) else []
+            else:
+                continue
+            found.extend(
+                f"{tree.relative(module)}:{node.lineno}: sink reaches worker ({t})"
+                for t in targets
+                if t == "worker" or t.startswith("worker.")
+            )
+    return found
+
+
+def private_imports(tree: Tree) -> list[str]:
+    """No module or name starting with ``_`` imported from another package; the CLI's modules are private to it
+    except its public plugin API."""
+    found = []
+    for module in tree.paths:
+        package = tree.package_of(module)
+        where = f"{tree.relative(module)}"
+        for imp in tree.imports(module):
+            parts = imp.target.split(".")
+            private = [i for i, part in enumerate(parts) if _is_private(part)]
+            if private:
+                owner = ".".join(parts[: private[0]])
+                if not (module == owner or module.startswith(owner + ".")):
+                    found.append(f"{where}:{imp.line}: imports the private module {imp.target}")
+            owner_package = tree.package_of(imp.target)
+            found.extend(
+                f"{where}:{imp.line}: imports the private name {imp.target}.{name} from another package"
+                for name in imp.names
+                if _is_private(name) and owner_package != package
+            )
+            inside_cli = module == "sink.cli" or module.startswith("sink.cli.")
+            outside = not inside_cli and module not in FACADES
+            if imp.target.startswith("sink.cli.") and outside and imp.target not in CLI_PUBLIC:
+                found.append(f"{where}:{imp.line}: imports {imp.target}, private to the command line")
+    return found
+
+
+def _is_blind(handler: ast.ExceptHandler) -> bool:
+    """A handler catching everything, unless it only cleans up and re-raises (its last statement a bare ``raise``)."""
+    if handler.body and isinstance(handler.body[-1], ast.Raise) and handler.body[-1].exc is None:
+        return False
+    if handler.type is None:
+        return True
+    kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(isinstance(k, ast.Name) and k.id in ("Exception", "BaseException") for k in kinds)
+
+
+def blind_handlers(tree: Tree) -> dict[str, int]:
+    """Number of blind handlers per "path:function"."""
+    found: dict[str, int] = {}
+
+    def walk(node: ast.AST, function: str, path: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            if isinstance(child, ast.ExceptHandler) and _is_blind(child):
+                key = f"{path}:{function}"
+                found[key] = found.get(key, 0) + 1
+            walk(child, name, path)
+
+    for module, parsed in tree.trees.items():
+        walk(parsed, "<module>", tree.relative(module))
+    return found
+
+
+def blind_except_violations(tree: Tree, allowed: dict[str, str] = BLIND_EXCEPT_BOUNDARIES) -> list[str]:
+    found = blind_handlers(tree)
+    problems = [f"{key}: blind except outside the documented boundaries" for key in sorted(set(found) - set(allowed))]
+    problems += [
+        f"{key}: listed as a boundary but has no blind except (remove it)" for key in sorted(set(allowed) - set(found))
+    ]
+    return problems
+
+
+def contract_io(tree: Tree) -> list[str]:
+    """records, digest, fingerprint, codec, packed: pure code, importable without Redis or an event loop."""
+    found: list[str] = []
+    graph = tree.graph()
+    for module in CONTRACT_MODULES:
+        seen: set[str] = set()
+        todo = [module]
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            for node in tree.trees[current].body:  # module-level (runtime) imports of outside libraries
+                if isinstance(node, ast.Import):
+                    external = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    external = [node.module or ""]
+                else:
+                    continue
+                found.extend(
+                    f"{current} (reached from {module}) imports {name}"
+                    for name in external
+                    if name.split(".")[0] in IO_LIBRARIES
+                )
+            todo.extend(t for t in graph[current] if t.startswith("sink"))
+    return found
+
+
+RULES = {
+    "module size": oversized_modules,
+    "folder size": oversized_folders,
+    "import circles": import_circles,
+    "layer order": layer_violations,
+    "facades and shims": facade_and_shim_imports,
+    "sink never imports worker": sink_to_worker,
+    "private imports": private_imports,
+    "blind except": blind_except_violations,
+    "contract does no io": contract_io,
+}
+TREE = Tree.load(ROOT)
+
+
+def test_the_module_list_covers_the_tree() -> None:
+    assert {"sink", "sink.contract.records", "sink.contract.digest", "worker", "worker.capture"} <= set(TREE.paths)
+
+
+def test_every_folder_has_a_layer() -> None:
+    assert all(layer_of(module) >= 0 for module in TREE.paths)
+    assert layer_of("sink.errors") < layer_of("sink.contract.records") < layer_of("sink.cli.main")
+    assert layer_of("sink.contract._packed.rows") == layer_of("sink.contract.packed")
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_the_tree_obeys(rule: str) -> None:
+    problems = RULES[rule](TREE)
+    assert not problems, f"{rule}:\n  " + "\n  ".join(problems)
+
+
+# Each rule fails on a deliberately broken copy of the tree.
+BREAKS: dict[str, tuple[str, str]] = {  # rule -> (module file to edit, text appended to it)
+    "module size": ("sink/keys.py", "\n" * (MAX_MODULE_LINES + 1)),
+    "import circles": ("sink/errors.py", "\ndef _late() -> None:\n    from sink.store import connection  # noqa\n"),
+    "layer order": ("sink/store/connection.py", "\nif False:\n    from sink.trainer import reader\n"),
+    "facades and shims": ("sink/store/connection.py", "\nfrom sink.records import StagedCall  # noqa\n"),
+    "sink never imports worker": ("sink/ops/prune.py", "\nMODULE = 'worker.bench'\n"),
+    "private imports": ("sink/trainer/row.py", "\nfrom sink.store.connection import _hidden  # noqa\n"),
+    "blind except": (
+        "sink/keys.py",
+        "\ndef _f() -> None:\n    try:\n        pass\n    except Exception:\n        pass\n",
+    ),
+    "contract does no io": ("sink/contract/codec.py", "\nimport redis  # noqa\n"),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_the_rule_fails_on_a_broken_tree(rule: str, tmp_path: Path) -> None:
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    if rule == "folder size":
+        for i in range(MAX_FOLDER_MODULES + 1):
+            (tmp_path / "sink" / "ledger" / f"extra_{i}.py").write_text("")
+    else:
+        relative, text = BREAKS[rule]
+        with (tmp_path / relative).open("a") as handle:
+            handle.write(text)
+    assert not RULES[rule](Tree.load(ROOT)), "the real tree must obey the rule first"
+    assert RULES[rule](Tree.load(tmp_path)), f"{rule!r} did not notice the break"

@@ -16,8 +16,8 @@ import pytest
 from sink.contract.records import WORKER_CAPTURE_FAILED_REASON, RolloutManifest
 from sink.server import DurableServer
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, proxy_config
+from worker.asgi import Receive, Scope, Send, read_body, send_body
 from worker.proxy.app import ProxyApp, build_proxy
-from worker.proxy.asgi import Receive, Scope, Send, read_body, send_body
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp, EngineOptions
 

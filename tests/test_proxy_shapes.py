@@ -22,8 +22,8 @@ from tests.helpers.proxy import (
     pull,
     run_agent,
 )
+from worker.asgi import Message, Receive, Scope, Send, header, send_body
 from worker.proxy.app import ProxyApp, build_proxy
-from worker.proxy.asgi import Message, Receive, Scope, Send, header, send_body
 from worker.proxy.serve import running_server
 from worker.simulated.engine import IM_END, IM_START
 from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp, EngineOptions

@@ -641,7 +641,7 @@ def test_random_chains_linearize_to_concatenated_deltas(data: st.DataObject, sha
 
 
 def _decoded_chain() -> tuple[RolloutReceipt, list[Any]]:
-    from sink.bench.stage import build_records
+    from sink.bench.workload import build_records
     from sink.contract.codec import decode_record, encode_record
 
     records = build_records(1, 4, 300, tag="packed")

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from sink.contract.protocols import StagingSink
 from worker.capture import RolloutTokenCapture
+from worker.capture_adapter import CaptureAdapter
 
 __all__ = (
     "PREFIX_REQUEST_KEY",
@@ -33,27 +34,6 @@ PREFIX_REQUEST_KEY = "required_prefix_token_ids"
 
 _TOKEN_ID_PREFIX = "token_id:"
 _MISSING = object()
-
-
-@runtime_checkable
-class CaptureAdapter(Protocol):
-    """Engine-specific extraction used by ``complete_call_from_response``."""
-
-    def enter_prefix(self, request: Any, prefix_ids: list[int]) -> Any:
-        """Return *request* with the exact prefix attached (the engine must start its prompt with it)."""
-        ...
-
-    def extract_prompt_ids(self, response: Any) -> list[int]:
-        """The exact prompt ids the engine consumed."""
-        ...
-
-    def extract_generation(self, response: Any) -> tuple[list[int], list[float]]:
-        """Generated ids and their log-probabilities (Python floats), equal in length."""
-        ...
-
-    def extract_extras(self, response: Any) -> dict[str, Any] | None:
-        """Engine-native per-token extras (e.g. routed experts), or ``None``."""
-        ...
 
 
 def _field(payload: Any, *names: str) -> Any:

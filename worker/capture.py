@@ -29,7 +29,7 @@ from worker.prefix import fetch_operation, verify_staging_chain
 from worker.sequence_cache import ProvenSequence, SequenceHashCache
 
 if TYPE_CHECKING:
-    from worker.adapters import CaptureAdapter
+    from worker.capture_adapter import CaptureAdapter
 
 __all__ = ("RolloutTokenCapture",)
 
@@ -85,7 +85,7 @@ class RolloutTokenCapture:
     :param weight_version_fn: returns the trainer-owned policy version.
     :param source: optional ``StagingSource`` / ``AsyncStagingSource`` used to
         resolve ``staging_chain`` admissions inside ``begin_call``.
-    :param adapter: optional :class:`~worker.adapters.CaptureAdapter` for
+    :param adapter: optional :class:`~worker.capture_adapter.CaptureAdapter` for
         ``complete_call_from_response``.
     :param sequence_cache_rollouts: rollouts whose recent full sequences are kept proved and packed, so a
         child whose prefix and prompt repeat its parent's ids proves them in one ``marshal`` pass each and

@@ -46,8 +46,8 @@ from sink.bench import (
     on_server,
     progress,
 )
+from sink.bench.workload import build_records
 from sink.contract.codec import encode_record
-from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
 from sink.contract.records import StagedCallRecord
 from sink.errors import StagingError
 from sink.keys import record_key
@@ -58,7 +58,6 @@ __all__ = (
     "MAX_FETCH_PACKED_RATIO",
     "MIN_THROUGHPUT_RATIO",
     "StageFigures",
-    "build_records",
     "format_report",
     "main",
     "run_stage_benchmark",
@@ -84,40 +83,6 @@ class StageFigures:
     mb_per_s: float
     p50_ms: float
     p99_ms: float
-
-
-def build_records(rollouts: int, calls: int, tokens: int, *, tag: str) -> list[StagedCallRecord]:
-    """Linear chains of child calls with float32-exact log-probs, ids < 2**32."""
-    records = []
-    for r in range(rollouts):
-        sequence: list[int] = []
-        parent: StagedCallRecord | None = None
-        for c in range(calls):
-            carry = 16 if parent is not None else 64
-            ids = [(r * 7919 + c * 104729 + i * 31) % 150_000 for i in range(tokens)]
-            mask = [0.0] * carry + [1.0] * (tokens - carry)
-            logprobs = [0.0] * carry + [-((i % 97) + 1) / 64.0 for i in range(tokens - carry)]
-            record = StagedCallRecord.from_components(
-                rollout_id=f"{tag}-{r}",
-                model_call_id=f"c{c}",
-                parent_call_id=None if parent is None else parent.model_call_id,
-                mode="text" if parent is None else "token_in",
-                prev_len=len(sequence),
-                delta_len=tokens,
-                cum_len=len(sequence) + tokens,
-                weight_version=1,
-                token_ids_delta=ids,
-                token_mask_delta=mask,
-                generation_log_probs_delta=logprobs,
-                extras=None,
-                extras_digest=EMPTY_EXTRAS_DIGEST,
-                chain_hash=compute_chain_hash(None if parent is None else parent.chain_hash, ids),
-                cumulative_hash=hash_token_ids(sequence + ids),
-            )
-            sequence += ids
-            records.append(record)
-            parent = record
-    return records
 
 
 def _percentile(values: Sequence[float], q: float) -> float:

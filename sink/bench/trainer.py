@@ -37,7 +37,7 @@ import anyio
 import redis.asyncio as aioredis
 
 from sink.bench import DEFAULT_BENCH_NAMESPACE, bench_namespace, on_server
-from sink.bench.stage import build_records
+from sink.bench.workload import build_records
 from sink.contract.records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
 from sink.errors import StagingError
 from sink.keys import claim_key, receipts_stream, record_key

@@ -1,7 +1,7 @@
 """The ``staging-sink`` command line, one module per kind of command.
 
-The rule: :mod:`~sink.cli.main` only parses arguments and dispatches (and turns expected failures into exit
-codes); each command lives in the module for its kind:
+The rule: :mod:`~sink.cli.main` only parses arguments and dispatches (:mod:`~sink.cli.failures` turns expected
+failures into exit codes); each command lives in the module for its kind:
 
 * :mod:`~sink.cli.rollouts`: commands that read single rollouts (``inspect``, ``verify``, ``tail``);
 * :mod:`~sink.cli.removal`: commands that remove rollouts' ledgers and fences (``retire``, ``delete``);
@@ -13,7 +13,10 @@ codes); each command lives in the module for its kind:
   :class:`~sink.cli.common.CommandError`, the parser and help formatter, argument types, output helpers);
 * :mod:`~sink.cli.logs`: the ``-v``/``--log-format`` options and the log line formats.
 
-``demo`` is the worker's (:mod:`worker.demo`); ``main`` registers it.
+* :mod:`~sink.cli.failures`: expected failures to one stderr line and an exit code;
+* :mod:`~sink.cli.plugin`: the public API for packages that add commands and benchmarks (entry points); the
+  worker's ``demo``, ``proxy``, ``engine``, ``bench worker`` and ``bench proxy`` come in that way (sink never
+  imports worker).
 """
 
 from __future__ import annotations

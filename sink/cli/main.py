@@ -16,72 +16,48 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
-import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
 import anyio
-import pydantic
-import redis.exceptions as redis_errors
 
 from sink.cli import listing, removal, rollouts, services, stats
-from sink.cli.cluster_flag import CLUSTER_HELP, resolve_cluster_flag
+from sink.cli.cluster_flag import resolve_cluster_flag
 from sink.cli.common import (
-    EXIT_FAILURE,
-    EXIT_UNREACHABLE,
     EXIT_USAGE,
     CommandError,
     CommandParser,
     DefaultsHelpFormatter,
     RedisTarget,
     check_redis_url,
-    is_unreachable,
-    mask_url,
     namespace_name,
     non_negative_int,
     positive_int,
     positive_seconds,
 )
 from sink.cli.export import add_export_command
+from sink.cli.failures import leaf_error, report_failure
 from sink.cli.logs import add_logging_options, configure_logging
+from sink.cli.plugin import (
+    ENV_GATE_REDIS_URL,
+    ENV_NAMESPACE,
+    ENV_REDIS_URL,
+    CommandContext,
+    redis_options,
+    register_commands,
+)
 from sink.cli.prune import add_prune_command
-from sink.errors import StagingError
 from sink.keys import DEFAULT_NAMESPACE
 from sink.settings import DEFAULT_SHARDS
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
 
-ENV_REDIS_URL = "STAGING_SINK_REDIS_URL"
-ENV_GATE_REDIS_URL = "STAGING_SINK_GATE_REDIS_URL"
-ENV_NAMESPACE = "STAGING_SINK_NAMESPACE"
-_EXIT_INTERRUPTED = 130
 _NO_URL_HINT = (
     f"no Redis URL: pass --redis-url or set {ENV_REDIS_URL} "
     "(run `staging-sink server` in another terminal for a local durable server and use the URL it prints)"
 )
 Handler = Callable[[argparse.Namespace], int]
-
-
-def _redis_options(
-    env: Mapping[str, str],
-    *,
-    url_help: str,
-    namespace_default: str | None = DEFAULT_NAMESPACE,
-    namespace_help: str | None = None,
-) -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("Redis")
-    group.add_argument("--redis-url", default=env.get(ENV_REDIS_URL) or None, metavar="URL", help=url_help)
-    group.add_argument(
-        "--namespace",
-        default=env.get(ENV_NAMESPACE) or namespace_default,
-        type=namespace_name,
-        metavar="NS",
-        help=namespace_help or f"key namespace (default: ${ENV_NAMESPACE} or {DEFAULT_NAMESPACE!r})",
-    )
-    group.add_argument("--cluster", action=argparse.BooleanOptionalAction, default=None, help=CLUSTER_HELP)
-    return parent
 
 
 def _target(args: argparse.Namespace) -> RedisTarget:
@@ -308,7 +284,8 @@ def _add_tool_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     bench = commands.add_parser(
         "bench", help="run a benchmark: bench NAME [ARGS...] (bench NAME --help for its options)"
     )
-    bench.add_argument("name", choices=services.BENCHMARKS, metavar="NAME", help=" | ".join(services.BENCHMARKS))
+    names = services.benchmarks()
+    bench.add_argument("name", choices=names, metavar="NAME", help=" | ".join(names))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the benchmark")
     bench.set_defaults(handler=lambda a: services.bench_command(a.name, a.bench_args))
 
@@ -325,26 +302,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     parser.add_argument("--version", action="version", version=f"staging-sink {_version()}")
     add_logging_options(parser, default=False, log_format="text")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # The CLI is the composition root: the only sink module that loads worker, and only when a parser is built.
-    from worker.demo.main import add_demo_parser
-
-    add_demo_parser(
-        commands,
-        _redis_options(
-            env,
-            url_help=f"use this server instead of a private embedded one (default: ${ENV_REDIS_URL})",
-            namespace_default=None,
-            namespace_help=(
-                f"key namespace (default: ${ENV_NAMESPACE}, else {DEFAULT_NAMESPACE!r}; with --redis-url and "
-                "--role all a private demo-<run> namespace, removed afterwards)"
-            ),
-        ),
-        gate_url_default=env.get(ENV_GATE_REDIS_URL) or None,
-    )
-    redis = _redis_options(env, url_help=f"server URL (default: ${ENV_REDIS_URL})")
-    from worker.proxy.cli import add_http_parsers  # the proxy and the HTTP engine (the `proxy` extra)
-
-    add_http_parsers(commands, redis)
+    redis = redis_options(env, url_help=f"server URL (default: ${ENV_REDIS_URL})")
+    # demo, proxy, engine: the worker's commands, registered through entry points (sink never imports worker).
+    register_commands(commands, CommandContext(env, redis))
     _add_server_command(commands)
     _add_stats_command(commands, redis)
     _add_service_commands(commands, redis)
@@ -366,41 +326,6 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _leaf(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
-
-
-def _fail(message: str, code: int) -> int:
-    sys.stderr.write(f"staging-sink: error: {message}\n")
-    return code
-
-
-def _report(exc: BaseException, args: argparse.Namespace) -> int | None:
-    """The exit code for an expected failure (after printing one line), ``None`` for anything else."""
-    url = mask_url(getattr(args, "redis_url", None) or "") or "the server"
-    if isinstance(exc, CommandError):
-        return _fail(str(exc), exc.exit_code)
-    if isinstance(exc, KeyboardInterrupt):
-        return _fail("interrupted", _EXIT_INTERRUPTED)
-    if isinstance(exc, StagingError | redis_errors.RedisError | OSError) and is_unreachable(exc):
-        return _fail(
-            f"cannot reach Redis at {url}: {str(exc).rstrip('.')}. Is the server running? "
-            "(`staging-sink server` starts a local durable one; or pass the right --redis-url)",
-            EXIT_UNREACHABLE,
-        )
-    if isinstance(exc, StagingError | redis_errors.RedisError):
-        return _fail(f"{exc}", EXIT_FAILURE)
-    if isinstance(exc, pydantic.ValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc']) or 'value'}: {error['msg']}"
-            for error in exc.errors(include_url=False)
-        )
-        return _fail(f"invalid setting: {problems}", EXIT_USAGE)
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``staging-sink`` with *argv* (default ``sys.argv[1:]``) and return the exit code.
 
@@ -414,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_cluster_flag(args)  # issue 15: detected from the server; a contradicting flag is one line
         return handler(args)
     except BaseException as exc:
-        code = None if isinstance(exc, SystemExit) else _report(_leaf(exc), args)
+        code = None if isinstance(exc, SystemExit) else report_failure(leaf_error(exc), args)
         if code is None:
             raise
         return code

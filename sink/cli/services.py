@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -27,6 +27,7 @@ from sink.cli.common import (
     stderr_console,
     stdout_console,
 )
+from sink.cli.plugin import plugin_benchmarks
 from sink.cli.stats import shared_stream_names
 from sink.errors import MetricsExtraMissingError, StagingConnectionError
 from sink.ops.acl import (
@@ -51,6 +52,7 @@ __all__ = (
     "acl_command",
     "assembler_command",
     "bench_command",
+    "benchmarks",
     "metrics_command",
     "server_command",
     "setup_command",
@@ -59,9 +61,9 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("codec", "stage", "worker", "assembly", "trainer", "proxy")
-"""``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)`` (``worker``: ``worker.bench``; ``proxy``:
-``worker.proxy.bench``)."""
+BENCHMARKS = ("codec", "stage", "assembly", "trainer")
+"""The benchmarks of sink: ``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)``; plugins add theirs
+(``worker``, ``proxy``: see :mod:`sink.cli.plugin`)."""
 _PULL_BLOCK_MS = 1000
 
 
@@ -309,17 +311,27 @@ def acl_command(
     return EXIT_OK
 
 
+def benchmarks() -> tuple[str, ...]:
+    """Every benchmark ``staging-sink bench`` can run: sink's, then the installed plugins' (by name)."""
+    return (*BENCHMARKS, *(name for name in plugin_benchmarks() if name not in BENCHMARKS))
+
+
 def bench_command(name: str, argv: Sequence[str]) -> int:
-    """``staging-sink bench NAME ARGS...``: run ``sink.bench.NAME.main(ARGS)``."""
-    if name not in BENCHMARKS:
-        raise CommandError(f"unknown benchmark {name!r}: choose one of {', '.join(BENCHMARKS)}", exit_code=EXIT_USAGE)
-    # The worker benchmark lives with the worker package (sink never imports worker outside the CLI).
-    module_name = {"worker": "worker.bench", "proxy": "worker.proxy.bench"}.get(name, f"sink.bench.{name}")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise CommandError(f"benchmark {name!r} is not available in this installation ({module_name} missing)") from exc
-    code = module.main(list(argv))
+    """``staging-sink bench NAME ARGS...``: run ``sink.bench.NAME.main(ARGS)``, or a plugin benchmark's ``main``."""
+    plugins = plugin_benchmarks()
+    if name not in BENCHMARKS and name not in plugins:
+        choices = ", ".join(benchmarks())
+        raise CommandError(f"unknown benchmark {name!r}: choose one of {choices}", exit_code=EXIT_USAGE)
+    if name in BENCHMARKS:
+        main: Callable[[list[str]], int | None] = importlib.import_module(f"sink.bench.{name}").main
+    else:
+        try:
+            main = plugins[name].load()
+        except ModuleNotFoundError as exc:
+            if exc.name != plugins[name].module:
+                raise
+            raise CommandError(
+                f"benchmark {name!r} is not available in this installation ({exc.name} missing)"
+            ) from exc
+    code = main(list(argv))
     return int(code or 0)

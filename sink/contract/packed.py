@@ -40,6 +40,7 @@ from sink.errors import CodecError
 
 # The packed-column API the worker builds on (sink.contract._packed stays private to sink).
 __all__ = (
+    "PackedColumns",
     "PackedSnapshot",
     "TrustedColumns",
     "cached_packed_columns",

@@ -3,13 +3,7 @@
 :data:`ROLE_POLICIES` is the single table of what each role may run on which keys; :func:`render_acl_file`
 turns it into an ``aclfile`` (``user <name> on #<sha256> ...``) that stores only SHA-256 password hashes.
 
-Each role is a list of :class:`Grant` s: a set of commands and the key patterns they may touch. On servers
-with ACL selectors (Redis 7.0+, every Valkey) the first grant becomes the user's root permissions and each
-further grant a selector ``(...)``; a command is allowed when one grant allows both the command and all its
-keys. So the trainer may ``SET`` the retire fence but not a staged record, and the worker may ``XADD`` to a
-``calls`` stream but not ``SET`` it. Grants name the commands that each role's Lua functions run, because the
-server checks every command inside a function against the calling user, and checks the function's ``KEYS``
-against the grant that allows ``FCALL`` (which needs read-write access to them, even for a read-only one).
+The table itself (:data:`ROLE_POLICIES`, its :class:`Grant` s and key patterns) is in :mod:`sink.ops.acl_policy`.
 
 No role may run code of its own: on Redis >= 7.0 and Valkey the roles get ``FCALL``/``FCALL_RO`` of the
 function library an admin loads with ``staging-sink setup``, never ``EVAL``, ``EVALSHA`` or ``SCRIPT``
@@ -37,11 +31,18 @@ import os
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from sink.keys import DEFAULT_NAMESPACE
+from sink.ops.acl_policy import (
+    ADMIN_ROLE,
+    CONNECTION_COMMANDS,
+    ROLE_NAMES,
+    ROLE_POLICIES,
+    Grant,
+    KeyPattern,
+    RolePolicy,
+)
 
 __all__ = (
     "ADMIN_ROLE",
@@ -63,230 +64,6 @@ __all__ = (
     "render_acl_file",
     "write_private_file",
 )
-
-Access = Literal["R", "W", "RW"]
-
-
-@dataclass(frozen=True, slots=True)
-class KeyPattern:
-    """A key glob with ``<ns>`` standing for the namespace, and the access it grants (read, write or both)."""
-
-    pattern: str
-    access: Access = "RW"
-
-    def render(self, namespace: str, *, read_write_only: bool) -> str:
-        """``~glob``, ``%R~glob`` or ``%W~glob`` (always ``~glob`` with ``read_write_only``)."""
-        glob = self.pattern.replace("<ns>", namespace)
-        return f"~{glob}" if read_write_only or self.access == "RW" else f"%{self.access}~{glob}"
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """Commands (``xadd``, ``config|get``) and the key patterns they may touch; no patterns: keyless only."""
-
-    commands: tuple[str, ...]
-    keys: tuple[KeyPattern, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RolePolicy:
-    """What one role does, and its grants (the first one is the user's root permissions)."""
-
-    purpose: str
-    grants: tuple[Grant, ...]
-
-    def commands(self) -> frozenset[str]:
-        """Every command of every grant."""
-        return frozenset(command for grant in self.grants for command in grant.commands)
-
-
-def _rw(pattern: str) -> KeyPattern:
-    return KeyPattern(pattern, "RW")
-
-
-def _ro(pattern: str) -> KeyPattern:
-    return KeyPattern(pattern, "R")
-
-
-def _wo(pattern: str) -> KeyPattern:
-    return KeyPattern(pattern, "W")
-
-
-_REC = "<ns>:{*}:rec:*"
-_CALLS = "<ns>:{*}:calls"
-_LEDGER = "<ns>:{*}:ledger"
-_LEDGER_IDS = "<ns>:{*}:ledger:ids"
-_FENCE = "<ns>:{*}:fence"
-_RECEIPT = "<ns>:{*}:receipt"
-_CLAIMED = "<ns>:{*}:claimed"
-_DONE = "<ns>:done:*"
-_RECEIPTS = "<ns>:receipts:*"
-_DEAD = "<ns>:dead:*"
-_GROUP_META = "<ns>:{grp:*}:meta"
-_GROUP_MEMBERS = "<ns>:{grp:*}:members"
-
-CONNECTION_COMMANDS: tuple[str, ...] = (
-    "ping",
-    "hello",
-    "auth",
-    "client|setname",
-    "client|getname",
-    "client|id",
-    "client|setinfo",
-    "command",
-    "asking",
-    "readonly",
-    "readwrite",
-    "cluster|slots",
-    "cluster|shards",
-    "cluster|nodes",
-    "cluster|info",
-)
-"""What any redis-py client (plain or cluster) sends besides its real work; every role has these."""
-
-_SCRIPTS = ("fcall", "fcall_ro", "evalsha", "eval")
-"""Running the package's scripts: ``FCALL`` of the loaded function library on Redis >= 7.0 and Valkey,
-``EVALSHA``/``EVAL`` only on Redis 6.2 (see :data:`COMMANDS_UNTIL`)."""
-_TRANSACTIONS = ("multi", "exec", "discard")
-# sink.store.streams: read, reclaim, acknowledge (XACK + XDEL in one MULTI), count deliveries, and its scripts
-# (touch: XPENDING, XCLAIM; retire a consumer: EXISTS, XPENDING, XGROUP DELCONSUMER).
-_CONSUMER = (
-    "xreadgroup",
-    "xautoclaim",
-    "xclaim",
-    "xack",
-    "xdel",
-    "xpending",
-    "xlen",
-    "exists",
-    "xgroup|create",
-    "xgroup|createconsumer",
-    "xgroup|delconsumer",
-)
-
-ROLE_POLICIES: Mapping[str, RolePolicy] = {
-    "worker": RolePolicy(
-        "inference worker: stage records (one script: TYPE, GETRANGE, STRLEN, GET, SET, XADD on rec + calls; EXISTS fence: "
-        "a retired rollout refuses late stages), verify the "
-        "server's durability (CONFIG GET, INFO), confirm writes (WAIT, WAITAOF), read prefix chains (MGET rec)",
-        (
-            Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof")),
-            Grant(_SCRIPTS, (_rw(_REC), _rw(_CALLS), _rw(_FENCE))),
-            Grant(("type", "getrange", "strlen", "get", "set", "mget"), (_rw(_REC),)),
-            Grant(("type", "xadd"), (_rw(_CALLS),)),
-            Grant(("exists",), (_ro(_FENCE),)),
-        ),
-    ),
-    "gate": RolePolicy(
-        "model server (gate): the capture ledger's scripts (EXISTS, HGET, HSET, XADD, XRANGE on ledger, "
-        "ledger:ids, fence; retire/delete: SET fence, DEL) and rollout-finished events (XADD done)",
-        (
-            Grant((*CONNECTION_COMMANDS, "script|load")),
-            Grant(_SCRIPTS, (_rw(_LEDGER), _rw(_LEDGER_IDS), _rw(_FENCE))),
-            Grant(("exists", "xadd", "xrange", "del"), (_rw(_LEDGER),)),
-            Grant(("exists", "hget", "hset", "del"), (_rw(_LEDGER_IDS),)),
-            Grant(("exists", "set", "del"), (_rw(_FENCE),)),
-            Grant(("xadd",), (_wo(_DONE),)),
-            # `staging-sink retire` checks that an id names something before it fences it
-            Grant(("exists",), (_ro(_CALLS), _ro(_RECEIPT), _ro(_CLAIMED))),
-        ),
-    ),
-    "assembler": RolePolicy(
-        "assembler: consume done events, read ledgers (script: EXISTS, XRANGE), store the receipt once "
-        "(SET NX GET), publish to receipts, dead-letter what cannot be processed",
-        (
-            Grant((*CONNECTION_COMMANDS, "script|load", *_TRANSACTIONS)),
-            Grant(_SCRIPTS, (_rw(_LEDGER), _rw(_FENCE), _rw(_DONE))),
-            Grant(("exists", "xrange"), (_ro(_LEDGER), _ro(_FENCE))),
-            Grant(_CONSUMER, (_rw(_DONE),)),
-            Grant(("set", "get"), (_rw(_RECEIPT),)),
-            Grant(("xadd",), (_wo(_RECEIPTS), _wo(_DEAD))),
-        ),
-    ),
-    "trainer": RolePolicy(
-        "trainer: consume receipts, claim each rollout (script: GET, SET, DEL claimed; EXISTS fence), read "
-        "staged records (MGET), then delete them and their calls entries (script: DEL, TYPE, XRANGE, XDEL, "
-        "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); delete rollouts so their ids are reusable "
-        "(``staging-sink delete``: DEL of every key under the rollout's hash tag, one key per DEL); dead-letter "
-        "poison entries; GRPO group mode: gather and own groups (script: TIME, HSETNX, HSET, HGET, HLEN, HGETALL, "
-        "PEXPIRE, EXISTS), DEL them on ack",
-        (
-            Grant((*CONNECTION_COMMANDS, "script|load", "time", *_TRANSACTIONS)),
-            Grant(
-                _SCRIPTS,
-                tuple(
-                    _rw(p)
-                    for p in (
-                        _REC,
-                        _CALLS,
-                        _LEDGER,
-                        _LEDGER_IDS,
-                        _FENCE,
-                        _CLAIMED,
-                        _RECEIPT,
-                        _RECEIPTS,
-                        _GROUP_META,
-                        _GROUP_MEMBERS,
-                    )
-                ),
-            ),
-            Grant(
-                ("hsetnx", "hset", "hget", "hlen", "hgetall", "pexpire", "exists", "del"),
-                (_rw(_GROUP_META), _rw(_GROUP_MEMBERS)),
-            ),
-            Grant(_CONSUMER, (_rw(_RECEIPTS),)),
-            Grant(("get", "del", "exists"), (_rw(_RECEIPT),)),
-            Grant(("expire",), (_rw(_RECEIPT), _rw(_FENCE))),  # retention after ack (sink.trainer.retention)
-            Grant(("get", "set", "del", "exists"), (_rw(_CLAIMED),)),
-            Grant(("get", "mget", "del"), (_rw(_REC),)),
-            Grant(("type", "xrange", "xdel", "xlen", "del", "exists"), (_rw(_CALLS),)),
-            Grant(("exists", "del"), (_rw(_LEDGER), _rw(_LEDGER_IDS))),
-            Grant(("exists", "set", "del"), (_rw(_FENCE),)),
-            Grant(("xadd",), (_wo(_DEAD),)),
-        ),
-    ),
-    "ops": RolePolicy(
-        "operators, the stats/inspect/tail CLI and the metrics exporter: read-only inspection, no writes, no scripts",
-        (
-            Grant(
-                (
-                    *CONNECTION_COMMANDS,
-                    "info",
-                    "config|get",
-                    "dbsize",
-                    "slowlog|get",
-                    "slowlog|len",
-                    "scan",
-                    "type",
-                    "exists",
-                    "get",
-                    "mget",
-                    "xlen",
-                    "xrange",
-                    "xrevrange",
-                    "xread",
-                    "xinfo|stream",
-                    "xinfo|groups",
-                    "xinfo|consumers",
-                    "xpending",
-                    "memory|usage",
-                ),
-                (_ro("<ns>:*"),),
-            ),
-        ),
-    ),
-    "replica": RolePolicy(
-        "replication link only: the replicas' `masteruser` (PSYNC/SYNC, REPLCONF, PING). A leaked `masterauth` "
-        "(which CONFIG GET shows the worker and ops roles) then lets its holder copy the dataset, but run no "
-        "command on a key, no CONFIG and no script",
-        (Grant(("ping", "auth", "hello", "psync", "sync", "replconf")),),
-    ),
-}
-"""Role name -> policy: the one table that the ACL file, the docs and the tests are made from."""
-
-ROLE_NAMES: tuple[str, ...] = tuple(ROLE_POLICIES)
-ADMIN_ROLE = "admin"
-"""Optional full-access user (``~* &* +@all``), rendered only when a password for it is given."""
 
 COMMANDS_SINCE: Mapping[str, tuple[int, int]] = {
     "waitaof": (7, 2),

@@ -1,9 +1,12 @@
 """The status codes every Lua script of :mod:`sink.store.scripts` returns first: Python constants whose values
-are filled into the Lua text (``$NAME``), so Python and Lua cannot disagree."""
+are filled into the Lua text (``$NAME``), so Python and Lua cannot disagree; and :data:`LIBRARY`, the function
+library every script is registered in (:func:`library_script`)."""
 
 from __future__ import annotations
 
 from typing import Final
+
+from sink.store.script_runner import ScriptLibrary, ServerScript
 
 __all__ = (
     "APPEND_APPENDED",
@@ -23,6 +26,7 @@ __all__ = (
     "GROUP_WAIT",
     "LEDGER_FENCED",
     "LEDGER_OPEN",
+    "LIBRARY",
     "NOT_REMOVED",
     "REMOVED",
     "STAGE_CONFLICT",
@@ -32,6 +36,7 @@ __all__ = (
     "STAGE_WRITTEN",
     "STAGE_WRONG_TYPE",
     "STATUS_CODES",
+    "library_script",
 )
 
 DONE: Final = 0
@@ -99,3 +104,12 @@ STATUS_CODES: Final = {
     "GROUP_SEALED": GROUP_SEALED,
     "GROUP_GONE": GROUP_GONE,
 }
+
+
+LIBRARY: Final = ScriptLibrary("staging_sink")
+"""Every script of :mod:`sink.store.scripts`, as one function library (see :mod:`sink.store.script_runner`)."""
+
+
+def library_script(name: str, template: str, **extra: str) -> ServerScript:
+    """Register the script *name* in :data:`LIBRARY`, its ``$NAME`` placeholders filled from the status codes."""
+    return LIBRARY.script(name, template, codes=STATUS_CODES, **extra)

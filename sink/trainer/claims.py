@@ -3,7 +3,9 @@
 Before consuming a rollout a :class:`~sink.trainer.reader.RolloutReader` claims it with
 one script on the rollout's own slot: ``ns:{R}:claimed`` names the receipt
 entry and reader that own the rollout; another entry for the same rollout is
-acknowledged and dropped, and a retire fence marks a rollout consumed before.
+acknowledged and dropped, across ranks too, and a retire fence (left by the ledger's ``retire``) marks a
+rollout consumed before. A receipt can be published twice (an assembler crash between publish and
+acknowledgement); the same entry redelivered after a reader crash (``XAUTOCLAIM``) takes the claim over.
 """
 
 from __future__ import annotations

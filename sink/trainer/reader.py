@@ -7,14 +7,8 @@ verified :class:`~sink.trainer.row.LinearizedRow`) or skipped (receipt + code +
 reason); nothing is dropped silently. :meth:`RolloutReader.ack` then deletes the
 staged records, retires the ledgers and acknowledges the entries.
 
-Deduplication: a receipt can be published twice (an assembler crash between
-publish and acknowledgement). Before consuming a rollout the reader claims it
-with one script on the rollout's own slot: ``ns:{R}:claimed`` names the
-receipt entry and reader that own the rollout; another entry for the same
-rollout is acknowledged and dropped, across ranks too, and once a rollout was
-consumed its ledger fence (left by ``retire``) marks every later duplicate.
-The same entry redelivered after a reader crash (``XAUTOCLAIM``) takes the
-claim over. Delivery is at least once: :meth:`~RolloutReader.heartbeat`
+Deduplication (:mod:`sink.trainer.claims`): a receipt published twice is consumed once, across ranks.
+Delivery is at least once: :meth:`~RolloutReader.heartbeat`
 refreshes the rollouts a rank holds, and :meth:`~RolloutReader.pull` does so
 when the last refresh is older than ``claim_idle_ms / 8`` (a lease renewed
 well before it expires, without a round trip on every pull). A rank that
@@ -33,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, Self
+from typing import Any, Self
 
 import anyio
 import redis.asyncio as aioredis
@@ -44,13 +38,14 @@ from sink.keys import receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.done_event import GroupTag
 from sink.settings import ReaderSettings, SourceSettings
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_pulled
 from sink.store.resource import AsyncResource, settings_or_fields
 from sink.store.sink import clear_staged
 from sink.store.source import AsyncRedisStagingSource
 from sink.store.streams import StreamEntry, default_consumer_name
+from sink.trainer.backlog import TRAINER_GROUP, ReceiptBacklog
 from sink.trainer.claims import RolloutClaims
 from sink.trainer.held import HeldRollouts
 from sink.trainer.pulled import (
@@ -65,6 +60,7 @@ from sink.trainer.pulled import (
 from sink.trainer.reader_guards import AckOutcome, foreign_row_skip, own_keys
 from sink.trainer.retention import expire_consumed
 from sink.trainer.staleness import STALE_WEIGHTS, stale_skip
+from sink.trainer.statistics import ReaderStatistics
 
 __all__ = (
     "CORRUPT_RECORD",
@@ -79,40 +75,10 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-TRAINER_GROUP = "trainers"
 # pull() refreshes held rollouts when the last refresh is older than claim_idle_ms / this.
 _RENEWALS_PER_IDLE = 8
 # How many self-acknowledged (stale) rollout ids a reader remembers, so a later ack() of them is a no-op.
 _SELF_ACKED_REMEMBERED = 65_536
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _text_fields(fields: Any) -> dict[str, str]:
-    return {_text(key): _text(value) for key, value in dict(fields).items()}
-
-
-class ReaderStatistics(NamedTuple):
-    """Counters of one :class:`RolloutReader` since it was opened; ``held`` = pulled, not yet acknowledged.
-
-    ``skipped_by_code``: skipped rollouts per skip code (e.g. ``stale_weights``, ``rollout_failed``), sorted.
-    """
-
-    pulled: int
-    trainable: int
-    skipped: int
-    duplicates_dropped: int
-    acked: int
-    reclaimed: int
-    dead_lettered: int
-    lost: int
-    held: int
-    skipped_by_code: tuple[tuple[str, int], ...] = ()
-    double_deliveries: int = 0
-    """Rollouts this reader claimed from an entry delivered before (another rank, or this one before a
-    restart, may have trained them too)."""
 
 
 class RolloutReader(AsyncResource):
@@ -167,9 +133,7 @@ class RolloutReader(AsyncResource):
         )
         self._held = HeldRollouts()
         self._claims = RolloutClaims(topology, self._ns, self._consumer, self._held)
-        self._backlog: list[StreamEntry] = []
-        self._recovered = False
-        self._next_claim_at = -math.inf
+        self._backlog = ReceiptBacklog(topology, settings, self._consumer, self._held)
         self._touched_at = -math.inf
         self._counts = {"pulled": 0, "trainable": 0, "skipped": 0, "lost": 0}
         self._lost_leases: set[str] = set()
@@ -275,22 +239,12 @@ class RolloutReader(AsyncResource):
             raise ValueError("block_ms must be >= 0 and shorter than command_timeout_s")
         if anyio.current_time() - self._touched_at >= self._settings.claim_idle_ms / _RENEWALS_PER_IDLE / 1000:
             await self.heartbeat()
-        await self._refill_backlog(max_rollouts)
-        if len(self._backlog) < max_rollouts:
-            wanted = max_rollouts - len(self._backlog)
-            shards = list(range(self._settings.receipt_shards))
-            self._backlog += await self._consumer.read_new(
-                shards, count=wanted, block_ms=None if self._backlog else block_ms
-            )
-        entries, self._backlog = self._backlog[:max_rollouts], self._backlog[max_rollouts:]
+        entries = await self._backlog.take(max_rollouts, block_ms=block_ms)
         settled: set[tuple[str, str]] = set()
         try:
             return await self._consume(entries, settled)
         except BaseException:
-            # Not consumed: keep them for the next pull (they are still pending for us).
-            self._backlog[:0] = [
-                e for e in entries if (e.stream, e.entry_id) not in settled and not self._held.holds(e)
-            ]
+            self._backlog.put_back(entries, settled)
             raise
 
     async def heartbeat(self) -> int:
@@ -313,27 +267,6 @@ class RolloutReader(AsyncResource):
         self._counts["lost"] += len(lost)
         self._lost_leases.update(lost)
         return lost
-
-    async def _refill_backlog(self, wanted: int) -> None:
-        known = {(e.stream, e.entry_id) for e in self._backlog}
-        known |= self._held.entry_ids()
-        consumer = self._consumer
-        shards = list(range(self._settings.receipt_shards)) if not self._recovered else []
-        shards += [s for s in consumer.take_suspect_shards() if s not in shards]
-        found: list[StreamEntry] = []
-        for shard in shards:
-            found += await consumer.read_own_pending(shard)
-        self._recovered = True
-        if anyio.current_time() >= self._next_claim_at:
-            self._next_claim_at = anyio.current_time() + self._settings.claim_idle_ms / 2000.0
-            for shard in range(self._settings.receipt_shards):
-                if len(found) + len(self._backlog) >= wanted:
-                    break
-                found += await consumer.reclaim(shard, count=wanted)
-        for entry in found:
-            if (entry.stream, entry.entry_id) not in known:
-                known.add((entry.stream, entry.entry_id))
-                self._backlog.append(entry)
 
     async def _consume(self, entries: list[StreamEntry], settled: set[tuple[str, str]]) -> list[PulledRollout]:
         """Parse, claim, fetch and verify *entries*; add the ones acknowledged here to *settled*."""
@@ -394,23 +327,9 @@ class RolloutReader(AsyncResource):
         :raises ValueError: a token does not name one of this reader's receipts streams.
         :raises StagingConnectionError: the server could not be reached.
         """
-        shard_of_stream = {receipts_stream(self._ns, s): s for s in range(self._settings.receipt_shards)}
-        wanted: list[tuple[str, int, str]] = []
-        for token in tokens:
-            stream, _, entry_id = token.rpartition("#")
-            if stream not in shard_of_stream or not entry_id:
-                raise ValueError(f"not a receipt entry token of this reader: {token!r}")
-            wanted.append((stream, shard_of_stream[stream], entry_id))
-        entries: list[StreamEntry] = []
-        with map_redis_errors("take over receipt entries"):
-            for stream, shard, entry_id in wanted:
-                client = self._topology.node_for_key(stream)
-                reply: list[Any] = await client.xclaim(stream, TRAINER_GROUP, self.consumer_name, 0, [entry_id])
-                for claimed_id, fields in reply or []:
-                    if fields:
-                        entries.append(StreamEntry(stream, shard, _text(claimed_id), _text_fields(fields), 1))
+        entries = await self._backlog.take_over(tokens)
         settled: set[tuple[str, str]] = set()
-        return await self._consume([e for e in entries if not self._held.holds(e)], settled)
+        return await self._consume(entries, settled)
 
     def forget(self, rollout_ids: Iterable[str]) -> None:
         """Stop holding *rollout_ids* without acknowledging them (another rank takes them over); unknown ids

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sink.contract._packed import PackedColumns
+from sink.contract.packed import PackedColumns
 
 if TYPE_CHECKING:
     import numpy as np

@@ -18,7 +18,8 @@ from sink.settings import ReaderSettings
 from sink.store.resource import PortalOwner
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.pulled import PulledRollout
-from sink.trainer.reader import ReaderStatistics, RolloutReader
+from sink.trainer.reader import RolloutReader
+from sink.trainer.statistics import ReaderStatistics
 
 __all__ = ("SyncRolloutReader",)
 

@@ -21,8 +21,8 @@ from sink.rollout.done_event import finished
 from sink.settings import LedgerSettings, ProxySettings, SinkSettings, SourceSettings
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
+from worker.asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
 from worker.capture import RolloutTokenCapture
-from worker.proxy.asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
 from worker.proxy.forward import ForwardingApp
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.middleware import CaptureMiddleware, CapturePolicy

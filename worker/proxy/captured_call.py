@@ -12,17 +12,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import anyio
 import orjson
 
 from sink.contract.records import CaptureAdmission, CommitCoords
+from sink.ledger.gate import CaptureGate
+from worker.asgi import ASGIApp, Message, Receive, Scope, Send, replay_receive, send_body
 from worker.call import ActiveCall
-from worker.proxy.asgi import Message, Receive, Scope, Send, replay_receive, send_body
+from worker.capture import RolloutTokenCapture
+from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     ClientAsked,
     RouteKind,
+    UpstreamKind,
     adapter_for,
     response_items,
     strip_token_fields,
@@ -30,12 +34,34 @@ from worker.proxy.routes import (
 )
 from worker.proxy.sse import sse_events
 
-if TYPE_CHECKING:
-    from worker.proxy.middleware import CaptureMiddleware
-
-__all__ = ("CapturedCall", "UpstreamAnswer")
+__all__ = ("CallOwner", "CapturePolicy", "CapturedCall", "UpstreamAnswer")
 
 logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class CapturePolicy:
+    """How the middleware captures."""
+
+    upstream_kind: UpstreamKind = "vllm"
+    fail_closed: bool = False
+    max_request_bytes: int = 64 * 1024 * 1024
+    max_response_bytes: int = 64 * 1024 * 1024
+    """A larger upstream response is served but not captured (capture failure)."""
+
+
+class CallOwner(Protocol):
+    """What a captured call uses of the middleware that runs it (:class:`~worker.proxy.middleware.CaptureMiddleware`)."""
+
+    app: ASGIApp
+    capture: RolloutTokenCapture
+    gate: CaptureGate
+    policy: CapturePolicy
+    metrics: ProxyMetrics
+
+    async def refuse(self, send: Send, reason: str) -> None:
+        """Answer 503 for a call that could not be captured (``fail_closed``)."""
+        ...
+
 
 _AdmitFailure = Literal["ledger unreachable", "no admission", "begin failed"]
 
@@ -63,7 +89,7 @@ class CapturedCall:
 
     def __init__(
         self,
-        owner: CaptureMiddleware,
+        owner: CallOwner,
         route: RouteKind,
         scope: Scope,
         request: dict[str, Any],

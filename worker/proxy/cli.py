@@ -1,6 +1,7 @@
 """``staging-sink proxy`` and ``staging-sink engine``: the capture proxy and the simulated engine over HTTP.
 
-Loaded lazily by :mod:`sink.cli.main` (the CLI is the composition root). ``proxy --workers N`` runs N uvicorn
+Registered with ``staging-sink`` through the ``staging_sink.commands`` entry point :func:`register`
+(see :mod:`sink.cli.plugin`). ``proxy --workers N`` runs N uvicorn
 worker processes; each builds its app with :func:`app_from_environment` from the configuration the parent put in
 ``$STAGING_SINK_PROXY_CONFIG`` (all capture state is in Redis, so the workers need nothing else in common).
 """
@@ -13,7 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from sink.cli.common import EXIT_USAGE, CommandError
+from sink.cli.plugin import EXIT_USAGE, CommandContext, CommandError
 
 if TYPE_CHECKING:
     from sink.settings import ProxySettings
@@ -26,6 +27,7 @@ __all__ = (
     "engine_command",
     "proxy_command",
     "proxy_config",
+    "register",
 )
 
 CONFIG_ENV = "STAGING_SINK_PROXY_CONFIG"
@@ -55,6 +57,11 @@ def _require_extra() -> None:
             raise CommandError(
                 f"{module} is missing: install the proxy extra (pip install 'staging-sink[proxy]')"
             ) from None
+
+
+def register(commands: Any, context: CommandContext) -> None:
+    """The ``staging_sink.commands`` entry point (see :mod:`sink.cli.plugin`): add ``proxy`` and ``engine``."""
+    add_http_parsers(commands, context.redis)
 
 
 def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> None:

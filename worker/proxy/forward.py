@@ -11,7 +11,7 @@ import logging
 
 import httpx
 
-from worker.proxy.asgi import Receive, Scope, Send, error_body, read_body, send_body
+from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body
 
 __all__ = ("UPSTREAM_TIMEOUT_HEADER", "ForwardingApp")
 

@@ -18,8 +18,8 @@ import anyio
 
 from sink.keys import DEFAULT_NAMESPACE
 from sink.settings import ProxySettings
+from worker.asgi import ASGIApp, Message, Receive, Scope, Send
 from worker.proxy.app import ProxyApp
-from worker.proxy.asgi import ASGIApp, Message, Receive, Scope, Send
 from worker.proxy.routes import UpstreamKind
 
 __all__ = ("EnvCaptureMiddleware", "config_from_environment")

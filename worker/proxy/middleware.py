@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from sink.ledger.gate import CaptureGate
-from worker.capture import RolloutTokenCapture
-from worker.proxy.asgi import (
+from worker.asgi import (
     ASGIApp,
     BodyTooLargeError,
     Receive,
@@ -37,9 +35,10 @@ from worker.proxy.asgi import (
     send_body,
     send_json,
 )
-from worker.proxy.captured_call import CapturedCall
+from worker.capture import RolloutTokenCapture
+from worker.proxy.captured_call import CapturedCall, CapturePolicy
 from worker.proxy.metrics import ProxyMetrics
-from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, UpstreamKind, parse_target, request_items
+from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, parse_target, request_items
 
 __all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware", "CapturePolicy")
 
@@ -48,17 +47,6 @@ logger = logging.getLogger(__name__)
 METRICS_PATH = "/staging-sink/metrics"
 Announce = Callable[[str, float | None, Any, str | None], Awaitable[str]]
 """``(rollout_id, reward, response, declared_response_id) -> event id``: :func:`sink.rollout.done_event.finished` bound."""
-
-
-@dataclass(frozen=True)
-class CapturePolicy:
-    """How the middleware captures."""
-
-    upstream_kind: UpstreamKind = "vllm"
-    fail_closed: bool = False
-    max_request_bytes: int = 64 * 1024 * 1024
-    max_response_bytes: int = 64 * 1024 * 1024
-    """A larger upstream response is served but not captured (capture failure)."""
 
 
 class CaptureMiddleware:

@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from worker.proxy.asgi import ASGIApp
+from worker.asgi import ASGIApp
 
 __all__ = ("ServerStartError", "running_server")
 

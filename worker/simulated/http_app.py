@@ -26,7 +26,7 @@ from typing import Any, Literal
 import anyio
 import orjson
 
-from worker.proxy.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
+from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
 from worker.simulated.engine import BYTE_OFFSET, IM_END, IM_START, Generation, SimulatedEngine
 
 __all__ = ("DRIFT_SPACE_ID", "EngineApp", "EngineOptions", "item_text")

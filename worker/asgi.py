@@ -1,4 +1,4 @@
-"""Plain ASGI plumbing shared by the proxy, the capture middleware and the HTTP engine (no framework needed).
+"""Plain ASGI plumbing shared by the capture proxy and the simulated HTTP engine (no framework needed).
 
 Bodies are JSON, parsed and emitted with orjson (the capture path's hot loop).
 """

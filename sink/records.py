@@ -1,0 +1,95 @@
+"""``sink.records``: the seed's import path of the wire records; a thin re-export of :mod:`sink.contract.records`.
+
+Code inside the project imports :mod:`sink.contract.records`; this path is for users of the seed API."""
+
+from __future__ import annotations
+
+from sink.contract.record_base import DigestWireModel, WireModel
+from sink.contract.records import (
+    EMPTY_EXTRAS_DIGEST,
+    EXTRAS_DIGEST_VERSION,
+    INVALID_COMMIT_COORDS_REASON,
+    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
+    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
+    STAGING_DIGEST_VERSION,
+    STAGING_SCHEMA_VERSION,
+    TERMINAL_AMBIGUOUS,
+    TERMINAL_DUPLICATE_CALL_ID,
+    TERMINAL_NO_RECORDS,
+    TERMINAL_NO_ROOT,
+    TERMINAL_ORPHANED_ROW,
+    TERMINAL_SELECTED,
+    UNCOMMITTED_CALL_REASON,
+    UNRESOLVED_PARENT_REASON,
+    WORKER_CAPTURE_FAILED_REASON,
+    WORKER_MISSING_COMMIT_COORDS_REASON,
+    CallRecord,
+    CaptureAdmission,
+    CaptureDisposition,
+    CaptureLedgerCommit,
+    CaptureMode,
+    CommitCoords,
+    DigestHex,
+    GenerationCutContinuation,
+    Identifier,
+    ManifestFailure,
+    NonNegativeInt,
+    PositiveInt,
+    RolloutManifest,
+    RolloutReceipt,
+    RolloutRemoval,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    StagedCallSnapshot,
+    StageResult,
+    staging_key,
+)
+from sink.contract.staged_records import BUILD_STAGING_DIGEST
+
+__all__ = (
+    "EMPTY_EXTRAS_DIGEST",
+    "EXTRAS_DIGEST_VERSION",
+    "INVALID_COMMIT_COORDS_REASON",
+    "LEDGER_ROW_MISSING_CHAIN_HASH_REASON",
+    "LEDGER_ROW_MISSING_RESPONSE_ID_REASON",
+    "STAGING_DIGEST_VERSION",
+    "STAGING_SCHEMA_VERSION",
+    "TERMINAL_AMBIGUOUS",
+    "TERMINAL_DUPLICATE_CALL_ID",
+    "TERMINAL_NO_RECORDS",
+    "TERMINAL_NO_ROOT",
+    "TERMINAL_ORPHANED_ROW",
+    "TERMINAL_SELECTED",
+    "UNCOMMITTED_CALL_REASON",
+    "UNRESOLVED_PARENT_REASON",
+    "WORKER_CAPTURE_FAILED_REASON",
+    "WORKER_MISSING_COMMIT_COORDS_REASON",
+    "_BUILD_STAGING_DIGEST",
+    "CallRecord",
+    "CaptureAdmission",
+    "CaptureDisposition",
+    "CaptureLedgerCommit",
+    "CaptureMode",
+    "CommitCoords",
+    "DigestHex",
+    "GenerationCutContinuation",
+    "Identifier",
+    "ManifestFailure",
+    "NonNegativeInt",
+    "PositiveInt",
+    "RolloutManifest",
+    "RolloutReceipt",
+    "RolloutRemoval",
+    "StageResult",
+    "StagedCallBaseSnapshot",
+    "StagedCallRecord",
+    "StagedCallSnapshot",
+    "_DigestWireModel",
+    "_WireModel",
+    "staging_key",
+)
+
+# The seed API's private names (the same objects as in the target module).
+_WireModel = WireModel
+_DigestWireModel = DigestWireModel
+_BUILD_STAGING_DIGEST = BUILD_STAGING_DIGEST

@@ -1,0 +1,222 @@
+"""The Lua scripts that write staged records and ledgers (the sink and the ledger); see :mod:`sink.store.scripts`."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from sink.contract import record_schema
+from sink.store.script_status import library_script
+
+__all__ = (
+    "APPEND_SCRIPT",
+    "CALLS_ENTRY_FIELDS",
+    "CLEAR_SCRIPT",
+    "HAS_ROWS_SCRIPT",
+    "LEDGER_DELETE_SCRIPT",
+    "LEDGER_RETIRE_SCRIPT",
+    "READ_SCRIPT",
+    "STAGE_SCRIPT",
+)
+
+# Field names of one token-free entry in ns:{R}:calls, in ARGV order (from the record field table).
+CALLS_ENTRY_FIELDS: Final = record_schema.CALLS_ENTRY_FIELDS
+
+
+# --- staging (sink.store.sink) -----------------------------------------------------------
+
+# One call stages a batch of records of one cluster slot (one server: any
+# records). For each record it either stores the blob and appends its
+# token-free entry to the rollout's ``calls`` stream, or, when the key already
+# holds a record, compares digests without writing. Every check that could make
+# a write fail (wrong key types) runs in a first pass, before any write, so an
+# error can never leave a record without its ``calls`` entry or the reverse.
+#
+# A rollout whose retire fence is set (consumed, or retired by an operator) refuses
+# the write: a late stage must not leave records that nothing would ever delete.
+#
+# KEYS: rec_1, calls_1, fence_1, rec_2, calls_2, fence_2, ...
+# ARGV: head_bytes, rewrite_present ('1' or '0'), then per record: digest, blob, then the values of
+# CALLS_ENTRY_FIELDS. The codec places the digest inside the first head_bytes
+# bytes of every blob, so an existing record's digest is compared with
+# GETRANGE instead of transferring the whole record; only when it matches is the whole
+# stored blob compared (inside the server) with the new one. Returns one status per record.
+_STAGE = """
+local field_names = {$FIELDS}
+local nfields = #field_names
+local head_len = tonumber(ARGV[1])
+local rewrite_present = ARGV[2] == '1'
+local per = 2 + nfields
+local n = #KEYS / 3
+local status = {}
+-- pass 1, no writes: anything that could fail a write fails here
+for i = 1, n do
+  local rec_type = redis.call('TYPE', KEYS[3 * i - 2])['ok']
+  local calls_type = redis.call('TYPE', KEYS[3 * i - 1])['ok']
+  if (rec_type ~= 'none' and rec_type ~= 'string') or (calls_type ~= 'none' and calls_type ~= 'stream') then
+    status[i] = $STAGE_WRONG_TYPE
+  elseif redis.call('EXISTS', KEYS[3 * i]) == 1 then
+    status[i] = $STAGE_RETIRED
+  end
+end
+-- pass 2: write absent records with their calls entry; compare present ones
+for i = 1, n do
+  if status[i] == nil then
+    local base = 2 + (i - 1) * per
+    local digest = ARGV[base + 1]
+    local head = redis.call('GETRANGE', KEYS[3 * i - 2], 0, head_len - 1)
+    if head == '' then
+      redis.call('SET', KEYS[3 * i - 2], ARGV[base + 2])
+      local entry = {}
+      for f = 1, nfields do
+        entry[2 * f - 1] = field_names[f]
+        entry[2 * f] = ARGV[base + 2 + f]
+      end
+      redis.call('XADD', KEYS[3 * i - 1], '*', unpack(entry))
+      status[i] = $STAGE_WRITTEN
+    elseif string.find(head, digest, 1, true) then
+      local blob = ARGV[base + 2]
+      if redis.call('STRLEN', KEYS[3 * i - 2]) ~= #blob or redis.call('GET', KEYS[3 * i - 2]) ~= blob then
+        -- Same digest, other bytes: the stored blob no longer matches its digest
+        -- (the new blob was validated before it was sent). Repair it.
+        redis.call('SET', KEYS[3 * i - 2], blob)
+        status[i] = $STAGE_REPAIRED
+      else
+        -- Same record. When replicas must confirm, write it again (same content by
+        -- digest) so this connection's WAIT covers a write the replica must have,
+        -- not just whatever this connection wrote last.
+        if rewrite_present then
+          redis.call('SET', KEYS[3 * i - 2], blob)
+        end
+        status[i] = $STAGE_SAME
+      end
+    else
+      status[i] = $STAGE_CONFLICT
+    end
+  end
+end
+return status
+"""
+STAGE_SCRIPT: Final = library_script("stage", _STAGE, FIELDS=", ".join(f"'{name}'" for name in CALLS_ENTRY_FIELDS))
+
+# KEYS: calls stream, then the record keys; ARGV: the staging keys, same order.
+# Deletes the records and the calls entries naming them; drops an emptied stream.
+# Returns {DONE, how many records existed}.
+CLEAR_SCRIPT: Final = library_script(
+    "clear",
+    """
+local removed = 0
+local doomed = {}
+for i = 2, #KEYS do
+  removed = removed + redis.call('DEL', KEYS[i])
+  doomed[ARGV[i - 1]] = true
+end
+if redis.call('TYPE', KEYS[1])['ok'] == 'stream' then
+  local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+  for _, entry in ipairs(entries) do
+    local fields = entry[2]
+    for f = 1, #fields, 2 do
+      if fields[f] == 'key' and doomed[fields[f + 1]] then
+        redis.call('XDEL', KEYS[1], entry[1])
+      end
+    end
+  end
+  if redis.call('XLEN', KEYS[1]) == 0 then
+    redis.call('DEL', KEYS[1])
+  end
+end
+return {$DONE, removed}
+""",
+)
+
+# --- the capture ledger (sink.ledger.redis) ----------------------------------------------
+# Every ledger script touches only the keys of one rollout (ns:{R}:ledger,
+# ns:{R}:ledger:ids, ns:{R}:fence), all sharing the hash tag {R}: nothing can
+# land between the fence check and the write, or between fencing and removal.
+
+# KEYS: ledger stream, ids hash, fence.
+# ARGV: idempotency field, its value, then the stream entry's field/value pairs.
+# Returns {APPEND_APPENDED}, {APPEND_DUPLICATE} (identical row), {APPEND_FENCED}
+# (discarded) or {APPEND_CONFLICT, stored_value} (nothing written).
+APPEND_SCRIPT: Final = library_script(
+    "append",
+    """
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {$APPEND_FENCED}
+end
+local stored = redis.call('HGET', KEYS[2], ARGV[1])
+if stored then
+  if stored == ARGV[2] then
+    return {$APPEND_DUPLICATE}
+  end
+  return {$APPEND_CONFLICT, stored}
+end
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return {$APPEND_APPENDED}
+""",
+)
+
+# KEYS: ledger stream, fence. Returns {LEDGER_FENCED} or {LEDGER_OPEN, XRANGE - +}.
+READ_SCRIPT: Final = library_script(
+    "read",
+    """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {$LEDGER_FENCED}
+end
+return {$LEDGER_OPEN, redis.call('XRANGE', KEYS[1], '-', '+')}
+""",
+)
+
+# KEYS: ledger stream, fence. Returns {LEDGER_FENCED} or {LEDGER_OPEN, 1 if any row else 0}.
+HAS_ROWS_SCRIPT: Final = library_script(
+    "has_rows",
+    """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {$LEDGER_FENCED}
+end
+return {$LEDGER_OPEN, redis.call('EXISTS', KEYS[1])}
+""",
+)
+
+# KEYS: ledger stream, ids hash, fence. ARGV: fence value.
+# Returns {REMOVED} when a live ledger was removed, {NOT_REMOVED} otherwise
+# (never started or already retired). Either way the fence is in place afterwards.
+# One DEL per key: the generated ACL grants DEL on each key kind in its own
+# selector, and a multi-key DEL must be allowed by one selector for all its keys.
+LEDGER_RETIRE_SCRIPT: Final = library_script(
+    "retire",
+    """
+local had_rows = 0
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  had_rows = redis.call('EXISTS', KEYS[1])
+end
+redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('SET', KEYS[3], ARGV[1])
+end
+if had_rows == 1 then return {$REMOVED} end
+return {$NOT_REMOVED}
+""",
+)
+
+# Deleting a rollout makes its id reusable (contract §6.9): every key under its hash tag goes, in one
+# script, one DEL per key (see above).
+# KEYS: ledger stream, ids hash, fence, receipt, claim, calls stream, then the record keys the calls
+# stream named when the caller read it. ARGV: how many entries the calls stream had then.
+# Returns {DELETE_STALE} (nothing changed: a record was staged since; read the calls stream again),
+# or {REMOVED} when a live ledger was removed, {NOT_REMOVED} otherwise.
+LEDGER_DELETE_SCRIPT: Final = library_script(
+    "delete",
+    """
+local calls = 0
+if redis.call('TYPE', KEYS[6])['ok'] == 'stream' then calls = redis.call('XLEN', KEYS[6]) end
+if calls ~= tonumber(ARGV[1]) then return {$DELETE_STALE} end
+local had_rows = redis.call('EXISTS', KEYS[1])
+for i = 1, #KEYS do
+  redis.call('DEL', KEYS[i])
+end
+if had_rows == 1 then return {$REMOVED} end
+return {$NOT_REMOVED}
+""",
+)
