@@ -1,4 +1,4 @@
-"""The trainer's per-rollout reader: receipts in, verified training rows out (contract §7.1 steps 5-6, §8).
+"""The trainer's per-rollout reader: receipts in, verified training rows out (contract §7.1 steps 5-6, §8, §8.5).
 
 :class:`RolloutReader` consumes ``ns:receipts:<k>`` in consumer group
 ``trainers`` (one consumer name per rank). :meth:`RolloutReader.pull` returns
