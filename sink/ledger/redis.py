@@ -1,11 +1,12 @@
-"""The capture ledger on Redis/Valkey (contract §6, architecture §3).
+"""The capture ledger on Redis/Valkey (contract §6, §11.1).
 
 Per rollout ``R`` three keys share the hash tag ``{R}``: the ledger stream
 ``ns:{R}:ledger`` (custody and failure rows, append order), the idempotency
 hash ``ns:{R}:ledger:ids`` and the retire fence ``ns:{R}:fence``. Every
 operation is one Lua script on those keys (see :mod:`sink.store.scripts`),
 so it is atomic per rollout, runs on one cluster slot, and its effect is
-visible to every process once the script returned. A writing script is
+visible to every process once the script returned. Durability is the
+server's (``appendfsync always``, contract §11.2), and a writing script is
 acknowledged only once its own round trip confirmed it durable
 (:func:`~sink.store.durability.run_script_durably`: ``WAITAOF`` and the
 persistence settings read back; :class:`~sink.errors.NotDurableError`

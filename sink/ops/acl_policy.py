@@ -1,4 +1,4 @@
-"""The least-privilege policy of the staging roles: what each role may run on which keys (architecture §3).
+"""The least-privilege policy of the staging roles: what each role may run on which keys (keys: contract §11.1).
 
 :data:`ROLE_POLICIES` is the single table :mod:`sink.ops.acl` renders into an ``aclfile``.
 
@@ -236,6 +236,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                     "exists",
                     "ttl",
                     "get",
+                    "hget",
                     "mget",
                     "xlen",
                     "xrange",

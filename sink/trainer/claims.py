@@ -1,4 +1,4 @@
-"""The trainer reader's rollout claims: one owner per rollout across ranks, duplicates dropped (contract §8).
+"""The trainer reader's rollout claims: one owner per rollout across ranks, duplicates dropped (contract §8.5).
 
 Before consuming a rollout a :class:`~sink.trainer.reader.RolloutReader` claims it with
 one script on the rollout's own slot: ``ns:{R}:claimed`` names the receipt

@@ -109,11 +109,10 @@ class RolloutGroup:
 
 
 class GroupStatistics(NamedTuple):
-    """Counters of one :class:`GroupReader`: groups delivered (``partial`` of them sealed at the timeout),
-    dropped by ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups this
-    rank holds members of, not yet complete; ``late``: members that came after their group went out
-    (acknowledged and recorded, :data:`LATE_MEMBER`); ``size_mismatches``: groups whose members disagreed on
-    ``group_size``."""
+    """Counters of one :class:`GroupReader`: groups delivered (``partial``: sealed at the timeout), dropped by
+    ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups this rank holds
+    members of, not complete; ``late``: members after their group went out (:data:`LATE_MEMBER`);
+    ``size_mismatches``: groups whose members disagreed on ``group_size``."""
 
     delivered: int
     partial: int
@@ -268,6 +267,7 @@ class GroupReader:
     def _hand_over(self, group_id: str, rollout_ids: list[str]) -> None:
         """Another rank owns the group: let go of our members without acknowledging them."""
         self._reader.forget(rollout_ids)
+        self._reader.claims.take_redelivered(rollout_ids)
         parked = self._parked.get(group_id, {})
         for rollout_id in rollout_ids:
             parked.pop(rollout_id, None)
@@ -284,12 +284,8 @@ class GroupReader:
         announced, mismatch, flat = int(_text(reply[0])), _text(reply[1]) == "1", reply[2:]
         if mismatch:
             self._counts["mismatch"] += 1
-            logger.warning(
-                "%s: members of group %r announced different group_size values; using the largest, %d",
-                GROUP_SIZE_MISMATCH,
-                tag.group_id,
-                announced,
-            )
+            text = "%s: members of group %r announced different group_size values; using the largest, %d"
+            logger.warning(text, GROUP_SIZE_MISMATCH, tag.group_id, announced)
         tag = GroupTag(tag.group_id, announced)
         local = self._parked.pop(tag.group_id, {})
         members: dict[str, PulledRollout] = {}
@@ -330,6 +326,8 @@ class GroupReader:
         self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout], *, complete: bool
     ) -> list[RolloutGroup]:
         settings = self._settings
+        ids = [m.rollout_id for m in members]
+        redelivered = self._reader.claims.take_redelivered([*ids, *(f.rollout_id for f in failed)])
         if not members:
             failed_only = RolloutGroup(tag.group_id, tag.group_size, (), tuple(failed), complete)
             self._counts["dropped"] += 1
@@ -348,8 +346,7 @@ class GroupReader:
         if not complete:
             self._counts["partial"] += 1
         self._counts["delivered"] += 1
-        ids = [m.rollout_id for m in members]
-        if self._reader.claims.take_redelivered(ids) and await self._delivered_before(tag.group_id):
+        if redelivered and await self._delivered_before(tag.group_id):
             for rollout_id in ids:
                 self._reader.claims.count_double_delivery(rollout_id, f"group {tag.group_id!r}, delivered before")
         return [RolloutGroup(tag.group_id, tag.group_size, tuple(members), tuple(failed), complete)]
