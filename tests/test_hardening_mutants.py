@@ -1,4 +1,4 @@
-"""Issue 13's mutation check: tests that kill the mutants that survived the first run and change behaviour.
+"""The hardening mutation check: tests that kill the mutants that survived the first run and change behaviour.
 
 ``scripts/mutation_check.py`` mutates the durability check, the confirmation replies, the staging
 script, verification, the gate, key ownership, the ACL table and generation cuts; each test below
