@@ -1,4 +1,4 @@
-"""Issue 13, defect 5: no role can run code of its own (real Valkey 8 / Redis 7.0 servers with the generated
+"""No role can run code of its own (real Valkey 8 / Redis 7.0 servers with the generated
 ACL, and the embedded Redis 6.2).
 
 On servers with functions the scripts are one library that an admin loads with ``staging-sink setup``;

@@ -1,4 +1,4 @@
-"""Issue 13, defect 10: lost leases are reported, double deliveries counted, and ``staging-sink trainer``
+"""Lost leases are reported, double deliveries counted, and ``staging-sink trainer``
 rides through a server restart (real Valkey 8 / Redis 7.0 servers).
 """
 

@@ -1,4 +1,4 @@
-"""Bounded state (issue 15, item 1): retention after ack, abandonment, dead-letter trimming, idle consumers,
+"""Bounded state: retention after ack, abandonment, dead-letter trimming, idle consumers,
 ``staging-sink prune [--dry-run]``; namespace-only."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Soak (issue 15, item 1): 5,000 rollouts through stage -> finished -> receipt -> pull -> ack, plus a share
+"""Soak (bounded state): 5,000 rollouts through stage -> finished -> receipt -> pull -> ack, plus a share
 never finished (abandoned by prune); once retention passes, the keyspace and ``used_memory`` are back at the
 baseline plus a stated bound. Prints the figures (keys and bytes before, at peak, after)."""
 

@@ -350,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(verbose=args.verbose, log_format=args.log_format)
     handler: Handler = args.handler
     try:
-        resolve_cluster_flag(args)  # issue 15: detected from the server; a contradicting flag is one line
+        resolve_cluster_flag(args)  # cluster mode read from the server; a contradicting flag is one line
         return handler(args)
     except BaseException as exc:
         code = None if isinstance(exc, SystemExit) else report_failure(leaf_error(exc), args)

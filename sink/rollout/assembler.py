@@ -242,7 +242,7 @@ class Assembler(AsyncResource):
                 await self._process(entries)
                 outage_since = None
             except StagingConnectionError as exc:
-                raise_if_unrecoverable(exc, f"assembler {self.consumer_name}")  # issue 15: exit, not retry forever
+                raise_if_unrecoverable(exc, f"assembler {self.consumer_name}")  # exit, not retry forever
                 self._counts["failures"] += 1
                 now = anyio.current_time()
                 outage_since = now if outage_since is None else outage_since
@@ -369,7 +369,7 @@ class Assembler(AsyncResource):
             if isinstance(reply, BaseException):
                 raise reply
         self._counts["published"] += 1
-        count_receipt_published(self._ns, shard)  # metrics (issue 15)
+        count_receipt_published(self._ns, shard)  # the receipts-published counter
 
 
 async def run_assembler(url: str, settings: AssemblerSettings | None = None, *, handle_signals: bool = True) -> None:

@@ -132,7 +132,7 @@ class Topology:
         if self._cluster is not None:
             try:
                 await self._cluster.initialize()
-            except redis_errors.RedisClusterException as exc:  # issue 15: one clear line, not a redis-py traceback
+            except redis_errors.RedisClusterException as exc:  # one clear line, not a redis-py traceback
                 if "not enabled" not in str(exc):
                     raise
                 raise ClusterModeMismatchError(f"cluster=True (--cluster) but the server is standalone: {exc}") from exc
