@@ -30,6 +30,7 @@ __all__ = (
     "rollout_of_staging_key",
     "shard_of",
     "validate_rollout_id",
+    "weight_version_key",
 )
 
 DEFAULT_NAMESPACE = "stg"
@@ -127,6 +128,11 @@ def receipts_stream(ns: str, shard: int) -> str:
 def dead_letter_stream(ns: str, name: str) -> str:
     """Stream of entries a consumer group gave up on (``name``: the source stream's role and shard)."""
     return f"{ns}:dead:{name}"
+
+
+def weight_version_key(ns: str) -> str:
+    """The trainer's published weight version of the namespace (a decimal integer string)."""
+    return f"{ns}:weight_version"
 
 
 def shard_of(rollout_id: str, shards: int) -> int:

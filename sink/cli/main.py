@@ -48,6 +48,7 @@ from sink.cli.plugin import (
     register_commands,
 )
 from sink.cli.prune import add_prune_command
+from sink.cli.weights import add_weights_command
 from sink.keys import DEFAULT_NAMESPACE
 from sink.settings import DEFAULT_SHARDS
 
@@ -311,6 +312,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     _add_rollout_commands(commands, redis)
     add_export_command(commands, redis)
     add_prune_command(commands, redis)
+    add_weights_command(commands, redis)
     _add_tool_commands(commands, env)
     for name, command in commands.choices.items():
         command.formatter_class = DefaultsHelpFormatter

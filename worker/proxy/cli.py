@@ -100,6 +100,26 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
     )
     proxy.add_argument("--weight-version", type=int, default=0, help="policy weight version stamped on calls (0)")
     proxy.add_argument(
+        "--weight-source",
+        choices=("fixed", "engine", "published"),
+        default="fixed",
+        help="fixed (default): --weight-version; engine: vLLM's weight_versions spans in exact-prefix mode (integer "
+        "labels; 'default' is --weight-version); published: the trainer's key (staging-sink weights set N)",
+    )
+    proxy.add_argument(
+        "--weight-staleness-s",
+        type=_positive_float,
+        default=1.0,
+        help="with --weight-source published: re-read the trainer's version at most this often (default: 1.0)",
+    )
+    proxy.add_argument(
+        "--prefix-mode",
+        choices=("auto", "exact", "verify"),
+        default="auto",
+        help="auto (default): exact-prefix chat calls where the engine serves vLLM 0.32's render/generate/derender "
+        "routes (vllm --enable-scale-out), verify mode elsewhere; exact: refuse to start without them; verify: never",
+    )
+    proxy.add_argument(
         "--durability",
         choices=("fsync", "none"),
         default="fsync",
@@ -116,6 +136,11 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
     engine.add_argument("--shape", choices=("vllm", "nemo-gym"), default="vllm", help="response token-field shape")
     engine.add_argument("--honour-prefix", action="store_true", help="honour required_prefix_token_ids (nemo-rl)")
     engine.add_argument("--drift", action="store_true", help="re-tokenize earlier assistant text differently")
+    engine.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve vLLM 0.32's token-in/token-out routes (render, generate, derender), as vllm --enable-scale-out",
+    )
     engine.set_defaults(handler=engine_command)
 
 
@@ -142,6 +167,9 @@ def proxy_config(args: argparse.Namespace) -> ProxySettings:
         upstream_timeout_s=args.upstream_timeout_s,
         max_response_bytes=args.max_response_mib * _MIB,
         weight_version=args.weight_version,
+        weight_source=args.weight_source,
+        weight_staleness_s=args.weight_staleness_s,
+        prefix_mode=args.prefix_mode,
         durability=args.durability,
         redis_timeout_s=args.redis_timeout_s,
     )
@@ -206,7 +234,13 @@ def engine_command(args: argparse.Namespace) -> int:
     from worker.simulated.http_app import EngineApp, EngineOptions
 
     _tune_gc()
-    options = EngineOptions(seed=args.seed, shape=args.shape, honour_prefix=args.honour_prefix, drift=args.drift)
+    options = EngineOptions(
+        seed=args.seed,
+        shape=args.shape,
+        honour_prefix=args.honour_prefix,
+        drift=args.drift,
+        scale_out=args.enable_scale_out,
+    )
     sys.stderr.write(f"simulated engine on http://{args.host}:{args.port} ({options})\n")
     uvicorn.run(EngineApp(options), host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

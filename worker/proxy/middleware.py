@@ -37,8 +37,10 @@ from worker.asgi import (
 )
 from worker.capture import RolloutTokenCapture
 from worker.proxy.captured_call import CapturedCall, CapturePolicy
+from worker.proxy.exact_mode import ExactMode
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, parse_target, request_items
+from worker.weight_version import PublishedWeightVersion
 
 __all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware", "CapturePolicy")
 
@@ -68,6 +70,10 @@ class CaptureMiddleware:
         self.policy = policy or CapturePolicy()
         self.announce = announce
         self.metrics = metrics or ProxyMetrics()
+        self.exact: ExactMode | None = None
+        """Set by the proxy after its start-up probe: chat calls in exact-prefix mode (``None``: verify mode)."""
+        self.published: PublishedWeightVersion | None = None
+        """The trainer's published weight version, when calls are stamped with it (``weight_source="published"``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Route one ASGI event: finished, metrics, a captured call, or pass-through."""

@@ -28,6 +28,9 @@ def _chat(payload: dict[str, Any], include_usage: bool) -> list[bytes]:
     for choice in payload.get("choices") or ():
         message = choice.get("message") or {}
         delta = {"role": "assistant", "content": message.get("content") or ""}
+        for field in ("reasoning", "reasoning_content"):  # a reasoning parser's output rides along
+            if message.get(field):
+                delta[field] = message[field]
         if message.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         first = {
