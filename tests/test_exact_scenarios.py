@@ -13,6 +13,8 @@ from functools import partial
 from typing import Any
 
 import anyio
+import httpx
+import orjson
 import pytest
 
 from sink.trainer.pulled import PulledRollout
@@ -225,3 +227,25 @@ def test_the_mode_is_probed_at_start_and_logged_once(redis_url: str, caplog: pyt
         "prefix mode: verify (the engine's token-in/token-out routes are disabled (start vLLM with --enable-scale-out))"
     )
     assert len(lines) == 2
+
+
+def test_a_streamed_reply_carries_the_token_fields_the_agent_asked_for(scenario_redis_url: str) -> None:
+    with ExitStack() as stack:
+        engine = stack.enter_context(running_server(EngineApp(EngineOptions(seed=2, scale_out=True))))
+        proxy = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, engine))))
+        body = {
+            "model": "simulated",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 6,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        answer = httpx.post(f"{proxy}/r/stream-ids/v1/chat/completions", json=body, timeout=20)
+        assert answer.status_code == 200, answer.text
+        events = [orjson.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+        first, last = events[0], events[1]
+        finish(proxy, "stream-ids", 1.0, first["id"])
+    [pulled] = pull(scenario_redis_url, 1)
+    assert pulled.row is not None
+    assert first["prompt_token_ids"] + first["choices"][0]["token_ids"] == list(pulled.row.token_ids)
+    assert last["choices"][0]["finish_reason"] in ("stop", "length") and "prompt_token_ids" not in last

@@ -26,7 +26,9 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.errors import EnginePayloadError
+import anyio
+
+from worker.errors import EnginePayloadError, SpliceError
 from worker.exact_prefix import count_end_of_turn, last_assistant_index, splice_exact_prompt
 
 __all__ = (
@@ -35,6 +37,7 @@ __all__ = (
     "RENDER_PATH",
     "EngineCall",
     "ExactAnswer",
+    "Rendering",
     "exact_chat",
     "render_chat",
 )
@@ -77,8 +80,10 @@ def _checked_generation(answer: Any) -> dict[str, Any]:
         entry_ids = [entry["token_id"] for entry in content]
     except (KeyError, TypeError, ValueError) as exc:
         raise EnginePayloadError(f"generate answer lacks choices[0] token_ids / logprobs.content: {exc!r}") from exc
-    if not isinstance(ids, list) or entry_ids != ids:
-        raise EnginePayloadError("generate answer: logprobs.content token ids differ from choices[0].token_ids")
+    if not isinstance(ids, list) or not ids or entry_ids != ids:
+        raise EnginePayloadError(
+            "generate answer: no ids, or logprobs.content token ids differ from choices[0].token_ids"
+        )
     if not isinstance(choice, dict):
         raise EnginePayloadError("generate answer: choices[0] is not an object")
     return choice
@@ -105,25 +110,39 @@ def _drop_stop_string(choice: dict[str, Any], stop_reason: Any, request: dict[st
             return
 
 
-async def _history_eot_count(
-    call: EngineCall, request: dict[str, Any], eot_ids: Collection[int]
-) -> tuple[int, Any] | int:
-    """End-of-turn ids in the rendering of the messages through the last assistant one (or the error answer)."""
+@dataclass(frozen=True)
+class Rendering:
+    """Steps 1 and 2: the engine's generate request for the request, and the history's end-of-turn count."""
+
+    status: int
+    answer: Any
+    """The generate request (status 200), or the failing render's error body (nothing was generated)."""
+    history_eot_count: int | None
+    """End-of-turn ids in the rendering of the messages through the last assistant one (``None``: no such message)."""
+
+
+async def render_chat(call: EngineCall, request: dict[str, Any], eot_ids: Collection[int]) -> Rendering:
+    """Render *request*, and its history through the last assistant message (without the generation prompt), at once."""
     messages = request.get("messages") or []
-    index = last_assistant_index(messages)
-    if index is None:
-        return 0
-    body = {**_render_request(request), "messages": messages[: index + 1], "add_generation_prompt": False}
-    body.pop("continue_final_message", None)
-    status, answer = await call(RENDER_PATH, body)
-    if status != 200:
-        return status, answer
-    return count_end_of_turn(answer["token_ids"], eot_ids)
+    index = last_assistant_index(messages) if isinstance(messages, list) else None
+    answers: dict[str, tuple[int, Any]] = {}
 
+    async def render(name: str, body: dict[str, Any]) -> None:
+        answers[name] = await call(RENDER_PATH, body)
 
-async def render_chat(call: EngineCall, request: dict[str, Any]) -> tuple[int, Any]:
-    """Step 1 alone: the engine's generate request for *request* (or its error answer: nothing generated)."""
-    return await call(RENDER_PATH, _render_request(request))
+    async with anyio.create_task_group() as group:
+        group.start_soon(render, "full", _render_request(request))
+        if index is not None:
+            history = {**_render_request(request), "messages": messages[: index + 1], "add_generation_prompt": False}
+            history.pop("continue_final_message", None)
+            group.start_soon(render, "history", history)
+    status, answer = answers["full"]
+    if status != 200 or index is None:
+        return Rendering(status, answer, None)
+    history_status, history_answer = answers["history"]
+    if history_status != 200:
+        return Rendering(history_status, history_answer, None)
+    return Rendering(200, answer, count_end_of_turn(history_answer["token_ids"], eot_ids))
 
 
 async def exact_chat(
@@ -132,26 +151,26 @@ async def exact_chat(
     *,
     parent_ids: Sequence[int] | None,
     eot_ids: Collection[int],
-    rendered: dict[str, Any] | None = None,
+    rendering: Rendering | None = None,
 ) -> ExactAnswer:
     """Serve one chat request exactly (see the module docstring).
 
     :param parent_ids: the parent's exact staged sequence for a continuation; ``None`` for a root call.
-    :param rendered: the answer of step 1 when the caller already rendered the request (:func:`render_chat`).
+    :param rendering: steps 1 and 2 when the caller already ran them (:func:`render_chat`).
     :raises worker.errors.SpliceError: the rendering cannot be spliced (the caller falls back to verify mode).
     :raises EnginePayloadError: an engine answer without the expected fields.
     """
-    if rendered is None:
-        status, answer = await render_chat(call, request)
-        if status != 200:
-            return ExactAnswer(status, answer, spliced=False)
-        rendered = answer
+    if rendering is None:
+        rendering = await render_chat(call, request, eot_ids)
+    if rendering.status != 200:
+        return ExactAnswer(rendering.status, rendering.answer, spliced=False)
+    rendered = rendering.answer
     prompt: list[int] = list(rendered["token_ids"])
     spliced = False
     if parent_ids:
-        counted = await _history_eot_count(call, request, eot_ids)
-        if isinstance(counted, tuple):
-            return ExactAnswer(counted[0], counted[1], spliced=False)
+        counted = rendering.history_eot_count
+        if counted is None:
+            raise SpliceError("a continuation without an assistant message: nothing to splice onto")
         prompt = splice_exact_prompt(prompt, history_eot_count=counted, eot_ids=eot_ids, parent_ids=parent_ids)
         spliced = True
     generate = {**rendered, "token_ids": prompt, "stream": False}
@@ -164,7 +183,12 @@ async def exact_chat(
     # for its parsers, and a trailing "<|im_end|>" breaks them (a tool call stays text). Derender without it.
     eos_stop = choice.get("finish_reason") == "stop" and choice.get("stop_reason") is None and ids[-1] in eot_ids
     shown_ids = ids[:-1] if eos_stop and len(ids) > 1 else ids
-    trimmed = {**choice, "token_ids": shown_ids, "logprobs": {"content": entries[: len(shown_ids)]}}
+    trimmed = {
+        **choice,
+        "token_ids": shown_ids,
+        "logprobs": {"content": entries[: len(shown_ids)]},
+        "weight_versions": None,
+    }
     body = {
         "model": request.get("model"),
         "generate_response": {**generated, "choices": [trimmed]},
@@ -181,10 +205,12 @@ async def exact_chat(
         raise EnginePayloadError(f"derender answer lacks one choice: {exc!r}") from exc
     if eos_stop and len(ids) == 1:  # an empty reply: the chat route's empty message, whatever the parsers say
         out["message"] = {**out.get("message", {}), "content": "", "reasoning": None, "tool_calls": []}
-    shown = (out.get("logprobs") or {}).get("content") or []
-    shown = shown[: len(ids)] + [{"token": f"token_id:{token}", "top_logprobs": []} for token in ids[len(shown) :]]
-    if len(shown) != len(ids):  # keep the engine's token strings only where they line up with the ids
-        shown = [{"token": f"token_id:{token}", "top_logprobs": []} for token in ids]
+    message = out.get("message")
+    if isinstance(message, dict) and message.get("tool_calls") and out.get("finish_reason") == "stop":
+        out["finish_reason"] = "tool_calls"  # as vLLM's chat route answers a parsed tool call
+    # The engine's token strings where derender gave them; the trimmed end-of-turn as "token_id:<n>".
+    shown = ((out.get("logprobs") or {}).get("content") or [])[: len(ids)]
+    shown += [{"token": f"token_id:{token}", "top_logprobs": []} for token in ids[len(shown) :]]
     out["logprobs"] = {"content": [{**s, "logprob": e["logprob"]} for s, e in zip(shown, entries, strict=True)]}
     out["token_ids"] = ids
     _drop_stop_string(out, choice.get("stop_reason"), request)

@@ -23,7 +23,6 @@ from sink.cli.common import (
     open_topology,
     stdout_console,
 )
-from sink.store.connection import map_redis_errors
 from sink.trainer.weights import publish_weight_version, read_published_weight_version
 
 __all__ = ("add_weights_command", "weights_command")
@@ -32,10 +31,9 @@ __all__ = ("add_weights_command", "weights_command")
 async def weights_command(target: RedisTarget, version: int | None) -> int:
     """Publish *version* (``None``: show the published one); print the result."""
     async with open_topology(target) as topology:
-        with map_redis_errors("the published weight version"):
-            if version is not None:
-                await publish_weight_version(topology.client, target.namespace, version)
-            current = await read_published_weight_version(topology.client, target.namespace)
+        if version is not None:
+            await publish_weight_version(topology.client, target.namespace, version)
+        current = await read_published_weight_version(topology.client, target.namespace)
     if current is None:
         stdout_console().print(f"no weight version published in namespace {target.namespace!r}")
         return EXIT_FAILURE

@@ -38,7 +38,7 @@ from sink.keys import receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.done_event import GroupTag
 from sink.settings import ReaderSettings, SourceSettings
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_pulled
 from sink.store.resource import AsyncResource, settings_or_fields
@@ -158,11 +158,11 @@ class RolloutReader(AsyncResource):
         self._weight_version = version
 
     async def publish_weight_version(self, version: int) -> None:
-        """:meth:`set_weight_version`, and publish *version* for proxies and workers (:mod:`sink.trainer.weights`).
+        """:meth:`set_weight_version`, and publish *version* for proxies (:mod:`sink.trainer.weights`).
+
         :raises ValueError: *version* is not a non-negative int."""
         self.set_weight_version(version)
-        with map_redis_errors("publish the weight version"):
-            await publish_weight_version(self._topology.client, self._ns, version)
+        await publish_weight_version(self._topology.client, self._ns, version)
 
     @property
     def consumer_name(self) -> str:

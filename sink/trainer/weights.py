@@ -12,6 +12,7 @@ from typing import Any
 
 from sink.errors import StagingError
 from sink.keys import weight_version_key
+from sink.store.connection import map_redis_errors
 
 __all__ = ("WeightVersionKeyError", "publish_weight_version", "read_published_weight_version")
 
@@ -30,16 +31,21 @@ async def publish_weight_version(client: Any, namespace: str, version: int) -> N
     """Set the namespace's published weight version to *version*.
 
     :raises ValueError: *version* is not a non-negative int.
+    :raises sink.errors.StagingConnectionError: the server cannot be reached.
     """
-    await client.set(weight_version_key(namespace), str(_checked(version)))
+    value = str(_checked(version))
+    with map_redis_errors("publish the weight version"):
+        await client.set(weight_version_key(namespace), value)
 
 
 async def read_published_weight_version(client: Any, namespace: str) -> int | None:
     """The namespace's published weight version, or ``None`` when none was published.
 
     :raises WeightVersionKeyError: the key holds something else than a non-negative decimal integer.
+    :raises sink.errors.StagingConnectionError: the server cannot be reached.
     """
-    raw = await client.get(weight_version_key(namespace))
+    with map_redis_errors("read the published weight version"):
+        raw = await client.get(weight_version_key(namespace))
     if raw is None:
         return None
     text = raw.decode() if isinstance(raw, bytes) else str(raw)

@@ -25,6 +25,7 @@ from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, repl
 from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
 from worker.errors import EnginePayloadError, SpliceError
+from worker.exact_chat import Rendering
 from worker.proxy.exact_mode import ExactMode
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
@@ -50,10 +51,11 @@ class CallOwner(Protocol):
     capture: RolloutTokenCapture
     gate: CaptureGate
     settings: ProxySettings
-    """The proxy's settings: ``upstream_kind``, ``fail_closed``, ``max_response_bytes`` are read per call."""
     metrics: ProxyMetrics
     exact: ExactMode | None
+    """Chat calls in exact-prefix mode (``None``: verify mode)."""
     published: PublishedWeightVersion | None
+    """The trainer's published weight version, when calls are stamped with it."""
 
     async def refuse(self, send: Send, reason: str) -> None:
         """Answer 503 for a call that could not be captured (``fail_closed``)."""
@@ -141,11 +143,8 @@ class CapturedCall:
     # --- ledger -----------------------------------------------------------------
 
     async def _settle(self, coords: CommitCoords | None, payload: dict[str, Any] | None) -> None:
-        """Commit *coords* (or a failure) to the ledger; shielded, so a cancelled request never half-writes.
-
-        A :class:`StagingError` (the ledger failed) leaves the call not captured; any other exception is a bug: it
-        propagates to :meth:`run`'s boundary with the call unsettled, so the boundary records it failed.
-        """
+        """Commit *coords* (or a failure) to the ledger; shielded, so a cancelled request never half-writes (a bug
+        propagates to :meth:`run` with the call unsettled: the boundary records it failed)."""
         admission, active, capture = self.admission, self.active, self.owner.capture
         if admission is None or self.settled:
             return
@@ -258,7 +257,7 @@ class CapturedCall:
         return orjson.dumps(body), asked
 
     async def _exact_upstream(
-        self, exact: ExactMode, rendered: dict[str, Any], receive: Receive
+        self, exact: ExactMode, rendering: Rendering, receive: Receive
     ) -> tuple[UpstreamAnswer, ClientAsked]:
         """The upstream answer of an exact-prefix chat call (admission already done): a continuation's prompt is its
         parent's exact sequence plus the rendered suffix. A request that cannot be spliced is served in verify mode."""
@@ -271,7 +270,7 @@ class CapturedCall:
             logprobs=self.request.get("logprobs") not in (None, False),
         )
         try:
-            answer = await exact.chat(self.request, rendered, parent)
+            answer = await exact.chat(self.request, rendering, parent)
         except SpliceError as exc:
             logger.warning("%s: cannot splice onto the parent (%s); served in verify mode", self.ids, exc)
             body, asked = self._body()
@@ -302,7 +301,6 @@ class CapturedCall:
         ``capture_error`` and recorded failed in the ledger; then fail-closed answers 503, fail-open serves the
         engine's reply with its token fields stripped (500 when there is none yet)."""
         started = False
-
         async def tracked(message: Message) -> None:
             nonlocal started
             started = True
@@ -319,10 +317,9 @@ class CapturedCall:
 
     async def _after_bug(self, send: Send) -> None:
         """The documented policy after a bug: refuse (fail-closed) or serve the stripped reply (fail-open)."""
-        answer = self.answer
         if self.owner.settings.fail_closed:
             await self.owner.refuse(send, "an unexpected capture error (see the proxy log)")
-        elif answer is None:
+        elif (answer := self.answer) is None:
             await send_body(send, 500, error_body(500, "unexpected capture error (see the proxy log)", "CaptureError"))
         else:
             upstream, payload, asked = answer
@@ -334,15 +331,18 @@ class CapturedCall:
         owner, metrics = self.owner, self.owner.metrics
         try:
             if owner.exact is not None and self.route == "chat":
-                status, rendered = await owner.exact.render(self.request)
-                if status != 200:  # the engine refused the request (over the context...): nothing to capture
-                    logger.warning("%s: the engine refused the request (%d); nothing generated, not admitted", self.ids,
-                                   status)  # fmt: skip
+                rendering = await owner.exact.render(self.request)
+                if rendering.status != 200:  # the engine refused the request (over the context...): nothing to capture
+                    logger.warning(
+                        "%s: the engine refused the request (%d); nothing generated, not admitted",
+                        self.ids,
+                        rendering.status,
+                    )
                     owner.metrics.count("uncaptured")
-                    await send_body(send, status, orjson.dumps(rendered))
+                    await send_body(send, rendering.status, orjson.dumps(rendering.answer))
                     return
                 await self._admit()  # a continuation's prompt starts with its parent's exact ids: admit first
-                upstream, asked = await self._exact_upstream(owner.exact, rendered, receive)
+                upstream, asked = await self._exact_upstream(owner.exact, rendering, receive)
             elif owner.settings.upstream_kind == "nemo-rl":
                 await self._admit()
                 body, asked = self._body()

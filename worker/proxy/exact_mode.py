@@ -19,7 +19,7 @@ import orjson
 
 from worker.asgi import ASGIApp, Message
 from worker.errors import StagingModeError
-from worker.exact_chat import ExactAnswer, exact_chat, render_chat
+from worker.exact_chat import ExactAnswer, Rendering, exact_chat, render_chat
 from worker.exact_probe import ExactProbe, probe_exact_prefix
 from worker.weight_version import WeightLabelRule, WeightVersionError, version_of_spans
 
@@ -85,19 +85,17 @@ class ExactMode:
     async def _call(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         return await sub_request(self.app, "POST", path, body)
 
-    async def render(self, request: dict[str, Any]) -> tuple[int, Any]:
-        """Render *request* with the engine's template (an error answer means nothing can be generated)."""
-        return await render_chat(self._call, request)
+    async def render(self, request: dict[str, Any]) -> Rendering:
+        """Render *request* and its history with the engine's template (an error: nothing can be generated)."""
+        return await render_chat(self._call, request, self.probe.eot_ids)
 
-    async def chat(
-        self, request: dict[str, Any], rendered: dict[str, Any], parent_ids: list[int] | None
-    ) -> ExactAnswer:
+    async def chat(self, request: dict[str, Any], rendering: Rendering, parent_ids: list[int] | None) -> ExactAnswer:
         """Finish one rendered chat request exactly (:func:`worker.exact_chat.exact_chat`).
 
         :raises worker.errors.SpliceError: the request cannot be spliced onto *parent_ids*.
         """
         eot_ids = self.probe.eot_ids
-        return await exact_chat(self._call, request, parent_ids=parent_ids, eot_ids=eot_ids, rendered=rendered)
+        return await exact_chat(self._call, request, parent_ids=parent_ids, eot_ids=eot_ids, rendering=rendering)
 
     def weight_version_of(self, payload: dict[str, Any]) -> int | None:
         """The call's weight version from the answer's spans (the oldest), or ``None`` without a label rule.

@@ -39,13 +39,18 @@ def _chat(payload: dict[str, Any], include_usage: bool) -> list[bytes]:
             "logprobs": choice.get("logprobs"),
             "finish_reason": None,
         }
+        if "token_ids" in choice:  # the agent asked for them (return_token_ids): vLLM streams them per chunk
+            first["token_ids"] = choice["token_ids"]
         last = {
             "index": choice.get("index", 0),
             "delta": {},
             "logprobs": None,
             "finish_reason": choice.get("finish_reason"),
         }
-        events += [_event({**base, "choices": [first]}), _event({**base, "choices": [last]})]
+        if "stop_reason" in choice:
+            last["stop_reason"] = choice["stop_reason"]
+        head = {**base, "prompt_token_ids": payload["prompt_token_ids"]} if "prompt_token_ids" in payload else base
+        events += [_event({**head, "choices": [first]}), _event({**base, "choices": [last]})]
     if include_usage:
         events.append(_event({**base, "choices": [], "usage": payload.get("usage")}))
     return events

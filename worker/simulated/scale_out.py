@@ -20,7 +20,7 @@ from typing import Any
 
 from worker.simulated.engine import BYTE_OFFSET, IM_END, FinishReason, Generation, SimulatedEngine
 
-__all__ = ("SCALE_OUT_DISABLED", "BadScaleOutRequest", "SamplingParams", "ScaleOut")
+__all__ = ("SCALE_OUT_DISABLED", "BadScaleOutRequest", "SamplingParams", "ScaleOut", "sampling_of_chat")
 
 SCALE_OUT_DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 _FORCE_BIAS = 50.0
