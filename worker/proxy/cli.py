@@ -12,9 +12,10 @@ import argparse
 import gc
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from sink.cli.plugin import EXIT_USAGE, CommandContext, CommandError
+from sink.settings import UpstreamKind
 
 if TYPE_CHECKING:
     from sink.settings import ProxySettings
@@ -84,7 +85,7 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
     proxy.add_argument("--upstream", required=True, metavar="URL", help="the inference server, e.g. http://vllm:8000")
     proxy.add_argument(
         "--upstream-kind",
-        choices=("vllm", "nemo-rl"),
+        choices=get_args(UpstreamKind),
         default="vllm",
         help="vllm: stock vLLM (>= 0.10.2) OpenAI server; nemo-rl: an engine honouring required_prefix_token_ids",
     )
