@@ -6,6 +6,7 @@ what the engine generated as the logging hop saw it."""
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import pytest
 from sink.trainer.pulled import PulledRollout
 from tests.helpers.engine_truth import Generated, assert_row_is_exact, generations
 from tests.helpers.logging_hop import running_hop
-from tests.helpers.proxy import close_clients, finish, proxy_config, pull
+from tests.helpers.proxy import close_clients, finish, proxy_config, pull, run_agent
 from tests.helpers.scenario_agent import Turn, run_scenario
 from tests.helpers.vllm_server import VllmServer
 from worker.errors import StagingModeError
@@ -211,7 +212,7 @@ def test_the_mode_is_probed_at_start_and_logged_once(redis_url: str, caplog: pyt
         await proxy.open()
         try:
             assert proxy.middleware is not None
-            return proxy.middleware.exact is not None
+            return proxy.middleware.prefix_mode.exact is not None
         finally:
             await proxy.aclose()
 
@@ -249,3 +250,21 @@ def test_a_streamed_reply_carries_the_token_fields_the_agent_asked_for(scenario_
     assert pulled.row is not None
     assert first["prompt_token_ids"] + first["choices"][0]["token_ids"] == list(pulled.row.token_ids)
     assert last["choices"][0]["finish_reason"] in ("stop", "length") and "prompt_token_ids" not in last
+
+
+def test_an_engine_not_up_at_start_is_probed_on_the_first_call(
+    scenario_redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="worker.proxy.exact_mode")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine_url = f"http://127.0.0.1:{port}"
+    with running_server(build_proxy(proxy_config(scenario_redis_url, engine_url))) as proxy:
+        assert "prefix mode: undecided (GET /v1/models answered 502)" in caplog.text
+        with running_server(EngineApp(EngineOptions(seed=4, scale_out=True)), port=port):
+            _, last_id = run_agent([proxy], "late-engine", turns=2)
+            finish(proxy, "late-engine", 1.0, last_id)
+    assert "prefix mode: exact (" in caplog.text
+    [pulled] = pull(scenario_redis_url, 1)
+    assert pulled.row is not None and len(pulled.row.model_call_ids) == 2

@@ -30,7 +30,8 @@ EngineGet = Callable[[str], Awaitable[tuple[int, Any]]]
 class ExactProbe:
     """What the probe found: the mode to use, why, and the end-of-turn ids (empty in verify mode)."""
 
-    mode: Literal["exact", "verify"]
+    mode: Literal["exact", "verify", "unreachable"]
+    """``unreachable``: the engine did not answer (not up yet?): nothing is known about it."""
     reason: str
     eot_ids: frozenset[int] = frozenset()
     model: str = ""
@@ -40,12 +41,16 @@ def _verify(reason: str) -> ExactProbe:
     return ExactProbe("verify", reason)
 
 
-async def _model(get: EngineGet) -> str | None:
+_UNREACHABLE = frozenset({502, 503, 504})
+"""Statuses that say nothing about the engine's routes: the forwarder could not reach it, or it is not ready."""
+
+
+async def _model(get: EngineGet) -> tuple[int, str | None]:
     status, answer = await get("/v1/models")
     try:
-        return str(answer["data"][0]["id"]) if status == 200 else None
+        return status, str(answer["data"][0]["id"]) if status == 200 else None
     except (KeyError, IndexError, TypeError):
-        return None
+        return status, None
 
 
 def _closing(empty: list[int], filled: list[int]) -> list[int]:
@@ -61,9 +66,11 @@ def _closing(empty: list[int], filled: list[int]) -> list[int]:
 
 async def probe_exact_prefix(post: EngineCall, get: EngineGet) -> ExactProbe:
     """Probe the engine (see the module docstring); never raises for an engine answer, only reports it."""
-    model = await _model(get)
+    status, model = await _model(get)
+    if status in _UNREACHABLE:
+        return ExactProbe("unreachable", f"GET /v1/models answered {status}")
     if model is None:
-        return _verify("GET /v1/models named no model")
+        return _verify(f"GET /v1/models answered {status} and named no model")
     user = {"role": "user", "content": "a"}
 
     async def render(messages: list[dict[str, Any]]) -> tuple[int, Any]:

@@ -23,7 +23,7 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from worker.asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
 from worker.capture import RolloutTokenCapture
-from worker.proxy.exact_mode import choose_mode
+from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.forward import ForwardingApp
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.middleware import CaptureMiddleware
@@ -92,7 +92,9 @@ class ProxyApp:
         if inner is None:  # the forwarding proxy probes its engine; in-process (vLLM's --middleware) stays verify
             labels = WeightLabelRule(default_version=weight_version) if config.weight_source == "engine" else None
             try:
-                self.middleware.exact = await choose_mode(self.forward, config.prefix_mode, labels)
+                choice = PrefixModeChoice(self.forward, config.prefix_mode, labels)
+                await choice.start()
+                self.middleware.prefix_mode = choice
             except BaseException:  # the start fails: nothing opened above stays open
                 self.middleware = None
                 await stack.aclose()

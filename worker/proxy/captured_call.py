@@ -26,7 +26,7 @@ from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
 from worker.errors import EnginePayloadError, SpliceError
 from worker.exact_chat import Rendering
-from worker.proxy.exact_mode import ExactMode
+from worker.proxy.exact_mode import ExactMode, PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     ClientAsked,
@@ -52,8 +52,8 @@ class CallOwner(Protocol):
     gate: CaptureGate
     settings: ProxySettings
     metrics: ProxyMetrics
-    exact: ExactMode | None
-    """Chat calls in exact-prefix mode (``None``: verify mode)."""
+    prefix_mode: PrefixModeChoice
+    """Whether chat calls go in exact-prefix mode."""
     published: PublishedWeightVersion | None
     """The trainer's published weight version, when calls are stamped with it."""
 
@@ -294,13 +294,11 @@ class CapturedCall:
         return UpstreamAnswer(answer.status, _JSON, body, len(body) > self.owner.settings.max_response_bytes), asked
 
     async def run(self, receive: Receive, send: Send) -> None:
-        """Serve the call: capture it, then reply (or refuse with 503 when fail-closed and not captured).
-
-        The call's one boundary for the unexpected: the package's own errors (a store down or refusing, a malformed
-        payload) are handled where they occur; any other exception is a bug, logged with its traceback, counted as
-        ``capture_error`` and recorded failed in the ledger; then fail-closed answers 503, fail-open serves the
-        engine's reply with its token fields stripped (500 when there is none yet)."""
+        """Serve the call: capture it, then reply (or refuse with 503 when fail-closed and not captured). The one
+        boundary for the unexpected: the package's own errors are handled where they occur; anything else is a bug,
+        logged with its traceback, counted ``capture_error``, recorded failed, then handled by :meth:`_after_bug`."""
         started = False
+
         async def tracked(message: Message) -> None:
             nonlocal started
             started = True
@@ -316,7 +314,7 @@ class CapturedCall:
             await self._after_bug(send)
 
     async def _after_bug(self, send: Send) -> None:
-        """The documented policy after a bug: refuse (fail-closed) or serve the stripped reply (fail-open)."""
+        """The policy after a bug: fail-closed answers 503; fail-open serves the reply stripped (500 if none yet)."""
         if self.owner.settings.fail_closed:
             await self.owner.refuse(send, "an unexpected capture error (see the proxy log)")
         elif (answer := self.answer) is None:
@@ -330,8 +328,9 @@ class CapturedCall:
     async def _serve(self, receive: Receive, send: Send) -> None:
         owner, metrics = self.owner, self.owner.metrics
         try:
-            if owner.exact is not None and self.route == "chat":
-                rendering = await owner.exact.render(self.request)
+            exact = await owner.prefix_mode.current() if self.route == "chat" else None
+            if exact is not None:
+                rendering = await exact.render(self.request)
                 if rendering.status != 200:  # the engine refused the request (over the context...): nothing to capture
                     logger.warning(
                         "%s: the engine refused the request (%d); nothing generated, not admitted",
@@ -342,7 +341,7 @@ class CapturedCall:
                     await send_body(send, rendering.status, orjson.dumps(rendering.answer))
                     return
                 await self._admit()  # a continuation's prompt starts with its parent's exact ids: admit first
-                upstream, asked = await self._exact_upstream(owner.exact, rendering, receive)
+                upstream, asked = await self._exact_upstream(exact, rendering, receive)
             elif owner.settings.upstream_kind == "nemo-rl":
                 await self._admit()
                 body, asked = self._body()

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
 import orjson
 
 from worker.asgi import ASGIApp, Message
@@ -23,7 +24,7 @@ from worker.exact_chat import ExactAnswer, Rendering, exact_chat, render_chat
 from worker.exact_probe import ExactProbe, probe_exact_prefix
 from worker.weight_version import WeightLabelRule, WeightVersionError, version_of_spans
 
-__all__ = ("ExactMode", "PrefixMode", "choose_mode", "sub_request")
+__all__ = ("ExactMode", "PrefixMode", "PrefixModeChoice", "sub_request")
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +109,16 @@ class ExactMode:
         return version_of_spans(choice.get("weight_versions") or [], len(choice["token_ids"]), self.labels)
 
 
-async def choose_mode(app: ASGIApp, mode: PrefixMode, labels: WeightLabelRule | None = None) -> ExactMode | None:
-    """Probe the engine behind *app* and pick the mode (one log line says which and why).
+async def _decide(app: ASGIApp, mode: PrefixMode, labels: WeightLabelRule | None) -> ExactMode | None | ExactProbe:
+    """The mode for the engine behind *app*: an :class:`ExactMode`, ``None`` (verify), or the probe when the engine
+    did not answer. One log line says which and why.
 
-    :raises StagingModeError: ``mode == "exact"`` and the engine does not support it, or *labels* refuses the
-        engine's current weight label (``GET /weight_info``).
+    :raises StagingModeError: ``mode == "exact"`` without engine support; ``labels`` set (weights from the engine)
+        without exact mode, or refusing the engine's current weight label (``GET /weight_info``).
     """
     if mode == "verify":
+        if labels is not None:
+            raise StagingModeError("weight_source=engine needs exact-prefix mode, but prefix_mode=verify")
         logger.info("prefix mode: verify (forced by prefix_mode=verify)")
         return None
 
@@ -125,9 +129,12 @@ async def choose_mode(app: ASGIApp, mode: PrefixMode, labels: WeightLabelRule | 
         return await sub_request(app, "GET", path)
 
     probe = await probe_exact_prefix(post, get)
+    if probe.mode == "unreachable":
+        return probe
     if probe.mode != "exact":
-        if mode == "exact":
-            raise StagingModeError(f"prefix_mode=exact, but the engine does not support it: {probe.reason}")
+        if mode == "exact" or labels is not None:
+            why = "prefix_mode=exact" if mode == "exact" else "weight_source=engine"
+            raise StagingModeError(f"{why}, but the engine does not support exact-prefix mode: {probe.reason}")
         logger.warning("prefix mode: verify (%s)", probe.reason)
         return None
     if labels is not None:
@@ -135,7 +142,55 @@ async def choose_mode(app: ASGIApp, mode: PrefixMode, labels: WeightLabelRule | 
         if status == 200 and isinstance(info, dict):
             try:
                 labels.version_of(info.get("weight_version"))
-            except WeightVersionError as exc:  # a label the rule refuses stops the start here
+            except WeightVersionError as exc:
                 raise StagingModeError(f"GET /weight_info: {exc}") from exc
     logger.info("prefix mode: exact (%s; end-of-turn ids %s)", probe.reason, sorted(probe.eot_ids))
     return ExactMode(app, probe, labels)
+
+
+class PrefixModeChoice:
+    """The proxy's prefix mode: probed at start, or on the first chat call when the engine was not up yet.
+
+    ``prefix_mode="exact"`` (or weights from the engine) needs the engine up at start: it is refused otherwise. With
+    ``auto`` an engine that did not answer at start is probed again on each chat call until it answers; those calls
+    are served in verify mode. Once decided, the mode never changes.
+    """
+
+    def __init__(self, app: ASGIApp | None, mode: PrefixMode = "verify", labels: WeightLabelRule | None = None):
+        self._app, self._mode, self._labels = app, mode, labels
+        self._decided = app is None
+        self._exact: ExactMode | None = None
+        self._lock = anyio.Lock()
+
+    @property
+    def exact(self) -> ExactMode | None:
+        """The exact mode once decided (``None``: verify mode, or not decided yet)."""
+        return self._exact
+
+    async def start(self) -> None:
+        """The start-up probe.
+
+        :raises StagingModeError: see :func:`_decide`; also ``exact`` (or engine weights) with the engine unreachable.
+        """
+        assert self._app is not None
+        outcome = await _decide(self._app, self._mode, self._labels)
+        if isinstance(outcome, ExactProbe):
+            if self._mode == "exact" or self._labels is not None:
+                raise StagingModeError(f"the engine did not answer the start-up probe ({outcome.reason})")
+            logger.warning("prefix mode: undecided (%s); probed again on the next chat call", outcome.reason)
+            return
+        self._exact, self._decided = outcome, True
+
+    async def current(self) -> ExactMode | None:
+        """The mode for one chat call (probing first if not decided; ``None`` while the engine does not answer).
+
+        Only ``auto`` without engine weights is ever deferred, and :func:`_decide` never refuses that.
+        """
+        if self._decided:
+            return self._exact
+        async with self._lock:
+            if not self._decided and self._app is not None:
+                outcome = await _decide(self._app, self._mode, self._labels)
+                if not isinstance(outcome, ExactProbe):
+                    self._exact, self._decided = outcome, True
+        return self._exact

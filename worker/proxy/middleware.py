@@ -39,7 +39,7 @@ from worker.asgi import (
 )
 from worker.capture import RolloutTokenCapture
 from worker.proxy.captured_call import CapturedCall
-from worker.proxy.exact_mode import ExactMode
+from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     CAPTURE_ROUTES,
@@ -82,8 +82,8 @@ class CaptureMiddleware:
         self.settings = settings
         self.announce = announce
         self.metrics = metrics or ProxyMetrics()
-        self.exact: ExactMode | None = None
-        """Set by the proxy after its start-up probe: chat calls in exact-prefix mode (``None``: verify mode)."""
+        self.prefix_mode = PrefixModeChoice(None)
+        """Verify mode, unless the proxy sets the outcome of its start-up probe (exact-prefix chat calls)."""
         self.published: PublishedWeightVersion | None = None
         """The trainer's published weight version, when calls are stamped with it (``weight_source="published"``)."""
 
