@@ -95,13 +95,14 @@ def canonical_path(path: str) -> str:
 def disguised_capture_route(path: str) -> bool:
     """Whether *path* (canonical, not a capture route) becomes one once its remaining percent-escapes are decoded
     (``%252E`` arrives as ``%2E``; a client or engine that decodes again would reach the captured route)."""
-    for _ in range(3):
-        if "%" not in path:
+    for _ in range(4):
+        decoded = canonical_path(unquote(path))
+        if decoded == path:
             return False
-        path = canonical_path(unquote(path))
-        if path in CAPTURE_ROUTES:
+        if decoded in CAPTURE_ROUTES:
             return True
-    return "%" in path
+        path = decoded
+    return False
 
 
 def adapter_for(route: RouteKind) -> CaptureAdapter:
