@@ -1,4 +1,4 @@
-"""Every Redis key and stream name of the staging layout (architecture §3).
+"""Every Redis key and stream name of the staging layout (contract §11.1).
 
 One namespace prefix ``ns`` (default ``stg``); every per-rollout key carries
 the hash tag ``{R}`` so a rollout lives in one cluster slot. Only the sink and

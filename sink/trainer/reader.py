@@ -1,4 +1,4 @@
-"""The trainer's per-rollout reader: receipts in, verified training rows out (contract §7.1 steps 5-6, §8).
+"""The trainer's per-rollout reader: receipts in, verified training rows out (contract §7.1 steps 5-6, §8, §8.5).
 
 :class:`RolloutReader` consumes ``ns:receipts:<k>`` in consumer group
 ``trainers`` (one consumer name per rank). :meth:`RolloutReader.pull` returns
@@ -133,7 +133,7 @@ class RolloutReader(AsyncResource):
             max_deliveries=settings.max_deliveries,
         )
         self._held = HeldRollouts()
-        self._claims = RolloutClaims(topology, self._ns, self._consumer, self._held)
+        self.claims = RolloutClaims(topology, self._ns, self._consumer, self._held)  # GroupReader defers counts here
         self._backlog = ReceiptBacklog(topology, settings, self._consumer, self._held)
         self._touched_at = -math.inf
         self._counts = {"pulled": 0, "trainable": 0, "skipped": 0, "lost": 0}
@@ -197,14 +197,14 @@ class RolloutReader(AsyncResource):
             pulled=c["pulled"],
             trainable=c["trainable"],
             skipped=c["skipped"],
-            duplicates_dropped=self._claims.duplicates,
+            duplicates_dropped=self.claims.duplicates,
             acked=consumer.acked,
             reclaimed=consumer.reclaimed,
             dead_lettered=consumer.dead_lettered,
             lost=c["lost"],
             held=len(self._held),
             skipped_by_code=tuple(sorted(self._skip_codes.items())),
-            double_deliveries=self._claims.double_deliveries,
+            double_deliveries=self.claims.double_deliveries,
         )
 
     def __repr__(self) -> str:
@@ -289,7 +289,7 @@ class RolloutReader(AsyncResource):
                 settled.add((entry.stream, entry.entry_id))
                 continue
             parsed.append((entry, receipt))
-        claimed = await self._claims.claim_all(parsed, settled)
+        claimed = await self.claims.claim_all(parsed, settled)
         results: list[PulledRollout | None] = [None] * len(claimed)
         limiter = anyio.CapacityLimiter(self._settings.fetch_concurrency)
 
@@ -381,7 +381,7 @@ class RolloutReader(AsyncResource):
             return AckOutcome(lost_lease=lost_lease)
         removal = await self._ledger.retire(ids)
         await clear_staged(self._topology, self._ns, [key for h in held for key in own_keys(h.receipt)])
-        await self._claims.release([(h.receipt.rollout_id, h.token) for h in held])
+        await self.claims.release([(h.receipt.rollout_id, h.token) for h in held])
         await self._consumer.ack([h.entry for h in held])
         retained = [h.receipt.rollout_id for h in held]
         await expire_consumed(self._topology, self._ns, retained, self._settings.retention_s)  # bounded state

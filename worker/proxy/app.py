@@ -50,6 +50,8 @@ class ProxyApp:
         config = self.config
         if not config.capture or self.middleware is not None:
             return
+        self.metrics.attach()
+        self._stack.callback(self.metrics.detach)
         timeouts: dict[str, Any] = {
             "namespace": config.namespace,
             "cluster": config.cluster,

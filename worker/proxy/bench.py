@@ -34,7 +34,7 @@ import anyio
 import httpx
 import orjson
 
-from sink.bench import BenchNamespace, on_server
+from sink.bench import BenchHelpFormatter, BenchNamespace, on_server
 from sink.contract.records import CaptureAdmission
 from sink.errors import BenchmarkNamespaceInUseError
 from sink.server import DurableServer
@@ -221,13 +221,17 @@ def _run(url: str, namespace: str, args: argparse.Namespace) -> list[PathResult]
 def main(argv: Sequence[str] | None = None) -> int:
     """``staging-sink bench proxy [--clients 1 16 64] [--tokens 2048] [--calls-per-client N] [--turns N]
     [--redis-url URL]``."""
-    parser = argparse.ArgumentParser(prog="staging-sink bench proxy", description=__doc__)
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--calls-per-client", type=int, default=8)
+    parser = argparse.ArgumentParser(
+        prog="staging-sink bench proxy",
+        description=__doc__,
+        formatter_class=BenchHelpFormatter,
+    )
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64], help="concurrent clients per run")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens generated per call")
+    parser.add_argument("--calls-per-client", type=int, default=8, help="calls each client makes")
     parser.add_argument("--turns", type=int, default=1, help="calls per rollout (each continues the previous one)")
-    parser.add_argument("--stage-samples", type=int, default=50)
-    parser.add_argument("--redis-url", default=None, help="default: a private durable server")
+    parser.add_argument("--stage-samples", type=int, default=50, help="stage() calls timed for the stage p50")
+    parser.add_argument("--redis-url", default=None, help="a durable server (default: a private one)")
     args = parser.parse_args(argv)
 
     def run(url: str, _server: DurableServer | None) -> tuple[list[PathResult], float]:

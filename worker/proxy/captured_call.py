@@ -1,4 +1,4 @@
-"""One captured call through admission, begin, upstream, stage, commit and the reply (contract §5, §6.6).
+"""One captured call through admission, begin, upstream, stage, commit and the reply (contract §5, §6.6, §12.2).
 
 For a ``vllm`` upstream the admission (a ledger read, plus the parent's ``staging_chain`` fetch for a
 continuation) runs concurrently with the generation: the engine request does not depend on it, and the parent

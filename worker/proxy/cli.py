@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import logging
 import os
 import sys
 from typing import TYPE_CHECKING, Any, get_args
 
-from sink.cli.plugin import EXIT_USAGE, CommandContext, CommandError
+from sink.cli.plugin import EXIT_USAGE, CommandContext, CommandError, configure_logging
 from sink.settings import UpstreamKind
+from worker.proxy.listen import check_listen
+from worker.proxy.multiproc import multiprocess_directory
 
 if TYPE_CHECKING:
     from sink.settings import ProxySettings
@@ -32,6 +36,9 @@ __all__ = (
 )
 
 CONFIG_ENV = "STAGING_SINK_PROXY_CONFIG"
+LOGGING_ENV = "STAGING_SINK_PROXY_LOGGING"
+"""The parent's -v / --log-format, as JSON, for the worker processes of ``proxy --workers N``."""
+logger = logging.getLogger("worker.proxy")
 _MIB = 1024 * 1024
 
 
@@ -56,7 +63,7 @@ def _require_extra() -> None:
             __import__(module)
         except ImportError:
             raise CommandError(
-                f"{module} is missing: install the proxy extra (pip install 'staging-sink[proxy]')"
+                f"{module} is missing: install the proxy extra (pip install -e '.[proxy]' in a clone)"
             ) from None
 
 
@@ -183,8 +190,14 @@ def app_from_environment() -> ProxyApp:
     from worker.proxy.app import build_proxy
 
     fields = os.environ[CONFIG_ENV]
+    logging_options = json.loads(os.environ.get(LOGGING_ENV) or "{}")
+    configure_logging(
+        verbose=bool(logging_options.get("verbose")), log_format=str(logging_options.get("log_format") or "text")
+    )
     _tune_gc()
-    return build_proxy(ProxySettings.model_validate_json(fields))
+    config = ProxySettings.model_validate_json(fields)
+    logger.info("proxy worker %d serving -> %s", os.getpid(), config.upstream_url)
+    return build_proxy(config)
 
 
 def _tune_gc() -> None:
@@ -202,6 +215,7 @@ def _tune_gc() -> None:
 def proxy_command(args: argparse.Namespace) -> int:
     """Run the proxy in the foreground until SIGINT/SIGTERM."""
     config = proxy_config(args)
+    check_listen(args.host, args.port)
     import uvicorn
 
     from worker.proxy.app import build_proxy
@@ -211,25 +225,36 @@ def proxy_command(args: argparse.Namespace) -> int:
         f"capture proxy on http://{args.host}:{args.port} -> {config.upstream_url} ({config.upstream_kind}, "
         f"{'capture' if config.capture else 'no capture'}, {'fail-closed' if config.fail_closed else 'fail-open'})\n"
     )
+    # log_config=None: uvicorn's own lines go through the CLI's handler (timestamps, levels, --log-format).
     if args.workers == 1:
-        uvicorn.run(build_proxy(config), host=args.host, port=args.port, log_level="warning", access_log=False)
+        uvicorn.run(
+            build_proxy(config), host=args.host, port=args.port, log_level="warning", access_log=False, log_config=None
+        )
         return 0
     os.environ[CONFIG_ENV] = config.model_dump_json()
-    uvicorn.run(
-        "worker.proxy.cli:app_from_environment",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level="warning",
-        access_log=False,
+    # The workers are fresh processes: they configure logging from the parent's options, and write their
+    # metrics to one fresh multiprocess directory, so any worker answers a scrape for all of them.
+    os.environ[LOGGING_ENV] = json.dumps(
+        {"verbose": bool(getattr(args, "verbose", False)), "log_format": getattr(args, "log_format", "text")}
     )
+    with multiprocess_directory():
+        uvicorn.run(
+            "worker.proxy.cli:app_from_environment",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level="warning",
+            access_log=False,
+            log_config=None,
+        )
     return 0
 
 
 def engine_command(args: argparse.Namespace) -> int:
     """Run the simulated HTTP engine in the foreground until SIGINT/SIGTERM."""
     _require_extra()
+    check_listen(args.host, args.port)
     import uvicorn
 
     from worker.simulated.http_app import EngineApp, EngineOptions

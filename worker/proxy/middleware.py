@@ -1,4 +1,4 @@
-"""ASGI capture middleware: the contract's gate and worker flow around an OpenAI-compatible app (§5, §6.6).
+"""ASGI capture middleware: the contract's gate and worker flow around an OpenAI-compatible app (contract §5, §6.6, §12).
 
 Per captured call (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` with a rollout id from
 ``/r/{rollout_id}/...`` or ``X-Staging-Rollout-Id``): admission with parent resolution from the request items,

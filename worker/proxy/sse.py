@@ -2,7 +2,7 @@
 
 The capture proxy asks the upstream for the whole response, stages it, and only then emits the stream: the
 agent gets a valid SSE stream (chunks, then ``data: [DONE]``) whose first byte leaves after the stage is durable.
-The time to first token is therefore the whole generation time plus the stage (the trade-off for INV-1).
+The time to first token is therefore the whole generation time plus the stage (the trade-off for INV-1; contract §12.5).
 """
 
 from __future__ import annotations
