@@ -25,6 +25,7 @@ __all__ = (
     "ReaderSettings",
     "SinkSettings",
     "SourceSettings",
+    "UpstreamKind",
 )
 
 _MIB = 1024 * 1024
@@ -173,6 +174,10 @@ class ReaderSettings(_GroupConsumerSettings):
     """After ``ack``, the rollout's receipt and fence expire after this many seconds (bounded state)."""
 
 
+UpstreamKind = Literal["vllm", "nemo-rl"]
+"""The capture proxy's upstream: a stock vLLM OpenAI server, or an engine honouring ``required_prefix_token_ids``."""
+
+
 class ProxySettings(BaseModel):
     """Settings of the capture proxy (:mod:`worker.proxy.app`; the ``staging-sink proxy`` flags)."""
 
@@ -187,7 +192,7 @@ class ProxySettings(BaseModel):
     namespace: str = Field(default=DEFAULT_NAMESPACE, pattern=r"^[A-Za-z0-9._-]+$")
     cluster: bool = False
     """The URLs are nodes of a Redis/Valkey Cluster."""
-    upstream_kind: Literal["vllm", "nemo-rl"] = "vllm"
+    upstream_kind: UpstreamKind = "vllm"
     """``vllm``: a stock vLLM (>= 0.10.2) OpenAI server; ``nemo-rl``: an engine honouring
     ``required_prefix_token_ids``."""
     capture: bool = True
