@@ -4,12 +4,9 @@ rides through a server restart (real Valkey 8 / Redis 7.0 servers).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import anyio
@@ -20,9 +17,8 @@ from sink.keys import record_key
 from sink.rollout.assembler import finished
 from sink.server import DurableServer
 from sink.trainer.reader import RolloutReader
+from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollouts
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _prepared(url: str, ids: Sequence[str]) -> list[StagedRollout]:
@@ -64,47 +60,35 @@ async def test_an_ack_after_a_lost_lease_reports_it_and_the_new_owner_counts_a_d
         assert fast_rank.statistics().double_deliveries == 1 and fast_rank.statistics().lost == 0
 
 
-@contextmanager
-def _trainer(url: str, *args: str) -> Iterator[subprocess.Popen[str]]:
-    command = [sys.executable, "-m", "sink", "trainer", "--redis-url", url, "--shards", "1", *args]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as process:
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.kill()
+def _trainer(url: str, *args: str) -> AbstractContextManager[Command]:
+    return staging_sink("trainer", "--redis-url", url, "--shards", "1", *args)
 
 
-def _read_line(process: subprocess.Popen[str], timeout_s: float = 20.0) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    line = process.stdout.readline()
-    assert line and time.monotonic() < deadline, process.stderr.read() if process.stderr else ""
-    return line
+READY = r"^trainer \S+ on .*Ctrl-C stops it"
 
 
 @pytest.mark.slow
 def test_the_trainer_command_rides_through_a_server_restart(fresh_server: DurableServer) -> None:
     url = fresh_server.url
     anyio.run(_prepared, url, ["before"])
-    with _trainer(url, "--max-rollouts", "2", "--timeout-s", "60", "--max-outage-s", "30") as process:
-        assert "before" in _read_line(process)
+    with _trainer(url, "--max-rollouts", "2", "--timeout-s", "60", "--max-outage-s", "30") as command:
+        command.wait_for("before", "stdout")
         fresh_server.kill()
-        time.sleep(1.5)  # a real outage: several failed pulls
+        command.wait_for(r"unreachable while running.*retrying")  # a real outage: a failed pull, ridden out
         fresh_server.restart()
         anyio.run(_prepared, url, ["after"])
-        assert "after" in _read_line(process)
-        assert process.wait(timeout=30) == 0, process.stderr.read() if process.stderr else ""
+        command.wait_for("after", "stdout")
+        assert command.wait(timeout_s=30) == 0, command.lines("stderr")
 
 
 def test_the_trainer_command_gives_up_after_the_configured_outage(fresh_server: DurableServer) -> None:
-    with _trainer(fresh_server.url, "--max-outage-s", "2") as process:
-        time.sleep(1.0)  # let it start pulling
+    with _trainer(fresh_server.url, "--max-outage-s", "2") as command:
+        command.wait_for(READY)  # pulling now (it used to sleep 1 s and hope it was)
         fresh_server.kill()
         started = time.monotonic()
-        code = process.wait(timeout=20)
+        code = command.wait(timeout_s=20)
         elapsed = time.monotonic() - started
-        stderr = process.stderr.read() if process.stderr else ""
+        stderr = "\n".join(command.lines("stderr"))
     assert code == 3, stderr
     assert 1.5 <= elapsed < 12, elapsed
     assert "max_outage_s=2" in stderr or "2.0 s" in stderr, stderr
