@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from sink.keys import record_key
 from sink.rollout.assembler import finished
 from sink.server import DurableServer
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader import TRAINER_GROUP, RolloutReader
 from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollouts
 
@@ -33,6 +33,12 @@ async def _prepared(url: str, ids: Sequence[str]) -> list[StagedRollout]:
     return staged
 
 
+async def _idle_past(client: aioredis.Redis, token: str, idle_ms: int) -> bool:
+    stream, _, entry_id = token.rpartition("#")
+    [pending] = await client.xpending_range(stream, TRAINER_GROUP, min=entry_id, max=entry_id, count=1)
+    return int(pending["time_since_delivered"]) > idle_ms
+
+
 @pytest.mark.anyio
 async def test_an_ack_after_a_lost_lease_reports_it_and_the_new_owner_counts_a_double_delivery(
     redis_url: str,
@@ -45,7 +51,11 @@ async def test_an_ack_after_a_lost_lease_reports_it_and_the_new_owner_counts_a_d
     ):
         [first] = await pull_until(slow, 1)
         assert first.trainable
-        await anyio.sleep(0.5)  # the slow rank stalls past claim_idle_ms: no pull, no heartbeat
+        # The slow rank stalls past claim_idle_ms (no pull, no heartbeat): wait until the server says so.
+        async with aioredis.Redis.from_url(redis_url) as client:
+            with anyio.fail_after(30):
+                while not await _idle_past(client, slow.entry_token("leased"), fast["claim_idle_ms"]):  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
         [second] = await pull_until(fast_rank, 1)
         assert second.rollout_id == "leased" and second.trainable
         assert fast_rank.statistics().double_deliveries == 1
