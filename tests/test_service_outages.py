@@ -161,3 +161,16 @@ async def test_the_assembler_rides_out_an_outage_while_it_closes(
                 fresh_server.restart()
     async with aioredis.Redis.from_url(fresh_server.url) as client:
         assert await client.xinfo_consumers(stream, ASSEMBLER_GROUP) == []  # retired once the server was back
+
+
+def test_the_trainer_command_rides_out_an_outage_while_it_closes(fresh_server: DurableServer) -> None:
+    url = fresh_server.url
+    with staging_sink(*_trainer(url, "--timeout-s", "5", "--max-outage-s", "600", "--consumer-name", "closer")) as cmd:
+        cmd.wait_for(READY)
+        fresh_server.kill()  # down from here on: the 5 s run ends inside the outage, then it closes
+        cmd.wait_for(r"unreachable while closing.*retrying")
+        fresh_server.restart()
+        assert cmd.wait(timeout_s=120) == 0, cmd.lines("stderr")
+    with redis.Redis.from_url(url) as client:
+        consumers = client.xinfo_consumers(receipts_stream("stg", 0), "trainers")
+    assert [c["name"] for c in consumers] == [], consumers  # retired once the server was back
