@@ -6,6 +6,7 @@ from a builtin: ``ValueError``/``RuntimeError`` where the wire contract names th
 against the reference system keep working, and ``ImportError`` for a missing optional extra.
 
 A durability failure is not an exception: ``stage()`` reports it as ``StageResult(ok=False, error=...)``.
+The NeMo Gym transport (:mod:`sink.gym`) follows Gym's protocol instead and raises :class:`CaptureWriteError`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Self
 __all__ = (
     "BatchInputError",
     "BenchmarkNamespaceInUseError",
+    "CaptureWriteError",
     "ClusterModeMismatchError",
     "CodecError",
     "CommandError",
@@ -25,6 +27,7 @@ __all__ = (
     "MetricsExtraMissingError",
     "RebuildError",
     "ReceiptVerificationError",
+    "RolloutFrozenError",
     "RolloutRetiredError",
     "RowUnavailableError",
     "ServerNotFoundError",
@@ -34,6 +37,7 @@ __all__ = (
     "StagingKeyOwnershipError",
     "StagingRefusedError",
     "StagingUnavailableError",
+    "TokenEntryConflictError",
     "UnrecoverableServiceError",
 )
 
@@ -208,3 +212,17 @@ class UnrecoverableServiceError(StagingError):
     """Raised by a long-running service (assembler, trainer) on a failure that retrying cannot fix: the
     server refused a command (:class:`StagingRefusedError`: ``NOPERM``, a wrong password, a key of the wrong
     type), or a consumer group cannot be recreated. The service stops at once; the command exits 1."""
+
+
+class TokenEntryConflictError(StagingError, ValueError):
+    """NeMo Gym transport: a ``put`` of another payload under a ``model_call_id`` the rollout holds already.
+    The stored entry is kept and the rollout is marked incomplete (its snapshot ``version`` changes)."""
+
+
+class RolloutFrozenError(StagingError, RuntimeError):
+    """NeMo Gym transport: a ``put`` or ``begin_call`` of a rollout that was frozen (nothing was written)."""
+
+
+class CaptureWriteError(StagingError, RuntimeError):
+    """NeMo Gym transport: a write could not be confirmed durable (the server is not fsync-durable, too few
+    replicas acknowledged, the server refused or could not be reached): nothing may be assumed stored."""

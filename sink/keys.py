@@ -22,6 +22,7 @@ __all__ = (
     "done_stream",
     "fence_key",
     "group_keys",
+    "gym_keys",
     "ledger_ids_key",
     "ledger_stream",
     "receipt_key",
@@ -139,3 +140,11 @@ def shard_of(rollout_id: str, shards: int) -> int:
 def group_keys(namespace: str, group_id: str) -> tuple[str, str]:
     """``(meta, members)`` keys of a group's server-side record (one slot: ``{grp:<id>}``)."""
     return f"{namespace}:{{grp:{group_id}}}:meta", f"{namespace}:{{grp:{group_id}}}:members"
+
+
+def gym_keys(ns: str, rollout_id: str) -> tuple[str, str, str, str, str]:
+    """The NeMo Gym transport's keys of one rollout (:mod:`sink.store.gym_scripts`): ``(state, entries, digests,
+    intents, fence)`` = ``ns:{R}:gym``, ``ns:{R}:gym:entries``, ``ns:{R}:gym:digests``, ``ns:{R}:gym:intents``
+    and the rollout's retire fence, which is also the tombstone of a dropped snapshot."""
+    tag = _tag(ns, rollout_id)
+    return f"{tag}:gym", f"{tag}:gym:entries", f"{tag}:gym:digests", f"{tag}:gym:intents", fence_key(ns, rollout_id)

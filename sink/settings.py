@@ -19,6 +19,7 @@ __all__ = (
     "RECLAIMS_PER_IDLE",
     "AssemblerSettings",
     "ConnectionSettings",
+    "GymTransportSettings",
     "LedgerSettings",
     "ProxySettings",
     "PruneSettings",
@@ -219,6 +220,21 @@ class ProxySettings(BaseModel):
         if self.capture and not self.redis_url:
             raise ValueError("capture needs redis_url")
         return self
+
+
+class GymTransportSettings(SinkSettings):
+    """Settings of :mod:`sink.gym`'s ``RedisTokenSink`` and ``RedisTokenSource`` (NeMo Gym's transport):
+    the staging sink's durability and group-commit settings, plus the tombstone's retention."""
+
+    tombstone_retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    """How long a dropped rollout's tombstone (its fence) keeps late ``put``/``freeze``/``mark_incomplete``/
+    ``begin_call`` failing; afterwards the rollout id is free again."""
+    max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
+    """Encoded entries larger than this are refused before any write."""
+    writer_connections: int = Field(default=2, ge=1, le=64)
+    """Batches in flight at once (each writes to every cluster node it touches at once). Two: while one batch
+    waits for its fsync the next one is on its way; more only splits the waiting operations into smaller batches
+    (a server fsyncs them one after the other anyway)."""
 
 
 class PruneSettings(ConnectionSettings):

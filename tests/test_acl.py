@@ -54,6 +54,7 @@ REC1, REC2 = record_key(NS, f"{R}/c1"), record_key(NS, f"{R}/c2")
 CALLS, LEDGER, IDS = calls_stream(NS, R), ledger_stream(NS, R), f"{ledger_stream(NS, R)}:ids"
 FENCE, RECEIPT = f"{NS}:{{{R}}}:fence", receipt_key(NS, R)
 DONE, RECEIPTS, DEAD = done_stream(NS, 0), receipts_stream(NS, 0), f"{NS}:dead:assembler"
+GYM_STATE, GYM_ENTRIES = f"{NS}:{{{R}}}:gym", f"{NS}:{{{R}}}:gym:entries"
 
 
 @pytest.fixture
@@ -197,6 +198,17 @@ MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     ("ops", ("KEYS", "*"), DENIED),
     ("ops", ("GET", "other:key"), DENIED),
     # replica: the replication link only (masteruser)
+    ("gym_sink", ("EXISTS", FENCE), ALLOWED),
+    ("gym_sink", ("HGET", GYM_STATE, "version"), ALLOWED),
+    ("gym_sink", ("SET", FENCE, "forged"), DENIED),
+    ("gym_sink", ("HVALS", GYM_ENTRIES), DENIED),
+    ("gym_sink", ("GET", REC1), DENIED),
+    ("gym_sink", ("EVAL", "return 1", 0), DENIED),
+    ("gym_source", ("HVALS", GYM_ENTRIES), ALLOWED),
+    ("gym_source", ("GET", FENCE), ALLOWED),
+    ("gym_source", ("SADD", f"{GYM_STATE}:intents", "c9"), DENIED),
+    ("gym_source", ("SET", REC1, "forged"), DENIED),
+    ("gym_source", ("XADD", DONE, "*", "a", "1"), DENIED),
     ("replica", ("PING",), ALLOWED),
     ("replica", ("REPLCONF", "listening-port", 6380), ALLOWED),
     ("replica", ("GET", RECEIPT), DENIED),

@@ -33,6 +33,7 @@ LAYERS: tuple[str, ...] = (
     "sink.server",  # private durable servers
     "sink.contract",  # the wire contract: records, schema table, digests, codec, packed rows
     "sink.store",  # the connection and the staging store
+    "sink.gym",  # NeMo Gym's TokenSink/TokenSource, a front end over the store
     "sink.ledger",  # the per-rollout ledger and the commit gate
     "sink.rollout",  # done event, assembler, terminal selection, receipt
     "sink.trainer",  # the reader and everything the trainer pulls

@@ -9,6 +9,7 @@ A rollout's state is the first that applies, in this order:
 * ``receipt_waiting``: a receipt not yet claimed by a trainer;
 * ``retired``: a fence and no receipt (retired by an operator or a restore);
 * ``finished``: a ``done`` event not yet assembled into a receipt;
+* ``gym``: held by the NeMo Gym transport (:mod:`sink.gym`), not yet dropped (a dropped one is ``retired``);
 * ``staging``: staged records, calls or ledger rows only.
 """
 
@@ -36,6 +37,7 @@ ROLLOUT_STATES = (
     "receipt_waiting",
     "retired",
     "finished",
+    "gym",
     "staging",
 )
 """Every state ``list`` reports, in precedence order."""
@@ -69,7 +71,9 @@ class RolloutState:
             return "poisoned" if self.receipt is not None and self.receipt.capture_poisoned else "receipt_waiting"
         if "fence" in self.keys:
             return "retired"
-        return "finished" if self.done_events else "staging"
+        if self.done_events:
+            return "finished"
+        return "gym" if "gym" in self.keys or "gym:entries" in self.keys else "staging"
 
     def detail(self) -> str:
         """A short human note: who holds the claim, why it is poisoned or dead-lettered."""

@@ -23,10 +23,12 @@ from typing import Any, Final, NamedTuple
 from pydantic import BaseModel, ValidationError, create_model
 
 from sink.contract._packed import (
+    ID_TYPECODES,
     PackedColumns,
     TrustedColumns,
     f32_exact,
     ids_u64be,
+    pack_ids,
     pack_validated_columns,
     prove_stored_columns,
     staging_delta_columns,
@@ -38,13 +40,15 @@ from sink.contract.record_schema import SCALAR_FIELDS
 from sink.contract.staged_records import StagedCallBaseSnapshot, StagedCallRecord, StagedCallSnapshot
 from sink.errors import CodecError
 
-# The packed-column API the worker builds on (sink.contract._packed stays private to sink).
+# The packed-column API the worker and the Gym transport build on (sink.contract._packed stays private).
 __all__ = (
+    "ID_TYPECODES",
     "PackedColumns",
     "PackedSnapshot",
     "TrustedColumns",
     "cached_packed_columns",
     "ids_u64be",
+    "pack_ids",
     "record_from_trusted_columns",
     "staging_delta_columns",
     "unpack_list",

@@ -80,6 +80,10 @@ _CALLS = "<ns>:{*}:calls"
 _LEDGER = "<ns>:{*}:ledger"
 _LEDGER_IDS = "<ns>:{*}:ledger:ids"
 _FENCE = "<ns>:{*}:fence"
+_GYM = "<ns>:{*}:gym"
+_GYM_ENTRIES = "<ns>:{*}:gym:entries"
+_GYM_DIGESTS = "<ns>:{*}:gym:digests"
+_GYM_INTENTS = "<ns>:{*}:gym:intents"
 _RECEIPT = "<ns>:{*}:receipt"
 _CLAIMED = "<ns>:{*}:claimed"
 _DONE = "<ns>:done:*"
@@ -236,6 +240,33 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 ),
                 (_ro("<ns>:*"),),
             ),
+        ),
+    ),
+    "gym_sink": RolePolicy(
+        "NeMo Gym model server (sink.gym.RedisTokenSink): put, mark_incomplete, begin_call through the gym script "
+        "(TYPE, TIME, HGET, HSET, HSETNX, HINCRBY on gym, gym:entries, gym:digests; SADD gym:intents; EXISTS fence: "
+        "a dropped rollout refuses late writes), verify durability (CONFIG GET, INFO), confirm writes (WAIT, WAITAOF)",
+        (
+            Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof", "time")),
+            Grant(_SCRIPTS, tuple(_rw(p) for p in (_GYM, _GYM_ENTRIES, _GYM_DIGESTS, _GYM_INTENTS, _FENCE))),
+            Grant(("type", "hget", "hset", "hsetnx", "hincrby"), (_rw(_GYM),)),
+            Grant(("type", "hget", "hset"), (_rw(_GYM_ENTRIES), _rw(_GYM_DIGESTS))),
+            Grant(("type", "sadd"), (_rw(_GYM_INTENTS),)),
+            Grant(("type", "exists"), (_ro(_FENCE),)),
+        ),
+    ),
+    "gym_source": RolePolicy(
+        "NeMo Gym consumer (sink.gym.RedisTokenSource): freeze (gym script: TYPE, TIME, HGET, HSET, HSETNX, HINCRBY "
+        "gym; HVALS gym:entries; HEXISTS gym:digests; SMEMBERS gym:intents; EXISTS fence) and drop (GET, SET fence "
+        "as the tombstone; DEL of the gym keys, one key per DEL), verify durability, confirm writes",
+        (
+            Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof", "time")),
+            Grant(_SCRIPTS, tuple(_rw(p) for p in (_GYM, _GYM_ENTRIES, _GYM_DIGESTS, _GYM_INTENTS, _FENCE))),
+            Grant(("type", "hget", "hset", "hsetnx", "hincrby", "del"), (_rw(_GYM),)),
+            Grant(("type", "hvals", "del"), (_rw(_GYM_ENTRIES),)),
+            Grant(("type", "hexists", "del"), (_rw(_GYM_DIGESTS),)),
+            Grant(("type", "smembers", "del"), (_rw(_GYM_INTENTS),)),
+            Grant(("type", "exists", "get", "set"), (_rw(_FENCE),)),
         ),
     ),
     "replica": RolePolicy(

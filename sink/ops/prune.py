@@ -10,6 +10,7 @@ key                                       removed by
 ``ns:{R}:claimed``                        the trainer's ``ack``; else abandonment here
 ``ns:{R}:receipt``, ``ns:{R}:fence``      expire ``retention_s`` after the ack (:mod:`sink.trainer.retention`);
                                           a consumed rollout's keys left without a TTL get one here
+``ns:{R}:gym``, ``ns:{R}:gym:*``          the NeMo Gym transport's ``drop``; else abandonment here
 ``ns:{grp:G}:*``                          the reader (``PEXPIRE``, GRPO group mode)
 ``ns:done:<k>``, ``ns:receipts:<k>``      fixed count; entries ``XACK`` + ``XDEL`` once processed;
                                           consumer names idle ``consumer_idle_max_s`` with nothing
@@ -17,8 +18,9 @@ key                                       removed by
 ``ns:dead:*``                             trimmed here to the newest ``dead_letter_max_entries``
 ========================================  =============================================================
 
-**Abandonment.** A rollout with staged records or a ledger but no receipt, whose last ``calls`` or ledger
-entry is older than ``abandon_after_s``, never finished: its records, ``calls`` stream, ledger and claim are
+**Abandonment.** A rollout with staged records, a ledger or NeMo Gym transport keys but no receipt, whose last
+``calls`` or ledger entry (or Gym transport write, ``touched_ms``) is older than ``abandon_after_s``, never
+finished (or its Gym snapshot was never dropped): its records, ``calls`` stream, ledger, Gym keys and claim are
 deleted and its fence set (expiring after ``retention_s``) in one ``MULTI`` guarded by ``WATCH`` (a write in
 between leaves it alone), and a failure is recorded on ``ns:dead:abandoned`` and counted
 (``staging_sink_rollouts_abandoned_total``). A rollout that has a receipt belongs to the trainer: never touched.
@@ -42,6 +44,7 @@ from sink.keys import (
     claim_key,
     dead_letter_stream,
     fence_key,
+    gym_keys,
     ledger_ids_key,
     ledger_stream,
     receipt_key,
@@ -55,7 +58,9 @@ __all__ = ("ABANDONED_STREAM", "PruneReport", "prune_namespace")
 ABANDONED_STREAM = "abandoned"
 """``ns:dead:abandoned``: one entry per abandoned rollout (``rollout_id``, ``reason``, ``last_activity_ms``)."""
 
-_LIVE_KINDS = frozenset({"calls", "ledger", "ledger:ids", "claimed", "rec"})
+_LIVE_KINDS = frozenset(
+    {"calls", "ledger", "ledger:ids", "claimed", "rec", "gym", "gym:entries", "gym:digests", "gym:intents"}
+)
 
 
 @dataclass
@@ -115,12 +120,15 @@ def _entry_ms(entry_id: object) -> int:
 
 
 async def _last_activity_ms(client: aioredis.Redis, ns: str, rollout_id: str) -> int:
-    """Newest ``calls``/ledger entry time; 0 when neither stream exists (orphaned records)."""
+    """Newest ``calls``/ledger entry time or Gym transport write; 0 when there is none (orphaned records)."""
     newest = 0
     for stream in (calls_stream(ns, rollout_id), ledger_stream(ns, rollout_id)):
         entries = await client.xrevrange(stream, count=1)
         if entries:
             newest = max(newest, _entry_ms(entries[0][0]))
+    touched = await client.hget(gym_keys(ns, rollout_id)[0], "touched_ms")
+    if touched is not None:
+        newest = max(newest, int(reply_text(touched, "touched_ms")))
     return newest
 
 
@@ -147,7 +155,8 @@ async def _abandon(
 ) -> None:
     client = topology.node_for_key(calls_stream(ns, rollout_id))
     cutoff_ms = int((now_s - settings.abandon_after_s) * 1000)
-    watched = [calls_stream(ns, rollout_id), ledger_stream(ns, rollout_id), receipt_key(ns, rollout_id)]
+    gym_state, *gym_rest, _fence = gym_keys(ns, rollout_id)
+    watched = [calls_stream(ns, rollout_id), ledger_stream(ns, rollout_id), receipt_key(ns, rollout_id), gym_state]
     async with client.pipeline(transaction=True) as pipe:
         await pipe.watch(*watched)
         last_ms = await _last_activity_ms(pipe, ns, rollout_id)  # immediate mode while watching
@@ -159,7 +168,14 @@ async def _abandon(
             report.abandoned.append(rollout_id)
             return
         pipe.multi()  # type: ignore[no-untyped-call]
-        pipe.delete(*watched[:2], ledger_ids_key(ns, rollout_id), claim_key(ns, rollout_id), *rollout.records)
+        pipe.delete(
+            *watched[:2],
+            ledger_ids_key(ns, rollout_id),
+            claim_key(ns, rollout_id),
+            gym_state,
+            *gym_rest,
+            *rollout.records,
+        )
         pipe.set(fence_key(ns, rollout_id), repr(time.time()), ex=max(1, math.ceil(settings.retention_s)))
         try:
             await pipe.execute()

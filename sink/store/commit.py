@@ -1,9 +1,10 @@
 """The sink's group commit: queued stages written in batches, then confirmed.
 
 Each of the sink's ``writer_connections`` :meth:`GroupCommitWriter.run` tasks
-takes everything queued so far, stages it with one :data:`STAGE_SCRIPT` call
-per cluster slot, pipelined with ``WAIT``/``WAITAOF`` on one connection of the
-slot's primary, and settles every stage through the sink's callback. While one
+takes everything queued so far, writes it with one :class:`BatchScript` call per
+cluster slot (the staging sink's :data:`STAGE_BATCH`, or the Gym transport's),
+pipelined with ``WAIT``/``WAITAOF`` on one connection of the slot's primary,
+and settles every item through its owner's callback. While one
 batch waits for its fsync the next one forms, so one fsync covers many records.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import redis.asyncio as aioredis
@@ -24,10 +25,10 @@ from sink.contract.records import StageResult
 from sink.settings import SinkSettings
 from sink.store.connection import Topology, describe_redis_error
 from sink.store.durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address
-from sink.store.script_runner import ScriptMode
+from sink.store.script_runner import ScriptMode, ServerScript
 from sink.store.scripts import LIBRARY, STAGE_SCRIPT
 
-__all__ = ("GroupCommitWriter", "PendingStage", "Settle")
+__all__ = ("STAGE_BATCH", "BatchScript", "Committable", "GroupCommitWriter", "PendingStage", "Settle")
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ class PendingStage:
     done: anyio.Event = field(default_factory=anyio.Event)
     result: StageResult | None = None
 
+    @property
+    def route_key(self) -> str:
+        return self.record_key
+
     def finish(self, result: StageResult) -> None:
         """Set the result once and wake the caller (later calls are ignored)."""
         if self.result is None:
@@ -69,23 +74,64 @@ class PendingStage:
             self.done.set()
 
 
-Settle = Callable[[PendingStage, int | None, str | None], None]
-"""Settles one unsettled stage: ``(stage, script status or None when nothing ran, error or None)``."""
+class Committable(Protocol):
+    """What the group commit needs of a queued write: the key that routes it, and whether it is settled."""
+
+    @property
+    def route_key(self) -> str: ...
+
+    @property
+    def result(self) -> object: ...
 
 
-class GroupCommitWriter:
-    """Writes queued :class:`PendingStage` s in batches; every stage it takes is settled exactly once."""
+_Item = TypeVar("_Item", bound=Committable)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchScript(Generic[_Item]):
+    """How a batch of one slot's queued writes becomes one script call: the script, the ``ARGV`` that comes
+    first (from the settings), and each item's ``KEYS`` and ``ARGV``. The script returns one reply per item."""
+
+    script: ServerScript
+    head: Callable[[SinkSettings], Sequence[Any]]
+    item: Callable[[_Item], tuple[Sequence[str], Sequence[Any]]]
+
+
+def _stage_head(settings: SinkSettings) -> list[Any]:
+    return [DIGEST_HEAD_BYTES, "1" if settings.min_replicas > 0 else "0"]
+
+
+def _stage_item(p: PendingStage) -> tuple[Sequence[str], Sequence[Any]]:
+    return (p.record_key, p.calls_key, p.fence_key), (p.digest, p.blob, *p.entry)
+
+
+STAGE_BATCH: BatchScript[PendingStage] = BatchScript(STAGE_SCRIPT, _stage_head, _stage_item)
+"""The staging sink's batch: :data:`STAGE_SCRIPT` over :class:`PendingStage` s."""
+
+Settle = Callable[[_Item, Any, str | None], None]
+"""Settles one unsettled item: ``(item, its script reply or None when nothing ran, error or None)``."""
+
+
+class GroupCommitWriter(Generic[_Item]):
+    """Writes queued items in batches (one :class:`BatchScript` call per slot, then the durability
+    confirmation); every item it takes is settled exactly once."""
 
     def __init__(
-        self, topology: Topology, settings: SinkSettings, durability: DurabilityMonitor, settle: Settle
+        self,
+        topology: Topology,
+        settings: SinkSettings,
+        durability: DurabilityMonitor,
+        settle: Settle[_Item],
+        batch_script: BatchScript[_Item],
     ) -> None:
         self._topology = topology
         self._settings = settings
         self._durability = durability
         self._settle = settle
+        self._batch_script = batch_script
         self.batches = 0
 
-    async def run(self, receive: MemoryObjectReceiveStream[PendingStage]) -> None:
+    async def run(self, receive: MemoryObjectReceiveStream[_Item]) -> None:
         """Write batches of what *receive* delivers until it is closed and drained."""
         async with receive:
             async for first in receive:
@@ -95,14 +141,19 @@ class GroupCommitWriter:
                         batch.append(receive.receive_nowait())
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
-                await self._write_batch(batch)
+                await self.write_batch(batch)
 
-    async def _write_batch(self, batch: list[PendingStage]) -> None:
+    async def write_batch(self, batch: list[_Item]) -> None:
+        """Write *batch* (one script call per slot, then the confirmation) and settle every item of it.
+
+        :meth:`run` calls it for each batch it forms; a caller that forms batches itself (the Gym transport,
+        which has no writer tasks of its own) calls it directly.
+        """
         self.batches += 1
-        by_node: dict[int, tuple[aioredis.Redis, list[PendingStage]]] = {}
+        by_node: dict[int, tuple[aioredis.Redis, list[_Item]]] = {}
         try:
             for pending in batch:
-                client = self._topology.node_for_key(pending.record_key)
+                client = self._topology.node_for_key(pending.route_key)
                 by_node.setdefault(id(client), (client, []))[1].append(pending)
         except (redis_errors.RedisError, OSError) as exc:
             self._fail_all(batch, f"cannot route the write: {describe_redis_error(exc)}")
@@ -111,14 +162,14 @@ class GroupCommitWriter:
             for client, items in by_node.values():
                 group.start_soon(self._write_node, client, items)
 
-    async def _write_node(self, client: aioredis.Redis, items: list[PendingStage]) -> None:
+    async def _write_node(self, client: aioredis.Redis, items: list[_Item]) -> None:
         try:
             await self._write_node_once(client, items)
         except _ScriptMissingError as missing:
             # The script cache is empty (server restarted) or the functions were flushed: nothing ran;
             # load (or probe the library again) and retry once.
             try:
-                await STAGE_SCRIPT.recover(client, missing.mode)
+                await self._batch_script.script.recover(client, missing.mode)
                 await self._write_node_once(client, items)
             except _ScriptMissingError as again:
                 self._fail_all(items, describe_redis_error(again.reply))
@@ -143,22 +194,24 @@ class GroupCommitWriter:
         except (redis_errors.RedisError, OSError) as exc:
             logger.warning("could not refresh the cluster topology: %s", describe_redis_error(exc))
 
-    async def _write_node_once(self, client: aioredis.Redis, items: list[PendingStage]) -> None:
-        groups = self._topology.group_by_slot([p.record_key for p in items])
+    async def _write_node_once(self, client: aioredis.Redis, items: list[_Item]) -> None:
+        groups = self._topology.group_by_slot([p.route_key for p in items])
         settings = self._settings
         mode = await LIBRARY.mode(client)
         timeout_ms = max(1, int(settings.confirm_timeout_s * 1000))
         pipe = client.pipeline(transaction=False)
-        slot_items: list[list[PendingStage]] = []
+        batch_script = self._batch_script
+        slot_items: list[list[_Item]] = []
         for indices in groups.values():
             chunk = [items[i] for i in indices]
             slot_items.append(chunk)
             keys: list[str] = []
-            args: list[Any] = [DIGEST_HEAD_BYTES, "1" if settings.min_replicas > 0 else "0"]
+            args: list[Any] = list(batch_script.head(settings))
             for p in chunk:
-                keys += (p.record_key, p.calls_key, p.fence_key)
-                args += (p.digest, p.blob, *p.entry)
-            STAGE_SCRIPT.queue(pipe, mode, keys, args)
+                item_keys, item_args = batch_script.item(p)
+                keys += item_keys
+                args += item_args
+            batch_script.script.queue(pipe, mode, keys, args)
         if settings.min_replicas > 0:
             pipe.execute_command("WAIT", settings.min_replicas, timeout_ms)
         waitaof = self._durability.supports_waitaof
@@ -172,7 +225,7 @@ class GroupCommitWriter:
                 pipe.config_get(name)  # one name per CONFIG GET: Redis 6.2 takes a single pattern
         replies = await pipe.execute(raise_on_error=False)
         for reply in replies:
-            if STAGE_SCRIPT.missing(reply):
+            if ServerScript.missing(reply):
                 raise _ScriptMissingError(mode, reply)
         script_replies = replies[: len(slot_items)]
         confirmation_error = self._confirmation_error(replies[len(slot_items) :], waitaof)
@@ -187,8 +240,8 @@ class GroupCommitWriter:
                 topology_changed |= isinstance(reply, _TOPOLOGY_ERRORS)
                 self._fail_all(chunk, LIBRARY.explain_refusal(client, mode, reply) or describe_redis_error(reply))
                 continue
-            for pending, status in zip(chunk, reply, strict=True):
-                self._settle(pending, int(status), confirmation_error)
+            for pending, item_reply in zip(chunk, reply, strict=True):
+                self._settle(pending, item_reply, confirmation_error)
         if topology_changed:
             await self._refresh_topology()
 
@@ -213,7 +266,7 @@ class GroupCommitWriter:
                 return "the server did not confirm the AOF fsync (WAITAOF numlocal=0)"
         return None
 
-    def _fail_all(self, items: Sequence[PendingStage], error: str) -> None:
+    def _fail_all(self, items: Sequence[_Item], error: str) -> None:
         for pending in items:
             if pending.result is None:
                 self._settle(pending, None, error)

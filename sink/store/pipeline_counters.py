@@ -4,6 +4,7 @@ Every long-running component counts into one process-wide :class:`PipelineCounte
 :func:`pipeline_counters`) with a one-line call at the place where the thing happens:
 
 * the staging sink: :func:`count_stage` (each ``stage()`` result and its latency) and :func:`count_staged_bytes`;
+* the NeMo Gym transport: :func:`count_gym_operation` (each operation by kind and result);
 * the assembler: :func:`count_receipt_published` (per receipts shard);
 * every consumer group: :func:`count_dead_letter` (per role and shard);
 * the trainer reader: :func:`count_pulled` (trainable, or skipped with its code; the verification codes are
@@ -28,6 +29,7 @@ __all__ = (
     "UPSTREAM_SKIP_CODES",
     "PipelineCounters",
     "count_dead_letter",
+    "count_gym_operation",
     "count_pulled",
     "count_receipt_published",
     "count_rollouts_abandoned",
@@ -51,6 +53,7 @@ COUNTER_HELP: Mapping[str, str] = {
     "staging_sink_rollouts_skipped": "Rollouts a trainer reader skipped, by skip code.",
     "staging_sink_verification_failures": "Trainer-side verification failures, by check code.",
     "staging_sink_rollouts_abandoned": "Rollouts that never finished, abandoned by prune (records removed).",
+    "staging_sink_gym_operations": "NeMo Gym transport operations (put, mark, begin, freeze, drop) by result.",
 }
 """Every counter family (exported with the ``_total`` suffix) and its help text."""
 
@@ -152,6 +155,12 @@ def count_stage(namespace: str, result: str, seconds: float) -> None:
     """One ``stage()`` in *namespace* that ended with *result* (``ok``, ``conflict`` or ``failed``)."""
     _PROCESS_COUNTERS.add("staging_sink_stages", namespace=namespace, result=result)
     _PROCESS_COUNTERS.observe_latency(namespace, max(0.0, seconds))
+
+
+def count_gym_operation(namespace: str, operation: str, result: str) -> None:
+    """One NeMo Gym transport *operation* in *namespace* that ended with *result* (``ok``, ``conflict``,
+    ``frozen``, ``retired``, ``refused``: a drop that did not match, ``failed``: not confirmed durable)."""
+    _PROCESS_COUNTERS.add("staging_sink_gym_operations", namespace=namespace, operation=operation, result=result)
 
 
 def count_staged_bytes(namespace: str, nbytes: int) -> None:

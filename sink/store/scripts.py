@@ -26,6 +26,7 @@ from sink.store.consumer_scripts import (
     RETIRE_CONSUMER_SCRIPT,
     TOUCH_SCRIPT,
 )
+from sink.store.gym_scripts import GYM_SCRIPT
 from sink.store.script_runner import ServerScript
 
 # The status codes and the library live in script_status; the scripts in staging_scripts and consumer_scripts
@@ -91,6 +92,7 @@ __all__ = (
     "GROUP_SEALED",
     "GROUP_TAKEN",
     "GROUP_WAIT",
+    "GYM_SCRIPT",
     "HAS_ROWS_SCRIPT",
     "LEDGER_DELETE_SCRIPT",
     "LEDGER_FENCED",

@@ -35,7 +35,7 @@ from sink.contract.records import StagedCallRecord, StageResult
 from sink.errors import CodecError
 from sink.keys import calls_stream, check_call_id, fence_key, record_key, rollout_of_staging_key, validate_rollout_id
 from sink.settings import SinkSettings
-from sink.store.commit import GroupCommitWriter, PendingStage
+from sink.store.commit import STAGE_BATCH, GroupCommitWriter, PendingStage
 from sink.store.connection import Topology, describe_redis_error, map_redis_errors
 from sink.store.durability import DurabilityMonitor
 from sink.store.pipeline_counters import count_stage, count_staged_bytes
@@ -174,7 +174,7 @@ class AsyncRedisStagingSink(AsyncResource):
         self._send: MemoryObjectSendStream[PendingStage] | None = None
         self._task_group: TaskGroup | None = None
         self._durability = DurabilityMonitor(topology, settings)
-        self._writer = GroupCommitWriter(topology, settings, self._durability, self._settle)
+        self._writer = GroupCommitWriter(topology, settings, self._durability, self._settle, STAGE_BATCH)
         self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0, "repaired": 0}
 
     @property
@@ -310,8 +310,9 @@ class AsyncRedisStagingSink(AsyncResource):
         self._counts["failed"] += 1
         return StageResult(ok=False, staging_key=staging_key, error=error)
 
-    def _settle(self, pending: PendingStage, status: int | None, error: str | None) -> None:
+    def _settle(self, pending: PendingStage, reply: Any, error: str | None) -> None:
         """The group commit's verdict on *pending*: a script status (``None``: nothing ran) and an error."""
+        status = None if reply is None else int(reply)
         if status == STAGE_CONFLICT:
             self._counts["conflicts"] += 1
             error = CONFLICT_ERROR
