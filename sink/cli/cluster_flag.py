@@ -54,7 +54,7 @@ def resolve_cluster_flag(args: argparse.Namespace) -> None:
         where=mask_url(url),
     )
     try:
-        if args.command in SERVICE_COMMANDS:
+        if getattr(args, "command", None) in SERVICE_COMMANDS:
             limit = getattr(args, "max_outage_s", None)
             settings = ServiceSettings() if limit is None else ServiceSettings(max_outage_s=limit)
             args.outage = service_outage_policy(settings, args.command)
