@@ -8,7 +8,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY sink ./sink
 COPY worker ./worker
-RUN pip install ".[metrics,proxy]" \
+RUN pip install ".[metrics,proxy,parquet]" \
     && useradd --system --uid 10001 --no-create-home staging
 USER staging
 CMD ["staging-sink", "--help"]

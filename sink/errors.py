@@ -21,6 +21,7 @@ __all__ = (
     "ClusterModeMismatchError",
     "CodecError",
     "CommandError",
+    "ExtraMissingError",
     "FingerprintInputError",
     "InvalidCallIdError",
     "LedgerConflictError",
@@ -166,7 +167,11 @@ class ServerProcessError(StagingError):
     cleanly. The message ends with the tail of the server's log."""
 
 
-class MetricsExtraMissingError(StagingError, ImportError):
+class ExtraMissingError(StagingError, ImportError):
+    """Raised when an optional extra a feature needs is not installed; the message names the extra."""
+
+
+class MetricsExtraMissingError(ExtraMissingError):
     """Raised when ``prometheus_client`` is not installed: install the ``metrics`` extra."""
 
 

@@ -1,4 +1,4 @@
-"""Every Redis key and stream name of the staging layout (architecture §3).
+"""Every Redis key and stream name of the staging layout (contract §11.1).
 
 One namespace prefix ``ns`` (default ``stg``); every per-rollout key carries
 the hash tag ``{R}`` so a rollout lives in one cluster slot. Only the sink and
@@ -31,6 +31,7 @@ __all__ = (
     "rollout_of_staging_key",
     "shard_of",
     "validate_rollout_id",
+    "weight_version_key",
 )
 
 DEFAULT_NAMESPACE = "stg"
@@ -128,6 +129,11 @@ def receipts_stream(ns: str, shard: int) -> str:
 def dead_letter_stream(ns: str, name: str) -> str:
     """Stream of entries a consumer group gave up on (``name``: the source stream's role and shard)."""
     return f"{ns}:dead:{name}"
+
+
+def weight_version_key(ns: str) -> str:
+    """The trainer's published weight version of the namespace (a decimal integer string)."""
+    return f"{ns}:weight_version"
 
 
 def shard_of(rollout_id: str, shards: int) -> int:

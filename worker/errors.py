@@ -14,6 +14,8 @@ __all__ = (
     "EnginePayloadError",
     "GenerationCutError",
     "PrefixResolutionError",
+    "SpliceError",
+    "StagingModeError",
     "StreamingUnsupportedError",
     "WorkersFailedError",
 )
@@ -53,3 +55,15 @@ class EnginePayloadError(StagingError, ValueError):
 class WorkersFailedError(StagingError):
     """Raised by the demo's worker pool when a worker process exits with a non-zero status (the reason is in
     the tally's errors)."""
+
+
+class SpliceError(StagingError, ValueError):
+    """Raised by :func:`worker.exact_prefix.splice_exact_prompt` when a rendered continuation cannot be spliced onto
+    its parent's exact sequence (no end-of-turn where the last assistant message must close, no rendered suffix).
+    The proxy then serves the call in verify mode, never with a guessed prompt; the message names the check."""
+
+
+class StagingModeError(StagingError):
+    """Raised at the proxy's start when the configured prefix mode cannot be used: ``prefix_mode=exact`` on an engine
+    without the token-in/token-out routes, or engine weight labels the configured rule refuses. The message names
+    the engine's answer."""

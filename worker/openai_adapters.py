@@ -1,4 +1,4 @@
-"""Adapters for the OpenAI-compatible response shapes a capture proxy sees (contract §5.1).
+"""Adapters for the OpenAI-compatible response shapes a capture proxy sees (contract §5.1, §13.2).
 
 * :class:`VLLMCompletionAdapter`: vLLM ``/v1/completions`` (prompt ids at top level or on the choice,
   ``choices[0].token_ids``, else the ``"token_id:<n>"`` strings of ``choices[0].logprobs.tokens``; log-probs

@@ -31,6 +31,7 @@ from sink.server import DurableServer, durable_server
 __all__ = (
     "DEFAULT_BENCH_NAMESPACE",
     "DEFAULT_REPEATS",
+    "BenchHelpFormatter",
     "BenchNamespace",
     "Target",
     "add_common_arguments",
@@ -41,6 +42,15 @@ __all__ = (
 )
 
 T = TypeVar("T")
+
+
+class BenchHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` of a benchmark: each option's default shown (``None`` and ``False`` defaults left out)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 DEFAULT_BENCH_NAMESPACE = "stg-bench"
 """The namespace a benchmark writes in unless told otherwise (never the services' default ``stg``)."""

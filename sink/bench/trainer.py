@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import anyio
 import redis.asyncio as aioredis
 
-from sink.bench import DEFAULT_BENCH_NAMESPACE, bench_namespace, on_server
+from sink.bench import DEFAULT_BENCH_NAMESPACE, BenchHelpFormatter, bench_namespace, on_server
 from sink.bench.workload import build_records
 from sink.contract.records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
 from sink.errors import StagingError
@@ -346,17 +346,19 @@ def format_report(f: TrainerFigures) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: ``python -m sink.bench.trainer [--redis-url URL] [--json]``."""
-    parser = argparse.ArgumentParser(prog="staging-sink bench trainer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="staging-sink bench trainer",
+        description=__doc__.splitlines()[0],
+        formatter_class=BenchHelpFormatter,
+    )
     parser.add_argument(
         "--redis-url",
         help="use this durable server instead of a private one; only keys under --namespace are written and "
         "deleted, and a namespace that already has keys is refused (default: start a private server)",
     )
-    parser.add_argument(
-        "--namespace", default=DEFAULT_BENCH_NAMESPACE, help=f"key namespace (default: {DEFAULT_BENCH_NAMESPACE})"
-    )
-    parser.add_argument("--rollouts", type=int, default=64)
-    parser.add_argument("--calls", type=int, default=32)
+    parser.add_argument("--namespace", default=DEFAULT_BENCH_NAMESPACE, help="key namespace")
+    parser.add_argument("--rollouts", type=int, default=64, help="rollouts staged")
+    parser.add_argument("--calls", type=int, default=32, help="calls per rollout")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per call")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each measurement (best kept)")
     parser.add_argument(

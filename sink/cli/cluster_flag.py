@@ -24,7 +24,8 @@ __all__ = ("CLUSTER_HELP", "resolve_cluster_flag")
 
 CLUSTER_HELP = (
     "the URL is one node of a Redis/Valkey Cluster (--no-cluster: a standalone server); "
-    "default: detected from the server (INFO cluster)"
+    "default: detected from the server (INFO cluster), except by `proxy`, which is standalone unless --cluster "
+    "is given"
 )
 _DETECT_TIMEOUT_S = 3.0
 SERVICE_COMMANDS = frozenset({"assembler", "trainer"})

@@ -13,7 +13,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -28,6 +28,7 @@ from sink.settings import ConnectionSettings, ServiceSettings
 from sink.store.connection import Topology, map_redis_errors
 
 __all__ = (
+    "EXIT_CANNOT_LISTEN",
     "EXIT_FAILURE",
     "EXIT_OK",
     "EXIT_UNREACHABLE",
@@ -61,6 +62,8 @@ EXIT_USAGE = 2
 """Bad arguments (argparse's own code), a malformed URL or rollout id."""
 EXIT_UNREACHABLE = 3
 """The server could not be reached (connection refused, timeout, DNS)."""
+EXIT_CANNOT_LISTEN = 4
+"""A service (``proxy``, ``engine``) could not listen on its address: the port is in use, or not allowed."""
 
 URL_SCHEMES = ("redis", "rediss", "unix")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9._-]+")  # the rule of ConnectionSettings.namespace
@@ -248,14 +251,22 @@ async def open_topology(target: RedisTarget) -> AsyncIterator[Topology]:
         await topology.aclose()
 
 
+def _console(stream: TextIO) -> Console:
+    """On a terminal: rich's own width handling. Piped: plain text, never hard-wrapped (one record, one line,
+    whatever ``COLUMNS`` says), tables laid out 120 columns wide."""
+    if stream.isatty():
+        return Console(file=stream, highlight=False)
+    return Console(file=stream, width=120, soft_wrap=True, highlight=False)
+
+
 def stdout_console() -> Console:
-    """A rich console on stdout (plain text when it is not a terminal; wide enough for tables in logs)."""
-    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120, highlight=False)
+    """A rich console on stdout (see :func:`_console`)."""
+    return _console(sys.stdout)
 
 
 def stderr_console() -> Console:
-    """A rich console on stderr for progress and notes."""
-    return Console(file=sys.stderr, highlight=False)
+    """A rich console on stderr for progress and notes (see :func:`_console`)."""
+    return _console(sys.stderr)
 
 
 def write_json(value: Any, *, one_line: bool = False) -> None:

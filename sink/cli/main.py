@@ -48,6 +48,8 @@ from sink.cli.plugin import (
     register_commands,
 )
 from sink.cli.prune import add_prune_command
+from sink.cli.report import add_report_commands
+from sink.cli.weights import add_weights_command
 from sink.keys import DEFAULT_NAMESPACE
 from sink.settings import DEFAULT_SHARDS
 
@@ -77,6 +79,7 @@ def _add_rollout_commands(
     inspect.add_argument("rollout_id", metavar="ROLLOUT")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(handler=lambda a: _run(rollouts.inspect_rollout, _target(a), a.rollout_id, as_json=a.json))
+    add_report_commands(commands, redis, inspect, _target)
 
     verify = commands.add_parser(
         "verify", parents=[redis], help="verify a rollout's staged records against its receipt (exit 0 iff verified)"
@@ -103,7 +106,14 @@ def _add_rollout_commands(
 
     for verb, function, text in (
         ("retire", removal.retire_rollouts, "fence rollouts and remove their ledgers (staged records stay)"),
-        ("delete", removal.delete_rollouts, "remove rollouts' ledgers and fences (the ids become reusable)"),
+        (
+            "delete",
+            removal.delete_rollouts,
+            (
+                "remove every key of the rollouts (ledger, fence, receipt, claim, staged records, calls): the ids "
+                "become reusable"
+            ),
+        ),
     ):
         command = commands.add_parser(verb, parents=[redis], help=text, description=text)
         command.add_argument("rollout_ids", metavar="ROLLOUT", nargs="+")
@@ -316,6 +326,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     _add_rollout_commands(commands, redis)
     add_export_command(commands, redis)
     add_prune_command(commands, redis)
+    add_weights_command(commands, redis)
     _add_tool_commands(commands, env)
     for name, command in commands.choices.items():
         command.formatter_class = DefaultsHelpFormatter

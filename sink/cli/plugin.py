@@ -11,7 +11,8 @@
   ``main(ARGS)`` (an exit code).
 
 A plugin imports what it needs of the command line from this module only (the rest of :mod:`sink.cli` is
-private to it): the exit codes, :class:`CommandError`, argument types and output helpers below.
+private to it): the exit codes, :class:`CommandError`, argument types, output helpers and
+:func:`~sink.cli.logs.configure_logging` (for a plugin's own worker processes) below.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from sink.cli.cluster_flag import CLUSTER_HELP
 from sink.cli.common import (
+    EXIT_CANNOT_LISTEN,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -41,6 +43,7 @@ from sink.cli.common import (
     stdout_console,
     write_json,
 )
+from sink.cli.logs import configure_logging
 from sink.keys import DEFAULT_NAMESPACE
 
 __all__ = (
@@ -49,6 +52,7 @@ __all__ = (
     "ENV_GATE_REDIS_URL",
     "ENV_NAMESPACE",
     "ENV_REDIS_URL",
+    "EXIT_CANNOT_LISTEN",
     "EXIT_FAILURE",
     "EXIT_OK",
     "EXIT_USAGE",
@@ -56,6 +60,7 @@ __all__ = (
     "CommandError",
     "RedisTarget",
     "check_redis_url",
+    "configure_logging",
     "int_at_least",
     "mask_url",
     "non_negative_int",

@@ -36,7 +36,14 @@ from sink.store.connection import Topology, map_redis_errors
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.verify import verify_and_linearize
 
-__all__ = ("checked_rollout_id", "inspect_rollout", "tail_rollout", "verify_rollout")
+__all__ = (
+    "checked_rollout_id",
+    "inspect_rollout",
+    "no_such_rollout",
+    "rollout_state",
+    "tail_rollout",
+    "verify_rollout",
+)
 
 _TAIL_BLOCK_MS = 1000
 
@@ -62,7 +69,7 @@ def _entry(raw: Any) -> tuple[str, dict[str, str]]:
 # --- inspect -----------------------------------------------------------------------------------------
 
 
-async def _rollout_state(topology: Topology, target: RedisTarget, rollout_id: str) -> dict[str, Any]:
+async def rollout_state(topology: Topology, target: RedisTarget, rollout_id: str) -> dict[str, Any]:
     """Everything stored about one rollout, read with plain read-only commands (the ``ops`` ACL user can run
     them: XRANGE, TYPE, GET). Not one atomic snapshot: an inspection tool, not a trainer."""
     ns = target.namespace
@@ -85,7 +92,15 @@ async def _rollout_state(topology: Topology, target: RedisTarget, rollout_id: st
     return {"calls": calls, "fenced": fenced, "manifest": manifest, "receipt": receipt, "exists": exists}
 
 
-def _no_such_rollout(rollout_id: str, target: RedisTarget) -> CommandError:
+_INT_FIELDS = frozenset(("prev_len", "delta_len", "cum_len", "weight", "bytes"))
+
+
+def _typed(fields: dict[str, str]) -> dict[str, str | int]:
+    """A calls-stream entry's fields with its counts as numbers (stream fields are stored as text)."""
+    return {k: int(v) if k in _INT_FIELDS and v.isdigit() else v for k, v in fields.items()}
+
+
+def no_such_rollout(rollout_id: str, target: RedisTarget) -> CommandError:
     return CommandError(
         f"no such rollout {rollout_id!r} in namespace {target.namespace!r} at {target.display_url} "
         "(no calls, ledger, fence or receipt)"
@@ -99,16 +114,16 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
     """
     checked_rollout_id(rollout_id)
     async with open_topology(target) as topology:
-        state = await _rollout_state(topology, target, rollout_id)
+        state = await rollout_state(topology, target, rollout_id)
     if not state["exists"]:
-        raise _no_such_rollout(rollout_id, target)
+        raise no_such_rollout(rollout_id, target)
     manifest: RolloutManifest | None = state["manifest"]
     receipt: RolloutReceipt | None = state["receipt"]
     if as_json:
         _write_json(
             {
                 "rollout_id": rollout_id,
-                "calls": [{"entry_id": entry_id, **fields} for entry_id, fields in state["calls"]],
+                "calls": [{"entry_id": entry_id, **_typed(fields)} for entry_id, fields in state["calls"]],
                 "retired": state["fenced"],
                 "manifest": None if manifest is None else manifest.model_dump(mode="json"),
                 "receipt": None if receipt is None else receipt.model_dump(mode="json"),
@@ -172,7 +187,7 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
     """
     checked_rollout_id(rollout_id)
     async with open_topology(target) as topology:
-        state = await _rollout_state(topology, target, rollout_id)
+        state = await rollout_state(topology, target, rollout_id)
         receipt: RolloutReceipt | None = state["receipt"]
         source_of_receipt = "stored receipt"
         if receipt is None:
@@ -185,7 +200,7 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
                         f"rollout {rollout_id!r} has {len(state['calls'])} staged record(s) but no ledger rows and "
                         "no receipt: nothing to verify them against"
                     )
-                raise _no_such_rollout(rollout_id, target)
+                raise no_such_rollout(rollout_id, target)
             receipt = build_receipt(manifest, rollout_id=rollout_id, reward=None)
             source_of_receipt = "receipt built from the live manifest (heuristic terminal)"
         outcome: dict[str, Any] = {"rollout_id": rollout_id, "receipt_source": source_of_receipt, "consumed": False}

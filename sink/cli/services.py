@@ -218,7 +218,8 @@ async def metrics_command(target: RedisTarget, *, port: int, host: str, interval
     """``staging-sink metrics``: serve Prometheus metrics with the Redis stream gauges refreshed every
     *interval_s* seconds, until SIGINT/SIGTERM. A Redis outage is counted and logged, never fatal."""
     try:
-        metrics = Metrics(namespace=target.namespace)
+        # The exporter stages and pulls nothing: it serves what it reads from Redis, no process counter.
+        metrics = Metrics(namespace=target.namespace, process_counters=False)
     except MetricsExtraMissingError as exc:
         raise CommandError(str(exc)) from exc
     try:

@@ -1,6 +1,6 @@
 """The msgpack record codec: one staged call <-> one compact, self-verifying blob.
 
-Layout (architecture §5): a msgpack map whose first entry is the codec
+Layout (contract §11.4): a msgpack map whose first entry is the codec
 version (``"v": CODEC_VERSION``) and whose second is the call digest as hex
 text, so the digest always sits within the first :data:`DIGEST_HEAD_BYTES`
 bytes (the staging script compares digests with ``GETRANGE``). Scalars are

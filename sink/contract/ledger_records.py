@@ -1,4 +1,4 @@
-"""The token-free ledger records: manifest rows, ledger commits and reads, and the rollout receipt (contract §3.5-§3.9)."""
+"""The token-free ledger records: manifest rows, ledger commits and reads, and the rollout receipt (contract §3.8-§3.11)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every place that lists a staged call's fields derives its list from
 :data:`RECORD_FIELDS`: the call digest's inputs and their encodings (contract
-§4.3), the codec's stored scalars (architecture §5), the packed snapshot's
+§4.3), the codec's stored scalars (contract §11.4), the packed snapshot's
 scalars, the identity fields verification compares (contract §8.1 step 8f)
 and the token-free ``calls`` stream entry the sink writes. The table is in
 the field order of :class:`~sink.contract.records.StagedCallBaseSnapshot`; the

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sink.contract.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
+from sink.contract.fingerprint import (
+    FINGERPRINT_VERSION,
+    assistant_fingerprint,
+    conversation_digest,
+    is_model_authored,
+)
 
 __all__ = (
     "AMBIGUOUS_REASON",
@@ -83,7 +88,29 @@ def is_root_request(request_items: Sequence[dict[str, Any]]) -> bool:
     return assistant_fingerprint(request_items) == ""
 
 
-def _candidate(row: Mapping[str, Any]) -> tuple[str, int, str, tuple[str, ...], str] | None:
+_Candidate = tuple[str, int, str, tuple[str, ...], str]
+
+
+def _latest_reply(
+    items: Sequence[dict[str, Any]], candidates: list[_Candidate], context_lens: dict[str, int]
+) -> list[_Candidate]:
+    """Of several matching candidates, those whose reply starts latest but not after the request's last
+    model-authored item (§6.5).
+
+    Several calls match one request when a reply added nothing to the fingerprint (an empty assistant message):
+    the calls before and after it then carry the same assistant text. The parent is the call whose reply is the
+    request's last model-authored item, so its context (``context_len`` items) ends closest before that item; a
+    call whose reply would sit after it (a retry of an earlier turn) is not the parent.
+    """
+    last = max((index for index, item in enumerate(items) if is_model_authored(item)), default=-1)
+    fitting = [candidate for candidate in candidates if context_lens[candidate[0]] <= last]
+    if not fitting:
+        return candidates
+    latest = max(context_lens[candidate[0]] for candidate in fitting)
+    return [candidate for candidate in fitting if context_lens[candidate[0]] == latest]
+
+
+def _candidate(row: Mapping[str, Any]) -> _Candidate | None:
     """``(model_call_id, cum_len, cumulative_hash, staging_chain, chain_hash)`` of a usable row."""
     record = row.get("record")
     chain = row.get("staging_chain")
@@ -115,7 +142,8 @@ def resolve_from_rows(request_items: Sequence[dict[str, Any]], rows: Iterable[Ma
     if fingerprint == "":
         return LineageResolution(LineageStatus.ROOT)
     context_digests: dict[int, str] = {}
-    candidates: list[tuple[str, int, str, tuple[str, ...], str]] = []
+    candidates: list[_Candidate] = []
+    context_lens: dict[str, int] = {}
     for row in rows:
         if row.get("fingerprint_version") != FINGERPRINT_VERSION or row.get("fingerprint") != fingerprint:
             continue
@@ -129,8 +157,11 @@ def resolve_from_rows(request_items: Sequence[dict[str, Any]], rows: Iterable[Ma
         candidate = _candidate(row)
         if candidate is not None:
             candidates.append(candidate)
+            context_lens[candidate[0]] = context_len
     if not candidates:
         return LineageResolution(LineageStatus.UNRESOLVED, reason=NO_MATCH_REASON)
+    if len({(cumulative_hash, cum_len) for _, cum_len, cumulative_hash, _, _ in candidates}) > 1:
+        candidates = _latest_reply(items, candidates, context_lens)
     if len({(cumulative_hash, cum_len) for _, cum_len, cumulative_hash, _, _ in candidates}) > 1:
         return LineageResolution(LineageStatus.UNRESOLVED, reason=AMBIGUOUS_REASON)
     # Identical retries (same full token sequence) are interchangeable: take the smallest id.

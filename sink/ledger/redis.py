@@ -1,4 +1,4 @@
-"""The capture ledger on Redis/Valkey (contract §6, architecture §3).
+"""The capture ledger on Redis/Valkey (contract §6, §11.1).
 
 Per rollout ``R`` three keys share the hash tag ``{R}``: the ledger stream
 ``ns:{R}:ledger`` (custody and failure rows, append order), the idempotency
@@ -6,7 +6,7 @@ hash ``ns:{R}:ledger:ids`` and the retire fence ``ns:{R}:fence``. Every
 operation is one Lua script on those keys (see :mod:`sink.store.scripts`),
 so it is atomic per rollout, runs on one cluster slot, and its effect is
 visible to every process once the script returned. Durability is the
-server's (``appendfsync always``, architecture §4). The orchestration
+server's (``appendfsync always``, contract §11.2). The orchestration
 (validation, rows, conflicts, manifests, resolution) is the front class's,
 :class:`~sink.ledger.ledger.CaptureLedger`; this module is its storage.
 """

@@ -1,4 +1,4 @@
-"""Least-privilege Redis/Valkey ACL users for the staging roles (architecture §3).
+"""Least-privilege Redis/Valkey ACL users for the staging roles (over the key layout of contract §11.1).
 
 :data:`ROLE_POLICIES` is the single table of what each role may run on which keys; :func:`render_acl_file`
 turns it into an ``aclfile`` (``user <name> on #<sha256> ...``) that stores only SHA-256 password hashes.

@@ -1,4 +1,4 @@
-"""The least-privilege policy of the staging roles: what each role may run on which keys (architecture §3).
+"""The least-privilege policy of the staging roles: what each role may run on which keys (keys: contract §11.1).
 
 :data:`ROLE_POLICIES` is the single table :mod:`sink.ops.acl` renders into an ``aclfile``.
 
@@ -198,7 +198,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 ),
             ),
             Grant(
-                ("hsetnx", "hset", "hget", "hlen", "hgetall", "pexpire", "exists", "del"),
+                ("hsetnx", "hset", "hget", "hincrby", "hlen", "hgetall", "pexpire", "exists", "del"),
                 (_rw(_GROUP_META), _rw(_GROUP_MEMBERS)),
             ),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
@@ -213,7 +213,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
         ),
     ),
     "ops": RolePolicy(
-        "operators, the stats/inspect/tail CLI and the metrics exporter: read-only inspection, no writes, no scripts",
+        "operators, the stats/inspect/tail/report/prune --dry-run CLI and the metrics exporter: read-only, no writes, "
+        "no scripts",
         (
             Grant(
                 (
@@ -226,6 +227,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                     "scan",
                     "type",
                     "exists",
+                    "ttl",
                     "get",
                     "mget",
                     "xlen",

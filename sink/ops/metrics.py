@@ -18,7 +18,7 @@ No ``_created`` series are exported (``prometheus_client.disable_created_metrics
 :func:`serve_metrics` exposes a :class:`Metrics` over HTTP (each service's ``--metrics-port``, or the exporter)
 and returns a :class:`MetricsServer` that :meth:`~MetricsServer.stop` shuts down.
 
-``prometheus_client`` is the ``metrics`` extra (``pip install 'staging-sink[metrics]'``); it is imported
+``prometheus_client`` is the ``metrics`` extra (``pip install -e '.[metrics]'`` in a clone); it is imported
 when a :class:`Metrics` is made, and its absence raises :class:`MetricsExtraMissingError`. The counting
 itself (:mod:`sink.store.pipeline_counters`) and :func:`collect_redis_gauges` do not need it.
 """
@@ -109,7 +109,9 @@ def _prometheus() -> ModuleType:
     try:
         return importlib.import_module("prometheus_client")
     except ImportError as exc:
-        raise MetricsExtraMissingError("metrics need prometheus_client: pip install 'staging-sink[metrics]'") from exc
+        raise MetricsExtraMissingError(
+            "metrics need prometheus_client, the 'metrics' extra: pip install -e '.[metrics]' in a clone"
+        ) from exc
 
 
 def _version() -> str:
@@ -157,20 +159,29 @@ class Metrics:
     *counters* defaults to this process's :func:`~sink.store.pipeline_counters.pipeline_counters`.
 
     The ``stages`` and ``rollouts_pulled`` series of *namespace* are exported at 0 from the start.
+    ``process_counters=False`` (the standalone ``staging-sink metrics`` exporter, which stages and pulls nothing
+    itself): only the Redis-side gauges, build info and collection errors, no counter it cannot know.
 
     :raises MetricsExtraMissingError: ``prometheus_client`` is not installed.
     """
 
-    def __init__(self, counters: PipelineCounters | None = None, *, namespace: str = DEFAULT_NAMESPACE) -> None:
+    def __init__(
+        self,
+        counters: PipelineCounters | None = None,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        process_counters: bool = True,
+    ) -> None:
         prom = _prometheus()
         prom.disable_created_metrics()
         self.counters = counters if counters is not None else pipeline_counters()
-        for result in STAGE_RESULTS:  # exported at 0 from the start, so rates and alerts see a series
-            self.counters.add("staging_sink_stages", 0.0, namespace=namespace, result=result)
-        for outcome in ("trainable", "skipped"):
-            self.counters.add("staging_sink_rollouts_pulled", 0.0, namespace=namespace, outcome=outcome)
         self.registry: CollectorRegistry = prom.CollectorRegistry(auto_describe=True)
-        self.registry.register(_CountersCollector(self.counters))
+        if process_counters:
+            for result in STAGE_RESULTS:  # exported at 0 from the start, so rates and alerts see a series
+                self.counters.add("staging_sink_stages", 0.0, namespace=namespace, result=result)
+            for outcome in ("trainable", "skipped"):
+                self.counters.add("staging_sink_rollouts_pulled", 0.0, namespace=namespace, outcome=outcome)
+            self.registry.register(_CountersCollector(self.counters))
         self.gauges = {
             name: prom.Gauge(name, help_text, list(labels), registry=self.registry)
             for name, (help_text, labels) in _GAUGES.items()

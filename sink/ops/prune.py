@@ -157,15 +157,15 @@ async def _abandon(
     cutoff_ms = int((now_s - settings.abandon_after_s) * 1000)
     gym_state, *gym_rest, _fence = gym_keys(ns, rollout_id)
     watched = [calls_stream(ns, rollout_id), ledger_stream(ns, rollout_id), receipt_key(ns, rollout_id), gym_state]
+    if report.dry_run:  # plain reads, no WATCH: the read-only ops user can run a dry run
+        if await _last_activity_ms(client, ns, rollout_id) <= cutoff_ms and not await client.exists(watched[2]):
+            report.abandoned.append(rollout_id)
+        return
     async with client.pipeline(transaction=True) as pipe:
         await pipe.watch(*watched)
         last_ms = await _last_activity_ms(pipe, ns, rollout_id)  # immediate mode while watching
         if last_ms > cutoff_ms or await pipe.exists(watched[2]):
             await pipe.unwatch()  # type: ignore[no-untyped-call]
-            return
-        if report.dry_run:
-            await pipe.unwatch()  # type: ignore[no-untyped-call]
-            report.abandoned.append(rollout_id)
             return
         pipe.multi()  # type: ignore[no-untyped-call]
         pipe.delete(

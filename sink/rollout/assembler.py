@@ -1,6 +1,6 @@
 """Rollout end: the receipt :class:`Assembler` (contract §7.1 steps 2-4).
 
-Flow (architecture §2): the framework calls :func:`finished` (re-exported
+Flow (contract §7.5): the framework calls :func:`finished` (re-exported
 from :mod:`sink.rollout.done_event`) once a rollout is scored; it appends one
 token-free event to ``ns:done:<shard>``. An :class:`Assembler` (consumer
 group ``assemblers``) reads the event, reads the rollout's manifest from the

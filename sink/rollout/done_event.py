@@ -1,4 +1,4 @@
-"""The ``done`` event that ends a rollout (contract §7.1 step 1): :func:`finished` writes it, the assembler parses it.
+"""The ``done`` event that ends a rollout (contract §7.5): :func:`finished` writes it, the assembler parses it.
 
 The framework calls :func:`finished` once a rollout is scored; it appends one
 token-free event to ``ns:done:<shard>``, which an

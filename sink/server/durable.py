@@ -1,7 +1,7 @@
 """The durable server process: :class:`DurableServer`, :func:`durable_server` and :func:`serve_forever`.
 
 A :class:`DurableServer` runs ``valkey-server`` or ``redis-server`` (found by :mod:`sink.server.binary`) as a
-child process bound to loopback on a free port, with the durable configuration of architecture §4:
+child process bound to loopback on a free port, with the durable configuration of contract §11.2:
 ``appendonly yes``, ``appendfsync always``, ``no-appendfsync-on-rewrite no`` and ``maxmemory-policy
 noeviction``. Only options that Redis 6.2, Redis 7 and Valkey 8 all know are written.
 

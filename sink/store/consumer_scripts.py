@@ -87,7 +87,8 @@ return {$NOT_REMOVED}
 
 # KEYS: meta, members. ARGV: member id, member record, consumer, size, claim_idle_ms, ttl_ms.
 # Records the member, then: {GROUP_COMPLETE, members...} when this call completes the group (or finds it complete
-# with no live owner) and makes the caller its owner; {GROUP_OWNED} when the caller owns it already;
+# with no live owner) and makes the caller its owner (meta 'deliveries' counts the owners it had: above 1, the
+# group was delivered before); {GROUP_OWNED} when the caller owns it already;
 # {GROUP_TAKEN, owner} when a live rank owns it; {GROUP_WAIT} otherwise.
 GROUP_GATHER_SCRIPT: Final = library_script(
     "group_gather",
@@ -105,6 +106,7 @@ if owner and now - tonumber(redis.call('HGET', KEYS[1], 'owner_at')) < tonumber(
 end
 if redis.call('HLEN', KEYS[2]) < tonumber(redis.call('HGET', KEYS[1], 'size')) then return {$GROUP_WAIT} end
 redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'owner_at', now)
+redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
 return {$GROUP_COMPLETE, unpack(redis.call('HGETALL', KEYS[2]))}
 """,
 )
@@ -133,6 +135,7 @@ if redis.call('HLEN', KEYS[2]) < tonumber(redis.call('HGET', KEYS[1], 'size')) t
   state = $GROUP_SEALED
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_at', now)
+redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
 return {state, unpack(redis.call('HGETALL', KEYS[2]))}
 """,
 )

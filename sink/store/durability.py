@@ -1,4 +1,4 @@
-"""Verify that a server acknowledges writes only after they are on disk (architecture §4).
+"""Verify that a server acknowledges writes only after they are on disk (contract §11.2).
 
 With ``appendonly yes``, ``appendfsync always`` and ``no-appendfsync-on-rewrite
 no``, Redis 7+ and Valkey 8 reply to a write only after ``fdatasync`` of the

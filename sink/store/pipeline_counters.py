@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = (
     "COUNTER_HELP",
     "LATENCY_BUCKETS_S",
+    "LATENCY_SERIES",
     "UPSTREAM_SKIP_CODES",
+    "CounterListener",
     "PipelineCounters",
     "count_dead_letter",
     "count_gym_operation",
@@ -57,6 +59,14 @@ COUNTER_HELP: Mapping[str, str] = {
 }
 """Every counter family (exported with the ``_total`` suffix) and its help text."""
 
+LATENCY_SERIES = "staging_sink_stage_latency_seconds"
+"""The stage-latency histogram's name (what a :data:`CounterListener` is given for a latency)."""
+
+CounterListener = Callable[[str, float, Mapping[str, str]], None]
+"""Told every event as it is counted: ``(counter name, value, labels)``, or ``(LATENCY_SERIES, seconds,
+{"namespace": ...})`` for a stage latency. Used to mirror the counters into prometheus-client's multiprocess
+files (the capture proxy with several workers); it runs on the hot path, so it must be cheap and not raise."""
+
 _Key = tuple[str, tuple[tuple[str, str], ...]]
 
 
@@ -67,12 +77,26 @@ class PipelineCounters:
         self._lock = threading.Lock()
         self._counters: dict[_Key, float] = {}
         self._latency: dict[str, list[float]] = {}  # namespace -> [bucket counts..., +Inf count, sum]
+        self._listeners: tuple[CounterListener, ...] = ()
+
+    def add_listener(self, listener: CounterListener) -> None:
+        """Tell *listener* every event from now on (see :data:`CounterListener`)."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: CounterListener) -> None:
+        """Stop telling *listener* (unknown listeners are ignored)."""
+        with self._lock:
+            self._listeners = tuple(known for known in self._listeners if known is not listener)
 
     def add(self, name: str, value: float = 1.0, **labels: str) -> None:
         """Add *value* to counter *name* (one of :data:`COUNTER_HELP`) with *labels*."""
         key = (name, tuple(sorted(labels.items())))
         with self._lock:
             self._counters[key] = self._counters.get(key, 0.0) + value
+            listeners = self._listeners
+        for listener in listeners:
+            listener(name, value, labels)
 
     def observe_latency(self, namespace: str, seconds: float) -> None:
         """One stage latency in *namespace*."""
@@ -81,6 +105,9 @@ class PipelineCounters:
             row = self._latency.setdefault(namespace, [0.0] * (len(LATENCY_BUCKETS_S) + 2))
             row[index] += 1
             row[-1] += seconds
+            listeners = self._listeners
+        for listener in listeners:
+            listener(LATENCY_SERIES, seconds, {"namespace": namespace})
 
     def counters(self) -> list[tuple[str, dict[str, str], float]]:
         """Every counter as (name, labels, value), sorted."""

@@ -1,4 +1,4 @@
-"""The durable Redis/Valkey staging sink (architecture §4).
+"""The durable Redis/Valkey staging sink (contract §11.2, §11.3).
 
 ``stage(record)`` returns ``StageResult(ok=True)`` only after the server
 acknowledged the write under ``appendfsync always`` (verified, not assumed)

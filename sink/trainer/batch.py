@@ -15,7 +15,7 @@ Hand-off to PyTorch without a torch dependency here: ``torch.from_numpy(a)``
 shares the array's memory (no copy), e.g.
 ``{name: torch.from_numpy(array) for name, array in batch.tensors().items()}``.
 
-numpy is an optional extra (``pip install 'staging-sink[numpy]'``); this module needs it.
+numpy is a default dependency of staging-sink; this module needs it.
 """
 
 from __future__ import annotations

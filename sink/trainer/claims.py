@@ -1,4 +1,4 @@
-"""The trainer reader's rollout claims: one owner per rollout across ranks, duplicates dropped (contract §8).
+"""The trainer reader's rollout claims: one owner per rollout across ranks, duplicates dropped (contract §8.5).
 
 Before consuming a rollout a :class:`~sink.trainer.reader.RolloutReader` claims it with
 one script on the rollout's own slot: ``ns:{R}:claimed`` names the receipt
@@ -11,7 +11,7 @@ acknowledgement); the same entry redelivered after a reader crash (``XAUTOCLAIM`
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import anyio
 
@@ -40,6 +40,10 @@ class RolloutClaims:
         self._held = held
         self.duplicates = 0
         self.double_deliveries = 0
+        # Set by a GroupReader: a grouped rollout read again may only have been parked (its group incomplete),
+        # never given to a trainer; the group reader counts it when it delivers a group delivered before.
+        self.defer_grouped = False
+        self.redelivered_grouped: set[str] = set()
 
     async def claim_all(
         self, parsed: list[tuple[StreamEntry, RolloutReceipt]], settled: set[tuple[str, str]]
@@ -85,14 +89,10 @@ class RolloutClaims:
                 self._topology.client, keys, [_token(entry), self._consumer.consumer, check_fence]
             )
         if reply[0] == CLAIM_CLAIMED:
-            if entry.deliveries > 1:
-                self.double_deliveries += 1
-                logger.warning(
-                    "reader %s claimed %r from an entry delivered %d times: it may have been trained before",
-                    self._consumer.consumer,
-                    rollout_id,
-                    entry.deliveries,
-                )
+            if entry.deliveries > 1 and self.defer_grouped and entry.fields.get("group_id"):
+                self.redelivered_grouped.add(rollout_id)
+            elif entry.deliveries > 1:
+                self.count_double_delivery(rollout_id, f"an entry delivered {entry.deliveries} times")
             return True
         retired = reply[0] == CLAIM_RETIRED
         if retired:
@@ -111,6 +111,20 @@ class RolloutClaims:
         self.duplicates += 1
         await self._consumer.ack([entry])
         return False
+
+    def take_redelivered(self, rollout_ids: Iterable[str]) -> bool:
+        """Whether any of *rollout_ids* was read again while deferred (see ``defer_grouped``); stop tracking them."""
+        ids = set(rollout_ids)
+        found = bool(ids & self.redelivered_grouped)
+        self.redelivered_grouped.difference_update(ids)
+        return found
+
+    def count_double_delivery(self, rollout_id: str, why: str) -> None:
+        """Count and log a rollout delivered to a trainer again (it may have been trained before)."""
+        self.double_deliveries += 1
+        logger.warning(
+            "reader %s claimed %r from %s: it may have been trained before", self._consumer.consumer, rollout_id, why
+        )
 
     async def release(self, claims: Sequence[tuple[str, str]]) -> None:
         with map_redis_errors("release rollout claims"):

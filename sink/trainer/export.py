@@ -8,7 +8,8 @@ verified rollout (skipped rollouts have no row and are not written):
 (floats, exactly the verified row's values; Parquet stores them as float64), ``reward``, ``group_id``/``group_size`` (``None`` outside a group),
 ``prompt_len``, ``model_call_ids`` and ``weight_versions`` (per call, root
 first), ``terminal_model_call_id``, ``terminal_selection`` and ``receipt``
-(the token-free receipt, JSON).
+(the token-free receipt as a JSON object; Parquet stores its JSON text, and
+:func:`read_export` returns the object for both formats).
 
 From Python: :func:`write_export` (pulled rollouts) or :func:`export_rollouts`
 (by id, from the stored receipts, the same as ``staging-sink export``);
@@ -35,7 +36,13 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.records import RolloutReceipt
-from sink.errors import BatchInputError, CodecError, ReceiptVerificationError, RowUnavailableError
+from sink.errors import (
+    BatchInputError,
+    CodecError,
+    ExtraMissingError,
+    ReceiptVerificationError,
+    RowUnavailableError,
+)
 from sink.keys import DEFAULT_NAMESPACE, receipt_key, validate_rollout_id
 from sink.settings import SourceSettings
 from sink.store.connection import map_redis_errors
@@ -70,7 +77,7 @@ def export_record(pulled: PulledRollout) -> dict[str, Any]:
         "weight_versions": list(row.weight_versions),
         "terminal_model_call_id": receipt.terminal_model_call_id,
         "terminal_selection": receipt.terminal_selection,
-        "receipt": receipt.model_dump_json(),
+        "receipt": receipt.model_dump(mode="json"),
     }
 
 
@@ -85,8 +92,11 @@ def _import_pyarrow() -> Any:
     try:
         pyarrow = importlib.import_module("pyarrow")
         importlib.import_module("pyarrow.parquet")
-    except ImportError as exc:  # pragma: no cover - the extra is installed in CI
-        raise ImportError("Parquet export needs pyarrow: pip install 'staging-sink[parquet]'") from exc
+    except ImportError as exc:
+        raise ExtraMissingError(
+            "Parquet needs pyarrow, the 'parquet' extra: pip install -e '.[parquet]' in a clone of staging-sink "
+            "(or pip install pyarrow)"
+        ) from exc
     return pyarrow
 
 
@@ -116,7 +126,9 @@ def write_export(
         if not isinstance(destination, str | Path):
             raise BatchInputError("a Parquet export needs a file path")
         pyarrow = _import_pyarrow()
-        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records, schema=_parquet_schema(pyarrow)), destination)
+        # Parquet keeps the receipt as its JSON text (one string column); read_export turns it back into an object.
+        columns = [{**record, "receipt": json.dumps(record["receipt"], sort_keys=True)} for record in records]
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(columns, schema=_parquet_schema(pyarrow)), destination)
         return len(records)
     if isinstance(destination, str | Path):
         with open(destination, "w", encoding="utf-8") as out:
@@ -150,7 +162,7 @@ def read_export(path: str | Path, *, fmt: ExportFormat | None = None) -> list[di
     fmt = _check_format(fmt or ("parquet" if str(path).endswith(".parquet") else "jsonl"))
     if fmt == "parquet":
         rows: list[dict[str, Any]] = _import_pyarrow().parquet.read_table(path).to_pylist()
-        return rows
+        return [{**row, "receipt": json.loads(row["receipt"])} for row in rows]
     with open(path, encoding="utf-8") as source:
         return [json.loads(line) for line in source if line.strip()]
 

@@ -123,6 +123,7 @@ class GroupReader:
         # This pull's rollouts: a group completed by one of them may include others not gathered yet.
         self._fresh: dict[str, PulledRollout] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed"), 0)
+        reader.claims.defer_grouped = True  # a parked member read again was never trained: counted at delivery
 
     @property
     def reader(self) -> RolloutReader:
@@ -301,7 +302,17 @@ class GroupReader:
         if not complete:
             self._counts["partial"] += 1
         self._counts["delivered"] += 1
+        ids = [m.rollout_id for m in members]
+        if self._reader.claims.take_redelivered(ids) and await self._delivered_before(tag.group_id):
+            for rollout_id in ids:
+                self._reader.claims.count_double_delivery(rollout_id, f"group {tag.group_id!r}, delivered before")
         return [RolloutGroup(tag.group_id, tag.group_size, tuple(members), tuple(failed), complete)]
+
+    async def _delivered_before(self, group_id: str) -> bool:
+        """Whether the group had an owner before this rank (``deliveries`` counts them, in the scripts)."""
+        with map_redis_errors(f"read group {group_id!r}"):
+            count = await self._reader.client.hget(group_keys(self._ns, group_id)[0], "deliveries")
+        return int(_text(count or 0)) > 1
 
     async def _dead_letter(self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout]) -> None:
         stream = dead_letter_stream(self._ns, "groups")

@@ -1,4 +1,4 @@
-"""The trainer's per-rollout reader: receipts in, verified training rows out (contract §7.1 steps 5-6, §8).
+"""The trainer's per-rollout reader: receipts in, verified training rows out (contract §7.1 steps 5-6, §8, §8.5).
 
 :class:`RolloutReader` consumes ``ns:receipts:<k>`` in consumer group
 ``trainers`` (one consumer name per rank). :meth:`RolloutReader.pull` returns
@@ -61,6 +61,7 @@ from sink.trainer.reader_guards import AckOutcome, foreign_row_skip, own_keys
 from sink.trainer.retention import expire_consumed
 from sink.trainer.staleness import STALE_WEIGHTS, stale_skip
 from sink.trainer.statistics import ReaderStatistics
+from sink.trainer.weights import publish_weight_version
 
 __all__ = (
     "CORRUPT_RECORD",
@@ -158,6 +159,13 @@ class RolloutReader(AsyncResource):
         if type(version) is not int or version < 0:
             raise ValueError(f"weight version must be a non-negative int, got {version!r}")
         self._weight_version = version
+
+    async def publish_weight_version(self, version: int) -> None:
+        """:meth:`set_weight_version`, and publish *version* for proxies (:mod:`sink.trainer.weights`).
+
+        :raises ValueError: *version* is not a non-negative int."""
+        self.set_weight_version(version)
+        await publish_weight_version(self._topology.client, self._ns, version)
 
     @property
     def consumer_name(self) -> str:
@@ -337,7 +345,14 @@ class RolloutReader(AsyncResource):
     def forget(self, rollout_ids: Iterable[str]) -> None:
         """Stop holding *rollout_ids* without acknowledging them (another rank takes them over); unknown ids
         are ignored."""
-        self._held.release([i for i in rollout_ids if i in self._held])
+        ids = list(rollout_ids)
+        self._held.release([i for i in ids if i in self._held])
+        self._claims.take_redelivered(ids)
+
+    @property
+    def claims(self) -> RolloutClaims:
+        """This reader's claims (:class:`~sink.trainer.groups.GroupReader` defers double-delivery counts there)."""
+        return self._claims
 
     def holds(self, rollout_id: str) -> bool:
         """Whether this reader holds *rollout_id* (pulled, not yet acknowledged)."""
@@ -381,6 +396,7 @@ class RolloutReader(AsyncResource):
         retained = [h.receipt.rollout_id for h in held]
         await expire_consumed(self._topology, self._ns, retained, self._settings.retention_s)  # bounded state
         self._held.release(ids)
+        self._claims.take_redelivered(ids)
         return AckOutcome(removed=removal.removed, absent=removal.absent, lost_lease=lost_lease)
 
     async def retire_consumer(self) -> int:

@@ -7,7 +7,7 @@ packed). In the packed form nothing per token exists in Python until a column
 is read: :meth:`LinearizedRow.as_numpy` reads the bytes directly, and the
 ``token_*`` tuples are built on first access and then kept.
 
-numpy is optional (``pip install staging-sink[numpy]``): this module imports
+numpy is a default dependency, imported lazily: this module imports
 it only inside :meth:`LinearizedRow.as_numpy`.
 """
 
@@ -173,7 +173,7 @@ class LinearizedRow:
         The arrays are fresh on every call, so callers may mutate them.
         Float32 keeps the sign of ``-0.0`` and is exactly what the digests cover.
 
-        :raises ImportError: numpy is not installed (``pip install staging-sink[numpy]``).
+        :raises ImportError: numpy is not installed (a default dependency: reinstall staging-sink).
         :raises OverflowError: a token id does not fit in int64.
         """
         return self.columns.as_numpy()
@@ -204,7 +204,7 @@ def _import_numpy() -> Any:
         import numpy
     except ImportError as exc:
         raise ImportError(
-            "LinearizedRow.as_numpy needs numpy, an optional extra: pip install 'staging-sink[numpy]'"
+            "LinearizedRow.as_numpy needs numpy, a default dependency of staging-sink: pip install numpy"
         ) from exc
     return numpy
 

@@ -13,12 +13,12 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Self, TypeVar
 
-from sink.contract.records import RolloutRemoval
 from sink.settings import ReaderSettings
 from sink.store.resource import PortalOwner
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader import RolloutReader
+from sink.trainer.reader_guards import AckOutcome
 from sink.trainer.statistics import ReaderStatistics
 
 __all__ = ("SyncRolloutReader",)
@@ -89,7 +89,7 @@ class SyncRolloutReader(PortalOwner[RolloutReader]):
         """Thread-safe :meth:`RolloutReader.heartbeat`."""
         return self._serialized(self._resource.heartbeat)
 
-    def ack(self, rollout_ids: Iterable[str]) -> RolloutRemoval:
+    def ack(self, rollout_ids: Iterable[str]) -> AckOutcome:
         """Thread-safe :meth:`RolloutReader.ack`."""
         if isinstance(rollout_ids, str | bytes):
             raise TypeError("ack() takes a collection of rollout ids, not a single str")

@@ -35,7 +35,10 @@ from worker.simulated.http_app import EngineApp, EngineOptions
 
 __all__ = ("HttpDemoResult", "http_demo_command", "run_http_demo")
 
-_PATH = "HTTP: httpx agents -> capture proxy (uvicorn) -> simulated engine over HTTP (uvicorn, vLLM JSON)"
+_PATH = (
+    "HTTP: httpx agents -> capture proxy (uvicorn, exact-prefix mode) -> simulated engine over HTTP (uvicorn, vLLM JSON "
+    "and token-in/token-out routes)"
+)
 
 
 @dataclass
@@ -163,7 +166,7 @@ def run_http_demo(
 
     def run(url: str) -> None:
         ns = namespace or DEFAULT_NAMESPACE
-        with running_server(EngineApp(EngineOptions(seed=seed))) as engine_url:
+        with running_server(EngineApp(EngineOptions(seed=seed, scale_out=True))) as engine_url:
             proxy = ProxyApp(ProxySettings(upstream_url=engine_url, redis_url=url, namespace=ns))
             with running_server(proxy) as base:
                 anyio.run(partial(_step, url, ns, base, result, plan))

@@ -23,10 +23,12 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from worker.asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
 from worker.capture import RolloutTokenCapture
+from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.forward import ForwardingApp
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.middleware import CaptureMiddleware, CapturePolicy
 from worker.proxy.routes import parse_target
+from worker.weight_version import PublishedWeightVersion, WeightLabelRule
 
 __all__ = ("ProxyApp", "build_proxy")
 
@@ -48,6 +50,8 @@ class ProxyApp:
         config = self.config
         if not config.capture or self.middleware is not None:
             return
+        self.metrics.attach()
+        self._stack.callback(self.metrics.detach)
         timeouts: dict[str, Any] = {
             "namespace": config.namespace,
             "cluster": config.cluster,
@@ -96,6 +100,23 @@ class ProxyApp:
             announce=announce,
             metrics=self.metrics,
         )
+        if config.weight_source == "published":
+            self.middleware.published = PublishedWeightVersion(
+                client, config.namespace, max_staleness_s=config.weight_staleness_s
+            )
+        if inner is None:  # the forwarding proxy probes its engine; in-process (vLLM's --middleware) stays verify
+            labels = WeightLabelRule(default_version=weight_version) if config.weight_source == "engine" else None
+            try:
+                choice = PrefixModeChoice(self.forward, config.prefix_mode, labels)
+                await choice.start()
+                self.middleware.prefix_mode = choice
+            except BaseException:  # the start fails: nothing opened above stays open
+                self.middleware = None
+                await stack.aclose()
+                await self.forward.aclose()
+                raise
+        else:
+            logger.info("prefix mode: verify (in-process middleware: no start-up probe of the engine)")
 
     async def aclose(self) -> None:
         """Close the Redis resources and the upstream pool."""

@@ -1,10 +1,14 @@
 """Benchmark: the capture proxy against the engine directly and a bare forwarding proxy (``staging-sink bench proxy``).
 
-One run, side by side, at 1, 16 and 64 concurrent clients, every call a 2,048-token chat completion:
+One run, side by side, at 1, 16 and 64 concurrent clients, every call a 2,048-token chat completion (with
+``--turns N``, each client runs N-turn rollouts: every call continues the previous one's conversation):
 
-* ``direct``: client -> engine (``staging-sink engine``);
+* ``direct``: client -> engine (``staging-sink engine --enable-scale-out``);
 * ``bare``: client -> ``staging-sink proxy --no-capture`` -> engine (same server stack, no capture);
-* ``capture``: client -> ``staging-sink proxy`` -> engine, with durable staging before each response.
+* ``capture``: client -> ``staging-sink proxy --prefix-mode verify`` -> engine, with durable staging before each
+  response (the engine re-templates history; drift is detected);
+* ``exact``: client -> ``staging-sink proxy --prefix-mode exact`` -> engine: render, generate from the spliced
+  token ids, derender, then the same staging.
 
 Engine and proxies run as separate processes (no shared GIL with the load generator). The report also measures
 the sink's own stage p50 for the same 2,048-token records, and checks the targets: capture >= 0.5x bare calls/s at
@@ -24,12 +28,13 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import httpx
 import orjson
 
-from sink.bench import BenchNamespace, on_server
+from sink.bench import BenchHelpFormatter, BenchNamespace, on_server
 from sink.contract.records import CaptureAdmission
 from sink.errors import BenchmarkNamespaceInUseError
 from sink.server import DurableServer
@@ -38,7 +43,8 @@ from worker.capture import RolloutTokenCapture
 
 __all__ = ("PathResult", "format_report", "main")
 
-_PATHS = ("direct", "bare", "capture")
+_PATHS = ("direct", "bare", "capture", "exact")
+_CAPTURED = frozenset({"capture", "exact"})
 
 
 @dataclass(frozen=True)
@@ -94,29 +100,32 @@ def _process(args: Sequence[str], health: str) -> Iterator[None]:
             process.wait(5)
 
 
-async def _drive(base: str, path: str, clients: int, calls: int, tokens: int, run: str) -> PathResult:
+async def _drive(base: str, path: str, clients: int, calls: int, tokens: int, run: str, turns: int) -> PathResult:
     latencies: list[float] = []
     errors = 0
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
     async def client(index: int, http: httpx.AsyncClient) -> None:
         nonlocal errors
+        messages: list[dict[str, str]] = []
+        rollout = ""
         for call in range(calls // clients):
-            prefix = f"/r/{run}-{clients}-{index}-{call}" if path == "capture" else ""
-            body = {
-                "model": "simulated",
-                "messages": [{"role": "user", "content": f"bench {index} {call}"}],
-                "max_tokens": tokens,
-                "min_tokens": tokens,
-            }
+            if call % turns == 0:
+                rollout = f"{run}-{path}-{clients}-{index}-{call}"
+                messages = [{"role": "user", "content": f"bench {index} {call}"}]
+            prefix = f"/r/{rollout}" if path in _CAPTURED else ""
+            body = {"model": "simulated", "messages": messages, "max_tokens": tokens, "min_tokens": tokens}
             started = time.perf_counter()
             response = await http.post(f"{base}{prefix}/v1/chat/completions", content=orjson.dumps(body))
             if response.status_code != 200:
                 errors += 1
                 continue
             latencies.append(time.perf_counter() - started)
-            if "prompt_token_ids" in orjson.loads(response.content):
+            answer = orjson.loads(response.content)
+            if "prompt_token_ids" in answer:
                 raise RuntimeError(f"{path}: token fields reached the client")
+            reply = answer["choices"][0]["message"]["content"] or ""
+            messages = [*messages, {"role": "assistant", "content": reply}, {"role": "tool", "content": "ok"}]
 
     async with httpx.AsyncClient(limits=limits, timeout=120) as http:
         await http.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "w"}]})
@@ -167,35 +176,62 @@ def format_report(results: list[PathResult], stage_p50_ms: float, tokens: int) -
         added = by_key[("capture", 1)].percentile_ms(50) - by_key[("bare", 1)].percentile_ms(50)
         verdict = "ok" if added <= stage_p50_ms + 1 else "MISSED"
         lines.append(f"added p50 at 1 client: {added:.2f} ms (target <= {stage_p50_ms + 1:.2f} ms: {verdict})")
+    for clients in sorted({r.clients for r in results}):
+        keys = [("direct", clients), ("capture", clients), ("exact", clients)]
+        if all(key in by_key for key in keys):
+            direct, verify, exact = (by_key[key] for key in keys)
+            verify_p50, verify_p99, exact_p50, exact_p99 = (
+                path.percentile_ms(q) - direct.percentile_ms(q) for path in (verify, exact) for q in (50, 99)
+            )
+            ratio = exact_p50 / verify_p50 if verify_p50 > 0 else float("inf")
+            verdict = "ok" if ratio <= 1.5 else "MISSED"
+            lines.append(
+                f"added over direct at {clients} clients: verify p50 {verify_p50:.2f} / p99 {verify_p99:.2f} ms, "
+                f"exact p50 {exact_p50:.2f} / p99 {exact_p99:.2f} ms; exact/verify p50 {ratio:.2f} "
+                f"(target <= 1.5: {verdict})"
+            )
     return "\n".join(lines)
 
 
 def _run(url: str, namespace: str, args: argparse.Namespace) -> list[PathResult]:
-    engine_port, bare_port, capture_port = _free_port(), _free_port(), _free_port()
+    engine_port, bare_port, capture_port, exact_port = _free_port(), _free_port(), _free_port(), _free_port()
     engine = f"http://127.0.0.1:{engine_port}"
-    bases = {"direct": engine, "bare": f"http://127.0.0.1:{bare_port}", "capture": f"http://127.0.0.1:{capture_port}"}
+    bases = {
+        "direct": engine,
+        "bare": f"http://127.0.0.1:{bare_port}",
+        "capture": f"http://127.0.0.1:{capture_port}",
+        "exact": f"http://127.0.0.1:{exact_port}",
+    }
     proxy = ["proxy", "--upstream", engine, "--redis-url", url, "--namespace", namespace]
     results: list[PathResult] = []
     run = uuid.uuid4().hex[:8]
     with (
-        _process(["engine", "--port", str(engine_port)], f"{engine}/health"),
+        _process(["engine", "--port", str(engine_port), "--enable-scale-out"], f"{engine}/health"),
         _process([*proxy, "--no-capture", "--port", str(bare_port)], f"{bases['bare']}/health"),
-        _process([*proxy, "--port", str(capture_port)], f"{bases['capture']}/health"),
+        _process([*proxy, "--prefix-mode", "verify", "--port", str(capture_port)], f"{bases['capture']}/health"),
+        _process([*proxy, "--prefix-mode", "exact", "--port", str(exact_port)], f"{bases['exact']}/health"),
     ):
         for clients in args.clients:
             calls = max(clients, args.calls_per_client * clients)
-            results.extend(anyio.run(_drive, bases[path], path, clients, calls, args.tokens, run) for path in _PATHS)
+            drive = partial(_drive, clients=clients, calls=calls, tokens=args.tokens, run=run, turns=args.turns)
+            results.extend(anyio.run(partial(drive, bases[path], path)) for path in _PATHS)
     return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``staging-sink bench proxy [--clients 1 16 64] [--tokens 2048] [--calls-per-client N] [--redis-url URL]``."""
-    parser = argparse.ArgumentParser(prog="staging-sink bench proxy", description=__doc__)
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--calls-per-client", type=int, default=8)
-    parser.add_argument("--stage-samples", type=int, default=50)
-    parser.add_argument("--redis-url", default=None, help="default: a private durable server")
+    """``staging-sink bench proxy [--clients 1 16 64] [--tokens 2048] [--calls-per-client N] [--turns N]
+    [--redis-url URL]``."""
+    parser = argparse.ArgumentParser(
+        prog="staging-sink bench proxy",
+        description=__doc__,
+        formatter_class=BenchHelpFormatter,
+    )
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64], help="concurrent clients per run")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens generated per call")
+    parser.add_argument("--calls-per-client", type=int, default=8, help="calls each client makes")
+    parser.add_argument("--turns", type=int, default=1, help="calls per rollout (each continues the previous one)")
+    parser.add_argument("--stage-samples", type=int, default=50, help="stage() calls timed for the stage p50")
+    parser.add_argument("--redis-url", default=None, help="a durable server (default: a private one)")
     args = parser.parse_args(argv)
 
     def run(url: str, _server: DurableServer | None) -> tuple[list[PathResult], float]:

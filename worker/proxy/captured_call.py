@@ -1,4 +1,4 @@
-"""One captured call through admission, begin, upstream, stage, commit and the reply (contract §5, §6.6).
+"""One captured call through admission, begin, upstream, stage, commit and the reply (contract §5, §6.6, §12.2).
 
 For a ``vllm`` upstream the admission (a ledger read, plus the parent's ``staging_chain`` fetch for a
 continuation) runs concurrently with the generation: the engine request does not depend on it, and the parent
@@ -19,9 +19,12 @@ import orjson
 
 from sink.contract.records import CaptureAdmission, CommitCoords
 from sink.ledger.gate import CaptureGate
-from worker.asgi import ASGIApp, Message, Receive, Scope, Send, replay_receive, send_body
+from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, replay_receive, send_body
 from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
+from worker.errors import EnginePayloadError, SpliceError
+from worker.exact_chat import Rendering
+from worker.proxy.exact_mode import ExactMode, PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     ClientAsked,
@@ -33,10 +36,12 @@ from worker.proxy.routes import (
     upstream_request,
 )
 from worker.proxy.sse import sse_events
+from worker.weight_version import PublishedWeightVersion, WeightVersionError
 
 __all__ = ("CallOwner", "CapturePolicy", "CapturedCall", "UpstreamAnswer")
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class CapturePolicy:
@@ -57,6 +62,10 @@ class CallOwner(Protocol):
     gate: CaptureGate
     policy: CapturePolicy
     metrics: ProxyMetrics
+    prefix_mode: PrefixModeChoice
+    """Whether chat calls go in exact-prefix mode."""
+    published: PublishedWeightVersion | None
+    """The trainer's published weight version, when calls are stamped with it."""
 
     async def refuse(self, send: Send, reason: str) -> None:
         """Answer 503 for a call that could not be captured (``fail_closed``)."""
@@ -64,6 +73,16 @@ class CallOwner(Protocol):
 
 
 _AdmitFailure = Literal["ledger unreachable", "no admission", "begin failed"]
+_JSON = [(b"content-type", b"application/json")]
+
+
+def _without_spans(payload: dict[str, Any]) -> dict[str, Any]:
+    """*payload* without ``weight_versions`` on its choices and without its token fields: nothing to stage."""
+    for choice in payload.get("choices") or ():
+        if isinstance(choice, dict):
+            choice.pop("weight_versions", None)
+            choice.pop("token_ids", None)
+    return payload
 
 
 @dataclass
@@ -123,7 +142,8 @@ class CapturedCall:
             return
         self.ids = f"rollout {self.rollout_id} call {self.admission.model_call_id}"
         try:
-            self.active = await owner.capture.abegin_call(self.admission)
+            version = None if owner.published is None else await owner.published.current()
+            self.active = await owner.capture.abegin_call(self.admission, weight_version=version)
         except Exception as exc:  # noqa: BLE001 -- e.g. an invalid weight version: serve uncaptured (INV-4)
             logger.error("%s: begin failed: %r; served uncaptured", self.ids, exc)
             self.admit_failure = "begin failed"
@@ -260,11 +280,62 @@ class CapturedCall:
         body, asked = upstream_request(self.route, self.request, self.owner.policy.upstream_kind, prefix)
         return orjson.dumps(body), asked
 
+    async def _exact_upstream(
+        self, exact: ExactMode, rendering: Rendering, receive: Receive
+    ) -> tuple[UpstreamAnswer, ClientAsked]:
+        """The upstream answer of an exact-prefix chat call (admission already done): a continuation's prompt is its
+        parent's exact sequence plus the rendered suffix. A request that cannot be spliced is served in verify mode."""
+        active, admission = self.active, self.admission
+        parent = None
+        if active is not None and not active.capture_failed and admission is not None and admission.mode == "token_in":
+            parent = active.prefix_token_ids
+        asked = ClientAsked(
+            token_ids=self.request.get("return_token_ids") is True,
+            logprobs=self.request.get("logprobs") not in (None, False),
+        )
+        try:
+            answer = await exact.chat(self.request, rendering, parent)
+        except SpliceError as exc:
+            logger.warning("%s: cannot splice onto the parent (%s); served in verify mode", self.ids, exc)
+            body, asked = self._body()
+            return await self._upstream(body, receive), asked
+        except EnginePayloadError as exc:
+            logger.warning("%s: exact-prefix engine answer malformed (%s); capture failed", self.ids, exc)
+            return UpstreamAnswer(502, _JSON, error_body(502, str(exc), "EnginePayloadError"), False), asked
+        payload = answer.payload
+        if answer.status == 200 and isinstance(payload, dict):
+            choice = payload["choices"][0]
+            if active is not None:
+                try:
+                    version = exact.weight_version_of(payload)
+                except WeightVersionError as exc:
+                    logger.warning("%s: %s; capture failed", self.ids, exc)
+                    return UpstreamAnswer(200, _JSON, orjson.dumps(_without_spans(payload)), False), asked
+                if version is not None:
+                    active.weight_version = version
+            choice.pop("weight_versions", None)
+        body = orjson.dumps(payload)
+        return UpstreamAnswer(answer.status, _JSON, body, len(body) > self.owner.policy.max_response_bytes), asked
+
     async def run(self, receive: Receive, send: Send) -> None:
         """Serve the call: capture it, then reply (or refuse with 503 when fail-closed and not captured)."""
         owner, metrics = self.owner, self.owner.metrics
         try:
-            if owner.policy.upstream_kind == "nemo-rl":
+            exact = await owner.prefix_mode.current() if self.route == "chat" else None
+            if exact is not None:
+                rendering = await exact.render(self.request)
+                if rendering.status != 200:  # the engine refused the request (over the context...): nothing to capture
+                    logger.warning(
+                        "%s: the engine refused the request (%d); nothing generated, not admitted",
+                        self.ids,
+                        rendering.status,
+                    )
+                    owner.metrics.count("uncaptured")
+                    await send_body(send, rendering.status, orjson.dumps(rendering.answer))
+                    return
+                await self._admit()  # a continuation's prompt starts with its parent's exact ids: admit first
+                upstream, asked = await self._exact_upstream(exact, rendering, receive)
+            elif owner.policy.upstream_kind == "nemo-rl":
                 await self._admit()
                 body, asked = self._body()
                 upstream = await self._upstream(body, receive)

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import logging
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from sink.cli.plugin import EXIT_USAGE, CommandContext, CommandError
+from sink.cli.plugin import EXIT_USAGE, CommandContext, CommandError, configure_logging
+from worker.proxy.listen import check_listen
+from worker.proxy.multiproc import multiprocess_directory
 
 if TYPE_CHECKING:
     from sink.settings import ProxySettings
@@ -31,6 +35,9 @@ __all__ = (
 )
 
 CONFIG_ENV = "STAGING_SINK_PROXY_CONFIG"
+LOGGING_ENV = "STAGING_SINK_PROXY_LOGGING"
+"""The parent's -v / --log-format, as JSON, for the worker processes of ``proxy --workers N``."""
+logger = logging.getLogger("worker.proxy")
 _MIB = 1024 * 1024
 
 
@@ -55,7 +62,7 @@ def _require_extra() -> None:
             __import__(module)
         except ImportError:
             raise CommandError(
-                f"{module} is missing: install the proxy extra (pip install 'staging-sink[proxy]')"
+                f"{module} is missing: install the proxy extra (pip install -e '.[proxy]' in a clone)"
             ) from None
 
 
@@ -100,6 +107,26 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
     )
     proxy.add_argument("--weight-version", type=int, default=0, help="policy weight version stamped on calls (0)")
     proxy.add_argument(
+        "--weight-source",
+        choices=("fixed", "engine", "published"),
+        default="fixed",
+        help="fixed (default): --weight-version; engine: vLLM's weight_versions spans in exact-prefix mode (integer "
+        "labels; 'default' is --weight-version); published: the trainer's key (staging-sink weights set N)",
+    )
+    proxy.add_argument(
+        "--weight-staleness-s",
+        type=_positive_float,
+        default=1.0,
+        help="with --weight-source published: re-read the trainer's version at most this often (default: 1.0)",
+    )
+    proxy.add_argument(
+        "--prefix-mode",
+        choices=("auto", "exact", "verify"),
+        default="auto",
+        help="auto (default): exact-prefix chat calls where the engine serves vLLM 0.32's render/generate/derender "
+        "routes (vllm --enable-scale-out), verify mode elsewhere; exact: refuse to start without them; verify: never",
+    )
+    proxy.add_argument(
         "--durability",
         choices=("fsync", "none"),
         default="fsync",
@@ -116,6 +143,11 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
     engine.add_argument("--shape", choices=("vllm", "nemo-gym"), default="vllm", help="response token-field shape")
     engine.add_argument("--honour-prefix", action="store_true", help="honour required_prefix_token_ids (nemo-rl)")
     engine.add_argument("--drift", action="store_true", help="re-tokenize earlier assistant text differently")
+    engine.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve vLLM 0.32's token-in/token-out routes (render, generate, derender), as vllm --enable-scale-out",
+    )
     engine.set_defaults(handler=engine_command)
 
 
@@ -142,6 +174,9 @@ def proxy_config(args: argparse.Namespace) -> ProxySettings:
         upstream_timeout_s=args.upstream_timeout_s,
         max_response_bytes=args.max_response_mib * _MIB,
         weight_version=args.weight_version,
+        weight_source=args.weight_source,
+        weight_staleness_s=args.weight_staleness_s,
+        prefix_mode=args.prefix_mode,
         durability=args.durability,
         redis_timeout_s=args.redis_timeout_s,
     )
@@ -154,8 +189,14 @@ def app_from_environment() -> ProxyApp:
     from worker.proxy.app import build_proxy
 
     fields = os.environ[CONFIG_ENV]
+    logging_options = json.loads(os.environ.get(LOGGING_ENV) or "{}")
+    configure_logging(
+        verbose=bool(logging_options.get("verbose")), log_format=str(logging_options.get("log_format") or "text")
+    )
     _tune_gc()
-    return build_proxy(ProxySettings.model_validate_json(fields))
+    config = ProxySettings.model_validate_json(fields)
+    logger.info("proxy worker %d serving -> %s", os.getpid(), config.upstream_url)
+    return build_proxy(config)
 
 
 def _tune_gc() -> None:
@@ -173,6 +214,7 @@ def _tune_gc() -> None:
 def proxy_command(args: argparse.Namespace) -> int:
     """Run the proxy in the foreground until SIGINT/SIGTERM."""
     config = proxy_config(args)
+    check_listen(args.host, args.port)
     import uvicorn
 
     from worker.proxy.app import build_proxy
@@ -182,31 +224,48 @@ def proxy_command(args: argparse.Namespace) -> int:
         f"capture proxy on http://{args.host}:{args.port} -> {config.upstream_url} ({config.upstream_kind}, "
         f"{'capture' if config.capture else 'no capture'}, {'fail-closed' if config.fail_closed else 'fail-open'})\n"
     )
+    # log_config=None: uvicorn's own lines go through the CLI's handler (timestamps, levels, --log-format).
     if args.workers == 1:
-        uvicorn.run(build_proxy(config), host=args.host, port=args.port, log_level="warning", access_log=False)
+        uvicorn.run(
+            build_proxy(config), host=args.host, port=args.port, log_level="warning", access_log=False, log_config=None
+        )
         return 0
     os.environ[CONFIG_ENV] = config.model_dump_json()
-    uvicorn.run(
-        "worker.proxy.cli:app_from_environment",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level="warning",
-        access_log=False,
+    # The workers are fresh processes: they configure logging from the parent's options, and write their
+    # metrics to one fresh multiprocess directory, so any worker answers a scrape for all of them.
+    os.environ[LOGGING_ENV] = json.dumps(
+        {"verbose": bool(getattr(args, "verbose", False)), "log_format": getattr(args, "log_format", "text")}
     )
+    with multiprocess_directory():
+        uvicorn.run(
+            "worker.proxy.cli:app_from_environment",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level="warning",
+            access_log=False,
+            log_config=None,
+        )
     return 0
 
 
 def engine_command(args: argparse.Namespace) -> int:
     """Run the simulated HTTP engine in the foreground until SIGINT/SIGTERM."""
     _require_extra()
+    check_listen(args.host, args.port)
     import uvicorn
 
     from worker.simulated.http_app import EngineApp, EngineOptions
 
     _tune_gc()
-    options = EngineOptions(seed=args.seed, shape=args.shape, honour_prefix=args.honour_prefix, drift=args.drift)
+    options = EngineOptions(
+        seed=args.seed,
+        shape=args.shape,
+        honour_prefix=args.honour_prefix,
+        drift=args.drift,
+        scale_out=args.enable_scale_out,
+    )
     sys.stderr.write(f"simulated engine on http://{args.host}:{args.port} ({options})\n")
     uvicorn.run(EngineApp(options), host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

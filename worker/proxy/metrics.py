@@ -7,14 +7,23 @@
 * ``staging_proxy_calls_total{outcome=captured|uncaptured|capture_failed}``
 * ``staging_proxy_upstream_seconds`` and ``staging_proxy_stage_seconds`` (histograms)
 * ``staging_proxy_response_bytes_total``
+* the sink's stage series of this process (mirrored from :mod:`sink.store.pipeline_counters` while the app is
+  open): ``staging_sink_stages_total``, ``staging_sink_staged_bytes_total``, ``staging_sink_stage_latency_seconds``.
+
+With several workers the samples go through prometheus-client's multiprocess files (:mod:`worker.proxy.multiproc`),
+so every scrape sees every worker's. No ``_created`` series.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from sink.store.pipeline_counters import COUNTER_HELP, LATENCY_BUCKETS_S, LATENCY_SERIES, pipeline_counters
+from worker.proxy.multiproc import mark_process_dead, multiprocess_exposition, multiprocess_mode
 
 __all__ = ("OUTCOMES", "Outcome", "ProxyMetrics")
 
@@ -38,6 +47,7 @@ class ProxyMetrics:
             prometheus = importlib.import_module("prometheus_client")
         except ImportError:
             return
+        prometheus.disable_created_metrics()  # as sink.ops.metrics: no `_created` twin of any series
         registry = prometheus.CollectorRegistry()
         self._prom = {
             "module": prometheus,
@@ -57,7 +67,42 @@ class ProxyMetrics:
             "bytes": prometheus.Counter(
                 "staging_proxy_response_bytes", "Response bytes served to clients", registry=registry
             ),
+            "stages": prometheus.Counter(
+                "staging_sink_stages", COUNTER_HELP["staging_sink_stages"], ["namespace", "result"], registry=registry
+            ),
+            "staged_bytes": prometheus.Counter(
+                "staging_sink_staged_bytes", COUNTER_HELP["staging_sink_staged_bytes"], ["namespace"], registry=registry
+            ),
+            "latency": prometheus.Histogram(
+                LATENCY_SERIES,
+                "Time from stage() to its result, durable write included.",
+                ["namespace"],
+                buckets=LATENCY_BUCKETS_S,
+                registry=registry,
+            ),
         }
+        for outcome in OUTCOMES:  # every outcome exported from the start (0), in every worker's files too
+            self._prom["calls"].labels(outcome=outcome)
+
+    def attach(self) -> None:
+        """Mirror this process's stage counters into the collectors (the app calls it when it opens)."""
+        if self._prom:
+            pipeline_counters().add_listener(self._mirror)
+
+    def detach(self) -> None:
+        """Stop mirroring; a worker in multiprocess mode marks itself dead (the app calls it when it closes)."""
+        if self._prom:
+            pipeline_counters().remove_listener(self._mirror)
+            mark_process_dead()
+
+    def _mirror(self, name: str, value: float, labels: Mapping[str, str]) -> None:
+        prom = self._prom
+        if name == "staging_sink_stages":
+            prom["stages"].labels(namespace=labels["namespace"], result=labels["result"]).inc(value)
+        elif name == "staging_sink_staged_bytes":
+            prom["staged_bytes"].labels(namespace=labels["namespace"]).inc(value)
+        elif name == LATENCY_SERIES:
+            prom["latency"].labels(namespace=labels["namespace"]).observe(value)
 
     def count(self, outcome: Outcome) -> None:
         """Count one call with *outcome*."""
@@ -81,6 +126,8 @@ class ProxyMetrics:
 
     def exposition(self) -> bytes:
         """The Prometheus text format (without ``prometheus_client``: ``name value`` lines of the counters)."""
+        if self._prom and multiprocess_mode():
+            return multiprocess_exposition(self._prom["module"])
         if self._prom:
             data: bytes = self._prom["module"].generate_latest(self._prom["registry"])
             return data

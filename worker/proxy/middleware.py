@@ -1,4 +1,4 @@
-"""ASGI capture middleware: the contract's gate and worker flow around an OpenAI-compatible app (§5, §6.6).
+"""ASGI capture middleware: the contract's gate and worker flow around an OpenAI-compatible app (contract §5, §6.6, §12).
 
 Per captured call (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` with a rollout id from
 ``/r/{rollout_id}/...`` or ``X-Staging-Rollout-Id``): admission with parent resolution from the request items,
@@ -37,8 +37,10 @@ from worker.asgi import (
 )
 from worker.capture import RolloutTokenCapture
 from worker.proxy.captured_call import CapturedCall, CapturePolicy
+from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, parse_target, request_items
+from worker.weight_version import PublishedWeightVersion
 
 __all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware", "CapturePolicy")
 
@@ -68,6 +70,10 @@ class CaptureMiddleware:
         self.policy = policy or CapturePolicy()
         self.announce = announce
         self.metrics = metrics or ProxyMetrics()
+        self.prefix_mode = PrefixModeChoice(None)
+        """Verify mode, unless the proxy sets the outcome of its start-up probe (exact-prefix chat calls)."""
+        self.published: PublishedWeightVersion | None = None
+        """The trainer's published weight version, when calls are stamped with it (``weight_source="published"``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Route one ASGI event: finished, metrics, a captured call, or pass-through."""

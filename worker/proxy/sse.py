@@ -2,7 +2,7 @@
 
 The capture proxy asks the upstream for the whole response, stages it, and only then emits the stream: the
 agent gets a valid SSE stream (chunks, then ``data: [DONE]``) whose first byte leaves after the stage is durable.
-The time to first token is therefore the whole generation time plus the stage (the trade-off for INV-1).
+The time to first token is therefore the whole generation time plus the stage (the trade-off for INV-1; contract §12.5).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ def _chat(payload: dict[str, Any], include_usage: bool) -> list[bytes]:
     for choice in payload.get("choices") or ():
         message = choice.get("message") or {}
         delta = {"role": "assistant", "content": message.get("content") or ""}
+        for field in ("reasoning", "reasoning_content"):  # a reasoning parser's output rides along
+            if message.get(field):
+                delta[field] = message[field]
         if message.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         first = {
@@ -36,13 +39,18 @@ def _chat(payload: dict[str, Any], include_usage: bool) -> list[bytes]:
             "logprobs": choice.get("logprobs"),
             "finish_reason": None,
         }
+        if "token_ids" in choice:  # the agent asked for them (return_token_ids): vLLM streams them per chunk
+            first["token_ids"] = choice["token_ids"]
         last = {
             "index": choice.get("index", 0),
             "delta": {},
             "logprobs": None,
             "finish_reason": choice.get("finish_reason"),
         }
-        events += [_event({**base, "choices": [first]}), _event({**base, "choices": [last]})]
+        if "stop_reason" in choice:
+            last["stop_reason"] = choice["stop_reason"]
+        head = {**base, "prompt_token_ids": payload["prompt_token_ids"]} if "prompt_token_ids" in payload else base
+        events += [_event({**head, "choices": [first]}), _event({**base, "choices": [last]})]
     if include_usage:
         events.append(_event({**base, "choices": [], "usage": payload.get("usage")}))
     return events

@@ -9,7 +9,10 @@ with ``return_tokens_as_token_ids``: ``"token_id:<n>"`` strings) and ``usage``. 
   ``generation_log_probs``) on ``choices[0].message`` instead;
 * ``honour_prefix=True`` starts the prompt with ``required_prefix_token_ids`` (a NeMo RL generation server);
 * ``drift=True`` re-tokenizes earlier assistant text differently (a space becomes a merged token), so a
-  continuation's prompt no longer starts with the parent's exact ids: the ``token_in`` check must fire.
+  continuation's prompt no longer starts with the parent's exact ids: the ``token_in`` check must fire;
+* ``scale_out=True`` (``--enable-scale-out``) serves vLLM 0.32's token-in/token-out routes
+  (:mod:`worker.simulated.scale_out`, :mod:`worker.simulated.derender`); without it they answer 403
+  ``PermissionDeniedError`` as vLLM does. ``GET /weight_info`` and ``POST /update_weight_version`` are always served.
 
 Generations always end cleanly (``<im_end>`` after valid UTF-8), so without drift a re-rendered conversation
 reproduces the parent's exact ids.
@@ -27,7 +30,9 @@ import anyio
 import orjson
 
 from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
+from worker.simulated.derender import derender_chat, derender_chat_chunk
 from worker.simulated.engine import BYTE_OFFSET, IM_END, IM_START, Generation, SimulatedEngine
+from worker.simulated.scale_out import SCALE_OUT_DISABLED, BadScaleOutRequest, ScaleOut
 
 __all__ = ("DRIFT_SPACE_ID", "EngineApp", "EngineOptions", "item_text")
 
@@ -49,10 +54,23 @@ class EngineOptions:
     delay_s: float = 0.0
     """Latency added to every generation (timeout tests)."""
     default_max_tokens: int = 16
+    scale_out: bool = False
+    """Serve the token-in/token-out routes (vLLM's ``--enable-scale-out``)."""
+    max_model_len: int = 1 << 20
+    """Context length: a longer prompt is a 400 on every route."""
 
 
 class _BadRequest(Exception):
     pass
+
+
+class _ScaleOutDisabled(Exception):
+    pass
+
+
+_SCALE_OUT_ROUTES = frozenset(
+    {"/v1/chat/completions/render", "/inference/v1/generate", "/v1/chat/completions/derender"}
+)
 
 
 def item_text(item: dict[str, Any]) -> str:
@@ -83,12 +101,13 @@ class EngineApp:
     def __init__(self, options: EngineOptions | None = None) -> None:
         self.options = options or EngineOptions()
         self.engine = SimulatedEngine(self.options.seed)
+        self.scale_out = ScaleOut(self.engine, self.options.max_model_len)
         self._ids = itertools.count(1)
         self.calls = 0
 
     # --- rendering -----------------------------------------------------------
 
-    def render(self, items: Sequence[Any]) -> list[int]:
+    def render(self, items: Sequence[Any], *, add_generation_prompt: bool = True) -> list[int]:
         """Chat-template *items* (messages or Responses items) into prompt ids, drift applied."""
         encode = self.engine.tokenizer.encode
         ids: list[int] = []
@@ -101,7 +120,7 @@ class EngineApp:
             if self.options.drift and role == "assistant":
                 body = [DRIFT_SPACE_ID if token == _SPACE_ID else token for token in body]
             ids += [IM_START, *body, IM_END]
-        return [*ids, IM_START, *encode("assistant\n")]
+        return [*ids, IM_START, *encode("assistant\n")] if add_generation_prompt else ids
 
     def _prompt(self, request: dict[str, Any], rendered: list[int]) -> list[int]:
         prefix = request.get("required_prefix_token_ids")
@@ -232,12 +251,44 @@ class EngineApp:
 
     # --- ASGI -----------------------------------------------------------------
 
+    def _messages(self, request: dict[str, Any]) -> list[int]:
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _BadRequest("messages must be a non-empty list")
+        rendered = self.render(messages, add_generation_prompt=request.get("add_generation_prompt", True) is not False)
+        self.scale_out.check_length(rendered)
+        self.scale_out.check_max_tokens(request)
+        return rendered
+
+    async def _scale_out(self, path: str, request: dict[str, Any], send: Send) -> None:
+        if not self.options.scale_out:
+            raise _ScaleOutDisabled
+        if path == "/v1/chat/completions/render":
+            rendered = self._messages(request)
+            await send_json(send, 200, self.scale_out.render(request, rendered, self.options.default_max_tokens))
+        elif path == "/inference/v1/generate":
+            if self.options.delay_s:
+                await anyio.sleep(self.options.delay_s)
+            self.calls += 1
+            request_id, prompt, generation, stop_reason = self.scale_out.generate(request)
+            if not request.get("stream"):
+                model = request.get("model") or _MODEL
+                answer = self.scale_out.response(request_id, model, prompt, generation, stop_reason)
+                await send_json(send, 200, answer)
+                return
+            events = [
+                b"data: " + orjson.dumps(c) + b"\n\n"
+                for c in self.scale_out.chunks(request_id, generation, stop_reason)
+            ]
+            await send_body(send, 200, b"".join([*events, b"data: [DONE]\n\n"]), b"text/event-stream")
+        elif request.get("stream"):
+            await send_json(send, 200, derender_chat_chunk(self.engine.tokenizer, request))
+        else:
+            await send_json(send, 200, derender_chat(self.engine.tokenizer, request))
+
     async def _handle(self, path: str, request: dict[str, Any]) -> dict[str, Any]:
         if path == "/v1/chat/completions":
-            messages = request.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise _BadRequest("messages must be a non-empty list")
-            prompt = self._prompt(request, self.render(messages))
+            prompt = self._prompt(request, self._messages(request))
             return self.chat(request, prompt, await self._generate(request, prompt))
         if path == "/v1/completions":
             raw = request.get("prompt")
@@ -277,6 +328,9 @@ class EngineApp:
         if method == "GET" and path == "/health":
             await send_body(send, 200, b"", b"text/plain")
             return
+        if method == "GET" and path == "/weight_info":
+            await send_json(send, 200, {"weight_version": self.scale_out.weight_version})
+            return
         if method == "GET" and path == "/v1/models":
             models = {"object": "list", "data": [{"id": _MODEL, "object": "model", "created": 0, "owned_by": "sim"}]}
             await send_json(send, 200, models)
@@ -288,8 +342,21 @@ class EngineApp:
             request = orjson.loads(await read_body(receive))
             if not isinstance(request, dict):
                 raise _BadRequest("the request body must be a JSON object")
+            if path in _SCALE_OUT_ROUTES:
+                await self._scale_out(path, request, send)
+                return
+            if path == "/update_weight_version":
+                version = request.get("new_version")
+                if not isinstance(version, str):
+                    raise _BadRequest("new_version must be a string")
+                self.scale_out.weight_version = version
+                await send_json(send, 200, {"success": True, "new_version": version})
+                return
             payload = await self._handle(path, request)
-        except (_BadRequest, orjson.JSONDecodeError, ValueError) as exc:
+        except _ScaleOutDisabled:
+            await send_body(send, 403, error_body(403, SCALE_OUT_DISABLED, "PermissionDeniedError"))
+            return
+        except (_BadRequest, BadScaleOutRequest, orjson.JSONDecodeError, ValueError) as exc:
             await send_body(send, 400, error_body(400, str(exc), "BadRequestError"))
             return
         except LookupError:

@@ -2,7 +2,7 @@
 
 A staged call's three token columns exist as Python lists (the wire model)
 and as packed bytes: the big-endian forms the call digest hashes (contract
-§4.3) and the little-endian forms the msgpack codec stores (architecture §5).
+§4.3) and the little-endian forms the msgpack codec stores (contract §11.4).
 At 16k tokens a per-element Python loop costs far more than hashing, so every
 function here works on whole buffers in C: ``marshal``, ``struct``,
 ``array`` and bytes slicing, ``translate``, ``find`` and comparison. This

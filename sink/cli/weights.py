@@ -1,0 +1,62 @@
+"""``staging-sink weights set N`` and ``staging-sink weights show``: the trainer's published weight version.
+
+One key per namespace (:mod:`sink.trainer.weights`): proxies started with ``--weight-source published`` stamp each
+call with it, read at most every ``--weight-staleness-s``. A trainer that uses :class:`~sink.trainer.reader.RolloutReader`
+publishes with ``publish_weight_version`` instead; this command is for scripts and operators.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import anyio
+
+from sink.cli.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+    RedisTarget,
+    check_redis_url,
+    non_negative_int,
+    open_topology,
+    stdout_console,
+)
+from sink.trainer.weights import publish_weight_version, read_published_weight_version
+
+__all__ = ("add_weights_command", "weights_command")
+
+
+async def weights_command(target: RedisTarget, version: int | None) -> int:
+    """Publish *version* (``None``: show the published one); print the result."""
+    async with open_topology(target) as topology:
+        if version is not None:
+            await publish_weight_version(topology.client, target.namespace, version)
+        current = await read_published_weight_version(topology.client, target.namespace)
+    if current is None:
+        stdout_console().print(f"no weight version published in namespace {target.namespace!r}")
+        return EXIT_FAILURE
+    stdout_console().print(f"weight version {current} (namespace {target.namespace!r})")
+    return EXIT_OK
+
+
+def _handle(args: argparse.Namespace) -> int:
+    if not args.redis_url:
+        raise CommandError("no Redis URL: pass --redis-url or set STAGING_SINK_REDIS_URL", exit_code=EXIT_USAGE)
+    target = RedisTarget(check_redis_url(args.redis_url), args.namespace, args.cluster)
+    return anyio.run(partial(weights_command, target, getattr(args, "version", None)))
+
+
+def add_weights_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], redis: argparse.ArgumentParser
+) -> None:
+    """Register ``weights set N`` / ``weights show`` on *commands* (with the shared Redis options *redis*)."""
+    text = "the trainer's published weight version (read by proxies started with --weight-source published)"
+    command = commands.add_parser("weights", help=text, description=text)
+    actions = command.add_subparsers(dest="weights_action", required=True, metavar="{set,show}")
+    publish = actions.add_parser("set", parents=[redis], help="publish weight version N in the namespace")
+    publish.add_argument("version", type=non_negative_int, metavar="N")
+    publish.set_defaults(handler=_handle)
+    show = actions.add_parser("show", parents=[redis], help="print the published weight version (exit 1: none)")
+    show.set_defaults(handler=_handle)

@@ -1,0 +1,319 @@
+"""A PyTorch data pipeline over the synchronous reader: an ``IterableDataset`` of verified, staged batches.
+
+Optional: ``pip install 'staging-sink[torch] @ git+<repo>'`` (or ``pip install -e '.[torch]'`` in a clone).
+Nothing else in :mod:`sink` imports torch; this module does, on import.
+
+:class:`StagedRolloutDataset` yields one :class:`TorchBatch` per pull: the pulled rollouts collated
+(:func:`~sink.trainer.batch.collate`, ``[B, T]``) or packed (:func:`~sink.trainer.packing.pack`,
+``[N, max_tokens]``), every array handed over with ``torch.from_numpy`` (no copy). Use it with automatic
+batching off, ``DataLoader(dataset, batch_size=None, num_workers=N)``: each batch is already a batch.
+
+Rank-aware: every reading process has its own consumer name in the ``trainers`` group,
+``<prefix>-rank<R>-worker<W>`` (``R`` from ``torch.distributed`` when it is initialized, else ``$RANK``, else 0;
+``W`` the ``DataLoader`` worker id, ``main`` without workers), so ranks and workers never share a lease.
+
+Acknowledgement is explicit, never at iteration: call :meth:`StagedRolloutDataset.ack` with a batch after the
+optimizer step. Without workers it acknowledges at once; with workers the ids go to the worker that read the
+batch (one queue per worker), which acknowledges them before its next pull, and a worker that has produced its
+last batch waits (heartbeating its leases) up to ``ack_wait_s`` for the acknowledgements of the batches still
+in flight. A batch never acknowledged stays pending and is delivered again after ``claim_idle_ms``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.queues
+import os
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+try:
+    import torch
+    import torch.distributed
+    from torch.utils.data import IterableDataset, get_worker_info
+except ImportError as exc:  # pragma: no cover - the torch extra is installed in CI
+    raise ImportError(
+        "sink.trainer.torch_data needs PyTorch, an optional extra: pip install -e '.[torch]' in a clone"
+    ) from exc
+
+from sink.errors import BatchInputError
+from sink.settings import ReaderSettings
+from sink.trainer.batch import OverlongRow, SkippedRollout, collate
+from sink.trainer.packing import pack
+from sink.trainer.pulled import PulledRollout
+from sink.trainer.sync_reader import SyncRolloutReader
+
+__all__ = ("BatchMode", "StagedRolloutDataset", "TorchBatch", "distributed_rank")
+
+BatchMode = Literal["collate", "pack"]
+_log = logging.getLogger(__name__)
+_HEARTBEAT_EVERY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TorchBatch:
+    """One batch as tensors, and what to acknowledge after the optimizer step.
+
+    ``tensors``: collated ``input_ids``, ``attention_mask``, ``loss_mask``, ``generation_logprobs``
+    (``[B, T]``), ``input_lengths``, ``rewards`` (``[B]``), ``weight_versions`` (``[B, 2]``); packed
+    ``input_ids``, ``position_ids``, ``segment_ids``, ``loss_mask``, ``generation_logprobs``
+    (``[N, max_tokens]``) and the same per-row tensors, with ``cu_seqlens`` per bin.
+    ``ack_ids``: every rollout the batch came from (rows, ``overlong``, ``skipped``).
+    ``worker_id``: the ``DataLoader`` worker that read it (``None``: the loading process).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    cu_seqlens: tuple[torch.Tensor, ...]
+    rollout_ids: tuple[str, ...]
+    ack_ids: tuple[str, ...]
+    overlong: tuple[OverlongRow, ...]
+    skipped: tuple[SkippedRollout, ...]
+    consumer_name: str
+    worker_id: int | None
+
+    @property
+    def size(self) -> int:
+        """Rows in the batch (0 when every pulled rollout was skipped or overlong: acknowledge it anyway)."""
+        return len(self.rollout_ids)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __repr__(self) -> str:
+        return (
+            f"<TorchBatch rows={self.size} consumer={self.consumer_name!r} overlong={len(self.overlong)} "
+            f"skipped={len(self.skipped)}>"
+        )
+
+
+def distributed_rank() -> int:
+    """This process's rank: ``torch.distributed`` when initialized, else ``$RANK``, else 0."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    text = os.environ.get("RANK", "0")
+    if not text.isdigit():
+        raise BatchInputError(f"RANK must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _positive(name: str, value: object) -> int:
+    if type(value) is not int or value < 1:
+        raise BatchInputError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class StagedRolloutDataset(IterableDataset[TorchBatch]):
+    """Batches of staged rollouts from the ``trainers`` group, as tensors (see the module docstring).
+
+    :param url: the Redis/Valkey URL.
+    :param rollouts_per_batch: rollouts pulled per batch (a pull that returns fewer makes a smaller batch).
+    :param mode: ``"collate"`` (padded ``[B, T]``) or ``"pack"`` (bins of ``max_tokens``, required then).
+    :param max_tokens: rows longer than this go to ``overlong`` (never truncated).
+    :param num_workers: the ``DataLoader``'s ``num_workers`` (one acknowledgement queue per worker).
+    :param max_batches: stop after this many batches per reading process (``None``: never stop).
+    :param settings: reader settings; ``consumer_name`` is replaced by the rank-aware name.
+    :param multiprocessing_context: the ``DataLoader``'s context (the queues must come from the same one).
+    :raises BatchInputError: an option out of range.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        rollouts_per_batch: int = 8,
+        mode: BatchMode = "collate",
+        max_tokens: int | None = None,
+        pad_token_id: int = 0,
+        pad_to_multiple_of: int = 1,
+        consumer_prefix: str = "torch",
+        rank: int | None = None,
+        num_workers: int = 0,
+        max_batches: int | None = None,
+        block_ms: int = 1000,
+        ack_wait_s: float = 60.0,
+        settings: ReaderSettings | None = None,
+        multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
+    ) -> None:
+        super().__init__()
+        _positive("rollouts_per_batch", rollouts_per_batch)
+        if mode not in ("collate", "pack"):
+            raise BatchInputError(f"mode must be 'collate' or 'pack', got {mode!r}")
+        if mode == "pack" and max_tokens is None:
+            raise BatchInputError("mode='pack' needs max_tokens (the bin width)")
+        if max_batches is not None:
+            _positive("max_batches", max_batches)
+        if type(num_workers) is not int or num_workers < 0:
+            raise BatchInputError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if not ack_wait_s > 0:
+            raise BatchInputError(f"ack_wait_s must be > 0, got {ack_wait_s!r}")
+        self.url = url
+        self.rollouts_per_batch = rollouts_per_batch
+        self.mode: BatchMode = mode
+        self.max_tokens = max_tokens
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.consumer_prefix = consumer_prefix
+        self.rank = rank
+        self.max_batches = max_batches
+        self.block_ms = block_ms
+        self.ack_wait_s = ack_wait_s
+        self.settings = settings or ReaderSettings()
+        self.consumer_name(0)  # validates the prefix now, not in a worker
+        context = (
+            multiprocessing.get_context(multiprocessing_context)
+            if multiprocessing_context is None or isinstance(multiprocessing_context, str)
+            else multiprocessing_context
+        )
+        self._ack_queues: list[multiprocessing.queues.Queue[list[str]]] = [
+            context.Queue() for _ in range(num_workers)
+        ]
+        self._reader: SyncRolloutReader | None = None
+
+    def consumer_name(self, worker_id: int | None) -> str:
+        """The consumer name of *worker_id* (``None``: no worker) on this rank."""
+        rank = distributed_rank() if self.rank is None else self.rank
+        worker = "main" if worker_id is None else str(worker_id)
+        name = f"{self.consumer_prefix}-rank{rank}-worker{worker}"
+        ReaderSettings.model_validate({**self.settings.model_dump(), "consumer_name": name})
+        return name
+
+    def ack(self, batch: TorchBatch) -> None:
+        """Acknowledge *batch* (call after the optimizer step): at once without workers, else through the
+        queue of the worker that read it (applied before that worker's next pull)."""
+        ids = list(batch.ack_ids)
+        if batch.worker_id is None:
+            if self._reader is None:
+                raise BatchInputError(f"batch of {batch.consumer_name!r} came from a reader that is closed")
+            outcome = self._reader.ack(ids)
+            if outcome.lost_lease:
+                _log.warning("lost the lease of %d rollout(s) before ack: %s", len(outcome.lost_lease), outcome.lost_lease)
+            return
+        if batch.worker_id >= len(self._ack_queues):
+            raise BatchInputError(f"batch from worker {batch.worker_id}, but the dataset has {len(self._ack_queues)}")
+        self._ack_queues[batch.worker_id].put(ids)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_reader"] = None  # a worker opens its own reader
+        return state
+
+    def __iter__(self) -> Iterator[TorchBatch]:
+        info = get_worker_info()
+        worker_id = None if info is None else int(info.id)
+        if worker_id is not None and worker_id >= len(self._ack_queues):
+            raise BatchInputError(
+                f"DataLoader worker {worker_id} but StagedRolloutDataset(num_workers={len(self._ack_queues)}): "
+                "pass the DataLoader's num_workers to the dataset"
+            )
+        name = self.consumer_name(worker_id)
+        settings = ReaderSettings.model_validate({**self.settings.model_dump(), "consumer_name": name})
+        with SyncRolloutReader.from_url(self.url, settings) as reader:
+            if worker_id is None:
+                self._reader = reader
+                try:
+                    yield from self._batches(reader, name, None, None)
+                finally:
+                    self._reader = None
+                return
+            acks = self._ack_queues[worker_id]
+            outstanding: set[str] = set()
+            for batch in self._batches(reader, name, worker_id, (acks, outstanding)):
+                outstanding.update(batch.ack_ids)
+                yield batch
+            self._drain(reader, acks, outstanding)
+
+    def _batches(
+        self,
+        reader: SyncRolloutReader,
+        name: str,
+        worker_id: int | None,
+        acks: tuple[multiprocessing.queues.Queue[list[str]], set[str]] | None,
+    ) -> Iterator[TorchBatch]:
+        produced = 0
+        while self.max_batches is None or produced < self.max_batches:
+            if acks is not None:
+                _apply_acks(reader, *acks)
+            pulled = reader.pull(self.rollouts_per_batch, block_ms=self.block_ms)
+            if not pulled:
+                continue
+            yield self._tensors(pulled, name, worker_id)
+            produced += 1
+
+    def _tensors(self, pulled: list[PulledRollout], name: str, worker_id: int | None) -> TorchBatch:
+        if self.mode == "pack":
+            assert self.max_tokens is not None
+            packed = pack(pulled, max_tokens=self.max_tokens, pad_token_id=self.pad_token_id)
+            arrays = {
+                "input_ids": packed.input_ids,
+                "position_ids": packed.position_ids,
+                "segment_ids": packed.segment_ids,
+                "loss_mask": packed.loss_mask,
+                "generation_logprobs": packed.generation_logprobs,
+                "input_lengths": packed.input_lengths,
+                "rewards": packed.rewards,
+                "weight_versions": packed.weight_versions,
+            }
+            cu_seqlens = tuple(torch.from_numpy(c) for c in packed.cu_seqlens)
+            result: Any = packed
+        else:
+            result = collate(
+                pulled,
+                pad_token_id=self.pad_token_id,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+                max_tokens=self.max_tokens,
+            )
+            arrays = result.tensors()
+            cu_seqlens = ()
+        return TorchBatch(
+            tensors={key: torch.from_numpy(array) for key, array in arrays.items()},
+            cu_seqlens=cu_seqlens,
+            rollout_ids=result.rollout_ids,
+            ack_ids=result.ack_ids,
+            overlong=result.overlong,
+            skipped=result.skipped,
+            consumer_name=name,
+            worker_id=worker_id,
+        )
+
+    def _drain(
+        self, reader: SyncRolloutReader, acks: multiprocessing.queues.Queue[list[str]], outstanding: set[str]
+    ) -> None:
+        """After the last batch: wait up to ``ack_wait_s`` for the batches in flight, heartbeating the leases."""
+        deadline = time.monotonic() + self.ack_wait_s
+        while outstanding and time.monotonic() < deadline:
+            try:
+                ids = acks.get(timeout=min(_HEARTBEAT_EVERY_S, max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                reader.heartbeat()
+                continue
+            _ack(reader, ids, outstanding)
+        if outstanding:
+            _log.warning(
+                "%s: %d rollout(s) not acknowledged within ack_wait_s=%s; they stay pending and are re-delivered",
+                reader.consumer_name,
+                len(outstanding),
+                self.ack_wait_s,
+            )
+
+
+def _apply_acks(
+    reader: SyncRolloutReader, acks: multiprocessing.queues.Queue[list[str]], outstanding: set[str]
+) -> None:
+    while True:
+        try:
+            ids = acks.get_nowait()
+        except queue.Empty:
+            return
+        _ack(reader, ids, outstanding)
+
+
+def _ack(reader: SyncRolloutReader, ids: list[str], outstanding: set[str]) -> None:
+    outcome = reader.ack(ids)
+    outstanding.difference_update(ids)
+    if outcome.lost_lease:
+        _log.warning("lost the lease of %d rollout(s) before ack: %s", len(outcome.lost_lease), outcome.lost_lease)

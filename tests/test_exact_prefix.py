@@ -1,0 +1,167 @@
+"""The splice rule of exact-prefix mode (:mod:`worker.exact_prefix`): properties over generated conversations on
+model templates (ChatML, one that drops earlier reasoning, one that injects a default system message, one that
+merges consecutive tool turns), parents that stopped on end-of-turn, on a stop string, at max_tokens or with
+``ignore_eos`` (end-of-turn ids inside the output), and message text that spells the end-of-turn token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.errors import SpliceError
+from worker.exact_prefix import (
+    count_end_of_turn,
+    history_eot_count_by_messages,
+    last_assistant_index,
+    splice_exact_prompt,
+)
+
+START, EOT, NL = 1, 2, 3
+THINK_END = 4
+Message = dict[str, Any]
+Template = Callable[[Sequence[Message], bool], list[int]]
+
+
+def text_ids(text: str) -> list[int]:
+    """Character ids; ``</t>`` is the reasoning end and ``<e>`` the end-of-turn, as a tokenizer parses specials."""
+    ids: list[int] = []
+    index = 0
+    while index < len(text):
+        if text.startswith("</t>", index):
+            ids.append(THINK_END)
+            index += 4
+        elif text.startswith("<e>", index):
+            ids.append(EOT)
+            index += 3
+        else:
+            ids.append(16 + ord(text[index]))
+            index += 1
+    return ids
+
+
+def turn(role: str, content: str) -> list[int]:
+    return [START, *text_ids(role), NL, *text_ids(content), EOT, NL]
+
+
+def chatml(messages: Sequence[Message], generation_prompt: bool) -> list[int]:
+    ids = [token for m in messages for token in turn(m["role"], m["content"])]
+    return ids + ([START, *text_ids("assistant"), NL] if generation_prompt else [])
+
+
+def drops_reasoning(messages: Sequence[Message], generation_prompt: bool) -> list[int]:
+    ids: list[int] = []
+    for m in messages:
+        content = m["content"].split("</t>")[-1] if m["role"] == "assistant" else m["content"]
+        ids += turn(m["role"], content)
+    return ids + ([START, *text_ids("assistant"), NL, *text_ids("<t>"), NL] if generation_prompt else [])
+
+
+def default_system(messages: Sequence[Message], generation_prompt: bool) -> list[int]:
+    injected = [] if messages and messages[0]["role"] == "system" else turn("system", "default")
+    return injected + chatml(messages, generation_prompt)
+
+
+def merges_tools(messages: Sequence[Message], generation_prompt: bool) -> list[int]:
+    ids: list[int] = []
+    index = 0
+    while index < len(messages):
+        if messages[index]["role"] == "tool":
+            results = []
+            while index < len(messages) and messages[index]["role"] == "tool":
+                results.append(messages[index]["content"])
+                index += 1
+            ids += turn("user", "|".join(results))
+            continue
+        ids += turn(messages[index]["role"], messages[index]["content"])
+        index += 1
+    return ids + ([START, *text_ids("assistant"), NL] if generation_prompt else [])
+
+
+TEMPLATES: dict[str, Template] = {
+    "chatml": chatml,
+    "drops_reasoning": drops_reasoning,
+    "default_system": default_system,
+    "merges_tools": merges_tools,
+}
+
+texts = st.lists(st.sampled_from(["a", "b", " ", "</t>", "<e>"]), max_size=6).map("".join)
+generated = st.lists(st.sampled_from([EOT, THINK_END, NL, *range(16 + 97, 16 + 100)]), min_size=1, max_size=12)
+observations = st.lists(st.tuples(st.sampled_from(["tool", "user"]), texts), min_size=1, max_size=3)
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> tuple[list[Message], list[Message]]:
+    """(history through the last assistant message, the new messages after it)."""
+    history: list[Message] = []
+    if draw(st.booleans()):
+        history.append({"role": "system", "content": draw(texts)})
+    history.append({"role": "user", "content": draw(texts)})
+    for _ in range(draw(st.integers(0, 2))):
+        history.append({"role": "assistant", "content": draw(texts)})
+        history += [{"role": role, "content": text} for role, text in draw(observations)]
+    history.append({"role": "assistant", "content": draw(texts)})
+    new = [{"role": role, "content": text} for role, text in draw(observations)]
+    return history, new
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(TEMPLATES)), conversations(), generated)
+def test_splice_keeps_the_parent_exact_and_the_rendered_suffix(
+    name: str, conversation: tuple[list[Message], list[Message]], parent_generated: list[int]
+) -> None:
+    template = TEMPLATES[name]
+    history, new = conversation
+    parent_ids = template(history[:-1], True) + parent_generated  # what the parent call saw and generated
+    rendered = template(history + new, True)
+    count = count_end_of_turn(template(history, False), {EOT})
+    spliced = splice_exact_prompt(rendered, history_eot_count=count, eot_ids={EOT}, parent_ids=parent_ids)
+    closing = [] if parent_generated[-1] == EOT else [EOT]
+    # The oracle: after the closed assistant turn, the template renders "\n" then the new turns alone.
+    suffix = [NL, *template(new, True)] if name != "default_system" else [NL, *chatml(new, True)]
+    assert spliced == parent_ids + closing + suffix
+    assert spliced[: len(parent_ids)] == parent_ids
+
+
+@settings(max_examples=100, deadline=None)
+@given(conversations(), generated)
+def test_one_turn_per_message_count_agrees_with_the_history_rendering(
+    conversation: tuple[list[Message], list[Message]], parent_generated: list[int]
+) -> None:
+    history, new = conversation
+    if any(EOT in text_ids(m["content"]) for m in history):
+        return  # text that spells the end-of-turn needs the rendered count
+    by_render = count_end_of_turn(chatml(history, False), {EOT})
+    assert history_eot_count_by_messages(history + new) == by_render
+    injected = 0 if history[0]["role"] == "system" else 1
+    assert history_eot_count_by_messages(history + new, injected_turns=injected) == count_end_of_turn(
+        default_system(history, False), {EOT}
+    )
+
+
+def test_ignore_eos_end_of_turns_in_the_parent_are_not_counted() -> None:
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    new = [{"role": "tool", "content": "c"}]
+    parent_ids = chatml(history[:1], True) + [20, EOT, 21, EOT, 22]  # ignore_eos: ends inside, no final EOT
+    spliced = splice_exact_prompt(
+        chatml(history + new, True), history_eot_count=2, eot_ids={EOT}, parent_ids=parent_ids
+    )
+    assert spliced == [*parent_ids, EOT, NL, *chatml(new, True)]
+
+
+def test_refusals_name_the_check() -> None:
+    rendered = chatml([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], True)
+    with pytest.raises(SpliceError, match="fewer than the 3"):
+        splice_exact_prompt(rendered, history_eot_count=3, eot_ids={EOT}, parent_ids=[1])
+    with pytest.raises(SpliceError, match="at least 1"):
+        splice_exact_prompt(rendered, history_eot_count=0, eot_ids={EOT}, parent_ids=[1])
+    with pytest.raises(SpliceError, match="empty"):
+        splice_exact_prompt(rendered, history_eot_count=1, eot_ids={EOT}, parent_ids=[])
+    with pytest.raises(SpliceError, match="nothing is rendered"):
+        splice_exact_prompt([5, EOT], history_eot_count=1, eot_ids={EOT}, parent_ids=[1])
+    with pytest.raises(SpliceError, match="no assistant"):
+        history_eot_count_by_messages([{"role": "user", "content": "a"}])
+    assert last_assistant_index([{"role": "assistant"}, {"role": "tool"}]) == 0

@@ -1,0 +1,146 @@
+"""README's commands match the CLI: every ``staging-sink`` command line in README (code blocks and inline code)
+parses with the real parser, its ``--help`` works, the safe ones run against a real server, and install lines
+say how this package is installed (from a clone, not from PyPI)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from sink.cli.main import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXTRAS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+PLACEHOLDERS = {
+    "R": "r1",
+    "ROLLOUT": "r1",
+    "S": "1",
+    "N": "1",
+    "PATH": "out.jsonl",
+    "URL": "redis://127.0.0.1:6379",
+    "NAME": "trainer",
+}
+BENCHES = ("codec", "stage", "worker", "assembly", "trainer", "proxy")
+
+
+def _command_texts() -> list[str]:
+    """Every ``staging-sink ...`` command in README: code-block lines (comments cut) and inline code spans."""
+    found: list[str] = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", README, flags=re.DOTALL):
+        for line in block.splitlines():
+            text = re.split(r"\s#", line)[0].strip()
+            text = re.sub(r"^(\S*/)?(staging-sink )", r"\2", text.split("&& ")[-1])
+            if text.startswith("staging-sink "):
+                found.append(text)
+    found += [m.replace("\\|", "|") for m in re.findall(r"`(staging-sink [^`]*)`", README)]
+    return sorted(set(found))
+
+
+def _variants(text: str) -> list[list[str]]:
+    """The argv lists a documented command stands for: alternatives ``a|b`` expanded, optional ``[...]`` parts
+    included, repetition marks dropped, placeholders filled, a shell redirect cut off."""
+    text = text.split(" > ")[0].replace("…", "").replace("...", "")
+    text = re.sub(r"\[([^\]]*)\]", r"\1", text)
+    choices = [word.split("|") for word in text.split()[1:]]
+    if choices and choices[0] == ["bench"] and len(choices) > 1 and choices[1] == ["NAME"]:
+        choices[1] = list(BENCHES)
+    return [
+        [_fill(word, combo[i - 1] if i else "") for i, word in enumerate(combo)] for combo in itertools.product(*choices)
+    ]
+
+
+def _fill(word: str, before: str) -> str:
+    return "staging" if before == "--state" else PLACEHOLDERS.get(word, word)
+
+
+COMMANDS = _command_texts()
+ARGVS = sorted({tuple(argv) for text in COMMANDS for argv in _variants(text)})
+
+
+def test_readme_shows_commands() -> None:
+    assert len(COMMANDS) >= 20 and any(argv[:1] == ("proxy",) for argv in ARGVS)
+
+
+@pytest.mark.parametrize("argv", ARGVS, ids=" ".join)
+def test_every_readme_command_parses_and_has_help(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    if argv and argv[0] == "bench":  # bench hands its arguments to the benchmark's own parser
+        assert argv[1] in BENCHES, argv
+    elif argv and not argv[0].startswith("-"):
+        try:
+            build_parser().parse_args(list(argv))
+        except SystemExit:
+            # A bare mention (`staging-sink proxy`) may omit a required option; nothing README shows may be
+            # unknown to the CLI.
+            error = capsys.readouterr().err
+            assert "unrecognized arguments" not in error and "invalid choice" not in error, error
+            assert "the following arguments are required" in error, error
+    path = [word for word in argv[:2] if not word.startswith("-")]
+    path = path[:1] if path[:1] != ["bench"] else path
+    with pytest.raises(SystemExit) as exited:
+        main([*path, "--help"] if argv[:1] != ("--version",) else ["--version"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.strip()
+
+
+SAFE = [["stats"], ["list"], ["prune", "--dry-run"], ["prune", "--dry-run", "--json"]]
+
+
+@pytest.mark.parametrize("argv", SAFE, ids=" ".join)
+def test_the_safe_readme_commands_run_against_a_real_server(argv: list[str], redis_url: str) -> None:
+    assert tuple(argv) in ARGVS or any(a[: len(argv)] == tuple(argv) for a in ARGVS), argv
+    assert main([*argv, "--redis-url", redis_url]) == 0
+
+
+def test_install_lines_say_how_to_install_from_this_repository() -> None:
+    for path in DOCS:
+        text = path.read_text()
+        pypi = re.findall(r"pip install 'staging-sink\[[a-z,]+\]'", text)  # the VCS form has " @ git+" inside
+        assert not pypi, f"{path.name}: {pypi}: install from a clone or pip's VCS form, not from PyPI"
+        for extras in re.findall(r"pip install -e '\.\[([a-z,]+)\]'", text):
+            assert set(extras.split(",")) <= EXTRAS, (path.name, extras)
+    assert "numpy` extra" not in README  # numpy is a default dependency
+
+
+def test_the_vllm_section_starts_the_server_on_the_port_it_exports() -> None:
+    section = README.split("## Use it with vLLM")[1].split("\n## ")[0]
+    port = re.search(r"export STAGING_SINK_REDIS_URL=redis://127\.0\.0\.1:(\d+)", section)
+    assert port and f"staging-sink server --port {port.group(1)}" in section
+
+
+@pytest.mark.parametrize("bench", ["trainer", "proxy"])
+def test_bench_help_shows_the_defaults(bench: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", bench, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    expected = {
+        "trainer": ["(default: 64)", "(default: 32)", "(default: 2048)", "(default: 3)"],
+        "proxy": ["(default: [1, 16, 64])", "(default: 2048)", "(default: 8)", "(default: 50)"],
+    }[bench]
+    assert all(text in out for text in expected), out
+
+
+def test_proxy_and_delete_help_say_what_the_commands_do(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["proxy", "--help"])
+    proxy = " ".join(capsys.readouterr().out.split())
+    cluster = re.search(r"--cluster, --no-cluster (.*?) --", proxy)
+    assert cluster and "proxy" in cluster.group(1), proxy  # the proxy does not detect the mode
+    with pytest.raises(SystemExit):
+        main(["delete", "--help"])
+    delete = " ".join(capsys.readouterr().out.split())
+    assert "every key" in delete and "staged records" in delete  # as README's command table says
+    assert "remove **every key of the rollout**" in README
+
+
+def test_the_function_library_name_is_the_one_readme_describes() -> None:
+    from sink.store.scripts import LIBRARY
+
+    assert "`staging_sink_<hash>`" in README
+    assert re.fullmatch(r"staging_sink_[0-9a-f]{12}", LIBRARY.name), LIBRARY.name

@@ -1,0 +1,192 @@
+"""The PyTorch data pipeline (torch extra) on a real server: a tiny model trains on pulled rows, acknowledgement
+is explicit, every DataLoader worker and rank reads under its own consumer name, and the core never imports
+torch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+import redis
+import torch
+from torch.utils.data import DataLoader
+
+from sink.errors import BatchInputError
+from sink.keys import receipts_stream
+from sink.settings import DEFAULT_SHARDS, ReaderSettings
+from sink.trainer.torch_data import StagedRolloutDataset, TorchBatch
+from tests.helpers.trainer import publish
+
+VOCAB = 64
+
+
+def _receipts_left(url: str) -> int:
+    with redis.Redis.from_url(url) as client:
+        return sum(int(client.xlen(receipts_stream("stg", shard))) for shard in range(DEFAULT_SHARDS))
+
+
+def test_importing_the_core_does_not_import_torch() -> None:
+    code = (
+        "import sys, sink, sink.trainer.sync_reader, sink.trainer.batch, sink.trainer.packing, sink.cli.main, worker;"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def _publish(url: str, ids: list[str], *, receipt_shards: int = DEFAULT_SHARDS) -> dict[str, list[int]]:
+    staged = anyio.run(lambda: publish(url, ids, calls=2, n_tokens=6, receipt_shards=receipt_shards))
+    return {rollout_id: s.token_ids for rollout_id, s in staged.items()}
+
+
+class TinyPolicy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids % VOCAB))  # type: ignore[no-any-return]
+
+
+def _loss(model: TinyPolicy, batch: TorchBatch) -> torch.Tensor:
+    """Next-token loss on the generated tokens (loss_mask), a stand-in for the policy-gradient loss."""
+    ids = batch["input_ids"]
+    logits = model(ids[:, :-1])
+    targets = (ids[:, 1:] % VOCAB).reshape(-1)
+    per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets, reduction="none")
+    mask = batch["loss_mask"][:, 1:].reshape(-1)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def test_a_tiny_model_trains_on_pulled_rows_and_acks_only_when_asked(redis_url: str) -> None:
+    ids = [f"torch-{i}" for i in range(8)]
+    tokens = _publish(redis_url, ids)
+    dataset = StagedRolloutDataset(redis_url, rollouts_per_batch=4, max_batches=2, block_ms=200, consumer_prefix="t")
+    loader = DataLoader(dataset, batch_size=None)
+    torch.manual_seed(0)
+    model = TinyPolicy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen: list[str] = []
+    losses: list[float] = []
+    for batch in loader:
+        assert isinstance(batch, TorchBatch) and batch.worker_id is None
+        assert batch.consumer_name == "t-rank0-workermain"
+        assert batch["input_ids"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
+        for index, rollout_id in enumerate(batch.rollout_ids):  # the exact staged tokens, as tensors
+            n = len(tokens[rollout_id])
+            assert batch["input_ids"][index, :n].tolist() == tokens[rollout_id]
+            assert int(batch["input_lengths"][index]) == n
+        pending_before = _receipts_left(redis_url)
+        loss = _loss(model, batch)
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        assert _receipts_left(redis_url) == pending_before  # iterating and stepping acknowledged nothing
+        dataset.ack(batch)
+        assert _receipts_left(redis_url) == pending_before - len(batch.ack_ids)
+        losses.append(float(loss.detach()))
+        seen += batch.rollout_ids
+    assert sorted(seen) == sorted(ids)
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # it trained
+    assert _receipts_left(redis_url) == 0
+
+
+def test_packed_batches_carry_cu_seqlens_and_segments(redis_url: str) -> None:
+    ids = [f"pack-{i}" for i in range(4)]
+    tokens = _publish(redis_url, ids)
+    longest = max(len(t) for t in tokens.values())
+    dataset = StagedRolloutDataset(
+        redis_url, rollouts_per_batch=4, mode="pack", max_tokens=2 * longest, max_batches=1, block_ms=200
+    )
+    seen: list[str] = []
+    for batch in DataLoader(dataset, batch_size=None):
+        assert batch["input_ids"].shape[1] == 2 * longest
+        assert len(batch.cu_seqlens) == batch["input_ids"].shape[0]
+        assert int(sum(int(c[-1]) for c in batch.cu_seqlens)) == int(batch["input_lengths"].sum())
+        assert int((batch["segment_ids"] >= 0).sum()) == int(batch["input_lengths"].sum())
+        dataset.ack(batch)
+        seen += batch.rollout_ids
+    assert len(seen) >= 1 and _receipts_left(redis_url) == len(ids) - len(seen)
+
+
+def test_every_dataloader_worker_reads_under_its_own_consumer_and_acks_through_its_queue(redis_url: str) -> None:
+    ids = [f"worker-{i}" for i in range(8)]
+    # One receipt shard: a pull of 2 reads exactly 2 (no read-ahead backlog), so each worker takes 4.
+    _publish(redis_url, ids, receipt_shards=1)
+    dataset = StagedRolloutDataset(
+        redis_url,
+        settings=ReaderSettings(receipt_shards=1),
+        rollouts_per_batch=2,
+        max_batches=2,
+        block_ms=200,
+        num_workers=2,
+        consumer_prefix="w",
+        multiprocessing_context="spawn",
+        ack_wait_s=60.0,
+    )
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    consumers: set[str] = set()
+    trained: list[str] = []
+    for batch in loader:
+        consumers.add(batch.consumer_name)
+        assert batch.worker_id in (0, 1)
+        dataset.ack(batch)
+        trained += batch.ack_ids
+    assert consumers == {"w-rank0-worker0", "w-rank0-worker1"}
+    assert sorted(trained) == sorted(ids)  # each rollout to one worker, once
+    # The workers applied every acknowledgement before they exited.
+    assert _receipts_left(redis_url) == 0
+    with redis.Redis.from_url(redis_url) as client:
+        assert int(client.xpending(receipts_stream("stg", 0), "trainers")["pending"]) == 0
+
+
+def test_the_rank_comes_from_the_environment_without_torch_distributed(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "3")
+    assert StagedRolloutDataset(redis_url, consumer_prefix="r").consumer_name(1) == "r-rank3-worker1"
+    assert StagedRolloutDataset(redis_url, rank=5).consumer_name(None) == "torch-rank5-workermain"
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(BatchInputError, match="RANK"):
+        StagedRolloutDataset(redis_url)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"mode": "pack"}, "max_tokens"),
+        ({"mode": "other"}, "mode"),
+        ({"rollouts_per_batch": 0}, "rollouts_per_batch"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"consumer_prefix": "bad name"}, "consumer_name"),
+    ],
+)
+def test_bad_options_are_rejected_at_construction(fields: dict[str, object], message: str) -> None:
+    with pytest.raises((BatchInputError, ValueError), match=message):
+        StagedRolloutDataset("redis://127.0.0.1:1", **fields)  # type: ignore[arg-type]
+
+
+def test_the_torch_example_trains_and_acknowledges_every_batch(redis_url: str, tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "torch_training_loop.py"
+    result = subprocess.run(
+        [sys.executable, "-W", "error", str(example), "--redis-url", redis_url, "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    pattern = re.compile(r"step (\d): rows=(\d+) tokens=(\d+) consumer=torch-rank0-workermain loss=(-?[\d.]+)")
+    matches = [pattern.fullmatch(line) for line in lines]
+    assert len(lines) == 3 and all(matches), lines
+    assert sum(int(m.group(2)) for m in matches if m) == 12
+    assert _receipts_left(redis_url) == 0

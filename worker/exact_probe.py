@@ -1,0 +1,98 @@
+"""The start-up probe of exact-prefix mode: does the engine serve the token-in/token-out routes, and what is its
+template's end-of-turn id?
+
+Routes: ``POST /v1/chat/completions/render`` must answer 200 (vLLM 0.32 with ``--enable-scale-out``; 403
+``PermissionDeniedError`` means the flag is missing, 404 an engine without the routes), and
+``POST /v1/chat/completions/derender`` must exist (an empty body is a 4xx validation error, not 403/404).
+
+End-of-turn id, learned from the engine's own template (no tokenizer needed here): render ``[user "a"]``, then
+``[user "a", assistant ""]`` and ``[user "a", assistant "z"]`` without the generation prompt. The two assistant
+turns (each rendering past the first) share a header and a closing; the closing (what follows the content) starts
+with the end-of-turn id: ``<|im_end|>`` in ``<|im_end|>\\n``. A template for which this does not hold (the user
+turn renders differently once an assistant turn follows, or no closing) keeps verify mode, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from worker.exact_chat import DERENDER_PATH, RENDER_PATH, EngineCall
+
+__all__ = ("EngineGet", "ExactProbe", "probe_exact_prefix")
+
+EngineGet = Callable[[str], Awaitable[tuple[int, Any]]]
+"""``path -> (status, parsed JSON body)`` of a GET on the engine."""
+
+
+@dataclass(frozen=True)
+class ExactProbe:
+    """What the probe found: the mode to use, why, and the end-of-turn ids (empty in verify mode)."""
+
+    mode: Literal["exact", "verify", "unreachable"]
+    """``unreachable``: the engine did not answer (not up yet?): nothing is known about it."""
+    reason: str
+    eot_ids: frozenset[int] = frozenset()
+    model: str = ""
+
+
+def _verify(reason: str) -> ExactProbe:
+    return ExactProbe("verify", reason)
+
+
+_UNREACHABLE = frozenset({502, 503, 504})
+"""Statuses that say nothing about the engine's routes: the forwarder could not reach it, or it is not ready."""
+
+
+async def _model(get: EngineGet) -> tuple[int, str | None]:
+    status, answer = await get("/v1/models")
+    try:
+        return status, str(answer["data"][0]["id"]) if status == 200 else None
+    except (KeyError, IndexError, TypeError):
+        return status, None
+
+
+def _closing(empty: list[int], filled: list[int]) -> list[int]:
+    """What follows the content in an assistant turn: the common suffix of the empty and the filled turn."""
+    size = 0
+    while size < min(len(empty), len(filled)) and empty[-1 - size] == filled[-1 - size]:
+        size += 1
+    header = 0
+    while header < min(len(empty), len(filled)) - size and empty[header] == filled[header]:
+        header += 1
+    return empty[header:]
+
+
+async def probe_exact_prefix(post: EngineCall, get: EngineGet) -> ExactProbe:
+    """Probe the engine (see the module docstring); never raises for an engine answer, only reports it."""
+    status, model = await _model(get)
+    if status in _UNREACHABLE:
+        return ExactProbe("unreachable", f"GET /v1/models answered {status}")
+    if model is None:
+        return _verify(f"GET /v1/models answered {status} and named no model")
+    user = {"role": "user", "content": "a"}
+
+    async def render(messages: list[dict[str, Any]]) -> tuple[int, Any]:
+        body = {"model": model, "messages": messages, "max_tokens": 1, "add_generation_prompt": False}
+        return await post(RENDER_PATH, body)
+
+    status, first = await render([user])
+    if status == 403:
+        return _verify("the engine's token-in/token-out routes are disabled (start vLLM with --enable-scale-out)")
+    if status != 200:
+        return _verify(f"POST {RENDER_PATH} answered {status} (vLLM >= 0.32 with --enable-scale-out needed)")
+    status, _ = await post(DERENDER_PATH, {})
+    if status in (403, 404, 405):
+        return _verify(f"POST {DERENDER_PATH} answered {status}")
+    turns = []
+    for content in ("", "z"):
+        status, answer = await render([user, {"role": "assistant", "content": content}])
+        ids = answer.get("token_ids") if status == 200 and isinstance(answer, dict) else None
+        if not isinstance(ids, list) or ids[: len(first["token_ids"])] != first["token_ids"]:
+            return _verify("the template renders a user turn differently once an assistant turn follows")
+        turns.append(ids[len(first["token_ids"]) :])
+    closing = _closing(turns[0], turns[1])
+    if not closing:
+        return _verify("the template's assistant turn has no closing end-of-turn")
+    return ExactProbe("exact", f"{RENDER_PATH}, generate and derender answer", frozenset({closing[0]}), model)
