@@ -362,7 +362,7 @@ class Assembler(AsyncResource):
         with map_redis_errors(f"publish the receipt of {rollout_id!r}"):
             await self._topology.client.xadd(stream, fields)  # type: ignore[arg-type]
         self._counts["published"] += 1
-        count_receipt_published(self._ns, shard)  # metrics (issue 15)
+        count_receipt_published(self._ns, shard)  # metrics
 
 
 async def run_assembler(

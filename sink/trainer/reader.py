@@ -88,12 +88,9 @@ class RolloutReader(AsyncResource):
     ``from_url`` owns its client; the constructor borrows one. Use as an
     async context manager; rollouts still held at :meth:`aclose` stay
     pending (reclaimable). Methods raise
-    :class:`~sink.errors.StagingUnavailableError` when the server cannot be
-    reached (entries in hand then stay pending and are retried by the next
-    :meth:`pull`) and :class:`~sink.errors.StagingRefusedError` when it
-    refuses a command. A training loop rides out outages as ``staging-sink
-    trainer`` does: ``OutagePolicy(reader.settings, "rank-0").call(...)``
-    (:mod:`sink.service`, with ``max_outage_s`` and the backoff settings).
+    :class:`~sink.errors.StagingConnectionError` when the server cannot be
+    reached or refuses; entries in hand stay pending for the next :meth:`pull`.
+    To ride out outages, use :class:`sink.service.OutagePolicy` as ``staging-sink trainer`` does.
     """
 
     def __init__(self, client: aioredis.Redis | RedisCluster, settings: ReaderSettings | None = None) -> None:
