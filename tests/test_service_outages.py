@@ -61,8 +61,8 @@ def test_the_trainer_command_exits_at_once_after_a_wrongtype_reply(redis_url: st
     with staging_sink(*_trainer(redis_url, "--timeout-s", "600", "--max-outage-s", "600")) as cmd:
         cmd.wait_for(READY)
         with redis.Redis.from_url(redis_url) as client:
-            # Something else wrote the namespace: the receipts stream is now a string (XREADGROUP: WRONGTYPE).
-            client.delete(receipts_stream("stg", 0))
+            # Something else wrote the namespace: the receipts stream is now a string, in one command (SET
+            # replaces a key of any type), so the blocked read and the group's recreation both meet WRONGTYPE.
             client.set(receipts_stream("stg", 0), "not a stream")
         code = cmd.wait(timeout_s=120)  # far below both limits: it waited for neither
     _assert_one_line_error(code, cmd.lines("stderr"), "WRONGTYPE")
