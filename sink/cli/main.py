@@ -212,7 +212,11 @@ def _add_service_commands(
     _add_metrics_port(assembler)
     assembler.set_defaults(
         handler=lambda a: services.assembler_command(
-            _target(a), shards=a.shards, consumer_name=a.consumer_name, metrics=(a.metrics_port, a.metrics_host)
+            _target(a),
+            shards=a.shards,
+            consumer_name=a.consumer_name,
+            metrics=(a.metrics_port, a.metrics_host),
+            outage=getattr(a, "outage", None),
         )
     )
 
@@ -241,6 +245,7 @@ def _add_service_commands(
             batch=a.batch,
             metrics=(a.metrics_port, a.metrics_host),
             max_outage_s=a.max_outage_s,
+            outage=getattr(a, "outage", None),
         )
     )
 

@@ -83,7 +83,8 @@ class RolloutReader(AsyncResource):
 
     ``from_url`` owns its client; the constructor borrows one. Use as an async context manager; rollouts still
     held at :meth:`aclose` stay pending (reclaimable). Methods raise :class:`~sink.errors.StagingConnectionError`
-    when the server cannot be reached; entries in hand then stay pending and are retried by the next :meth:`pull`.
+    when the server cannot be reached or refuses; entries in hand then stay pending for the next :meth:`pull`.
+    To ride out outages, use :class:`sink.service.OutagePolicy` as ``staging-sink trainer`` does.
     """
 
     def __init__(self, client: aioredis.Redis | RedisCluster, settings: ReaderSettings | None = None) -> None:
