@@ -17,10 +17,11 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from sink import RedisStagingSink, RedisStagingSource, StagedCallRecord
+from sink import StagedCallRecord
 from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
 from sink.contract.protocols import StagingSink, StagingSource
 from sink.server import durable_server
+from sink.store import RedisStagingSink, RedisStagingSource
 
 LedgerRow = tuple[str, str, str]  # (model_call_id, staging_key, digest): what Gym's custody ledger keeps
 

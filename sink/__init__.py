@@ -5,134 +5,106 @@ before the response returns; a ledger records committed calls; an assembler
 builds receipts; the trainer pulls, verifies every digest and chain link, and
 gets exact training rows. Records are wire-compatible with NeMo Gym's token
 staging contract (schema 2); the records themselves live in :mod:`sink.contract.records`.
+
+The top level holds the entry points of the README's example: the sink, the gate and its ledger, the
+``finished`` event and the assembler, the trainer's reader, the records they pass and the exception root.
+Everything else is exported by its sub-package (:mod:`sink.contract`, :mod:`sink.store`, :mod:`sink.ledger`,
+:mod:`sink.rollout`, :mod:`sink.trainer`, :mod:`sink.server`) or module (:mod:`sink.settings`,
+:mod:`sink.errors`); the names the top level exported before still resolve, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
-from sink.contract.packed import PackedSnapshot
-from sink.contract.records import (
-    CaptureAdmission,
-    CommitCoords,
-    RolloutManifest,
-    RolloutReceipt,
-    RolloutRemoval,
-    StagedCallRecord,
-    StagedCallSnapshot,
-    StageResult,
-    staging_key,
-)
-from sink.errors import (
-    BatchInputError,
-    ClusterModeMismatchError,
-    CodecError,
-    ExtraMissingError,
-    FingerprintInputError,
-    InvalidCallIdError,
-    LedgerConflictError,
-    MetricsExtraMissingError,
-    RebuildError,
-    ReceiptVerificationError,
-    RolloutRetiredError,
-    RowUnavailableError,
-    ServerNotFoundError,
-    ServerProcessError,
-    StagingConnectionError,
-    StagingError,
-    StagingKeyOwnershipError,
-    UnrecoverableServiceError,
-)
-from sink.ledger.gate import CaptureGate
-from sink.ledger.memory import MemoryCaptureLedger
-from sink.ledger.redis import RedisCaptureLedger
-from sink.rollout.assembler import Assembler, AssemblerStatistics
-from sink.rollout.done_event import finished
-from sink.server import DurableServer, durable_server
-from sink.settings import (
-    AssemblerSettings,
-    ConnectionSettings,
-    LedgerSettings,
-    ProxySettings,
-    PruneSettings,
-    ReaderSettings,
-    SinkSettings,
-    SourceSettings,
-)
-from sink.store.sink import AsyncRedisStagingSink, RedisStagingSink, SinkStatistics
-from sink.store.source import AsyncRedisStagingSource, RedisStagingSource
-from sink.trainer.groups import GroupReader, RolloutGroup
-from sink.trainer.pulled import PulledRollout
-from sink.trainer.reader import ReaderStatistics, RolloutReader
-from sink.trainer.reader_guards import AckOutcome
-from sink.trainer.row import LinearizedRow
-from sink.trainer.sync_reader import SyncRolloutReader
-from sink.trainer.verify import verify_and_linearize
+import importlib
+import warnings
+from typing import Any
 
-# Grouped by role, as httpcore does; the wire records themselves are all in sink.contract.records.
-__all__ = (  # noqa: RUF022 (grouped by role, not sorted)
-    # staging (inference side)
+from sink.contract.records import RolloutReceipt, StagedCallRecord
+from sink.errors import StagingError
+from sink.ledger.gate import CaptureGate
+from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.assembler import Assembler
+from sink.rollout.done_event import finished
+from sink.store.sink import AsyncRedisStagingSink
+from sink.trainer.reader import RolloutReader
+
+# In the order the data flows, as in the README's example.
+__all__ = (  # noqa: RUF022 (data-flow order, not sorted)
     "AsyncRedisStagingSink",
-    "RedisStagingSink",
-    "SinkStatistics",
-    "StageResult",
     "StagedCallRecord",
-    "staging_key",
-    # reading staged calls back
-    "AsyncRedisStagingSource",
-    "RedisStagingSource",
-    "StagedCallSnapshot",
-    "PackedSnapshot",
-    # the capture ledger and the gate
     "CaptureGate",
     "RedisCaptureLedger",
-    "MemoryCaptureLedger",
-    "CaptureAdmission",
-    "CommitCoords",
-    "RolloutManifest",
-    "RolloutRemoval",
-    # rollout end: finished events, receipts
     "finished",
     "Assembler",
-    "AssemblerStatistics",
     "RolloutReceipt",
-    # the trainer side
     "RolloutReader",
-    "SyncRolloutReader",
-    "ReaderStatistics",
-    "PulledRollout",
-    "AckOutcome",
-    "GroupReader",
-    "RolloutGroup",
-    "verify_and_linearize",
-    "LinearizedRow",
-    # servers
-    "durable_server",
-    "DurableServer",
-    # settings
-    "ConnectionSettings",
-    "SinkSettings",
-    "SourceSettings",
-    "LedgerSettings",
-    "AssemblerSettings",
-    "ReaderSettings",
-    "PruneSettings",
-    "ProxySettings",
-    # exceptions
     "StagingError",
-    "StagingConnectionError",
-    "CodecError",
-    "LedgerConflictError",
-    "RolloutRetiredError",
-    "ReceiptVerificationError",
-    "RebuildError",
-    "ServerNotFoundError",
-    "ServerProcessError",
-    "ExtraMissingError",
-    "MetricsExtraMissingError",
-    "StagingKeyOwnershipError",
-    "InvalidCallIdError",
-    "FingerprintInputError",
-    "BatchInputError",
-    "RowUnavailableError",
-    "ClusterModeMismatchError",
-    "UnrecoverableServiceError",
 )
+
+_MOVED = {
+    # sink.store
+    "AsyncRedisStagingSource": "sink.store",
+    "RedisStagingSink": "sink.store",
+    "RedisStagingSource": "sink.store",
+    "SinkStatistics": "sink.store",
+    # sink.contract
+    "CaptureAdmission": "sink.contract",
+    "CommitCoords": "sink.contract",
+    "PackedSnapshot": "sink.contract",
+    "RolloutManifest": "sink.contract",
+    "RolloutRemoval": "sink.contract",
+    "StageResult": "sink.contract",
+    "StagedCallSnapshot": "sink.contract",
+    "staging_key": "sink.contract",
+    # sink.ledger
+    "MemoryCaptureLedger": "sink.ledger",
+    # sink.rollout
+    "AssemblerStatistics": "sink.rollout",
+    # sink.trainer
+    "AckOutcome": "sink.trainer",
+    "GroupReader": "sink.trainer",
+    "LinearizedRow": "sink.trainer",
+    "PulledRollout": "sink.trainer",
+    "ReaderStatistics": "sink.trainer",
+    "RolloutGroup": "sink.trainer",
+    "SyncRolloutReader": "sink.trainer",
+    "verify_and_linearize": "sink.trainer",
+    # sink.server
+    "DurableServer": "sink.server",
+    "durable_server": "sink.server",
+    # sink.settings
+    "AssemblerSettings": "sink.settings",
+    "ConnectionSettings": "sink.settings",
+    "LedgerSettings": "sink.settings",
+    "ProxySettings": "sink.settings",
+    "PruneSettings": "sink.settings",
+    "ReaderSettings": "sink.settings",
+    "SinkSettings": "sink.settings",
+    "SourceSettings": "sink.settings",
+    # sink.errors
+    "BatchInputError": "sink.errors",
+    "ClusterModeMismatchError": "sink.errors",
+    "CodecError": "sink.errors",
+    "FingerprintInputError": "sink.errors",
+    "InvalidCallIdError": "sink.errors",
+    "LedgerConflictError": "sink.errors",
+    "MetricsExtraMissingError": "sink.errors",
+    "RebuildError": "sink.errors",
+    "ReceiptVerificationError": "sink.errors",
+    "RolloutRetiredError": "sink.errors",
+    "RowUnavailableError": "sink.errors",
+    "ServerNotFoundError": "sink.errors",
+    "ServerProcessError": "sink.errors",
+    "StagingConnectionError": "sink.errors",
+    "StagingKeyOwnershipError": "sink.errors",
+    "UnrecoverableServiceError": "sink.errors",
+}
+"""Names the top level exported before, and where they live now."""
+
+
+def __getattr__(name: str) -> Any:
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'sink' has no attribute {name!r}")
+    warnings.warn(f"sink.{name} moved: import it from {home}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(home), name)

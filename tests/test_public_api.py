@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -35,7 +36,9 @@ MODULE_NAMES = _walk_modules()
 
 
 def test_walk_finds_the_core_modules() -> None:
-    assert {"sink", "worker", "sink.contract.records", "sink.contract.digest", "sink.errors", "sink.keys"} <= set(MODULE_NAMES)
+    assert {"sink", "worker", "sink.contract.records", "sink.contract.digest", "sink.errors", "sink.keys"} <= set(
+        MODULE_NAMES
+    )
 
 
 @pytest.mark.parametrize("module_name", MODULE_NAMES)
@@ -337,3 +340,34 @@ def test_sink_never_imports_worker_at_import_time() -> None:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == ""
+
+
+# --- the top level: the README example's entry points; the rest in the sub-packages -------------------
+
+README_ENTRY_POINTS = (
+    "AsyncRedisStagingSink",
+    "CaptureGate",
+    "RedisCaptureLedger",
+    "finished",
+    "Assembler",
+    "RolloutReader",
+)
+
+
+def test_the_top_level_is_the_readme_entry_points_the_records_and_the_error_root() -> None:
+    assert set(sink.__all__) == {*README_ENTRY_POINTS, "StagedCallRecord", "RolloutReceipt", "StagingError"}
+    example = (Path(__file__).resolve().parents[1] / "examples" / "quickstart.py").read_text()
+    assert f"from sink import {', '.join(sorted(README_ENTRY_POINTS))}\n" in example
+
+
+@pytest.mark.parametrize("name", sorted(sink._MOVED))
+def test_a_moved_name_lives_in_its_sub_package_and_still_resolves_with_a_warning(name: str) -> None:
+    home = importlib.import_module(sink._MOVED[name])
+    assert name in home.__all__
+    with pytest.warns(DeprecationWarning, match=f"import it from {home.__name__}"):
+        assert getattr(sink, name) is getattr(home, name)
+
+
+def test_an_unknown_top_level_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no_such_name"):
+        sink.no_such_name  # noqa: B018

@@ -1,3 +1,29 @@
 """The wire contract: record models, the field table, digests, fingerprints, the codec and packed columns (pure code, no I/O)."""
 
-__all__ = ()
+from __future__ import annotations
+
+from sink.contract.packed import PackedSnapshot
+from sink.contract.records import (
+    CaptureAdmission,
+    CommitCoords,
+    RolloutManifest,
+    RolloutReceipt,
+    RolloutRemoval,
+    StagedCallRecord,
+    StagedCallSnapshot,
+    StageResult,
+    staging_key,
+)
+
+__all__ = (
+    "CaptureAdmission",
+    "CommitCoords",
+    "PackedSnapshot",
+    "RolloutManifest",
+    "RolloutReceipt",
+    "RolloutRemoval",
+    "StageResult",
+    "StagedCallRecord",
+    "StagedCallSnapshot",
+    "staging_key",
+)

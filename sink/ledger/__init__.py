@@ -2,4 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ()
+from sink.ledger.gate import CaptureGate
+from sink.ledger.memory import MemoryCaptureLedger
+from sink.ledger.redis import RedisCaptureLedger
+
+__all__ = (
+    "CaptureGate",
+    "MemoryCaptureLedger",
+    "RedisCaptureLedger",
+)

@@ -2,4 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ()
+from sink.store.sink import AsyncRedisStagingSink, RedisStagingSink, SinkStatistics
+from sink.store.source import AsyncRedisStagingSource, RedisStagingSource
+
+__all__ = (
+    "AsyncRedisStagingSink",
+    "AsyncRedisStagingSource",
+    "RedisStagingSink",
+    "RedisStagingSource",
+    "SinkStatistics",
+)

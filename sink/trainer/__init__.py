@@ -1,3 +1,23 @@
 """The trainer side: pulling, verifying and linearizing rollouts, then batches, packing, groups, staleness and export."""
 
-__all__ = ()
+from __future__ import annotations
+
+from sink.trainer.groups import GroupReader, RolloutGroup
+from sink.trainer.pulled import PulledRollout
+from sink.trainer.reader import ReaderStatistics, RolloutReader
+from sink.trainer.reader_guards import AckOutcome
+from sink.trainer.row import LinearizedRow
+from sink.trainer.sync_reader import SyncRolloutReader
+from sink.trainer.verify import verify_and_linearize
+
+__all__ = (
+    "AckOutcome",
+    "GroupReader",
+    "LinearizedRow",
+    "PulledRollout",
+    "ReaderStatistics",
+    "RolloutGroup",
+    "RolloutReader",
+    "SyncRolloutReader",
+    "verify_and_linearize",
+)
