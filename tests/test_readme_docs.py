@@ -62,3 +62,26 @@ def test_the_gym_config_builds_the_sink_and_source_it_names() -> None:
         sink = RedisTokenSink(**capture["sink_kwargs"])  # builds settings only; connects on first use
         source = RedisTokenSource(**capture["sink_kwargs"])
         assert sink.settings.namespace == source.settings.namespace == capture["sink_kwargs"]["namespace"]
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives *path*'s headings (lower case, punctuation dropped, spaces as hyphens)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*$", text, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings} | set(
+        re.findall(r"""<a\s+(?:id|name)=["']([^"']+)["']""", text)
+    )
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *PAGES], ids=lambda page: page.name)
+def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # an absolute URL
+        file, _, anchor = target.partition("#")
+        resolved = (page.parent / file).resolve() if file else page
+        if not resolved.exists() or (anchor and anchor not in _anchors(resolved)):
+            broken.append(target)
+    assert not broken, f"{page.name}: {broken}"
