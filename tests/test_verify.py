@@ -585,7 +585,7 @@ def test_as_numpy_columns() -> None:
 def test_as_numpy_without_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     row = verify_and_linearize(*example_case())
     monkeypatch.setitem(sys.modules, "numpy", None)
-    with pytest.raises(ImportError, match=r"staging-sink\[numpy\]"):
+    with pytest.raises(ImportError, match=r"numpy, a default dependency"):
         row.as_numpy()
 
 

@@ -229,6 +229,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                     "exists",
                     "ttl",
                     "get",
+                    "hget",
                     "mget",
                     "xlen",
                     "xrange",

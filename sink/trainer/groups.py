@@ -235,6 +235,7 @@ class GroupReader:
     def _hand_over(self, group_id: str, rollout_ids: list[str]) -> None:
         """Another rank owns the group: let go of our members without acknowledging them."""
         self._reader.forget(rollout_ids)
+        self._reader.claims.take_redelivered(rollout_ids)
         parked = self._parked.get(group_id, {})
         for rollout_id in rollout_ids:
             parked.pop(rollout_id, None)
@@ -284,6 +285,8 @@ class GroupReader:
         self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout], *, complete: bool
     ) -> list[RolloutGroup]:
         settings = self._settings
+        ids = [m.rollout_id for m in members]
+        redelivered = self._reader.claims.take_redelivered([*ids, *(f.rollout_id for f in failed)])
         if not members:
             failed_only = RolloutGroup(tag.group_id, tag.group_size, (), tuple(failed), complete)
             self._counts["dropped"] += 1
@@ -302,8 +305,7 @@ class GroupReader:
         if not complete:
             self._counts["partial"] += 1
         self._counts["delivered"] += 1
-        ids = [m.rollout_id for m in members]
-        if self._reader.claims.take_redelivered(ids) and await self._delivered_before(tag.group_id):
+        if redelivered and await self._delivered_before(tag.group_id):
             for rollout_id in ids:
                 self._reader.claims.count_double_delivery(rollout_id, f"group {tag.group_id!r}, delivered before")
         return [RolloutGroup(tag.group_id, tag.group_size, tuple(members), tuple(failed), complete)]

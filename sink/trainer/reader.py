@@ -133,7 +133,7 @@ class RolloutReader(AsyncResource):
             max_deliveries=settings.max_deliveries,
         )
         self._held = HeldRollouts()
-        self._claims = RolloutClaims(topology, self._ns, self._consumer, self._held)
+        self.claims = RolloutClaims(topology, self._ns, self._consumer, self._held)  # GroupReader defers counts here
         self._backlog = ReceiptBacklog(topology, settings, self._consumer, self._held)
         self._touched_at = -math.inf
         self._counts = {"pulled": 0, "trainable": 0, "skipped": 0, "lost": 0}
@@ -197,14 +197,14 @@ class RolloutReader(AsyncResource):
             pulled=c["pulled"],
             trainable=c["trainable"],
             skipped=c["skipped"],
-            duplicates_dropped=self._claims.duplicates,
+            duplicates_dropped=self.claims.duplicates,
             acked=consumer.acked,
             reclaimed=consumer.reclaimed,
             dead_lettered=consumer.dead_lettered,
             lost=c["lost"],
             held=len(self._held),
             skipped_by_code=tuple(sorted(self._skip_codes.items())),
-            double_deliveries=self._claims.double_deliveries,
+            double_deliveries=self.claims.double_deliveries,
         )
 
     def __repr__(self) -> str:
@@ -289,7 +289,7 @@ class RolloutReader(AsyncResource):
                 settled.add((entry.stream, entry.entry_id))
                 continue
             parsed.append((entry, receipt))
-        claimed = await self._claims.claim_all(parsed, settled)
+        claimed = await self.claims.claim_all(parsed, settled)
         results: list[PulledRollout | None] = [None] * len(claimed)
         limiter = anyio.CapacityLimiter(self._settings.fetch_concurrency)
 
@@ -342,14 +342,7 @@ class RolloutReader(AsyncResource):
     def forget(self, rollout_ids: Iterable[str]) -> None:
         """Stop holding *rollout_ids* without acknowledging them (another rank takes them over); unknown ids
         are ignored."""
-        ids = list(rollout_ids)
-        self._held.release([i for i in ids if i in self._held])
-        self._claims.take_redelivered(ids)
-
-    @property
-    def claims(self) -> RolloutClaims:
-        """This reader's claims (:class:`~sink.trainer.groups.GroupReader` defers double-delivery counts there)."""
-        return self._claims
+        self._held.release([i for i in rollout_ids if i in self._held])
 
     def holds(self, rollout_id: str) -> bool:
         """Whether this reader holds *rollout_id* (pulled, not yet acknowledged)."""
@@ -388,12 +381,11 @@ class RolloutReader(AsyncResource):
             return AckOutcome(lost_lease=lost_lease)
         removal = await self._ledger.retire(ids)
         await clear_staged(self._topology, self._ns, [key for h in held for key in own_keys(h.receipt)])
-        await self._claims.release([(h.receipt.rollout_id, h.token) for h in held])
+        await self.claims.release([(h.receipt.rollout_id, h.token) for h in held])
         await self._consumer.ack([h.entry for h in held])
         retained = [h.receipt.rollout_id for h in held]
         await expire_consumed(self._topology, self._ns, retained, self._settings.retention_s)  # bounded state
         self._held.release(ids)
-        self._claims.take_redelivered(ids)
         return AckOutcome(removed=removal.removed, absent=removal.absent, lost_lease=lost_lease)
 
     async def retire_consumer(self) -> int:
