@@ -3,7 +3,14 @@
 Each step pulls whole groups (all rollouts of one prompt, ``finished(..., group_id=, group_size=)``), packs
 them into bins of ``--max-tokens``, computes a group-normalized advantage per rollout
 ((reward - group mean) / (group std + eps)), a policy-gradient loss over the generated tokens, acknowledges the
-rollouts (after the "optimizer step") and prints one line.
+rollouts it trained (after the "optimizer step") and prints one line.
+
+It acknowledges only what it trained. The rest is never discarded:
+
+* groups pulled but not trained when the loop ends stay unacknowledged: the next run with the same consumer name
+  (``grpo-rank-0``) gets them back at once, another rank after ``claim_idle_ms``;
+* a group with a row longer than ``--max-tokens`` is not trained (its advantage needs every member) and stays
+  unacknowledged, reported on one line: raise ``--max-tokens`` (or split such rows) and run again.
 
     python examples/grpo_training_loop.py                      # a private durable server and simulated rollouts
     python examples/grpo_training_loop.py --redis-url URL --no-simulate   # train on what your workers produce
@@ -99,14 +106,22 @@ def grpo_loss(groups: Sequence[RolloutGroup], max_tokens: int) -> tuple[float, i
     return loss, len(packed.bins), int(packed.input_lengths.sum()), float(np.abs(advantages).mean())
 
 
+def fits(group: RolloutGroup, max_tokens: int) -> bool:
+    """Whether every member's row fits one bin (a longer row is never truncated: the group is not trained)."""
+    return all(member.row is None or len(member.row.token_ids) <= max_tokens for member in group.members)
+
+
 def train(url: str, *, steps: int, groups_per_step: int, max_tokens: int, block_ms: int = 200) -> list[str]:
     """Run *steps* training steps; return the printed lines."""
     lines: list[str] = []
     with SyncRolloutReader.from_url(url, consumer_name="grpo-rank-0") as reader:
         pending: list[RolloutGroup] = []
+        overlong: list[RolloutGroup] = []
         for step in range(steps):
             while len(pending) < groups_per_step:
-                pending += reader.pull_groups(16, block_ms=block_ms)
+                pulled = reader.pull_groups(16, block_ms=block_ms)
+                overlong += [group for group in pulled if not fits(group, max_tokens)]
+                pending += [group for group in pulled if fits(group, max_tokens)]
             batch, pending = pending[:groups_per_step], pending[groups_per_step:]
             loss, bins, tokens, advantage = grpo_loss(batch, max_tokens)
             # ... optimizer.step() here; only then acknowledge (a crash before this re-delivers the groups).
@@ -118,8 +133,15 @@ def train(url: str, *, steps: int, groups_per_step: int, max_tokens: int, block_
             )
             print(line)
             lines.append(line)
-        if pending:
-            reader.ack_groups(pending)
+        for what, groups in (("pulled", pending), (f"overlong (a row > --max-tokens {max_tokens})", overlong)):
+            if groups:
+                line = (
+                    f"left {len(groups)} {what} group{'s' if len(groups) != 1 else ''} "
+                    f"({sum(len(g.members) for g in groups)} rollouts) unacknowledged: redelivered to the next "
+                    "run of this rank, or to another rank after claim_idle_ms"
+                )
+                print(line)
+                lines.append(line)
     return lines
 
 

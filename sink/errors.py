@@ -5,8 +5,10 @@ Every exception class of ``sink`` lives here, and every error the library raises
 from a builtin: ``ValueError``/``RuntimeError`` where the wire contract names that builtin, so callers written
 against the reference system keep working, and ``ImportError`` for a missing optional extra.
 
-A durability failure is not an exception: ``stage()`` reports it as ``StageResult(ok=False, error=...)``.
-The NeMo Gym transport (:mod:`sink.gym`) follows Gym's protocol instead and raises :class:`CaptureWriteError`.
+A durability failure of ``stage()`` is not an exception: it reports ``StageResult(ok=False, error=...)``. Every
+other acknowledged write (ledger rows, ``finished`` events, receipts, acknowledgements) raises
+:class:`NotDurableError`. The NeMo Gym transport (:mod:`sink.gym`) follows Gym's protocol instead and raises
+:class:`CaptureWriteError`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = (
     "InvalidCallIdError",
     "LedgerConflictError",
     "MetricsExtraMissingError",
+    "NotDurableError",
     "RebuildError",
     "ReceiptVerificationError",
     "RolloutFrozenError",
@@ -52,6 +55,16 @@ class StagingConnectionError(StagingError):
     """Raised when the Redis/Valkey server cannot be reached, the connection
     is lost mid-command, or the server refuses the command (``READONLY``,
     ``OOM``, ``NOPERM``). The message names the server error."""
+
+
+class NotDurableError(StagingConnectionError):
+    """Raised instead of acknowledging a write (ledger row, ``finished`` event, receipt, dead letter,
+    acknowledgement) when the round trip that carried it shows the server would not keep it through a crash:
+    ``appendonly``/``appendfsync``/``no-appendfsync-on-rewrite``/``maxmemory-policy`` not the durable values,
+    ``WAITAOF`` not confirming the fsync, or the check itself refused (``NOPERM``). The write may have been
+    applied; it is not acknowledged, and retrying it is safe (every such write is idempotent). The message names
+    the server and what is wrong. A :class:`StagingConnectionError`, so services treat it as an outage and
+    retry until an operator restores the configuration."""
 
 
 class LedgerConflictError(StagingError, ValueError):

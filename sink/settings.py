@@ -54,6 +54,10 @@ class ConnectionSettings(BaseModel):
     """Socket read timeout for one command or pipeline (WAIT adds ``confirm_timeout_s``)."""
     max_connections: int = Field(default=64, ge=1, le=10_000)
     """Connections per server node; callers beyond it wait for a free one (up to ``connect_timeout_s``)."""
+    durability: Literal["fsync", "none"] = "fsync"
+    """``fsync``: refuse to acknowledge a write unless the server fsyncs every write (``appendfsync always``,
+    read back in the write's own round trip, with ``WAITAOF`` where the server has it); ``none``: skip the
+    check (benchmarks, throwaway runs)."""
 
     @property
     def socket_timeout_s(self) -> float:
@@ -69,9 +73,6 @@ class LedgerSettings(ConnectionSettings):
 class SinkSettings(ConnectionSettings):
     """Settings of :class:`sink.redis_sink.AsyncRedisStagingSink`."""
 
-    durability: Literal["fsync", "none"] = "fsync"
-    """``fsync``: refuse to acknowledge unless the server fsyncs every write
-    (``appendfsync always``); ``none``: skip the check (benchmarks, throwaway runs)."""
     min_replicas: int = Field(default=0, ge=0)
     """Replicas that must acknowledge each write (``WAIT``) before ``ok=True``."""
     confirm_timeout_s: float = Field(default=5.0, gt=0)

@@ -504,4 +504,5 @@ async def test_the_trainer_role_delivers_and_acks_grpo_groups(acl_server: AclSer
         assert group.complete and group.rollout_ids == ("acl-m0", "acl-m1")
         await group_reader.ack_groups([group])
     with acl_server.client() as admin:
-        assert admin.exists(*group_keys(NS, "acl-grp")) == 0
+        meta, members = group_keys(NS, "acl-grp")
+        assert admin.exists(members) == 0 and admin.hget(meta, "closed") == b"1"  # closed: a tombstone stays

@@ -102,11 +102,15 @@ async def test_finished_rejects_bad_ids_and_non_finite_rewards(redis_url: str) -
                 await finished(client, "r1", reward=reward)
         with pytest.raises(TypeError):
             await finished(client, "r1", reward="1.0")  # type: ignore[arg-type]
+        for huge in (10**400, -(10**400)):  # an int no float can hold: the documented ValueError, not OverflowError
+            with pytest.raises(ValueError, match="finite"):
+                await finished(client, "r1", reward=huge)
         assert await client.keys("*") == []  # nothing was written
 
 
 def test_malformed_done_events_are_codec_errors() -> None:
-    for fields in ({}, {"rollout_id": "r1", "reward": "NaN"}, {"rollout_id": "a b", "reward": "1"}):
+    huge = {"rollout_id": "r1", "reward": "1" + "0" * 400}  # JSON int beyond any float
+    for fields in ({}, {"rollout_id": "r1", "reward": "NaN"}, {"rollout_id": "a b", "reward": "1"}, huge):
         with pytest.raises(CodecError):
             parse_done_event(fields)
     assert parse_done_event({"rollout_id": "r1", "reward": "null"}).reward is None

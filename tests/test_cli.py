@@ -47,6 +47,7 @@ SUBCOMMANDS = (
     "list",
     "report",
     "acl",
+    "dead-letters",
     "bench",
 )
 

@@ -119,7 +119,38 @@ def test_stats_on_an_empty_namespace_lists_the_namespaces_found(
     assert main(["stats", "--redis-url", staged, "--namespace", "stgg"]) == EXIT_OK
     err = capsys.readouterr().err
     assert "no keys in namespace 'stgg'" in err and "stg" in err
-    assert main(["stats", "--redis-url", staged, "--namespace", "stgg", "--check"]) == EXIT_FAILURE
+    # An empty namespace (every fresh deployment) is idle, not broken.
+    assert main(["stats", "--redis-url", staged, "--namespace", "stgg", "--check"]) == EXIT_OK
+    assert "note: idle: no keys in namespace 'stgg' yet" in capsys.readouterr().out
+
+
+def test_stats_check_passes_after_routine_abandonment_by_prune(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with redis.Redis.from_url(staged) as client:
+        client.xadd(dead_letter_stream("stg", "abandoned"), {"rollout_id": "r-old", "reason": "abandoned"})
+    assert main(["stats", "--redis-url", staged, "--check"]) == EXIT_OK
+    assert "note: handled: 1 entr(ies) in stg:dead:abandoned" in capsys.readouterr().out
+
+
+def test_dead_letters_list_ack_and_clear(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
+    dead = dead_letter_stream("stg", "done-0")
+    with redis.Redis.from_url(staged) as client:
+        client.xadd(dead, {"rollout_id": "r1", "dead_reason": "poison one"})
+        client.xadd(dead_letter_stream("other", "done-0"), {"rollout_id": "x", "dead_reason": "not ours"})
+    assert main(["stats", "--redis-url", staged, "--check"]) == EXIT_FAILURE
+    assert main(["dead-letters", "list", "--redis-url", staged]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "stg:dead:done-0: 1 newest entry" in out and "poison one" in out and "not ours" not in out
+    assert main(["dead-letters", "ack", "--redis-url", staged]) == EXIT_OK
+    assert main(["stats", "--redis-url", staged, "--check"]) == EXIT_OK  # known and acknowledged
+    assert "note: acknowledged: 1 dead letter(s) in stg:dead:done-0" in capsys.readouterr().out
+    with redis.Redis.from_url(staged) as client:
+        client.xadd(dead, {"rollout_id": "r2", "dead_reason": "poison two"})  # newer than the ack: broken again
+    assert main(["stats", "--redis-url", staged, "--check"]) == EXIT_FAILURE
+    assert "1 dead letter(s) newer than the last `staging-sink dead-letters ack`" in capsys.readouterr().out
+    assert main(["dead-letters", "clear", "--redis-url", staged]) == EXIT_OK
+    with redis.Redis.from_url(staged) as client:
+        assert not client.exists(dead) and client.exists(dead_letter_stream("other", "done-0"))  # namespace only
+    assert main(["stats", "--redis-url", staged, "--check"]) == EXIT_OK
 
 
 def test_stats_shows_consumer_idle_time(lifecycle: str, capsys: pytest.CaptureFixture[str]) -> None:

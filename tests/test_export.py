@@ -92,6 +92,8 @@ async def test_export_by_id_verifies_from_the_stored_receipts(redis_url: str) ->
     out = io.StringIO()
     async with aioredis.Redis.from_url(redis_url) as client:
         assert await export_rollouts(client, IDS, out) == 3
+        # The default format is JSON Lines, one row per rollout (kills the mutant of the `fmt` default).
+        assert sorted(json.loads(line)["rollout_id"] for line in out.getvalue().splitlines()) == sorted(IDS)
         with pytest.raises(RowUnavailableError, match="no stored receipt") as info:
             await export_rollouts(client, ["exp-0", "nosuch"], io.StringIO())
         assert isinstance(info.value, StagingError)

@@ -1,8 +1,8 @@
-"""Issue 13's mutation check: tests that kill the mutants that survived the first run and change behaviour.
+"""The mutation check: tests that kill the mutants that survived a first run and change behaviour.
 
-``scripts/mutation_check.py`` mutates the durability check, the confirmation replies, the staging
-script, verification, the gate, key ownership, the ACL table and generation cuts; each test below
-names the mutant it kills. Pure tests first, then real servers (Valkey 8 / Redis 7.0).
+The mutants were of the durability check, the confirmation replies, the staging script, verification, the
+gate, key ownership, the ACL table and generation cuts (now run with mutmut, ``[tool.mutmut]`` in
+``pyproject.toml``); each test below names the mutant it kills. Pure tests first, then real servers (Valkey 8 / Redis 7.0).
 """
 
 from __future__ import annotations

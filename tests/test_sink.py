@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from pathlib import Path
 from typing import Any
@@ -387,7 +388,7 @@ async def test_from_url_takes_settings_or_setting_fields(redis_url: str) -> None
 
 def test_every_script_has_its_status_codes_filled_in() -> None:
     sources = [value.source for value in vars(scripts).values() if isinstance(value, scripts.ServerScript)]
-    assert len(sources) == 14
+    assert len(sources) == 15  # group_close joined the group scripts
     assert all("$" not in source for source in sources)
     # ... and every Lua script of the package lives in the store's script modules (re-exported by that one).
     package = Path(scripts.__file__).resolve().parents[1]
@@ -411,3 +412,20 @@ async def test_stage_and_clear_reload_their_scripts_after_a_script_flush(redis_u
             client.script_flush()
         assert await sink.clear(["sf1/c1", "sf1/c2"]) == 2  # EVALSHA falls back to EVAL
     assert _calls_len(redis_url, "sf1") == 0
+
+
+async def test_a_positive_generation_log_prob_is_staged_and_read_back_exactly(redis_url: str) -> None:
+    """Accepted by design: contract §3.3 sets no upper bound on generation log-probs, so a NeMo Gym producer may
+    stage one (engines round log-softmax in low precision and report values like ``+1e-7``); refusing here
+    would refuse wire-valid records. The value travels unchanged (its float32 pattern is in the digest)."""
+    base = make_record("r-pos", "c1", n_tokens=4, carry=1)
+    log_probs = [0.0, 1e-7, 0.25, -0.5]
+    fields = base.model_dump(include=set(inspect.signature(StagedCallRecord.from_components).parameters))
+    record = StagedCallRecord.from_components(**{**fields, "generation_log_probs_delta": log_probs})
+    async with AsyncRedisStagingSink.from_url(redis_url, namespace=NS) as sink:
+        result = await sink.stage(record)
+    assert result.ok and result.staging_key is not None, result.error
+    async with AsyncRedisStagingSource.from_url(redis_url, namespace=NS) as source:
+        (fetched,) = await source.fetch([result.staging_key])
+    assert fetched.generation_log_probs_delta == record.generation_log_probs_delta
+    assert fetched.generation_log_probs_delta[1] > 0 and fetched.digest == record.digest

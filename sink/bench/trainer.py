@@ -281,9 +281,7 @@ async def run_trainer_benchmark(
             # Interleaved, so a slow phase of a shared machine hits every mode alike.
             for mode, seconds in loops.items():
                 last = run == repeats - 1 and mode == "pack"
-                seconds.append(
-                    await _trainer_loop(url, namespace, rollouts, keep_all=keep_all, last=last, mode=mode)
-                )
+                seconds.append(await _trainer_loop(url, namespace, rollouts, keep_all=keep_all, last=last, mode=mode))
         pull_s = min(loops["numpy"])
 
     def ns(seconds: float) -> float:

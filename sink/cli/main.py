@@ -36,6 +36,7 @@ from sink.cli.common import (
     positive_int,
     positive_seconds,
 )
+from sink.cli.dead_letters import add_dead_letters_command
 from sink.cli.export import add_export_command
 from sink.cli.failures import leaf_error, report_failure
 from sink.cli.logs import add_logging_options, configure_logging
@@ -173,7 +174,8 @@ def _add_stats_command(
     command.add_argument(
         "--check",
         action="store_true",
-        help="exit 1 when not durable, dead letters exist, a group lags past --max-lag, or the namespace is empty",
+        help="exit 1 when broken: not durable, dead letters newer than the last `dead-letters ack` (prune's "
+        "abandoned ones are handled), or a group lags past --max-lag; an empty namespace is idle, not a failure",
     )
     command.add_argument(
         "--max-lag",
@@ -321,6 +323,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     _add_rollout_commands(commands, redis)
     add_export_command(commands, redis)
     add_prune_command(commands, redis)
+    add_dead_letters_command(commands, redis)
     add_weights_command(commands, redis)
     _add_tool_commands(commands, env)
     for name, command in commands.choices.items():

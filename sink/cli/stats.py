@@ -6,9 +6,12 @@ length of every ``done``/``receipts``/``dead`` stream with its consumer groups' 
 every consumer's pending count and idle time. ``SCAN`` walks the whole keyspace: this is an ops tool, never
 a hot path.
 
-``--check`` turns the snapshot into a verdict (:func:`check_problems`): exit 1 when the server is not
-durable, a dead-letter stream has entries, a consumer group lags more than ``--max-lag`` entries (summed
-over its shards; a stream with no group counts its whole length), or the namespace has no keys at all.
+``--check`` turns the snapshot into a verdict (:func:`check_problems`), exit 1 only when **broken**: the server
+is not durable (or unreachable: exit 3), a dead-letter stream has entries newer than the operators' last
+``staging-sink dead-letters ack``, or a consumer group lags more than ``--max-lag`` entries (summed over its
+shards; a stream with no group counts its whole length). **Idle** (an empty namespace: every fresh deployment)
+and **known, handled** (``prune``'s ``ns:dead:abandoned`` records, acknowledged dead letters) pass, and are
+reported in ``snapshot["check"]["notes"]``.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ from sink.cli.common import (
     stdout_console,
     write_json,
 )
+from sink.cli.health import OPERATORS_GROUP, check_notes, check_problems, unacknowledged_dead_letters
 from sink.ops.metrics import STREAM_KINDS, collect_redis_gauges
 from sink.store.connection import Topology, map_redis_errors
 from sink.store.durability import REQUIRED_CONFIG, verify_durability
 
 __all__ = (
     "DEFAULT_MAX_LAG",
+    "OPERATORS_GROUP",
+    "check_notes",
     "check_problems",
     "collect_stats",
     "namespaces_found",
@@ -171,7 +177,8 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         consumers = await _consumers(topology, dict(gauges))
         empty = not (ledgers or calls or shared) and not await _has_keys(topology, ns)
         found = await namespaces_found(topology) if empty else ([], False)
-    dead = {name: stream["length"] for name, stream in gauges.items() if stream["kind"] == "dead"}
+        dead = {name: stream["length"] for name, stream in gauges.items() if stream["kind"] == "dead"}
+        unacknowledged = {name: await unacknowledged_dead_letters(topology, name, dict(gauges[name])) for name in dead}
     return {
         "url": target.display_url,
         "namespace": ns,
@@ -190,43 +197,11 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         "streams": gauges,
         "consumers": consumers,
         "dead_letters": sum(dead.values()),
+        "dead_letters_unacknowledged": unacknowledged,
         "namespace_empty": empty,
         "namespaces_found": found[0],
         "namespaces_scan_truncated": found[1],
     }
-
-
-def _lags(snapshot: dict[str, Any]) -> dict[tuple[str, str], int]:
-    """Entries left to read per (stream kind, group), summed over shards; ``(kind, "-")``: no group at all."""
-    lags: dict[tuple[str, str], int] = {}
-    for stream in snapshot["streams"].values():
-        if stream["kind"] not in ("done", "receipts"):
-            continue
-        if not stream["groups"]:
-            key = (stream["kind"], "-")
-            lags[key] = lags.get(key, 0) + stream["length"]
-        for group, gauges in stream["groups"].items():
-            # Consumers XDEL what they acknowledge, so length - pending bounds the unread when lag is unknown.
-            lag = gauges["lag"] if gauges["lag"] is not None else max(stream["length"] - gauges["pending"], 0)
-            lags[(stream["kind"], group)] = lags.get((stream["kind"], group), 0) + lag
-    return lags
-
-
-def check_problems(snapshot: dict[str, Any], *, max_lag: int) -> list[str]:
-    """What ``stats --check`` fails on in *snapshot* (from :func:`collect_stats`), one sentence each."""
-    problems = []
-    if snapshot["namespace_empty"]:
-        problems.append(f"no keys in namespace {snapshot['namespace']!r}")
-    if not snapshot["durability"]["durable"]:
-        problems.append(f"not durable: {snapshot['durability']['problem']}")
-    if snapshot["dead_letters"]:
-        names = [name for name, stream in snapshot["streams"].items() if stream["kind"] == "dead" and stream["length"]]
-        problems.append(f"{snapshot['dead_letters']} dead letter(s) in {', '.join(names)}")
-    for (kind, group), lag in sorted(_lags(snapshot).items()):
-        if lag > max_lag:
-            who = "no consumer group reads them" if group == "-" else f"group {group!r} has not read them"
-            problems.append(f"{kind} streams lag {lag} entries > --max-lag {max_lag} ({who})")
-    return problems
 
 
 def _duration(ms: int | None) -> str:
@@ -344,8 +319,9 @@ async def stats_command(
         while True:
             snapshot = await collect_stats(topology, target, rate_window_s=watch_s or rate_window_s)
             problems = check_problems(snapshot, max_lag=max_lag) if check else []
+            notes = check_notes(snapshot) if check else []
             if check:
-                snapshot["check"] = {"ok": not problems, "problems": problems, "max_lag": max_lag}
+                snapshot["check"] = {"ok": not problems, "problems": problems, "notes": notes, "max_lag": max_lag}
             if snapshot["namespace_empty"]:
                 sys.stderr.write(_empty_hint(snapshot) + "\n")
             if as_json:
@@ -359,6 +335,8 @@ async def stats_command(
                     console.print(verdict)
                     for problem in problems:
                         console.print(f"  - {problem}", markup=False)
+                    for note in notes:
+                        console.print(f"  note: {note}", markup=False)
             if watch_s is None:
                 break
             await anyio.sleep(watch_s)

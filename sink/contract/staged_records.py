@@ -86,6 +86,9 @@ class StagedCallBaseSnapshot(DigestWireModel):
     token_ids_delta: list[StrictInt]
     token_mask_delta: list[StrictFloat]
     generation_log_probs_delta: list[StrictFloat]
+    """Behaviour log-probs; carry positions are ``0.0`` (§3.3). A positive generated value is accepted on purpose:
+    §3.3 sets no upper bound (engines round log-softmax in low precision, ``+1e-7``), and refusing it would refuse
+    records other producers of the contract stage. Bound them in the trainer if a loss needs ``<= 0``."""
     extras_digest: DigestHex = EMPTY_EXTRAS_DIGEST
     chain_hash: DigestHex
     cumulative_hash: DigestHex

@@ -6,7 +6,11 @@ hash ``ns:{R}:ledger:ids`` and the retire fence ``ns:{R}:fence``. Every
 operation is one Lua script on those keys (see :mod:`sink.store.scripts`),
 so it is atomic per rollout, runs on one cluster slot, and its effect is
 visible to every process once the script returned. Durability is the
-server's (``appendfsync always``, contract §11.2). The orchestration
+server's (``appendfsync always``, contract §11.2), and a writing script is
+acknowledged only once its own round trip confirmed it durable
+(:func:`~sink.store.durability.run_script_durably`: ``WAITAOF`` and the
+persistence settings read back; :class:`~sink.errors.NotDurableError`
+otherwise). The orchestration
 (validation, rows, conflicts, manifests, resolution) is the front class's,
 :class:`~sink.ledger.ledger.CaptureLedger`; this module is its storage.
 """
@@ -28,6 +32,7 @@ from sink.ledger.ledger import AppendOutcome, CaptureLedger
 from sink.ledger.ownership import keys_owned_by
 from sink.settings import ConnectionSettings, LedgerSettings
 from sink.store.connection import Topology, map_redis_errors, reply_text
+from sink.store.durability import run_script_durably
 from sink.store.resource import settings_or_fields
 from sink.store.scripts import (
     APPEND_APPENDED,
@@ -103,7 +108,7 @@ class RedisCaptureLedger(CaptureLedger):
 
     def __init__(self, client: aioredis.Redis | RedisCluster, settings: ConnectionSettings | None = None) -> None:
         parsed = settings or LedgerSettings()
-        self._init(Topology.borrow(client, parsed), parsed.namespace)
+        self._init(Topology.borrow(client, parsed), parsed)
 
     @classmethod
     def from_url(cls, url: str, settings: LedgerSettings | None = None, **fields: Any) -> Self:
@@ -115,12 +120,14 @@ class RedisCaptureLedger(CaptureLedger):
         """
         parsed = settings_or_fields(LedgerSettings, settings, fields)
         ledger = cls.__new__(cls)
-        ledger._init(Topology.from_url(url, parsed), parsed.namespace)  # noqa: SLF001 (its own class's initializer)
+        ledger._init(Topology.from_url(url, parsed), parsed)  # noqa: SLF001 (its own class's initializer)
         return ledger
 
-    def _init(self, topology: Topology, namespace: str) -> None:
+    def _init(self, topology: Topology, settings: ConnectionSettings) -> None:
         self._topology = topology
-        self._ns = namespace
+        self._ns = settings.namespace
+        self._durability = settings.durability
+        self._confirm_timeout_s = settings.command_timeout_s / 2  # WAITAOF's deadline, inside the socket's
         client = topology.client
         self._in_flight = anyio.CapacityLimiter(_in_flight_limit(client))
 
@@ -153,11 +160,27 @@ class RedisCaptureLedger(CaptureLedger):
             with map_redis_errors(action):
                 return await script.run(self._topology.client, keys, args)
 
+    async def _write(self, script: ServerScript, keys: Sequence[str], args: Sequence[str], action: str) -> Any:
+        """Run a writing script; answer only once the write is durable (:class:`~sink.errors.NotDurableError`)."""
+        self._check_open()
+        async with self._in_flight:
+            with map_redis_errors(action):
+                await self._topology.initialize()  # a borrowed cluster client may not know its slots yet
+                return await run_script_durably(
+                    self._topology.node_for_key(keys[0]),
+                    script,
+                    keys,
+                    args,
+                    durability=self._durability,
+                    timeout_s=self._confirm_timeout_s,
+                    action=action,
+                )
+
     async def _append(
         self, rollout_id: str, id_field: str, id_value: str, entry: dict[str, str]
     ) -> tuple[AppendOutcome, str | None]:
         flat = [part for pair in entry.items() for part in pair]
-        reply = await self._run(
+        reply = await self._write(
             APPEND_SCRIPT, self._keys(rollout_id), [id_field, id_value, *flat], "append a ledger row"
         )
         outcome = _OUTCOMES[reply[0]]
@@ -189,7 +212,7 @@ class RedisCaptureLedger(CaptureLedger):
             for index, rollout_id in enumerate(ids):
                 group.start_soon(run_one, index, rollout_id)
         if errors:
-            raise StagingConnectionError(
+            raise type(errors[0])(  # a NotDurableError stays one
                 f"could not {verb} {len(errors)} of {len(ids)} rollout ids (each id is all-or-nothing; "
                 f"the others were applied): {errors[0]}"
             ) from errors[0]
@@ -200,7 +223,7 @@ class RedisCaptureLedger(CaptureLedger):
 
     async def _retire_one(self, rollout_id: str) -> bool:
         args = [repr(time.time())]
-        reply = await self._run(LEDGER_RETIRE_SCRIPT, self._keys(rollout_id), args, f"retire {rollout_id!r}")
+        reply = await self._write(LEDGER_RETIRE_SCRIPT, self._keys(rollout_id), args, f"retire {rollout_id!r}")
         return bool(reply[0] == REMOVED)
 
     async def _delete_one(self, rollout_id: str) -> bool:
@@ -216,7 +239,7 @@ class RedisCaptureLedger(CaptureLedger):
                     raw = await client.xrange(calls) if await client.type(calls) == b"stream" else []
             staged = [_text((fields or {}).get(b"key", b"")) for _entry_id, fields in raw or []]
             records = [record_key(ns, key) for key in keys_owned_by(rollout_id, staged)]
-            reply = await self._run(
+            reply = await self._write(
                 LEDGER_DELETE_SCRIPT, [*fixed, *records], [str(len(raw or []))], f"delete {rollout_id!r}"
             )
             if reply[0] != DELETE_STALE:

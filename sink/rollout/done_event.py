@@ -13,13 +13,15 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 
 from sink.canonical import canonical_json
 from sink.errors import CodecError
 from sink.keys import DEFAULT_NAMESPACE, done_stream, shard_of, validate_rollout_id
 from sink.settings import DEFAULT_SHARDS
 from sink.store.connection import map_redis_errors
+from sink.store.durability import Durability, execute_durably
 
 __all__ = ("DoneEvent", "GroupTag", "finished", "group_fields", "parse_done_event", "parse_group_fields")
 
@@ -29,9 +31,14 @@ def _check_reward(reward: object) -> float | None:
         return None
     if isinstance(reward, bool) or not isinstance(reward, int | float):
         raise TypeError(f"reward must be a float or None, got {type(reward).__name__}")
-    if not math.isfinite(reward):
-        raise ValueError(f"reward must be finite, got {reward!r}")
-    return float(reward)
+    try:
+        value = float(reward)  # an int beyond any float (10**400) overflows here
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        shown = repr(reward) if isinstance(reward, float) else f"an int of {reward.bit_length()} bits"
+        raise ValueError(f"reward must be finite, got {shown}")
+    return value
 
 
 class GroupTag(NamedTuple):
@@ -85,6 +92,8 @@ async def finished(
     shards: int = DEFAULT_SHARDS,
     group_id: str | None = None,
     group_size: int | None = None,
+    durability: Durability = "fsync",
+    confirm_timeout_s: float = 5.0,
 ) -> str:
     """Announce that *rollout_id* finished: one token-free event on ``ns:done:<shard_of(rollout_id, shards)>``.
 
@@ -97,11 +106,18 @@ async def finished(
     *client* is borrowed (plain or cluster). Calling it twice is safe: the
     assembler keeps the first receipt.
 
+    It returns only once the event is durable: the ``XADD`` travels with
+    ``WAITAOF`` (within *confirm_timeout_s*) and the persistence settings read
+    back, as every acknowledged write (:mod:`sink.store.durability`);
+    ``durability="none"`` skips that (benchmarks, throwaway runs).
+
     :returns: the stream entry id.
-    :raises ValueError: invalid rollout id or group id, non-finite reward, a response that is not
+    :raises ValueError: invalid rollout id or group id, non-finite reward (or an int too large for a float), a response that is not
         JSON-serializable, ``group_size`` < 1, or only one of ``group_id``/``group_size``.
     :raises TypeError: *reward* is not a number, *group_id* not a str, or *response* holds a non-JSON type.
-    :raises StagingConnectionError: the server could not be reached.
+    :raises NotDurableError: the server does not keep the event through a crash (the event may be written;
+        calling again is safe).
+    :raises StagingConnectionError: the server could not be reached or refused the write.
     """
     validate_rollout_id(rollout_id)
     reward_value = _check_reward(reward)
@@ -117,8 +133,17 @@ async def finished(
     if group is not None:
         fields.update(group_fields(group))
     stream = done_stream(namespace, shard_of(rollout_id, shards))
-    with map_redis_errors(f"announce that rollout {rollout_id!r} finished"):
-        entry_id = await client.xadd(stream, fields)  # type: ignore[arg-type]
+    action = f"announce that rollout {rollout_id!r} finished"
+
+    def queue(pipe: Pipeline | ClusterPipeline) -> None:
+        pipe.xadd(stream, fields)  # type: ignore[arg-type]
+
+    with map_redis_errors(action):
+        (entry_id,) = await execute_durably(
+            client, queue, durability=durability, timeout_s=confirm_timeout_s, action=action, route_key=stream
+        )
+        if isinstance(entry_id, BaseException):
+            raise entry_id
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 

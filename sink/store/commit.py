@@ -24,7 +24,7 @@ from sink.contract.codec import DIGEST_HEAD_BYTES
 from sink.contract.records import StageResult
 from sink.settings import SinkSettings
 from sink.store.connection import Topology, describe_redis_error
-from sink.store.durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address
+from sink.store.durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address, waitaof_problem
 from sink.store.script_runner import ScriptMode, ServerScript
 from sink.store.scripts import LIBRARY, STAGE_SCRIPT
 
@@ -259,11 +259,7 @@ class GroupCommitWriter(Generic[_Item]):
                     f"within confirm_timeout_s={settings.confirm_timeout_s}"
                 )
         if waitaof:
-            reply = replies[position]
-            if isinstance(reply, BaseException):
-                return f"WAITAOF failed: {describe_redis_error(reply)}"
-            if int(reply[0]) < 1:
-                return "the server did not confirm the AOF fsync (WAITAOF numlocal=0)"
+            return waitaof_problem(replies[position])
         return None
 
     def _fail_all(self, items: Sequence[_Item], error: str) -> None:

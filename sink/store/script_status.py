@@ -20,6 +20,7 @@ __all__ = (
     "DONE",
     "GROUP_COMPLETE",
     "GROUP_GONE",
+    "GROUP_LATE",
     "GROUP_OWNED",
     "GROUP_SEALED",
     "GROUP_TAKEN",
@@ -73,8 +74,10 @@ GROUP_TAKEN: Final = 2
 GROUP_COMPLETE: Final = 3
 GROUP_SEALED: Final = 4
 GROUP_GONE: Final = 5
+GROUP_LATE: Final = 6
 """GRPO group scripts: members missing; the caller owns it; a live rank owns it (payload: owner); complete and
-now the caller's (payload: members); timed out and now the caller's (payload: members); expired or acknowledged."""
+now the caller's (payload: size, mismatch, members); timed out and now the caller's (payload: size, mismatch,
+members); expired or acknowledged; the member came after its group went out (not recorded)."""
 
 
 STATUS_CODES: Final = {
@@ -103,6 +106,7 @@ STATUS_CODES: Final = {
     "GROUP_COMPLETE": GROUP_COMPLETE,
     "GROUP_SEALED": GROUP_SEALED,
     "GROUP_GONE": GROUP_GONE,
+    "GROUP_LATE": GROUP_LATE,
 }
 
 

@@ -1,26 +1,21 @@
 """Consumer-group machinery shared by the assembler and the trainer reader.
 
-Both services consume sharded streams (``ns:done:<k>``, ``ns:receipts:<k>``)
-through a Redis consumer group. The delivery guarantee is **at least once**:
+Both services consume sharded streams (``ns:done:<k>``, ``ns:receipts:<k>``) through a Redis consumer group.
+The delivery guarantee is **at least once**:
 
-* an entry is acknowledged only after the work it triggered is durable, and
-  the acknowledgement is ``XACK`` plus ``XDEL`` of the same ids in one
-  ``MULTI`` on the stream's own slot, so acknowledged entries never pile up
-  and an unacknowledged entry is never trimmed or deleted (nothing here ever
-  runs ``XTRIM``/``MAXLEN``);
-* entries left pending by a consumer that died are reclaimed by any live one
-  with ``XAUTOCLAIM`` once idle for ``claim_idle_ms``;
-* an entry delivered more than ``max_deliveries`` times is copied to
-  ``ns:dead:<role>-<shard>`` and only then acknowledged, so a poison entry
-  cannot crash consumers forever and is never lost;
+* an entry is acknowledged only after the work it triggered is durable, and the acknowledgement is ``XACK``
+  plus ``XDEL`` of the same ids in one ``MULTI`` on the stream's own slot, itself confirmed durable in its
+  round trip (:func:`~sink.store.durability.execute_durably`), so acknowledged entries never pile up and an
+  unacknowledged entry is never trimmed or deleted (nothing here ever runs ``XTRIM``/``MAXLEN``);
+* entries left pending by a consumer that died are reclaimed by any live one with ``XAUTOCLAIM`` once idle
+  for ``claim_idle_ms``;
+* an entry delivered more than ``max_deliveries`` times is copied to ``ns:dead:<role>-<shard>`` and only then
+  acknowledged, so a poison entry cannot crash consumers forever and is never lost;
 * a consumer is deleted from its group only if it owns no pending entry.
 
-Each stream uses exactly one consumer group: ``XDEL`` after ``XACK`` would
-remove entries another group has not read yet.
-
-In a cluster every shard stream hashes to its own slot, so every command here
-names one stream; only on a single server does one ``XREADGROUP`` cover
-several shards.
+Each stream uses exactly one consumer group: ``XDEL`` after ``XACK`` would remove entries another group has
+not read yet. In a cluster every shard stream hashes to its own slot, so every command here names one stream;
+only on a single server does one ``XREADGROUP`` cover several shards.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +37,7 @@ from sink.errors import CodecError
 from sink.keys import dead_letter_stream
 from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.dead_letters import UndecodableEntry, dead_letter_record
+from sink.store.durability import Durability, execute_durably
 from sink.store.pipeline_counters import count_dead_letter
 from sink.store.scripts import REMOVED, RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT
 
@@ -76,10 +72,9 @@ class StreamEntry:
 class GroupConsumer:
     """One consumer in one consumer group over a list of shard streams (index = shard).
 
-    It borrows *topology*. Counters (``read``, ``reclaimed``, ``acked``,
-    ``dead_lettered``) are plain attributes for the owning service's statistics.
-    Every method raises :class:`~sink.errors.StagingConnectionError` when the
-    server cannot be reached or refuses a command.
+    It borrows *topology*. Counters (``read``, ``reclaimed``, ``acked``, ``dead_lettered``) are plain attributes
+    for the owning service's statistics. Every method raises :class:`~sink.errors.StagingConnectionError` when
+    the server cannot be reached or refuses a command (:class:`~sink.errors.NotDurableError`: not durable).
     """
 
     def __init__(
@@ -93,8 +88,11 @@ class GroupConsumer:
         consumer: str,
         claim_idle_ms: int,
         max_deliveries: int,
+        durability: Durability = "fsync",
+        confirm_timeout_s: float = 5.0,
     ) -> None:
         self._topology = topology
+        self._durability, self._confirm_timeout_s = durability, confirm_timeout_s
         self._namespace = namespace
         self._role = role
         self.streams = tuple(streams)
@@ -110,6 +108,20 @@ class GroupConsumer:
 
     def _client(self, shard: int) -> aioredis.Redis:
         return self._topology.node_for_key(self.streams[shard])
+
+    async def _write(self, key: str, queue: Callable[[Any], object], action: str, *, atomic: bool = False) -> list[Any]:
+        """An acknowledged write on *key*'s node, answered only once durable (:func:`execute_durably`)."""
+        client, durability, timeout_s = self._topology.node_for_key(key), self._durability, self._confirm_timeout_s
+        with map_redis_errors(action):
+            return await execute_durably(
+                client,
+                queue,
+                durability=durability,
+                timeout_s=timeout_s,
+                action=action,
+                atomic=atomic,
+                raise_on_error=True,
+            )
 
     # --- setup -------------------------------------------------------------------
 
@@ -157,10 +169,8 @@ class GroupConsumer:
         return entries, raw_ids
 
     async def reject_undecodable(self) -> int:
-        """Dead-letter every entry read so far that was not UTF-8 text (its raw bytes are kept).
-
-        The read methods call this before returning, so a consumer never sees such an entry
-        and one undecodable entry never stops it.
+        """Dead-letter every entry read so far that was not UTF-8 text (its raw bytes are kept). The read methods
+        call this before returning, so a consumer never sees such an entry and one undecodable entry never stops it.
 
         :returns: how many entries were dead-lettered.
         """
@@ -176,12 +186,11 @@ class GroupConsumer:
     async def read_new(self, shards: Sequence[int], *, count: int, block_ms: int | None) -> list[StreamEntry]:
         """New entries (``>``) for this consumer, up to *count* per shard.
 
-        On a single server one ``XREADGROUP`` covers every shard and returns as
-        soon as any has entries. In a cluster each shard is read with its own
-        command, concurrently; with *block_ms* the first shard that delivers
-        ends the wait and the other reads are cancelled. A cancelled read may
-        have been served by the server already: its entries stay pending for
-        this consumer and the shard is remembered for :meth:`take_suspect_shards`.
+        On a single server one ``XREADGROUP`` covers every shard and returns as soon as any has entries. In a
+        cluster each shard is read with its own command, concurrently; with *block_ms* the first shard that
+        delivers ends the wait and the other reads are cancelled. A cancelled read may have been served by the
+        server already: its entries stay pending for this consumer and the shard is remembered for
+        :meth:`take_suspect_shards`.
 
         :param block_ms: ``None`` or ``0`` for a non-blocking read.
         """
@@ -229,8 +238,7 @@ class GroupConsumer:
     async def read_own_pending(self, shard: int, *, count: int = 256) -> list[StreamEntry]:
         """Every entry pending for this consumer on *shard* (``XREADGROUP ... 0``), e.g. after a restart.
 
-        Reading history counts as a delivery; entries past ``max_deliveries``
-        are dead-lettered here and not returned.
+        Reading history counts as a delivery; entries past ``max_deliveries`` are dead-lettered, not returned.
         """
         collected: list[StreamEntry] = []
         start = "0"
@@ -313,11 +321,9 @@ class GroupConsumer:
         return acked
 
     async def _ack_ids(self, stream: str, ids: list[str]) -> int:
-        with anyio.CancelScope(shield=True), map_redis_errors(f"acknowledge {self._role} entries"):
-            pipe = self._topology.node_for_key(stream).pipeline(transaction=True)
-            pipe.xack(stream, self.group, *ids)
-            pipe.xdel(stream, *ids)
-            xack_count, _deleted = await pipe.execute()
+        queue, action = (lambda p: p.xack(stream, self.group, *ids).xdel(stream, *ids)), f"acknowledge {stream}"
+        with anyio.CancelScope(shield=True):
+            xack_count, _deleted = await self._write(stream, queue, action, atomic=True)
         self.acked += int(xack_count)
         return int(xack_count)
 
@@ -346,8 +352,8 @@ class GroupConsumer:
         record = dead_letter_record(
             fields, stream=stream, entry_id=entry_id, deliveries=deliveries, reason=reason, consumer=self.consumer
         )
-        with anyio.CancelScope(shield=True), map_redis_errors(f"dead-letter {stream} {entry_id}"):
-            await self._topology.node_for_key(dead).xadd(dead, record)
+        with anyio.CancelScope(shield=True):
+            await self._write(dead, lambda pipe: pipe.xadd(dead, record), f"dead-letter {stream} {entry_id}")
         logger.warning("dead-lettered %s %s to %s: %s", stream, entry_id, dead, str(record["dead_reason"])[:200])
         self.dead_lettered += 1
         count_dead_letter(self._namespace, self._role, shard)  # metrics (issue 15)

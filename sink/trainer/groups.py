@@ -1,33 +1,33 @@
 """GRPO group delivery: all rollouts of one prompt together, never split between trainer ranks.
 
-Rollouts join a group through :func:`~sink.rollout.done_event.finished`
-(``group_id=``, ``group_size=``). A :class:`GroupReader` wraps a
-:class:`~sink.trainer.reader.RolloutReader`; each rank pulls rollouts as usual and
-records every group member it receives in the group's server-side record
-(``ns:{grp:<id>}:members`` and ``:meta``, one slot) with one script. The rank
-whose member completes the group becomes its *owner* (atomically: exactly
-one rank) and takes the other ranks' members over (``XCLAIM`` of their
-receipt entries, then claim, fetch and verify as a pull does); the other ranks
-see the owner on their next :meth:`GroupReader.pull_groups` and let go of their
-members without acknowledging them. So one group is delivered whole, by one
-rank.
+Rollouts join a group through :func:`~sink.rollout.done_event.finished` (``group_id=``, ``group_size=``). A
+:class:`GroupReader` wraps a :class:`~sink.trainer.reader.RolloutReader`; each rank pulls rollouts as usual and
+records every group member it receives in the group's server-side record (``ns:{grp:<id>}:members`` and
+``:meta``, one slot) with one script. The rank whose member completes the group becomes its *owner* (atomically:
+exactly one rank) and takes the other ranks' members over (``XCLAIM`` of their receipt entries, then claim,
+fetch and verify as a pull does); the other ranks see the owner on their next :meth:`GroupReader.pull_groups`
+and let go of their members without acknowledging them. So one group is delivered whole, by one rank.
 
-Members that are not trainable (failed, poisoned, corrupt, stale weights) are
-acknowledged by the rank that received them and recorded with their skip
-code. ``group_failure_policy``: ``deliver_rest`` delivers the trainable members
-with the others listed in :attr:`RolloutGroup.failed`; ``drop_group``
-acknowledges the members and delivers nothing (counted as dropped).
+Members that are not trainable (failed, poisoned, corrupt, stale weights) are acknowledged by the rank that
+received them and recorded with their skip code. ``group_failure_policy``: ``deliver_rest`` delivers the
+trainable members with the others listed in :attr:`RolloutGroup.failed`; ``drop_group`` acknowledges the members
+and delivers nothing (counted as dropped).
 
-A group still incomplete ``group_timeout_s`` after its first member arrived is
-sealed by a rank holding one of its members: delivered partial
-(``complete=False``) or, with ``group_timeout_policy="dead_letter"``, its
-members acknowledged and the group recorded on ``ns:dead:groups``. An owner
-that stops refreshing its groups for ``claim_idle_ms`` (a crash) loses them to
-the next rank that finds them. Rollouts without a group are delivered as
-groups of one (``group_id=None``).
+A group still incomplete ``group_timeout_s`` after its first member arrived is sealed by a rank holding one of
+its members: delivered partial (``complete=False``) or, with ``group_timeout_policy="dead_letter"``, its members
+acknowledged and the group recorded on ``ns:dead:groups``. An owner that stops refreshing its groups for
+``claim_idle_ms`` (a crash) loses them to the next rank that finds them. Rollouts without a group are delivered
+as groups of one (``group_id=None``).
 
-Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the
-optimizer step.
+Never silent, never pending forever, never ``complete=True`` with fewer members than announced: a member arriving
+after its group went out (delivered by any rank, acknowledged, dropped, sealed) is not delivered alone (a group of
+one has no reward variance) but acknowledged and recorded on ``ns:dead:groups`` with ``dead_code`` ``late_member``
+(a closed group's ``:meta`` stays ``retention_s`` as a tombstone, so it is never a second group of the same id);
+members disagreeing on ``group_size`` make the group wait for the largest size announced (``complete=True`` only
+with that many; else sealed at the timeout), with a ``group_size_mismatch`` warning. Both are counted in
+:class:`GroupStatistics`.
+
+Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the optimizer step.
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ import anyio
 from sink.keys import dead_letter_stream, group_keys
 from sink.rollout.done_event import GroupTag
 from sink.store.connection import map_redis_errors
+from sink.store.durability import execute_durably
 from sink.store.scripts import (
     GROUP_CHECK_SCRIPT,
+    GROUP_CLOSE_SCRIPT,
     GROUP_COMPLETE,
     GROUP_GATHER_SCRIPT,
     GROUP_GONE,
+    GROUP_LATE,
     GROUP_SEALED,
     GROUP_TAKEN,
     GROUP_WAIT,
@@ -55,12 +58,19 @@ from sink.store.scripts import (
 from sink.trainer.pulled import PulledRollout, SkippedRollout
 from sink.trainer.reader import RolloutReader
 
-__all__ = ("GroupReader", "GroupStatistics", "RolloutGroup")
+__all__ = ("GROUP_SIZE_MISMATCH", "LATE_MEMBER", "GroupReader", "GroupStatistics", "RolloutGroup")
 
 logger = logging.getLogger(__name__)
 
 MEMBER_UNAVAILABLE = "member_unavailable"
 """Failed-member code: the member's receipt entry was gone when the owner took it over."""
+LATE_MEMBER = "late_member"
+"""``dead_code`` on ``ns:dead:groups``: a member that arrived after its group went out (acknowledged, recorded)."""
+GROUP_SIZE_MISMATCH = "group_size_mismatch"
+"""Warning code: the members of a group announced different ``group_size`` s (the largest is used)."""
+GROUP_TIMEOUT = "group_timeout"
+"""``dead_code`` on ``ns:dead:groups``: incomplete at ``group_timeout_s`` under ``group_timeout_policy="dead_letter"``."""
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class RolloutGroup:
@@ -99,9 +109,10 @@ class RolloutGroup:
 
 
 class GroupStatistics(NamedTuple):
-    """Counters of one :class:`GroupReader`: groups delivered (``partial`` of them sealed at the timeout),
-    dropped by ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups this
-    rank holds members of, not yet complete."""
+    """Counters of one :class:`GroupReader`: groups delivered (``partial``: sealed at the timeout), dropped by
+    ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups this rank holds
+    members of, not complete; ``late``: members after their group went out (:data:`LATE_MEMBER`);
+    ``size_mismatches``: groups whose members disagreed on ``group_size``."""
 
     delivered: int
     partial: int
@@ -109,6 +120,8 @@ class GroupStatistics(NamedTuple):
     dead_lettered: int
     handed_over: int
     waiting: int
+    late: int = 0
+    size_mismatches: int = 0
 
 
 class GroupReader:
@@ -122,7 +135,7 @@ class GroupReader:
         self._watched: dict[str, GroupTag] = {}
         # This pull's rollouts: a group completed by one of them may include others not gathered yet.
         self._fresh: dict[str, PulledRollout] = {}
-        self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed"), 0)
+        self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed", "late", "mismatch"), 0)
         reader.claims.defer_grouped = True  # a parked member read again was never trained: counted at delivery
 
     @property
@@ -131,7 +144,16 @@ class GroupReader:
 
     def statistics(self) -> GroupStatistics:
         c = self._counts
-        return GroupStatistics(c["delivered"], c["partial"], c["dropped"], c["dead"], c["handed"], len(self._watched))
+        return GroupStatistics(
+            c["delivered"],
+            c["partial"],
+            c["dropped"],
+            c["dead"],
+            c["handed"],
+            len(self._watched),
+            c["late"],
+            c["mismatch"],
+        )
 
     async def pull_groups(self, max_rollouts: int, *, block_ms: int = 0) -> list[RolloutGroup]:
         """Pull up to *max_rollouts* rollouts and return the groups that are now whole (or timed out) and owned
@@ -159,9 +181,12 @@ class GroupReader:
         await self._delete([g.group_id for g in groups if g.group_id is not None])
 
     async def _delete(self, group_ids: Sequence[str]) -> None:
-        with map_redis_errors("delete group records"):
+        """Close groups that went out: members record deleted, the meta kept as a tombstone (see the module)."""
+        settings = self._settings
+        ttl_ms = int(max(settings.retention_s, settings.group_timeout_s * 4, settings.claim_idle_ms / 1000 * 4) * 1000)
+        with map_redis_errors("close group records"):
             for group_id in group_ids:
-                await self._reader.client.delete(*group_keys(self._ns, group_id))
+                await GROUP_CLOSE_SCRIPT.run(self._reader.client, group_keys(self._ns, group_id), [ttl_ms])
 
     def _record(self, item: PulledRollout) -> str:
         consumer = self._reader.consumer_name
@@ -187,6 +212,11 @@ class GroupReader:
                 ],
             )
         state = int(reply[0])
+        if state == GROUP_LATE:
+            await self._record_dead(tag, [item.rollout_id], [], LATE_MEMBER, "arrived after its group went out")
+            await self._reader.ack([item.rollout_id])
+            self._counts["late"] += 1
+            return None
         if not item.trainable:
             await self._reader.ack([item.rollout_id])  # recorded with its code; nothing to train on
         elif state in (GROUP_WAIT, GROUP_COMPLETE):
@@ -215,7 +245,9 @@ class GroupReader:
         async def check(index: int, group_id: str) -> None:
             async with limiter:
                 with map_redis_errors(f"check group {group_id!r}"):
-                    replies[index] = await GROUP_CHECK_SCRIPT.run(self._reader.client, group_keys(self._ns, group_id), arguments)
+                    replies[index] = await GROUP_CHECK_SCRIPT.run(
+                        self._reader.client, group_keys(self._ns, group_id), arguments
+                    )
 
         async with anyio.create_task_group() as checks:
             for index, (group_id, _tag) in enumerate(watched):
@@ -243,9 +275,18 @@ class GroupReader:
             self._parked.pop(group_id, None)
         self._counts["handed"] += len(rollout_ids)
 
-    async def _own(self, tag: GroupTag, flat: Sequence[object], *, complete: bool) -> list[RolloutGroup]:
-        """This rank owns the group: collect every member (taking over the other ranks'), then deliver."""
+    async def _own(self, tag: GroupTag, reply: Sequence[object], *, complete: bool) -> list[RolloutGroup]:
+        """This rank owns the group: collect every member (taking over the other ranks'), then deliver.
+
+        *reply*: the group's size (the largest announced), whether sizes disagreed, then its members record.
+        """
         self._watched.pop(tag.group_id, None)
+        announced, mismatch, flat = int(_text(reply[0])), _text(reply[1]) == "1", reply[2:]
+        if mismatch:
+            self._counts["mismatch"] += 1
+            text = "%s: members of group %r announced different group_size values; using the largest, %d"
+            logger.warning(text, GROUP_SIZE_MISMATCH, tag.group_id, announced)
+        tag = GroupTag(tag.group_id, announced)
         local = self._parked.pop(tag.group_id, {})
         members: dict[str, PulledRollout] = {}
         failed: list[SkippedRollout] = []
@@ -316,22 +357,40 @@ class GroupReader:
             count = await self._reader.client.hget(group_keys(self._ns, group_id)[0], "deliveries")
         return int(_text(count or 0)) > 1
 
-    async def _dead_letter(self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout]) -> None:
+    async def _record_dead(
+        self, tag: GroupTag, members: Sequence[str], failed: Sequence[SkippedRollout], code: str, reason: str
+    ) -> None:
+        """One durable ``ns:dead:groups`` entry (``dead_code`` *code*) for *members* of the group *tag*."""
         stream = dead_letter_stream(self._ns, "groups")
         record = {
             "group_id": tag.group_id,
             "group_size": str(tag.group_size),
-            "members": ",".join(m.rollout_id for m in members),
+            "members": ",".join(members),
             "failed": ",".join(f"{f.rollout_id}:{f.skip_code}" for f in failed),
-            "dead_reason": f"incomplete after group_timeout_s={self._settings.group_timeout_s}",
+            "dead_code": code,
+            "dead_reason": reason,
             "dead_consumer": self._reader.consumer_name,
         }
-        with map_redis_errors(f"dead-letter group {tag.group_id!r}"):
-            await self._reader.client.xadd(stream, record)  # type: ignore[arg-type]
+        settings, action = self._settings, f"dead-letter group {tag.group_id!r}"
+        with map_redis_errors(action):
+            (reply,) = await execute_durably(
+                self._reader.client,
+                lambda pipe: pipe.xadd(stream, record),  # type: ignore[arg-type]
+                durability=settings.durability,
+                timeout_s=settings.command_timeout_s / 2,
+                action=action,
+                route_key=stream,
+            )
+            if isinstance(reply, BaseException):
+                raise reply
+        logger.warning("%s: group %r members %s recorded on %s: %s", code, tag.group_id, list(members), stream, reason)
+
+    async def _dead_letter(self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout]) -> None:
+        reason = f"incomplete after group_timeout_s={self._settings.group_timeout_s}"
+        await self._record_dead(tag, [m.rollout_id for m in members], failed, GROUP_TIMEOUT, reason)
         await self._reader.ack([m.rollout_id for m in members])
         await self._delete([tag.group_id])
         self._counts["dead"] += 1
-        logger.warning("dead-lettered incomplete group %r to %s", tag.group_id, stream)
 
 
 def _text(value: object) -> str:

@@ -47,6 +47,7 @@ _VERSION_CODES: Final = {
 }
 _MISSING: Final = object()
 
+
 def _fail(code: str, detail: str) -> ReceiptVerificationError:
     return ReceiptVerificationError(code, detail)
 

@@ -57,10 +57,11 @@ class ProxyApp:
             "cluster": config.cluster,
             "connect_timeout_s": config.redis_timeout_s,
             "command_timeout_s": config.redis_timeout_s,
+            "durability": config.durability,  # every acknowledged write: staged records, ledger rows, finished
         }
         stack = self._stack
         sink = await stack.enter_async_context(
-            AsyncRedisStagingSink.from_url(config.redis_url, SinkSettings(durability=config.durability, **timeouts))
+            AsyncRedisStagingSink.from_url(config.redis_url, SinkSettings(**timeouts))
         )
         source = await stack.enter_async_context(
             AsyncRedisStagingSource.from_url(config.redis_url, SourceSettings(**timeouts))
@@ -83,6 +84,7 @@ class ProxyApp:
                 response=response,
                 declared_response_id=declared,
                 namespace=config.namespace,
+                durability=config.durability,
             )
 
         capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: weight_version, source=source)
