@@ -13,6 +13,9 @@ other acknowledged write (ledger rows, ``finished`` events, receipts, acknowledg
 
 from __future__ import annotations
 
+import copy
+from typing import Self
+
 __all__ = (
     "BatchInputError",
     "BenchmarkNamespaceInUseError",
@@ -36,6 +39,8 @@ __all__ = (
     "StagingConnectionError",
     "StagingError",
     "StagingKeyOwnershipError",
+    "StagingRefusedError",
+    "StagingUnavailableError",
     "TokenEntryConflictError",
     "UnrecoverableServiceError",
 )
@@ -52,19 +57,45 @@ class CodecError(StagingError):
 
 
 class StagingConnectionError(StagingError):
-    """Raised when the Redis/Valkey server cannot be reached, the connection
-    is lost mid-command, or the server refuses the command (``READONLY``,
-    ``OOM``, ``NOPERM``). The message names the server error."""
+    """The server did not carry out a command: it could not be reached (:class:`StagingUnavailableError`) or it
+    answered with an error (:class:`StagingRefusedError`). Every one raised is one of the two; catch this base
+    where both mean the same to you, a leaf where they do not. The message names the server error."""
+
+    def restated(self, message: str) -> Self:
+        """The same error (same class, same reply code) with *message*, to re-raise with more context."""
+        other = copy.copy(self)
+        other.args = (message,)
+        return other
 
 
-class NotDurableError(StagingConnectionError):
+class StagingUnavailableError(StagingConnectionError):
+    """The server could not be reached: connection refused or reset, a timeout, DNS, or a server that answered
+    that it cannot serve yet (``LOADING``, ``CLUSTERDOWN``, ``TRYAGAIN``, ``MASTERDOWN``). Waiting may fix it:
+    services ride it out up to their ``max_outage_s``."""
+
+
+class StagingRefusedError(StagingConnectionError):
+    """The server answered the command with an error reply. ``code`` is the reply's code (its first word:
+    ``WRONGTYPE``, ``NOPERM``, ``READONLY``, ``OOM``, ``WRONGPASS``, ``NOGROUP``, ``ERR``...). Sending the same
+    command again gets the same answer: services stop at once."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self) -> tuple[type[StagingRefusedError], tuple[str, str]]:
+        # Rebuild from (message, code), so the error survives pickling with its code intact.
+        return (type(self), (str(self), self.code))
+
+
+class NotDurableError(StagingUnavailableError):
     """Raised instead of acknowledging a write (ledger row, ``finished`` event, receipt, dead letter,
     acknowledgement) when the round trip that carried it shows the server would not keep it through a crash:
     ``appendonly``/``appendfsync``/``no-appendfsync-on-rewrite``/``maxmemory-policy`` not the durable values,
     ``WAITAOF`` not confirming the fsync, or the check itself refused (``NOPERM``). The write may have been
     applied; it is not acknowledged, and retrying it is safe (every such write is idempotent). The message names
-    the server and what is wrong. A :class:`StagingConnectionError`, so services treat it as an outage and
-    retry until an operator restores the configuration."""
+    the server and what is wrong. A :class:`StagingUnavailableError`, so services treat it as an outage and
+    retry (up to their ``max_outage_s``) until an operator restores the configuration."""
 
 
 class LedgerConflictError(StagingError, ValueError):
@@ -196,9 +227,9 @@ class ClusterModeMismatchError(StagingError):
 
 
 class UnrecoverableServiceError(StagingError):
-    """Raised by a long-running service (assembler, trainer reader) on a failure that retrying cannot fix:
-    the server denies a command (``NOPERM``, wrong password), a key holds the wrong type, or a consumer
-    group cannot be recreated. The service stops; the command exits non-zero."""
+    """Raised by a long-running service (assembler, trainer) on a failure that retrying cannot fix: the
+    server refused a command (:class:`StagingRefusedError`: ``NOPERM``, a wrong password, a key of the wrong
+    type), or a consumer group cannot be recreated. The service stops at once; the command exits 1."""
 
 
 class TokenEntryConflictError(StagingError, ValueError):

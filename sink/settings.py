@@ -16,6 +16,7 @@ __all__ = (
     "DEFAULT_ABANDON_AFTER_S",
     "DEFAULT_RETENTION_S",
     "DEFAULT_SHARDS",
+    "RECLAIMS_PER_IDLE",
     "AssemblerSettings",
     "ConnectionSettings",
     "GymTransportSettings",
@@ -23,8 +24,10 @@ __all__ = (
     "ProxySettings",
     "PruneSettings",
     "ReaderSettings",
+    "ServiceSettings",
     "SinkSettings",
     "SourceSettings",
+    "UpstreamKind",
 )
 
 _MIB = 1024 * 1024
@@ -102,8 +105,13 @@ class SourceSettings(ConnectionSettings):
 _CONSUMER_NAME = r"^[A-Za-z0-9._-]+$"
 
 
-class _GroupConsumerSettings(ConnectionSettings):
-    """Consumer-group settings shared by the assembler and the trainer reader."""
+RECLAIMS_PER_IDLE = 2
+"""A consumer looks for entries crashed consumers left pending this many times per ``claim_idle_ms``."""
+
+
+class ServiceSettings(ConnectionSettings):
+    """What every long-running service shares (the assembler, the trainer reader): its consumer group and its
+    outage policy (:class:`sink.service.OutagePolicy`)."""
 
     consumer_name: str | None = Field(default=None, pattern=_CONSUMER_NAME)
     """This process's consumer name in the group; default ``<host>-<pid>-<random>``.
@@ -113,10 +121,22 @@ class _GroupConsumerSettings(ConnectionSettings):
     max_deliveries: int = Field(default=5, ge=1)
     """An entry delivered more often than this is moved to ``ns:dead:<role>-<shard>`` instead of processed."""
     reconnect_backoff_s: float = Field(default=1.0, gt=0)
-    """Pause before retrying after the server could not be reached."""
+    """First pause before retrying after the server could not be reached."""
+    reconnect_backoff_max_s: float = Field(default=5.0, gt=0)
+    """The longest pause between retries during an outage (the pause doubles from ``reconnect_backoff_s``)."""
+    max_outage_s: float | None = Field(default=300.0, gt=0)
+    """Give up after the server was unreachable this long without a success in between, in any phase (opening,
+    running, closing): a :class:`~sink.errors.StagingUnavailableError` naming the limit, exit 3 for
+    ``staging-sink assembler``/``trainer``; ``None``: retry forever. A refusal
+    (:class:`~sink.errors.StagingRefusedError`) stops the service at once."""
+
+    @property
+    def reclaim_interval_s(self) -> float:
+        """How often a consumer looks for entries crashed consumers left pending (``claim_idle_ms / 2``)."""
+        return self.claim_idle_ms / RECLAIMS_PER_IDLE / 1000.0
 
 
-class AssemblerSettings(_GroupConsumerSettings):
+class AssemblerSettings(ServiceSettings):
     """Settings of :class:`sink.rollout.assembler.Assembler` (consumer group ``assemblers``)."""
 
     done_shards: int = Field(default=DEFAULT_SHARDS, ge=1)
@@ -129,9 +149,6 @@ class AssemblerSettings(_GroupConsumerSettings):
     """Events read per ``XREADGROUP`` (``COUNT``) and processed concurrently per shard."""
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     """After :meth:`~sink.rollout.assembler.Assembler.stop`, how long in-flight events may finish before cancellation."""
-    max_outage_s: float | None = Field(default=300.0, gt=0)
-    """Give up (``run`` raises :class:`~sink.errors.StagingConnectionError`; ``staging-sink assembler`` exits 3)
-    after the server was unreachable this long without a success in between; ``None``: retry forever."""
 
     @model_validator(mode="after")
     def _check_block_fits_timeout(self) -> AssemblerSettings:
@@ -140,7 +157,7 @@ class AssemblerSettings(_GroupConsumerSettings):
         return self
 
 
-class ReaderSettings(_GroupConsumerSettings):
+class ReaderSettings(ServiceSettings):
     """Settings of :class:`sink.trainer.RolloutReader` (consumer group ``trainers``)."""
 
     receipt_shards: int = Field(default=DEFAULT_SHARDS, ge=1)
@@ -150,10 +167,6 @@ class ReaderSettings(_GroupConsumerSettings):
     it must exceed the time between ``pull`` and ``ack`` (``pull``/``heartbeat`` reset it)."""
     fetch_concurrency: int = Field(default=8, ge=1)
     """Rollouts fetched and verified concurrently within one ``pull``."""
-    max_outage_s: float = Field(default=300.0, gt=0)
-    """How long a trainer service (``staging-sink trainer``) retries an unreachable server before giving up."""
-    reconnect_backoff_max_s: float = Field(default=5.0, gt=0)
-    """The longest pause between retries during an outage (the pause doubles from ``reconnect_backoff_s``)."""
     max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
     """Staged records larger than this are refused by the source."""
     max_weight_lag: int | None = Field(default=None, ge=0)
@@ -173,6 +186,10 @@ class ReaderSettings(_GroupConsumerSettings):
     """After ``ack``, the rollout's receipt and fence expire after this many seconds (bounded state)."""
 
 
+UpstreamKind = Literal["vllm", "nemo-rl"]
+"""The capture proxy's upstream: a stock vLLM OpenAI server, or an engine honouring ``required_prefix_token_ids``."""
+
+
 class ProxySettings(BaseModel):
     """Settings of the capture proxy (:mod:`worker.proxy.app`; the ``staging-sink proxy`` flags)."""
 
@@ -187,7 +204,7 @@ class ProxySettings(BaseModel):
     namespace: str = Field(default=DEFAULT_NAMESPACE, pattern=r"^[A-Za-z0-9._-]+$")
     cluster: bool = False
     """The URLs are nodes of a Redis/Valkey Cluster."""
-    upstream_kind: Literal["vllm", "nemo-rl"] = "vllm"
+    upstream_kind: UpstreamKind = "vllm"
     """``vllm``: a stock vLLM (>= 0.10.2) OpenAI server; ``nemo-rl``: an engine honouring
     ``required_prefix_token_ids``."""
     capture: bool = True

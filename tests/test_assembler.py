@@ -429,7 +429,7 @@ async def test_stop_interrupts_a_blocked_read_and_cancels_in_flight_events_after
 
 @pytest.mark.anyio
 async def test_the_assembler_gives_up_after_max_outage_s(fresh_server: DurableServer) -> None:
-    """Issue 13, defect 10: services ride through outages with bounded backoff and give up only after a
+    """Services ride through outages with bounded backoff and give up only after a
     configurable outage (here 1 s), with a StagingConnectionError (the CLI's exit 3)."""
     settings = AssemblerSettings(max_outage_s=1.0, reconnect_backoff_s=0.1, block_ms=50, connect_timeout_s=0.2)
     async with Assembler.from_url(fresh_server.url, settings) as assembler:

@@ -283,7 +283,7 @@ def test_retire_then_delete(staged: str, capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert "r2: deleted the ledger and the staged calls, receipt and claim\n" in out
     assert "r1: deleted the fence and the staged calls, receipt and claim\n" in out
-    # delete removes every key of the rollout (records and calls too): the id is reusable (issue 13).
+    # delete removes every key of the rollout (records and calls too): the id is reusable.
     assert main(["verify", "r1", "--redis-url", staged]) == EXIT_FAILURE
     assert "no such rollout 'r1'" in capsys.readouterr().err
 

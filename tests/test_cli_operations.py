@@ -1,4 +1,4 @@
-"""Operator commands that tell the truth (issue 15, item 6): ``stats --check``, ``list``, ``retire``/``delete``
+"""Operator commands that tell the truth: ``stats --check``, ``list``, ``retire``/``delete``
 with ``--dry-run`` and ``--force``, ``verify`` of a consumed rollout, consumer idle times, and the CLI paper
 cuts (log lines, ``-v`` anywhere, ``--version``, defaults in help, one-line errors, line-delimited JSON,
 ``tail`` of an unknown rollout). Every command runs against a real server."""
@@ -222,7 +222,7 @@ def test_delete_reports_the_fence_it_removed(staged: str, capsys: pytest.Capture
     assert report["rollouts"] == [
         {"rollout_id": "r1", "ledger_removed": False, "fence_removed": True, "other_removed": True}
     ]
-    with redis.Redis.from_url(staged) as client:  # every key of the rollout went (issue 13: the id is reusable)
+    with redis.Redis.from_url(staged) as client:  # every key of the rollout went: the id is reusable
         assert client.exists(fence_key("stg", "r1")) == 0
         assert list(client.scan_iter(match="stg:{r1}:*")) == []
 

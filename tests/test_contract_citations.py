@@ -11,8 +11,11 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import io
 import re
+import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -33,8 +36,10 @@ _FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 # A markdown link whose target is the contract page (from README: docs/contract.md; from docs/: contract.md).
 _CONTRACT_LINK = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]\((?:\./)?(?:docs/)?contract\.md(#[^)\s]*)?\)")
 _UNLINKED = re.compile(SIGN + r"\s?\d|\bINV-\d|\bthe contract\b|\bthe seed\b", re.IGNORECASE)
-# A tracker reference: the word issue(s) and a number, or a bare hash and a number.
-_ISSUE_REF = re.compile(r"\bissues?\s+(?:no\.?\s*)?#?\d+|(?<![\w&#/])#\d+\b", re.IGNORECASE)
+# A tracker reference: the word issue(s) and a number (anywhere), or a bare hash and a number (in a comment or a
+# docstring, where it cannot be a CSS colour or other data).
+_ISSUE_WORD = re.compile(r"\bissues?\s+(?:no\.?\s*)?#?\d+", re.IGNORECASE)
+_ISSUE_HASH = re.compile(r"(?<![\w&#/:])#\d+\b")
 
 
 class Citation(NamedTuple):
@@ -69,6 +74,29 @@ def invariant_citations(text: str) -> Iterator[tuple[int, str]]:
     """``(line, "INV-<n>")`` of every invariant id in *text*."""
     for match in _INVARIANT_REF.finditer(text):
         yield _line_of(text, match.start()), f"INV-{match.group(1)}"
+
+
+def _comments_and_docstrings(text: str) -> Iterator[tuple[int, str]]:
+    """``(line, text)`` of every comment and every module, class and function docstring of a Python *text*."""
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = node.body[0] if node.body else None
+            docstring = (
+                first.value.value if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else None
+            )
+            if isinstance(first, ast.Expr) and isinstance(docstring, str):
+                yield first.lineno, docstring
+
+
+def tracker_citations(text: str) -> Iterator[tuple[int, str]]:
+    """``(line, reference)`` of every tracker issue a Python *text* cites, in line order."""
+    found = [(_line_of(text, m.start()), m.group(0)) for m in _ISSUE_WORD.finditer(text)]
+    for line, fragment in _comments_and_docstrings(text):
+        found.extend((line + fragment.count("\n", 0, m.start()), m.group(0)) for m in _ISSUE_HASH.finditer(fragment))
+    yield from sorted(found)
 
 
 def github_slug(heading: str) -> str:
@@ -133,10 +161,13 @@ def test_scanners_find_and_reject_what_they_should() -> None:
     assert _OTHER_DOCUMENT.search(f"(architecture {SIGN}4)")
     assert not _OTHER_DOCUMENT.search(f"(contract {SIGN}4)")
     issue = "issue"
-    for cited in (f"({issue} 13, defect 2)", f"{issue.title()} 12's gate", "see #" + "15", f"{issue}s 3"):
-        assert _ISSUE_REF.search(cited), cited
-    for fine in ("# 15 ms", "color #fff", "issued 3 times", "a&#39;b"):
-        assert not _ISSUE_REF.search(fine), fine
+    source = (
+        f'"""Module ({issue} 13, defect 2)."""\n'
+        f"x = 1  # {issue.title()} 12's gate\n"
+        f'def f() -> None:\n    """See #{15}."""\n'
+        f"css = 'a{{color:#137333}} b{{color: #555}}'  # 15 ms, issued 3 times, a&#39;b\n"
+    )
+    assert [ref for _, ref in tracker_citations(source)] == [f"{issue} 13", f"{issue.title()} 12", "#15"]
 
 
 def test_the_scan_sees_the_code_citations() -> None:
@@ -258,3 +289,15 @@ def test_contract_links_land_on_an_anchor(index: ContractIndex) -> None:
 
 def test_readme_points_to_the_contract() -> None:
     assert "](docs/contract.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+# --- no tracker issue numbers in the code ------------------------------------------
+
+
+def test_no_python_source_cites_a_tracker_issue() -> None:
+    cited = [
+        Citation(path.relative_to(ROOT), line, ref)
+        for path in _python_files()
+        for line, ref in tracker_citations(path.read_text(encoding="utf-8"))
+    ]
+    assert not cited, "tracker issue numbers in code (say what is meant instead):\n" + _listing(cited)

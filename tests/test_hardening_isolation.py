@@ -1,4 +1,4 @@
-"""Issue 13, defects 2 and 3: no rollout can stall training or hurt another (real Valkey 8 / Redis 7.0 servers).
+"""No rollout can stall training or hurt another (real Valkey 8 / Redis 7.0 servers).
 
 * The gate accepts commit coordinates only for the admitted rollout and call: ``R/C``, or one of that
   call's generation-cut keys ``R/C/cut/<checkpoint>/<seq>``; anything else is a failure row.

@@ -1,15 +1,12 @@
-"""Issue 13, defect 10: lost leases are reported, double deliveries counted, and ``staging-sink trainer``
+"""Lost leases are reported, double deliveries counted, and ``staging-sink trainer``
 rides through a server restart (real Valkey 8 / Redis 7.0 servers).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import anyio
@@ -19,10 +16,9 @@ import redis.asyncio as aioredis
 from sink.keys import record_key
 from sink.rollout.assembler import finished
 from sink.server import DurableServer
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader import TRAINER_GROUP, RolloutReader
+from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollouts
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _prepared(url: str, ids: Sequence[str]) -> list[StagedRollout]:
@@ -37,6 +33,12 @@ async def _prepared(url: str, ids: Sequence[str]) -> list[StagedRollout]:
     return staged
 
 
+async def _idle_past(client: aioredis.Redis, token: str, idle_ms: int) -> bool:
+    stream, _, entry_id = token.rpartition("#")
+    [pending] = await client.xpending_range(stream, TRAINER_GROUP, min=entry_id, max=entry_id, count=1)
+    return int(pending["time_since_delivered"]) > idle_ms
+
+
 @pytest.mark.anyio
 async def test_an_ack_after_a_lost_lease_reports_it_and_the_new_owner_counts_a_double_delivery(
     redis_url: str,
@@ -49,7 +51,11 @@ async def test_an_ack_after_a_lost_lease_reports_it_and_the_new_owner_counts_a_d
     ):
         [first] = await pull_until(slow, 1)
         assert first.trainable
-        await anyio.sleep(0.5)  # the slow rank stalls past claim_idle_ms: no pull, no heartbeat
+        # The slow rank stalls past claim_idle_ms (no pull, no heartbeat): wait until the server says so.
+        async with aioredis.Redis.from_url(redis_url) as client:
+            with anyio.fail_after(30):
+                while not await _idle_past(client, slow.entry_token("leased"), fast["claim_idle_ms"]):  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
         [second] = await pull_until(fast_rank, 1)
         assert second.rollout_id == "leased" and second.trainable
         assert fast_rank.statistics().double_deliveries == 1
@@ -64,47 +70,35 @@ async def test_an_ack_after_a_lost_lease_reports_it_and_the_new_owner_counts_a_d
         assert fast_rank.statistics().double_deliveries == 1 and fast_rank.statistics().lost == 0
 
 
-@contextmanager
-def _trainer(url: str, *args: str) -> Iterator[subprocess.Popen[str]]:
-    command = [sys.executable, "-m", "sink", "trainer", "--redis-url", url, "--shards", "1", *args]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as process:
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.kill()
+def _trainer(url: str, *args: str) -> AbstractContextManager[Command]:
+    return staging_sink("trainer", "--redis-url", url, "--shards", "1", *args)
 
 
-def _read_line(process: subprocess.Popen[str], timeout_s: float = 20.0) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    line = process.stdout.readline()
-    assert line and time.monotonic() < deadline, process.stderr.read() if process.stderr else ""
-    return line
+READY = r"^trainer \S+ on .*Ctrl-C stops it"
 
 
 @pytest.mark.slow
 def test_the_trainer_command_rides_through_a_server_restart(fresh_server: DurableServer) -> None:
     url = fresh_server.url
     anyio.run(_prepared, url, ["before"])
-    with _trainer(url, "--max-rollouts", "2", "--timeout-s", "60", "--max-outage-s", "30") as process:
-        assert "before" in _read_line(process)
+    with _trainer(url, "--max-rollouts", "2", "--timeout-s", "60", "--max-outage-s", "30") as command:
+        command.wait_for("before", "stdout")
         fresh_server.kill()
-        time.sleep(1.5)  # a real outage: several failed pulls
+        command.wait_for(r"unreachable while running.*retrying")  # a real outage: a failed pull, ridden out
         fresh_server.restart()
         anyio.run(_prepared, url, ["after"])
-        assert "after" in _read_line(process)
-        assert process.wait(timeout=30) == 0, process.stderr.read() if process.stderr else ""
+        command.wait_for("after", "stdout")
+        assert command.wait(timeout_s=30) == 0, command.lines("stderr")
 
 
 def test_the_trainer_command_gives_up_after_the_configured_outage(fresh_server: DurableServer) -> None:
-    with _trainer(fresh_server.url, "--max-outage-s", "2") as process:
-        time.sleep(1.0)  # let it start pulling
+    with _trainer(fresh_server.url, "--max-outage-s", "2") as command:
+        command.wait_for(READY)  # pulling now (it used to sleep 1 s and hope it was)
         fresh_server.kill()
         started = time.monotonic()
-        code = process.wait(timeout=20)
+        code = command.wait(timeout_s=20)
         elapsed = time.monotonic() - started
-        stderr = process.stderr.read() if process.stderr else ""
+        stderr = "\n".join(command.lines("stderr"))
     assert code == 3, stderr
     assert 1.5 <= elapsed < 12, elapsed
     assert "max_outage_s=2" in stderr or "2.0 s" in stderr, stderr

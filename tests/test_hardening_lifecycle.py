@@ -1,4 +1,4 @@
-"""Issue 13, defect 8: ids are reusable after ``delete``, late writes are refused, call ids never collide
+"""Ids are reusable after ``delete``, late writes are refused, call ids never collide
 with generation-cut keys (real Valkey 8 / Redis 7.0 servers, and the embedded Redis 6.2).
 """
 

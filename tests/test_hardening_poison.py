@@ -1,4 +1,4 @@
-"""Issue 13, defect 1: no stream entry a consumer cannot parse stops it (real Valkey 8 / Redis 7.0 servers).
+"""No stream entry a consumer cannot parse stops it (real Valkey 8 / Redis 7.0 servers).
 
 Every entry of ``ns:done:<k>`` (the assembler's) and ``ns:receipts:<k>`` (the reader's) that cannot be
 parsed, whatever its bytes, size or JSON depth, is copied to ``ns:dead:<role>-<shard>`` with a reason

@@ -1,4 +1,4 @@
-"""Issue 13: a same-digest re-stage over a stored blob that no longer matches its digest repairs it
+"""A same-digest re-stage over a stored blob that no longer matches its digest repairs it
 (real Valkey 8 / Redis 7.0 servers, and the embedded Redis 6.2).
 
 The staging script used to compare only the digest in the stored blob's head, so a retried stage

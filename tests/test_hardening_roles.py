@@ -1,4 +1,4 @@
-"""Issue 13, defect 4: retire and delete run under the generated ACL roles, all-or-nothing per id
+"""Retire and delete run under the generated ACL roles, all-or-nothing per id
 (real Valkey 8 / Redis 7.0 servers loading the file ``staging-sink acl`` renders).
 
 ``retire`` is the gate's and the trainer's (the reader's ``ack``); ``delete`` is the trainer's

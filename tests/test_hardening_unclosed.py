@@ -1,4 +1,4 @@
-"""Issue 13, defect 9: a forgotten ``close()`` never hangs the process (real Valkey 8 / Redis 7.0 servers).
+"""A forgotten ``close()`` never hangs the process (real Valkey 8 / Redis 7.0 servers).
 
 Each script runs in a subprocess with a deadline: it opens a synchronous facade, uses it and ends
 without closing it (normally, or by raising before its ``finally``). The process must exit on its

@@ -73,18 +73,10 @@ BLIND_EXCEPT_BOUNDARIES: dict[str, str] = {
     "sink/store/resource.py:_close_forgotten": "finalizer of an unclosed resource: best effort, logged, never raises",
     "sink/store/resource.py:run": "loop thread: a startup failure goes to the waiting constructor",
     "sink/trainer/verify.py:_verify_snapshot": "a failed digest recompute becomes a typed error, chained",
-    "worker/capture.py:_begin_steps": "any staging-source failure disables capture of this call (served uncaptured)",
-    "worker/capture.py:_completion_steps": "the worker catches every sink failure: the call is recorded failed",
-    "worker/capture.py:_extract": "any adapter failure poisons the call, never fails the completion",
     "worker/demo/worker_process.py:worker_process_main": "demo worker process: failure sent to the parent",
-    "worker/io_steps.py:run_async": "the capture steps turn any I/O failure into failed coordinates",
-    "worker/io_steps.py:run_blocking": "the capture steps turn any I/O failure into failed coordinates",
     "worker/proxy/app.py:__call__": "ASGI lifespan startup: the failure is reported to the server, which exits",
-    "worker/proxy/captured_call.py:_abandon": "per call: ledger unreachable recording an abandon; logged",
-    "worker/proxy/captured_call.py:_admit": "per call: ledger down or begin failed; logged, fail-open/closed",
-    "worker/proxy/captured_call.py:_complete": "per call: a malformed payload fails capture, not the reply",
-    "worker/proxy/captured_call.py:_settle": "per call: ledger failed after the stage; logged, uncaptured",
-    "worker/proxy/middleware.py:_finished": "per request: announcing finished failed; logged, 503 (retry)",
+    "worker/proxy/captured_call.py:run": "per captured call: a bug is logged with its traceback, the call recorded "
+    "failed, then fail-open serves the stripped reply, fail-closed answers 503",
 }
 
 

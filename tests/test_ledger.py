@@ -124,7 +124,7 @@ class TestLedgerContract:
         assert await env.ledger.has_rows(R) is True
 
     async def test_stored_capture_key_and_fingerprint_version_are_kept(self, env: LedgerEnv) -> None:
-        # A capture key names an earlier attempt of the rollout (issue 13: never another rollout).
+        # A capture key names an earlier attempt of the rollout, never another rollout (contract §2.5).
         earlier = f"{R}-a0"
         commit = root_commit(
             capture_key=earlier, staging_key=f"{earlier}/c-root", fingerprint_version=0, output_fingerprint=None

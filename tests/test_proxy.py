@@ -114,7 +114,7 @@ def test_proxy_on_a_cluster(cluster: LocalCluster) -> None:
             for rollout_id in ("cl-1", "cl-2", "cl-3"):
                 _, last_id = run_agent([url], rollout_id, turns=2)
                 finish(url, rollout_id, 1.0, last_id)
-    assert app.metrics.counts == {"captured": 6, "uncaptured": 0, "capture_failed": 0}
+    assert app.metrics.counts == {"captured": 6, "uncaptured": 0, "capture_failed": 0, "capture_error": 0}
 
 
 def test_bare_proxy_forwards_rollout_routes(engine: tuple[EngineApp, str]) -> None:

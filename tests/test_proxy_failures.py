@@ -194,14 +194,14 @@ def test_rollout_ids_and_finished_are_checked(redis_url: str, engine_url: str) -
         httpx.post(f"{url}/v1/completions", json={"model": "simulated", "prompt": "x", "max_tokens": 2})
         metrics = httpx.get(f"{url}/staging-sink/metrics").text
     assert len(manifest(redis_url, "hdr-1").records) == 1
-    assert app.metrics.counts == {"captured": 1, "uncaptured": 1, "capture_failed": 0}
+    assert app.metrics.counts == {"captured": 1, "uncaptured": 1, "capture_failed": 0, "capture_error": 0}
     assert 'staging_proxy_calls_total{outcome="captured"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("fail_closed", [False, True], ids=["fail-open", "fail-closed"])
 def test_requests_capture_cannot_take(redis_url: str, engine_url: str, fail_closed: bool) -> None:
     """n > 1 is out of capture's scope: forwarded uncaptured, or refused when fail-closed; bad JSON reaches the
-    upstream, which answers it."""
+    upstream, which answers it, or is refused by the proxy itself when fail-closed (never forwarded)."""
     app = build_proxy(proxy_config(redis_url, engine_url, fail_closed=fail_closed))
     with running_server(app) as url:
         many = httpx.post(f"{url}/r/many-1/v1/chat/completions", json={"messages": MESSAGES, "n": 2})
@@ -210,4 +210,4 @@ def test_requests_capture_cannot_take(redis_url: str, engine_url: str, fail_clos
     assert broken.status_code == 400
     assert not manifest(redis_url, "many-1").failures and not manifest(redis_url, "many-1").records
     outcome = "capture_failed" if fail_closed else "uncaptured"
-    assert app.metrics.counts[outcome] == (1 if fail_closed else 2)
+    assert app.metrics.counts[outcome] == 2

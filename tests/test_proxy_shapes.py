@@ -105,7 +105,7 @@ def test_drift_fires_the_token_in_check(redis_url: str, stack: tuple[EngineApp, 
     shown = manifest(redis_url, "drift-1")
     assert len(shown.records) == 1
     assert [f.reason for f in shown.failures] == [WORKER_CAPTURE_FAILED_REASON]
-    assert proxy.metrics.counts == {"captured": 1, "uncaptured": 0, "capture_failed": 1}
+    assert proxy.metrics.counts == {"captured": 1, "uncaptured": 0, "capture_failed": 1, "capture_error": 0}
     finish(url, "drift-1", 1.0, last_id)
     [pulled] = pull(redis_url, 1)
     assert pulled.row is None and pulled.receipt.capture_poisoned

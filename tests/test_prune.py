@@ -1,9 +1,10 @@
-"""Bounded state (issue 15, item 1): retention after ack, abandonment, dead-letter trimming, idle consumers,
+"""Bounded state: retention after ack, abandonment, dead-letter trimming, idle consumers,
 ``staging-sink prune [--dry-run]``; namespace-only."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import anyio
 import pytest
@@ -47,6 +48,15 @@ async def test_ack_gives_the_receipt_and_fence_their_retention(redis_url: str) -
     assert all(0 < ttl <= 30 for ttl in left.values()), left
 
 
+async def _next_millisecond() -> float:
+    """A wall-clock time in a millisecond after every stream entry written so far (entry ids count server
+    milliseconds, on this same clock): waits for the millisecond to turn over."""
+    start_ms = int(time.time() * 1000)
+    while int(time.time() * 1000) <= start_ms:  # noqa: ASYNC110 (the clock is the condition)
+        await anyio.sleep(0.0005)
+    return time.time()
+
+
 @pytest.mark.anyio
 async def test_prune_abandons_only_stale_unfinished_rollouts_and_only_in_its_namespace(redis_url: str) -> None:
     await stage_rollouts(redis_url, ["old", "waiting"], calls=2)
@@ -58,16 +68,20 @@ async def test_prune_abandons_only_stale_unfinished_rollouts_and_only_in_its_nam
                 if await client.exists(receipt_key("stg", "waiting")):
                     break
                 await anyio.sleep(0.05)
-        await anyio.sleep(1.1)
+        # The age line falls between "old" and "fresh": ages are counted to a time the test fixes, not to how
+        # long the test took (it used to sleep past abandon_after_s and hope "fresh" stayed younger).
+        line_s = await _next_millisecond()
+        await _next_millisecond()
         await stage_rollouts(redis_url, ["fresh"], calls=1)
         settings = PruneSettings(abandon_after_s=1.0, retention_s=60)
+        now_s = line_s + settings.abandon_after_s
         before = await _keys(client)
         topology = Topology.borrow(client, settings)
-        dry = await prune_namespace(topology, settings, dry_run=True)
+        dry = await prune_namespace(topology, settings, dry_run=True, now_s=now_s)
         assert dry.abandoned == ["old"]
         assert await _keys(client) == before  # the dry run changed nothing
         counted = _abandoned_count()
-        report = await prune_namespace(topology, settings)
+        report = await prune_namespace(topology, settings, now_s=now_s)
         assert report.abandoned == ["old"]  # "waiting" has a receipt (the trainer's), "fresh" is recent
         assert _abandoned_count() == counted + 1
         old = await _keys(client, "stg:{old}:*")
@@ -76,7 +90,7 @@ async def test_prune_abandons_only_stale_unfinished_rollouts_and_only_in_its_nam
         dead = raw_entries(await client.xrange(dead_letter_stream("stg", "abandoned")))
         assert [fields[b"rollout_id"] for _id, fields in dead] == [b"old"]
         assert await client.ttl("ns2:{old}:fence") == -1
-        again = await prune_namespace(topology, settings)
+        again = await prune_namespace(topology, settings, now_s=now_s)
         assert again.abandoned == [] and again.retained == []  # idempotent
         await topology.aclose()
 
@@ -123,15 +137,15 @@ def test_prune_command_dry_run_and_json(redis_url: str, capsys: pytest.CaptureFi
 async def test_prune_on_a_cluster_abandons_across_primaries(cluster: LocalCluster) -> None:
     ids = [f"prune-c-{index}" for index in range(6)]  # spread over the primaries' slots
     await stage_rollouts(cluster.url, ids, calls=1, cluster=True)
-    await anyio.sleep(1.1)
     settings = PruneSettings(abandon_after_s=1.0, retention_s=60, cluster=True)
+    now_s = await _next_millisecond() + settings.abandon_after_s  # every rollout staged before the age line
     async with RedisCluster.from_url(cluster.url) as client:
         topology = Topology.borrow(client, settings)
         await topology.initialize()
         assert len({topology.node_for_key(calls_stream("stg", rid)) for rid in ids}) > 1
-        dry = await prune_namespace(topology, settings, dry_run=True)
+        dry = await prune_namespace(topology, settings, dry_run=True, now_s=now_s)
         assert set(ids) <= set(dry.abandoned)
-        report = await prune_namespace(topology, settings)
+        report = await prune_namespace(topology, settings, now_s=now_s)
         await topology.aclose()
         assert set(ids) <= set(report.abandoned)
         for rid in ids:

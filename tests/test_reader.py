@@ -225,7 +225,7 @@ def test_reader_settings_are_strict() -> None:
 async def test_a_retired_rollout_is_skipped_with_a_warning_never_silently(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 15: a receipt of a retired rollout is dropped with a line an operator sees (the trainer command
+    """A receipt of a retired rollout is dropped with a line an operator sees (the trainer command
     prints warnings), not silently."""
     import logging
 

@@ -1,4 +1,4 @@
-"""Self-healing services (issue 15, item 5): missing consumer groups are recreated, unrecoverable failures end
+"""Self-healing services: missing consumer groups are recreated, unrecoverable failures end
 the service, and the cluster mode is read from the server (a contradicting flag is one line, exit 2)."""
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Soak (issue 15, item 1): 5,000 rollouts through stage -> finished -> receipt -> pull -> ack, plus a share
+"""Soak (bounded state): 5,000 rollouts through stage -> finished -> receipt -> pull -> ack, plus a share
 never finished (abandoned by prune); once retention passes, the keyspace and ``used_memory`` are back at the
 baseline plus a stated bound. Prints the figures (keys and bytes before, at peak, after)."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import anyio
 import pytest
@@ -18,11 +19,15 @@ from sink.settings import DEFAULT_SHARDS, PruneSettings
 from sink.store.connection import Topology
 from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.reader import RolloutReader
+from sink.trainer.retention import consumed_keys, expire_consumed
 from tests.helpers.e2e import running_assembler, stage_rollout
 
 ROLLOUTS = 5_000
 ABANDONED_SHARE = 10  # every 10th rollout never finishes
 RETENTION_S = 10.0
+"""The retention the test starts counting once every rollout is acknowledged (it re-applies it then)."""
+ACK_RETENTION_S = 3_600.0
+"""The reader's retention during the run: nothing can expire while the acknowledgement loop runs, however slow."""
 CONCURRENCY = 128
 FIXED_KEYS = 2 * DEFAULT_SHARDS + 1  # ns:done:<k>, ns:receipts:<k> (with their groups), ns:dead:abandoned
 MEMORY_BOUND_BYTES = 1536 * 1024
@@ -72,7 +77,7 @@ async def _soak(url: str) -> dict[str, tuple[int, int]]:
         figures["peak"] = await _figures(client)  # every rollout staged, in flight
         async with (
             running_assembler(url, block_ms=50, batch_events=256),
-            RolloutReader.from_url(url, retention_s=RETENTION_S, consumer_name="soak") as reader,
+            RolloutReader.from_url(url, retention_s=ACK_RETENTION_S, consumer_name="soak") as reader,
         ):
             acked = 0
             with anyio.fail_after(120):
@@ -83,10 +88,18 @@ async def _soak(url: str) -> dict[str, tuple[int, int]]:
                     acked += len(pulled)
             await reader.retire_consumer()
         figures["acked"] = await _figures(client)  # receipts and fences retained; the abandoned still in flight
+        topology = Topology.borrow(client, PruneSettings())
+        # Every consumed rollout's receipt and fence got the reader's retention at its ack ...
+        for rollout_id in finishing:
+            for key in consumed_keys("stg", rollout_id):
+                assert 0 < await client.ttl(key) <= ACK_RETENTION_S, key
+        # ... and the test starts the short retention now, a point it controls (the same call ack makes).
+        assert await expire_consumed(topology, "stg", finishing, RETENTION_S) == 2 * len(finishing)
+        await topology.aclose()
         settings = PruneSettings(abandon_after_s=0.5, retention_s=RETENTION_S)
-        await anyio.sleep(settings.abandon_after_s)
         topology = Topology.borrow(client, settings)
-        report = await prune_namespace(topology, settings)
+        # Ages counted to a time the test fixes: every rollout was staged before it.
+        report = await prune_namespace(topology, settings, now_s=time.time() + 2 * settings.abandon_after_s)
         await topology.aclose()
         assert len(report.abandoned) == ROLLOUTS - len(finishing)
         for _attempt in range(240):  # retention passes; active expiry removes the keys

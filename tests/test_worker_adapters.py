@@ -13,6 +13,7 @@ from sink.contract.records import CaptureAdmission
 from sink.store.memory import MemoryStagingStore
 from worker import CaptureAdapter, MegatronAdapter, RolloutTokenCapture, VLLMChatAdapter, install_capture
 from worker.adapters import PREFIX_REQUEST_KEY, logprob_list, token_id_list
+from worker.errors import EnginePayloadError
 from worker.simulated.engine import SimulatedEngine
 
 
@@ -82,18 +83,18 @@ TOKEN0 = ("choices", 0, "logprobs", "content", 0, "token")
 @pytest.mark.parametrize(
     ("path", "value", "error"),
     [
-        (LP0, True, TypeError),
-        (LP0, "-0.3", TypeError),
-        (LP0, None, TypeError),
+        (LP0, True, EnginePayloadError),
+        (LP0, "-0.3", EnginePayloadError),
+        (LP0, None, EnginePayloadError),
         (TOKEN0, "token_id:-3", ValueError),
         (TOKEN0, "token_id:x", ValueError),
         (TOKEN0, "22", ValueError),
-        (TOKEN0, 22, TypeError),
-        (("prompt_token_ids",), [10, True], TypeError),
-        (("prompt_token_ids",), [10, 11.0], TypeError),
+        (TOKEN0, 22, EnginePayloadError),
+        (("prompt_token_ids",), [10, True], EnginePayloadError),
+        (("prompt_token_ids",), [10, 11.0], EnginePayloadError),
         (("prompt_token_ids",), [10, -1], ValueError),
-        (("prompt_token_ids",), "10 11", TypeError),
-        (("choices", 0, "token_ids"), [40, False], TypeError),
+        (("prompt_token_ids",), "10 11", EnginePayloadError),
+        (("choices", 0, "token_ids"), [40, False], EnginePayloadError),
         (("choices", 0, "logprobs"), None, ValueError),
     ],
 )
@@ -125,7 +126,7 @@ def test_enter_prefix_returns_a_copy() -> None:
         assert PREFIX_REQUEST_KEY not in adapter.enter_prefix(request, [])
         with pytest.raises(TypeError):
             adapter.enter_prefix(["not", "a", "mapping"], [1])
-        with pytest.raises(TypeError):
+        with pytest.raises(EnginePayloadError):
             adapter.enter_prefix(request, [1, True])
 
 
@@ -159,11 +160,11 @@ def test_megatron_full_token_sequence() -> None:
     ("payload", "error"),
     [
         ({"generated_tokens": [3, 4], "generated_log_probs": [-0.5]}, ValueError),
-        ({"generated_tokens": [3, True], "generated_log_probs": [-0.5, -1.0]}, TypeError),
-        ({"generated_tokens": [3, 4], "generated_log_probs": [-0.5, False]}, TypeError),
-        ({"generated_tokens": [3, 4], "generated_log_probs": ["a", -1.0]}, TypeError),
+        ({"generated_tokens": [3, True], "generated_log_probs": [-0.5, -1.0]}, EnginePayloadError),
+        ({"generated_tokens": [3, 4], "generated_log_probs": [-0.5, False]}, EnginePayloadError),
+        ({"generated_tokens": [3, 4], "generated_log_probs": ["a", -1.0]}, EnginePayloadError),
         ({"generated_tokens": [3, 4]}, ValueError),
-        ({"generated_tokens": 3, "generated_log_probs": [-0.5]}, TypeError),
+        ({"generated_tokens": 3, "generated_log_probs": [-0.5]}, EnginePayloadError),
     ],
 )
 def test_megatron_rejections(payload: dict[str, Any], error: type[Exception]) -> None:
@@ -174,9 +175,9 @@ def test_megatron_rejections(payload: dict[str, Any], error: type[Exception]) ->
 def test_conversion_helpers() -> None:
     assert token_id_list((1, 2)) == [1, 2]
     assert logprob_list([-1, -0.5]) == [-1.0, -0.5]
-    with pytest.raises(TypeError):
+    with pytest.raises(EnginePayloadError):
         logprob_list([np.bool_(True)])
-    with pytest.raises(TypeError):
+    with pytest.raises(EnginePayloadError):
         token_id_list([np.int64(3)])  # a bare numpy scalar is not an exact int
 
 

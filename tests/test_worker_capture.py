@@ -17,7 +17,7 @@ import pytest
 from sink.contract.digest import compute_chain_hash, compute_extras_digest, hash_token_ids
 from sink.contract.packed import PackedSnapshot
 from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StagedCallSnapshot, StageResult
-from sink.errors import StagingError
+from sink.errors import StagingConnectionError, StagingError
 from sink.store.memory import MemoryStagingStore
 from tests.helpers.capture import (
     CHILD_CHAIN,
@@ -322,7 +322,7 @@ async def test_async_failures_and_double_completion() -> None:
     store = AsyncStore()
     capture = make_capture(store, source=store)
     kwargs = dict(ROOT_KWARGS)
-    store.fail_with = ConnectionError("gone")
+    store.fail_with = StagingConnectionError("gone")
     call = await capture.abegin_call(root_admission())
     assert (await capture.acomplete_call(call, **kwargs)).model_dump() == expected_failed(root_admission(), 7)
     with pytest.raises(CaptureError, match="already completed"):

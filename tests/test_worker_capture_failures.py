@@ -14,6 +14,7 @@ import pytest
 
 from sink.contract.packed import PackedSnapshot
 from sink.contract.records import StagedCallSnapshot, StageResult
+from sink.errors import StagingConnectionError
 from sink.store.memory import MemoryStagingStore
 from tests.helpers.capture import (
     GRAND_GEN,
@@ -39,7 +40,7 @@ from worker import CaptureError, PrefixResolutionError, resolve_prefix
     ("sink", "logged"),
     [
         (RecordingSink(StageResult(ok=False, error="disk full")), "disk full"),
-        (RecordingSink(error=RuntimeError("connection reset")), "connection reset"),
+        (RecordingSink(error=StagingConnectionError("connection reset")), "connection reset"),
         (RecordingSink({"ok": True, "staging_key": "k"}), "not a StageResult"),
         (RecordingSink(StageResult.model_construct(ok=True, staging_key=None)), "rejected"),
     ],
@@ -57,6 +58,33 @@ def test_sink_failures_give_failed_coords(sink: RecordingSink, logged: str, capl
     assert logged in caplog.text
     with pytest.raises(CaptureError, match="already completed"):
         capture.fail_call(call, reason="again")
+
+
+@pytest.mark.anyio
+async def test_a_bug_in_the_sink_or_source_propagates() -> None:
+    """Only the store's typed errors become failed coordinates: any other exception is a bug, raised to the host's
+    boundary (the call is claimed, so the host can only record it failed, never stage it twice)."""
+    sink = RecordingSink(error=RuntimeError("a bug in stage"))
+    capture = make_capture(sink)
+    call = capture.begin_call(root_admission())
+    with pytest.raises(RuntimeError, match="a bug in stage"):
+        capture.complete_call(
+            call, prompt_token_ids=ROOT_PROMPT, generated_token_ids=ROOT_GEN, generated_logprobs=ROOT_LPS
+        )
+    assert call.completed
+    call = await capture.abegin_call(root_admission("c2"))
+    with pytest.raises(RuntimeError, match="a bug in stage"):
+        await capture.acomplete_call(
+            call, prompt_token_ids=ROOT_PROMPT, generated_token_ids=ROOT_GEN, generated_logprobs=ROOT_LPS
+        )
+    store = MemoryStagingStore()
+    _, child, _ = run_three_calls(make_capture(store))
+    buggy = ListSource({}, error=AttributeError("a bug in fetch"))
+    admission = child_admission(child, [], "c9", ["rollout-1/c1", "rollout-1/c2"])
+    with pytest.raises(AttributeError, match="a bug in fetch"):
+        make_capture(RecordingSink(), source=buggy).begin_call(admission)
+    with pytest.raises(AttributeError, match="a bug in fetch"):
+        await make_capture(RecordingSink(), source=buggy).abegin_call(admission)
 
 
 BUILD_FAILURES: dict[str, dict[str, Any]] = {
@@ -134,7 +162,7 @@ def _tampered_sources(store: MemoryStagingStore, packed: bool = False) -> dict[s
     wrong_chain = StagedCallSnapshot.from_components(**{**_components(good["rollout-1/c2"]), "chain_hash": "1" * 64})
     return {
         "missing-key": source({"rollout-1/c1": root}),
-        "source-error": source(good, error=RuntimeError("source down")),
+        "source-error": source(good, error=StagingConnectionError("source down")),
         "swapped-order": source({"rollout-1/c1": good["rollout-1/c2"], "rollout-1/c2": root}),
         "wrong-chain": source({"rollout-1/c1": root, "rollout-1/c2": wrong_chain}),
         "wrong-cumulative": source({"rollout-1/c1": root, "rollout-1/c2": wrong_cumulative}),

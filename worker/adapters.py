@@ -2,11 +2,14 @@
 
 An adapter attaches the exact prefix to an engine request and extracts the
 exact prompt ids, generated ids, log-probabilities and extras from the engine
-response. Adapters are strict: bools, non-int ids, non-numeric log-probs and
-length mismatches are rejected (``TypeError`` / ``ValueError``), and numeric
-log-probs are converted with ``float()``. No engine library is imported;
-payloads are JSON mappings or plain objects (tensors/arrays are accepted
-through their ``tolist()``).
+response. Adapters are strict: a missing field, bools, non-int ids, non-numeric
+log-probs, length mismatches and payloads that contradict themselves (``token_id:``
+strings that disagree with ``token_ids``; text without a generated id) raise
+:class:`~worker.errors.EnginePayloadError` naming the field, the one error every
+adapter (here and in :mod:`worker.openai_adapters`) raises for a payload it cannot
+read; the capture turns it into failed coordinates. Numeric log-probs are converted
+with ``float()``. No engine library is imported; payloads are JSON mappings or
+plain objects (tensors/arrays are accepted through their ``tolist()``).
 """
 
 from __future__ import annotations
@@ -18,15 +21,21 @@ from typing import Any
 from sink.contract.protocols import StagingSink
 from worker.capture import RolloutTokenCapture
 from worker.capture_adapter import CaptureAdapter
+from worker.errors import EnginePayloadError
 
 __all__ = (
     "PREFIX_REQUEST_KEY",
     "CaptureAdapter",
     "MegatronAdapter",
     "VLLMChatAdapter",
+    "check_generated_text",
+    "cross_checked",
+    "ids_from_token_strings",
     "install_capture",
     "logprob_list",
+    "message_text",
     "token_id_list",
+    "with_prefix",
 )
 
 PREFIX_REQUEST_KEY = "required_prefix_token_ids"
@@ -50,7 +59,7 @@ def _field(payload: Any, *names: str) -> Any:
 def _required(payload: Any, *names: str) -> Any:
     value = _field(payload, *names)
     if value is _MISSING:
-        raise ValueError(f"engine payload has none of the fields {names}")
+        raise EnginePayloadError(f"engine payload has none of the fields {names}")
     return value
 
 
@@ -64,27 +73,26 @@ def _as_list(value: Any, what: str) -> list[Any]:
         converted = tolist()
         if isinstance(converted, list):
             return converted
-    raise TypeError(f"{what} must be a list, got {type(value).__name__}")
+    raise EnginePayloadError(f"{what} must be a list, got {type(value).__name__}")
 
 
 def token_id_list(value: Any, what: str = "token ids") -> list[int]:
     """*value* as a list of exact non-negative ints.
 
-    :raises TypeError: not a list, or an element is not an ``int`` (bools included).
-    :raises ValueError: a negative id.
+    :raises EnginePayloadError: not a list, an element that is not an ``int`` (bools included), a negative id.
     """
     ids = _as_list(value, what)
     if not set(map(type, ids)) <= {int}:
-        raise TypeError(f"{what} must be ints (bools and floats are rejected)")
+        raise EnginePayloadError(f"{what} must be ints (bools and floats are rejected)")
     if ids and min(ids) < 0:
-        raise ValueError(f"{what} must be non-negative")
+        raise EnginePayloadError(f"{what} must be non-negative")
     return ids
 
 
 def logprob_list(value: Any, what: str = "log-probabilities") -> list[float]:
     """*value* as a list of Python floats, converting real numbers with ``float()``.
 
-    :raises TypeError: not a list, or an element is a bool or not a real number.
+    :raises EnginePayloadError: not a list, or an element is a bool or not a real number.
     """
     values = _as_list(value, what)
     kinds = set(map(type, values))
@@ -92,17 +100,65 @@ def logprob_list(value: Any, what: str = "log-probabilities") -> list[float]:
         return values
     for kind in kinds:
         if kind is bool or not issubclass(kind, numbers.Real):
-            raise TypeError(f"{what} must be real numbers, got {kind.__name__}")
+            raise EnginePayloadError(f"{what} must be real numbers, got {kind.__name__}")
     return list(map(float, values))
 
 
-def _same_length(ids: list[int], logprobs: list[float]) -> tuple[list[int], list[float]]:
+def ids_from_token_strings(tokens: Any, what: str) -> list[int]:
+    """Ids from ``"token_id:<n>"`` strings (vLLM's ``return_tokens_as_token_ids``); exact ints pass through.
+
+    :raises EnginePayloadError: not a list, or an element that is neither an id nor a ``token_id:<n>`` string.
+    """
+    if not isinstance(tokens, list):
+        raise EnginePayloadError(f"{what} must be a list, got {type(tokens).__name__}")
+    ids: list[int] = []
+    for token in tokens:
+        if type(token) is int and token >= 0:
+            ids.append(token)
+            continue
+        if not isinstance(token, str) or not token.startswith(_TOKEN_ID_PREFIX):
+            raise EnginePayloadError(f"{what} entries must read 'token_id:<n>' (request return_tokens_as_token_ids)")
+        digits = token[len(_TOKEN_ID_PREFIX) :]
+        if not (digits.isdecimal() and digits.isascii()):
+            raise EnginePayloadError(f"malformed token string {token!r} in {what}")
+        ids.append(int(digits))
+    return ids
+
+
+def cross_checked(ids: list[int], tokens: Any, what: str) -> list[int]:
+    """*ids* (an explicit ``token_ids`` field), checked against the same generation's token strings when every one
+    reads ``token_id:<n>`` (text tokens, which the client asked for itself, cannot be checked).
+
+    :raises EnginePayloadError: the two disagree (the payload contradicts itself: neither is trusted).
+    """
+    if not isinstance(tokens, list) or not all(isinstance(t, str) and t.startswith(_TOKEN_ID_PREFIX) for t in tokens):
+        return ids
+    if tokens and ids_from_token_strings(tokens, what) != ids:
+        raise EnginePayloadError(f"{what} 'token_id:<n>' strings disagree with token_ids")
+    return ids
+
+
+def check_generated_text(ids: list[int], text: object, what: str) -> None:
+    """A reply whose text (content, reasoning or tool calls) is not empty must have generated ids.
+
+    :raises EnginePayloadError: no generated ids but text: the row would not hold what the agent was served.
+    """
+    if not ids and text:
+        raise EnginePayloadError(f"{what}: no generated ids but non-empty text")
+
+
+def _same_length(ids: list[int], logprobs: list[float], what: str = "choices[0]") -> tuple[list[int], list[float]]:
     if len(ids) != len(logprobs):
-        raise ValueError(f"{len(ids)} generated ids but {len(logprobs)} log-probabilities")
+        raise EnginePayloadError(f"{what}: {len(ids)} generated ids but {len(logprobs)} log-probabilities")
     return ids, logprobs
 
 
-def _with_prefix(request: Any, prefix_ids: list[int]) -> dict[str, Any]:
+def with_prefix(request: Any, prefix_ids: list[int]) -> dict[str, Any]:
+    """A copy of *request* with :data:`PREFIX_REQUEST_KEY` set to *prefix_ids* (removed for an empty prefix).
+
+    :raises TypeError: *request* is not a mapping (a caller bug, not an engine payload).
+    :raises EnginePayloadError: the ids are not non-negative ints.
+    """
     if not isinstance(request, Mapping):
         raise TypeError(f"engine request must be a mapping, got {type(request).__name__}")
     updated = dict(request)
@@ -113,67 +169,71 @@ def _with_prefix(request: Any, prefix_ids: list[int]) -> dict[str, Any]:
     return updated
 
 
+def message_text(message: Any) -> list[Any]:
+    """What the agent reads of a chat message: its non-empty content, reasoning and tool calls."""
+    if message is _MISSING or message is None:
+        return []
+    found = (_field(message, name) for name in ("content", "reasoning", "reasoning_content", "tool_calls"))
+    return [value for value in found if value not in (_MISSING, None, "", [])]
+
+
 class VLLMChatAdapter:
     """vLLM OpenAI chat-completion responses (``n == 1``).
 
     Reads ``prompt_token_ids`` at top level, generated ids from
-    ``choices[0].token_ids`` when present, else from the
-    ``choices[0].logprobs.content[*].token`` strings ``"token_id:<n>"``
-    (request ``logprobs=true`` and ``return_tokens_as_token_ids=true``), the
-    log-probs from ``logprobs.content[*].logprob`` and
-    ``choices[0].message.routed_experts`` as extras.
+    ``choices[0].token_ids`` when present (checked against the
+    ``logprobs.content[*].token`` strings when these read ``"token_id:<n>"``),
+    else from those strings (request ``logprobs=true`` and
+    ``return_tokens_as_token_ids=true``), the log-probs from
+    ``logprobs.content[*].logprob`` and ``choices[0].message.routed_experts`` as
+    extras. A reply with text but no generated id is refused.
     """
 
     def enter_prefix(self, request: Any, prefix_ids: list[int]) -> dict[str, Any]:
         """A copy of *request* with :data:`PREFIX_REQUEST_KEY` set (removed for an empty prefix).
 
-        :raises TypeError: *request* is not a mapping or the ids are not ints.
+        :raises TypeError: *request* is not a mapping. :raises EnginePayloadError: the ids are not ints.
         """
-        return _with_prefix(request, prefix_ids)
+        return with_prefix(request, prefix_ids)
 
     def extract_prompt_ids(self, response: Any) -> list[int]:
-        """``response.prompt_token_ids``.
-
-        :raises ValueError: missing or negative ids. :raises TypeError: non-int ids.
-        """
+        """``response.prompt_token_ids``. :raises EnginePayloadError: missing, negative or non-int ids."""
         return token_id_list(_required(response, "prompt_token_ids"), "prompt_token_ids")
 
     def _choice(self, response: Any) -> Any:
         choices = _as_list(_required(response, "choices"), "choices")
         if len(choices) != 1:
-            raise ValueError(f"capture needs exactly one choice (n == 1), got {len(choices)}")
+            raise EnginePayloadError(f"capture needs exactly one choice (n == 1), got {len(choices)}")
         return choices[0]
 
     def extract_generation(self, response: Any) -> tuple[list[int], list[float]]:
         """Generated ids and log-probs of ``choices[0]``.
 
-        :raises ValueError: missing fields, a malformed ``token_id:`` string,
-            ids that disagree with ``token_ids``, or a length mismatch.
-        :raises TypeError: non-int ids or non-numeric log-probs.
+        :raises EnginePayloadError: missing fields, a malformed ``token_id:`` string, ids that disagree with
+            ``token_ids``, non-int ids, non-numeric log-probs, a length mismatch, or text without a generated id.
         """
         choice = self._choice(response)
         logprobs_block = _required(choice, "logprobs")
         if logprobs_block is None:
-            raise ValueError("choices[0].logprobs is null: request logprobs=true")
+            raise EnginePayloadError("choices[0].logprobs is null: request logprobs=true")
         content = _as_list(_required(logprobs_block, "content"), "logprobs.content")
         logprobs = logprob_list([_required(entry, "logprob") for entry in content])
+        tokens = [_field(entry, "token") for entry in content]
         explicit_ids = _field(choice, "token_ids")
         if explicit_ids is not _MISSING and explicit_ids is not None:
-            return _same_length(token_id_list(explicit_ids, "choices[0].token_ids"), logprobs)
-        tokens = [_required(entry, "token") for entry in content]
-        if not set(map(type, tokens)) <= {str}:
-            raise TypeError("logprobs.content[*].token must be strings")
-        if not all(token.startswith(_TOKEN_ID_PREFIX) for token in tokens):
-            raise ValueError("logprobs tokens must read 'token_id:<n>' (request return_tokens_as_token_ids=true)")
-        digits = [token[len(_TOKEN_ID_PREFIX) :] for token in tokens]
-        if not all(text.isdecimal() and text.isascii() for text in digits):
-            raise ValueError("malformed 'token_id:<n>' token string")
-        return _same_length(list(map(int, digits)), logprobs)
+            ids, _ = _same_length(token_id_list(explicit_ids, "choices[0].token_ids"), logprobs)
+            cross_checked(ids, tokens, "logprobs.content")
+        elif not set(map(type, tokens)) <= {str}:
+            raise EnginePayloadError("logprobs.content[*].token must be strings")
+        else:
+            ids, _ = _same_length(ids_from_token_strings(tokens, "logprobs.content[*].token"), logprobs)
+        check_generated_text(ids, message_text(_field(choice, "message")), "choices[0]")
+        return ids, logprobs
 
     def extract_extras(self, response: Any) -> dict[str, Any] | None:
         """``{"routed_experts": ...}`` from ``choices[0].message``, or ``None``.
 
-        :raises ValueError: missing ``choices``.
+        :raises EnginePayloadError: missing ``choices``.
         """
         message = _field(self._choice(response), "message")
         if message is _MISSING or message is None:
@@ -197,15 +257,14 @@ class MegatronAdapter:
     def enter_prefix(self, request: Any, prefix_ids: list[int]) -> dict[str, Any]:
         """A copy of *request* with :data:`PREFIX_REQUEST_KEY` set (removed for an empty prefix).
 
-        :raises TypeError: *request* is not a mapping or the ids are not ints.
+        :raises TypeError: *request* is not a mapping. :raises EnginePayloadError: the ids are not ints.
         """
-        return _with_prefix(request, prefix_ids)
+        return with_prefix(request, prefix_ids)
 
     def extract_prompt_ids(self, response: Any) -> list[int]:
         """The prompt ids (see the class docstring).
 
-        :raises ValueError: no prompt field, or ``tokens`` shorter than the generation.
-        :raises TypeError: non-int ids.
+        :raises EnginePayloadError: no prompt field, ``tokens`` not ending with the generation, or non-int ids.
         """
         prompt = _field(response, "prompt_token_ids", "prompt_tokens")
         if prompt is not _MISSING:
@@ -213,18 +272,17 @@ class MegatronAdapter:
         full = token_id_list(_required(response, "tokens"), "tokens")
         generated = token_id_list(_required(response, "generated_token_ids", "generated_tokens"), "generated ids")
         if len(full) < len(generated) or full[len(full) - len(generated) :] != generated:
-            raise ValueError("tokens does not end with the generated ids")
+            raise EnginePayloadError("tokens does not end with the generated ids")
         return full[: len(full) - len(generated)]
 
     def extract_generation(self, response: Any) -> tuple[list[int], list[float]]:
         """Generated ids and their log-probs.
 
-        :raises ValueError: missing fields or a length mismatch.
-        :raises TypeError: non-int ids or non-numeric log-probs.
+        :raises EnginePayloadError: missing fields, a length mismatch, non-int ids or non-numeric log-probs.
         """
         ids = token_id_list(_required(response, "generated_token_ids", "generated_tokens"), "generated ids")
         logprobs = logprob_list(_required(response, "generated_log_probs", "log_probs"))
-        return _same_length(ids, logprobs)
+        return _same_length(ids, logprobs, "generation")
 
     def extract_extras(self, response: Any) -> dict[str, Any] | None:
         """``{"routed_experts": ...}`` when the payload carries it, else ``None``."""

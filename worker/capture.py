@@ -4,11 +4,10 @@
 delta and a token-free :class:`~sink.contract.records.CommitCoords`. The pure steps
 (argument checks, prefix checks, the record build, the coords) are written
 once, as step generators that yield their single I/O request
-(``source.fetch`` or ``sink.stage``); the synchronous methods and their
-``a``-prefixed async twins differ only in the driver that performs it
-(:mod:`worker.io_steps`).
-Operational failures never raise: they return the failed coordinates of §5.8
-and are logged.
+(``source.fetch`` or ``sink.stage``); the sync methods and their ``a``-prefixed async twins differ only in the
+driver that performs it (:mod:`worker.io_steps`). Operational failures return the failed coordinates of §5.8 and
+are logged: a ``StagingError`` of the sink or source, a missing chain key, a record that cannot be built, an
+``EnginePayloadError``. Anything else is a bug and propagates to the host's per-request boundary.
 """
 
 from __future__ import annotations
@@ -21,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from sink.contract.digest import is_token_id_list
 from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StageResult
+from sink.errors import StagingError
 from worker.call import ActiveCall, build_call_record, failed_coords, staged_coords
-from worker.errors import CaptureError, PrefixResolutionError, StreamingUnsupportedError
+from worker.errors import CaptureError, EnginePayloadError, PrefixResolutionError, StreamingUnsupportedError
 from worker.generation_cut import check_cut_snapshot
 from worker.io_steps import IoRequest, Steps, run_async, run_blocking
 from worker.prefix import fetch_operation, verify_staging_chain
@@ -36,6 +36,7 @@ __all__ = ("RolloutTokenCapture",)
 logger = logging.getLogger(__name__)
 
 _INT_ONLY = frozenset({int})
+_FETCH_ERRORS = (StagingError, KeyError)  # unreachable, refused or corrupt; a missing key (``StagingSource.fetch``)
 
 
 _ASYNC_SOURCE = "the configured source is asynchronous: use abegin_call"
@@ -180,8 +181,8 @@ class RolloutTokenCapture:
             if fetch is None:  # ruled out above: a by-reference admission without a source raises
                 raise CaptureError("by-reference admission: the caller must pass the resolved prefix")
             try:
-                snapshots = yield IoRequest(fetch, list(admission.staging_chain), self._source_is_async)
-            except Exception as exc:  # noqa: BLE001 -- any source failure disables capture of this call (§5.2)
+                snapshots = yield IoRequest(fetch, list(admission.staging_chain), self._source_is_async, _FETCH_ERRORS)
+            except _FETCH_ERRORS as exc:  # the source failed: capture of this call is disabled (§5.2)
                 return _uncaptured(admission, stamped, cut, f"staging chain fetch failed: {exc!r}")
             try:
                 prefix = verify_staging_chain(admission, snapshots)
@@ -280,7 +281,7 @@ class RolloutTokenCapture:
             return self._failed(call, f"record build failed: {exc}")
         try:
             result = yield IoRequest(self._sink.stage, record, self._sink_is_async)
-        except Exception as exc:  # noqa: BLE001 -- the worker catches every sink failure (§5.1)
+        except StagingError as exc:  # the sink could not stage (unreachable, refused): the call is recorded failed
             return self._failed(call, f"sink raised {exc!r}")
         if not isinstance(result, StageResult):
             return self._failed(call, f"sink returned {type(result).__name__}, not a StageResult")
@@ -325,9 +326,11 @@ class RolloutTokenCapture:
         completion = _Completion(prompt_token_ids, generated_token_ids, generated_logprobs, extras)
         return await run_async(self._completion_steps(call, completion))
 
-    def _extract(self, call: ActiveCall, response_payload: object) -> _Completion | CommitCoords:
-        """Run the adapter (§5.6); an extraction failure claims the call and fails it."""
-        adapter = self._adapter
+    def _extract(
+        self, call: ActiveCall, response_payload: object, adapter: CaptureAdapter | None
+    ) -> _Completion | CommitCoords:
+        """Run the adapter (§5.6); an :class:`EnginePayloadError` claims the call and fails it."""
+        adapter = adapter or self._adapter
         if adapter is None:
             raise CaptureError("complete_call_from_response needs a capture adapter")
         if not isinstance(call, ActiveCall):
@@ -336,27 +339,31 @@ class RolloutTokenCapture:
             prompt = adapter.extract_prompt_ids(response_payload)
             generated, logprobs = adapter.extract_generation(response_payload)
             extras = adapter.extract_extras(response_payload)
-        except Exception as exc:  # noqa: BLE001 -- any adapter failure poisons, never fails the completion
+        except EnginePayloadError as exc:  # the payload cannot be read: the call is recorded failed (§5.6)
             call._claim()  # noqa: SLF001 (ActiveCall's claim, inside worker)
-            return self._failed(call, f"adapter extraction failed: {exc!r}")
+            return self._failed(call, f"malformed engine payload: {exc}")
         return _Completion(prompt, generated, logprobs, extras)
 
-    def complete_call_from_response(self, call: ActiveCall, response_payload: object) -> CommitCoords:
-        """Extract ids, log-probs and extras with the adapter, then :meth:`complete_call`.
+    def complete_call_from_response(
+        self, call: ActiveCall, response_payload: object, *, adapter: CaptureAdapter | None = None
+    ) -> CommitCoords:
+        """Extract ids, log-probs and extras with *adapter* (default: the capture's), then :meth:`complete_call`.
 
         :raises CaptureError: no adapter, a second completion, or an async sink.
         """
-        extracted = self._extract(call, response_payload)
+        extracted = self._extract(call, response_payload, adapter)
         if isinstance(extracted, CommitCoords):
             return extracted
         return self._complete_blocking(call, extracted)
 
-    async def acomplete_call_from_response(self, call: ActiveCall, response_payload: object) -> CommitCoords:
+    async def acomplete_call_from_response(
+        self, call: ActiveCall, response_payload: object, *, adapter: CaptureAdapter | None = None
+    ) -> CommitCoords:
         """Async twin of :meth:`complete_call_from_response`.
 
         :raises CaptureError: no adapter, or a second completion.
         """
-        extracted = self._extract(call, response_payload)
+        extracted = self._extract(call, response_payload, adapter)
         if isinstance(extracted, CommitCoords):
             return extracted
         return await run_async(self._completion_steps(call, extracted))

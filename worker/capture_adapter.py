@@ -9,7 +9,12 @@ __all__ = ("CaptureAdapter",)
 
 @runtime_checkable
 class CaptureAdapter(Protocol):
-    """Engine-specific extraction used by ``complete_call_from_response``."""
+    """Engine-specific extraction used by ``complete_call_from_response``.
+
+    A payload the adapter cannot read (a missing or malformed field, a payload that contradicts itself) raises
+    :class:`~worker.errors.EnginePayloadError` naming the field: the capture records the call failed. Any other
+    exception is a bug and propagates to the host.
+    """
 
     def enter_prefix(self, request: Any, prefix_ids: list[int]) -> Any:
         """Return *request* with the exact prefix attached (the engine must start its prompt with it)."""

@@ -2,8 +2,10 @@
 
 :class:`~worker.capture.RolloutTokenCapture` writes each step of a call once,
 as a generator that yields at most one :class:`IoRequest` (``source.fetch`` or
-``sink.stage``) and receives its result, or its exception thrown in.
-:func:`run_blocking` performs the request in the calling thread,
+``sink.stage``) and receives its result, or the exception thrown in when the
+operation raised one the step handles (:attr:`IoRequest.handles`: the store's
+typed errors); any other exception is a bug and propagates to the host's
+boundary. :func:`run_blocking` performs the request in the calling thread,
 :func:`run_async` awaits it (or runs a blocking one in a worker thread), so
 the synchronous methods and their ``a``-prefixed async twins cannot drift.
 """
@@ -16,6 +18,7 @@ from typing import Any, TypeVar, cast
 
 import anyio.to_thread
 
+from sink.errors import StagingError
 from worker.errors import CaptureError
 
 __all__ = ("IoRequest", "Steps", "run_async", "run_blocking")
@@ -25,11 +28,13 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class IoRequest:
-    """The one I/O request of a capture step: ``operation(argument)``, awaited when ``is_async``."""
+    """The one I/O request of a capture step: ``operation(argument)``, awaited when ``is_async``; an exception of
+    *handles* is thrown into the step (it turns it into failed coordinates), any other propagates."""
 
     operation: Callable[[Any], Any]
     argument: object
     is_async: bool
+    handles: tuple[type[Exception], ...] = (StagingError,)
 
 
 Steps = Generator[IoRequest, Any, _T]
@@ -61,8 +66,11 @@ def run_blocking(steps: Steps[_T], async_misuse: str) -> _T:
         raise CaptureError(async_misuse)
     try:
         result = io.operation(io.argument)
-    except Exception as exc:  # noqa: BLE001 -- the steps turn any I/O failure into failed coordinates (§5.1)
+    except io.handles as exc:
         return _resume(steps, error=exc)
+    except BaseException:
+        steps.close()
+        raise
     return _resume(steps, result=result)
 
 
@@ -77,6 +85,9 @@ async def run_async(steps: Steps[_T]) -> _T:
             result = await io.operation(io.argument)
         else:
             result = await anyio.to_thread.run_sync(io.operation, io.argument)
-    except Exception as exc:  # noqa: BLE001 -- cancellation is a BaseException and propagates
+    except io.handles as exc:  # cancellation is a BaseException and propagates
         return _resume(steps, error=exc)
+    except BaseException:
+        steps.close()
+        raise
     return _resume(steps, result=result)

@@ -8,16 +8,27 @@
 * :class:`NemoGymResponsesAdapter`: the same fields on the one Responses-API output item that carries them.
 * :class:`OpenAIChatAdapter`: chat completions in either shape (message-level fields win when present).
 
-Every extraction failure raises :class:`~worker.errors.EnginePayloadError` naming the field; the capture turns it
-into failed coordinates (the completion is still served, INV-4).
+Every extraction failure raises :class:`~worker.errors.EnginePayloadError` naming the field (as the adapters of
+:mod:`worker.adapters` do: one convention); the capture turns it into failed coordinates (the completion is still
+served, INV-4). ``token_id:<n>`` strings that disagree with ``token_ids``, and a reply with text but no generated id,
+are refused the same way: the payload contradicts itself, so no row is built from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
-from worker.adapters import PREFIX_REQUEST_KEY, VLLMChatAdapter, logprob_list, token_id_list
+from worker.adapters import (
+    VLLMChatAdapter,
+    check_generated_text,
+    cross_checked,
+    ids_from_token_strings,
+    logprob_list,
+    message_text,
+    token_id_list,
+    with_prefix,
+)
 from worker.errors import EnginePayloadError
 
 __all__ = (
@@ -27,19 +38,6 @@ __all__ = (
     "VLLMCompletionAdapter",
     "ids_from_token_strings",
 )
-
-_TOKEN_ID_PREFIX = "token_id:"
-_T = TypeVar("_T")
-
-
-def _checked(what: str, extract: Callable[[], _T]) -> _T:
-    """Run *extract*, turning any ``TypeError``/``ValueError``/``KeyError`` into :class:`EnginePayloadError`."""
-    try:
-        return extract()
-    except EnginePayloadError:
-        raise
-    except (TypeError, ValueError, KeyError, IndexError) as exc:
-        raise EnginePayloadError(f"malformed {what}: {exc}") from exc
 
 
 def _mapping(value: Any, what: str) -> Mapping[str, Any]:
@@ -62,42 +60,10 @@ def _only_choice(response: Any) -> Mapping[str, Any]:
     return _mapping(choices[0], "choices[0]")
 
 
-def ids_from_token_strings(tokens: Any, what: str) -> list[int]:
-    """Ids from ``"token_id:<n>"`` strings (vLLM's ``return_tokens_as_token_ids``); exact ints pass through.
-
-    :raises EnginePayloadError: not a list, or an element that is neither an id nor a ``token_id:<n>`` string.
-    """
-    if not isinstance(tokens, list):
-        raise EnginePayloadError(f"{what} must be a list, got {type(tokens).__name__}")
-    ids: list[int] = []
-    for token in tokens:
-        if type(token) is int and token >= 0:
-            ids.append(token)
-            continue
-        if not isinstance(token, str) or not token.startswith(_TOKEN_ID_PREFIX):
-            raise EnginePayloadError(f"{what} entries must read 'token_id:<n>' (request return_tokens_as_token_ids)")
-        digits = token[len(_TOKEN_ID_PREFIX) :]
-        if not (digits.isdecimal() and digits.isascii()):
-            raise EnginePayloadError(f"malformed token string {token!r} in {what}")
-        ids.append(int(digits))
-    return ids
-
-
 def _same_length(ids: list[int], logprobs: list[float], what: str) -> tuple[list[int], list[float]]:
     if len(ids) != len(logprobs):
         raise EnginePayloadError(f"{what}: {len(ids)} generated ids but {len(logprobs)} log-probabilities")
     return ids, logprobs
-
-
-def _enter_prefix(request: Any, prefix_ids: list[int]) -> dict[str, Any]:
-    if not isinstance(request, Mapping):
-        raise TypeError(f"engine request must be a mapping, got {type(request).__name__}")
-    updated = dict(request)
-    if prefix_ids:
-        updated[PREFIX_REQUEST_KEY] = list(token_id_list(prefix_ids, "prefix ids"))
-    else:
-        updated.pop(PREFIX_REQUEST_KEY, None)
-    return updated
 
 
 class VLLMCompletionAdapter:
@@ -105,7 +71,7 @@ class VLLMCompletionAdapter:
 
     def enter_prefix(self, request: Any, prefix_ids: list[int]) -> dict[str, Any]:
         """A copy of *request* with ``required_prefix_token_ids`` set (removed for an empty prefix)."""
-        return _enter_prefix(request, prefix_ids)
+        return with_prefix(request, prefix_ids)
 
     def extract_prompt_ids(self, response: Any) -> list[int]:
         """``prompt_token_ids`` at top level, else on ``choices[0]``.
@@ -114,7 +80,7 @@ class VLLMCompletionAdapter:
         """
         top = _mapping(response, "response").get("prompt_token_ids")
         value = top if top is not None else _get(_only_choice(response), "prompt_token_ids", "prompt_token_ids")
-        return _checked("prompt_token_ids", lambda: token_id_list(value, "prompt_token_ids"))
+        return token_id_list(value, "prompt_token_ids")
 
     def extract_generation(self, response: Any) -> tuple[list[int], list[float]]:
         """``choices[0].token_ids`` (or the ``token_id:<n>`` strings of ``logprobs.tokens``) and ``token_logprobs``.
@@ -123,12 +89,14 @@ class VLLMCompletionAdapter:
         """
         choice = _only_choice(response)
         block = _mapping(_get(choice, "logprobs", "choices[0].logprobs (request logprobs=0)"), "logprobs")
-        logprobs = _checked("token_logprobs", lambda: logprob_list(_get(block, "token_logprobs", "token_logprobs")))
+        logprobs = logprob_list(_get(block, "token_logprobs", "token_logprobs"), "token_logprobs")
         explicit = choice.get("token_ids")
         if explicit is not None:
-            ids = _checked("choices[0].token_ids", lambda: token_id_list(explicit, "choices[0].token_ids"))
+            ids, _ = _same_length(token_id_list(explicit, "choices[0].token_ids"), logprobs, "choices[0]")
+            cross_checked(ids, block.get("tokens"), "logprobs.tokens")
         else:
             ids = ids_from_token_strings(_get(block, "tokens", "logprobs.tokens"), "logprobs.tokens")
+        check_generated_text(ids, choice.get("text"), "choices[0]")
         return _same_length(ids, logprobs, "choices[0]")
 
     def extract_extras(self, response: Any) -> dict[str, Any] | None:
@@ -138,14 +106,10 @@ class VLLMCompletionAdapter:
 
 
 def _message_level(item: Mapping[str, Any], what: str) -> tuple[list[int], list[int], list[float]]:
-    prompt = _checked(
-        f"{what}.prompt_token_ids",
-        lambda: token_id_list(_get(item, "prompt_token_ids", f"{what}.prompt_token_ids"), "prompt_token_ids"),
-    )
+    prompt = token_id_list(_get(item, "prompt_token_ids", f"{what}.prompt_token_ids"), f"{what}.prompt_token_ids")
     ids = ids_from_token_strings(_get(item, "generation_token_ids", f"{what}.generation_token_ids"), what)
-    logprobs = _checked(
-        f"{what}.generation_log_probs",
-        lambda: logprob_list(_get(item, "generation_log_probs", f"{what}.generation_log_probs")),
+    logprobs = logprob_list(
+        _get(item, "generation_log_probs", f"{what}.generation_log_probs"), f"{what}.generation_log_probs"
     )
     generated, logprobs = _same_length(ids, logprobs, what)
     return prompt, generated, logprobs
@@ -161,7 +125,7 @@ class NemoGymChatAdapter:
 
     def enter_prefix(self, request: Any, prefix_ids: list[int]) -> dict[str, Any]:
         """A copy of *request* with ``required_prefix_token_ids`` set (removed for an empty prefix)."""
-        return _enter_prefix(request, prefix_ids)
+        return with_prefix(request, prefix_ids)
 
     def _message(self, response: Any) -> Mapping[str, Any]:
         return _mapping(_get(_only_choice(response), "message", "choices[0].message"), "choices[0].message")
@@ -172,7 +136,9 @@ class NemoGymChatAdapter:
 
     def extract_generation(self, response: Any) -> tuple[list[int], list[float]]:
         """``generation_token_ids`` and ``generation_log_probs``. :raises EnginePayloadError: as above."""
-        _, ids, logprobs = _message_level(self._message(response), "choices[0].message")
+        message = self._message(response)
+        _, ids, logprobs = _message_level(message, "choices[0].message")
+        check_generated_text(ids, message_text(message), "choices[0].message")
         return ids, logprobs
 
     def extract_extras(self, response: Any) -> dict[str, Any] | None:
@@ -185,7 +151,7 @@ class NemoGymResponsesAdapter:
 
     def enter_prefix(self, request: Any, prefix_ids: list[int]) -> dict[str, Any]:
         """A copy of *request* with ``required_prefix_token_ids`` set (removed for an empty prefix)."""
-        return _enter_prefix(request, prefix_ids)
+        return with_prefix(request, prefix_ids)
 
     def _item(self, response: Any) -> Mapping[str, Any]:
         output = _get(_mapping(response, "response"), "output", "output")
@@ -217,14 +183,18 @@ def _vllm_fast_path(response: Any) -> tuple[list[int], list[float]] | None:
         [choice] = response["choices"]
         content = choice["logprobs"]["content"]
         logprobs = [entry["logprob"] for entry in content]
+        tokens = [entry.get("token") for entry in content]
         ids = choice["token_ids"]
-    except (KeyError, TypeError, ValueError, IndexError):
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
         return None
     if type(ids) is not list or type(logprobs) is not list:
         return None
-    generated = _checked("choices[0].token_ids", lambda: token_id_list(ids, "choices[0].token_ids"))
-    values = _checked("logprobs.content[*].logprob", lambda: logprob_list(logprobs))
-    return _same_length(generated, values, "choices[0]")
+    generated, values = _same_length(
+        token_id_list(ids, "choices[0].token_ids"), logprob_list(logprobs, "logprobs.content[*].logprob"), "choices[0]"
+    )
+    cross_checked(generated, tokens, "logprobs.content")
+    check_generated_text(generated, message_text(choice.get("message")), "choices[0]")
+    return generated, values
 
 
 class OpenAIChatAdapter:
@@ -243,13 +213,13 @@ class OpenAIChatAdapter:
 
     def enter_prefix(self, request: Any, prefix_ids: list[int]) -> dict[str, Any]:
         """A copy of *request* with ``required_prefix_token_ids`` set (removed for an empty prefix)."""
-        return _enter_prefix(request, prefix_ids)
+        return with_prefix(request, prefix_ids)
 
     def extract_prompt_ids(self, response: Any) -> list[int]:
         """Prompt ids of either shape. :raises EnginePayloadError: missing or malformed."""
         if self._message_level(response):
             return self._gym.extract_prompt_ids(response)
-        return _checked("prompt_token_ids", lambda: self._vllm.extract_prompt_ids(response))
+        return self._vllm.extract_prompt_ids(response)
 
     def extract_generation(self, response: Any) -> tuple[list[int], list[float]]:
         """Generated ids and log-probs of either shape. :raises EnginePayloadError: as above."""
@@ -258,10 +228,10 @@ class OpenAIChatAdapter:
         fast = _vllm_fast_path(response)
         if fast is not None:
             return fast
-        return _checked("choices[0] generation", lambda: self._vllm.extract_generation(response))
+        return self._vllm.extract_generation(response)
 
     def extract_extras(self, response: Any) -> dict[str, Any] | None:
         """``routed_experts`` of either shape, or ``None``."""
         if self._message_level(response):
             return self._gym.extract_extras(response)
-        return _checked("choices[0].message", lambda: self._vllm.extract_extras(response))
+        return self._vllm.extract_extras(response)

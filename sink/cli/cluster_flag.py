@@ -2,14 +2,22 @@
 
 Without either flag the server decides (``INFO cluster``: ``cluster_enabled``); an explicit flag that contradicts
 the server ends the command with one line and exit 2, never a traceback from deep inside redis-py.
+
+A service command (``assembler``, ``trainer``) is already opening when it asks: it asks under its outage
+policy (a server that is down is waited for, up to ``--max-outage-s``), and hands that policy on as
+``args.outage`` so the outage goes on counting from its start.
 """
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
-from sink.cli.common import EXIT_USAGE, CommandError, check_redis_url, mask_url
+import anyio
+
+from sink.cli.common import EXIT_USAGE, CommandError, check_redis_url, mask_url, service_outage_policy
 from sink.errors import ClusterModeMismatchError
+from sink.settings import ServiceSettings
 from sink.store.cluster_mode import detect_cluster_mode
 
 __all__ = ("CLUSTER_HELP", "resolve_cluster_flag")
@@ -20,6 +28,8 @@ CLUSTER_HELP = (
     "is given"
 )
 _DETECT_TIMEOUT_S = 3.0
+SERVICE_COMMANDS = frozenset({"assembler", "trainer"})
+"""Long-running commands: they wait out an outage while they open (and run, and close)."""
 
 
 def resolve_cluster_flag(args: argparse.Namespace) -> None:
@@ -37,9 +47,20 @@ def resolve_cluster_flag(args: argparse.Namespace) -> None:
     if not url or getattr(args, "command", None) == "proxy":
         args.cluster = bool(args.cluster)
         return
+    detect = partial(
+        detect_cluster_mode,
+        check_redis_url(url),
+        requested=args.cluster,
+        connect_timeout_s=_DETECT_TIMEOUT_S,
+        where=mask_url(url),
+    )
     try:
-        args.cluster = detect_cluster_mode(
-            check_redis_url(url), requested=args.cluster, connect_timeout_s=_DETECT_TIMEOUT_S, where=mask_url(url)
-        )
+        if getattr(args, "command", None) in SERVICE_COMMANDS:
+            limit = getattr(args, "max_outage_s", None)
+            settings = ServiceSettings() if limit is None else ServiceSettings(max_outage_s=limit)
+            args.outage = service_outage_policy(settings, args.command)
+            args.cluster = anyio.run(args.outage.call, partial(anyio.to_thread.run_sync, detect), "opening")
+        else:
+            args.cluster = detect()
     except ClusterModeMismatchError as exc:
         raise CommandError(str(exc), exit_code=EXIT_USAGE) from exc

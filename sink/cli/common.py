@@ -21,9 +21,10 @@ import redis.exceptions as redis_errors
 from anyio.abc import TaskStatus
 from rich.console import Console
 
-from sink.errors import CommandError
+from sink.errors import CommandError, StagingError, StagingUnavailableError
 from sink.keys import DEFAULT_NAMESPACE
-from sink.settings import ConnectionSettings
+from sink.service import OutagePolicy
+from sink.settings import ConnectionSettings, ServiceSettings
 from sink.store.connection import Topology, map_redis_errors
 
 __all__ = (
@@ -48,6 +49,7 @@ __all__ = (
     "open_topology",
     "positive_int",
     "positive_seconds",
+    "service_outage_policy",
     "stderr_console",
     "stdout_console",
     "write_json",
@@ -186,13 +188,19 @@ def check_redis_url(url: str) -> str:
 
 
 def is_unreachable(exc: BaseException) -> bool:
-    """Whether *exc* (or the redis-py error it wraps) means the server could not be reached at all."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, redis_errors.ConnectionError | redis_errors.TimeoutError | OSError):
-            return not isinstance(seen, redis_errors.AuthenticationError)
-        seen = seen.__cause__
-    return False
+    """Whether *exc* means the server could not be reached at all: :class:`StagingUnavailableError`, or a
+    socket or redis-py connection error no layer translated."""
+    if isinstance(exc, StagingError):
+        return isinstance(exc, StagingUnavailableError)
+    if isinstance(exc, redis_errors.AuthenticationError | redis_errors.AuthorizationError):
+        return False
+    return isinstance(exc, redis_errors.ConnectionError | redis_errors.TimeoutError | OSError)
+
+
+def service_outage_policy(settings: ServiceSettings, service: str) -> OutagePolicy:
+    """The outage policy of a service command, its retry lines on stderr."""
+    console = stderr_console()
+    return OutagePolicy(settings, service, report=lambda line: console.print(line, markup=False, soft_wrap=True))
 
 
 async def cancel_on_signal(

@@ -212,7 +212,11 @@ def _add_service_commands(
     _add_metrics_port(assembler)
     assembler.set_defaults(
         handler=lambda a: services.assembler_command(
-            _target(a), shards=a.shards, consumer_name=a.consumer_name, metrics=(a.metrics_port, a.metrics_host)
+            _target(a),
+            shards=a.shards,
+            consumer_name=a.consumer_name,
+            metrics=(a.metrics_port, a.metrics_host),
+            outage=getattr(a, "outage", None),
         )
     )
 
@@ -241,6 +245,7 @@ def _add_service_commands(
             batch=a.batch,
             metrics=(a.metrics_port, a.metrics_host),
             max_outage_s=a.max_outage_s,
+            outage=getattr(a, "outage", None),
         )
     )
 
@@ -350,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(verbose=args.verbose, log_format=args.log_format)
     handler: Handler = args.handler
     try:
-        resolve_cluster_flag(args)  # issue 15: detected from the server; a contradicting flag is one line
+        resolve_cluster_flag(args)  # cluster mode read from the server; a contradicting flag is one line
         return handler(args)
     except BaseException as exc:
         code = None if isinstance(exc, SystemExit) else report_failure(leaf_error(exc), args)

@@ -9,6 +9,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -24,12 +25,13 @@ from sink.cli.common import (
     RedisTarget,
     cancel_on_signal,
     open_topology,
+    service_outage_policy,
     stderr_console,
     stdout_console,
 )
 from sink.cli.plugin import plugin_benchmarks
 from sink.cli.stats import shared_stream_names
-from sink.errors import MetricsExtraMissingError, StagingConnectionError
+from sink.errors import MetricsExtraMissingError, StagingRefusedError
 from sink.ops.acl import (
     ADMIN_ROLE,
     ROLE_NAMES,
@@ -42,6 +44,7 @@ from sink.ops.acl import (
 from sink.ops.metrics import Metrics, serve_metrics, serve_process_metrics
 from sink.rollout.assembler import run_assembler
 from sink.server import serve_forever
+from sink.service import OutagePolicy
 from sink.settings import AssemblerSettings, ReaderSettings
 from sink.store.connection import Topology, describe_redis_error, map_redis_errors
 from sink.store.scripts import LIBRARY
@@ -73,9 +76,16 @@ def server_command(*, port: int | None, data_dir: Path | None, binary: str | Non
 
 
 def assembler_command(
-    target: RedisTarget, *, shards: int, consumer_name: str | None, metrics: tuple[int | None, str] = (None, "")
+    target: RedisTarget,
+    *,
+    shards: int,
+    consumer_name: str | None,
+    metrics: tuple[int | None, str] = (None, ""),
+    outage: OutagePolicy | None = None,
 ) -> int:
-    """``staging-sink assembler``: turn ``done`` events into receipts until SIGINT/SIGTERM."""
+    """``staging-sink assembler``: turn ``done`` events into receipts until SIGINT/SIGTERM.
+
+    *outage*: the policy the command line already waited under (while it asked the server's cluster mode)."""
     settings = AssemblerSettings(
         namespace=target.namespace,
         cluster=target.cluster,
@@ -90,7 +100,7 @@ def assembler_command(
     with serve_process_metrics(metrics[0], host=metrics[1], namespace=target.namespace) as exporter:
         if exporter is not None:
             stderr_console().print(f"assembler metrics at {exporter.url}")
-        anyio.run(run_assembler, target.url, settings)
+        anyio.run(partial(run_assembler, target.url, settings, outage=outage))
     return EXIT_OK
 
 
@@ -114,14 +124,16 @@ async def trainer_command(
     batch: int,
     metrics: tuple[int | None, str] = (None, ""),
     max_outage_s: float | None = None,
+    outage: OutagePolicy | None = None,
 ) -> int:
     """``staging-sink trainer``: pull, verify and acknowledge rollouts, one line each, until SIGINT/SIGTERM,
     *max_rollouts* or *timeout_s*, then delete its consumer name from the group (where it owns nothing
     pending). Exit 1 when *max_rollouts* were asked for and fewer arrived in time.
 
-    A server outage (restart, failover) is ridden through with exponential backoff from
-    ``reconnect_backoff_s`` up to ``reconnect_backoff_max_s``; after *max_outage_s* (default
-    :attr:`ReaderSettings.max_outage_s`) without reaching the server it exits 3."""
+    The server's outages are ridden out while it opens, runs and closes (:class:`~sink.service.OutagePolicy`:
+    backoff from ``reconnect_backoff_s`` up to ``reconnect_backoff_max_s``; after *max_outage_s*, default
+    :attr:`ReaderSettings.max_outage_s`, it exits 3); a refusal (``WRONGTYPE``, ``NOPERM``) exits 1 at once.
+    *outage*: the policy the command line already waited under (while it asked the server's cluster mode)."""
     settings = ReaderSettings(
         namespace=target.namespace,
         cluster=target.cluster,
@@ -130,18 +142,23 @@ async def trainer_command(
         connect_timeout_s=target.settings().connect_timeout_s,
         **({} if max_outage_s is None else {"max_outage_s": max_outage_s}),
     )
+    outage = outage or service_outage_policy(settings, "trainer")
     console = stdout_console()
     seen = verified = 0
     unacked: list[str] = []
-    exporter = serve_process_metrics(metrics[0], host=metrics[1], namespace=target.namespace)
-    async with RolloutReader.from_url(target.url, settings) as reader:
+
+    async def open_reader() -> RolloutReader:
+        return await RolloutReader.from_url(target.url, settings).__aenter__()
+
+    reader = await outage.call(open_reader, "opening")
+    try:
+        exporter = serve_process_metrics(metrics[0], host=metrics[1], namespace=target.namespace)
         with exporter as server:
             if server is not None:
                 stderr_console().print(f"trainer metrics at {server.url}")
             async with anyio.create_task_group() as group:
                 await group.start(cancel_on_signal, group.cancel_scope)
                 stderr_console().print(f"trainer {reader.consumer_name} on {target.display_url}; Ctrl-C stops it")
-                outage = _Outage(settings)
 
                 async def step() -> None:
                     nonlocal seen, verified, unacked
@@ -162,49 +179,18 @@ async def trainer_command(
 
                 with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
                     while unacked or max_rollouts is None or seen < max_rollouts:
-                        try:
-                            await step()
-                            outage.ended()
-                        except StagingConnectionError as exc:
-                            await outage.wait_or_give_up(exc)
+                        await outage.call(step, "running")
                 group.cancel_scope.cancel()
         # Leave the group tidy: a consumer name per run would otherwise pile up in `stats`.
-        shards_retired = await reader.retire_consumer()
+        shards_retired = await outage.call(reader.retire_consumer, "closing")
         logger.info("trainer %s: consumer retired on %d shard(s)", reader.consumer_name, shards_retired)
+    finally:
+        await reader.aclose()
     stderr_console().print(f"trainer: {seen} rollout(s), {verified} verified, {seen - verified} skipped")
     if max_rollouts is not None and seen < max_rollouts:
         stderr_console().print(f"trainer: only {seen} of {max_rollouts} rollout(s) arrived within {timeout_s} s")
         return EXIT_FAILURE
     return EXIT_OK
-
-
-class _Outage:
-    """Bounded exponential backoff while the server is unreachable; gives up after ``max_outage_s``."""
-
-    def __init__(self, settings: ReaderSettings) -> None:
-        self._settings = settings
-        self._started: float | None = None
-        self._backoff_s = settings.reconnect_backoff_s
-
-    def ended(self) -> None:
-        if self._started is not None:
-            stderr_console().print("trainer: the server is reachable again")
-        self._started = None
-        self._backoff_s = self._settings.reconnect_backoff_s
-
-    async def wait_or_give_up(self, exc: StagingConnectionError) -> None:
-        """Sleep before the next attempt, or raise *exc* (exit 3) once the outage lasted ``max_outage_s``."""
-        now = anyio.current_time()
-        if self._started is None:
-            self._started = now
-        limit = self._settings.max_outage_s
-        left = self._started + limit - now
-        if left <= 0:
-            raise StagingConnectionError(f"{exc} (unreachable for longer than max_outage_s={limit:g})") from exc
-        delay = min(self._backoff_s, left)
-        stderr_console().print(f"trainer: server unreachable ({exc}); retrying in {delay:.2g} s")
-        await anyio.sleep(delay)
-        self._backoff_s = min(self._backoff_s * 2, self._settings.reconnect_backoff_max_s)
 
 
 async def setup_command(target: RedisTarget) -> int:
@@ -217,11 +203,11 @@ async def setup_command(target: RedisTarget) -> int:
         try:
             with map_redis_errors(f"load function library {LIBRARY.name}"):
                 await LIBRARY.load(topology.client)
-        except StagingConnectionError as exc:
-            if "unknown command" in str(exc).lower():
+        except StagingRefusedError as exc:
+            if exc.code == "ERR" and "unknown command" in str(exc).lower():
                 stdout_console().print(f"{target.display_url} has no functions (Redis < 7.0): nothing to set up")
                 return EXIT_OK
-            if "permission" in str(exc).lower() or "noperm" in str(exc).lower():
+            if exc.code == "NOPERM":
                 raise CommandError(f"{exc}: run setup as an admin user") from exc
             raise
     stdout_console().print(f"function library {LIBRARY.name} loaded on {target.display_url}")

@@ -1,4 +1,4 @@
-"""Which staging keys a rollout may name, and which it may delete (issue 13, defects 2 and 3).
+"""Which staging keys a rollout may name, and which it may delete (contract §2.5).
 
 A staging key minted by the sink is ``<owner>/<call>`` or, for a generation-cut chunk,
 ``<owner>/<call>/cut/<checkpoint>/<seq>``. A ledger row of rollout ``R`` is owned by its

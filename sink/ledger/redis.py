@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.records import RolloutRemoval
-from sink.errors import CodecError, StagingConnectionError
+from sink.errors import CodecError, StagingConnectionError, StagingUnavailableError
 from sink.keys import calls_stream, claim_key, fence_key, ledger_ids_key, ledger_stream, receipt_key, record_key
 from sink.ledger.ledger import AppendOutcome, CaptureLedger
 from sink.ledger.ownership import keys_owned_by
@@ -212,7 +212,7 @@ class RedisCaptureLedger(CaptureLedger):
             for index, rollout_id in enumerate(ids):
                 group.start_soon(run_one, index, rollout_id)
         if errors:
-            raise type(errors[0])(  # a NotDurableError stays one
+            raise errors[0].restated(  # the same kind of error (a NotDurableError stays one)
                 f"could not {verb} {len(errors)} of {len(ids)} rollout ids (each id is all-or-nothing; "
                 f"the others were applied): {errors[0]}"
             ) from errors[0]
@@ -244,7 +244,7 @@ class RedisCaptureLedger(CaptureLedger):
             )
             if reply[0] != DELETE_STALE:
                 return bool(reply[0] == REMOVED)
-        raise StagingConnectionError(
+        raise StagingUnavailableError(  # contention, not a refusal: trying again later may succeed
             f"could not delete {rollout_id!r}: records kept being staged during {_DELETE_ATTEMPTS} attempts"
         )
 

@@ -145,10 +145,16 @@ async def _retain(topology: Topology, ns: str, rollout_id: str, settings: PruneS
 
 
 async def _abandon(
-    topology: Topology, ns: str, rollout_id: str, rollout: _Rollout, settings: PruneSettings, report: PruneReport
+    topology: Topology,
+    ns: str,
+    rollout_id: str,
+    rollout: _Rollout,
+    settings: PruneSettings,
+    report: PruneReport,
+    now_s: float,
 ) -> None:
     client = topology.node_for_key(calls_stream(ns, rollout_id))
-    cutoff_ms = int((time.time() - settings.abandon_after_s) * 1000)
+    cutoff_ms = int((now_s - settings.abandon_after_s) * 1000)
     gym_state, *gym_rest, _fence = gym_keys(ns, rollout_id)
     watched = [calls_stream(ns, rollout_id), ledger_stream(ns, rollout_id), receipt_key(ns, rollout_id), gym_state]
     if report.dry_run:  # plain reads, no WATCH: the read-only ops user can run a dry run
@@ -221,13 +227,19 @@ async def _remove_idle_consumers(topology: Topology, ns: str, settings: PruneSet
                     report.consumers_removed.append(f"{stream} {name} {who}")
 
 
-async def prune_namespace(topology: Topology, settings: PruneSettings, *, dry_run: bool = False) -> PruneReport:
+async def prune_namespace(
+    topology: Topology, settings: PruneSettings, *, dry_run: bool = False, now_s: float | None = None
+) -> PruneReport:
     """Apply the module's rules to ``settings.namespace`` once; *dry_run*: report only, change nothing.
+
+    *now_s*: the wall-clock time (``time.time()``) ages are counted to, default now; a test or a replay passes
+    its own, so what counts as abandoned does not depend on how fast it runs.
 
     :raises StagingConnectionError: the server could not be reached or refused a command.
     """
     ns = settings.namespace
     report = PruneReport(dry_run=dry_run)
+    now_s = time.time() if now_s is None else now_s
     with map_redis_errors(f"prune namespace {ns!r}"):
         rollouts = await _rollouts(topology, ns, settings.scan_count)
         report.rollouts_seen = len(rollouts)
@@ -235,7 +247,7 @@ async def prune_namespace(topology: Topology, settings: PruneSettings, *, dry_ru
             if not rollout.kinds & _LIVE_KINDS:
                 await _retain(topology, ns, rollout_id, settings, report)
             elif "receipt" not in rollout.kinds:
-                await _abandon(topology, ns, rollout_id, rollout, settings, report)
+                await _abandon(topology, ns, rollout_id, rollout, settings, report, now_s)
         await _trim_dead_letters(topology, ns, settings, report)
         await _remove_idle_consumers(topology, ns, settings, report)
     return report

@@ -22,7 +22,6 @@ unparsable ledger yields a poisoned ``manifest_unavailable`` receipt instead.
 from __future__ import annotations
 
 import logging
-import math
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, Self
@@ -39,10 +38,11 @@ from sink.keys import done_stream, receipt_key, receipts_stream, shard_of
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.done_event import DoneEvent, GroupTag, finished, group_fields, parse_done_event
 from sink.rollout.receipt import build_receipt
+from sink.service import OutagePolicy, ReclaimSchedule
 from sink.settings import AssemblerSettings
 from sink.store.connection import Topology, describe_redis_error, map_redis_errors
 from sink.store.durability import execute_durably
-from sink.store.healing import SelfHealingGroupConsumer, raise_if_unrecoverable
+from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_receipt_published
 from sink.store.resource import AsyncResource, settings_or_fields
 from sink.store.streams import StreamEntry, default_consumer_name
@@ -86,6 +86,8 @@ class Assembler(AsyncResource):
 
     :param before_ack: instrumentation/test hook awaited after an event's
         receipt is published and before the event is acknowledged.
+    :param outage: the outage policy to wait under (:mod:`sink.service`); default a new one from *settings*.
+        Opening, each shard loop and closing ride out an outage up to ``max_outage_s``; a refusal stops it.
     """
 
     def __init__(
@@ -94,13 +96,20 @@ class Assembler(AsyncResource):
         settings: AssemblerSettings | None = None,
         *,
         before_ack: BeforeAck | None = None,
+        outage: OutagePolicy | None = None,
     ) -> None:
         parsed = settings or AssemblerSettings()
-        self._init(Topology.borrow(client, parsed), parsed, before_ack)
+        self._init(Topology.borrow(client, parsed), parsed, before_ack, outage)
 
     @classmethod
     def from_url(
-        cls, url: str, settings: AssemblerSettings | None = None, *, before_ack: BeforeAck | None = None, **fields: Any
+        cls,
+        url: str,
+        settings: AssemblerSettings | None = None,
+        *,
+        before_ack: BeforeAck | None = None,
+        outage: OutagePolicy | None = None,
+        **fields: Any,
     ) -> Self:
         """Create an assembler that owns its client; pass *settings* or :class:`AssemblerSettings` fields.
 
@@ -108,10 +117,12 @@ class Assembler(AsyncResource):
         """
         parsed = settings_or_fields(AssemblerSettings, settings, fields)
         self = cls.__new__(cls)
-        self._init(Topology.from_url(url, parsed), parsed, before_ack)
+        self._init(Topology.from_url(url, parsed), parsed, before_ack, outage)
         return self
 
-    def _init(self, topology: Topology, settings: AssemblerSettings, before_ack: BeforeAck | None) -> None:
+    def _init(
+        self, topology: Topology, settings: AssemblerSettings, before_ack: BeforeAck | None, outage: OutagePolicy | None
+    ) -> None:
         self._settings = settings
         self._topology = topology
         self._ns = self._settings.namespace
@@ -129,6 +140,7 @@ class Assembler(AsyncResource):
             durability=self._settings.durability,
             confirm_timeout_s=self._settings.command_timeout_s / 2,
         )
+        self._outage = outage or OutagePolicy(settings, f"assembler {self._consumer.consumer}")
         self._stopping = False
         self._running = False
         self._read_scopes: set[anyio.CancelScope] = set()
@@ -167,7 +179,7 @@ class Assembler(AsyncResource):
     # --- lifecycle ----------------------------------------------------------------
 
     async def _open(self) -> None:
-        await self._consumer.prepare()
+        await self._outage.call(self._consumer.prepare, "opening")
 
     async def _close_resources(self) -> None:
         await self._ledger.aclose()
@@ -201,7 +213,7 @@ class Assembler(AsyncResource):
                 outer.cancel_scope.cancel()  # the grace watcher is no longer needed
             if not work.cancelled_caught:
                 # Drained cleanly: drop our consumer name where it owns nothing pending.
-                await self._consumer.retire_consumer()
+                await self._outage.call(self._consumer.retire_consumer, "closing")
         finally:
             self._running = False
 
@@ -214,19 +226,18 @@ class Assembler(AsyncResource):
     async def _shard_loop(self, shard: int) -> None:
         settings, consumer = self._settings, self._consumer
         recovered = False
-        next_claim_at = -math.inf
-        outage_since: float | None = None
+        reclaims = ReclaimSchedule(settings)
         while not self._stopping:
             try:
                 if not recovered:
                     # A restart under a stable consumer name: our own pending entries first.
                     await self._process(await consumer.read_own_pending(shard))
                     recovered = True
-                if anyio.current_time() >= next_claim_at:
-                    next_claim_at = anyio.current_time() + settings.claim_idle_ms / 2000.0
+                if reclaims.due():
                     reclaimed = await consumer.reclaim(shard, count=settings.batch_events)
                     if reclaimed:
                         await self._process(reclaimed)
+                        self._outage.succeeded()
                         continue
                 entries: list[StreamEntry] = []
                 with anyio.CancelScope() as read_scope:
@@ -240,20 +251,11 @@ class Assembler(AsyncResource):
                     finally:
                         self._read_scopes.discard(read_scope)
                 await self._process(entries)
-                outage_since = None
+                self._outage.succeeded()
             except StagingConnectionError as exc:
-                raise_if_unrecoverable(exc, f"assembler {self.consumer_name}")  # issue 15: exit, not retry forever
                 self._counts["failures"] += 1
-                now = anyio.current_time()
-                outage_since = now if outage_since is None else outage_since
-                if settings.max_outage_s is not None and now - outage_since > settings.max_outage_s:
-                    raise StagingConnectionError(
-                        f"assembler {self.consumer_name} gave up: the server was unreachable for more than "
-                        f"max_outage_s={settings.max_outage_s:g} s ({exc})"
-                    ) from exc
-                logger.warning("assembler %s shard %d: %s; retrying", self.consumer_name, shard, exc)
+                await self._outage.failed(exc, "running")  # raises on a refusal, or past max_outage_s
                 await self._refresh_topology()
-                await anyio.sleep(settings.reconnect_backoff_s)
 
     async def _refresh_topology(self) -> None:
         try:
@@ -369,15 +371,18 @@ class Assembler(AsyncResource):
             if isinstance(reply, BaseException):
                 raise reply
         self._counts["published"] += 1
-        count_receipt_published(self._ns, shard)  # metrics (issue 15)
+        count_receipt_published(self._ns, shard)  # metrics
 
 
-async def run_assembler(url: str, settings: AssemblerSettings | None = None, *, handle_signals: bool = True) -> None:
+async def run_assembler(
+    url: str, settings: AssemblerSettings | None = None, *, handle_signals: bool = True, outage: OutagePolicy | None = None
+) -> None:
     """Run one assembler against *url* until SIGINT/SIGTERM (the CLI entry point).
 
-    A signal stops reading; in-flight events get ``shutdown_grace_s``.
+    A signal stops reading; in-flight events get ``shutdown_grace_s``. *outage*: an outage policy to go on
+    with (one the caller already waited under), instead of a new one.
     """
-    async with Assembler.from_url(url, settings) as assembler, anyio.create_task_group() as group:
+    async with Assembler.from_url(url, settings, outage=outage) as assembler, anyio.create_task_group() as group:
 
         async def stop_on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -20,10 +20,16 @@ import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 
-from sink.errors import ClusterModeMismatchError, CodecError, StagingConnectionError
+from sink.errors import (
+    ClusterModeMismatchError,
+    CodecError,
+    StagingConnectionError,
+    StagingRefusedError,
+    StagingUnavailableError,
+)
 from sink.settings import ConnectionSettings
 
-__all__ = ("Topology", "describe_redis_error", "map_redis_errors", "reply_text")
+__all__ = ("Topology", "describe_redis_error", "map_redis_errors", "reply_text", "translate_redis_error")
 
 
 def reply_text(value: object, what: str = "reply") -> str:
@@ -48,16 +54,54 @@ def describe_redis_error(exc: BaseException) -> str:
     return f"{kind}: {text}"
 
 
-@contextlib.contextmanager
-def map_redis_errors(action: str) -> Iterator[None]:
-    """Translate redis-py errors raised inside the block into :class:`StagingConnectionError`.
+# Error replies that mean "not serving right now", not "no": a server loading its data, a cluster without a
+# quorum or in the middle of a slot move. Waiting fixes them, as it fixes a lost connection.
+_NOT_SERVING_YET: tuple[type[redis_errors.RedisError], ...] = (
+    redis_errors.ClusterDownError,  # CLUSTERDOWN, MASTERDOWN
+    redis_errors.TryAgainError,  # TRYAGAIN
+)
+
+
+def _reply_code(exc: redis_errors.RedisError) -> str:
+    """The code of an error reply: redis-py keeps it in ``status_code`` when it knows the prefix and strips it
+    from the message; otherwise the message still starts with it (``WRONGTYPE Operation against ...``)."""
+    code = getattr(exc, "status_code", None)
+    if isinstance(code, str) and code:
+        return code
+    first = str(exc).split(" ", 1)[0]
+    return first if first.isupper() and first.isalpha() else "ERR"
+
+
+def translate_redis_error(exc: redis_errors.RedisError | OSError, action: str) -> StagingConnectionError:
+    """The package's error for a redis-py (or socket) error: unavailable, or refused with the reply's code.
+
+    This is the one place that tells the two apart; everything above catches the types.
 
     :param action: what was being done, for the message (``"fetch records"``).
+    """
+    message = f"could not {action}: {describe_redis_error(exc)}"
+    if isinstance(exc, redis_errors.AuthenticationError | redis_errors.AuthorizationError):
+        return StagingRefusedError(message, _reply_code(exc))  # WRONGPASS, NOAUTH, NOPERM (before any command)
+    if isinstance(exc, redis_errors.ResponseError) and not isinstance(exc, _NOT_SERVING_YET):
+        return StagingRefusedError(message, _reply_code(exc))
+    if isinstance(exc, redis_errors.DataError):
+        return StagingRefusedError(message, "DATAERROR")  # refused by the client before it was sent
+    # ConnectionError (BusyLoadingError: LOADING), TimeoutError, OSError, a garbled reply, not serving yet.
+    return StagingUnavailableError(message)
+
+
+@contextlib.contextmanager
+def map_redis_errors(action: str) -> Iterator[None]:
+    """Translate redis-py errors raised inside the block (:func:`translate_redis_error`).
+
+    :param action: what was being done, for the message (``"fetch records"``).
+    :raises StagingUnavailableError: the server could not be reached.
+    :raises StagingRefusedError: the server answered with an error.
     """
     try:
         yield
     except (redis_errors.RedisError, OSError) as exc:
-        raise StagingConnectionError(f"could not {action}: {describe_redis_error(exc)}") from exc
+        raise translate_redis_error(exc, action) from exc
 
 
 def _init_parameters(cls: type) -> frozenset[str]:
@@ -132,7 +176,7 @@ class Topology:
         if self._cluster is not None:
             try:
                 await self._cluster.initialize()
-            except redis_errors.RedisClusterException as exc:  # issue 15: one clear line, not a redis-py traceback
+            except redis_errors.RedisClusterException as exc:  # one clear line, not a redis-py traceback
                 if "not enabled" not in str(exc):
                     raise
                 raise ClusterModeMismatchError(f"cluster=True (--cluster) but the server is standalone: {exc}") from exc

@@ -1,4 +1,4 @@
-"""What a consumer group copies to ``ns:dead:<role>-<shard>`` when it gives an entry up (issue 13, defect 1).
+"""What a consumer group copies to ``ns:dead:<role>-<shard>`` when it gives an entry up (so none stops it).
 
 :class:`~sink.store.streams.GroupConsumer` dead-letters an entry delivered more than ``max_deliveries``
 times, one its owner cannot parse, and one that is not UTF-8 text at all (:class:`UndecodableEntry`:

@@ -1,4 +1,4 @@
-"""Self-healing consumer groups, and the line between a failure worth retrying and one that is not.
+"""Self-healing consumer groups.
 
 A consumer group lives inside its stream: ``FLUSHALL``/``FLUSHDB``, deleting the stream, or restarting from an
 AOF or RDB older than the group removes it, and every ``XREADGROUP``/``XAUTOCLAIM``/``XPENDING`` then fails
@@ -6,9 +6,7 @@ with ``NOGROUP``. :class:`SelfHealingGroupConsumer` recreates the group (``XGROU
 every event still in the stream is delivered: at least once, as before), logs one warning per recreation, and
 retries the command once.
 
-:func:`raise_if_unrecoverable` is for a service's retry loop: an error that waiting cannot fix (the ACL denies
-a command, a wrong password, a key of the wrong type) ends the service with
-:class:`~sink.errors.UnrecoverableServiceError` instead of a retry line forever.
+Which failures a service waits out and which stop it is :mod:`sink.service`'s outage policy.
 """
 
 from __future__ import annotations
@@ -21,55 +19,28 @@ from typing import Any, TypeVar
 import anyio
 import redis.exceptions as redis_errors
 
-from sink.errors import StagingConnectionError, UnrecoverableServiceError
+from sink.errors import StagingConnectionError, StagingRefusedError, UnrecoverableServiceError
 from sink.store.cluster_mode import resolve_cluster_mode, server_cluster_enabled
 from sink.store.connection import describe_redis_error, map_redis_errors
 from sink.store.streams import GroupConsumer, StreamEntry
 
-__all__ = ("SelfHealingGroupConsumer", "is_missing_group", "raise_if_unrecoverable")
+__all__ = ("SelfHealingGroupConsumer", "is_missing_group")
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_FATAL_PREFIXES = ("NOPERM", "WRONGTYPE", "WRONGPASS", "NOAUTH", "ERR UNKNOWN COMMAND")
-
-
-def _causes(exc: BaseException) -> list[BaseException]:
-    """*exc*, its ``__cause__`` chain, and the same for every leaf of an exception group."""
-    found: list[BaseException] = []
-    pending = [exc]
-    while pending:
-        current: BaseException | None = pending.pop()
-        while current is not None:
-            if isinstance(current, BaseExceptionGroup):
-                pending.extend(current.exceptions)
-                break
-            found.append(current)
-            current = current.__cause__
-    return found
+# NOGROUP: the group is gone. UNBLOCKED (Redis 7.0): the stream, and so its group, was deleted under a blocked
+# XREADGROUP.
+_GROUP_GONE = frozenset({"NOGROUP", "UNBLOCKED"})
 
 
 def is_missing_group(exc: BaseException) -> bool:
-    """Whether *exc* (a translated error, or a group of them) is a server's ``NOGROUP`` reply, and only that."""
-    leaves = [c for c in _causes(exc) if isinstance(c, redis_errors.ResponseError)]
-    return bool(leaves) and all(str(c).startswith("NOGROUP") for c in leaves)
-
-
-def raise_if_unrecoverable(exc: BaseException, service: str) -> None:
-    """Re-raise *exc* as :class:`UnrecoverableServiceError` when retrying cannot fix it; return otherwise.
-
-    :param service: who failed, for the message (``"assembler host-1-abc"``).
-    """
-    for cause in _causes(exc):
-        text = str(cause).upper()
-        if isinstance(cause, redis_errors.AuthenticationError | redis_errors.NoPermissionError) or (
-            isinstance(cause, redis_errors.ResponseError) and text.startswith(_FATAL_PREFIXES)
-        ):
-            raise UnrecoverableServiceError(
-                f"{service} stopped: {exc} (retrying cannot fix this: check the ACL user, the password and "
-                "that nothing else writes the namespace's keys)"
-            ) from exc
+    """Whether *exc* (a translated error, or a group of them) is the server's reply that the consumer group is
+    gone (``NOGROUP``, or ``UNBLOCKED``: its stream was deleted under a blocked read), and only that."""
+    if isinstance(exc, BaseExceptionGroup):
+        return bool(exc.exceptions) and all(is_missing_group(inner) for inner in exc.exceptions)
+    return isinstance(exc, StagingRefusedError) and exc.code in _GROUP_GONE
 
 
 class SelfHealingGroupConsumer(GroupConsumer):

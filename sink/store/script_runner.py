@@ -1,5 +1,5 @@
 """How the package's Lua runs on a server: one function library where the server has functions, ``EVALSHA``
-where it does not (issue 13, defect 5).
+where it does not (so no role needs to run code of its own).
 
 On Redis >= 7.0 and every Valkey, every script of :mod:`sink.store.scripts` is a function of one library,
 ``staging_sink_<version>`` (the version is a hash of every script's source, so a library is never

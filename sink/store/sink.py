@@ -265,7 +265,7 @@ class AsyncRedisStagingSink(AsyncResource):
 
     def _counted(self, result: StageResult, started: float) -> StageResult:
         label = "ok" if result.ok else "conflict" if result.error == CONFLICT_ERROR else "failed"
-        count_stage(self._settings.namespace, label, time.perf_counter() - started)  # metrics (issue 15)
+        count_stage(self._settings.namespace, label, time.perf_counter() - started)  # stage counters and latency
         return result
 
     async def _stage(self, record: StagedCallRecord, key_suffix: str) -> StageResult:

@@ -356,7 +356,7 @@ class GroupConsumer:
             await self._write(dead, lambda pipe: pipe.xadd(dead, record), f"dead-letter {stream} {entry_id}")
         logger.warning("dead-lettered %s %s to %s: %s", stream, entry_id, dead, str(record["dead_reason"])[:200])
         self.dead_lettered += 1
-        count_dead_letter(self._namespace, self._role, shard)  # metrics (issue 15)
+        count_dead_letter(self._namespace, self._role, shard)  # the dead-letters counter
 
     async def touch(self, entries: Sequence[StreamEntry]) -> list[StreamEntry]:
         """Reset the idle time of held *entries* so no other consumer reclaims them (a heartbeat).

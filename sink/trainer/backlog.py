@@ -1,20 +1,18 @@
 """Which receipt entries a trainer reader consumes next (used by :class:`~sink.trainer.reader.RolloutReader`).
 
 Order of sources: the reader's own pending entries after a restart (and on shards its consumer found suspect),
-entries reclaimed from crashed readers (idle ``claim_idle_ms``, tried at most every ``claim_idle_ms / 2``), then
+entries reclaimed from crashed readers (idle ``claim_idle_ms``, tried at most every ``reclaim_interval_s``), then
 new receipts. Entries the reader already holds or has queued are never queued twice. :meth:`ReceiptBacklog.take_over`
 moves named entries of other ranks to this reader (GRPO groups, :mod:`sink.trainer.groups`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import anyio
-
 from sink.keys import receipts_stream
+from sink.service import ReclaimSchedule
 from sink.settings import ReaderSettings
 from sink.store.connection import Topology, map_redis_errors
 from sink.store.healing import SelfHealingGroupConsumer
@@ -50,7 +48,7 @@ class ReceiptBacklog:
         self._held = held
         self._entries: list[StreamEntry] = []
         self._recovered = False
-        self._next_claim_at = -math.inf
+        self._reclaims = ReclaimSchedule(settings)
 
     async def take(self, wanted: int, *, block_ms: int) -> list[StreamEntry]:
         """Up to *wanted* entries, waiting up to *block_ms* for new receipts when there is nothing else."""
@@ -77,8 +75,7 @@ class ReceiptBacklog:
         for shard in shards:
             found += await consumer.read_own_pending(shard)
         self._recovered = True
-        if anyio.current_time() >= self._next_claim_at:
-            self._next_claim_at = anyio.current_time() + self._settings.claim_idle_ms / 2000.0
+        if self._reclaims.due():
             for shard in range(self._settings.receipt_shards):
                 if len(found) + len(self._entries) >= wanted:
                     break

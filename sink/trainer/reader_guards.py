@@ -1,4 +1,4 @@
-"""What a trainer reader refuses to touch (issue 13, defects 3 and 10).
+"""What a trainer reader refuses to touch: foreign keys, other ranks' leases (contract §2.5, §8.5).
 
 * :func:`foreign_row_skip`: a receipt whose manifest names a malformed key, another rollout's key or a
   foreign ``capture_key`` is skipped before anything is fetched;

@@ -26,7 +26,7 @@ from worker.capture import RolloutTokenCapture
 from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.forward import ForwardingApp
 from worker.proxy.metrics import ProxyMetrics
-from worker.proxy.middleware import CaptureMiddleware, CapturePolicy
+from worker.proxy.middleware import CaptureMiddleware
 from worker.proxy.routes import parse_target
 from worker.weight_version import PublishedWeightVersion, WeightLabelRule
 
@@ -76,29 +76,17 @@ class ProxyApp:
         stack.push_async_callback(client.aclose)
         weight_version = config.weight_version
 
-        async def announce(rollout_id: str, reward: float | None, response: Any, declared: str | None) -> str:
+        async def announce(rollout_id: str, fields: dict[str, Any]) -> str:
             return await finished(
-                client,
-                rollout_id,
-                reward=reward,
-                response=response,
-                declared_response_id=declared,
-                namespace=config.namespace,
-                durability=config.durability,
+                client, rollout_id, namespace=config.namespace, durability=config.durability, **fields
             )
 
         capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: weight_version, source=source)
-        policy = CapturePolicy(
-            upstream_kind=config.upstream_kind,
-            fail_closed=config.fail_closed,
-            max_request_bytes=config.max_request_bytes,
-            max_response_bytes=config.max_response_bytes,
-        )
         self.middleware = CaptureMiddleware(
             inner or self.forward,
             capture=capture,
             gate=CaptureGate(ledger),
-            policy=policy,
+            settings=config,
             announce=announce,
             metrics=self.metrics,
         )

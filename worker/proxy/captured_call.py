@@ -18,7 +18,9 @@ import anyio
 import orjson
 
 from sink.contract.records import CaptureAdmission, CommitCoords
+from sink.errors import StagingError
 from sink.ledger.gate import CaptureGate
+from sink.settings import ProxySettings
 from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, replay_receive, send_body
 from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
@@ -29,7 +31,6 @@ from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     ClientAsked,
     RouteKind,
-    UpstreamKind,
     adapter_for,
     response_items,
     strip_token_fields,
@@ -38,20 +39,9 @@ from worker.proxy.routes import (
 from worker.proxy.sse import sse_events
 from worker.weight_version import PublishedWeightVersion, WeightVersionError
 
-__all__ = ("CallOwner", "CapturePolicy", "CapturedCall", "UpstreamAnswer")
+__all__ = ("CallOwner", "CapturedCall", "UpstreamAnswer")
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CapturePolicy:
-    """How the middleware captures."""
-
-    upstream_kind: UpstreamKind = "vllm"
-    fail_closed: bool = False
-    max_request_bytes: int = 64 * 1024 * 1024
-    max_response_bytes: int = 64 * 1024 * 1024
-    """A larger upstream response is served but not captured (capture failure)."""
 
 
 class CallOwner(Protocol):
@@ -60,7 +50,7 @@ class CallOwner(Protocol):
     app: ASGIApp
     capture: RolloutTokenCapture
     gate: CaptureGate
-    policy: CapturePolicy
+    settings: ProxySettings
     metrics: ProxyMetrics
     prefix_mode: PrefixModeChoice
     """Whether chat calls go in exact-prefix mode."""
@@ -124,6 +114,7 @@ class CapturedCall:
         self.admit_failure: _AdmitFailure | None = None
         self.settled = False
         self.captured = False
+        self.answer: tuple[UpstreamAnswer, dict[str, Any] | None, ClientAsked] | None = None  # once known
 
     # --- admission ------------------------------------------------------------
 
@@ -132,7 +123,7 @@ class CapturedCall:
         owner = self.owner
         try:
             self.admission = await owner.gate.admit(self.rollout_id, self.items)
-        except Exception as exc:  # noqa: BLE001 -- the ledger is unreachable: fail open (or closed) as configured
+        except StagingError as exc:  # the ledger is unreachable: fail open (or closed) as configured
             logger.error("%s: capture admission failed (ledger unreachable?): %r", self.ids, exc)
             self.admit_failure = "ledger unreachable"
             return
@@ -144,7 +135,7 @@ class CapturedCall:
         try:
             version = None if owner.published is None else await owner.published.current()
             self.active = await owner.capture.abegin_call(self.admission, weight_version=version)
-        except Exception as exc:  # noqa: BLE001 -- e.g. an invalid weight version: serve uncaptured (INV-4)
+        except StagingError as exc:  # an invalid weight version (CaptureError), an unreadable published one
             logger.error("%s: begin failed: %r; served uncaptured", self.ids, exc)
             self.admit_failure = "begin failed"
             await self._settle(None, None)
@@ -152,18 +143,19 @@ class CapturedCall:
     # --- ledger -----------------------------------------------------------------
 
     async def _settle(self, coords: CommitCoords | None, payload: dict[str, Any] | None) -> None:
-        """Commit *coords* (or a failure) to the ledger; shielded, so a cancelled request never half-writes."""
+        """Commit *coords* (or a failure) to the ledger; shielded, so a cancelled request never half-writes (a bug
+        propagates to :meth:`run` with the call unsettled: the boundary records it failed)."""
         admission, active, capture = self.admission, self.active, self.owner.capture
         if admission is None or self.settled:
             return
         with anyio.CancelScope(shield=True):
+            if coords is None:
+                coords = (
+                    capture.fail_admission(admission, reason="no completion")
+                    if active is None or active.completed
+                    else await capture.afail_call(active, reason="the call ended without a completion")
+                )
             try:
-                if coords is None:
-                    coords = (
-                        capture.fail_admission(admission, reason="no completion")
-                        if active is None or active.completed
-                        else await capture.afail_call(active, reason="the call ended without a completion")
-                    )
                 row = await self.owner.gate.commit(
                     admission,
                     coords,
@@ -172,12 +164,10 @@ class CapturedCall:
                     response_items=[] if payload is None else response_items(self.route, payload),
                     admitted_at=self.admitted_at,
                 )
-                self.captured = row is not None
-            except Exception as exc:  # noqa: BLE001 -- the ledger failed after the stage: the call is not captured
+            except StagingError as exc:  # the ledger failed after the stage: the call is not captured
                 logger.error("%s: ledger commit failed: %r (staged tokens have no ledger row)", self.ids, exc)
-                self.captured = False
-            finally:
-                self.settled = True
+                row = None
+            self.captured, self.settled = row is not None, True
 
     async def _abandon(self) -> None:
         """The request ended (cancelled or failed) before its capture completed: record it failed (§6.6 step 12)."""
@@ -188,7 +178,7 @@ class CapturedCall:
                 if active is not None and not active.completed:
                     await self.owner.capture.afail_call(active, reason="the request ended before its completion")
                 await self.owner.gate.abandon(admission)
-            except Exception as exc:  # noqa: BLE001 -- the ledger is unreachable too: nothing more can be recorded
+            except StagingError as exc:  # the ledger is unreachable too: nothing more can be recorded
                 logger.error("%s: cannot record the abandoned call: %r", self.ids, exc)
             finally:
                 self.settled = True
@@ -200,7 +190,7 @@ class CapturedCall:
         result = UpstreamAnswer(502, [], b"", oversized=False)
         chunks: list[bytes] = []
         size = 0
-        limit = self.owner.policy.max_response_bytes
+        limit = self.owner.settings.max_response_bytes
 
         async def collect(message: Message) -> None:
             nonlocal size
@@ -249,25 +239,11 @@ class CapturedCall:
                 "%s: upstream response of %d bytes exceeds max_response_bytes=%d; capture failed",
                 self.ids,
                 len(upstream.body),
-                self.owner.policy.max_response_bytes,
+                self.owner.settings.max_response_bytes,
             )
             return await capture.afail_call(active, reason="oversized response")
-        adapter = adapter_for(self.route)
-        try:
-            prompt = adapter.extract_prompt_ids(payload)
-            generated, logprobs = adapter.extract_generation(payload)
-            extras = adapter.extract_extras(payload)
-        except Exception as exc:  # noqa: BLE001 -- any malformed payload poisons, never fails the completion
-            logger.warning("%s: malformed engine payload (%s); capture failed", self.ids, exc)
-            return await capture.afail_call(active, reason=f"malformed engine payload: {exc}")
         with anyio.CancelScope(shield=True):  # the stage completes or the call is recorded failed, never half
-            coords = await capture.acomplete_call(
-                active,
-                prompt_token_ids=prompt,
-                generated_token_ids=generated,
-                generated_logprobs=logprobs,
-                extras=extras,
-            )
+            coords = await capture.acomplete_call_from_response(active, payload, adapter=adapter_for(self.route))
         if coords.disposition != "staged":
             logger.warning("%s: not staged (prefix drift, store refusal or invalid ids: see above)", self.ids)
         return coords
@@ -277,7 +253,7 @@ class CapturedCall:
     def _body(self) -> tuple[bytes, ClientAsked]:
         active = self.active
         prefix = active.prefix_token_ids if active is not None and not active.capture_failed else []
-        body, asked = upstream_request(self.route, self.request, self.owner.policy.upstream_kind, prefix)
+        body, asked = upstream_request(self.route, self.request, self.owner.settings.upstream_kind, prefix)
         return orjson.dumps(body), asked
 
     async def _exact_upstream(
@@ -315,10 +291,41 @@ class CapturedCall:
                     active.weight_version = version
             choice.pop("weight_versions", None)
         body = orjson.dumps(payload)
-        return UpstreamAnswer(answer.status, _JSON, body, len(body) > self.owner.policy.max_response_bytes), asked
+        return UpstreamAnswer(answer.status, _JSON, body, len(body) > self.owner.settings.max_response_bytes), asked
 
     async def run(self, receive: Receive, send: Send) -> None:
-        """Serve the call: capture it, then reply (or refuse with 503 when fail-closed and not captured)."""
+        """Serve the call: capture it, then reply (or refuse with 503 when fail-closed and not captured). The one
+        boundary for the unexpected: the package's own errors are handled where they occur; anything else is a bug,
+        logged with its traceback, counted ``capture_error``, recorded failed, then handled by :meth:`_after_bug`."""
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self._serve(receive, tracked)
+        except Exception:  # the per-request boundary (see above): a bug, logged with its traceback
+            logger.exception("%s: the capture failed unexpectedly (a bug); the call is recorded failed", self.ids)
+            self.owner.metrics.count("capture_error")
+            if started:
+                raise
+            await self._after_bug(send)
+
+    async def _after_bug(self, send: Send) -> None:
+        """The policy after a bug: fail-closed answers 503; fail-open serves the reply stripped (500 if none yet)."""
+        if self.owner.settings.fail_closed:
+            await self.owner.refuse(send, "an unexpected capture error (see the proxy log)")
+        elif (answer := self.answer) is None:
+            await send_body(send, 500, error_body(500, "unexpected capture error (see the proxy log)", "CaptureError"))
+        else:
+            upstream, payload, asked = answer
+            if payload is not None:
+                strip_token_fields(self.route, payload, asked)
+            await self._reply(upstream, payload, send)
+
+    async def _serve(self, receive: Receive, send: Send) -> None:
         owner, metrics = self.owner, self.owner.metrics
         try:
             exact = await owner.prefix_mode.current() if self.route == "chat" else None
@@ -335,7 +342,7 @@ class CapturedCall:
                     return
                 await self._admit()  # a continuation's prompt starts with its parent's exact ids: admit first
                 upstream, asked = await self._exact_upstream(exact, rendering, receive)
-            elif owner.policy.upstream_kind == "nemo-rl":
+            elif owner.settings.upstream_kind == "nemo-rl":
                 await self._admit()
                 body, asked = self._body()
                 upstream = await self._upstream(body, receive)
@@ -345,6 +352,7 @@ class CapturedCall:
                     group.start_soon(self._admit)
                     upstream = await self._upstream(body, receive)
             payload = self._parsed(upstream)
+            self.answer = (upstream, payload, asked)
             staged_at = time.perf_counter()
             if self.active is not None:
                 coords = await self._complete(self.active, upstream, payload)
@@ -357,7 +365,7 @@ class CapturedCall:
         finally:
             if self.admission is not None and not self.settled:
                 await self._abandon()
-        uncaptured = self.admit_failure == "no admission" and not owner.policy.fail_closed
+        uncaptured = self.admit_failure == "no admission" and not owner.settings.fail_closed
         metrics.count("captured" if self.captured else "uncaptured" if uncaptured else "capture_failed")
         if await _client_gone(receive):
             logger.warning(
@@ -366,13 +374,17 @@ class CapturedCall:
                 "committed" if self.captured else "not captured",
             )
             return
-        if not self.captured and owner.policy.fail_closed:
+        if not self.captured and owner.settings.fail_closed:
             await owner.refuse(send, self.admit_failure or "see the proxy log")
             return
         await self._reply(upstream, payload, send)
 
     async def _reply(self, upstream: UpstreamAnswer, payload: dict[str, Any] | None, send: Send) -> None:
-        if payload is None:  # upstream error or non-JSON: passed through as received
+        if payload is None and upstream.status == 200:  # it may carry token fields: never served raw
+            body = error_body(502, "the engine's response could not be parsed; not served", "UpstreamUnparseable")
+            await send_body(send, 502, body)
+            return
+        if payload is None:  # an upstream error: passed through as received
             self.owner.metrics.observe(nbytes=len(upstream.body))
             await send({"type": "http.response.start", "status": upstream.status, "headers": upstream.headers})
             await send({"type": "http.response.body", "body": upstream.body, "more_body": False})

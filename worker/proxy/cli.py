@@ -14,9 +14,10 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from sink.cli.plugin import EXIT_USAGE, CommandContext, CommandError, configure_logging
+from sink.settings import UpstreamKind
 from worker.proxy.listen import check_listen
 from worker.proxy.multiproc import multiprocess_directory
 
@@ -91,7 +92,7 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
     proxy.add_argument("--upstream", required=True, metavar="URL", help="the inference server, e.g. http://vllm:8000")
     proxy.add_argument(
         "--upstream-kind",
-        choices=("vllm", "nemo-rl"),
+        choices=get_args(UpstreamKind),
         default="vllm",
         help="vllm: stock vLLM (>= 0.10.2) OpenAI server; nemo-rl: an engine honouring required_prefix_token_ids",
     )

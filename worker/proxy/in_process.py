@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import cast
+from typing import cast, get_args
 
 import anyio
 
 from sink.keys import DEFAULT_NAMESPACE
-from sink.settings import ProxySettings
+from sink.settings import ProxySettings, UpstreamKind
 from worker.asgi import ASGIApp, Message, Receive, Scope, Send
 from worker.proxy.app import ProxyApp
-from worker.proxy.routes import UpstreamKind
 
 __all__ = ("EnvCaptureMiddleware", "config_from_environment")
 
@@ -34,7 +33,7 @@ def config_from_environment(env: Mapping[str, str]) -> ProxySettings:
     if not url:
         raise ValueError("EnvCaptureMiddleware needs STAGING_SINK_REDIS_URL")
     kind = env.get("STAGING_SINK_UPSTREAM_KIND", "vllm")
-    if kind not in ("vllm", "nemo-rl"):
+    if kind not in get_args(UpstreamKind):
         raise ValueError(f"STAGING_SINK_UPSTREAM_KIND must be vllm or nemo-rl, got {kind!r}")
     return ProxySettings(
         upstream_url="http://in-process",

@@ -4,7 +4,8 @@
 ``prometheus_client`` is installed (the ``metrics`` extra) it also feeds collectors in its own
 ``CollectorRegistry``, served by the proxy at ``GET /staging-sink/metrics``:
 
-* ``staging_proxy_calls_total{outcome=captured|uncaptured|capture_failed}``
+* ``staging_proxy_calls_total{outcome=captured|uncaptured|capture_failed|capture_error}`` (``capture_error``: an
+  unexpected exception, a bug, logged with its traceback; the call is recorded failed)
 * ``staging_proxy_upstream_seconds`` and ``staging_proxy_stage_seconds`` (histograms)
 * ``staging_proxy_response_bytes_total``
 * the sink's stage series of this process (mirrored from :mod:`sink.store.pipeline_counters` while the app is
@@ -27,8 +28,8 @@ from worker.proxy.multiproc import mark_process_dead, multiprocess_exposition, m
 
 __all__ = ("OUTCOMES", "Outcome", "ProxyMetrics")
 
-Outcome = Literal["captured", "uncaptured", "capture_failed"]
-OUTCOMES: tuple[Outcome, ...] = ("captured", "uncaptured", "capture_failed")
+Outcome = Literal["captured", "uncaptured", "capture_failed", "capture_error"]
+OUTCOMES: tuple[Outcome, ...] = ("captured", "uncaptured", "capture_failed", "capture_error")
 _BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 

@@ -21,7 +21,9 @@ from typing import Any
 
 import orjson
 
+from sink.errors import StagingError
 from sink.ledger.gate import CaptureGate
+from sink.settings import ProxySettings
 from worker.asgi import (
     ASGIApp,
     BodyTooLargeError,
@@ -36,19 +38,29 @@ from worker.asgi import (
     send_json,
 )
 from worker.capture import RolloutTokenCapture
-from worker.proxy.captured_call import CapturedCall, CapturePolicy
+from worker.proxy.captured_call import CapturedCall
 from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
-from worker.proxy.routes import CAPTURE_ROUTES, ROLLOUT_HEADER, RouteKind, parse_target, request_items
+from worker.proxy.routes import (
+    CAPTURE_ROUTES,
+    ROLLOUT_HEADER,
+    RouteKind,
+    canonical_path,
+    disguised_capture_route,
+    parse_target,
+    request_items,
+)
 from worker.weight_version import PublishedWeightVersion
 
-__all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware", "CapturePolicy")
+__all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware")
 
 logger = logging.getLogger(__name__)
 
 METRICS_PATH = "/staging-sink/metrics"
-Announce = Callable[[str, float | None, Any, str | None], Awaitable[str]]
-"""``(rollout_id, reward, response, declared_response_id) -> event id``: :func:`sink.rollout.done_event.finished` bound."""
+Announce = Callable[[str, dict[str, Any]], Awaitable[str]]
+"""``(rollout_id, fields) -> event id``: :func:`sink.rollout.done_event.finished` bound, *fields* its keyword
+arguments (``reward``, and any of ``response``, ``declared_response_id``, ``group_id``, ``group_size``)."""
+_FINISHED_FIELDS = frozenset({"reward", "response", "declared_response_id", "group_id", "group_size"})
 
 
 class CaptureMiddleware:
@@ -60,14 +72,14 @@ class CaptureMiddleware:
         *,
         capture: RolloutTokenCapture,
         gate: CaptureGate,
-        policy: CapturePolicy | None = None,
+        settings: ProxySettings,
         announce: Announce | None = None,
         metrics: ProxyMetrics | None = None,
     ) -> None:
         self.app = app
         self.capture = capture
         self.gate = gate
-        self.policy = policy or CapturePolicy()
+        self.settings = settings
         self.announce = announce
         self.metrics = metrics or ProxyMetrics()
         self.prefix_mode = PrefixModeChoice(None)
@@ -83,10 +95,14 @@ class CaptureMiddleware:
         if scope["method"] == "GET" and scope["path"] == METRICS_PATH:
             await send_body(send, 200, self.metrics.exposition(), b"text/plain; version=0.0.4")
             return
+        path = canonical_path(scope["path"])  # route what the engine will see, whatever the spelling
         try:
-            target = parse_target(scope["path"], header(scope, ROLLOUT_HEADER))
+            target = parse_target(path, header(scope, ROLLOUT_HEADER))
         except ValueError as exc:
             await send_body(send, 400, error_body(400, str(exc), "InvalidRolloutId"))
+            return
+        if target.path not in CAPTURE_ROUTES and disguised_capture_route(target.path):
+            await send_body(send, 400, error_body(400, f"path {scope['path']!r} is ambiguously encoded", "InvalidPath"))
             return
         if target.finished and target.rollout_id is not None and scope["method"] == "POST":
             await self._finished(target.rollout_id, receive, send)
@@ -112,15 +128,16 @@ class CaptureMiddleware:
             return
         try:
             body = orjson.loads(await read_body(receive, 1 << 20))
-            if not isinstance(body, dict) or set(body) - {"reward", "response", "declared_response_id"}:
-                raise ValueError('body must be {"reward": number|null[, "response": ..., "declared_response_id": str]}')
-            event = await self.announce(
-                rollout_id, body.get("reward"), body.get("response"), body.get("declared_response_id")
-            )
+            if not isinstance(body, dict) or set(body) - _FINISHED_FIELDS:
+                raise ValueError(
+                    'body must be {"reward": number|null[, "response": ..., "declared_response_id": str, '
+                    '"group_id": str, "group_size": int]}'
+                )
+            event = await self.announce(rollout_id, {"reward": None, **body})
         except (ValueError, TypeError, BodyTooLargeError) as exc:
             await send_body(send, 422, error_body(422, str(exc), "InvalidFinished"))
             return
-        except Exception as exc:  # noqa: BLE001 -- the store failed: answer 503 so the harness retries
+        except StagingError as exc:  # the store failed: answer 503 so the harness retries
             logger.error("cannot announce that rollout %s finished: %r", rollout_id, exc)
             await send_body(send, 503, error_body(503, f"cannot announce finished: {exc!r}", "StoreUnavailable"))
             return
@@ -141,7 +158,7 @@ class CaptureMiddleware:
 
     async def _captured(self, route: RouteKind, rollout_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            body = await read_body(receive, self.policy.max_request_bytes)
+            body = await read_body(receive, self.settings.max_request_bytes)
         except BodyTooLargeError as exc:
             await send_body(send, 413, error_body(413, str(exc), "RequestTooLarge"))
             return
@@ -153,12 +170,17 @@ class CaptureMiddleware:
             items = request_items(route, request)
             if request.get("n", 1) != 1:
                 raise ValueError("capture needs n == 1")
-        except (TypeError, ValueError) as exc:  # the upstream answers the malformed request itself
-            logger.warning("rollout %s: request not captured (%s); forwarded as is", rollout_id, exc)
-            if self.policy.fail_closed and isinstance(request, dict):  # well-formed, but not capturable (n > 1)
+        except (TypeError, ValueError) as exc:  # fail-open: the upstream answers the malformed request itself
+            if self.settings.fail_closed:  # never forward what cannot be captured (the engine may parse it)
+                logger.warning("rollout %s: request not capturable (%s); refused (fail-closed)", rollout_id, exc)
                 self.metrics.count("capture_failed")
-                await self.refuse(send, str(exc))
+                if isinstance(request, dict):  # well-formed, but not capturable (n > 1)
+                    await self.refuse(send, str(exc))
+                else:
+                    message = f"the proxy cannot parse this body ({exc}); --fail-closed does not forward it"
+                    await send_body(send, 400, error_body(400, message, "InvalidRequest"))
                 return
+            logger.warning("rollout %s: request not captured (%s); forwarded as is", rollout_id, exc)
             await self._uncaptured(scope, body, receive, send)
             return
         await CapturedCall(self, route, scope, request, items, rollout_id).run(receive, send)

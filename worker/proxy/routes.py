@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import unquote
 
 from sink.keys import validate_rollout_id
+from sink.settings import UpstreamKind
 from worker.adapters import CaptureAdapter
 from worker.errors import EnginePayloadError
 from worker.openai_adapters import NemoGymResponsesAdapter, OpenAIChatAdapter, VLLMCompletionAdapter
@@ -24,8 +26,9 @@ __all__ = (
     "ClientAsked",
     "RouteKind",
     "Target",
-    "UpstreamKind",
     "adapter_for",
+    "canonical_path",
+    "disguised_capture_route",
     "parse_target",
     "request_items",
     "response_items",
@@ -34,7 +37,6 @@ __all__ = (
 )
 
 RouteKind = Literal["chat", "completions", "responses"]
-UpstreamKind = Literal["vllm", "nemo-rl"]
 CAPTURE_ROUTES: dict[str, RouteKind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -74,6 +76,33 @@ def parse_target(path: str, rollout_header: str | None) -> Target:
     rollout_id = validate_rollout_id(match.group(1))
     rest = match.group(2) or "/"
     return Target(rollout_id, rest, finished=rest == "/finished")
+
+
+def canonical_path(path: str) -> str:
+    """*path* (percent-decoded, as the ASGI server delivers it) without empty, ``.`` and ``..`` segments nor a
+    trailing slash: the path the forwarding client would send anyway (httpx removes dot segments and merges a
+    leading ``//``), so the proxy routes exactly what the engine will see."""
+    segments: list[str] = []
+    for segment in path.split("/"):
+        if segment == "..":
+            if segments:
+                segments.pop()
+        elif segment not in ("", "."):
+            segments.append(segment)
+    return "/" + "/".join(segments)
+
+
+def disguised_capture_route(path: str) -> bool:
+    """Whether *path* (canonical, not a capture route) becomes one once its remaining percent-escapes are decoded
+    (``%252E`` arrives as ``%2E``; a client or engine that decodes again would reach the captured route)."""
+    for _ in range(4):
+        decoded = canonical_path(unquote(path))
+        if decoded == path:
+            return False
+        if decoded in CAPTURE_ROUTES:
+            return True
+        path = decoded
+    return False
 
 
 def adapter_for(route: RouteKind) -> CaptureAdapter:
