@@ -4,6 +4,7 @@ say how this package is installed (from a clone, not from PyPI)."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import re
 import tomllib
@@ -26,7 +27,7 @@ PLACEHOLDERS = {
     "URL": "redis://127.0.0.1:6379",
     "NAME": "trainer",
 }
-BENCHES = ("codec", "stage", "worker", "assembly", "trainer", "proxy")
+BENCHES = ("codec", "stage", "worker", "assembly", "trainer", "gym", "proxy")
 
 
 def _command_texts() -> list[str]:
@@ -144,3 +145,27 @@ def test_the_function_library_name_is_the_one_readme_describes() -> None:
 
     assert "`staging_sink_<hash>`" in README
     assert re.fullmatch(r"staging_sink_[0-9a-f]{12}", LIBRARY.name), LIBRARY.name
+
+
+def _table_commands() -> set[str]:
+    """The command names README's command table lists: the first word after ``staging-sink`` of a row's first
+    cell, and of every further code span in it (`` `staging-sink inspect R` / `verify R` ``)."""
+    names: set[str] = set()
+    for row in re.findall(r"^\| (`staging-sink .*?) \|", README, flags=re.MULTILINE):
+        for span in re.findall(r"`([^`]*)`", row):
+            names.add(span.removeprefix("staging-sink ").split()[0])
+    return names
+
+
+def test_the_command_table_lists_every_command_and_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = set(commands.choices) - _table_commands()
+    assert not missing, f"README's command table lacks {sorted(missing)}"
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    listed = re.search(r"^\s+NAME\s+(\S+(?: \| \S+)*)$", capsys.readouterr().out, flags=re.MULTILINE)
+    assert listed, "bench --help names no benchmark"
+    installed = set(listed.group(1).split(" | "))
+    assert installed == set(BENCHES), installed
+    row = re.search(r"`staging-sink bench ([a-z\\|]+)`", README)
+    assert row and set(row.group(1).split("\\|")) == installed, row

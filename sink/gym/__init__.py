@@ -3,7 +3,7 @@
 ``RedisTokenSink`` (Gym's ``TokenSink``: ``put``, ``mark_incomplete``, ``begin_call``, ``close``) and
 ``RedisTokenSource`` (Gym's ``TokenSource``: ``freeze``, ``drop``, ``close``). Configure Gym with
 ``token_id_capture.sink: "sink.gym:RedisTokenSink"`` and ``sink_kwargs: {redis_url: ..., namespace: ...}``;
-build the source in the consuming process with the same keywords. See ``notes/gym-readme.md``.
+build the source in the consuming process with the same keywords. See ``docs/gym.md``.
 """
 
 from __future__ import annotations

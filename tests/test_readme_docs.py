@@ -1,0 +1,87 @@
+"""The docs pages README links to keep README's promise: their runnable examples run as installed and print what
+the page says, their configuration blocks build what they name, and README links every page of docs/."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sink.gym import RedisTokenSink, RedisTokenSource
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+# A runnable program is a ```python block; reference fragments (names defined elsewhere) are ```py blocks.
+RUNNABLE = [
+    pytest.param(page, block, id=f"{page.name}#{number}")
+    for page in PAGES
+    for number, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL))
+]
+
+
+def test_readme_links_every_docs_page() -> None:
+    assert PAGES
+    for page in PAGES:
+        assert f"(docs/{page.name}" in README, f"README does not link docs/{page.name}"
+
+
+@pytest.mark.parametrize(("page", "program"), RUNNABLE)
+def test_every_runnable_docs_example_runs(page: Path, program: str, tmp_path: Path) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(program)
+    result = subprocess.run(
+        [sys.executable, "-W", "error", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Each print(...) whose line ends with a "# <output>" comment must print exactly that.
+    expected = re.findall(r"^\s*print\(.*\)\s+#\s+(.+)$", program, flags=re.MULTILINE)
+    assert result.stdout.splitlines() == expected, (result.stdout, expected)
+
+
+def test_the_gym_config_builds_the_sink_and_source_it_names() -> None:
+    blocks = [
+        block
+        for text in (README, (ROOT / "docs" / "gym.md").read_text())
+        for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.DOTALL)
+        if "token_id_capture" in block
+    ]
+    assert len(blocks) == 2  # README's and the walk-through's
+    for block in blocks:
+        capture = yaml.safe_load(block)["token_id_capture"]
+        assert capture["sink"] == "sink.gym:RedisTokenSink"
+        sink = RedisTokenSink(**capture["sink_kwargs"])  # builds settings only; connects on first use
+        source = RedisTokenSource(**capture["sink_kwargs"])
+        assert sink.settings.namespace == source.settings.namespace == capture["sink_kwargs"]["namespace"]
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives *path*'s headings (lower case, punctuation dropped, spaces as hyphens)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*$", text, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings} | set(
+        re.findall(r"""<a\s+(?:id|name)=["']([^"']+)["']""", text)
+    )
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *PAGES], ids=lambda page: page.name)
+def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # an absolute URL
+        file, _, anchor = target.partition("#")
+        resolved = (page.parent / file).resolve() if file else page
+        if not resolved.exists() or (anchor and anchor not in _anchors(resolved)):
+            broken.append(target)
+    assert not broken, f"{page.name}: {broken}"
