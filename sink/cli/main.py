@@ -8,7 +8,7 @@ This is the only module of the project that reads environment variables:
 
 Exit codes: 0 success; 1 an operation failed (no such rollout, not verified, server refused, an unknown id
 without ``--force``, a problem found by ``stats --check``); 2 bad arguments (one line on stderr), a malformed
-URL or rollout id; 3 the server could not be reached; 130 interrupted.
+URL or rollout id; 3 the server could not be reached; 4 a service cannot listen on its address; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -313,7 +313,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     parser: argparse.ArgumentParser = CommandParser(
         prog="staging-sink",
         description="Durable token staging for RL training of LLM agents (NeMo Gym staging schema 2 on Redis).",
-        epilog="Start with `staging-sink demo`. Exit codes: 0 ok, 1 failed, 2 usage, 3 server unreachable.",
+        epilog=(
+            "Start with `staging-sink demo`. Exit codes: 0 ok, 1 failed, 2 usage, 3 server unreachable, "
+            "4 cannot listen, 130 interrupted."
+        ),
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"staging-sink {_version()}")
