@@ -10,6 +10,7 @@ import json
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from tests.helpers.proxy import SYSTEM, manifest, proxy_config
@@ -99,3 +100,22 @@ def test_each_spelling_has_one_outcome(redis_url: str, fail_closed: bool) -> Non
                 status, answer = _raw_post(url, path, {})
                 assert (status, answer["error"]["type"]) == (404, "NotFoundError"), (path, answer)
                 assert len(engine.paths) == 1 and engine.paths[0].startswith("/v1/files/"), (path, engine.paths)
+
+
+def test_a_fail_closed_refusal_is_one_precise_openai_error(redis_url: str) -> None:
+    engine = RecordingEngine()
+    with running_server(engine) as engine_url:
+        proxy = build_proxy(proxy_config(redis_url, engine_url, fail_closed=True))
+        with running_server(proxy) as url:
+            engine.paths.clear()
+            answer = httpx.post(f"{url}/r/refuse-1/v1/chat/completions", json={**BODY, "n": 2}, timeout=20)
+    assert answer.status_code == 503
+    assert answer.json() == {
+        "error": {
+            "message": "capture failed (capture needs n == 1); --fail-closed refuses",
+            "type": "CaptureFailed",
+            "param": None,
+            "code": 503,
+        }
+    }
+    assert engine.paths == []  # never forwarded
