@@ -119,3 +119,17 @@ def test_a_fail_closed_refusal_is_one_precise_openai_error(redis_url: str) -> No
         }
     }
     assert engine.paths == []  # never forwarded
+
+
+def test_an_invalid_rollout_id_is_one_precise_openai_error(redis_url: str) -> None:
+    engine = RecordingEngine()
+    with running_server(engine) as engine_url:
+        proxy = build_proxy(proxy_config(redis_url, engine_url, fail_closed=True))
+        with running_server(proxy) as url:
+            engine.paths.clear()
+            status, answer = _raw_post(url, "/r/bad%20id/v1/chat/completions", {})
+    assert status == 400
+    error = answer["error"]
+    assert (error["type"], error["code"], error["param"]) == ("InvalidRolloutId", 400, None)
+    assert "bad id" in error["message"]
+    assert engine.paths == []  # never forwarded
