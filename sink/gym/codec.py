@@ -26,6 +26,7 @@ from array import array
 from typing import Any, Final, NamedTuple
 
 import msgpack
+import numpy as np
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 
@@ -40,6 +41,8 @@ _HEAD: Final = struct.Struct(">2sI")
 _COLUMNS: Final = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _EXCLUDE: Final = frozenset(_COLUMNS)
 _LITTLE: Final = sys.byteorder == "little"
+_F4: Final = np.dtype("<f4")
+_F8: Final = np.dtype("<f8")
 _ROLLOUT_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _MAX_ID_CHARS: Final = 512
 
@@ -96,14 +99,15 @@ def _pack_log_probs(values: object) -> tuple[int, bytes]:
     if type(values) is not list:
         raise ValueError("generation_log_probs must be a list of floats")
     try:
-        wide = array("d", values)
+        wide = np.frombuffer(array("d", values), dtype=np.float64)
     except TypeError as exc:
         raise ValueError(f"generation_log_probs must be a list of floats: {exc}") from exc
-    narrow = array("f", wide)
-    packed, width = (narrow, 4) if narrow.tolist() == wide.tolist() else (wide, 8)
-    if not _LITTLE:
-        packed.byteswap()
-    return width, packed.tobytes()
+    with np.errstate(over="ignore"):  # a value beyond float32's range is stored as float64
+        narrow = wide.astype(_F4)
+    # NaN never compares equal, so a NaN is stored as float64 too: either way the stored value is the value put.
+    if np.array_equal(narrow, wide):
+        return 4, narrow.tobytes()
+    return 8, wide.astype(_F8).tobytes()
 
 
 def encode_entry(entry: object) -> EncodedEntry:

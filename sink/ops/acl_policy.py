@@ -221,7 +221,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "ops": RolePolicy(
         "operators, the stats/inspect/tail/report/prune --dry-run CLI and the metrics exporter: read-only, no writes, "
-        "no scripts",
+        "no scripts; of the NeMo Gym transport's keys only what stats/inspect show (HGETALL gym and gym:digests, "
+        "HLEN gym:entries, SMEMBERS gym:intents: never an entry's tokens)",
         (
             Grant(
                 (
@@ -250,6 +251,9 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 ),
                 (_ro("<ns>:*"),),
             ),
+            Grant(("hgetall",), (_ro(_GYM), _ro(_GYM_DIGESTS))),
+            Grant(("hlen",), (_ro(_GYM_ENTRIES),)),
+            Grant(("smembers",), (_ro(_GYM_INTENTS),)),
         ),
     ),
     "gym_sink": RolePolicy(
