@@ -5,16 +5,15 @@ neither can do the other's job (nor any other role's); the read-only ops role se
 from __future__ import annotations
 
 import json
-from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
 from sink.cli.common import EXIT_OK
 from sink.cli.main import main
-
 from sink.errors import CaptureWriteError
 from sink.gym import RedisTokenSink, RedisTokenSource
 from tests.helpers.acl import AclServer, start_acl_server

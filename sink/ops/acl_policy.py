@@ -271,7 +271,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "gym_source": RolePolicy(
         "NeMo Gym consumer (sink.gym.RedisTokenSource): freeze (gym script: TYPE, TIME, HGET, HSET, HSETNX, HINCRBY "
-        "gym; HVALS gym:entries; HEXISTS gym:digests; SMEMBERS gym:intents; EXISTS fence) and drop (GET, SET fence "
+        "gym; HEXISTS gym:digests; SMEMBERS gym:intents; EXISTS fence; then, in the same round trip, HVALS "
+        "gym:entries, HGET gym, EXISTS fence) and drop (GET, SET fence "
         "as the tombstone; DEL of the gym keys, one key per DEL), verify durability, confirm writes",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof", "time")),
