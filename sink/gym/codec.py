@@ -39,10 +39,10 @@ _MAGIC: Final = b"GE"
 _HEAD: Final = struct.Struct(">2sI")
 _COLUMNS: Final = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _EXCLUDE: Final = frozenset(_COLUMNS)
-_F4: Final = np.dtype("<f4")
-_F8: Final = np.dtype("<f8")
-_ID_DTYPES: Final = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
-_LOG_PROB_DTYPES: Final = {4: _F4, 8: _F8}
+_F4: Final[np.dtype[Any]] = np.dtype("<f4")
+_F8: Final[np.dtype[Any]] = np.dtype("<f8")
+_ID_DTYPES: Final[dict[int, np.dtype[Any]]] = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_LOG_PROB_DTYPES: Final[dict[int, np.dtype[Any]]] = {4: _F4, 8: _F8}
 _ROLLOUT_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _MAX_ID_CHARS: Final = 512
 
