@@ -13,8 +13,9 @@ import base64
 import io
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -29,8 +30,10 @@ from sink.store.source import RedisStagingSource
 from sink.trainer.pulled import PulledRollout
 from tests.helpers.engine_truth import Generated, assert_row_is_exact, generations
 from tests.helpers.logging_hop import running_hop
+from tests.helpers.processes import free_port, service
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, finish, manifest, proxy_config, pull
 from tests.helpers.scenario_agent import run_scenario
+from tests.helpers.vllm_server import VllmServer
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
 from worker.simulated.chat_extras import routed_experts_array
@@ -47,15 +50,45 @@ def _clients() -> Iterator[None]:
     close_clients()
 
 
+ENGINES = ["simulated", pytest.param("vllm", marks=pytest.mark.vllm)]
+
+
+@dataclass(frozen=True)
+class _Engine:
+    url: str
+    model: str
+    eot: int
+    hidden: dict[str, float]
+    """A bias that keeps the tiny real model off the specials its text would hide."""
+
+
+def _engine(kind: str, request: pytest.FixtureRequest, stack: ExitStack) -> _Engine:
+    if kind == "simulated":
+        app = EngineApp(EngineOptions(seed=5, max_model_len=1024))
+        return _Engine(stack.enter_context(running_server(app)), "simulated", IM_END, {})
+    server: VllmServer = request.getfixturevalue("vllm_chatml")
+    hidden = {str(server.id_of(token)): -100.0 for token in ("<|endoftext|>", "<|im_start|>", "<think>")}
+    return _Engine(server.url, server.model, server.id_of("<|im_end|>"), hidden)
+
+
 def _verify_rollout(
-    redis_url: str, rollout_id: str, options: Any, *, retry_400_on: int | None = None, **engine: Any
+    redis_url: str,
+    rollout_id: str,
+    options: Callable[[_Engine, int], dict[str, Any]],
+    kind: str,
+    request: pytest.FixtureRequest,
+    *,
+    retry_400_on: int | None = None,
 ) -> tuple[PulledRollout, list[Generated], list[str]]:
-    """Three turns in verify mode; returns the pulled rollout, the engine's generations and the hop's paths."""
-    app = EngineApp(EngineOptions(seed=5, max_model_len=1024, **engine))
+    """Three turns in verify mode on engine *kind*; returns the pulled rollout, the engine's generations (as the
+    logging hop saw them) and the hop's paths."""
     with ExitStack() as stack:
-        hop, hop_url = stack.enter_context(running_hop(stack.enter_context(running_server(app))))
+        engine = _engine(kind, request, stack)
+        hop, hop_url = stack.enter_context(running_hop(engine.url))
         proxy = stack.enter_context(running_server(build_proxy(proxy_config(redis_url, hop_url, prefix_mode="verify"))))
-        _, turns = run_scenario([proxy], rollout_id, "simulated", 3, options, retry_400_on=retry_400_on)
+        _, turns = run_scenario(
+            [proxy], rollout_id, engine.model, 3, lambda turn: options(engine, turn), retry_400_on=retry_400_on
+        )
         finish(proxy, rollout_id, 1.0, turns[-1].response_id)
         paths = [exchange.path for exchange in hop.exchanges]
         engine_answers = generations(hop)
@@ -66,33 +99,40 @@ def _verify_rollout(
 # --- 1. nested ambiguity: an empty reply makes two calls match; the deepest is the parent ---------------------
 
 
-def test_a_forced_empty_reply_mid_rollout_trains_in_verify_mode(redis_url: str) -> None:
-    def options(turn: int) -> dict[str, Any]:
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_forced_empty_reply_mid_rollout_trains_in_verify_mode(
+    kind: str, scenario_redis_url: str, request: pytest.FixtureRequest
+) -> None:
+    def options(engine: _Engine, turn: int) -> dict[str, Any]:
         eot = 100.0 if turn == 1 else -100.0  # turn 1's reply is empty: its first sampled id is the end-of-turn
-        return {"max_tokens": 8, "seed": turn, "logit_bias": {str(IM_END): eot}}
+        return {"max_tokens": 8, "seed": turn, "logit_bias": {**engine.hidden, str(engine.eot): eot}}
 
-    pulled, engine_answers, paths = _verify_rollout(redis_url, "empty-verify", options)
-    assert engine_answers[1].ids == [IM_END]  # the empty reply happened
+    pulled, engine_answers, paths = _verify_rollout(scenario_redis_url, f"empty-verify-{kind}", options, kind, request)
+    assert len(engine_answers[1].ids) == 1  # the empty reply happened: only the end-of-turn id
     assert pulled.row is not None, f"{pulled.skip_code}: {pulled.skip_reason}"
     assert len(pulled.row.model_call_ids) == 3
     assert_row_is_exact(pulled.row, engine_answers)
-    assert paths.count("/v1/chat/completions") == 3
+    assert paths.count("/v1/chat/completions") == 3 and "/inference/v1/generate" not in paths
 
 
 # --- 2. an engine 400 (nothing generated) is a failed attempt, never a poison row ------------------------------
 
 
-def test_a_400_then_a_retry_trains_in_verify_mode(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    def options(turn: int) -> dict[str, Any]:
-        return {"max_tokens": 12, "seed": turn}
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_400_then_a_retry_trains_in_verify_mode(
+    kind: str, scenario_redis_url: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    def options(engine: _Engine, turn: int) -> dict[str, Any]:
+        return {"max_tokens": 12, "seed": turn, "logit_bias": engine.hidden}
 
-    pulled, engine_answers, paths = _verify_rollout(redis_url, "retry-verify", options, retry_400_on=1)
+    rollout_id = f"retry-verify-{kind}"
+    pulled, engine_answers, paths = _verify_rollout(scenario_redis_url, rollout_id, options, kind, request, retry_400_on=1)
     assert pulled.row is not None, f"{pulled.skip_code}: {pulled.skip_reason}"
     assert len(pulled.row.model_call_ids) == 3
     assert_row_is_exact(pulled.row, engine_answers)
     assert paths.count("/v1/chat/completions") == 4  # the refused attempt reached the engine
     assert "upstream answered 400 (nothing generated): a failed attempt, the rollout is not poisoned" in caplog.text
-    assert "max_tokens=100000 cannot be greater than max_model_len=1024" in caplog.text
+    assert "max_tokens" in caplog.text and "engine said: " in caplog.text
 
 
 def test_a_refused_root_and_a_complete_chain_train(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -346,3 +386,19 @@ def test_fail_open_records_a_body_it_cannot_parse(redis_url: str, caplog: pytest
     ]
     assert proxy.metrics.counts["capture_failed"] == 1
     assert "request not captured (" in caplog.text and "recorded as a capture failure" in caplog.text
+
+
+def test_the_engine_command_emits_choice_level_routed_experts_and_reasoning() -> None:
+    """``staging-sink engine --routed-experts choice --reasoning-field reasoning`` answers as vLLM 0.32 does."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = ("engine", "--port", str(port), "--routed-experts", "choice", "--reasoning-field", "reasoning")
+    with service(*argv, health=f"{url}/health"):
+        body = {"model": "simulated", "messages": MESSAGES, "max_tokens": 6, "return_token_ids": True}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=20).json()
+    choice = answer["choices"][0]
+    sequence = answer["prompt_token_ids"] + choice["token_ids"]
+    experts = _decoded_npy(choice["routed_experts"])
+    assert experts.shape == (len(sequence) - 1, 2, 2)
+    assert np.array_equal(experts, routed_experts_array(sequence[:-1]))
+    assert choice["message"]["reasoning"] and "routed_experts" not in choice["message"]
