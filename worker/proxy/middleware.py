@@ -162,7 +162,7 @@ class CaptureMiddleware:
         self.metrics.count("capture_failed")
         try:
             await self.gate.fail_unadmitted(
-                rollout_id, f"request not captured ({exc}); forwarded, recorded as a capture failure"
+                rollout_id, f"request not captured ({exc}); forwarded uncaptured"
             )
         except StagingError as error:  # the ledger is unreachable: still served (fail-open)
             logger.error("rollout %s: cannot record the unparsed request: %r", rollout_id, error)
