@@ -23,6 +23,7 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from worker.asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
 from worker.capture import RolloutTokenCapture
+from worker.proxy.exact_completions import ExactCompletions
 from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.forward import ForwardingApp
 from worker.proxy.metrics import ProxyMetrics
@@ -90,6 +91,7 @@ class ProxyApp:
             announce=announce,
             metrics=self.metrics,
         )
+        self.middleware.exact_completions = ExactCompletions(client, config.namespace, ttl_s=config.exact_text_ttl_s)
         if config.weight_source == "published":
             self.middleware.published = PublishedWeightVersion(
                 client, config.namespace, max_staleness_s=config.weight_staleness_s

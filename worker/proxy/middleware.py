@@ -39,6 +39,7 @@ from worker.asgi import (
 )
 from worker.capture import RolloutTokenCapture
 from worker.proxy.captured_call import CapturedCall
+from worker.proxy.exact_completions import ExactCompletions
 from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
@@ -86,6 +87,8 @@ class CaptureMiddleware:
         self.metrics = metrics or ProxyMetrics()
         self.prefix_mode = PrefixModeChoice(None)
         """Verify mode, unless the proxy sets the outcome of its start-up probe (exact-prefix chat calls)."""
+        self.exact_completions: ExactCompletions | None = None
+        """The exact-text index of ``/v1/completions`` calls, set by the proxy (exact-prefix completions)."""
         self.published: PublishedWeightVersion | None = None
         """The trainer's published weight version, when calls are stamped with it (``weight_source="published"``)."""
 
