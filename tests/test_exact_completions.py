@@ -5,6 +5,7 @@ logging hop -> the simulated engine (fast tier) or the real vLLM 0.32 (``vllm`` 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -147,7 +148,7 @@ def test_multi_turn_completions_with_stop_strings_train_exactly(
     # ... and every continuation went to the engine as token ids starting with its parent's exact sequence.
     prompts = [x.request_json()["prompt"] for x in exchanges]
     assert isinstance(prompts[0], str) and all(isinstance(p, list) for p in prompts[1:])
-    for parent, child in zip(engine_answers, engine_answers[1:], strict=False):
+    for parent, child in itertools.pairwise(engine_answers):
         assert child.prompt[: len(parent.sequence)] == parent.sequence
 
 
