@@ -79,6 +79,7 @@ _REC = "<ns>:{*}:rec:*"
 _CALLS = "<ns>:{*}:calls"
 _LEDGER = "<ns>:{*}:ledger"
 _LEDGER_IDS = "<ns>:{*}:ledger:ids"
+_LEDGER_TEXT = "<ns>:{*}:ledger:text"
 _FENCE = "<ns>:{*}:fence"
 _GYM = "<ns>:{*}:gym"
 _GYM_ENTRIES = "<ns>:{*}:gym:entries"
@@ -157,6 +158,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             Grant(_SCRIPTS, (_rw(_LEDGER), _rw(_LEDGER_IDS), _rw(_FENCE))),
             Grant(("exists", "xadd", "xrange", "del"), (_rw(_LEDGER),)),
             Grant(("exists", "hget", "hset", "del"), (_rw(_LEDGER_IDS),)),
+            Grant(("hgetall", "hset", "expire"), (_rw(_LEDGER_TEXT),)),  # exact-prefix completions' texts
             Grant(("exists", "set", "del"), (_rw(_FENCE),)),
             Grant(("xadd",), (_wo(_DONE),)),
             # `staging-sink retire` checks that an id names something before it fences it

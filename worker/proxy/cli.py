@@ -124,7 +124,7 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
         "--prefix-mode",
         choices=("auto", "exact", "verify"),
         default="auto",
-        help="auto (default): exact-prefix chat calls where the engine serves vLLM 0.32's render/generate/derender "
+        help="auto (default): exact-prefix chat and completions calls where the engine serves vLLM 0.32's render/generate/derender "
         "routes (vllm --enable-scale-out), verify mode elsewhere; exact: refuse to start without them; verify: never",
     )
     proxy.add_argument(

@@ -39,13 +39,16 @@ from worker.asgi import (
 )
 from worker.capture import RolloutTokenCapture
 from worker.proxy.captured_call import CapturedCall
+from worker.proxy.exact_completions import ExactCompletions
 from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     CAPTURE_ROUTES,
+    PASSTHROUGH_POSTS,
     ROLLOUT_HEADER,
     ClientAsked,
     RouteKind,
+    Target,
     canonical_path,
     disguised_capture_route,
     parse_target,
@@ -87,6 +90,8 @@ class CaptureMiddleware:
         self.metrics = metrics or ProxyMetrics()
         self.prefix_mode = PrefixModeChoice(None)
         """Verify mode, unless the proxy sets the outcome of its start-up probe (exact-prefix chat calls)."""
+        self.exact_completions: ExactCompletions | None = None
+        """The exact-text index of ``/v1/completions`` calls, set by the proxy (exact-prefix completions)."""
         self.published: PublishedWeightVersion | None = None
         """The trainer's published weight version, when calls are stamped with it (``weight_source="published"``)."""
 
@@ -115,6 +120,9 @@ class CaptureMiddleware:
         )
         route = CAPTURE_ROUTES.get(target.path) if scope["method"] == "POST" else None
         if route is None:
+            tagged = target.rollout_id is not None and scope["method"] == "POST"
+            if tagged and target.path not in PASSTHROUGH_POSTS and await self._uncaptured_route(target, send):
+                return
             await self.app(inner, receive, send)
             return
         if target.rollout_id is None:
@@ -146,6 +154,20 @@ class CaptureMiddleware:
             return
         logger.info("rollout %s finished (event %s)", rollout_id, event)
         await send_json(send, 200, {"rollout_id": rollout_id, "event_id": event})
+
+    async def _uncaptured_route(self, target: Target, send: Send) -> bool:
+        """A rollout's POST to a route capture does not cover (``/inference/v1/generate``, a render route, audio...):
+        refused under ``fail_closed`` (returns ``True``: it may generate, and nothing of it would be staged), else
+        counted uncaptured and forwarded."""
+        rollout_id, path = target.rollout_id, target.path
+        self.metrics.count("capture_failed" if self.settings.fail_closed else "uncaptured")
+        if not self.settings.fail_closed:
+            logger.warning("rollout %s: POST %s is not a captured route; forwarded uncaptured", rollout_id, path)
+            return False
+        logger.warning("rollout %s: POST %s is not a captured route; refused (fail-closed)", rollout_id, path)
+        message = f"POST {path} is not captured by the proxy; --fail-closed refuses it for a rollout"
+        await send_body(send, 503, error_body(503, message, "UncapturedRoute"))
+        return True
 
     # --- captured calls -------------------------------------------------------
 

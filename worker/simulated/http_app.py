@@ -219,12 +219,24 @@ class EngineApp:
         return payload
 
     def completion(self, request: dict[str, Any], prompt: list[int], generation: Generation) -> dict[str, Any]:
-        """A vLLM text-completion payload (token fields on the choice)."""
+        """A vLLM text-completion payload (token fields on the choice). ``stop`` strings as vLLM: the ids end with the
+        one that completed the string (kept), the text ends before the string (unless ``include_stop_str_in_output``)."""
+        text, stop_reason = self.engine.tokenizer.decode(generation.token_ids), None
+        stops = request.get("stop") or ()
+        for end in range(1, len(generation.token_ids) + 1) if stops else ():
+            text = self.engine.tokenizer.decode(generation.token_ids[:end])
+            stop_reason = next((stop for stop in ([stops] if isinstance(stops, str) else stops) if stop in text), None)
+            if stop_reason is not None:
+                generation = Generation(generation.token_ids[:end], generation.logprobs[:end], "stop")
+                if request.get("include_stop_str_in_output") is not True:
+                    text = text[: text.index(stop_reason)]
+                break
         choice: dict[str, Any] = {
             "index": 0,
-            "text": self.engine.tokenizer.decode(generation.token_ids),
+            "text": text,
             "logprobs": None,
             "finish_reason": "stop",
+            "stop_reason": stop_reason,
         }
         if request.get("logprobs") is not None:
             choice["logprobs"] = {
