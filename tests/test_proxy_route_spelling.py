@@ -94,10 +94,15 @@ def test_each_spelling_has_one_outcome(redis_url: str, fail_closed: bool) -> Non
                 status, answer = _raw_post(url, spelling.format(id=rollout_id), headers)
                 assert (status, answer["error"]["type"]) == (400, "InvalidPath"), (spelling, answer)
                 assert engine.paths == [], spelling
-            # Escapes on a route that is not captured pass through, normalized, however deep.
+            # Escapes on a route that is not captured pass through, normalized, however deep; a rollout-tagged
+            # one is refused under fail-closed (an uncaptured route never serves a rollout) and never forwarded.
             for path in ("/r/spelt-x/v1/files/a%25b", "/r/spelt-x/v1/files/%2525252525252561", "/v1/./files//x/"):
                 engine.paths.clear()
                 status, answer = _raw_post(url, path, {})
+                if fail_closed and path.startswith("/r/"):
+                    assert (status, answer["error"]["type"]) == (503, "UncapturedRoute"), (path, answer)
+                    assert engine.paths == [], path
+                    continue
                 assert (status, answer["error"]["type"]) == (404, "NotFoundError"), (path, answer)
                 assert len(engine.paths) == 1 and engine.paths[0].startswith("/v1/files/"), (path, engine.paths)
 
