@@ -42,8 +42,8 @@ import anyio
 
 from sink.keys import dead_letter_stream, group_keys
 from sink.rollout.done_event import GroupTag
+from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import map_redis_errors
-from sink.store.durability import execute_durably
 from sink.store.scripts import (
     GROUP_CHECK_SCRIPT,
     GROUP_CLOSE_SCRIPT,
@@ -184,9 +184,18 @@ class GroupReader:
         """Close groups that went out: members record deleted, the meta kept as a tombstone (see the module)."""
         settings = self._settings
         ttl_ms = int(max(settings.retention_s, settings.group_timeout_s * 4, settings.claim_idle_ms / 1000 * 4) * 1000)
-        with map_redis_errors("close group records"):
-            for group_id in group_ids:
-                await GROUP_CLOSE_SCRIPT.run(self._reader.client, group_keys(self._ns, group_id), [ttl_ms])
+        calls = [BatchCall(group_keys(self._ns, group_id), [ttl_ms], GROUP_CLOSE_SCRIPT) for group_id in group_ids]
+        await self._write(calls, f"close {len(calls)} group records")
+
+    async def _write(self, calls: list[BatchCall], action: str) -> list[Any]:
+        """Acknowledged writes: one pipeline per node, each confirmed durable in it, as every acknowledgement
+        (:func:`~sink.store.batch.run_batch`; :class:`~sink.errors.NotDurableError` otherwise)."""
+        durability, timeout_s = self._settings.durability, self._settings.command_timeout_s / 2
+        with map_redis_errors(action):
+            replies = await run_batch(
+                self._reader.topology, calls, durability=durability, timeout_s=timeout_s, action=action
+            )
+            return raise_first_error(replies)
 
     def _record(self, item: PulledRollout) -> str:
         consumer = self._reader.consumer_name
@@ -302,12 +311,15 @@ class GroupReader:
                 members[rollout_id] = mine
             else:
                 tokens[rollout_id] = first
+        skipped: list[str] = []
         for item in await self._reader.take_over(list(tokens.values())) if tokens else []:
             if item.trainable:
                 members[item.rollout_id] = item
             else:
                 failed.append(item.skipped())
-                await self._reader.ack([item.rollout_id])
+                skipped.append(item.rollout_id)
+        if skipped:
+            await self._reader.ack(skipped)  # one ack for every member taken over that cannot be trained
         for rollout_id in tokens:
             if rollout_id not in members and all(f.rollout_id != rollout_id for f in failed):
                 failed.append(SkippedRollout(rollout_id, MEMBER_UNAVAILABLE, "its receipt entry was gone"))
@@ -371,18 +383,8 @@ class GroupReader:
             "dead_reason": reason,
             "dead_consumer": self._reader.consumer_name,
         }
-        settings, action = self._settings, f"dead-letter group {tag.group_id!r}"
-        with map_redis_errors(action):
-            (reply,) = await execute_durably(
-                self._reader.client,
-                lambda pipe: pipe.xadd(stream, record),  # type: ignore[arg-type]
-                durability=settings.durability,
-                timeout_s=settings.command_timeout_s / 2,
-                action=action,
-                route_key=stream,
-            )
-            if isinstance(reply, BaseException):
-                raise reply
+        flat = [part for pair in record.items() for part in pair]
+        await self._write([BatchCall([stream], ["XADD", stream, "*", *flat])], f"dead-letter group {tag.group_id!r}")
         logger.warning("%s: group %r members %s recorded on %s: %s", code, tag.group_id, list(members), stream, reason)
 
     async def _dead_letter(self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout]) -> None:
