@@ -136,6 +136,7 @@ class GroupReader:
         # This pull's rollouts: a group completed by one of them may include others not gathered yet.
         self._fresh: dict[str, PulledRollout] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed", "late", "mismatch"), 0)
+        self._unclosed: set[str | None] = set()  # acknowledged groups whose close was not confirmed yet
         reader.claims.defer_grouped = True  # a parked member read again was never trained: counted at delivery
 
     @property
@@ -144,16 +145,8 @@ class GroupReader:
 
     def statistics(self) -> GroupStatistics:
         c = self._counts
-        return GroupStatistics(
-            c["delivered"],
-            c["partial"],
-            c["dropped"],
-            c["dead"],
-            c["handed"],
-            len(self._watched),
-            c["late"],
-            c["mismatch"],
-        )
+        counts = (c["delivered"], c["partial"], c["dropped"], c["dead"], c["handed"])
+        return GroupStatistics(*counts, len(self._watched), c["late"], c["mismatch"])
 
     async def pull_groups(self, max_rollouts: int, *, block_ms: int = 0) -> list[RolloutGroup]:
         """Pull up to *max_rollouts* rollouts and return the groups that are now whole (or timed out) and owned
@@ -175,10 +168,15 @@ class GroupReader:
         return delivered
 
     async def ack_groups(self, groups: Iterable[RolloutGroup]) -> None:
-        """Acknowledge delivered groups (their trainable members) and delete their server-side records."""
+        """Acknowledge delivered groups (their trainable members), then close their server-side records, each
+        durable or refused (:class:`~sink.errors.NotDurableError`: calling again with the same groups is safe,
+        the members of a group whose close was refused are not acknowledged twice)."""
         groups = list(groups)
-        await self._reader.ack([rollout_id for group in groups for rollout_id in group.rollout_ids])
-        await self._delete([g.group_id for g in groups if g.group_id is not None])
+        unclosed, ids = self._unclosed, [g.group_id for g in groups if g.group_id is not None]
+        await self._reader.ack([i for g in groups if g.group_id not in unclosed for i in g.rollout_ids])
+        unclosed.update(ids)
+        await self._delete(ids)
+        unclosed.difference_update(ids)
 
     async def _delete(self, group_ids: Sequence[str]) -> None:
         """Close groups that went out: members record deleted, the meta kept as a tombstone (see the module)."""
