@@ -11,12 +11,14 @@ Benchmarks never destroy data. Without ``--redis-url`` each starts a private dur
 benchmark sends ``FLUSHALL``/``FLUSHDB``.
 
 Shared here as well: :func:`progress` (one line to stderr while a benchmark runs), :class:`Target` and
-:func:`format_targets` (a PASS/MISS line per target), :func:`add_common_arguments`.
+:func:`format_targets` (a PASS/MISS line per target), :func:`add_common_arguments`, and :func:`report_on_server`
+(the end of every benchmark's ``main``: the server, an ``error:`` line, the report).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -25,7 +27,7 @@ from typing import Literal, TypeVar
 
 import redis.asyncio as aioredis
 
-from sink.errors import BenchmarkNamespaceInUseError
+from sink.errors import BenchmarkNamespaceInUseError, StagingError
 from sink.server import DurableServer, durable_server
 
 __all__ = (
@@ -39,6 +41,7 @@ __all__ = (
     "format_targets",
     "on_server",
     "progress",
+    "report_on_server",
 )
 
 T = TypeVar("T")
@@ -51,6 +54,7 @@ class BenchHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
+
 
 DEFAULT_BENCH_NAMESPACE = "stg-bench"
 """The namespace a benchmark writes in unless told otherwise (never the services' default ``stg``)."""
@@ -66,6 +70,29 @@ def on_server(redis_url: str | None, run: Callable[[str, DurableServer | None], 
         return run(redis_url, None)
     with durable_server() as server:
         return run(server.url, server)
+
+
+def report_on_server(
+    redis_url: str | None,
+    run: Callable[[str, DurableServer | None], T],
+    render: Callable[[T], str],
+    *,
+    as_json: bool = False,
+    to_json: Callable[[T], object] = lambda figures: figures,
+) -> int:
+    """A benchmark's ``main`` after its arguments: :func:`on_server`, then the report on stdout (``render``, or
+    with *as_json* ``to_json`` of the figures as indented JSON); a :class:`~sink.errors.StagingError` is one
+    ``error:`` line on stderr.
+
+    :returns: the exit code (0, or 1 after an error).
+    """
+    try:
+        figures = on_server(redis_url, run)
+    except StagingError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    sys.stdout.write((json.dumps(to_json(figures), indent=2) if as_json else render(figures)) + "\n")
+    return 0
 
 
 def progress(message: str) -> None:

@@ -52,7 +52,7 @@ from sink.trainer.packing import pack
 from sink.trainer.reader import TRAINER_GROUP, RolloutReader
 from sink.trainer.verify import LinearizedRow, verify_decoded_and_linearize
 
-__all__ = ("TrainerFigures", "format_report", "main", "run_trainer_benchmark")
+__all__ = ("TrainerFigures", "format_report", "main", "run_trainer_benchmark", "stage_and_assemble")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +85,8 @@ def _digest_payload_bytes(record: StagedCallRecord) -> int:
     return 3 + texts + 9 + len(record.parent_call_id or "") + 32 + columns + 32 + 33 + 33
 
 
-async def _stage_and_assemble(url: str, ns: str, records: list[StagedCallRecord], calls: int) -> None:
+async def stage_and_assemble(url: str, ns: str, records: list[StagedCallRecord], calls: int) -> None:
+    """Stage *records* (rollouts of *calls* calls each), record their ledgers, finish them and assemble receipts."""
     limiter = anyio.CapacityLimiter(64)
     async with (
         AsyncRedisStagingSink.from_url(url, namespace=ns) as sink,
@@ -269,7 +270,7 @@ async def run_trainer_benchmark(
     async with bench_namespace(url, namespace):
         records = build_records(rollouts, calls, tokens, tag="trainer")
         by_key = {record.staging_key: record for record in records}
-        await _stage_and_assemble(url, namespace, records, calls)
+        await stage_and_assemble(url, namespace, records, calls)
         total_tokens = rollouts * calls * tokens
 
         receipts = await _published_receipts(url, namespace, rollouts)
