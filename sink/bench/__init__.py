@@ -12,7 +12,8 @@ benchmark sends ``FLUSHALL``/``FLUSHDB``.
 
 Shared here as well: :func:`progress` (one line to stderr while a benchmark runs), :class:`Target` and
 :func:`format_targets` (a PASS/MISS line per target), :func:`add_common_arguments`, and :func:`report_on_server`
-(the end of every benchmark's ``main``: the server, an ``error:`` line, the report).
+(the end of every benchmark's ``main``: the server, an ``error:`` line, the report), :func:`drive` (items
+through an operation by concurrent tasks, each call timed) and :func:`percentile_ms`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
+import anyio
 import redis.asyncio as aioredis
 
 from sink.errors import BenchmarkNamespaceInUseError, StagingError
@@ -38,8 +41,10 @@ __all__ = (
     "Target",
     "add_common_arguments",
     "bench_namespace",
+    "drive",
     "format_targets",
     "on_server",
+    "percentile_ms",
     "progress",
     "report_on_server",
 )
@@ -93,6 +98,38 @@ def report_on_server(
         return 1
     sys.stdout.write((json.dumps(to_json(figures), indent=2) if as_json else render(figures)) + "\n")
     return 0
+
+
+def percentile_ms(values: Sequence[float], q: float) -> float:
+    """The *q* quantile (0..1, nearest rank) of *values* in seconds, in milliseconds."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+
+async def drive(
+    items: Sequence[Any], concurrency: int, op: Callable[[Any], Awaitable[None]]
+) -> tuple[float, list[float]]:
+    """``op(item)`` for every item of *items*, by *concurrency* tasks taking the next item in turn.
+
+    :returns: the elapsed seconds and each call's seconds.
+    """
+    latencies: list[float] = []
+    position = 0
+
+    async def task() -> None:
+        nonlocal position
+        while position < len(items):
+            item = items[position]
+            position += 1
+            start = time.perf_counter()
+            await op(item)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for _ in range(concurrency):
+            group.start_soon(task)
+    return time.perf_counter() - start, latencies
 
 
 def progress(message: str) -> None:

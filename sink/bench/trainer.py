@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -36,10 +34,9 @@ from dataclasses import asdict, dataclass
 import anyio
 import redis.asyncio as aioredis
 
-from sink.bench import DEFAULT_BENCH_NAMESPACE, BenchHelpFormatter, bench_namespace, on_server
+from sink.bench import DEFAULT_BENCH_NAMESPACE, BenchHelpFormatter, bench_namespace, report_on_server
 from sink.bench.workload import build_records
 from sink.contract.records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
-from sink.errors import StagingError
 from sink.keys import claim_key, receipts_stream, record_key
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import Assembler, finished
@@ -379,13 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
 
-    try:
-        figures = on_server(args.redis_url, lambda url, _server: run(url))
-    except StagingError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-    sys.stdout.write((json.dumps(asdict(figures), indent=2) if args.json else format_report(figures)) + "\n")
-    return 0
+    return report_on_server(
+        args.redis_url, lambda url, _server: run(url), format_report, as_json=args.json, to_json=asdict
+    )
 
 
 if __name__ == "__main__":
