@@ -221,7 +221,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "ops": RolePolicy(
         "operators, the stats/inspect/tail/report/prune --dry-run CLI and the metrics exporter: read-only, no writes, "
-        "no scripts",
+        "no scripts; of the NeMo Gym transport's keys only what stats/inspect show (HGETALL gym and gym:digests, "
+        "HLEN gym:entries, SMEMBERS gym:intents: never an entry's tokens)",
         (
             Grant(
                 (
@@ -250,6 +251,9 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 ),
                 (_ro("<ns>:*"),),
             ),
+            Grant(("hgetall",), (_ro(_GYM), _ro(_GYM_DIGESTS))),
+            Grant(("hlen",), (_ro(_GYM_ENTRIES),)),
+            Grant(("smembers",), (_ro(_GYM_INTENTS),)),
         ),
     ),
     "gym_sink": RolePolicy(
@@ -267,7 +271,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "gym_source": RolePolicy(
         "NeMo Gym consumer (sink.gym.RedisTokenSource): freeze (gym script: TYPE, TIME, HGET, HSET, HSETNX, HINCRBY "
-        "gym; HVALS gym:entries; HEXISTS gym:digests; SMEMBERS gym:intents; EXISTS fence) and drop (GET, SET fence "
+        "gym; HEXISTS gym:digests; SMEMBERS gym:intents; EXISTS fence; then, in the same round trip, HVALS "
+        "gym:entries, HGET gym, EXISTS fence) and drop (GET, SET fence "
         "as the tombstone; DEL of the gym keys, one key per DEL), verify durability, confirm writes",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof", "time")),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import anyio
@@ -21,7 +20,7 @@ from sink.contract.records import CaptureAdmission, CommitCoords
 from sink.errors import StagingError
 from sink.ledger.gate import CaptureGate
 from sink.settings import ProxySettings
-from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, replay_receive, send_body
+from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, send_body
 from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
 from worker.errors import EnginePayloadError, SpliceError
@@ -37,9 +36,10 @@ from worker.proxy.routes import (
     upstream_request,
 )
 from worker.proxy.sse import sse_events
+from worker.proxy.upstream import UpstreamAnswer, call_inner, client_gone, error_message, refused
 from worker.weight_version import PublishedWeightVersion, WeightVersionError
 
-__all__ = ("CallOwner", "CapturedCall", "UpstreamAnswer")
+__all__ = ("CallOwner", "CapturedCall")
 
 logger = logging.getLogger(__name__)
 
@@ -75,24 +75,6 @@ def _without_spans(payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
-@dataclass
-class UpstreamAnswer:
-    """The inner app's whole response."""
-
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    oversized: bool
-
-
-async def _client_gone(receive: Receive) -> bool:
-    """Whether the client already disconnected (a non-blocking look at ``receive``)."""
-    with anyio.move_on_after(0):
-        message = await receive()
-        return bool(message["type"] == "http.disconnect")
-    return False
-
-
 class CapturedCall:
     """One call with a rollout id on a capture route (see the module docstring)."""
 
@@ -114,6 +96,8 @@ class CapturedCall:
         self.admit_failure: _AdmitFailure | None = None
         self.settled = False
         self.captured = False
+        self.refused = False
+        """The engine refused the request (nothing generated): no failure row, its error passed through."""
         self.answer: tuple[UpstreamAnswer, dict[str, Any] | None, ClientAsked] | None = None  # once known
 
     # --- admission ------------------------------------------------------------
@@ -187,33 +171,20 @@ class CapturedCall:
     # --- upstream ------------------------------------------------------------------
 
     async def _upstream(self, body: bytes, receive: Receive) -> UpstreamAnswer:
-        result = UpstreamAnswer(502, [], b"", oversized=False)
-        chunks: list[bytes] = []
-        size = 0
-        limit = self.owner.settings.max_response_bytes
-
-        async def collect(message: Message) -> None:
-            nonlocal size
-            if message["type"] == "http.response.start":
-                result.status = message["status"]
-                result.headers = list(message.get("headers", ()))
-            elif message["type"] == "http.response.body":
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                result.oversized = result.oversized or size > limit
-                chunks.append(chunk)
-
-        # The body must come back as plain JSON: never let the upstream compress it.
-        kept = [(k, v) for k, v in self.scope.get("headers", ()) if k.lower() != b"accept-encoding"]
-        headers = [*kept, (b"accept-encoding", b"identity")]
-        scope = {**self.scope, "headers": headers}
         started = time.perf_counter()
-        await self.owner.app(scope, replay_receive(body, receive), collect)
+        result = await call_inner(self.owner.app, self.scope, body, receive, self.owner.settings.max_response_bytes)
         self.owner.metrics.observe(upstream_s=time.perf_counter() - started)
-        result.body = b"".join(chunks)
         return result
 
     def _parsed(self, upstream: UpstreamAnswer) -> dict[str, Any] | None:
+        if refused(upstream):
+            logger.warning(
+                "%s: upstream answered %d (nothing generated): a failed attempt, the rollout is not poisoned; %s",
+                self.ids,
+                upstream.status,
+                error_message(upstream.body),
+            )
+            return None
         if upstream.status != 200:
             logger.warning("%s: upstream answered %d; capture failed", self.ids, upstream.status)
             return None
@@ -354,7 +325,10 @@ class CapturedCall:
             payload = self._parsed(upstream)
             self.answer = (upstream, payload, asked)
             staged_at = time.perf_counter()
-            if self.active is not None:
+            if payload is None and refused(upstream):
+                self.refused = True
+                self.settled = True  # nothing to record: no failure row
+            elif self.active is not None:
                 coords = await self._complete(self.active, upstream, payload)
                 if payload is not None:
                     strip_token_fields(self.route, payload, asked)
@@ -365,16 +339,16 @@ class CapturedCall:
         finally:
             if self.admission is not None and not self.settled:
                 await self._abandon()
-        uncaptured = self.admit_failure == "no admission" and not owner.settings.fail_closed
+        uncaptured = self.refused or (self.admit_failure == "no admission" and not owner.settings.fail_closed)
         metrics.count("captured" if self.captured else "uncaptured" if uncaptured else "capture_failed")
-        if await _client_gone(receive):
+        if await client_gone(receive):
             logger.warning(
                 "%s: client disconnected mid-call; the call was %s before the response was dropped",
                 self.ids,
                 "committed" if self.captured else "not captured",
             )
             return
-        if not self.captured and owner.settings.fail_closed:
+        if not self.captured and not self.refused and owner.settings.fail_closed:  # a refusal served nothing
             await owner.refuse(send, self.admit_failure or "see the proxy log")
             return
         await self._reply(upstream, payload, send)

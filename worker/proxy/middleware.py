@@ -44,12 +44,15 @@ from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     CAPTURE_ROUTES,
     ROLLOUT_HEADER,
+    ClientAsked,
     RouteKind,
     canonical_path,
     disguised_capture_route,
     parse_target,
     request_items,
+    strip_token_fields,
 )
+from worker.proxy.upstream import call_inner
 from worker.weight_version import PublishedWeightVersion
 
 __all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware")
@@ -150,6 +153,34 @@ class CaptureMiddleware:
         self.metrics.count("uncaptured")
         await self.app(scope, replay_receive(body, receive), send)
 
+    async def _unparsed(
+        self, route: RouteKind, rollout_id: str, scope: Scope, body: bytes, receive: Receive, send: Send, exc: Exception
+    ) -> None:
+        """Fail-open for a body the proxy cannot parse: the rollout records the capture failure, the engine answers
+        the body, and the agent gets that answer without token fields (a 200 that is not one JSON object, e.g. a
+        stream, may carry them: 502 instead)."""
+        self.metrics.count("capture_failed")
+        try:
+            await self.gate.fail_unadmitted(
+                rollout_id, f"request not captured ({exc}); forwarded uncaptured"
+            )
+        except StagingError as error:  # the ledger is unreachable: still served (fail-open)
+            logger.error("rollout %s: cannot record the unparsed request: %r", rollout_id, error)
+        answer = await call_inner(self.app, scope, body, receive, self.settings.max_response_bytes)
+        if answer.status != 200:
+            await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
+            await send({"type": "http.response.body", "body": answer.body, "more_body": False})
+            return
+        try:
+            payload = orjson.loads(answer.body)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict) or answer.oversized:
+            message = "the engine's answer to an unparsed request may carry token fields; not served"
+            await send_body(send, 502, error_body(502, message, "UpstreamUnparseable"))
+            return
+        await send_json(send, 200, strip_token_fields(route, payload, ClientAsked(token_ids=False, logprobs=False)))
+
     async def refuse(self, send: Send, reason: str) -> None:
         """Answer 503 for a call that could not be captured (``fail_closed``)."""
         await send_body(
@@ -180,7 +211,10 @@ class CaptureMiddleware:
                     message = f"the proxy cannot parse this body ({exc}); --fail-closed does not forward it"
                     await send_body(send, 400, error_body(400, message, "InvalidRequest"))
                 return
-            logger.warning("rollout %s: request not captured (%s); forwarded as is", rollout_id, exc)
-            await self._uncaptured(scope, body, receive, send)
+            if isinstance(request, dict):  # well-formed, but out of capture's scope (n > 1)
+                logger.warning("rollout %s: request not captured (%s); forwarded as is", rollout_id, exc)
+                await self._uncaptured(scope, body, receive, send)
+                return
+            await self._unparsed(route, rollout_id, scope, body, receive, send, exc)
             return
         await CapturedCall(self, route, scope, request, items, rollout_id).run(receive, send)

@@ -182,6 +182,7 @@ def strip_token_fields(route: RouteKind, payload: dict[str, Any], asked: ClientA
         if not asked.token_ids:
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)
+            choice.pop("routed_experts", None)
             message = choice.get("message")
             if isinstance(message, dict):
                 for name in _MESSAGE_TOKEN_FIELDS:
