@@ -2,7 +2,7 @@
 
 The gate's ledger rows and ``finished`` events, the assembler's receipts and the trainer's acknowledgements
 are each checked in their own round trip (``WAITAOF`` where the server has it, the persistence settings read
-back): on a server with ``appendfsync everysec`` or ``appendonly no`` they raise :class:`NotDurableError`
+back), and so is the close of a delivered GRPO group's record: on a server with ``appendfsync everysec`` or ``appendonly no`` they raise :class:`NotDurableError`
 instead of answering success, and nothing downstream treats them as done.
 """
 
@@ -16,12 +16,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from sink.errors import NotDurableError, StagingConnectionError
-from sink.keys import done_stream, receipts_stream, shard_of
+from sink.keys import done_stream, group_keys, receipts_stream, shard_of
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import ASSEMBLER_GROUP
 from sink.rollout.done_event import finished
 from sink.settings import DEFAULT_SHARDS
-from sink.trainer.reader import RolloutReader
+from sink.trainer.groups import GroupReader, RolloutGroup
+from sink.trainer.reader import TRAINER_GROUP, RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.ledger import root_commit
 
@@ -126,3 +127,29 @@ async def test_the_trainers_ack_on_a_non_durable_server_is_refused_and_safe_to_r
         await _restore_durability(redis_url, name)
         outcome = await reader.ack([rollout_id])  # retrying once durable finishes the ack
         assert await reader.pending() == 0 and outcome.lost_lease == []
+
+
+@NOT_DURABLE
+async def test_closing_a_delivered_group_on_a_non_durable_server_is_refused_and_safe_to_retry(
+    redis_url: str, name: str, value: str
+) -> None:
+    (staged,) = await stage_rollouts(redis_url, ["r-grp"])
+    async with aioredis.Redis.from_url(redis_url) as client:
+        await finished(client, staged.rollout_id, reward=1.0, group_id="g-ack", group_size=1)
+        async with running_assembler(redis_url), RolloutReader.from_url(redis_url) as reader:
+            groups = GroupReader(reader)
+            delivered: list[RolloutGroup] = []
+            with anyio.fail_after(20):
+                while not delivered:
+                    delivered = await groups.pull_groups(1, block_ms=100)
+            # Another rank took the member over: the rollout's ack has nothing of its own to write, so the close
+            # of the group record is the one write ack_groups makes.
+            stream, entry_id = reader.entry_token(staged.rollout_id).split("#")
+            await client.xclaim(stream, TRAINER_GROUP, "rank-other", 0, [entry_id], justid=True)
+            meta, _members = group_keys(NS, "g-ack")
+            await _break_durability(redis_url, name, value)
+            with pytest.raises(NotDurableError, match="close 1 group records durably: .*not durable"):
+                await groups.ack_groups(delivered)
+            await _restore_durability(redis_url, name)
+            await groups.ack_groups(delivered)  # retrying once durable closes it
+            assert await client.hget(meta, "closed") == b"1"

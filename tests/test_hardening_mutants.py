@@ -24,7 +24,7 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.ops.acl import PLACEHOLDER_HASH, ROLE_POLICIES, KeyPattern, render_acl_example, write_private_file
 from sink.server import durable_server
 from sink.settings import SinkSettings
-from sink.store.server_version import supports_waitaof
+from sink.store.durability import supports_waitaof
 from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.verify import linearize, verify_and_linearize
 from tests.helpers.e2e import call_record_of

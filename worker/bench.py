@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,11 +38,10 @@ from sink.bench import (
     add_common_arguments,
     bench_namespace,
     format_targets,
-    on_server,
     progress,
+    report_on_server,
 )
 from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
-from sink.errors import StagingError
 from sink.keys import record_key
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
@@ -327,13 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
 
-    try:
-        report = on_server(args.redis_url, lambda url, _server: run(url))
-    except StagingError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-    sys.stdout.write((json.dumps(report, indent=2) if args.json else format_report(report)) + "\n")
-    return 0
+    return report_on_server(args.redis_url, lambda url, _server: run(url), format_report, as_json=args.json)
 
 
 if __name__ == "__main__":

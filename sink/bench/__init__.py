@@ -11,21 +11,26 @@ Benchmarks never destroy data. Without ``--redis-url`` each starts a private dur
 benchmark sends ``FLUSHALL``/``FLUSHDB``.
 
 Shared here as well: :func:`progress` (one line to stderr while a benchmark runs), :class:`Target` and
-:func:`format_targets` (a PASS/MISS line per target), :func:`add_common_arguments`.
+:func:`format_targets` (a PASS/MISS line per target), :func:`add_common_arguments`, and :func:`report_on_server`
+(the end of every benchmark's ``main``: the server, an ``error:`` line, the report), :func:`drive` (items
+through an operation by concurrent tasks, each call timed) and :func:`percentile_ms`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
+import anyio
 import redis.asyncio as aioredis
 
-from sink.errors import BenchmarkNamespaceInUseError
+from sink.errors import BenchmarkNamespaceInUseError, StagingError
 from sink.server import DurableServer, durable_server
 
 __all__ = (
@@ -36,9 +41,12 @@ __all__ = (
     "Target",
     "add_common_arguments",
     "bench_namespace",
+    "drive",
     "format_targets",
     "on_server",
+    "percentile_ms",
     "progress",
+    "report_on_server",
 )
 
 T = TypeVar("T")
@@ -51,6 +59,7 @@ class BenchHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
+
 
 DEFAULT_BENCH_NAMESPACE = "stg-bench"
 """The namespace a benchmark writes in unless told otherwise (never the services' default ``stg``)."""
@@ -66,6 +75,61 @@ def on_server(redis_url: str | None, run: Callable[[str, DurableServer | None], 
         return run(redis_url, None)
     with durable_server() as server:
         return run(server.url, server)
+
+
+def report_on_server(
+    redis_url: str | None,
+    run: Callable[[str, DurableServer | None], T],
+    render: Callable[[T], str],
+    *,
+    as_json: bool = False,
+    to_json: Callable[[T], object] = lambda figures: figures,
+) -> int:
+    """A benchmark's ``main`` after its arguments: :func:`on_server`, then the report on stdout (``render``, or
+    with *as_json* ``to_json`` of the figures as indented JSON); a :class:`~sink.errors.StagingError` is one
+    ``error:`` line on stderr.
+
+    :returns: the exit code (0, or 1 after an error).
+    """
+    try:
+        figures = on_server(redis_url, run)
+    except StagingError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    sys.stdout.write((json.dumps(to_json(figures), indent=2) if as_json else render(figures)) + "\n")
+    return 0
+
+
+def percentile_ms(values: Sequence[float], q: float) -> float:
+    """The *q* quantile (0..1, nearest rank) of *values* in seconds, in milliseconds."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+
+async def drive(
+    items: Sequence[Any], concurrency: int, op: Callable[[Any], Awaitable[None]]
+) -> tuple[float, list[float]]:
+    """``op(item)`` for every item of *items*, by *concurrency* tasks taking the next item in turn.
+
+    :returns: the elapsed seconds and each call's seconds.
+    """
+    latencies: list[float] = []
+    position = 0
+
+    async def task() -> None:
+        nonlocal position
+        while position < len(items):
+            item = items[position]
+            position += 1
+            start = time.perf_counter()
+            await op(item)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for _ in range(concurrency):
+            group.start_soon(task)
+    return time.perf_counter() - start, latencies
 
 
 def progress(message: str) -> None:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import multiprocessing
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -39,11 +37,11 @@ from sink.bench import (
     add_common_arguments,
     bench_namespace,
     format_targets,
-    on_server,
+    percentile_ms,
     progress,
+    report_on_server,
 )
 from sink.contract.records import CallRecord, CaptureLedgerCommit
-from sink.errors import StagingError
 from sink.keys import done_stream, receipt_key, receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import Assembler, finished
@@ -245,11 +243,6 @@ async def _latency(url: str, namespace: str, rollout_ids: Sequence[str], rate_pe
     return [arrived[rollout_id] - sent[rollout_id] for rollout_id in rollout_ids]
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
-
-
 async def run_assembly_benchmark(
     url: str,
     *,
@@ -280,7 +273,7 @@ async def run_assembly_benchmark(
             two.append(await _throughput(url, namespace, throughput_ids, 2))
             progress(f"assembly: latency at {rate_per_s:g}/s for {latency_s:g} s, repeat {repeat + 1}/{repeats}")
             latency_runs.append(await _latency(url, namespace, latency_ids, rate_per_s))
-    latencies = min(latency_runs, key=lambda run: _percentile(run, 0.99))
+    latencies = min(latency_runs, key=lambda run: percentile_ms(run, 0.99))
     return AssemblyFigures(
         repeats=repeats,
         calls_per_rollout=calls,
@@ -289,8 +282,8 @@ async def run_assembly_benchmark(
         two_assemblers_rollouts_per_s=max(two),
         latency_rate_per_s=rate_per_s,
         latency_rollouts=len(latency_ids),
-        latency_p50_ms=_percentile(latencies, 0.50),
-        latency_p99_ms=_percentile(latencies, 0.99),
+        latency_p50_ms=percentile_ms(latencies, 0.50),
+        latency_p99_ms=percentile_ms(latencies, 0.99),
         latency_max_ms=max(latencies) * 1000.0,
     )
 
@@ -352,13 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
 
-    try:
-        figures = on_server(args.redis_url, lambda url, _server: run(url))
-    except StagingError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-    sys.stdout.write((json.dumps(asdict(figures), indent=2) if args.json else format_report(figures)) + "\n")
-    return 0
+    return report_on_server(
+        args.redis_url, lambda url, _server: run(url), format_report, as_json=args.json, to_json=asdict
+    )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fcntl
-import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from array import array
@@ -38,11 +36,12 @@ from sink.bench import (
     Target,
     add_common_arguments,
     bench_namespace,
+    drive,
     format_targets,
-    on_server,
+    percentile_ms,
     progress,
+    report_on_server,
 )
-from sink.errors import StagingError
 from sink.gym import LocalTokenEntry, RedisTokenSink, RedisTokenSource
 
 __all__ = (
@@ -139,33 +138,14 @@ def _empty(directory: Path) -> None:
         path.unlink()
 
 
-def _percentile_ms(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
-
-
 async def _drive(
     items: Sequence[LocalTokenEntry], tasks: int, put: Callable[[Any], Awaitable[None]]
 ) -> dict[str, float]:
-    latencies: list[float] = []
-    position = 0
-
-    async def worker() -> None:
-        nonlocal position
-        while position < len(items):
-            item = items[position]
-            position += 1
-            start = time.perf_counter()
-            await put(item)
-            latencies.append(time.perf_counter() - start)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(tasks)))
-    elapsed = time.perf_counter() - start
+    elapsed, latencies = await drive(items, tasks, put)
     return {
         "puts_per_s": len(latencies) / elapsed,
-        "p50_ms": _percentile_ms(latencies, 0.5),
-        "p99_ms": _percentile_ms(latencies, 0.99),
+        "p50_ms": percentile_ms(latencies, 0.5),
+        "p99_ms": percentile_ms(latencies, 0.99),
     }
 
 
@@ -361,13 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run(url: str) -> dict[str, Any]:
         return asyncio.run(run_gym_benchmark(url, puts=args.puts, repeats=args.repeats, namespace=args.namespace))
 
-    try:
-        report = on_server(args.redis_url, lambda url, _server: run(url))
-    except StagingError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-    sys.stdout.write((json.dumps(report, indent=2) if args.json else format_report(report)) + "\n")
-    return 0
+    return report_on_server(args.redis_url, lambda url, _server: run(url), format_report, as_json=args.json)
 
 
 if __name__ == "__main__":

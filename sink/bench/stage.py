@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import re
 import shutil
 import subprocess
-import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,15 +40,17 @@ from sink.bench import (
     Target,
     add_common_arguments,
     bench_namespace,
+    drive,
     format_targets,
-    on_server,
+    percentile_ms,
     progress,
+    report_on_server,
 )
 from sink.bench.workload import build_records
 from sink.contract.codec import encode_record
 from sink.contract.records import StagedCallRecord
-from sink.errors import StagingError
 from sink.keys import record_key
+from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 
@@ -85,33 +85,6 @@ class StageFigures:
     p99_ms: float
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
-
-
-async def _drive(
-    items: Sequence[Any], concurrency: int, op: Callable[[Any], Awaitable[None]]
-) -> tuple[float, list[float]]:
-    latencies: list[float] = []
-    position = 0
-
-    async def stager() -> None:
-        nonlocal position
-        while position < len(items):
-            item = items[position]
-            position += 1
-            start = time.perf_counter()
-            await op(item)
-            latencies.append(time.perf_counter() - start)
-
-    start = time.perf_counter()
-    async with anyio.create_task_group() as group:
-        for _ in range(concurrency):
-            group.start_soon(stager)
-    return time.perf_counter() - start, latencies
-
-
 def _figures(system: str, tokens: int, concurrency: int, nbytes: int, elapsed: float, lat: list[float]) -> StageFigures:
     return StageFigures(
         system=system,
@@ -120,8 +93,8 @@ def _figures(system: str, tokens: int, concurrency: int, nbytes: int, elapsed: f
         records=len(lat),
         records_per_s=len(lat) / elapsed,
         mb_per_s=nbytes / elapsed / 1e6,
-        p50_ms=_percentile(lat, 0.50),
-        p99_ms=_percentile(lat, 0.99),
+        p50_ms=percentile_ms(lat, 0.50),
+        p99_ms=percentile_ms(lat, 0.99),
     )
 
 
@@ -136,7 +109,7 @@ async def _bench_sink(
             if not result.ok:
                 raise RuntimeError(f"stage failed during the benchmark: {result.error}")
 
-        elapsed, lat = await _drive(records, concurrency, op)
+        elapsed, lat = await drive(records, concurrency, op)
     return _figures("sink", records[0].delta_len, concurrency, nbytes, elapsed, lat)
 
 
@@ -176,7 +149,7 @@ async def _bench_plain_set(
         async with anyio.create_task_group() as group:
             for _ in range(connections):
                 group.start_soon(connection_writer)
-            elapsed, lat = await _drive(records, concurrency, op)
+            elapsed, lat = await drive(records, concurrency, op)
             send.close()
     finally:
         receive.close()
@@ -363,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min([args.records, args.connections, args.repeats, *args.tokens, *args.concurrency]) < 1:
         parser.error("--records, --tokens, --concurrency, --connections and --repeats must be positive")
 
-    def run(url: str, port: int | None) -> dict[str, Any]:
+    def run(url: str, server: DurableServer | None) -> dict[str, Any]:
+        port = server.port if server else None
         return anyio.run(
             lambda: run_stage_benchmark(
                 url,
@@ -377,13 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
 
-    try:
-        report = on_server(args.redis_url, lambda url, server: run(url, server.port if server else None))
-    except StagingError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-    sys.stdout.write((json.dumps(report, indent=2) if args.json else format_report(report)) + "\n")
-    return 0
+    return report_on_server(args.redis_url, run, format_report, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -36,10 +34,9 @@ from dataclasses import asdict, dataclass
 import anyio
 import redis.asyncio as aioredis
 
-from sink.bench import DEFAULT_BENCH_NAMESPACE, BenchHelpFormatter, bench_namespace, on_server
+from sink.bench import DEFAULT_BENCH_NAMESPACE, BenchHelpFormatter, bench_namespace, report_on_server
 from sink.bench.workload import build_records
 from sink.contract.records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
-from sink.errors import StagingError
 from sink.keys import claim_key, receipts_stream, record_key
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import Assembler, finished
@@ -52,7 +49,7 @@ from sink.trainer.packing import pack
 from sink.trainer.reader import TRAINER_GROUP, RolloutReader
 from sink.trainer.verify import LinearizedRow, verify_decoded_and_linearize
 
-__all__ = ("TrainerFigures", "format_report", "main", "run_trainer_benchmark")
+__all__ = ("TrainerFigures", "format_report", "main", "run_trainer_benchmark", "stage_and_assemble")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +82,8 @@ def _digest_payload_bytes(record: StagedCallRecord) -> int:
     return 3 + texts + 9 + len(record.parent_call_id or "") + 32 + columns + 32 + 33 + 33
 
 
-async def _stage_and_assemble(url: str, ns: str, records: list[StagedCallRecord], calls: int) -> None:
+async def stage_and_assemble(url: str, ns: str, records: list[StagedCallRecord], calls: int) -> None:
+    """Stage *records* (rollouts of *calls* calls each), record their ledgers, finish them and assemble receipts."""
     limiter = anyio.CapacityLimiter(64)
     async with (
         AsyncRedisStagingSink.from_url(url, namespace=ns) as sink,
@@ -269,7 +267,7 @@ async def run_trainer_benchmark(
     async with bench_namespace(url, namespace):
         records = build_records(rollouts, calls, tokens, tag="trainer")
         by_key = {record.staging_key: record for record in records}
-        await _stage_and_assemble(url, namespace, records, calls)
+        await stage_and_assemble(url, namespace, records, calls)
         total_tokens = rollouts * calls * tokens
 
         receipts = await _published_receipts(url, namespace, rollouts)
@@ -378,13 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
 
-    try:
-        figures = on_server(args.redis_url, lambda url, _server: run(url))
-    except StagingError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-    sys.stdout.write((json.dumps(asdict(figures), indent=2) if args.json else format_report(figures)) + "\n")
-    return 0
+    return report_on_server(
+        args.redis_url, lambda url, _server: run(url), format_report, as_json=args.json, to_json=asdict
+    )
 
 
 if __name__ == "__main__":

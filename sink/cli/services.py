@@ -64,7 +64,7 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("codec", "stage", "assembly", "trainer", "gym")
+BENCHMARKS = ("codec", "stage", "assembly", "trainer", "gym", "ack")
 """The benchmarks of sink: ``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)``; plugins add theirs
 (``worker``, ``proxy``: see :mod:`sink.cli.plugin`)."""
 _PULL_BLOCK_MS = 1000

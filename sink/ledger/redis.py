@@ -23,6 +23,7 @@ from typing import Any, Self
 
 import anyio
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.records import RolloutRemoval
@@ -31,7 +32,8 @@ from sink.keys import calls_stream, claim_key, fence_key, ledger_ids_key, ledger
 from sink.ledger.ledger import AppendOutcome, CaptureLedger
 from sink.ledger.ownership import keys_owned_by
 from sink.settings import ConnectionSettings, LedgerSettings
-from sink.store.connection import Topology, map_redis_errors, reply_text
+from sink.store.batch import BatchCall, run_batch
+from sink.store.connection import Topology, map_redis_errors, reply_text, translate_redis_error
 from sink.store.durability import run_script_durably
 from sink.store.resource import settings_or_fields
 from sink.store.scripts import (
@@ -52,8 +54,8 @@ from sink.store.scripts import (
 
 __all__ = ("RedisCaptureLedger",)
 
-# Concurrent per-id scripts of one retire/delete batch: several connections
-# in flight let one AOF fsync cover many fences (group commit).
+# Concurrent per-id deletes of one batch (a delete reads, then writes: it cannot be pipelined); several
+# connections in flight let one AOF fsync cover many of them (group commit).
 _BATCH_CONCURRENCY = 16
 # Scripts in flight per ledger. redis-py's asyncio pool raises
 # MaxConnectionsError (it does not wait) once max_connections (default 100)
@@ -92,6 +94,15 @@ _OUTCOMES = {
     APPEND_FENCED: AppendOutcome.FENCED,
     APPEND_CONFLICT: AppendOutcome.CONFLICT,
 }
+
+
+def _restate(error: StagingConnectionError, failed: int, total: int, verb: str) -> StagingConnectionError:
+    """*error* (of the first of *failed* ids of *total*) said as the batch's: the same kind of error (a
+    :class:`~sink.errors.NotDurableError` stays one)."""
+    return error.restated(
+        f"could not {verb} {failed} of {total} rollout ids (each id is all-or-nothing; the others were applied): "
+        f"{error}"
+    )
 
 
 class RedisCaptureLedger(CaptureLedger):
@@ -212,19 +223,11 @@ class RedisCaptureLedger(CaptureLedger):
             for index, rollout_id in enumerate(ids):
                 group.start_soon(run_one, index, rollout_id)
         if errors:
-            raise errors[0].restated(  # the same kind of error (a NotDurableError stays one)
-                f"could not {verb} {len(errors)} of {len(ids)} rollout ids (each id is all-or-nothing; "
-                f"the others were applied): {errors[0]}"
-            ) from errors[0]
+            raise _restate(errors[0], len(errors), len(ids), verb) from errors[0]
         return RolloutRemoval(
             removed=[rid for rid, hit in zip(ids, outcomes, strict=True) if hit],
             absent=[rid for rid, hit in zip(ids, outcomes, strict=True) if not hit],
         )
-
-    async def _retire_one(self, rollout_id: str) -> bool:
-        args = [repr(time.time())]
-        reply = await self._write(LEDGER_RETIRE_SCRIPT, self._keys(rollout_id), args, f"retire {rollout_id!r}")
-        return bool(reply[0] == REMOVED)
 
     async def _delete_one(self, rollout_id: str) -> bool:
         """Remove every key under the rollout's hash tag (ledger, fence, receipt, claim, records, calls)."""
@@ -249,7 +252,33 @@ class RedisCaptureLedger(CaptureLedger):
         )
 
     async def _retire_ids(self, rollout_ids: list[str]) -> RolloutRemoval:
-        return await self._per_id(rollout_ids, self._retire_one, "retire")
+        """One retire script per id, all in one pipeline per node, each node's confirmed durable in it
+        (:func:`~sink.store.batch.run_batch`)."""
+        self._check_open()
+        args = [repr(time.time())]
+        calls = [BatchCall(self._keys(rollout_id), args, LEDGER_RETIRE_SCRIPT) for rollout_id in rollout_ids]
+        action = f"retire the ledgers of {len(rollout_ids)} rollouts"
+        async with self._in_flight:
+            with map_redis_errors(action):
+                replies = await run_batch(
+                    self._topology,
+                    calls,
+                    durability=self._durability,
+                    timeout_s=self._confirm_timeout_s,
+                    action=action,
+                )
+        refused = [
+            (rid, r) for rid, r in zip(rollout_ids, replies, strict=True) if isinstance(r, redis_errors.RedisError)
+        ]
+        if refused:
+            rollout_id, exc = refused[0]
+            error = translate_redis_error(exc, f"retire {rollout_id!r}")
+            raise _restate(error, len(refused), len(rollout_ids), "retire") from exc
+        hits = [reply[0] == REMOVED for reply in replies]
+        return RolloutRemoval(
+            removed=[rid for rid, hit in zip(rollout_ids, hits, strict=True) if hit],
+            absent=[rid for rid, hit in zip(rollout_ids, hits, strict=True) if not hit],
+        )
 
     async def _delete_ids(self, rollout_ids: list[str]) -> RolloutRemoval:
         return await self._per_id(rollout_ids, self._delete_one, "delete")

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import anyio
 import redis.asyncio as aioredis
@@ -34,17 +35,22 @@ from sink.errors import NotDurableError
 from sink.settings import SinkSettings
 from sink.store.connection import Topology, describe_redis_error, reply_text
 from sink.store.script_runner import LibraryNotLoadedError, ScriptMode, ServerScript
-from sink.store.server_version import supports_waitaof
 
 __all__ = (
     "REQUIRED_CONFIG",
+    "WAITAOF_SINCE",
     "Durability",
     "DurabilityMonitor",
     "DurabilityReport",
     "config_problem",
+    "confirmation_problem",
     "execute_durably",
     "node_address",
+    "not_durable",
+    "parse_server_version",
+    "queue_confirmation",
     "run_script_durably",
+    "supports_waitaof",
     "verify_durability",
     "waitaof_problem",
 )
@@ -57,6 +63,34 @@ REQUIRED_CONFIG: dict[str, str] = {
     "no-appendfsync-on-rewrite": "no",
     "maxmemory-policy": "noeviction",
 }
+
+
+WAITAOF_SINCE: Final = (7, 2)
+"""First Redis version with ``WAITAOF`` (every Valkey release reports ``redis_version`` 7.2 or later, and has it)."""
+
+_VERSION_RE: Final = re.compile(r"(\d+)\.(\d+)")
+
+
+def parse_server_version(text: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version like ``7.2`` or ``8.0.1`` (``INFO``'s ``redis_version``, ``--version``).
+
+    :raises ValueError: *text* does not start with ``<major>.<minor>``.
+    """
+    match = _VERSION_RE.match(text)
+    if match is None:
+        raise ValueError(f"server_version must look like '7.2' or '8.0.1', got {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def supports_waitaof(server_info: Mapping[str, object]) -> bool:
+    """Whether the server that replied *server_info* (``INFO server``, parsed by redis-py) knows ``WAITAOF``."""
+    if "valkey_version" in server_info:
+        return True
+    # redis-py parses INFO into text and numbers, never bytes.
+    try:
+        return parse_server_version(str(server_info.get("redis_version", "0"))) >= WAITAOF_SINCE
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,26 +179,42 @@ async def execute_durably(
         if node is None:
             raise redis_errors.ClusterDownError(f"no node serves the slot of {route_key!r}")
         target, address = {"target_nodes": node}, f"{node.host}:{node.port}"
-    checks = 0
-    if durability == "fsync":
-        pipe.execute_command("WAITAOF", 1, 0, max(1, int(timeout_s * 1000)), **target)
-        for name in REQUIRED_CONFIG:  # one name per CONFIG GET: Redis 6.2 takes a single pattern
-            pipe.execute_command("CONFIG GET", name, **target)
-        checks = 1 + len(REQUIRED_CONFIG)
+    checks = queue_confirmation(pipe, timeout_s, **target) if durability == "fsync" else 0
     replies = await pipe.execute(raise_on_error=False)
     written, checked = replies[: len(replies) - checks], replies[len(replies) - checks :]
     failed = next((reply for reply in written if isinstance(reply, BaseException)), None)
     if failed is not None and raise_on_error:
         raise failed
     if checks and failed is None:
-        problem = config_problem(address, checked[1:]) or waitaof_problem(checked[0], unknown_is_fine=True)
+        problem = confirmation_problem(address, checked)
         if problem is not None:
-            logger.error("refusing to acknowledge a write (%s): %s", action, problem)
-            raise NotDurableError(
-                f"could not {action} durably: {problem} (the write may be applied but is not acknowledged; "
-                "retrying it is safe)"
-            )
+            raise not_durable(action, problem)
     return list(written[-1]) if atomic else list(written)
+
+
+def queue_confirmation(pipe: Pipeline | ClusterPipeline, timeout_s: float, **target: Any) -> int:
+    """Queue the durable confirmation behind the writes on *pipe* (``WAITAOF 1 0``, then a ``CONFIG GET`` of
+    each :data:`REQUIRED_CONFIG` name; *target*: a cluster pipeline's ``target_nodes``); how many replies it adds.
+
+    Read the replies with :func:`confirmation_problem`.
+    """
+    pipe.execute_command("WAITAOF", 1, 0, max(1, int(timeout_s * 1000)), **target)
+    for name in REQUIRED_CONFIG:  # one name per CONFIG GET: Redis 6.2 takes a single pattern
+        pipe.execute_command("CONFIG GET", name, **target)
+    return 1 + len(REQUIRED_CONFIG)
+
+
+def confirmation_problem(address: str, checked: Sequence[object]) -> str | None:
+    """What the replies of one :func:`queue_confirmation` on the node *address* say is wrong, or ``None``."""
+    return config_problem(address, checked[1:]) or waitaof_problem(checked[0], unknown_is_fine=True)
+
+
+def not_durable(action: str, problem: str) -> NotDurableError:
+    """The refusal of a write that was not confirmed durable (logged here): *action* names it."""
+    logger.error("refusing to acknowledge a write (%s): %s", action, problem)
+    return NotDurableError(
+        f"could not {action} durably: {problem} (the write may be applied but is not acknowledged; retrying it is safe)"
+    )
 
 
 async def run_script_durably(

@@ -35,6 +35,7 @@ from sink.contract.records import StagedCallRecord, StageResult
 from sink.errors import CodecError
 from sink.keys import calls_stream, check_call_id, fence_key, record_key, rollout_of_staging_key, validate_rollout_id
 from sink.settings import SinkSettings
+from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.commit import STAGE_BATCH, GroupCommitWriter, PendingStage
 from sink.store.connection import Topology, describe_redis_error, map_redis_errors
 from sink.store.durability import DurabilityMonitor
@@ -120,7 +121,8 @@ async def clear_staged(topology: Topology, namespace: str, staging_keys: Sequenc
     """Delete the records named by *staging_keys* and their ``calls`` entries; return how many existed.
 
     Each rollout's records and its ``calls`` entries go in one single-slot
-    script, so this never leaves a ``calls`` entry pointing at a deleted record.
+    script, so this never leaves a ``calls`` entry pointing at a deleted record; the scripts of every rollout
+    go in one pipeline per node (:func:`~sink.store.batch.run_batch`).
 
     :raises TypeError: *staging_keys* is a single ``str``.
     :raises ValueError: a key was not minted by this sink (``R/...``).
@@ -131,14 +133,12 @@ async def clear_staged(topology: Topology, namespace: str, staging_keys: Sequenc
     by_rollout: dict[str, list[str]] = {}
     for key in dict.fromkeys(staging_keys):
         by_rollout.setdefault(rollout_of_staging_key(key), []).append(key)
-    removed = 0
+    calls = [
+        BatchCall([calls_stream(namespace, rollout_id), *(record_key(namespace, k) for k in keys)], keys, CLEAR_SCRIPT)
+        for rollout_id, keys in by_rollout.items()
+    ]
     with map_redis_errors("clear staged records"):
-        for rollout_id, keys in by_rollout.items():
-            script_keys = [calls_stream(namespace, rollout_id), *(record_key(namespace, k) for k in keys)]
-            client = topology.node_for_key(script_keys[0])
-            reply = await CLEAR_SCRIPT.run(client, script_keys, keys)
-            removed += int(reply[1])
-    return removed
+        return sum(int(reply[1]) for reply in raise_first_error(await run_batch(topology, calls)))
 
 
 class AsyncRedisStagingSink(AsyncResource):

@@ -35,6 +35,7 @@ import redis.exceptions as redis_errors
 
 from sink.errors import CodecError
 from sink.keys import dead_letter_stream
+from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.dead_letters import UndecodableEntry, dead_letter_record
 from sink.store.durability import Durability, execute_durably
@@ -367,15 +368,12 @@ class GroupConsumer:
         by_stream: dict[str, list[StreamEntry]] = {}
         for entry in entries:
             by_stream.setdefault(entry.stream, []).append(entry)
-        lost: list[StreamEntry] = []
+        ids = {stream: [entry.entry_id for entry in held] for stream, held in by_stream.items()}
+        calls = [BatchCall([stream], [self.group, self.consumer, *held], TOUCH_SCRIPT) for stream, held in ids.items()]
         with map_redis_errors(f"refresh held {self._role} entries"):
-            for stream, held in by_stream.items():
-                client = self._topology.node_for_key(stream)
-                ids = [entry.entry_id for entry in held]
-                reply = await TOUCH_SCRIPT.run(client, [stream], [self.group, self.consumer, *ids])
-                gone = {_text(value) for value in reply[1:]}
-                lost.extend(entry for entry in held if entry.entry_id in gone)
-        return lost
+            replies = raise_first_error(await run_batch(self._topology, calls))  # one pipeline per node
+        gone = {(stream, _text(value)) for stream, reply in zip(ids, replies, strict=True) for value in reply[1:]}
+        return [entry for entry in entries if (entry.stream, entry.entry_id) in gone]
 
     async def retire_consumer(self) -> int:
         """Delete this consumer from the group on every shard where it owns no pending entry.

@@ -17,6 +17,7 @@ import anyio
 
 from sink.contract.records import RolloutReceipt
 from sink.keys import claim_key, fence_key
+from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import Topology, map_redis_errors
 from sink.store.scripts import CLAIM_CLAIMED, CLAIM_RETIRED, CLAIM_SCRIPT, RELEASE_SCRIPT
 from sink.store.sink import clear_staged
@@ -127,6 +128,7 @@ class RolloutClaims:
         )
 
     async def release(self, claims: Sequence[tuple[str, str]]) -> None:
+        """Release the claims ``(rollout id, entry token)`` (one pipeline per node)."""
+        calls = [BatchCall([claim_key(self._ns, rollout_id)], [token], RELEASE_SCRIPT) for rollout_id, token in claims]
         with map_redis_errors("release rollout claims"):
-            for rollout_id, token in claims:
-                await RELEASE_SCRIPT.run(self._topology.client, [claim_key(self._ns, rollout_id)], [token])
+            raise_first_error(await run_batch(self._topology, calls))

@@ -42,8 +42,8 @@ import anyio
 
 from sink.keys import dead_letter_stream, group_keys
 from sink.rollout.done_event import GroupTag
+from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import map_redis_errors
-from sink.store.durability import execute_durably
 from sink.store.scripts import (
     GROUP_CHECK_SCRIPT,
     GROUP_CLOSE_SCRIPT,
@@ -136,6 +136,7 @@ class GroupReader:
         # This pull's rollouts: a group completed by one of them may include others not gathered yet.
         self._fresh: dict[str, PulledRollout] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed", "late", "mismatch"), 0)
+        self._unclosed: set[str | None] = set()  # acknowledged groups whose close was not confirmed yet
         reader.claims.defer_grouped = True  # a parked member read again was never trained: counted at delivery
 
     @property
@@ -144,16 +145,8 @@ class GroupReader:
 
     def statistics(self) -> GroupStatistics:
         c = self._counts
-        return GroupStatistics(
-            c["delivered"],
-            c["partial"],
-            c["dropped"],
-            c["dead"],
-            c["handed"],
-            len(self._watched),
-            c["late"],
-            c["mismatch"],
-        )
+        counts = (c["delivered"], c["partial"], c["dropped"], c["dead"], c["handed"])
+        return GroupStatistics(*counts, len(self._watched), c["late"], c["mismatch"])
 
     async def pull_groups(self, max_rollouts: int, *, block_ms: int = 0) -> list[RolloutGroup]:
         """Pull up to *max_rollouts* rollouts and return the groups that are now whole (or timed out) and owned
@@ -175,18 +168,32 @@ class GroupReader:
         return delivered
 
     async def ack_groups(self, groups: Iterable[RolloutGroup]) -> None:
-        """Acknowledge delivered groups (their trainable members) and delete their server-side records."""
+        """Acknowledge delivered groups (their trainable members), then close their server-side records, each
+        durable or refused (:class:`~sink.errors.NotDurableError`: calling again with the same groups is safe,
+        the members of a group whose close was refused are not acknowledged twice)."""
         groups = list(groups)
-        await self._reader.ack([rollout_id for group in groups for rollout_id in group.rollout_ids])
-        await self._delete([g.group_id for g in groups if g.group_id is not None])
+        unclosed, ids = self._unclosed, [g.group_id for g in groups if g.group_id is not None]
+        await self._reader.ack([i for g in groups if g.group_id not in unclosed for i in g.rollout_ids])
+        unclosed.update(ids)
+        await self._delete(ids)
+        unclosed.difference_update(ids)
 
     async def _delete(self, group_ids: Sequence[str]) -> None:
         """Close groups that went out: members record deleted, the meta kept as a tombstone (see the module)."""
         settings = self._settings
         ttl_ms = int(max(settings.retention_s, settings.group_timeout_s * 4, settings.claim_idle_ms / 1000 * 4) * 1000)
-        with map_redis_errors("close group records"):
-            for group_id in group_ids:
-                await GROUP_CLOSE_SCRIPT.run(self._reader.client, group_keys(self._ns, group_id), [ttl_ms])
+        calls = [BatchCall(group_keys(self._ns, group_id), [ttl_ms], GROUP_CLOSE_SCRIPT) for group_id in group_ids]
+        await self._write(calls, f"close {len(calls)} group records")
+
+    async def _write(self, calls: list[BatchCall], action: str) -> list[Any]:
+        """Acknowledged writes: one pipeline per node, each confirmed durable in it, as every acknowledgement
+        (:func:`~sink.store.batch.run_batch`; :class:`~sink.errors.NotDurableError` otherwise)."""
+        durability, timeout_s = self._settings.durability, self._settings.command_timeout_s / 2
+        with map_redis_errors(action):
+            replies = await run_batch(
+                self._reader.topology, calls, durability=durability, timeout_s=timeout_s, action=action
+            )
+            return raise_first_error(replies)
 
     def _record(self, item: PulledRollout) -> str:
         consumer = self._reader.consumer_name
@@ -302,12 +309,15 @@ class GroupReader:
                 members[rollout_id] = mine
             else:
                 tokens[rollout_id] = first
+        skipped: list[str] = []
         for item in await self._reader.take_over(list(tokens.values())) if tokens else []:
             if item.trainable:
                 members[item.rollout_id] = item
             else:
                 failed.append(item.skipped())
-                await self._reader.ack([item.rollout_id])
+                skipped.append(item.rollout_id)
+        if skipped:
+            await self._reader.ack(skipped)  # one ack for every member taken over that cannot be trained
         for rollout_id in tokens:
             if rollout_id not in members and all(f.rollout_id != rollout_id for f in failed):
                 failed.append(SkippedRollout(rollout_id, MEMBER_UNAVAILABLE, "its receipt entry was gone"))
@@ -371,18 +381,8 @@ class GroupReader:
             "dead_reason": reason,
             "dead_consumer": self._reader.consumer_name,
         }
-        settings, action = self._settings, f"dead-letter group {tag.group_id!r}"
-        with map_redis_errors(action):
-            (reply,) = await execute_durably(
-                self._reader.client,
-                lambda pipe: pipe.xadd(stream, record),  # type: ignore[arg-type]
-                durability=settings.durability,
-                timeout_s=settings.command_timeout_s / 2,
-                action=action,
-                route_key=stream,
-            )
-            if isinstance(reply, BaseException):
-                raise reply
+        flat = [part for pair in record.items() for part in pair]
+        await self._write([BatchCall([stream], ["XADD", stream, "*", *flat])], f"dead-letter group {tag.group_id!r}")
         logger.warning("%s: group %r members %s recorded on %s: %s", code, tag.group_id, list(members), stream, reason)
 
     async def _dead_letter(self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout]) -> None:

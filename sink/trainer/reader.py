@@ -173,6 +173,11 @@ class RolloutReader(AsyncResource):
         """The reader's client (owned or borrowed), for companions such as :class:`sink.trainer.groups.GroupReader`."""
         return self._topology.client
 
+    @property
+    def topology(self) -> Topology:
+        """The reader's server topology, for companions' batched calls (:func:`sink.store.batch.run_batch`)."""
+        return self._topology
+
     def entry_token(self, rollout_id: str) -> str:
         """The claim token (``<stream>#<entry id>``) of a held rollout's receipt entry.
 

@@ -3,8 +3,9 @@
 After :meth:`sink.trainer.reader.RolloutReader.ack` the rollout's staged records, ``calls`` stream, ledger and claim are
 gone; what remains is ``ns:{R}:receipt`` (what was trained on, for ``inspect``/``verify``) and ``ns:{R}:fence``
 (the id is consumed: a late duplicate is dropped, a late write refused). Both get ``EXPIRE retention_s`` here,
-in one pipeline per node; both keys share the rollout's slot. A crash between the ack and this call leaves them
-without a TTL: ``staging-sink prune`` gives them one (see :mod:`sink.ops.prune`).
+in one pipeline per node (:func:`~sink.store.batch.run_batch`); both keys share the rollout's slot. A crash
+between the ack and this call leaves them without a TTL: ``staging-sink prune`` gives them one (see
+:mod:`sink.ops.prune`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
-
 from sink.keys import fence_key, receipt_key
+from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import Topology, map_redis_errors
 
 __all__ = ("consumed_keys", "expire_consumed")
@@ -32,16 +32,7 @@ async def expire_consumed(topology: Topology, namespace: str, rollout_ids: Seque
     :raises StagingConnectionError: the server could not be reached.
     """
     seconds = max(1, math.ceil(retention_s))
-    by_node: dict[int, tuple[aioredis.Redis, list[str]]] = {}
-    for rollout_id in rollout_ids:
-        receipt, fence = consumed_keys(namespace, rollout_id)
-        client = topology.node_for_key(receipt)
-        by_node.setdefault(id(client), (client, []))[1].extend((receipt, fence))
-    expired = 0
+    keys = [key for rollout_id in rollout_ids for key in consumed_keys(namespace, rollout_id)]
+    calls = [BatchCall([key], ["EXPIRE", key, seconds]) for key in keys]
     with map_redis_errors("set the retention of consumed rollouts"):
-        for client, names in by_node.values():
-            pipe = client.pipeline(transaction=False)
-            for key in names:
-                pipe.expire(key, seconds)
-            expired += sum(bool(reply) for reply in await pipe.execute())
-    return expired
+        return sum(bool(reply) for reply in raise_first_error(await run_batch(topology, calls)))

@@ -34,7 +34,7 @@ import anyio
 import httpx
 import orjson
 
-from sink.bench import BenchHelpFormatter, BenchNamespace, on_server
+from sink.bench import BenchHelpFormatter, BenchNamespace, report_on_server
 from sink.contract.records import CaptureAdmission
 from sink.errors import BenchmarkNamespaceInUseError
 from sink.server import DurableServer
@@ -246,9 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             anyio.run(space.clear)
 
-    results, stage_p50 = on_server(args.redis_url, run)
-    sys.stdout.write(format_report(results, stage_p50, args.tokens) + "\n")
-    return 0
+    return report_on_server(args.redis_url, run, lambda figures: format_report(figures[0], figures[1], args.tokens))
 
 
 if __name__ == "__main__":
