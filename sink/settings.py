@@ -232,6 +232,9 @@ class ProxySettings(BaseModel):
     and derender routes (probed at start), verify mode elsewhere; ``exact``: refuse to start without them;
     ``verify``: never re-route (the engine re-templates history, drift is detected and the call not staged)."""
     durability: Literal["fsync", "none"] = "fsync"
+    server_timing: bool = False
+    """Add a ``Server-Timing`` header (``engine``, ``capture``, ``total`` ms) to each captured call's response
+    (benchmarks: the proxy's own share of a call is ``total - engine``)."""
 
     @model_validator(mode="after")
     def _check_capture_has_a_store(self) -> ProxySettings:

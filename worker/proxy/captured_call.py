@@ -26,6 +26,7 @@ from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
 from worker.errors import EnginePayloadError, SpliceError
 from worker.exact_chat import Rendering
+from worker.proxy.call_timing import engine_span, note_capture, timing_headers
 from worker.proxy.exact_mode import ExactMode, PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
@@ -207,9 +208,9 @@ class CapturedCall:
         kept = [(k, v) for k, v in self.scope.get("headers", ()) if k.lower() != b"accept-encoding"]
         headers = [*kept, (b"accept-encoding", b"identity")]
         scope = {**self.scope, "headers": headers}
-        started = time.perf_counter()
-        await self.owner.app(scope, replay_receive(body, receive), collect)
-        self.owner.metrics.observe(upstream_s=time.perf_counter() - started)
+        with engine_span() as span:
+            await self.owner.app(scope, replay_receive(body, receive), collect)
+        self.owner.metrics.observe(upstream_s=span.seconds)
         result.body = b"".join(chunks)
         return result
 
@@ -359,7 +360,7 @@ class CapturedCall:
                 if payload is not None:
                     strip_token_fields(self.route, payload, asked)
                 await self._settle(coords, payload)
-                metrics.observe(stage_s=time.perf_counter() - staged_at)
+                metrics.observe(stage_s=note_capture(time.perf_counter() - staged_at))
             elif payload is not None:
                 strip_token_fields(self.route, payload, asked)
         finally:
@@ -396,4 +397,4 @@ class CapturedCall:
         else:
             body, content_type = orjson.dumps(payload), b"application/json"
         self.owner.metrics.observe(nbytes=len(body))
-        await send_body(send, 200, body, content_type)
+        await send_body(send, 200, body, content_type, timing_headers())
