@@ -52,10 +52,10 @@ _PATHS = ("direct", "bare", "capture", "exact")
 _CAPTURED = frozenset({"capture", "exact"})
 
 
-def server_timing(value: str) -> tuple[float, float]:
-    """``(engine_s, total_s)`` of a proxy's ``Server-Timing`` header value (:mod:`worker.proxy.call_timing`).
+def server_timing(value: str) -> tuple[float, float, float]:
+    """``(engine_s, capture_s, total_s)`` of a proxy's ``Server-Timing`` value (:mod:`worker.proxy.call_timing`).
 
-    :raises ValueError: the value lacks ``engine`` or ``total``.
+    :raises ValueError: the value lacks ``engine``, ``capture`` or ``total``.
     """
     durations = {}
     for metric in value.split(","):
@@ -63,7 +63,7 @@ def server_timing(value: str) -> tuple[float, float]:
         if rest.startswith("dur="):
             durations[name] = float(rest[4:]) / 1000
     try:
-        return durations["engine"], durations["total"]
+        return durations["engine"], durations["capture"], durations["total"]
     except KeyError as exc:
         raise ValueError(f"a Server-Timing header without {exc}: {value!r}") from exc
 
@@ -105,6 +105,7 @@ async def _drive(
     latencies: list[float] = []
     engine_s: list[float] = []
     own_s: list[float] = []
+    capture_s: list[float] = []
     errors = 0
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
@@ -125,8 +126,9 @@ async def _drive(
                 continue
             latencies.append(time.perf_counter() - started)
             if path in _CAPTURED:
-                engine, total = server_timing(response.headers.get("server-timing", ""))
+                engine, capture, total = server_timing(response.headers.get("server-timing", ""))
                 engine_s.append(engine)
+                capture_s.append(capture)
                 own_s.append(total - engine)
             answer = orjson.loads(response.content)
             if "prompt_token_ids" in answer:
@@ -142,16 +144,16 @@ async def _drive(
             for index in range(clients):
                 group.start_soon(client, index, http)
         seconds = time.perf_counter() - started
-    return PathResult(path, clients, len(latencies), seconds, latencies, errors, engine_s, own_s)
+    return PathResult(path, clients, len(latencies), seconds, latencies, errors, engine_s, own_s, capture_s)
 
 
-async def _stage_p50_ms(url: str, namespace: str, tokens: int, samples: int) -> float:
+async def _stage_p50_ms(url: str, namespace: str, tokens: int, samples: int, tag: str = "") -> float:
     """The sink's own stage latency p50 for one 2,048-token root record (sequential)."""
     durations: list[float] = []
     async with AsyncRedisStagingSink.from_url(url, namespace=namespace) as sink:
         capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 0)
         for index in range(samples):
-            admission = CaptureAdmission(rollout_id=f"stage-{index}", model_call_id="c", mode="text")
+            admission = CaptureAdmission(rollout_id=f"stage{tag}-{index}", model_call_id="c", mode="text")
             call = await capture.abegin_call(admission)
             ids = list(range(16, 16 + tokens))
             record_started = time.perf_counter()
@@ -186,9 +188,11 @@ def _engine(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         yield url, "the simulated engine (staging-sink engine --enable-scale-out: one process, one event loop)"
 
 
-def _run(url: str, namespace: str, args: argparse.Namespace) -> tuple[list[PathResult], str]:
+def _run(url: str, namespace: str, args: argparse.Namespace) -> tuple[list[PathResult], str, float]:
+    """Every path at every concurrency, ``--repeats`` times; returns the results, the engine, the best stage p50."""
     bare_port, capture_port, exact_port = _free_port(), _free_port(), _free_port()
     results: list[PathResult] = []
+    stage_p50s: list[float] = []
     run = uuid.uuid4().hex[:8]
     with _engine(args) as (engine, described):
         bases = {
@@ -205,6 +209,8 @@ def _run(url: str, namespace: str, args: argparse.Namespace) -> tuple[list[PathR
             _process([*timed, "--prefix-mode", "exact", "--port", str(exact_port)], f"{bases['exact']}/health"),
         ):
             for repeat in range(args.repeats):  # interleaved: every path once per repeat, at every concurrency
+                stage = partial(_stage_p50_ms, url, namespace, args.tokens, args.stage_samples, f"-{repeat}")
+                stage_p50s.append(anyio.run(stage))  # the sink's own stage, in the same conditions
                 for clients in args.clients:
                     calls = max(clients, args.calls_per_client * clients)
                     drive = partial(
@@ -217,7 +223,7 @@ def _run(url: str, namespace: str, args: argparse.Namespace) -> tuple[list[PathR
                         model=args.model,
                     )
                     results.extend(anyio.run(partial(drive, bases[path], path)) for path in _PATHS)
-    return results, described
+    return results, described, min(stage_p50s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens generated per call")
     parser.add_argument("--calls-per-client", type=int, default=8, help="calls each client makes")
     parser.add_argument("--turns", type=int, default=1, help="calls per rollout (each continues the previous one)")
-    parser.add_argument("--stage-samples", type=int, default=50, help="stage() calls timed for the stage p50")
+    parser.add_argument("--stage-samples", type=int, default=50, help="stage() calls timed per repeat (best p50)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; every figure is the best one's")
     parser.add_argument(
         "--engine-url",
@@ -245,19 +251,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
 
-    def run(url: str, _server: DurableServer | None) -> tuple[tuple[list[PathResult], str], float]:
+    def run(url: str, _server: DurableServer | None) -> tuple[list[PathResult], str, float]:
         # Every key goes under a fresh namespace of the benchmark's own, deleted at the end (also after an
         # error); a namespace that already has keys is refused, as for every benchmark (sink.bench).
         space = BenchNamespace(url=url, namespace=f"stg-bench-proxy-{uuid.uuid4().hex[:8]}")
         if (found := anyio.run(space.first_key)) is not None:
             raise BenchmarkNamespaceInUseError(f"benchmark namespace {space.namespace!r} has a key: {found!r}")
         try:
-            stage_p50 = anyio.run(_stage_p50_ms, url, space.namespace, args.tokens, args.stage_samples)
-            return _run(url, space.namespace, args), stage_p50
+            return _run(url, space.namespace, args)
         finally:
             anyio.run(space.clear)
 
-    (results, engine), stage_p50 = on_server(args.redis_url, run)
+    results, engine, stage_p50 = on_server(args.redis_url, run)
     sys.stdout.write(format_report(results, stage_p50, args.tokens, engine) + "\n")
     return 0
 
