@@ -57,6 +57,13 @@ def test_report_checks_the_proxys_own_share() -> None:
     assert "MISSED" not in format_report([own], stage_p50_ms=2.0, tokens=64)
 
 
+def test_report_of_paths_that_only_failed() -> None:
+    results = [PathResult("bare", 16, 0, 1.0, [], errors=16), PathResult("capture", 16, 0, 1.0, [], errors=16)]
+    report = format_report(results, stage_p50_ms=1.0, tokens=64)
+    assert "     16     bare      0     16       0.0      nan      nan" in report
+    assert "calls/s at 16 clients" not in report  # no ratio over a path without one successful call
+
+
 @pytest.mark.slow
 def test_tiny_benchmark_run(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [

@@ -120,7 +120,7 @@ def format_report(results: list[PathResult], stage_p50_ms: float, tokens: int, e
             f"{run.percentile_ms(50):>8.2f} {run.percentile_ms(99):>8.2f}{own}"
         )
     for path in ("capture", "exact"):
-        if (path, 16) in best and ("bare", 16) in best:
+        if (path, 16) in best and ("bare", 16) in best and best[("bare", 16)].calls_per_s > 0:
             ratio = best[(path, 16)].calls_per_s / best[("bare", 16)].calls_per_s
             verdict = _verdict(ratio >= MIN_CAPTURE_TO_BARE)
             lines.append(f"{path}/bare calls/s at 16 clients: {ratio:.2f} (target >= {MIN_CAPTURE_TO_BARE}: {verdict})")
