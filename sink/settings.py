@@ -235,6 +235,9 @@ class ProxySettings(BaseModel):
     """Exact-prefix ``/v1/completions``: a rollout's exact texts (``ns:{R}:ledger:text``, parent resolution of a text
     prompt) expire this long after their last write."""
     durability: Literal["fsync", "none"] = "fsync"
+    server_timing: bool = False
+    """Add a ``Server-Timing`` header (``engine``, ``capture``, ``total`` ms) to each captured call's response
+    (benchmarks: the proxy's own share of a call is ``total - engine``)."""
 
     @model_validator(mode="after")
     def _check_capture_has_a_store(self) -> ProxySettings:

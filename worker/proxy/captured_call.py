@@ -26,6 +26,7 @@ from worker.capture import RolloutTokenCapture
 from worker.errors import EnginePayloadError
 from worker.exact_chat import Rendering
 from worker.exact_text import ExactText
+from worker.proxy.call_timing import engine_span, note_capture, timing_headers
 from worker.proxy.exact_answers import JSON_HEADERS, asked_by, exact_chat_answer
 from worker.proxy.exact_completions import ExactCompletions
 from worker.proxy.exact_mode import ExactMode, PrefixModeChoice
@@ -166,9 +167,9 @@ class CapturedCall:
     # --- upstream ------------------------------------------------------------------
 
     async def _upstream(self, body: bytes, receive: Receive) -> UpstreamAnswer:
-        started = time.perf_counter()
-        result = await call_inner(self.owner.app, self.scope, body, receive, self.owner.settings.max_response_bytes)
-        self.owner.metrics.observe(upstream_s=time.perf_counter() - started)
+        with engine_span() as span:
+            result = await call_inner(self.owner.app, self.scope, body, receive, self.owner.settings.max_response_bytes)
+        self.owner.metrics.observe(upstream_s=span.seconds)
         return result
 
     def _parsed(self, upstream: UpstreamAnswer) -> dict[str, Any] | None:
@@ -335,7 +336,7 @@ class CapturedCall:
                 await self._settle(coords, payload)
                 if self.captured and text is not None and served and xc is not None:
                     await xc.remember(self.rollout_id, text, {"choices": served})
-                metrics.observe(stage_s=time.perf_counter() - staged_at)
+                metrics.observe(stage_s=note_capture(time.perf_counter() - staged_at))
             elif payload is not None:
                 strip_token_fields(self.route, payload, asked)
         finally:
@@ -372,4 +373,4 @@ class CapturedCall:
         else:
             body, content_type = orjson.dumps(payload), b"application/json"
         self.owner.metrics.observe(nbytes=len(body))
-        await send_body(send, 200, body, content_type)
+        await send_body(send, 200, body, content_type, timing_headers())

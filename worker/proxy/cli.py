@@ -133,6 +133,11 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
         default="fsync",
         help="fsync (default): refuse to stage on a server without appendfsync always",
     )
+    proxy.add_argument(
+        "--server-timing",
+        action="store_true",
+        help="add a Server-Timing header (engine, capture, total ms) to captured calls' responses (benchmarks)",
+    )
     proxy.set_defaults(handler=proxy_command)
     engine = commands.add_parser(
         "engine",
@@ -191,6 +196,7 @@ def proxy_config(args: argparse.Namespace) -> ProxySettings:
         prefix_mode=args.prefix_mode,
         durability=args.durability,
         redis_timeout_s=args.redis_timeout_s,
+        server_timing=args.server_timing,
     )
 
 

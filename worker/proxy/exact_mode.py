@@ -22,6 +22,7 @@ from worker.asgi import ASGIApp, Message
 from worker.errors import StagingModeError
 from worker.exact_chat import ExactAnswer, Rendering, exact_chat, render_chat
 from worker.exact_probe import ExactProbe, probe_exact_prefix
+from worker.proxy.call_timing import engine_span
 from worker.weight_version import WeightLabelRule, WeightVersionError, version_of_spans
 
 __all__ = ("ExactMode", "PrefixMode", "PrefixModeChoice", "sub_request", "without_spans")
@@ -94,7 +95,8 @@ class ExactMode:
 
     async def call(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         """``POST`` *body* to *path* on the engine: its status and parsed JSON body."""
-        return await sub_request(self.app, "POST", path, body)
+        with engine_span():
+            return await sub_request(self.app, "POST", path, body)
 
     async def render(self, request: dict[str, Any]) -> Rendering:
         """Render *request* and its history with the engine's template (an error: nothing can be generated)."""

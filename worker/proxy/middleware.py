@@ -15,6 +15,7 @@ not a captured call passes through unchanged; requests without a rollout id are 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -38,6 +39,7 @@ from worker.asgi import (
     send_json,
 )
 from worker.capture import RolloutTokenCapture
+from worker.proxy.call_timing import call_clock
 from worker.proxy.captured_call import CapturedCall
 from worker.proxy.exact_completions import ExactCompletions
 from worker.proxy.exact_mode import PrefixModeChoice
@@ -129,7 +131,8 @@ class CaptureMiddleware:
             self.metrics.count("uncaptured")
             await self.app(inner, receive, send)
             return
-        await self._captured(route, target.rollout_id, inner, receive, send)
+        with call_clock() if self.settings.server_timing else contextlib.nullcontext():  # the Server-Timing header
+            await self._captured(route, target.rollout_id, inner, receive, send)
 
     # --- finished -----------------------------------------------------------
 

@@ -20,8 +20,16 @@ __all__ = ("derender_chat", "derender_chat_chunk")
 _SPECIAL_NAMES = {IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
 
 
-def _token_string(tokenizer: ByteTokenizer, token: int) -> str:
-    return _SPECIAL_NAMES.get(token) or tokenizer.decode([token])
+_STRINGS: dict[int, tuple[str, list[int]]] = {}
+"""Per id, its token string and that string's UTF-8 bytes (built once per id: the vocabulary is tiny)."""
+
+
+def _token_string(tokenizer: ByteTokenizer, token: int) -> tuple[str, list[int]]:
+    known = _STRINGS.get(token)
+    if known is None:
+        text = _SPECIAL_NAMES.get(token) or tokenizer.decode([token])
+        known = _STRINGS[token] = (text, list(text.encode()))
+    return known
 
 
 def _text(ids: Sequence[int], *, final: bool) -> str:
@@ -52,8 +60,8 @@ def _logprobs(tokenizer: ByteTokenizer, choice: dict[str, Any]) -> dict[str, Any
         return None
     out = []
     for entry in entries:
-        token = _token_string(tokenizer, entry["token_id"])
-        out.append({"token": token, "logprob": entry["logprob"], "bytes": list(token.encode()), "top_logprobs": []})
+        token, raw = _token_string(tokenizer, entry["token_id"])
+        out.append({"token": token, "logprob": entry["logprob"], "bytes": list(raw), "top_logprobs": []})
     return {"content": out}
 
 

@@ -62,9 +62,9 @@ class ByteTokenizer:
 
         :raises ValueError: an id outside the vocabulary.
         """
-        if any(not 0 <= token < _VOCAB_SIZE for token in token_ids):
+        if token_ids and not (0 <= min(token_ids) and max(token_ids) < _VOCAB_SIZE):
             raise ValueError("token id outside the simulated vocabulary")
-        raw = bytes(token - BYTE_OFFSET for token in token_ids if token >= BYTE_OFFSET)
+        raw = bytes([token - BYTE_OFFSET for token in token_ids if token >= BYTE_OFFSET])
         return raw.decode("utf-8", errors="replace")
 
     def render_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:

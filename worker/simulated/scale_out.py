@@ -156,6 +156,8 @@ class ScaleOut:
             if body[-1] == IM_END and not params.ignore_eos:
                 break
         finish: FinishReason = "stop" if ids[-1] == IM_END and not params.ignore_eos else "length"
+        if not params.stop:  # nothing to look for: skip the per-prefix decode (quadratic in the output length)
+            return Generation(ids, logprobs, finish), None
         for end in range(1, len(ids) + 1):
             text = self.engine.tokenizer.decode(ids[:end])
             hit = next((stop for stop in params.stop if stop in text), None)

@@ -1,0 +1,145 @@
+"""The report of ``staging-sink bench proxy``: per-path results, best of the repeats, and the target checks.
+
+Every figure of a (path, clients) pair is taken from the best of its repeats: latencies from the repeat with the
+lowest p50, throughput the highest calls/s. The proxy's own share of a captured call is measured inside the proxy
+(its ``Server-Timing`` header, :mod:`worker.proxy.call_timing`): the call's time in the proxy minus the wall time
+spent waiting for engine answers, so it holds the admission, the stage, the ledger commit, the JSON work and any
+wait for the proxy's event loop, and never the engine's cost of generating or computing log-probs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ("MAX_EXACT_TO_VERIFY", "MIN_CAPTURE_TO_BARE", "OWN_SHARE_OVER_STAGE_MS", "PathResult", "format_report")
+
+MIN_CAPTURE_TO_BARE = 0.5
+"""Target: a capturing proxy's calls/s at 16 clients at least this fraction of bare forwarding's."""
+MAX_EXACT_TO_VERIFY = 1.5
+"""Target: exact-prefix mode's added p50 over calling the engine directly at most this many times verify mode's."""
+OWN_SHARE_OVER_STAGE_MS = 2.0
+"""Target: the proxy's own share of a captured call (p50) at most the sink's stage p50 plus this many ms."""
+
+
+def _percentile_ms(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return 1000 * ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))] if ordered else float("nan")
+
+
+@dataclass(frozen=True)
+class PathResult:
+    """One path at one concurrency, in one repeat."""
+
+    path: str
+    clients: int
+    calls: int
+    seconds: float
+    latencies_s: list[float]
+    errors: int = 0
+    engine_s: list[float] = field(default_factory=list)
+    """Per call, the proxy's wait for engine answers (from its ``Server-Timing`` header; captured paths only)."""
+    own_s: list[float] = field(default_factory=list)
+    """Per call, the proxy's own share: its time on the call minus ``engine_s`` (captured paths only)."""
+    capture_s: list[float] = field(default_factory=list)
+    """Per call, the stage and the ledger commit (part of ``own_s``; captured paths only)."""
+
+    @property
+    def calls_per_s(self) -> float:
+        """Throughput."""
+        return self.calls / self.seconds
+
+    def percentile_ms(self, q: float) -> float:
+        """Latency percentile *q* (0-100) in ms."""
+        return _percentile_ms(self.latencies_s, q)
+
+    def own_ms(self, q: float) -> float:
+        """The proxy's own share, percentile *q*, in ms (``nan`` without timings)."""
+        return _percentile_ms(self.own_s, q)
+
+    def engine_ms(self, q: float) -> float:
+        """The proxy's wait for the engine, percentile *q*, in ms (``nan`` without timings)."""
+        return _percentile_ms(self.engine_s, q)
+
+
+@dataclass(frozen=True)
+class _Best:
+    latency: PathResult
+    """The repeat with the lowest p50 (its p50, p99 and timings are reported)."""
+    calls_per_s: float
+    """The highest throughput of the repeats."""
+    repeats: int
+
+
+def _best(results: Sequence[PathResult]) -> dict[tuple[str, int], _Best]:
+    groups: dict[tuple[str, int], list[PathResult]] = {}
+    for result in results:
+        groups.setdefault((result.path, result.clients), []).append(result)
+    return {
+        key: _Best(min(runs, key=lambda r: r.percentile_ms(50)), max(r.calls_per_s for r in runs), len(runs))
+        for key, runs in groups.items()
+    }
+
+
+def _verdict(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def _own_lines(best: dict[tuple[str, int], _Best], stage_p50_ms: float) -> list[str]:
+    lines = []
+    limit = stage_p50_ms + OWN_SHARE_OVER_STAGE_MS
+    for (path, clients), entry in sorted(best.items(), key=lambda item: (item[0][1], item[0][0])):
+        run = entry.latency
+        if not run.own_s:
+            continue
+        own = run.own_ms(50)
+        lines.append(
+            f"proxy's own share, {path} at {clients} clients: p50 {own:.2f} / p99 {run.own_ms(99):.2f} ms "
+            f"(stage + commit p50 {_percentile_ms(run.capture_s, 50):.2f} ms, engine wait p50 {run.engine_ms(50):.2f} ms; target p50 <= stage p50 + {OWN_SHARE_OVER_STAGE_MS:g} "
+            f"= {limit:.2f} ms: {_verdict(own <= limit)})"
+        )
+    return lines
+
+
+def format_report(results: list[PathResult], stage_p50_ms: float, tokens: int, engine: str = "") -> str:
+    """The side-by-side table (best of the repeats) and the target checks."""
+    best = _best(results)
+    repeats = max((entry.repeats for entry in best.values()), default=0)
+    title = f"proxy benchmark: {tokens}-token chat completions; sink stage p50 {stage_p50_ms:.2f} ms"
+    heading = f"{'clients':>7} {'path':>8} {'calls':>6} {'errors':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}"
+    lines = [
+        f"{title}; best of {repeats} interleaved repeat(s)",
+        *([f"engine: {engine}"] if engine else []),
+        f"{heading} {'own p50':>8} {'own p99':>8}",
+    ]
+    for (path, clients), entry in best.items():
+        run = entry.latency
+        own = f" {run.own_ms(50):>8.2f} {run.own_ms(99):>8.2f}" if run.own_s else ""
+        lines.append(
+            f"{clients:>7} {path:>8} {run.calls:>6} {run.errors:>6} {entry.calls_per_s:>9.1f} "
+            f"{run.percentile_ms(50):>8.2f} {run.percentile_ms(99):>8.2f}{own}"
+        )
+    for path in ("capture", "exact"):
+        if (path, 16) in best and ("bare", 16) in best and best[("bare", 16)].calls_per_s > 0:
+            ratio = best[(path, 16)].calls_per_s / best[("bare", 16)].calls_per_s
+            verdict = _verdict(ratio >= MIN_CAPTURE_TO_BARE)
+            lines.append(f"{path}/bare calls/s at 16 clients: {ratio:.2f} (target >= {MIN_CAPTURE_TO_BARE}: {verdict})")
+    if ("capture", 1) in best and ("bare", 1) in best:
+        added = best[("capture", 1)].latency.percentile_ms(50) - best[("bare", 1)].latency.percentile_ms(50)
+        verdict = _verdict(added <= stage_p50_ms + 1)
+        lines.append(f"added p50 at 1 client: {added:.2f} ms (target <= {stage_p50_ms + 1:.2f} ms: {verdict})")
+    lines.extend(_own_lines(best, stage_p50_ms))
+    for clients in sorted({clients for _, clients in best}):
+        keys = [("direct", clients), ("capture", clients), ("exact", clients)]
+        if all(key in best for key in keys):
+            direct, verify, exact = (best[key].latency for key in keys)
+            verify_p50, verify_p99, exact_p50, exact_p99 = (
+                path.percentile_ms(q) - direct.percentile_ms(q) for path in (verify, exact) for q in (50, 99)
+            )
+            ratio = exact_p50 / verify_p50 if verify_p50 > 0 else float("inf")
+            lines.append(
+                f"added over direct at {clients} clients: verify p50 {verify_p50:.2f} / p99 {verify_p99:.2f} ms, "
+                f"exact p50 {exact_p50:.2f} / p99 {exact_p99:.2f} ms; exact/verify p50 {ratio:.2f} "
+                f"(target <= {MAX_EXACT_TO_VERIFY}: {_verdict(ratio <= MAX_EXACT_TO_VERIFY)})"
+            )
+    return "\n".join(lines)
