@@ -35,18 +35,14 @@ from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.durability import run_script_durably
 from sink.store.resource import settings_or_fields
 from sink.store.scripts import (
-    APPEND_APPENDED,
-    APPEND_CONFLICT,
-    APPEND_DUPLICATE,
-    APPEND_FENCED,
     APPEND_SCRIPT,
-    DELETE_STALE,
     HAS_ROWS_SCRIPT,
     LEDGER_DELETE_SCRIPT,
-    LEDGER_FENCED,
     LEDGER_RETIRE_SCRIPT,
     READ_SCRIPT,
-    REMOVED,
+    AppendStatus,
+    LedgerStatus,
+    RemovalStatus,
     ServerScript,
 )
 
@@ -87,10 +83,10 @@ def _entries(xrange_reply: object) -> list[dict[str, str]]:
 
 
 _OUTCOMES = {
-    APPEND_APPENDED: AppendOutcome.APPENDED,
-    APPEND_DUPLICATE: AppendOutcome.DUPLICATE,
-    APPEND_FENCED: AppendOutcome.FENCED,
-    APPEND_CONFLICT: AppendOutcome.CONFLICT,
+    AppendStatus.APPENDED: AppendOutcome.APPENDED,
+    AppendStatus.DUPLICATE: AppendOutcome.DUPLICATE,
+    AppendStatus.FENCED: AppendOutcome.FENCED,
+    AppendStatus.CONFLICT: AppendOutcome.CONFLICT,
 }
 
 
@@ -189,12 +185,12 @@ class RedisCaptureLedger(CaptureLedger):
     async def _read_entries(self, rollout_id: str) -> list[dict[str, str]] | None:
         stream, _ids, fence = self._keys(rollout_id)
         reply = await self._run(READ_SCRIPT, [stream, fence], [], "read a rollout ledger")
-        return None if reply[0] == LEDGER_FENCED else _entries(reply[1])
+        return None if reply[0] == LedgerStatus.FENCED else _entries(reply[1])
 
     async def _fence_state(self, rollout_id: str) -> tuple[bool, bool]:
         stream, _ids, fence = self._keys(rollout_id)
         reply = await self._run(HAS_ROWS_SCRIPT, [stream, fence], [], "check a rollout ledger")
-        return (True, False) if reply[0] == LEDGER_FENCED else (False, bool(reply[1]))
+        return (True, False) if reply[0] == LedgerStatus.FENCED else (False, bool(reply[1]))
 
     async def _per_id(self, ids: list[str], run: Callable[[str], Awaitable[bool]], verb: str) -> RolloutRemoval:
         outcomes: list[bool] = [False] * len(ids)
@@ -224,7 +220,7 @@ class RedisCaptureLedger(CaptureLedger):
     async def _retire_one(self, rollout_id: str) -> bool:
         args = [repr(time.time())]
         reply = await self._write(LEDGER_RETIRE_SCRIPT, self._keys(rollout_id), args, f"retire {rollout_id!r}")
-        return bool(reply[0] == REMOVED)
+        return bool(reply[0] == RemovalStatus.REMOVED)
 
     async def _delete_one(self, rollout_id: str) -> bool:
         """Remove every key under the rollout's hash tag (ledger, fence, receipt, claim, records, calls)."""
@@ -242,8 +238,8 @@ class RedisCaptureLedger(CaptureLedger):
             reply = await self._write(
                 LEDGER_DELETE_SCRIPT, [*fixed, *records], [str(len(raw or []))], f"delete {rollout_id!r}"
             )
-            if reply[0] != DELETE_STALE:
-                return bool(reply[0] == REMOVED)
+            if reply[0] != RemovalStatus.DELETE_STALE:
+                return bool(reply[0] == RemovalStatus.REMOVED)
         raise StagingUnavailableError(  # contention, not a refusal: trying again later may succeed
             f"could not delete {rollout_id!r}: records kept being staged during {_DELETE_ATTEMPTS} attempts"
         )

@@ -5,9 +5,9 @@ every script touches only keys of one cluster slot (passed in ``KEYS``), so
 each is atomic on that slot.
 
 Reply convention: every script returns a table whose first element is an
-integer status named by a constant of this module (the stage script, a batch,
+integer status, a member of one of this module's IntEnums (:class:`StageStatus`, ...) (the stage script, a batch,
 returns one status per record instead); any payload follows the status. The
-Lua text gets the numbers from the constants (``$NAME`` placeholders), so
+Lua text gets the numbers from the enums (``$NAME`` placeholders), so
 Python and Lua cannot disagree.
 
 Running: every script is a function of :data:`LIBRARY` (``FCALL`` on Redis >= 7.0 and Valkey, after
@@ -33,33 +33,14 @@ from sink.store.script_runner import ServerScript
 # The status codes and the library live in script_status; the scripts in staging_scripts and consumer_scripts
 # (re-exported here: import scripts from this module, which registers every one of them in LIBRARY).
 from sink.store.script_status import (
-    APPEND_APPENDED,
-    APPEND_CONFLICT,
-    APPEND_DUPLICATE,
-    APPEND_FENCED,
-    CLAIM_CLAIMED,
-    CLAIM_DUPLICATE,
-    CLAIM_RETIRED,
-    DELETE_STALE,
-    DONE,
-    GROUP_COMPLETE,
-    GROUP_GONE,
-    GROUP_LATE,
-    GROUP_OWNED,
-    GROUP_SEALED,
-    GROUP_TAKEN,
-    GROUP_WAIT,
-    LEDGER_FENCED,
-    LEDGER_OPEN,
     LIBRARY,
-    NOT_REMOVED,
-    REMOVED,
-    STAGE_CONFLICT,
-    STAGE_REPAIRED,
-    STAGE_RETIRED,
-    STAGE_SAME,
-    STAGE_WRITTEN,
-    STAGE_WRONG_TYPE,
+    AppendStatus,
+    ClaimStatus,
+    GroupStatus,
+    LedgerStatus,
+    RemovalStatus,
+    ScriptDone,
+    StageStatus,
 )
 from sink.store.staging_scripts import (
     APPEND_SCRIPT,
@@ -73,48 +54,29 @@ from sink.store.staging_scripts import (
 )
 
 __all__ = (
-    "APPEND_APPENDED",
-    "APPEND_CONFLICT",
-    "APPEND_DUPLICATE",
-    "APPEND_FENCED",
     "APPEND_SCRIPT",
     "CALLS_ENTRY_FIELDS",
-    "CLAIM_CLAIMED",
-    "CLAIM_DUPLICATE",
-    "CLAIM_RETIRED",
     "CLAIM_SCRIPT",
     "CLEAR_SCRIPT",
-    "DELETE_STALE",
-    "DONE",
     "GROUP_CHECK_SCRIPT",
     "GROUP_CLOSE_SCRIPT",
-    "GROUP_COMPLETE",
     "GROUP_GATHER_SCRIPT",
-    "GROUP_GONE",
-    "GROUP_LATE",
-    "GROUP_OWNED",
-    "GROUP_SEALED",
-    "GROUP_TAKEN",
-    "GROUP_WAIT",
     "GYM_SCRIPT",
     "HAS_ROWS_SCRIPT",
     "LEDGER_DELETE_SCRIPT",
-    "LEDGER_FENCED",
-    "LEDGER_OPEN",
     "LEDGER_RETIRE_SCRIPT",
     "LIBRARY",
-    "NOT_REMOVED",
     "READ_SCRIPT",
     "RELEASE_SCRIPT",
-    "REMOVED",
     "RETIRE_CONSUMER_SCRIPT",
-    "STAGE_CONFLICT",
-    "STAGE_REPAIRED",
-    "STAGE_RETIRED",
-    "STAGE_SAME",
     "STAGE_SCRIPT",
-    "STAGE_WRITTEN",
-    "STAGE_WRONG_TYPE",
     "TOUCH_SCRIPT",
+    "AppendStatus",
+    "ClaimStatus",
+    "GroupStatus",
+    "LedgerStatus",
+    "RemovalStatus",
+    "ScriptDone",
     "ServerScript",
+    "StageStatus",
 )

@@ -39,7 +39,7 @@ from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.dead_letters import UndecodableEntry, dead_letter_record
 from sink.store.durability import Durability, execute_durably
 from sink.store.pipeline_counters import count_dead_letter
-from sink.store.scripts import REMOVED, RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT
+from sink.store.scripts import RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT, RemovalStatus
 
 __all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
 
@@ -386,7 +386,7 @@ class GroupConsumer:
         with anyio.CancelScope(shield=True), map_redis_errors(f"retire consumer {self.consumer!r}"):
             for shard, stream in enumerate(self.streams):
                 reply = await RETIRE_CONSUMER_SCRIPT.run(self._client(shard), [stream], [self.group, self.consumer])
-                if reply[0] == REMOVED:
+                if reply[0] == RemovalStatus.REMOVED:
                     deleted += 1
         return deleted
 

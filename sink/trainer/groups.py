@@ -44,17 +44,7 @@ from sink.keys import dead_letter_stream, group_keys
 from sink.rollout.done_event import GroupTag
 from sink.store.connection import map_redis_errors
 from sink.store.durability import execute_durably
-from sink.store.scripts import (
-    GROUP_CHECK_SCRIPT,
-    GROUP_CLOSE_SCRIPT,
-    GROUP_COMPLETE,
-    GROUP_GATHER_SCRIPT,
-    GROUP_GONE,
-    GROUP_LATE,
-    GROUP_SEALED,
-    GROUP_TAKEN,
-    GROUP_WAIT,
-)
+from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
 from sink.trainer.pulled import PulledRollout, SkippedRollout
 from sink.trainer.reader import RolloutReader
 
@@ -211,25 +201,25 @@ class GroupReader:
                     ttl_ms,
                 ],
             )
-        state = int(reply[0])
-        if state == GROUP_LATE:
+        state = GroupStatus(int(reply[0]))
+        if state == GroupStatus.LATE:
             await self._record_dead(tag, [item.rollout_id], [], LATE_MEMBER, "arrived after its group went out")
             await self._reader.ack([item.rollout_id])
             self._counts["late"] += 1
             return None
         if not item.trainable:
             await self._reader.ack([item.rollout_id])  # recorded with its code; nothing to train on
-        elif state in (GROUP_WAIT, GROUP_COMPLETE):
+        elif state in (GroupStatus.WAIT, GroupStatus.COMPLETE):
             self._parked.setdefault(tag.group_id, {})[item.rollout_id] = item
-        if state == GROUP_TAKEN:
+        if state == GroupStatus.TAKEN:
             self._hand_over(tag.group_id, [item.rollout_id])
             return None
-        if state == GROUP_WAIT:
+        if state == GroupStatus.WAIT:
             self._watched[tag.group_id] = tag
             return None
-        if state == GROUP_COMPLETE:
+        if state == GroupStatus.COMPLETE:
             return await self._own(tag, reply[1:], complete=True)
-        return None  # GROUP_OWNED: delivered by this rank already
+        return None  # OWNED: delivered by this rank already
 
     async def _check_watched(self) -> list[RolloutGroup]:
         """Check every group this rank waits on (the scripts run concurrently), then act on each state."""
@@ -254,14 +244,14 @@ class GroupReader:
                 checks.start_soon(check, index, group_id)
         delivered: list[RolloutGroup] = []
         for (group_id, tag), reply in zip(watched, replies, strict=True):
-            state = int(reply[0])
-            if state == GROUP_WAIT:
+            state = GroupStatus(int(reply[0]))
+            if state == GroupStatus.WAIT:
                 continue
             del self._watched[group_id]
-            if state in (GROUP_TAKEN, GROUP_GONE):
+            if state in (GroupStatus.TAKEN, GroupStatus.GONE):
                 self._hand_over(group_id, list(self._parked.pop(group_id, {})))
-            elif state in (GROUP_COMPLETE, GROUP_SEALED):
-                delivered += await self._own(tag, reply[1:], complete=state == GROUP_COMPLETE)
+            elif state in (GroupStatus.COMPLETE, GroupStatus.SEALED):
+                delivered += await self._own(tag, reply[1:], complete=state == GroupStatus.COMPLETE)
         return delivered
 
     def _hand_over(self, group_id: str, rollout_ids: list[str]) -> None:
