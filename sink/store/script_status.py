@@ -15,6 +15,7 @@ __all__ = (
     "AppendStatus",
     "ClaimStatus",
     "GroupStatus",
+    "GymStatus",
     "LedgerStatus",
     "RemovalStatus",
     "ScriptDone",
@@ -89,6 +90,18 @@ class GroupStatus(IntEnum):
     LATE = 6
 
 
+class GymStatus(IntEnum):
+    """The Gym transport's script (:mod:`sink.store.gym_scripts`): one status per operation of a batch."""
+
+    OK = 0
+    SAME = 1
+    CONFLICT = 2
+    FROZEN = 3
+    RETIRED = 4
+    WRONG_TYPE = 5
+    DROP_REFUSED = 6
+
+
 _PLACEHOLDER_PREFIXES: Final[tuple[tuple[str, type[IntEnum]], ...]] = (
     ("", ScriptDone),
     ("", RemovalStatus),
@@ -97,6 +110,7 @@ _PLACEHOLDER_PREFIXES: Final[tuple[tuple[str, type[IntEnum]], ...]] = (
     ("LEDGER_", LedgerStatus),
     ("CLAIM_", ClaimStatus),
     ("GROUP_", GroupStatus),
+    ("GYM_", GymStatus),
 )
 
 STATUS_CODES: Final[dict[str, int]] = {
