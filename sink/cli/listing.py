@@ -24,6 +24,7 @@ from rich.table import Table
 
 from sink.cli.common import EXIT_OK, RedisTarget, decode_text, open_topology, stdout_console, write_json
 from sink.contract.records import RolloutReceipt
+from sink.contract.skip_codes import SkipCode
 from sink.keys import claim_key, receipt_key
 from sink.store.connection import Topology, map_redis_errors
 
@@ -83,7 +84,7 @@ class RolloutState:
         if state == "claimed":
             return f"by {self.claimed_by or '?'}"
         if self.receipt is not None and (state == "poisoned" or self.receipt.failure_reason):
-            return self.receipt.failure_reason or self.receipt.terminal_attribution_reason or "capture_poisoned"
+            return self.receipt.failure_reason or self.receipt.terminal_attribution_reason or SkipCode.CAPTURE_POISONED
         return ""
 
     def as_json(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from sink.cli.common import (
 )
 from sink.cli.common import write_json as _write_json
 from sink.contract.records import RolloutManifest, RolloutReceipt
+from sink.contract.skip_codes import SkipCode
 from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import calls_stream, fence_key, ledger_stream, receipt_key, validate_rollout_id
 from sink.ledger.ownership import ownership_problem
@@ -215,12 +216,16 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
                 snapshots = await source.fetch([row.staging_key for row in receipt.manifest])
             row = verify_and_linearize(receipt, snapshots)
         except KeyError as exc:
-            outcome |= {"verified": False, "code": "missing_record", "detail": str(exc.args[0] if exc.args else exc)}
+            outcome |= {
+                "verified": False,
+                "code": SkipCode.MISSING_RECORD,
+                "detail": str(exc.args[0] if exc.args else exc),
+            }
             if state["fenced"] and state["receipt"] is not None:
                 # The trainer's ack retires the ledger (fence), then deletes the staged records.
                 outcome |= {"consumed": True, "code": "consumed", "detail": "acknowledged by a trainer"}
         except CodecError as exc:
-            outcome |= {"verified": False, "code": "corrupt_record", "detail": str(exc)}
+            outcome |= {"verified": False, "code": SkipCode.CORRUPT_RECORD, "detail": str(exc)}
         except ReceiptVerificationError as exc:
             outcome |= {"verified": False, "code": exc.code, "detail": exc.detail}
         else:

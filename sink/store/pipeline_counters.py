@@ -24,11 +24,12 @@ from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any
 
+from sink.contract.skip_codes import UPSTREAM_SKIP_CODES
+
 __all__ = (
     "COUNTER_HELP",
     "LATENCY_BUCKETS_S",
     "LATENCY_SERIES",
-    "UPSTREAM_SKIP_CODES",
     "CounterListener",
     "PipelineCounters",
     "StageOutcome",
@@ -54,9 +55,6 @@ class StageOutcome(StrEnum):
     """The key holds a record with another digest (nothing was written)."""
     FAILED = "failed"
 
-
-UPSTREAM_SKIP_CODES = frozenset({"rollout_failed", "capture_poisoned"})
-"""Skip codes that the receipt itself carries (the rollout failed upstream): not verification failures."""
 
 COUNTER_HELP: Mapping[str, str] = {
     "staging_sink_stages": "stage() calls by result (ok, conflict, failed).",

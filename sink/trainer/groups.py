@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import anyio
 
+from sink.contract.skip_codes import SkipCode
 from sink.keys import dead_letter_stream, group_keys
 from sink.rollout.done_event import GroupTag
 from sink.store.connection import map_redis_errors
@@ -52,8 +53,6 @@ __all__ = ("GROUP_SIZE_MISMATCH", "LATE_MEMBER", "GroupReader", "GroupStatistics
 
 logger = logging.getLogger(__name__)
 
-MEMBER_UNAVAILABLE = "member_unavailable"
-"""Failed-member code: the member's receipt entry was gone when the owner took it over."""
 LATE_MEMBER = "late_member"
 """``dead_code`` on ``ns:dead:groups``: a member that arrived after its group went out (acknowledged, recorded)."""
 GROUP_SIZE_MISMATCH = "group_size_mismatch"
@@ -300,7 +299,7 @@ class GroupReader:
                 await self._reader.ack([item.rollout_id])
         for rollout_id in tokens:
             if rollout_id not in members and all(f.rollout_id != rollout_id for f in failed):
-                failed.append(SkippedRollout(rollout_id, MEMBER_UNAVAILABLE, "its receipt entry was gone"))
+                failed.append(SkippedRollout(rollout_id, SkipCode.MEMBER_UNAVAILABLE, "its receipt entry was gone"))
         ordered = [members[rollout_id] for rollout_id in sorted(members)]
         return await self._finish(tag, ordered, failed, complete=complete)
 

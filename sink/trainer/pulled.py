@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from sink.contract.records import RolloutReceipt
+from sink.contract.skip_codes import SkipCode
 from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import validate_rollout_id
 from sink.rollout.done_event import GroupTag, parse_group_fields
@@ -20,8 +21,6 @@ from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.verify import LinearizedRow, verify_decoded_and_linearize
 
 __all__ = (
-    "CORRUPT_RECORD",
-    "MISSING_RECORD",
     "PulledRollout",
     "SkippedRollout",
     "fetch_and_verify",
@@ -29,11 +28,6 @@ __all__ = (
     "parse_receipt_group",
     "with_group",
 )
-
-MISSING_RECORD = "missing_record"
-"""Skip code: a staged record named by the manifest is gone (``KeyError`` from the source)."""
-CORRUPT_RECORD = "corrupt_record"
-"""Skip code: a staged blob is corrupt or stored under a foreign key (``CodecError`` from the source)."""
 
 
 class SkippedRollout(NamedTuple):
@@ -108,16 +102,18 @@ async def fetch_and_verify(source: AsyncRedisStagingSource, receipt: RolloutRece
     :raises StagingConnectionError: the server could not be reached.
     """
     if receipt.failure_reason is not None:
-        return _skip(receipt, "rollout_failed", receipt.failure_reason)
+        return _skip(receipt, SkipCode.ROLLOUT_FAILED, receipt.failure_reason)
     if receipt.capture_poisoned:
-        return _skip(receipt, "capture_poisoned", receipt.terminal_attribution_reason or "capture_poisoned")
+        return _skip(
+            receipt, SkipCode.CAPTURE_POISONED, receipt.terminal_attribution_reason or SkipCode.CAPTURE_POISONED
+        )
     try:
         # One fetch per rollout: one MGET per slot, and a rollout lives in one slot.
         snapshots = await source.fetch_packed([row.staging_key for row in receipt.manifest])
     except KeyError as exc:
-        return _skip(receipt, MISSING_RECORD, str(exc.args[0]) if exc.args else str(exc))
+        return _skip(receipt, SkipCode.MISSING_RECORD, str(exc.args[0]) if exc.args else str(exc))
     except CodecError as exc:
-        return _skip(receipt, CORRUPT_RECORD, str(exc))
+        return _skip(receipt, SkipCode.CORRUPT_RECORD, str(exc))
     try:
         # Decoded just now, packed, and not shared: verified at decode (same
         # checks, same digests), and the row keeps their bytes.

@@ -45,8 +45,6 @@ from sink.trainer.backlog import TRAINER_GROUP, ReceiptBacklog
 from sink.trainer.claims import RolloutClaims
 from sink.trainer.held import HeldRollouts
 from sink.trainer.pulled import (
-    CORRUPT_RECORD,
-    MISSING_RECORD,
     PulledRollout,
     fetch_and_verify,
     parse_receipt_entry,
@@ -55,14 +53,11 @@ from sink.trainer.pulled import (
 )
 from sink.trainer.reader_guards import AckOutcome, foreign_row_skip, own_keys
 from sink.trainer.retention import expire_consumed
-from sink.trainer.staleness import STALE_WEIGHTS, stale_skip
+from sink.trainer.staleness import stale_skip
 from sink.trainer.statistics import ReaderStatistics
 from sink.trainer.weights import publish_weight_version
 
 __all__ = (
-    "CORRUPT_RECORD",
-    "MISSING_RECORD",
-    "STALE_WEIGHTS",
     "TRAINER_GROUP",
     "AckOutcome",
     "PulledRollout",

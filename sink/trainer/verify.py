@@ -24,6 +24,7 @@ from typing import Final
 from sink.contract.packed import PackedColumns, PackedSnapshot
 from sink.contract.record_schema import IDENTITY_FIELDS, SUPPORTED_VERSIONS, unsupported_version
 from sink.contract.records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
+from sink.contract.skip_codes import SkipCode
 from sink.errors import RebuildError, ReceiptVerificationError
 from sink.trainer.rebuild import PackedCall, Snapshot, chain_positions, linearize_chain, verify_lineage
 from sink.trainer.row import ExtrasCommitment, LinearizedRow, LinkSpan, NumpyColumns, WeightVersionSpan
@@ -67,9 +68,9 @@ def _check_receipt_state(receipt: RolloutReceipt) -> None:
         if problem := unsupported_version(f"receipt {name}", getattr(receipt, name, _MISSING), expected):
             raise _fail(_VERSION_CODES[name], problem)
     if receipt.failure_reason is not None:
-        raise _fail("rollout_failed", f"rollout {receipt.rollout_id!r} failed: {receipt.failure_reason}")
+        raise _fail(SkipCode.ROLLOUT_FAILED, f"rollout {receipt.rollout_id!r} failed: {receipt.failure_reason}")
     if receipt.capture_poisoned:
-        raise _fail("capture_poisoned", f"rollout {receipt.rollout_id!r} is capture-poisoned")
+        raise _fail(SkipCode.CAPTURE_POISONED, f"rollout {receipt.rollout_id!r} is capture-poisoned")
     if not receipt.manifest:
         raise _fail("empty_manifest", f"rollout {receipt.rollout_id!r} has an empty manifest")
 
