@@ -21,7 +21,6 @@ from sink.cli.common import (
     EXIT_OK,
     CommandError,
     RedisTarget,
-    decode_text,
     open_topology,
     positive_int,
     stderr_console,
@@ -34,7 +33,7 @@ from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import calls_stream
 from sink.ops.report_html import CallView, RolloutView, SummaryView, render_report
 from sink.settings import SourceSettings
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.verify import verify_and_linearize
 
@@ -102,9 +101,11 @@ async def _summary(topology: Topology, target: RedisTarget) -> tuple[SummaryView
                 continue
             stream = calls_stream(ns, rollout.rollout_id)
             for raw_id, raw_fields in await topology.node_for_key(stream).xrange(stream) or []:
-                millis = int(decode_text(raw_id).split("-")[0])
+                millis = int(reply_text(raw_id, lenient=True).split("-")[0])
                 minute = datetime.datetime.fromtimestamp(millis / 1000, datetime.UTC).strftime("%Y-%m-%d %H:%M")
-                fields = {decode_text(k): decode_text(v) for k, v in (raw_fields or {}).items()}
+                fields = {
+                    reply_text(k, lenient=True): reply_text(v, lenient=True) for k, v in (raw_fields or {}).items()
+                }
                 per_minute[minute] += int(fields.get("delta_len") or 0)
                 newest[rollout.rollout_id] = max(newest.get(rollout.rollout_id, 0), millis)
     codes = (_skip_code(r.receipt) for r in rollouts if r.state != "consumed")

@@ -19,7 +19,6 @@ from sink.cli.common import (
     CommandError,
     RedisTarget,
     cancel_on_signal,
-    decode_text,
     open_topology,
     stderr_console,
     stdout_console,
@@ -33,7 +32,7 @@ from sink.ledger.ownership import ownership_problem
 from sink.ledger.rows import manifest_from_entries
 from sink.rollout.receipt import build_receipt
 from sink.settings import SourceSettings
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.verify import verify_and_linearize
 
@@ -64,7 +63,9 @@ def checked_rollout_id(rollout_id: str) -> str:
 
 def _entry(raw: Any) -> tuple[str, dict[str, str]]:
     entry_id, fields = raw
-    return decode_text(entry_id), {decode_text(k): decode_text(v) for k, v in fields.items()}
+    return reply_text(entry_id, lenient=True), {
+        reply_text(k, lenient=True): reply_text(v, lenient=True) for k, v in fields.items()
+    }
 
 
 # --- inspect -----------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ async def rollout_state(topology: Topology, target: RedisTarget, rollout_id: str
     client = topology.client
     with map_redis_errors(f"read rollout {rollout_id!r}"):
         calls = [_entry(raw) for raw in await client.xrange(calls_stream(ns, rollout_id)) or []]
-        fenced = decode_text(await client.type(fence_key(ns, rollout_id))) != "none"
+        fenced = reply_text(await client.type(fence_key(ns, rollout_id)), lenient=True) != "none"
         ledger_entries = [_entry(raw)[1] for raw in await client.xrange(ledger_stream(ns, rollout_id)) or []]
         receipt_text = await client.get(receipt_key(ns, rollout_id))
     # A retired rollout has no ledger left (retire removes it with the fence set in one script).

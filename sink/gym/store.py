@@ -28,7 +28,7 @@ from sink.gym.entry import EntryTypes
 from sink.keys import gym_keys
 from sink.settings import GymTransportSettings
 from sink.store.commit import BatchScript, GroupCommitWriter
-from sink.store.connection import Topology, describe_redis_error
+from sink.store.connection import Topology, describe_redis_error, reply_text
 from sink.store.durability import DurabilityMonitor
 from sink.store.pipeline_counters import count_gym_operation
 from sink.store.scripts import GYM_SCRIPT, GymStatus
@@ -285,7 +285,7 @@ class AsyncGymStore:
             rollout_id=rollout_id,
             entries=entries,
             incomplete=bool(int(incomplete)),
-            snapshot_id=snapshot_id.decode() if isinstance(snapshot_id, bytes) else str(snapshot_id),
+            snapshot_id=reply_text(snapshot_id, "gym snapshot id"),
             version=int(version),
         )
 

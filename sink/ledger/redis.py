@@ -67,17 +67,13 @@ def _in_flight_limit(client: aioredis.Redis | RedisCluster) -> int:
     return _MAX_IN_FLIGHT  # the cluster client has one pool per node
 
 
-def _text(value: object) -> str:
-    return reply_text(value, "ledger entry")
-
-
 def _entries(xrange_reply: object) -> list[dict[str, str]]:
     """Field maps of a raw ``XRANGE`` reply returned from a script."""
     if not isinstance(xrange_reply, list):
         raise CodecError("unexpected ledger reply shape")
     entries: list[dict[str, str]] = []
     for _entry_id, flat in xrange_reply:
-        values = [_text(value) for value in flat]
+        values = [reply_text(value, "ledger entry") for value in flat]
         entries.append(dict(zip(values[::2], values[1::2], strict=True)))
     return entries
 
@@ -180,7 +176,7 @@ class RedisCaptureLedger(CaptureLedger):
             APPEND_SCRIPT, self._keys(rollout_id), [id_field, id_value, *flat], "append a ledger row"
         )
         outcome = _OUTCOMES[reply[0]]
-        return outcome, _text(reply[1]) if outcome is AppendOutcome.CONFLICT else None
+        return outcome, reply_text(reply[1], "ledger entry") if outcome is AppendOutcome.CONFLICT else None
 
     async def _read_entries(self, rollout_id: str) -> list[dict[str, str]] | None:
         stream, _ids, fence = self._keys(rollout_id)
@@ -233,7 +229,7 @@ class RedisCaptureLedger(CaptureLedger):
                 with map_redis_errors(f"read the calls of {rollout_id!r}"):
                     client = self._topology.client
                     raw = await client.xrange(calls) if await client.type(calls) == b"stream" else []
-            staged = [_text((fields or {}).get(b"key", b"")) for _entry_id, fields in raw or []]
+            staged = [reply_text((fields or {}).get(b"key", b""), "ledger entry") for _entry_id, fields in raw or []]
             records = [record_key(ns, key) for key in keys_owned_by(rollout_id, staged)]
             reply = await self._write(
                 LEDGER_DELETE_SCRIPT, [*fixed, *records], [str(len(raw or []))], f"delete {rollout_id!r}"

@@ -54,10 +54,6 @@ def default_consumer_name() -> str:
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def _text(value: object) -> str:
-    return reply_text(value, "stream entry")
-
-
 @dataclass(frozen=True, slots=True)
 class StreamEntry:
     """One delivered stream entry: where it lives, its fields, and how often it was delivered."""
@@ -151,11 +147,15 @@ class GroupConsumer:
             if fields is None:
                 continue  # history of an entry deleted after delivery; nothing to process
             try:
-                decoded = {_text(k): _text(v) for k, v in fields.items()}
+                decoded = {reply_text(k, "stream entry"): reply_text(v, "stream entry") for k, v in fields.items()}
             except CodecError as exc:
-                self._undecodable.append(UndecodableEntry(shard, _text(entry_id), dict(fields), deliveries, str(exc)))
+                self._undecodable.append(
+                    UndecodableEntry(shard, reply_text(entry_id, "stream entry"), dict(fields), deliveries, str(exc))
+                )
                 continue
-            entries.append(StreamEntry(self.streams[shard], shard, _text(entry_id), decoded, deliveries))
+            entries.append(
+                StreamEntry(self.streams[shard], shard, reply_text(entry_id, "stream entry"), decoded, deliveries)
+            )
         return entries
 
     def _parse_read(self, reply: Any, deliveries: int) -> tuple[list[StreamEntry], list[str]]:
@@ -164,8 +164,10 @@ class GroupConsumer:
         entries: list[StreamEntry] = []
         raw_ids: list[str] = []
         for stream, raw in items:
-            raw_ids.extend(_text(entry_id) for entry_id, _fields in raw or [])
-            entries.extend(self._entries(self._shard_of_stream[_text(stream)], raw or [], deliveries))
+            raw_ids.extend(reply_text(entry_id, "stream entry") for entry_id, _fields in raw or [])
+            entries.extend(
+                self._entries(self._shard_of_stream[reply_text(stream, "stream entry")], raw or [], deliveries)
+            )
         return entries, raw_ids
 
     async def reject_undecodable(self) -> int:
@@ -272,7 +274,7 @@ class GroupConsumer:
                     start_id=self._claim_cursor[shard],
                     count=count - len(claimed),
                 )
-                self._claim_cursor[shard] = _text(cursor)
+                self._claim_cursor[shard] = reply_text(cursor, "stream entry")
                 claimed.extend(self._entries(shard, raw, 0))
                 if self._claim_cursor[shard] == "0-0":
                     break  # one full pass over the pending list
@@ -373,7 +375,7 @@ class GroupConsumer:
                 client = self._topology.node_for_key(stream)
                 ids = [entry.entry_id for entry in held]
                 reply = await TOUCH_SCRIPT.run(client, [stream], [self.group, self.consumer, *ids])
-                gone = {_text(value) for value in reply[1:]}
+                gone = {reply_text(value, "stream entry") for value in reply[1:]}
                 lost.extend(entry for entry in held if entry.entry_id in gone)
         return lost
 

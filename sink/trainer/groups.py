@@ -43,7 +43,7 @@ import anyio
 from sink.contract.skip_codes import SkipCode
 from sink.keys import dead_letter_stream, group_keys
 from sink.rollout.done_event import GroupTag
-from sink.store.connection import map_redis_errors
+from sink.store.connection import map_redis_errors, reply_text
 from sink.store.durability import execute_durably
 from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
 from sink.trainer.pulled import PulledRollout, SkippedRollout
@@ -270,7 +270,8 @@ class GroupReader:
         *reply*: the group's size (the largest announced), whether sizes disagreed, then its members record.
         """
         self._watched.pop(tag.group_id, None)
-        announced, mismatch, flat = int(_text(reply[0])), _text(reply[1]) == "1", reply[2:]
+        announced = int(reply_text(reply[0], "group size"))
+        mismatch, flat = reply_text(reply[1], "group size mismatch") == "1", reply[2:]
         if mismatch:
             self._counts["mismatch"] += 1
             text = "%s: members of group %r announced different group_size values; using the largest, %d"
@@ -282,8 +283,8 @@ class GroupReader:
         tokens: dict[str, str] = {}
         for index in range(0, len(flat), 2):
             rollout_id, (kind, first, second) = (
-                _text(flat[index]),
-                (_text(flat[index + 1]).split("\n", 2) + ["", ""])[:3],
+                reply_text(flat[index], "group member"),
+                (reply_text(flat[index + 1], "group member").split("\n", 2) + ["", ""])[:3],
             )
             if kind == "skip":
                 failed.append(SkippedRollout(rollout_id, first, second))
@@ -344,7 +345,7 @@ class GroupReader:
         """Whether the group had an owner before this rank (``deliveries`` counts them, in the scripts)."""
         with map_redis_errors(f"read group {group_id!r}"):
             count = await self._reader.client.hget(group_keys(self._ns, group_id)[0], "deliveries")
-        return int(_text(count or 0)) > 1
+        return count is not None and int(reply_text(count, "group deliveries")) > 1
 
     async def _record_dead(
         self, tag: GroupTag, members: Sequence[str], failed: Sequence[SkippedRollout], code: str, reason: str
@@ -380,7 +381,3 @@ class GroupReader:
         await self._reader.ack([m.rollout_id for m in members])
         await self._delete([tag.group_id])
         self._counts["dead"] += 1
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
