@@ -16,7 +16,7 @@ from sink.contract.records import RolloutReceipt
 from sink.contract.skip_codes import SkipCode
 from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import validate_rollout_id
-from sink.rollout.done_event import GroupTag, parse_group_fields
+from sink.rollout.done_event import GroupTag
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.verify import LinearizedRow, verify_decoded_and_linearize
 
@@ -25,7 +25,6 @@ __all__ = (
     "SkippedRollout",
     "fetch_and_verify",
     "parse_receipt_entry",
-    "parse_receipt_group",
     "with_group",
 )
 
@@ -77,14 +76,6 @@ def parse_receipt_entry(fields: Mapping[str, str]) -> RolloutReceipt:
     if receipt.rollout_id != validate_rollout_id(rollout_id):
         raise ValueError("rollout_id field does not match the receipt")
     return receipt
-
-
-def parse_receipt_group(fields: Mapping[str, str]) -> GroupTag | None:
-    """The GRPO group a ``ns:receipts:<k>`` entry carries beside its receipt, or ``None``.
-
-    :raises ValueError: the group fields are malformed.
-    """
-    return parse_group_fields(fields)
 
 
 def with_group(pulled: PulledRollout, group: GroupTag | None) -> PulledRollout:
