@@ -146,16 +146,13 @@ class GroupConsumer:
         for entry_id, fields in raw:
             if fields is None:
                 continue  # history of an entry deleted after delivery; nothing to process
+            entry_text = reply_text(entry_id, "stream entry")
             try:
                 decoded = {reply_text(k, "stream entry"): reply_text(v, "stream entry") for k, v in fields.items()}
             except CodecError as exc:
-                self._undecodable.append(
-                    UndecodableEntry(shard, reply_text(entry_id, "stream entry"), dict(fields), deliveries, str(exc))
-                )
+                self._undecodable.append(UndecodableEntry(shard, entry_text, dict(fields), deliveries, str(exc)))
                 continue
-            entries.append(
-                StreamEntry(self.streams[shard], shard, reply_text(entry_id, "stream entry"), decoded, deliveries)
-            )
+            entries.append(StreamEntry(self.streams[shard], shard, entry_text, decoded, deliveries))
         return entries
 
     def _parse_read(self, reply: Any, deliveries: int) -> tuple[list[StreamEntry], list[str]]:
@@ -165,9 +162,8 @@ class GroupConsumer:
         raw_ids: list[str] = []
         for stream, raw in items:
             raw_ids.extend(reply_text(entry_id, "stream entry") for entry_id, _fields in raw or [])
-            entries.extend(
-                self._entries(self._shard_of_stream[reply_text(stream, "stream entry")], raw or [], deliveries)
-            )
+            shard = self._shard_of_stream[reply_text(stream, "stream entry")]
+            entries.extend(self._entries(shard, raw or [], deliveries))
         return entries, raw_ids
 
     async def reject_undecodable(self) -> int:
