@@ -25,6 +25,7 @@ __all__ = (
     "gym_keys",
     "ledger_ids_key",
     "ledger_stream",
+    "ledger_text_key",
     "receipt_key",
     "receipts_stream",
     "record_key",
@@ -99,6 +100,11 @@ def ledger_stream(ns: str, rollout_id: str) -> str:
 def ledger_ids_key(ns: str, rollout_id: str) -> str:
     """Hash model_call_id -> row fingerprint, for ledger idempotency."""
     return f"{_tag(ns, rollout_id)}:ledger:ids"
+
+
+def ledger_text_key(ns: str, rollout_id: str) -> str:
+    """Hash of the rollout's exact texts (exact-prefix ``/v1/completions``: parent resolution of a text prompt)."""
+    return f"{_tag(ns, rollout_id)}:ledger:text"
 
 
 def fence_key(ns: str, rollout_id: str) -> str:

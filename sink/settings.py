@@ -228,9 +228,12 @@ class ProxySettings(BaseModel):
     weight_staleness_s: float = Field(default=1.0, gt=0)
     """With ``weight_source="published"``: a call is stamped with a version read at most this long before."""
     prefix_mode: Literal["auto", "exact", "verify"] = "auto"
-    """``auto``: exact-prefix (token-in/token-out) chat calls where the engine serves vLLM 0.32's render, generate
+    """``auto``: exact-prefix (token-in/token-out) chat and completions calls where the engine serves vLLM 0.32's render, generate
     and derender routes (probed at start), verify mode elsewhere; ``exact``: refuse to start without them;
     ``verify``: never re-route (the engine re-templates history, drift is detected and the call not staged)."""
+    exact_text_ttl_s: float = Field(default=7 * 86400.0, gt=0)
+    """Exact-prefix ``/v1/completions``: a rollout's exact texts (``ns:{R}:ledger:text``, parent resolution of a text
+    prompt) expire this long after their last write."""
     durability: Literal["fsync", "none"] = "fsync"
 
     @model_validator(mode="after")

@@ -185,6 +185,14 @@ MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     ("ops", ("EXISTS", FENCE), ALLOWED),
     ("ops", ("MGET", REC1, REC2), ALLOWED),
     ("ops", ("XREVRANGE", CALLS, "+", "-", "COUNT", 1), ALLOWED),
+    ("ops", ("HGETALL", GYM_STATE), ALLOWED),
+    ("ops", ("HGETALL", f"{GYM_STATE}:digests"), ALLOWED),
+    ("ops", ("HLEN", GYM_ENTRIES), ALLOWED),
+    ("ops", ("SMEMBERS", f"{GYM_STATE}:intents"), ALLOWED),
+    ("ops", ("HGETALL", GYM_ENTRIES), DENIED),  # an entry's tokens: never
+    ("ops", ("HVALS", GYM_ENTRIES), DENIED),
+    ("ops", ("HGETALL", IDS), DENIED),  # the hash reads are the gym keys' only
+    ("ops", ("HSET", GYM_STATE, "frozen", "1"), DENIED),
     ("ops", ("SET", RECEIPT, "x"), DENIED),
     ("ops", ("EVALSHA", "0" * 40, 1, LEDGER), DENIED),
     ("ops", ("DEL", REC1), DENIED),

@@ -96,13 +96,19 @@ def test_malformed_payload(redis_url: str, fail_closed: bool, caplog: pytest.Log
     assert "malformed engine payload" in caplog.text and "prompt_token_ids" in caplog.text
 
 
-def test_upstream_error_passes_through_with_its_status(redis_url: str, engine_url: str) -> None:
-    with running_server(build_proxy(proxy_config(redis_url, engine_url))) as url:
+@pytest.mark.parametrize("fail_closed", [False, True], ids=["fail-open", "fail-closed"])
+def test_upstream_error_passes_through_with_its_status(
+    redis_url: str, engine_url: str, fail_closed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine 4xx generated nothing: its answer passes through (in both policies) and no failure row is written,
+    so a retry continues the rollout."""
+    with running_server(build_proxy(proxy_config(redis_url, engine_url, fail_closed=fail_closed))) as url:
         with pytest.raises(openai.BadRequestError) as raised:
             _chat(url, "err-1", extra_body={"min_tokens": 20})  # min_tokens > max_tokens: the engine answers 400
         assert raised.value.status_code == 400 and "min_tokens" in str(raised.value)
         assert httpx.get(f"{url}/health").status_code == 200
-    assert _failures(redis_url, "err-1") == [WORKER_CAPTURE_FAILED_REASON]
+    assert _failures(redis_url, "err-1") == []
+    assert "upstream answered 400 (nothing generated)" in caplog.text and "min_tokens <= max_tokens" in caplog.text
 
 
 def test_upstream_timeout(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -201,13 +207,19 @@ def test_rollout_ids_and_finished_are_checked(redis_url: str, engine_url: str) -
 @pytest.mark.parametrize("fail_closed", [False, True], ids=["fail-open", "fail-closed"])
 def test_requests_capture_cannot_take(redis_url: str, engine_url: str, fail_closed: bool) -> None:
     """n > 1 is out of capture's scope: forwarded uncaptured, or refused when fail-closed; bad JSON reaches the
-    upstream, which answers it, or is refused by the proxy itself when fail-closed (never forwarded)."""
+    upstream, which answers it, and the rollout records a capture failure, or is refused by the proxy itself when
+    fail-closed (never forwarded)."""
     app = build_proxy(proxy_config(redis_url, engine_url, fail_closed=fail_closed))
     with running_server(app) as url:
         many = httpx.post(f"{url}/r/many-1/v1/chat/completions", json={"messages": MESSAGES, "n": 2})
         broken = httpx.post(f"{url}/r/many-1/v1/chat/completions", content=b"{not json")
     assert many.status_code == (503 if fail_closed else 400)  # the simulated engine serves n == 1 only
     assert broken.status_code == 400
-    assert not manifest(redis_url, "many-1").failures and not manifest(redis_url, "many-1").records
-    outcome = "capture_failed" if fail_closed else "uncaptured"
-    assert app.metrics.counts[outcome] == 2
+    # Fail-open records the body it could not parse as a capture failure; fail-closed never forwarded it.
+    shown = manifest(redis_url, "many-1")
+    assert [f.reason for f in shown.failures] == ([] if fail_closed else [WORKER_CAPTURE_FAILED_REASON])
+    assert not shown.records
+    if fail_closed:
+        assert app.metrics.counts["capture_failed"] == 2
+    else:
+        assert (app.metrics.counts["uncaptured"], app.metrics.counts["capture_failed"]) == (1, 1)

@@ -163,9 +163,11 @@ def test_every_spelling_of_a_captured_route_is_captured_or_refused(redis_url: st
                 records: list[CallRecord] = manifest(redis_url, rollout_id).records
                 assert [r.response_id for r in records] == [answer["id"]], f"{spelling}: served 200, not captured"
                 assert "prompt_token_ids" not in answer and "token_ids" not in answer["choices"][0], spelling
-            # A literal percent sign on a route that is not captured is not an ambiguous spelling: it passes.
+            # A literal percent sign on a route that is not captured is not an ambiguous spelling: it passes
+            # (fail-open), or is refused as any rollout POST to an uncaptured route is (fail-closed).
             status, answer = _raw_post(url, "/r/spell-x/v1/files/a%25b", body, {})
-            assert status == 404 and answer["error"]["type"] == "NotFoundError", answer
+            expected = (503, "UncapturedRoute") if fail_closed else (404, "NotFoundError")
+            assert (status, answer["error"]["type"]) == expected, answer
     assert served["/r/{id}/v1/./chat/completions"] == 200  # normalized, then captured
     assert served["/r/{id}/v1/%63hat/completions"] == 200
 

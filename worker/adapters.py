@@ -185,7 +185,7 @@ class VLLMChatAdapter:
     ``logprobs.content[*].token`` strings when these read ``"token_id:<n>"``),
     else from those strings (request ``logprobs=true`` and
     ``return_tokens_as_token_ids=true``), the log-probs from
-    ``logprobs.content[*].logprob`` and ``choices[0].message.routed_experts`` as
+    ``logprobs.content[*].logprob`` and ``routed_experts`` (on ``choices[0]`` or its message) as
     extras. A reply with text but no generated id is refused.
     """
 
@@ -231,17 +231,19 @@ class VLLMChatAdapter:
         return ids, logprobs
 
     def extract_extras(self, response: Any) -> dict[str, Any] | None:
-        """``{"routed_experts": ...}`` from ``choices[0].message``, or ``None``.
+        """``{"routed_experts": ...}`` from ``choices[0]`` (vLLM 0.32: base64 of a ``.npy`` array, kept as sent) or
+        from ``choices[0].message`` (older engines), or ``None``.
 
-        :raises EnginePayloadError: missing ``choices``.
+        :raises EnginePayloadError: missing ``choices``, or routed experts on the choice and the message that differ.
         """
-        message = _field(self._choice(response), "message")
-        if message is _MISSING or message is None:
-            return None
-        experts = _field(message, "routed_experts")
-        if experts is _MISSING or experts is None:
-            return None
-        return {"routed_experts": experts}
+        choice = self._choice(response)
+        on_choice = _field(choice, "routed_experts")
+        message = _field(choice, "message")
+        on_message = None if message is _MISSING or message is None else _field(message, "routed_experts")
+        found = [experts for experts in (on_choice, on_message) if experts is not _MISSING and experts is not None]
+        if len(found) > 1 and found[0] != found[1]:
+            raise EnginePayloadError("routed_experts on choices[0] and on choices[0].message disagree")
+        return {"routed_experts": found[0]} if found else None
 
 
 class MegatronAdapter:

@@ -99,6 +99,16 @@ def _as_list(values: Sequence[Any]) -> list[Any]:
     return values if type(values) is list else list(values)
 
 
+def _drift(head: list[int], prefix: list[int]) -> str:
+    """Where the engine's prompt *head* leaves the authorized *prefix*: the first token index that differs."""
+    index = next((i for i, (got, want) in enumerate(zip(head, prefix, strict=False)) if got != want), len(head))
+    received = f"id {head[index]}" if index < len(head) else f"nothing (the prompt has {len(head)} ids)"
+    return (
+        f"prompt drifts from the gate-authorized prefix at token index {index}: expected id {prefix[index]}, "
+        f"received {received}"
+    )
+
+
 def build_call_record(
     call: ActiveCall,
     *,
@@ -131,7 +141,7 @@ def build_call_record(
     parent = None if sequence_cache is None else _proof_of_head(call, head, sequence_cache)
     # A head held by the proof that begin_call proved the prefix with equals the prefix, item by item.
     if (parent is None or parent is not call._prefix_proof) and head != call.prefix_token_ids:  # noqa: SLF001 (ActiveCall's proof, inside worker)
-        raise ValueError("prompt does not begin with the gate-authorized prefix")
+        raise ValueError(_drift(head, call.prefix_token_ids))
     cut = call.generation_cut
     proved: TrustedColumns | None = None
     if cut is None:

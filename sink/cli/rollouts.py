@@ -24,6 +24,7 @@ from sink.cli.common import (
     stdout_console,
 )
 from sink.cli.common import write_json as _write_json
+from sink.cli.gym_view import gym_rollout_state, render_gym_state
 from sink.contract.records import RolloutManifest, RolloutReceipt
 from sink.contract.skip_codes import SkipCode
 from sink.errors import CodecError, ReceiptVerificationError
@@ -73,7 +74,8 @@ def _entry(raw: Any) -> tuple[str, dict[str, str]]:
 
 async def rollout_state(topology: Topology, target: RedisTarget, rollout_id: str) -> dict[str, Any]:
     """Everything stored about one rollout, read with plain read-only commands (the ``ops`` ACL user can run
-    them: XRANGE, TYPE, GET). Not one atomic snapshot: an inspection tool, not a trainer."""
+    them: XRANGE, TYPE, GET, and the NeMo Gym transport's hash reads). Not one atomic snapshot: an inspection
+    tool, not a trainer."""
     ns = target.namespace
     client = topology.client
     with map_redis_errors(f"read rollout {rollout_id!r}"):
@@ -81,6 +83,7 @@ async def rollout_state(topology: Topology, target: RedisTarget, rollout_id: str
         fenced = reply_text(await client.type(fence_key(ns, rollout_id)), lenient=True) != "none"
         ledger_entries = [_entry(raw)[1] for raw in await client.xrange(ledger_stream(ns, rollout_id)) or []]
         receipt_text = await client.get(receipt_key(ns, rollout_id))
+        gym = await gym_rollout_state(topology, ns, rollout_id)
     # A retired rollout has no ledger left (retire removes it with the fence set in one script).
     manifest = None if fenced else manifest_from_entries(rollout_id, ledger_entries)
     receipt = None
@@ -89,9 +92,9 @@ async def rollout_state(topology: Topology, target: RedisTarget, rollout_id: str
             receipt = RolloutReceipt.model_validate_json(receipt_text)
         except ValueError as exc:
             raise CommandError(f"the stored receipt of {rollout_id!r} is corrupt: {exc}") from exc
-    exists = bool(calls) or fenced or receipt is not None
+    exists = bool(calls) or fenced or receipt is not None or gym is not None
     exists = exists or (manifest is not None and bool(manifest.records or manifest.failures))
-    return {"calls": calls, "fenced": fenced, "manifest": manifest, "receipt": receipt, "exists": exists}
+    return {"calls": calls, "fenced": fenced, "manifest": manifest, "receipt": receipt, "gym": gym, "exists": exists}
 
 
 _INT_FIELDS = frozenset(("prev_len", "delta_len", "cum_len", "weight", "bytes"))
@@ -105,12 +108,13 @@ def _typed(fields: dict[str, str]) -> dict[str, str | int]:
 def no_such_rollout(rollout_id: str, target: RedisTarget) -> CommandError:
     return CommandError(
         f"no such rollout {rollout_id!r} in namespace {target.namespace!r} at {target.display_url} "
-        "(no calls, ledger, fence or receipt)"
+        "(no calls, ledger, fence, receipt or gym transport keys)"
     )
 
 
 async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool) -> int:
-    """``staging-sink inspect R``: the rollout's calls stream, ledger manifest, fence and receipt.
+    """``staging-sink inspect R``: the rollout's calls stream, ledger manifest, fence and receipt, and its NeMo
+    Gym transport state when it has one.
 
     :raises CommandError: (exit 1) the rollout does not exist; (exit 2) the id is invalid.
     """
@@ -129,12 +133,15 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
                 "retired": state["fenced"],
                 "manifest": None if manifest is None else manifest.model_dump(mode="json"),
                 "receipt": None if receipt is None else receipt.model_dump(mode="json"),
+                "gym": state["gym"],
             }
         )
         return EXIT_OK
     console = stdout_console()
     console.print(f"[bold]rollout {rollout_id}[/] (namespace {target.namespace}, {target.display_url})")
     console.print(f"ledger: {'retired (fenced)' if state['fenced'] else 'live'}")
+    if state["gym"] is not None:
+        render_gym_state(console, state["gym"])
     calls = Table(title=f"calls stream: {len(state['calls'])} staged record(s)", title_justify="left")
     for column in ("entry id", "call", "parent", "prev", "delta", "cum", "weight", "bytes", "digest"):
         calls.add_column(column, justify="right" if column in ("prev", "delta", "cum", "weight", "bytes") else "left")

@@ -1,7 +1,7 @@
 """``staging-sink stats``: the command, and one snapshot of a namespace's health as a dict and a rich table.
 
 The snapshot holds the verified durability settings of every node, memory, rollouts in flight (ledgers
-found with ``SCAN``), the staging rate (calls entries of the last window, read from their stream ids), the
+found with ``SCAN``), the NeMo Gym transport's rollouts (held, frozen, incomplete, entries), the staging rate (calls entries of the last window, read from their stream ids), the
 length of every ``done``/``receipts``/``dead`` stream with its consumer groups' pending count and lag, and
 every consumer's pending count and idle time. ``SCAN`` walks the whole keyspace: this is an ops tool, never
 a hot path.
@@ -35,6 +35,7 @@ from sink.cli.common import (
     stdout_console,
     write_json,
 )
+from sink.cli.gym_view import gym_totals
 from sink.cli.health import OPERATORS_GROUP, check_notes, check_problems, unacknowledged_dead_letters
 from sink.ops.metrics import STREAM_KINDS, collect_redis_gauges
 from sink.store.connection import Topology, map_redis_errors, reply_text
@@ -169,12 +170,13 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         server = await _server(topology)
         ledgers = await scan_keys(topology, f"{ns}:*:ledger", "stream")
         calls = await scan_keys(topology, f"{ns}:*:calls", "stream")
+        gym = await gym_totals(topology, ns, await scan_keys(topology, f"{ns}:*:gym", "hash"))
         staged_recently = await _recent_calls(topology, calls, rate_window_s)
         shared = await shared_stream_names(topology, ns)
         # The cluster client routes each keyed command; the gauges only issue keyed commands here.
         gauges = await collect_redis_gauges(cast(aioredis.Redis, topology.client), ns, streams=shared)
         consumers = await _consumers(topology, dict(gauges))
-        empty = not (ledgers or calls or shared) and not await _has_keys(topology, ns)
+        empty = not (ledgers or calls or shared or gym["rollouts"]) and not await _has_keys(topology, ns)
         found = await namespaces_found(topology) if empty else ([], False)
         dead = {name: stream["length"] for name, stream in gauges.items() if stream["kind"] == "dead"}
         unacknowledged = {name: await unacknowledged_dead_letters(topology, name, dict(gauges[name])) for name in dead}
@@ -191,6 +193,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         },
         "rollouts_in_flight": len(ledgers),
         "calls_streams": len(calls),
+        "gym_rollouts": gym,
         "staged_calls_per_s": round(staged_recently / rate_window_s, 2),
         "rate_window_s": rate_window_s,
         "streams": gauges,
@@ -243,6 +246,11 @@ def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
         f"maxmemory {maxmemory}",
     )
     summary.add_row("rollouts in flight", f"{snapshot['rollouts_in_flight']} ledger(s)")
+    gym = snapshot["gym_rollouts"]
+    summary.add_row(
+        "gym rollouts",
+        f"{gym['rollouts']} held ({gym['frozen']} frozen, {gym['incomplete']} incomplete), {gym['entries']} entries",
+    )
     summary.add_row(
         "staged calls/s",
         f"{snapshot['staged_calls_per_s']} (last {snapshot['rate_window_s']:g} s, "

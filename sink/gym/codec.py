@@ -20,16 +20,16 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-import sys
 import zlib
 from array import array
 from typing import Any, Final, NamedTuple
 
 import msgpack
+import numpy as np
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 
-from sink.contract.packed import ID_TYPECODES, pack_ids
+from sink.contract.packed import pack_ids
 from sink.errors import CodecError
 from sink.gym.entry import SCHEMA_VERSION
 
@@ -39,7 +39,10 @@ _MAGIC: Final = b"GE"
 _HEAD: Final = struct.Struct(">2sI")
 _COLUMNS: Final = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _EXCLUDE: Final = frozenset(_COLUMNS)
-_LITTLE: Final = sys.byteorder == "little"
+_F4: Final[np.dtype[Any]] = np.dtype("<f4")
+_F8: Final[np.dtype[Any]] = np.dtype("<f8")
+_ID_DTYPES: Final[dict[int, np.dtype[Any]]] = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_LOG_PROB_DTYPES: Final[dict[int, np.dtype[Any]]] = {4: _F4, 8: _F8}
 _ROLLOUT_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _MAX_ID_CHARS: Final = 512
 
@@ -96,14 +99,15 @@ def _pack_log_probs(values: object) -> tuple[int, bytes]:
     if type(values) is not list:
         raise ValueError("generation_log_probs must be a list of floats")
     try:
-        wide = array("d", values)
+        wide = np.frombuffer(array("d", values), dtype=np.float64)
     except TypeError as exc:
         raise ValueError(f"generation_log_probs must be a list of floats: {exc}") from exc
-    narrow = array("f", wide)
-    packed, width = (narrow, 4) if narrow.tolist() == wide.tolist() else (wide, 8)
-    if not _LITTLE:
-        packed.byteswap()
-    return width, packed.tobytes()
+    with np.errstate(over="ignore"):  # a value beyond float32's range is stored as float64
+        narrow = wide.astype(_F4)
+    # NaN never compares equal, so a NaN is stored as float64 too: either way the stored value is the value put.
+    if np.array_equal(narrow, wide):
+        return 4, narrow.tobytes()
+    return 8, wide.astype(_F8).tobytes()
 
 
 def encode_entry(entry: object) -> EncodedEntry:
@@ -145,24 +149,20 @@ def encode_entry(entry: object) -> EncodedEntry:
     )
 
 
-def _unpack(data: object, typecode: str) -> list[Any]:
+def _unpack(data: object, dtype: np.dtype[Any]) -> list[Any]:
     if type(data) is not bytes:
         raise CodecError("a token column is not binary")
-    values = array(typecode)
     try:
-        values.frombytes(data)
+        return np.frombuffer(data, dtype=dtype).tolist()  # type: ignore[no-any-return]
     except ValueError as exc:
         raise CodecError(f"a token column has a partial value: {exc}") from exc
-    if not _LITTLE:
-        values.byteswap()
-    return values.tolist()
 
 
-def _width(body: dict[str, Any], name: str, typecodes: dict[int, str]) -> str:
-    code = typecodes.get(body.get(name))  # type: ignore[arg-type]
-    if code is None:
+def _width(body: dict[str, Any], name: str, dtypes: dict[int, np.dtype[Any]]) -> np.dtype[Any]:
+    dtype = dtypes.get(body.get(name))  # type: ignore[arg-type]
+    if dtype is None:
         raise CodecError(f"stored entry has an invalid {name!r}")
-    return code
+    return dtype
 
 
 def decode_entry(blob: bytes, entry_type: type[Any]) -> Any:
@@ -189,7 +189,7 @@ def decode_entry(blob: bytes, entry_type: type[Any]) -> Any:
             f"stored entry {fields.get('model_call_id')!r} has schema_version {version!r}; this reader supports "
             f"versions up to {SCHEMA_VERSION}: upgrade staging-sink"
         )
-    fields["prompt_token_ids"] = _unpack(stored.get("p"), _width(stored, "pw", ID_TYPECODES))
-    fields["generation_token_ids"] = _unpack(stored.get("g"), _width(stored, "gw", ID_TYPECODES))
-    fields["generation_log_probs"] = _unpack(stored.get("l"), _width(stored, "lw", {4: "f", 8: "d"}))
+    fields["prompt_token_ids"] = _unpack(stored.get("p"), _width(stored, "pw", _ID_DTYPES))
+    fields["generation_token_ids"] = _unpack(stored.get("g"), _width(stored, "gw", _ID_DTYPES))
+    fields["generation_log_probs"] = _unpack(stored.get("l"), _width(stored, "lw", _LOG_PROB_DTYPES))
     return entry_type.model_construct(**fields)

@@ -57,6 +57,8 @@ class GymOp:
     done: anyio.Event = field(default_factory=anyio.Event)
     reply: list[Any] | None = None
     error: str | None = None
+    taken: bool = False
+    """A batch took it: it is settled when that batch ends (the group commit settles every item it takes)."""
 
     @property
     def route_key(self) -> str:
@@ -81,10 +83,20 @@ def _item(op: GymOp) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     return op.keys, op.args
 
 
+def _reads(op: GymOp) -> tuple[tuple[str, ...], ...]:
+    """A freeze reads its entries right after the script (``HVALS``), then the snapshot id and the fence again:
+    the script fenced the rollout, so its entries can only have changed since if it was dropped, abandoned or
+    deleted meanwhile, which those two reads show."""
+    if op.args[0] != "freeze":
+        return ()
+    state, entries, _digests, _intents, fence = op.keys
+    return ("HVALS", entries), ("HGET", state, "snapshot_id"), ("EXISTS", fence)
+
+
 def _batch_script(settings: GymTransportSettings) -> BatchScript[GymOp]:
     """:data:`GYM_SCRIPT` over :class:`GymOp` s; ``ARGV`` starts with the tombstone retention and the rewrite flag."""
     head = (int(settings.tombstone_retention_s * 1000), "1" if settings.min_replicas > 0 else "0")
-    return BatchScript(GYM_SCRIPT, lambda _settings: head, _item)
+    return BatchScript(GYM_SCRIPT, lambda _settings: head, _item, _reads)
 
 
 def _settle(op: GymOp, reply: Any, error: str | None) -> None:
@@ -172,7 +184,9 @@ class AsyncGymStore:
     async def _flush(self) -> None:
         batch: list[GymOp] = []
         while self._queue and len(batch) < self._settings.max_batch_records:
-            batch.append(self._queue.popleft())
+            op = self._queue.popleft()
+            op.taken = True
+            batch.append(op)
         self._flushing += 1
         try:
             # Shielded: the batch holds other callers' operations; the socket timeouts bound it.
@@ -188,7 +202,9 @@ class AsyncGymStore:
         self._queue.append(op)
         try:
             while not op.done.is_set():
-                if self._queue and self._flushing < self._settings.writer_connections:
+                if op.taken:
+                    await op.done.wait()  # in a batch now: only its own outcome wakes this caller
+                elif self._queue and self._flushing < self._settings.writer_connections:
                     await self._flush()
                 else:
                     assert self._flushed is not None
@@ -277,10 +293,16 @@ class AsyncGymStore:
         reply = await self._run(rollout_id, "freeze", uuid.uuid4().hex)
         if _status(reply) != GymStatus.OK:
             self._refuse(_status(reply), rollout_id, "freeze")
-        snapshot_id, version, incomplete = reply[1], reply[2], reply[3]
+        snapshot_id, version, incomplete, blobs, snapshot_after, fenced_after = reply[1:7]
+        if int(fenced_after):
+            raise RolloutRetiredError(rollout_id)  # dropped or abandoned while its entries were read
+        if snapshot_after != snapshot_id:
+            raise CaptureWriteError(
+                f"rollout {rollout_id!r} was deleted or replaced while it was frozen: retry the freeze"
+            )
         entry_type = self._types.entry
         # Sorted by call id: the order carries no meaning, and a repeated freeze returns an equal snapshot.
-        entries = tuple(sorted((decode_entry(blob, entry_type) for blob in reply[4:]), key=_call_id))
+        entries = tuple(sorted((decode_entry(blob, entry_type) for blob in blobs), key=_call_id))
         return self._types.snapshot(
             rollout_id=rollout_id,
             entries=entries,

@@ -32,7 +32,7 @@ from sink.contract.records import (
 )
 from sink.errors import RolloutRetiredError
 from sink.keys import check_call_id
-from sink.ledger.lineage import LineageResolution, LineageStatus
+from sink.ledger.lineage import AMBIGUOUS_REASON, NO_MATCH_REASON, LineageResolution, LineageStatus
 from sink.ledger.ownership import is_call_staging_key
 
 __all__ = ("CaptureGate", "CaptureLedgerProtocol", "new_model_call_id")
@@ -59,6 +59,14 @@ def new_model_call_id() -> str:
 
 def _fingerprint_or_none(items: Sequence[dict[str, Any]]) -> str | None:
     return assistant_fingerprint(items) or None
+
+
+def _unresolved_cause(resolution: LineageResolution) -> str:
+    if resolution.reason == AMBIGUOUS_REASON:
+        return f"ambiguous: candidates {', '.join(resolution.candidates)}"
+    if resolution.reason == NO_MATCH_REASON:
+        return "no_match: no committed call's reply and context match the request"
+    return resolution.reason or "unknown"
 
 
 class CaptureGate:
@@ -102,6 +110,13 @@ class CaptureGate:
             # Seeded history on a fresh rollout: a new root (§6.6 step 5).
             return CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text")
         # Never silently turn an unresolved continuation into a root (§6.6 step 6).
+        logger.warning(
+            "rollout %s call %s: unresolved parent (%s); recorded %s",
+            rollout_id,
+            call_id,
+            _unresolved_cause(resolution),
+            UNRESOLVED_PARENT_REASON,
+        )
         await self._ledger.record_failure(rollout_id, call_id, UNRESOLVED_PARENT_REASON)
         return None
 
@@ -160,6 +175,19 @@ class CaptureGate:
             await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
             return None
         return row
+
+    async def fail_unadmitted(self, rollout_id: str, cause: str) -> str:
+        """Record a call of *rollout_id* that could not even be admitted (a request body the gate cannot read, served
+        anyway under fail-open): a fresh call id with the failure ``worker_capture_failed``, so the rollout is
+        poisoned. *cause* is only logged. Returns the call id.
+
+        :raises ValueError: an invalid rollout id.
+        :raises StagingError: the ledger could not be written.
+        """
+        call_id = new_model_call_id()
+        logger.warning("rollout %s call %s: %s; recorded %s", rollout_id, call_id, cause, WORKER_CAPTURE_FAILED_REASON)
+        await self._ledger.record_failure(rollout_id, call_id, WORKER_CAPTURE_FAILED_REASON)
+        return call_id
 
     async def abandon(self, admission: CaptureAdmission) -> None:
         """Record an admitted call that ended without coordinates (contract §6.6 commit step 12).

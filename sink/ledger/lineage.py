@@ -66,7 +66,8 @@ class LineageMatch:
 
 @dataclass(frozen=True, slots=True)
 class LineageResolution:
-    """``status`` plus the ``match`` (only when ``RESOLVED``) and an informational ``reason``.
+    """``status`` plus the ``match`` (only when ``RESOLVED``), an informational ``reason`` and, when ambiguous, the
+    ``candidates``.
 
     :raises ValueError: ``match`` is present without ``RESOLVED`` or missing with it.
     """
@@ -74,6 +75,8 @@ class LineageResolution:
     status: LineageStatus
     match: LineageMatch | None = None
     reason: str | None = None
+    candidates: tuple[str, ...] = ()
+    """For an ambiguous request: the call ids of the distinct parents it matches (sorted)."""
 
     def __post_init__(self) -> None:
         if (self.status is LineageStatus.RESOLVED) != (self.match is not None):
@@ -163,7 +166,8 @@ def resolve_from_rows(request_items: Sequence[dict[str, Any]], rows: Iterable[Ma
     if len({(cumulative_hash, cum_len) for _, cum_len, cumulative_hash, _, _ in candidates}) > 1:
         candidates = _latest_reply(items, candidates, context_lens)
     if len({(cumulative_hash, cum_len) for _, cum_len, cumulative_hash, _, _ in candidates}) > 1:
-        return LineageResolution(LineageStatus.UNRESOLVED, reason=AMBIGUOUS_REASON)
+        ids = tuple(sorted({candidate[0] for candidate in candidates}))
+        return LineageResolution(LineageStatus.UNRESOLVED, reason=AMBIGUOUS_REASON, candidates=ids)
     # Identical retries (same full token sequence) are interchangeable: take the smallest id.
     call_id, cum_len, cumulative_hash, chain, chain_hash = min(candidates, key=lambda c: c[0])
     match = LineageMatch(

@@ -79,6 +79,7 @@ _REC = "<ns>:{*}:rec:*"
 _CALLS = "<ns>:{*}:calls"
 _LEDGER = "<ns>:{*}:ledger"
 _LEDGER_IDS = "<ns>:{*}:ledger:ids"
+_LEDGER_TEXT = "<ns>:{*}:ledger:text"
 _FENCE = "<ns>:{*}:fence"
 _GYM = "<ns>:{*}:gym"
 _GYM_ENTRIES = "<ns>:{*}:gym:entries"
@@ -157,6 +158,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             Grant(_SCRIPTS, (_rw(_LEDGER), _rw(_LEDGER_IDS), _rw(_FENCE))),
             Grant(("exists", "xadd", "xrange", "del"), (_rw(_LEDGER),)),
             Grant(("exists", "hget", "hset", "del"), (_rw(_LEDGER_IDS),)),
+            Grant(("hgetall", "hset", "expire"), (_rw(_LEDGER_TEXT),)),  # exact-prefix completions' texts
             Grant(("exists", "set", "del"), (_rw(_FENCE),)),
             Grant(("xadd",), (_wo(_DONE),)),
             # `staging-sink retire` checks that an id names something before it fences it
@@ -221,7 +223,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "ops": RolePolicy(
         "operators, the stats/inspect/tail/report/prune --dry-run CLI and the metrics exporter: read-only, no writes, "
-        "no scripts",
+        "no scripts; of the NeMo Gym transport's keys only what stats/inspect show (HGETALL gym and gym:digests, "
+        "HLEN gym:entries, SMEMBERS gym:intents: never an entry's tokens)",
         (
             Grant(
                 (
@@ -250,6 +253,9 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 ),
                 (_ro("<ns>:*"),),
             ),
+            Grant(("hgetall",), (_ro(_GYM), _ro(_GYM_DIGESTS))),
+            Grant(("hlen",), (_ro(_GYM_ENTRIES),)),
+            Grant(("smembers",), (_ro(_GYM_INTENTS),)),
         ),
     ),
     "gym_sink": RolePolicy(
@@ -267,7 +273,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "gym_source": RolePolicy(
         "NeMo Gym consumer (sink.gym.RedisTokenSource): freeze (gym script: TYPE, TIME, HGET, HSET, HSETNX, HINCRBY "
-        "gym; HVALS gym:entries; HEXISTS gym:digests; SMEMBERS gym:intents; EXISTS fence) and drop (GET, SET fence "
+        "gym; HEXISTS gym:digests; SMEMBERS gym:intents; EXISTS fence; then, in the same round trip, HVALS "
+        "gym:entries, HGET gym, EXISTS fence) and drop (GET, SET fence "
         "as the tombstone; DEL of the gym keys, one key per DEL), verify durability, confirm writes",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof", "time")),

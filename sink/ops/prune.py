@@ -47,6 +47,7 @@ from sink.keys import (
     gym_keys,
     ledger_ids_key,
     ledger_stream,
+    ledger_text_key,
     receipt_key,
 )
 from sink.settings import PruneSettings
@@ -59,7 +60,7 @@ ABANDONED_STREAM = "abandoned"
 """``ns:dead:abandoned``: one entry per abandoned rollout (``rollout_id``, ``reason``, ``last_activity_ms``)."""
 
 _LIVE_KINDS = frozenset(
-    {"calls", "ledger", "ledger:ids", "claimed", "rec", "gym", "gym:entries", "gym:digests", "gym:intents"}
+    {"calls", "ledger", "ledger:ids", "ledger:text", "claimed", "rec", "gym", "gym:entries", "gym:digests", "gym:intents"}
 )
 
 
@@ -171,6 +172,7 @@ async def _abandon(
         pipe.delete(
             *watched[:2],
             ledger_ids_key(ns, rollout_id),
+            ledger_text_key(ns, rollout_id),
             claim_key(ns, rollout_id),
             gym_state,
             *gym_rest,

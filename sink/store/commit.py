@@ -93,11 +93,17 @@ _Item = TypeVar("_Item", bound=Committable)
 @dataclass(frozen=True, slots=True)
 class BatchScript(Generic[_Item]):
     """How a batch of one slot's queued writes becomes one script call: the script, the ``ARGV`` that comes
-    first (from the settings), and each item's ``KEYS`` and ``ARGV``. The script returns one reply per item."""
+    first (from the settings), and each item's ``KEYS`` and ``ARGV``. The script returns one reply per item.
+
+    ``reads`` (optional): plain read commands of an item, queued right after its slot's script call in the same
+    round trip (so a large read is not copied through the script); their replies are appended to the item's
+    script reply, in order. They run after the script, not atomically with it.
+    """
 
     script: ServerScript
     head: Callable[[SinkSettings], Sequence[Any]]
     item: Callable[[_Item], tuple[Sequence[str], Sequence[Any]]]
+    reads: Callable[[_Item], Sequence[Sequence[Any]]] | None = None
 
 
 def _stage_head(settings: SinkSettings) -> list[Any]:
@@ -205,6 +211,7 @@ class GroupCommitWriter(Generic[_Item]):
         pipe = client.pipeline(transaction=False)
         batch_script = self._batch_script
         slot_items: list[list[_Item]] = []
+        slot_reads: list[list[int]] = []  # per slot: how many read commands follow each item's script reply
         for indices in groups.values():
             chunk = [items[i] for i in indices]
             slot_items.append(chunk)
@@ -215,6 +222,11 @@ class GroupCommitWriter(Generic[_Item]):
                 keys += item_keys
                 args += item_args
             batch_script.script.queue(pipe, mode, keys, args)
+            reads = [batch_script.reads(p) if batch_script.reads is not None else () for p in chunk]
+            for commands in reads:
+                for command in commands:
+                    pipe.execute_command(*command)
+            slot_reads.append([len(commands) for commands in reads])
         if settings.min_replicas > 0:
             pipe.execute_command("WAIT", settings.min_replicas, timeout_ms)
         waitaof = self._durability.supports_waitaof
@@ -230,21 +242,37 @@ class GroupCommitWriter(Generic[_Item]):
         for reply in replies:
             if ServerScript.missing(reply):
                 raise _ScriptMissingError(mode, reply)
-        script_replies = replies[: len(slot_items)]
-        confirmation_error = self._confirmation_error(replies[len(slot_items) :], waitaof)
+        script_replies: list[Any] = []
+        read_replies: list[list[Any]] = []
+        position = 0
+        for counts in slot_reads:
+            script_replies.append(replies[position])
+            read_replies.append(replies[position + 1 : position + 1 + sum(counts)])
+            position += 1 + sum(counts)
+        confirmation_error = self._confirmation_error(replies[position:], waitaof)
         if check_config:
             problem = config_problem(node_address(client), replies[len(replies) - len(REQUIRED_CONFIG) :])
             if problem is not None:
                 self._durability.invalidate(problem)
                 confirmation_error = confirmation_error or problem
         topology_changed = False
-        for chunk, reply in zip(slot_items, script_replies, strict=True):
+        for chunk, reply, counts, reads in zip(slot_items, script_replies, slot_reads, read_replies, strict=True):
             if isinstance(reply, BaseException):
                 topology_changed |= isinstance(reply, _TOPOLOGY_ERRORS)
                 self._fail_all(chunk, LIBRARY.explain_refusal(client, mode, reply) or describe_redis_error(reply))
                 continue
-            for pending, item_reply in zip(chunk, reply, strict=True):
-                self._settle(pending, item_reply, confirmation_error)
+            start = 0
+            for pending, item_reply, count in zip(chunk, reply, counts, strict=True):
+                item_reads = reads[start : start + count]
+                start += count
+                failed = next((r for r in item_reads if isinstance(r, BaseException)), None)
+                if failed is not None:
+                    topology_changed |= isinstance(failed, _TOPOLOGY_ERRORS)
+                    self._settle(pending, None, f"a read after the script failed: {describe_redis_error(failed)}")
+                elif count:
+                    self._settle(pending, [*item_reply, *item_reads], confirmation_error)
+                else:
+                    self._settle(pending, item_reply, confirmation_error)
         if topology_changed:
             await self._refresh_topology()
 

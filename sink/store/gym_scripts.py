@@ -23,7 +23,9 @@ then per operation four values ``op, a1, a2, a3``:
   is marked incomplete, nothing else written), ``{GYM_FROZEN}`` or ``{GYM_RETIRED}``;
 * ``mark, call_id`` -> ``{GYM_OK, version}`` or ``{GYM_RETIRED}``;
 * ``begin, call_id`` -> ``{GYM_OK}``, ``{GYM_FROZEN}`` or ``{GYM_RETIRED}``;
-* ``freeze, new_snapshot_id`` -> ``{GYM_OK, snapshot_id, version, incomplete, blobs...}`` or ``{GYM_RETIRED}``;
+* ``freeze, new_snapshot_id`` -> ``{GYM_OK, snapshot_id, version, incomplete}`` or ``{GYM_RETIRED}``; the
+  entries are read with a plain ``HVALS`` right after the script in the same round trip (a frozen rollout's
+  entries no longer change, and copying megabytes through a Lua table costs more than the read itself);
 * ``drop, snapshot_id, version`` -> ``{GYM_OK}`` (dropped now, or dropped before with this identity) or
   ``{GYM_DROP_REFUSED}`` (nothing deleted).
 
@@ -144,12 +146,8 @@ for i = 1, n do
         redis.call('HSETNX', state, 'snapshot_id', a1)
         changed(state)
       end
-      local reply = {$GYM_OK, redis.call('HGET', state, 'snapshot_id'), tonumber(redis.call('HGET', state, 'version')),
+      replies[i] = {$GYM_OK, redis.call('HGET', state, 'snapshot_id'), tonumber(redis.call('HGET', state, 'version')),
         redis.call('HGET', state, 'incomplete') == '1' and 1 or 0}
-      for _, blob in ipairs(redis.call('HVALS', entries)) do
-        reply[#reply + 1] = blob
-      end
-      replies[i] = reply
     else
       replies[i] = {$GYM_WRONG_TYPE}
     end

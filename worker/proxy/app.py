@@ -23,6 +23,8 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from worker.asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
 from worker.capture import RolloutTokenCapture
+from worker.errors import StagingModeError
+from worker.proxy.exact_completions import ExactCompletions
 from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.forward import ForwardingApp
 from worker.proxy.metrics import ProxyMetrics
@@ -90,23 +92,43 @@ class ProxyApp:
             announce=announce,
             metrics=self.metrics,
         )
+        self.middleware.exact_completions = ExactCompletions(client, config.namespace, ttl_s=config.exact_text_ttl_s)
         if config.weight_source == "published":
             self.middleware.published = PublishedWeightVersion(
                 client, config.namespace, max_staleness_s=config.weight_staleness_s
             )
-        if inner is None:  # the forwarding proxy probes its engine; in-process (vLLM's --middleware) stays verify
-            labels = WeightLabelRule(default_version=weight_version) if config.weight_source == "engine" else None
-            try:
-                choice = PrefixModeChoice(self.forward, config.prefix_mode, labels)
-                await choice.start()
-                self.middleware.prefix_mode = choice
-            except BaseException:  # the start fails: nothing opened above stays open
-                self.middleware = None
-                await stack.aclose()
-                await self.forward.aclose()
-                raise
-        else:
-            logger.info("prefix mode: verify (in-process middleware: no start-up probe of the engine)")
+        try:
+            await self._choose_prefix_mode(inner or self.forward)
+        except BaseException:  # the start fails: nothing opened above stays open
+            self.middleware = None
+            await stack.aclose()
+            await self.forward.aclose()
+            raise
+
+    async def _choose_prefix_mode(self, engine: ASGIApp) -> None:
+        """Probe *engine* (the forwarder, or vLLM's own app in-process) for exact-prefix mode; one log line says which
+        mode and why. A ``nemo-rl`` upstream is not probed: it starts each continuation with the parent's exact ids
+        itself (``required_prefix_token_ids``).
+
+        :raises StagingModeError: see :meth:`PrefixModeChoice.start`; ``weight_source="engine"`` with ``nemo-rl``.
+        """
+        config, middleware = self.config, self.middleware
+        assert middleware is not None
+        if config.upstream_kind == "nemo-rl":
+            if config.weight_source == "engine":
+                raise StagingModeError("weight_source=engine needs exact-prefix mode, not upstream_kind=nemo-rl")
+            logger.info(
+                "prefix mode: required_prefix_token_ids (upstream_kind=nemo-rl: the engine starts each continuation "
+                "with its parent's exact ids; prefix_mode=%s not probed)",
+                config.prefix_mode,
+            )
+            return
+        labels = WeightLabelRule(default_version=config.weight_version) if config.weight_source == "engine" else None
+        choice = PrefixModeChoice(engine, config.prefix_mode, labels)
+        await choice.start()
+        middleware.prefix_mode = choice
+        if choice.exact is not None:
+            logger.info("prefix mode: /v1/responses stays in verify mode (vLLM 0.32 has no responses derender route)")
 
     async def aclose(self) -> None:
         """Close the Redis resources and the upstream pool."""

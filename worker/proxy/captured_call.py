@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import anyio
@@ -21,11 +20,14 @@ from sink.contract.records import CaptureAdmission, CommitCoords
 from sink.errors import StagingError
 from sink.ledger.gate import CaptureGate
 from sink.settings import ProxySettings
-from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, replay_receive, send_body
+from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, send_body
 from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
-from worker.errors import EnginePayloadError, SpliceError
+from worker.errors import EnginePayloadError
 from worker.exact_chat import Rendering
+from worker.exact_text import ExactText
+from worker.proxy.exact_answers import JSON_HEADERS, asked_by, exact_chat_answer
+from worker.proxy.exact_completions import ExactCompletions
 from worker.proxy.exact_mode import ExactMode, PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
@@ -37,9 +39,10 @@ from worker.proxy.routes import (
     upstream_request,
 )
 from worker.proxy.sse import sse_events
-from worker.weight_version import PublishedWeightVersion, WeightVersionError
+from worker.proxy.upstream import UpstreamAnswer, call_inner, client_gone, error_message, refused
+from worker.weight_version import PublishedWeightVersion
 
-__all__ = ("CallOwner", "CapturedCall", "UpstreamAnswer")
+__all__ = ("CallOwner", "CapturedCall")
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ class CallOwner(Protocol):
     """Whether chat calls go in exact-prefix mode."""
     published: PublishedWeightVersion | None
     """The trainer's published weight version, when calls are stamped with it."""
+    exact_completions: ExactCompletions | None
+    """The exact-text index of ``/v1/completions`` calls (exact-prefix mode)."""
 
     async def refuse(self, send: Send, reason: str) -> None:
         """Answer 503 for a call that could not be captured (``fail_closed``)."""
@@ -63,34 +68,6 @@ class CallOwner(Protocol):
 
 
 _AdmitFailure = Literal["ledger unreachable", "no admission", "begin failed"]
-_JSON = [(b"content-type", b"application/json")]
-
-
-def _without_spans(payload: dict[str, Any]) -> dict[str, Any]:
-    """*payload* without ``weight_versions`` on its choices and without its token fields: nothing to stage."""
-    for choice in payload.get("choices") or ():
-        if isinstance(choice, dict):
-            choice.pop("weight_versions", None)
-            choice.pop("token_ids", None)
-    return payload
-
-
-@dataclass
-class UpstreamAnswer:
-    """The inner app's whole response."""
-
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    oversized: bool
-
-
-async def _client_gone(receive: Receive) -> bool:
-    """Whether the client already disconnected (a non-blocking look at ``receive``)."""
-    with anyio.move_on_after(0):
-        message = await receive()
-        return bool(message["type"] == "http.disconnect")
-    return False
 
 
 class CapturedCall:
@@ -114,6 +91,8 @@ class CapturedCall:
         self.admit_failure: _AdmitFailure | None = None
         self.settled = False
         self.captured = False
+        self.refused = False
+        """The engine refused the request (nothing generated): no failure row, its error passed through."""
         self.answer: tuple[UpstreamAnswer, dict[str, Any] | None, ClientAsked] | None = None  # once known
 
     # --- admission ------------------------------------------------------------
@@ -187,33 +166,20 @@ class CapturedCall:
     # --- upstream ------------------------------------------------------------------
 
     async def _upstream(self, body: bytes, receive: Receive) -> UpstreamAnswer:
-        result = UpstreamAnswer(502, [], b"", oversized=False)
-        chunks: list[bytes] = []
-        size = 0
-        limit = self.owner.settings.max_response_bytes
-
-        async def collect(message: Message) -> None:
-            nonlocal size
-            if message["type"] == "http.response.start":
-                result.status = message["status"]
-                result.headers = list(message.get("headers", ()))
-            elif message["type"] == "http.response.body":
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                result.oversized = result.oversized or size > limit
-                chunks.append(chunk)
-
-        # The body must come back as plain JSON: never let the upstream compress it.
-        kept = [(k, v) for k, v in self.scope.get("headers", ()) if k.lower() != b"accept-encoding"]
-        headers = [*kept, (b"accept-encoding", b"identity")]
-        scope = {**self.scope, "headers": headers}
         started = time.perf_counter()
-        await self.owner.app(scope, replay_receive(body, receive), collect)
+        result = await call_inner(self.owner.app, self.scope, body, receive, self.owner.settings.max_response_bytes)
         self.owner.metrics.observe(upstream_s=time.perf_counter() - started)
-        result.body = b"".join(chunks)
         return result
 
     def _parsed(self, upstream: UpstreamAnswer) -> dict[str, Any] | None:
+        if refused(upstream):
+            logger.warning(
+                "%s: upstream answered %d (nothing generated): a failed attempt, the rollout is not poisoned; %s",
+                self.ids,
+                upstream.status,
+                error_message(upstream.body),
+            )
+            return None
         if upstream.status != 200:
             logger.warning("%s: upstream answered %d; capture failed", self.ids, upstream.status)
             return None
@@ -256,42 +222,41 @@ class CapturedCall:
         body, asked = upstream_request(self.route, self.request, self.owner.settings.upstream_kind, prefix)
         return orjson.dumps(body), asked
 
+    def _parent_ids(self) -> list[int] | None:
+        """The parent's exact sequence of an admitted continuation (``None``: a root, or not capturable)."""
+        active, admission = self.active, self.admission
+        continuation = admission is not None and admission.mode == "token_in"
+        return active.prefix_token_ids if active is not None and not active.capture_failed and continuation else None
+
+    async def _exact_completion(self, exact: ExactMode, text: ExactText, receive: Receive) -> UpstreamAnswer:
+        """An exact-prefix completion (:mod:`worker.proxy.exact_completions`): admitted from the exact-text items."""
+        self.items = text.items()
+        await self._admit()
+        assert self.owner.exact_completions is not None
+        completions, kind = self.owner.exact_completions, self.owner.settings.upstream_kind
+        try:
+            status, error, request = await completions.request(exact, text, self.request, self._parent_ids())
+        except EnginePayloadError as exc:
+            logger.warning("%s: exact-prefix engine answer malformed (%s); capture failed", self.ids, exc)
+            return UpstreamAnswer(502, JSON_HEADERS, error_body(502, str(exc), "EnginePayloadError"), False)
+        if status != 200:
+            return UpstreamAnswer(status, JSON_HEADERS, orjson.dumps(error), False)
+        return await self._upstream(orjson.dumps(upstream_request(self.route, request, kind, [])[0]), receive)
+
     async def _exact_upstream(
         self, exact: ExactMode, rendering: Rendering, receive: Receive
     ) -> tuple[UpstreamAnswer, ClientAsked]:
-        """The upstream answer of an exact-prefix chat call (admission already done): a continuation's prompt is its
-        parent's exact sequence plus the rendered suffix. A request that cannot be spliced is served in verify mode."""
-        active, admission = self.active, self.admission
-        parent = None
-        if active is not None and not active.capture_failed and admission is not None and admission.mode == "token_in":
-            parent = active.prefix_token_ids
-        asked = ClientAsked(
-            token_ids=self.request.get("return_token_ids") is True,
-            logprobs=self.request.get("logprobs") not in (None, False),
+        """An exact-prefix chat call (:func:`~worker.proxy.exact_answers.exact_chat_answer`), in verify mode when it
+        cannot be spliced."""
+        limit = self.owner.settings.max_response_bytes
+        parent, active, ids = self._parent_ids(), self.active, self.ids
+        answer = await exact_chat_answer(
+            exact, self.request, rendering, parent=parent, active=active, ids=ids, max_response_bytes=limit
         )
-        try:
-            answer = await exact.chat(self.request, rendering, parent)
-        except SpliceError as exc:
-            logger.warning("%s: cannot splice onto the parent (%s); served in verify mode", self.ids, exc)
+        if answer is None:
             body, asked = self._body()
             return await self._upstream(body, receive), asked
-        except EnginePayloadError as exc:
-            logger.warning("%s: exact-prefix engine answer malformed (%s); capture failed", self.ids, exc)
-            return UpstreamAnswer(502, _JSON, error_body(502, str(exc), "EnginePayloadError"), False), asked
-        payload = answer.payload
-        if answer.status == 200 and isinstance(payload, dict):
-            choice = payload["choices"][0]
-            if active is not None:
-                try:
-                    version = exact.weight_version_of(payload)
-                except WeightVersionError as exc:
-                    logger.warning("%s: %s; capture failed", self.ids, exc)
-                    return UpstreamAnswer(200, _JSON, orjson.dumps(_without_spans(payload)), False), asked
-                if version is not None:
-                    active.weight_version = version
-            choice.pop("weight_versions", None)
-        body = orjson.dumps(payload)
-        return UpstreamAnswer(answer.status, _JSON, body, len(body) > self.owner.settings.max_response_bytes), asked
+        return answer, asked_by(self.request)
 
     async def run(self, receive: Receive, send: Send) -> None:
         """Serve the call: capture it, then reply (or refuse with 503 when fail-closed and not captured). The one
@@ -328,8 +293,13 @@ class CapturedCall:
     async def _serve(self, receive: Receive, send: Send) -> None:
         owner, metrics = self.owner, self.owner.metrics
         try:
-            exact = await owner.prefix_mode.current() if self.route == "chat" else None
-            if exact is not None:
+            exact = await owner.prefix_mode.current() if self.route != "responses" else None
+            xc = owner.exact_completions if exact is not None and self.route == "completions" else None
+            text = None if xc is None else await xc.plan(self.rollout_id, self.request)
+            if text is not None and exact is not None:
+                asked = upstream_request(self.route, self.request, owner.settings.upstream_kind, [])[1]
+                upstream = await self._exact_completion(exact, text, receive)
+            elif exact is not None and self.route == "chat":
                 rendering = await exact.render(self.request)
                 if rendering.status != 200:  # the engine refused the request (over the context...): nothing to capture
                     logger.warning(
@@ -354,27 +324,33 @@ class CapturedCall:
             payload = self._parsed(upstream)
             self.answer = (upstream, payload, asked)
             staged_at = time.perf_counter()
-            if self.active is not None:
+            if payload is None and refused(upstream):
+                self.refused = True
+                self.settled = True  # nothing to record: no failure row
+            elif self.active is not None:
                 coords = await self._complete(self.active, upstream, payload)
+                served = None if payload is None else [dict(c) for c in payload.get("choices") or () if isinstance(c, dict)]
                 if payload is not None:
                     strip_token_fields(self.route, payload, asked)
                 await self._settle(coords, payload)
+                if self.captured and text is not None and served and xc is not None:
+                    await xc.remember(self.rollout_id, text, {"choices": served})
                 metrics.observe(stage_s=time.perf_counter() - staged_at)
             elif payload is not None:
                 strip_token_fields(self.route, payload, asked)
         finally:
             if self.admission is not None and not self.settled:
                 await self._abandon()
-        uncaptured = self.admit_failure == "no admission" and not owner.settings.fail_closed
+        uncaptured = self.refused or (self.admit_failure == "no admission" and not owner.settings.fail_closed)
         metrics.count("captured" if self.captured else "uncaptured" if uncaptured else "capture_failed")
-        if await _client_gone(receive):
+        if await client_gone(receive):
             logger.warning(
                 "%s: client disconnected mid-call; the call was %s before the response was dropped",
                 self.ids,
                 "committed" if self.captured else "not captured",
             )
             return
-        if not self.captured and owner.settings.fail_closed:
+        if not self.captured and not self.refused and owner.settings.fail_closed:  # a refusal served nothing
             await owner.refuse(send, self.admit_failure or "see the proxy log")
             return
         await self._reply(upstream, payload, send)

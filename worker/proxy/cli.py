@@ -124,7 +124,7 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
         "--prefix-mode",
         choices=("auto", "exact", "verify"),
         default="auto",
-        help="auto (default): exact-prefix chat calls where the engine serves vLLM 0.32's render/generate/derender "
+        help="auto (default): exact-prefix chat and completions calls where the engine serves vLLM 0.32's render/generate/derender "
         "routes (vllm --enable-scale-out), verify mode elsewhere; exact: refuse to start without them; verify: never",
     )
     proxy.add_argument(
@@ -144,6 +144,17 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
     engine.add_argument("--shape", choices=("vllm", "nemo-gym"), default="vllm", help="response token-field shape")
     engine.add_argument("--honour-prefix", action="store_true", help="honour required_prefix_token_ids (nemo-rl)")
     engine.add_argument("--drift", action="store_true", help="re-tokenize earlier assistant text differently")
+    engine.add_argument(
+        "--reasoning-field",
+        choices=("reasoning", "reasoning_content"),
+        help="put half of each chat reply in this message field (a reasoning parser's output)",
+    )
+    engine.add_argument("--tool-calls", action="store_true", help="answer a chat request naming tools with a call")
+    engine.add_argument(
+        "--routed-experts",
+        choices=("choice", "message"),
+        help="add routed_experts to chat replies: on the choice as base64 .npy (vLLM 0.32) or on the message",
+    )
     engine.add_argument(
         "--enable-scale-out",
         action="store_true",
@@ -266,6 +277,9 @@ def engine_command(args: argparse.Namespace) -> int:
         honour_prefix=args.honour_prefix,
         drift=args.drift,
         scale_out=args.enable_scale_out,
+        reasoning_field=args.reasoning_field,
+        tool_calls=args.tool_calls,
+        routed_experts=args.routed_experts,
     )
     sys.stderr.write(f"simulated engine on http://{args.host}:{args.port} ({options})\n")
     uvicorn.run(EngineApp(options), host=args.host, port=args.port, log_level="warning", access_log=False)

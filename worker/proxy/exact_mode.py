@@ -24,7 +24,7 @@ from worker.exact_chat import ExactAnswer, Rendering, exact_chat, render_chat
 from worker.exact_probe import ExactProbe, probe_exact_prefix
 from worker.weight_version import WeightLabelRule, WeightVersionError, version_of_spans
 
-__all__ = ("ExactMode", "PrefixMode", "PrefixModeChoice", "sub_request")
+__all__ = ("ExactMode", "PrefixMode", "PrefixModeChoice", "sub_request", "without_spans")
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,15 @@ async def sub_request(app: ASGIApp, method: str, path: str, body: Any = None) ->
         return status, {"error": {"message": data[:200].decode(errors="replace"), "code": status}}
 
 
+def without_spans(payload: dict[str, Any]) -> dict[str, Any]:
+    """*payload* without ``weight_versions`` on its choices and without its token fields: nothing to stage."""
+    for choice in payload.get("choices") or ():
+        if isinstance(choice, dict):
+            choice.pop("weight_versions", None)
+            choice.pop("token_ids", None)
+    return payload
+
+
 @dataclass(frozen=True)
 class ExactMode:
     """Exact-prefix chat calls on one engine app."""
@@ -83,12 +92,13 @@ class ExactMode:
     labels: WeightLabelRule | None = None
     """How the engine's weight labels map to versions; ``None``: the proxy's configured version stamps calls."""
 
-    async def _call(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async def call(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """``POST`` *body* to *path* on the engine: its status and parsed JSON body."""
         return await sub_request(self.app, "POST", path, body)
 
     async def render(self, request: dict[str, Any]) -> Rendering:
         """Render *request* and its history with the engine's template (an error: nothing can be generated)."""
-        return await render_chat(self._call, request, self.probe.eot_ids)
+        return await render_chat(self.call, request, self.probe.eot_ids)
 
     async def chat(self, request: dict[str, Any], rendering: Rendering, parent_ids: list[int] | None) -> ExactAnswer:
         """Finish one rendered chat request exactly (:func:`worker.exact_chat.exact_chat`).
@@ -96,7 +106,7 @@ class ExactMode:
         :raises worker.errors.SpliceError: the request cannot be spliced onto *parent_ids*.
         """
         eot_ids = self.probe.eot_ids
-        return await exact_chat(self._call, request, parent_ids=parent_ids, eot_ids=eot_ids, rendering=rendering)
+        return await exact_chat(self.call, request, parent_ids=parent_ids, eot_ids=eot_ids, rendering=rendering)
 
     def weight_version_of(self, payload: dict[str, Any]) -> int | None:
         """The call's weight version from the answer's spans (the oldest), or ``None`` without a label rule.

@@ -5,7 +5,10 @@ from the environment and opens its Redis resources on the first request (in the 
 
 * ``STAGING_SINK_REDIS_URL`` (required), ``STAGING_SINK_NAMESPACE`` (default ``stg``);
 * ``STAGING_SINK_UPSTREAM_KIND`` (``vllm`` or ``nemo-rl``), ``STAGING_SINK_FAIL_CLOSED`` (``1`` for 503s);
-* ``STAGING_SINK_WEIGHT_VERSION`` (default 0).
+* ``STAGING_SINK_WEIGHT_VERSION`` (default 0);
+* ``STAGING_SINK_PREFIX_MODE`` (``auto``, the default, ``exact`` or ``verify``): on the first request the wrapped app
+  itself is probed for exact-prefix mode (vLLM 0.32 with ``--enable-scale-out``), as the forwarding proxy probes its
+  engine; the probe's requests go to the wrapped app directly, never through capture.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from sink.keys import DEFAULT_NAMESPACE
 from sink.settings import ProxySettings, UpstreamKind
 from worker.asgi import ASGIApp, Message, Receive, Scope, Send
 from worker.proxy.app import ProxyApp
+from worker.proxy.exact_mode import PrefixMode
 
 __all__ = ("EnvCaptureMiddleware", "config_from_environment")
 
@@ -35,6 +39,9 @@ def config_from_environment(env: Mapping[str, str]) -> ProxySettings:
     kind = env.get("STAGING_SINK_UPSTREAM_KIND", "vllm")
     if kind not in get_args(UpstreamKind):
         raise ValueError(f"STAGING_SINK_UPSTREAM_KIND must be vllm or nemo-rl, got {kind!r}")
+    prefix_mode = env.get("STAGING_SINK_PREFIX_MODE", "auto")
+    if prefix_mode not in ("auto", "exact", "verify"):
+        raise ValueError(f"STAGING_SINK_PREFIX_MODE must be auto, exact or verify, got {prefix_mode!r}")
     return ProxySettings(
         upstream_url="http://in-process",
         redis_url=url,
@@ -42,6 +49,7 @@ def config_from_environment(env: Mapping[str, str]) -> ProxySettings:
         upstream_kind=cast(UpstreamKind, kind),
         fail_closed=env.get("STAGING_SINK_FAIL_CLOSED", "0") == "1",
         weight_version=int(env.get("STAGING_SINK_WEIGHT_VERSION", "0")),
+        prefix_mode=cast(PrefixMode, prefix_mode),
     )
 
 

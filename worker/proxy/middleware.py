@@ -39,17 +39,23 @@ from worker.asgi import (
 )
 from worker.capture import RolloutTokenCapture
 from worker.proxy.captured_call import CapturedCall
+from worker.proxy.exact_completions import ExactCompletions
 from worker.proxy.exact_mode import PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     CAPTURE_ROUTES,
+    PASSTHROUGH_POSTS,
     ROLLOUT_HEADER,
+    ClientAsked,
     RouteKind,
+    Target,
     canonical_path,
     disguised_capture_route,
     parse_target,
     request_items,
+    strip_token_fields,
 )
+from worker.proxy.upstream import call_inner
 from worker.weight_version import PublishedWeightVersion
 
 __all__ = ("METRICS_PATH", "Announce", "CaptureMiddleware")
@@ -84,6 +90,8 @@ class CaptureMiddleware:
         self.metrics = metrics or ProxyMetrics()
         self.prefix_mode = PrefixModeChoice(None)
         """Verify mode, unless the proxy sets the outcome of its start-up probe (exact-prefix chat calls)."""
+        self.exact_completions: ExactCompletions | None = None
+        """The exact-text index of ``/v1/completions`` calls, set by the proxy (exact-prefix completions)."""
         self.published: PublishedWeightVersion | None = None
         """The trainer's published weight version, when calls are stamped with it (``weight_source="published"``)."""
 
@@ -112,6 +120,9 @@ class CaptureMiddleware:
         )
         route = CAPTURE_ROUTES.get(target.path) if scope["method"] == "POST" else None
         if route is None:
+            tagged = target.rollout_id is not None and scope["method"] == "POST"
+            if tagged and target.path not in PASSTHROUGH_POSTS and await self._uncaptured_route(target, send):
+                return
             await self.app(inner, receive, send)
             return
         if target.rollout_id is None:
@@ -144,11 +155,53 @@ class CaptureMiddleware:
         logger.info("rollout %s finished (event %s)", rollout_id, event)
         await send_json(send, 200, {"rollout_id": rollout_id, "event_id": event})
 
+    async def _uncaptured_route(self, target: Target, send: Send) -> bool:
+        """A rollout's POST to a route capture does not cover (``/inference/v1/generate``, a render route, audio...):
+        refused under ``fail_closed`` (returns ``True``: it may generate, and nothing of it would be staged), else
+        counted uncaptured and forwarded."""
+        rollout_id, path = target.rollout_id, target.path
+        self.metrics.count("capture_failed" if self.settings.fail_closed else "uncaptured")
+        if not self.settings.fail_closed:
+            logger.warning("rollout %s: POST %s is not a captured route; forwarded uncaptured", rollout_id, path)
+            return False
+        logger.warning("rollout %s: POST %s is not a captured route; refused (fail-closed)", rollout_id, path)
+        message = f"POST {path} is not captured by the proxy; --fail-closed refuses it for a rollout"
+        await send_body(send, 503, error_body(503, message, "UncapturedRoute"))
+        return True
+
     # --- captured calls -------------------------------------------------------
 
     async def _uncaptured(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         self.metrics.count("uncaptured")
         await self.app(scope, replay_receive(body, receive), send)
+
+    async def _unparsed(
+        self, route: RouteKind, rollout_id: str, scope: Scope, body: bytes, receive: Receive, send: Send, exc: Exception
+    ) -> None:
+        """Fail-open for a body the proxy cannot parse: the rollout records the capture failure, the engine answers
+        the body, and the agent gets that answer without token fields (a 200 that is not one JSON object, e.g. a
+        stream, may carry them: 502 instead)."""
+        self.metrics.count("capture_failed")
+        try:
+            await self.gate.fail_unadmitted(
+                rollout_id, f"request not captured ({exc}); forwarded uncaptured"
+            )
+        except StagingError as error:  # the ledger is unreachable: still served (fail-open)
+            logger.error("rollout %s: cannot record the unparsed request: %r", rollout_id, error)
+        answer = await call_inner(self.app, scope, body, receive, self.settings.max_response_bytes)
+        if answer.status != 200:
+            await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
+            await send({"type": "http.response.body", "body": answer.body, "more_body": False})
+            return
+        try:
+            payload = orjson.loads(answer.body)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict) or answer.oversized:
+            message = "the engine's answer to an unparsed request may carry token fields; not served"
+            await send_body(send, 502, error_body(502, message, "UpstreamUnparseable"))
+            return
+        await send_json(send, 200, strip_token_fields(route, payload, ClientAsked(token_ids=False, logprobs=False)))
 
     async def refuse(self, send: Send, reason: str) -> None:
         """Answer 503 for a call that could not be captured (``fail_closed``)."""
@@ -180,7 +233,10 @@ class CaptureMiddleware:
                     message = f"the proxy cannot parse this body ({exc}); --fail-closed does not forward it"
                     await send_body(send, 400, error_body(400, message, "InvalidRequest"))
                 return
-            logger.warning("rollout %s: request not captured (%s); forwarded as is", rollout_id, exc)
-            await self._uncaptured(scope, body, receive, send)
+            if isinstance(request, dict):  # well-formed, but out of capture's scope (n > 1)
+                logger.warning("rollout %s: request not captured (%s); forwarded as is", rollout_id, exc)
+                await self._uncaptured(scope, body, receive, send)
+                return
+            await self._unparsed(route, rollout_id, scope, body, receive, send, exc)
             return
         await CapturedCall(self, route, scope, request, items, rollout_id).run(receive, send)

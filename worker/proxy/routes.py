@@ -22,6 +22,7 @@ from worker.openai_adapters import NemoGymResponsesAdapter, OpenAIChatAdapter, V
 
 __all__ = (
     "CAPTURE_ROUTES",
+    "PASSTHROUGH_POSTS",
     "ROLLOUT_HEADER",
     "ClientAsked",
     "RouteKind",
@@ -42,6 +43,9 @@ CAPTURE_ROUTES: dict[str, RouteKind] = {
     "/v1/completions": "completions",
     "/v1/responses": "responses",
 }
+PASSTHROUGH_POSTS = frozenset({"/tokenize", "/detokenize"})
+"""The POST routes besides the captured ones that a rollout may reach under ``fail_closed``: they generate nothing.
+Any other rollout-tagged POST (``/inference/v1/generate``, render routes, audio, ``/v1/messages``...) is refused."""
 ROLLOUT_HEADER = b"x-staging-rollout-id"
 """Request header naming the rollout (lower-case, as ASGI delivers it)."""
 
@@ -182,6 +186,7 @@ def strip_token_fields(route: RouteKind, payload: dict[str, Any], asked: ClientA
         if not asked.token_ids:
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)
+            choice.pop("routed_experts", None)
             message = choice.get("message")
             if isinstance(message, dict):
                 for name in _MESSAGE_TOKEN_FIELDS:

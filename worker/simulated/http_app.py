@@ -10,6 +10,9 @@ with ``return_tokens_as_token_ids``: ``"token_id:<n>"`` strings) and ``usage``. 
 * ``honour_prefix=True`` starts the prompt with ``required_prefix_token_ids`` (a NeMo RL generation server);
 * ``drift=True`` re-tokenizes earlier assistant text differently (a space becomes a merged token), so a
   continuation's prompt no longer starts with the parent's exact ids: the ``token_in`` check must fire;
+* ``reasoning_field``, ``tool_calls`` and ``routed_experts`` add a reasoning parser's output, a tool call and
+  the routed experts (on the choice as vLLM 0.32 does, or on the message) to chat answers
+  (:mod:`worker.simulated.chat_extras`); an end-of-turn ``logit_bias`` of ``>= 50`` forces an empty reply;
 * ``scale_out=True`` (``--enable-scale-out``) serves vLLM 0.32's token-in/token-out routes
   (:mod:`worker.simulated.scale_out`, :mod:`worker.simulated.derender`); without it they answer 403
   ``PermissionDeniedError`` as vLLM does. ``GET /weight_info`` and ``POST /update_weight_version`` are always served.
@@ -30,6 +33,13 @@ import anyio
 import orjson
 
 from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
+from worker.simulated.chat_extras import (
+    ReasoningField,
+    RoutedExpertsPlace,
+    add_extras,
+    forced_empty,
+    min_tokens_of,
+)
 from worker.simulated.derender import derender_chat, derender_chat_chunk
 from worker.simulated.engine import BYTE_OFFSET, IM_END, IM_START, Generation, SimulatedEngine
 from worker.simulated.scale_out import SCALE_OUT_DISABLED, BadScaleOutRequest, ScaleOut
@@ -58,6 +68,12 @@ class EngineOptions:
     """Serve the token-in/token-out routes (vLLM's ``--enable-scale-out``)."""
     max_model_len: int = 1 << 20
     """Context length: a longer prompt is a 400 on every route."""
+    reasoning_field: ReasoningField | None = None
+    """Chat answers carry a reasoning parser's output in this message field."""
+    tool_calls: bool = False
+    """A chat request naming ``tools`` is answered with a call of its first tool."""
+    routed_experts: RoutedExpertsPlace | None = None
+    """Chat answers carry ``routed_experts`` here (``choice``: base64 ``.npy``, as vLLM 0.32)."""
 
 
 class _BadRequest(Exception):
@@ -141,6 +157,9 @@ class EngineApp:
         if self.options.delay_s:
             await anyio.sleep(self.options.delay_s)
         self.calls += 1
+        if forced_empty(request):
+            return Generation([IM_END], [-0.015625], "stop")
+        min_tokens = min(min_tokens_of(request, min_tokens), max_tokens)
         return _stop_clean(self.engine.generate(prompt, max_tokens, min_tokens=min_tokens))
 
     # --- payloads ----------------------------------------------------------------
@@ -174,7 +193,17 @@ class EngineApp:
             "choices": [choice],
             "usage": self._usage(prompt, generation),
         }
-        if self.options.shape == "nemo-gym":
+        options = self.options
+        add_extras(
+            request,
+            payload,
+            prompt,
+            generation,
+            reasoning_field=options.reasoning_field,
+            tool_calls=options.tool_calls,
+            routed_experts=options.routed_experts,
+        )
+        if options.shape == "nemo-gym":
             message.update(self._gym_fields(prompt, generation))
             return payload
         if request.get("logprobs"):
@@ -190,12 +219,24 @@ class EngineApp:
         return payload
 
     def completion(self, request: dict[str, Any], prompt: list[int], generation: Generation) -> dict[str, Any]:
-        """A vLLM text-completion payload (token fields on the choice)."""
+        """A vLLM text-completion payload (token fields on the choice). ``stop`` strings as vLLM: the ids end with the
+        one that completed the string (kept), the text ends before the string (unless ``include_stop_str_in_output``)."""
+        text, stop_reason = self.engine.tokenizer.decode(generation.token_ids), None
+        stops = request.get("stop") or ()
+        for end in range(1, len(generation.token_ids) + 1) if stops else ():
+            text = self.engine.tokenizer.decode(generation.token_ids[:end])
+            stop_reason = next((stop for stop in ([stops] if isinstance(stops, str) else stops) if stop in text), None)
+            if stop_reason is not None:
+                generation = Generation(generation.token_ids[:end], generation.logprobs[:end], "stop")
+                if request.get("include_stop_str_in_output") is not True:
+                    text = text[: text.index(stop_reason)]
+                break
         choice: dict[str, Any] = {
             "index": 0,
-            "text": self.engine.tokenizer.decode(generation.token_ids),
+            "text": text,
             "logprobs": None,
             "finish_reason": "stop",
+            "stop_reason": stop_reason,
         }
         if request.get("logprobs") is not None:
             choice["logprobs"] = {

@@ -1,0 +1,65 @@
+"""What the capture proxy strips from an engine answer before the agent sees it, field by field, on engine-shaped
+chat, completion and Responses bodies: every token field the client did not ask for goes (the sink's commit
+coordinates always), what it asked for stays; and the route a bare ``/r/{id}`` forwards to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.proxy.routes import ClientAsked, Target, parse_target, strip_token_fields
+
+NOTHING = ClientAsked(token_ids=False, logprobs=False)
+EVERYTHING = ClientAsked(token_ids=True, logprobs=True)
+TOKEN_FIELDS = {"prompt_token_ids": [1, 2], "generation_token_ids": [3], "generation_log_probs": [-0.5]}
+
+
+def _chat() -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-1",
+        "prompt_token_ids": [1, 2],
+        "ng_commit_coords": {"staging_key": "r/c0"},
+        "choices": [
+            "not a choice",  # an engine oddity: skipped, the next choice is still stripped
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi", **TOKEN_FIELDS, "routed_experts": [[0]]},
+                "token_ids": [3],
+                "prompt_token_ids": [1, 2],
+                "logprobs": {"content": [{"token": "token_id:3", "logprob": -0.5}]},
+            },
+        ],
+    }
+
+
+def test_a_chat_answer_loses_every_token_field_the_client_did_not_ask_for() -> None:
+    stripped = strip_token_fields("chat", _chat(), NOTHING)
+    assert stripped == {
+        "id": "chatcmpl-1",
+        "choices": ["not a choice", {"index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": None}],
+    }
+
+
+def test_what_the_client_asked_for_stays_and_the_coordinates_always_go() -> None:
+    expected = _chat()
+    del expected["ng_commit_coords"]
+    assert strip_token_fields("chat", _chat(), EVERYTHING) == expected
+    only_logprobs = strip_token_fields("chat", _chat(), ClientAsked(token_ids=False, logprobs=True))
+    assert only_logprobs["choices"][1]["logprobs"] == {"content": [{"token": "token_id:3", "logprob": -0.5}]}
+    assert "token_ids" not in only_logprobs["choices"][1] and "prompt_token_ids" not in only_logprobs
+    # A choice without logprobs does not gain the field.
+    assert "logprobs" not in strip_token_fields("completions", {"choices": [{"text": "x"}]}, NOTHING)["choices"][0]
+
+
+def test_responses_items_keep_their_token_fields_only_when_asked() -> None:
+    def answer() -> dict[str, Any]:
+        return {"ng_commit_coords": {}, "output": [{"type": "message", "content": [], **TOKEN_FIELDS}, "odd"]}
+
+    assert strip_token_fields("responses", answer(), NOTHING) == {"output": [{"type": "message", "content": []}, "odd"]}
+    kept = strip_token_fields("responses", answer(), ClientAsked(token_ids=True, logprobs=False))
+    assert kept == {"output": [{"type": "message", "content": [], **TOKEN_FIELDS}, "odd"]}
+
+
+def test_a_bare_rollout_prefix_forwards_to_the_root() -> None:
+    assert parse_target("/r/roll-1", None) == Target("roll-1", "/")
+    assert parse_target("/r/roll-1/finished", None) == Target("roll-1", "/finished", finished=True)
+    assert parse_target("/v1/models", "roll-2") == Target("roll-2", "/v1/models")
