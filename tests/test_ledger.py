@@ -20,6 +20,7 @@ import anyio.lowlevel
 import pytest
 import redis
 
+from sink.canonical import canonical_json
 from sink.contract.fingerprint import FINGERPRINT_VERSION
 from sink.contract.records import (
     LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
@@ -34,7 +35,7 @@ from sink.keys import ledger_ids_key, ledger_stream
 from sink.ledger.lineage import AMBIGUOUS_REASON, NO_MATCH_REASON, LineageMatch, LineageResolution, LineageStatus
 from sink.ledger.memory import MemoryCaptureLedger
 from sink.ledger.redis import RedisCaptureLedger
-from sink.ledger.rows import custody_entry, custody_row, encode_row
+from sink.ledger.rows import custody_entry, custody_row
 from tests.helpers.ledger import (
     ANSWER1,
     CHILD_REQUEST,
@@ -215,7 +216,7 @@ class TestLedgerContract:
                     del row["record"][name]
                 else:
                     row["record"][name] = value
-            return custody_entry(encode_row(row))
+            return custody_entry(canonical_json(row))
 
         await env.ledger.record(root_commit("c-good"))
         env.inject(R, damaged("c-no-resp", response_id=None))
@@ -304,7 +305,7 @@ class TestLedgerContract:
     async def test_rows_of_another_fingerprint_version_never_resolve(self, env: LedgerEnv) -> None:
         row = custody_row(root_commit())
         row["fingerprint_version"] = FINGERPRINT_VERSION - 1
-        env.inject(R, custody_entry(encode_row(row)))
+        env.inject(R, custody_entry(canonical_json(row)))
         assert (await env.ledger.resolve(R, CHILD_REQUEST)).reason == NO_MATCH_REASON
         assert [r.model_call_id for r in (await env.ledger.manifest(R)).records] == ["c-root"]
 

@@ -15,6 +15,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from sink.canonical import canonical_json
 from sink.contract.fingerprint import FINGERPRINT_VERSION
 from sink.contract.records import UNRESOLVED_PARENT_REASON
 from sink.errors import LedgerConflictError, RolloutRetiredError, StagingConnectionError
@@ -22,7 +23,7 @@ from sink.keys import fence_key, ledger_ids_key, ledger_stream
 from sink.ledger.lineage import LineageMatch, LineageResolution, LineageStatus
 from sink.ledger.memory import MemoryCaptureLedger
 from sink.ledger.redis import RedisCaptureLedger
-from sink.ledger.rows import custody_row, encode_row
+from sink.ledger.rows import custody_row
 from sink.ops.cluster import LocalCluster
 from sink.server import DurableServer, free_port
 from tests.helpers.ledger import CHILD_REQUEST, R, child_commit, hexdigest, root_commit
@@ -40,7 +41,7 @@ def test_lineage_resolution_requires_a_match_exactly_when_resolved() -> None:
 
 
 def test_custody_row_encoding_is_canonical() -> None:
-    first, second = encode_row(custody_row(root_commit())), encode_row(custody_row(root_commit()))
+    first, second = canonical_json(custody_row(root_commit())), canonical_json(custody_row(root_commit()))
     assert first == second and " " not in first.replace("be brief", "")
     row = custody_row(root_commit())
     assert (row["context_len"], row["fingerprint_version"], row["staging_chain"]) == (

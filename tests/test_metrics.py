@@ -16,6 +16,7 @@ from sink.errors import MetricsExtraMissingError, StagingError
 from sink.ops.metrics import EXPORTED_METRICS, STAGE_RESULTS, Metrics, collect_redis_gauges, serve_metrics
 from sink.store.pipeline_counters import (
     PipelineCounters,
+    StageOutcome,
     count_dead_letter,
     count_pulled,
     count_receipt_published,
@@ -56,8 +57,8 @@ def test_the_process_hooks_count_into_the_process_counters() -> None:
     before = counters.snapshot()
     try:
         counters.reset()
-        count_stage("hooks", "ok", 0.001)
-        count_stage("hooks", "conflict", 0.002)
+        count_stage("hooks", StageOutcome.OK, 0.001)
+        count_stage("hooks", StageOutcome.CONFLICT, 0.002)
         count_staged_bytes("hooks", 100)
         count_receipt_published("hooks", 2)
         count_dead_letter("hooks", "done", 1)
@@ -263,7 +264,7 @@ def test_a_service_metrics_port_serves_the_process_counters() -> None:
     namespace = "svc-port"
     with serve_process_metrics(0, namespace=namespace) as server:
         assert server is not None
-        count_stage(namespace, "ok", 0.002)  # counted after the server started: read at scrape time
+        count_stage(namespace, StageOutcome.OK, 0.002)  # counted after the server started: read at scrape time
         with urllib.request.urlopen(server.url, timeout=5) as response:
             body = response.read().decode()
     assert f'staging_sink_stages_total{{namespace="{namespace}",result="ok"}} 1.0' in body

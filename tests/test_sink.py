@@ -399,7 +399,7 @@ def test_every_script_has_its_status_codes_filled_in() -> None:
         if not (p.parent.name == "store" and p.name in homes) and "redis.call(" in p.read_text()
     ]
     assert elsewhere == []
-    assert f"status[i] = {scripts.STAGE_WRONG_TYPE}" in scripts.STAGE_SCRIPT.source
+    assert f"status[i] = {scripts.StageStatus.WRONG_TYPE}" in scripts.STAGE_SCRIPT.source
 
 
 async def test_stage_and_clear_reload_their_scripts_after_a_script_flush(redis_url: str) -> None:

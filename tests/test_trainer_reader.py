@@ -9,12 +9,13 @@ import pydantic
 import pytest
 import redis.asyncio as aioredis
 
+from sink.contract.skip_codes import SkipCode
 from sink.errors import CodecError
 from sink.keys import done_stream, receipts_stream
 from sink.rollout.assembler import finished
 from sink.rollout.done_event import GroupTag, parse_done_event
 from sink.settings import DEFAULT_SHARDS, ReaderSettings
-from sink.trainer.reader import STALE_WEIGHTS, RolloutReader
+from sink.trainer.reader import RolloutReader
 from sink.trainer.sync_reader import SyncRolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.trainer import publish
@@ -68,11 +69,11 @@ async def test_stale_rollouts_are_acked_and_reported_with_a_reason_code(redis_ur
     async with RolloutReader.from_url(redis_url, max_weight_lag=2) as reader:
         reader.set_weight_version(3)  # version 0 is 3 behind: stale
         pulled = await pull_until(reader, 2)
-        assert {p.skip_code for p in pulled} == {STALE_WEIGHTS}
+        assert {p.skip_code for p in pulled} == {SkipCode.STALE_WEIGHTS}
         assert all("max_weight_lag=2" in (p.skip_reason or "") for p in pulled)
         stats = reader.statistics()
         assert stats.skipped == 2 and stats.trainable == 0 and stats.held == 0
-        assert dict(stats.skipped_by_code) == {STALE_WEIGHTS: 2}
+        assert dict(stats.skipped_by_code) == {SkipCode.STALE_WEIGHTS: 2}
         # Acknowledged by the reader: acking them again is accepted and changes nothing.
         await reader.ack([p.rollout_id for p in pulled])
         assert await reader.pending() == 0

@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import pytest
 
+from sink.contract.skip_codes import SkipCode
 from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader import RolloutReader
-from sink.trainer.staleness import STALE_WEIGHTS, stale_skip
+from sink.trainer.staleness import stale_skip
 from tests.helpers.e2e import pull_until
 from tests.helpers.trainer import publish
 
@@ -32,7 +33,7 @@ async def test_the_oldest_version_decides_and_a_lag_equal_to_the_bound_is_traina
     assert stale_skip(pulled, 5, 0) is None
     stale = stale_skip(pulled, 8, 2)
     assert stale is not None
-    assert stale.row is None and stale.skip_code == STALE_WEIGHTS and stale.receipt == pulled.receipt
+    assert stale.row is None and stale.skip_code == SkipCode.STALE_WEIGHTS and stale.receipt == pulled.receipt
     assert stale.skip_reason == (
         "oldest generating call used weight version 5, 3 behind the trainer's 8 (max_weight_lag=2)"
     )

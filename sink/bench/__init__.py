@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 
 from sink.errors import BenchmarkNamespaceInUseError, StagingError
 from sink.server import DurableServer, durable_server
+from sink.store.connection import reply_text
 
 __all__ = (
     "DEFAULT_BENCH_NAMESPACE",
@@ -154,7 +155,7 @@ class BenchNamespace:
         """One key of the namespace, or ``None`` when it has none."""
         async with aioredis.Redis.from_url(self.url) as client:
             async for key in client.scan_iter(match=self.pattern, count=_SCAN_COUNT):
-                return key.decode() if isinstance(key, bytes) else str(key)
+                return reply_text(key, "key")
         return None
 
     async def clear(self) -> int:

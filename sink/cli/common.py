@@ -40,7 +40,6 @@ __all__ = (
     "RedisTarget",
     "cancel_on_signal",
     "check_redis_url",
-    "decode_text",
     "int_at_least",
     "is_unreachable",
     "mask_url",
@@ -143,11 +142,6 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         if "default" in text or not action.option_strings or action.default in (None, False, [], argparse.SUPPRESS):
             return action.help
         return f"{text} (default: %(default)s)".lstrip()
-
-
-def decode_text(value: object) -> str:
-    """A Redis reply value as text: bytes decoded as UTF-8 (invalid bytes replaced), anything else ``str()``."""
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def mask_url(url: str) -> str:

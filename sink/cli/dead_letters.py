@@ -22,13 +22,12 @@ from sink.cli.common import (
     CommandError,
     RedisTarget,
     check_redis_url,
-    decode_text,
     open_topology,
     stdout_console,
     write_json,
 )
 from sink.cli.stats import OPERATORS_GROUP, shared_stream_names
-from sink.store.connection import map_redis_errors
+from sink.store.connection import map_redis_errors, reply_text
 
 __all__ = ("add_dead_letters_command", "dead_letters_command")
 
@@ -46,8 +45,11 @@ async def dead_letters_command(target: RedisTarget, action: str, *, count: int, 
                     entries = await client.xrevrange(stream, count=count)
                     report[stream] = [
                         {
-                            "id": decode_text(entry_id),
-                            **{decode_text(k): decode_text(v) for k, v in (fields or {}).items()},
+                            "id": reply_text(entry_id, lenient=True),
+                            **{
+                                reply_text(k, lenient=True): reply_text(v, lenient=True)
+                                for k, v in (fields or {}).items()
+                            },
                         }
                         for entry_id, fields in entries or []
                     ]

@@ -13,9 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sink.cli.common import decode_text
 from sink.keys import gym_keys
-from sink.store.connection import Topology
+from sink.store.connection import Topology, reply_text
 from sink.store.gym_scripts import TOMBSTONE_PREFIX
 
 __all__ = ("gym_rollout_state", "gym_totals", "render_gym_state")
@@ -33,14 +32,18 @@ async def gym_rollout_state(topology: Topology, ns: str, rollout_id: str) -> dic
     """
     state_key, entries_key, digests_key, intents_key, fence = gym_keys(ns, rollout_id)
     client = topology.client
-    raw_state = {decode_text(k): decode_text(v) for k, v in (await client.hgetall(state_key)).items()}
-    digests = {decode_text(k): decode_text(v) for k, v in (await client.hgetall(digests_key)).items()}
+    raw_state = {
+        reply_text(k, lenient=True): reply_text(v, lenient=True) for k, v in (await client.hgetall(state_key)).items()
+    }
+    digests = {
+        reply_text(k, lenient=True): reply_text(v, lenient=True) for k, v in (await client.hgetall(digests_key)).items()
+    }
     stored = int(await client.hlen(entries_key))
-    intents = sorted(decode_text(call) for call in await client.smembers(intents_key))
+    intents = sorted(reply_text(call, lenient=True) for call in await client.smembers(intents_key))
     tombstone = await client.get(fence)
     dropped = None
-    if tombstone is not None and decode_text(tombstone).startswith(TOMBSTONE_PREFIX):
-        dropped = decode_text(tombstone)[len(TOMBSTONE_PREFIX) :]
+    if tombstone is not None and reply_text(tombstone, lenient=True).startswith(TOMBSTONE_PREFIX):
+        dropped = reply_text(tombstone, lenient=True)[len(TOMBSTONE_PREFIX) :]
     if not (raw_state or digests or stored or intents or dropped):
         return None
     return {
@@ -65,7 +68,9 @@ async def gym_totals(topology: Topology, ns: str, state_keys: list[str]) -> dict
     totals = {"rollouts": 0, "frozen": 0, "incomplete": 0, "entries": 0}
     for state_key in state_keys:
         node = topology.node_for_key(state_key)
-        state = {decode_text(k): decode_text(v) for k, v in (await node.hgetall(state_key)).items()}
+        state = {
+            reply_text(k, lenient=True): reply_text(v, lenient=True) for k, v in (await node.hgetall(state_key)).items()
+        }
         totals["rollouts"] += 1
         totals["frozen"] += state.get("frozen") == "1"
         totals["incomplete"] += state.get("incomplete") == "1"

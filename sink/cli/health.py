@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sink.cli.common import decode_text
-from sink.store.connection import Topology
+from sink.store.connection import Topology, reply_text
 
 __all__ = (
     "HANDLED_DEAD_LETTERS",
@@ -49,9 +48,9 @@ async def unacknowledged_dead_letters(topology: Topology, stream: str, gauges: d
         return int(gauges["length"])
     client = topology.node_for_key(stream)
     for raw in await client.xinfo_groups(stream):
-        info = {decode_text(key): value for key, value in raw.items()}
-        if decode_text(info["name"]) == OPERATORS_GROUP:
-            last = decode_text(info["last-delivered-id"])
+        info = {reply_text(key, lenient=True): value for key, value in raw.items()}
+        if reply_text(info["name"], lenient=True) == OPERATORS_GROUP:
+            last = reply_text(info["last-delivered-id"], lenient=True)
             return len(await client.xrange(stream, min=f"({last}", max="+", count=_UNACKED_CAP) or [])
     return int(gauges["length"])
 

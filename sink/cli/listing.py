@@ -22,10 +22,11 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from sink.cli.common import EXIT_OK, RedisTarget, decode_text, open_topology, stdout_console, write_json
+from sink.cli.common import EXIT_OK, RedisTarget, open_topology, stdout_console, write_json
 from sink.contract.records import RolloutReceipt
+from sink.contract.skip_codes import SkipCode
 from sink.keys import claim_key, receipt_key
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology, map_redis_errors, reply_text
 
 __all__ = ("ROLLOUT_STATES", "RolloutState", "collect_rollouts", "list_command")
 
@@ -83,7 +84,7 @@ class RolloutState:
         if state == "claimed":
             return f"by {self.claimed_by or '?'}"
         if self.receipt is not None and (state == "poisoned" or self.receipt.failure_reason):
-            return self.receipt.failure_reason or self.receipt.terminal_attribution_reason or "capture_poisoned"
+            return self.receipt.failure_reason or self.receipt.terminal_attribution_reason or SkipCode.CAPTURE_POISONED
         return ""
 
     def as_json(self) -> dict[str, Any]:
@@ -109,8 +110,8 @@ async def _entries(topology: Topology, stream: str) -> list[dict[str, str]]:
     while True:
         page = await client.xrange(stream, min=start, count=_PAGE) or []
         for entry_id, raw in page:
-            fields.append({decode_text(k): decode_text(v) for k, v in (raw or {}).items()})
-            start = f"({decode_text(entry_id)}"
+            fields.append({reply_text(k, lenient=True): reply_text(v, lenient=True) for k, v in (raw or {}).items()})
+            start = f"({reply_text(entry_id, lenient=True)}"
         if len(page) < _PAGE:
             return fields
 
@@ -119,7 +120,7 @@ async def _scan(topology: Topology, pattern: str, key_type: str | None = None) -
     found: set[str] = set()
     for node in topology.primaries():
         async for key in node.scan_iter(match=pattern, count=_SCAN_COUNT, _type=key_type):
-            found.add(decode_text(key))
+            found.add(reply_text(key, lenient=True))
     return found
 
 
@@ -150,7 +151,9 @@ async def collect_rollouts(topology: Topology, namespace: str) -> list[RolloutSt
         for rollout in rollouts.values():
             if "claimed" in rollout.keys:
                 claim = await client.get(claim_key(namespace, rollout.rollout_id))
-                rollout.claimed_by = None if claim is None else decode_text(claim).partition("\n")[2] or None
+                rollout.claimed_by = (
+                    None if claim is None else reply_text(claim, lenient=True).partition("\n")[2] or None
+                )
             if "receipt" in rollout.keys:
                 text = await client.get(receipt_key(namespace, rollout.rollout_id))
                 try:

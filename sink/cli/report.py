@@ -21,7 +21,6 @@ from sink.cli.common import (
     EXIT_OK,
     CommandError,
     RedisTarget,
-    decode_text,
     open_topology,
     positive_int,
     stderr_console,
@@ -29,11 +28,12 @@ from sink.cli.common import (
 from sink.cli.listing import collect_rollouts
 from sink.cli.rollouts import checked_rollout_id, no_such_rollout, rollout_state
 from sink.contract.records import RolloutReceipt, StagedCallSnapshot
+from sink.contract.skip_codes import SkipCode
 from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import calls_stream
 from sink.ops.report_html import CallView, RolloutView, SummaryView, render_report
 from sink.settings import SourceSettings
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.verify import verify_and_linearize
 
@@ -79,13 +79,13 @@ def _run(target: RedisTarget, rollout_ids: Sequence[str], output: str, sample: i
     return anyio.run(partial(write_report, target, rollout_ids, output=output, sample=sample))
 
 
-def _skip_code(receipt: RolloutReceipt | None) -> str | None:
+def _skip_code(receipt: RolloutReceipt | None) -> SkipCode | None:
     """The code the trainer skips a published receipt with, or ``None`` (trainable or no receipt)."""
     if receipt is None:
         return None
     if receipt.failure_reason is not None:
-        return "rollout_failed"
-    return "capture_poisoned" if receipt.capture_poisoned else None
+        return SkipCode.ROLLOUT_FAILED
+    return SkipCode.CAPTURE_POISONED if receipt.capture_poisoned else None
 
 
 async def _summary(topology: Topology, target: RedisTarget) -> tuple[SummaryView, list[str], dict[str, str]]:
@@ -101,12 +101,15 @@ async def _summary(topology: Topology, target: RedisTarget) -> tuple[SummaryView
                 continue
             stream = calls_stream(ns, rollout.rollout_id)
             for raw_id, raw_fields in await topology.node_for_key(stream).xrange(stream) or []:
-                millis = int(decode_text(raw_id).split("-")[0])
+                millis = int(reply_text(raw_id, lenient=True).split("-")[0])
                 minute = datetime.datetime.fromtimestamp(millis / 1000, datetime.UTC).strftime("%Y-%m-%d %H:%M")
-                fields = {decode_text(k): decode_text(v) for k, v in (raw_fields or {}).items()}
+                fields = {
+                    reply_text(k, lenient=True): reply_text(v, lenient=True) for k, v in (raw_fields or {}).items()
+                }
                 per_minute[minute] += int(fields.get("delta_len") or 0)
                 newest[rollout.rollout_id] = max(newest.get(rollout.rollout_id, 0), millis)
-    skips = Counter(code for code in (_skip_code(r.receipt) for r in rollouts if r.state != "consumed") if code)
+    codes = (_skip_code(r.receipt) for r in rollouts if r.state != "consumed")
+    skips: Counter[str] = Counter(code for code in codes if code)
     summary = SummaryView(
         namespace=ns,
         server=target.display_url,

@@ -19,7 +19,6 @@ from sink.cli.common import (
     CommandError,
     RedisTarget,
     cancel_on_signal,
-    decode_text,
     open_topology,
     stderr_console,
     stdout_console,
@@ -27,13 +26,14 @@ from sink.cli.common import (
 from sink.cli.common import write_json as _write_json
 from sink.cli.gym_view import gym_rollout_state, render_gym_state
 from sink.contract.records import RolloutManifest, RolloutReceipt
+from sink.contract.skip_codes import SkipCode
 from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import calls_stream, fence_key, ledger_stream, receipt_key, validate_rollout_id
 from sink.ledger.ownership import ownership_problem
 from sink.ledger.rows import manifest_from_entries
 from sink.rollout.receipt import build_receipt
 from sink.settings import SourceSettings
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.verify import verify_and_linearize
 
@@ -64,7 +64,9 @@ def checked_rollout_id(rollout_id: str) -> str:
 
 def _entry(raw: Any) -> tuple[str, dict[str, str]]:
     entry_id, fields = raw
-    return decode_text(entry_id), {decode_text(k): decode_text(v) for k, v in fields.items()}
+    return reply_text(entry_id, lenient=True), {
+        reply_text(k, lenient=True): reply_text(v, lenient=True) for k, v in fields.items()
+    }
 
 
 # --- inspect -----------------------------------------------------------------------------------------
@@ -78,7 +80,7 @@ async def rollout_state(topology: Topology, target: RedisTarget, rollout_id: str
     client = topology.client
     with map_redis_errors(f"read rollout {rollout_id!r}"):
         calls = [_entry(raw) for raw in await client.xrange(calls_stream(ns, rollout_id)) or []]
-        fenced = decode_text(await client.type(fence_key(ns, rollout_id))) != "none"
+        fenced = reply_text(await client.type(fence_key(ns, rollout_id)), lenient=True) != "none"
         ledger_entries = [_entry(raw)[1] for raw in await client.xrange(ledger_stream(ns, rollout_id)) or []]
         receipt_text = await client.get(receipt_key(ns, rollout_id))
         gym = await gym_rollout_state(topology, ns, rollout_id)
@@ -222,12 +224,16 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
                 snapshots = await source.fetch([row.staging_key for row in receipt.manifest])
             row = verify_and_linearize(receipt, snapshots)
         except KeyError as exc:
-            outcome |= {"verified": False, "code": "missing_record", "detail": str(exc.args[0] if exc.args else exc)}
+            outcome |= {
+                "verified": False,
+                "code": SkipCode.MISSING_RECORD,
+                "detail": str(exc.args[0] if exc.args else exc),
+            }
             if state["fenced"] and state["receipt"] is not None:
                 # The trainer's ack retires the ledger (fence), then deletes the staged records.
                 outcome |= {"consumed": True, "code": "consumed", "detail": "acknowledged by a trainer"}
         except CodecError as exc:
-            outcome |= {"verified": False, "code": "corrupt_record", "detail": str(exc)}
+            outcome |= {"verified": False, "code": SkipCode.CORRUPT_RECORD, "detail": str(exc)}
         except ReceiptVerificationError as exc:
             outcome |= {"verified": False, "code": exc.code, "detail": exc.detail}
         else:

@@ -43,7 +43,6 @@ from sink.ops.acl import (
 )
 from sink.ops.metrics import Metrics, serve_metrics, serve_process_metrics
 from sink.rollout.assembler import run_assembler
-from sink.server import serve_forever
 from sink.service import OutagePolicy
 from sink.settings import AssemblerSettings, ReaderSettings
 from sink.store.connection import Topology, describe_redis_error, map_redis_errors
@@ -57,7 +56,6 @@ __all__ = (
     "bench_command",
     "benchmarks",
     "metrics_command",
-    "server_command",
     "setup_command",
     "trainer_command",
 )
@@ -68,11 +66,6 @@ BENCHMARKS = ("codec", "stage", "assembly", "trainer", "gym", "ack")
 """The benchmarks of sink: ``staging-sink bench NAME`` runs ``sink.bench.NAME.main(argv)``; plugins add theirs
 (``worker``, ``proxy``: see :mod:`sink.cli.plugin`)."""
 _PULL_BLOCK_MS = 1000
-
-
-def server_command(*, port: int | None, data_dir: Path | None, binary: str | None) -> int:
-    """``staging-sink server``: run the embedded durable server in the foreground until Ctrl-C/SIGTERM."""
-    return serve_forever(binary=binary, data_dir=data_dir, port=port)
 
 
 def assembler_command(

@@ -31,7 +31,6 @@ from sink.cli.common import (
     EXIT_OK,
     RedisTarget,
     cancel_on_signal,
-    decode_text,
     open_topology,
     stdout_console,
     write_json,
@@ -39,7 +38,7 @@ from sink.cli.common import (
 from sink.cli.gym_view import gym_totals
 from sink.cli.health import OPERATORS_GROUP, check_notes, check_problems, unacknowledged_dead_letters
 from sink.ops.metrics import STREAM_KINDS, collect_redis_gauges
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.durability import REQUIRED_CONFIG, verify_durability
 
 __all__ = (
@@ -70,7 +69,7 @@ async def scan_keys(topology: Topology, pattern: str, key_type: str) -> list[str
     found: set[str] = set()
     for node in topology.primaries():
         async for key in node.scan_iter(match=pattern, count=_SCAN_COUNT, _type=key_type):
-            found.add(decode_text(key))
+            found.add(reply_text(key, lenient=True))
     return sorted(found)
 
 
@@ -100,7 +99,7 @@ async def namespaces_found(topology: Topology) -> tuple[list[str], bool]:
     for node in topology.primaries():
         seen = 0
         async for key in node.scan_iter(count=_SCAN_COUNT):
-            prefix, sep, _rest = decode_text(key).partition(":")
+            prefix, sep, _rest = reply_text(key, lenient=True).partition(":")
             if sep:
                 names.add(prefix)
             seen += 1
@@ -116,8 +115,8 @@ async def _consumers(topology: Topology, streams: dict[str, Any]) -> list[dict[s
     for name, stream in streams.items():
         for group in stream["groups"]:
             for raw in await topology.node_for_key(name).xinfo_consumers(name, group):
-                info = {decode_text(key): value for key, value in raw.items()}
-                consumer = decode_text(info["name"])
+                info = {reply_text(key, lenient=True): value for key, value in raw.items()}
+                consumer = reply_text(info["name"], lenient=True)
                 entry = merged.setdefault(
                     (group, consumer),
                     {"group": group, "consumer": consumer, "shards": 0, "pending": 0, "idle_ms": None},

@@ -28,19 +28,10 @@ from sink.gym.entry import EntryTypes
 from sink.keys import gym_keys
 from sink.settings import GymTransportSettings
 from sink.store.commit import BatchScript, GroupCommitWriter
-from sink.store.connection import Topology, describe_redis_error
+from sink.store.connection import Topology, describe_redis_error, reply_text
 from sink.store.durability import DurabilityMonitor
-from sink.store.gym_scripts import (
-    GYM_CONFLICT,
-    GYM_DROP_REFUSED,
-    GYM_FROZEN,
-    GYM_OK,
-    GYM_RETIRED,
-    GYM_SAME,
-    GYM_WRONG_TYPE,
-)
 from sink.store.pipeline_counters import count_gym_operation
-from sink.store.scripts import GYM_SCRIPT
+from sink.store.scripts import GYM_SCRIPT, GymStatus
 
 __all__ = ("AsyncGymStore", "GymOp")
 
@@ -48,12 +39,12 @@ logger = logging.getLogger(__name__)
 
 _WRONG_TYPE: Final = "a key of this rollout holds a value of the wrong type; nothing was written"
 _RESULTS: Final = {
-    GYM_OK: "ok",
-    GYM_SAME: "ok",
-    GYM_CONFLICT: "conflict",
-    GYM_FROZEN: "frozen",
-    GYM_RETIRED: "retired",
-    GYM_DROP_REFUSED: "refused",
+    GymStatus.OK: "ok",
+    GymStatus.SAME: "ok",
+    GymStatus.CONFLICT: "conflict",
+    GymStatus.FROZEN: "frozen",
+    GymStatus.RETIRED: "retired",
+    GymStatus.DROP_REFUSED: "refused",
 }
 
 
@@ -116,8 +107,8 @@ def _call_id(entry: Any) -> str:
     return str(entry.model_call_id)
 
 
-def _status(reply: list[Any]) -> int:
-    return int(reply[0])
+def _status(reply: list[Any]) -> GymStatus:
+    return GymStatus(int(reply[0]))
 
 
 class AsyncGymStore:
@@ -244,7 +235,7 @@ class AsyncGymStore:
         await self._commit(pending)
         if pending.error is not None or pending.reply is None:
             raise CaptureWriteError(f"{op} of rollout {rollout_id!r} is not confirmed durable: {pending.error}")
-        if _status(pending.reply) == GYM_WRONG_TYPE:
+        if _status(pending.reply) == GymStatus.WRONG_TYPE:
             raise CaptureWriteError(f"{op} of rollout {rollout_id!r}: {_WRONG_TYPE}")
         return pending.reply
 
@@ -262,10 +253,10 @@ class AsyncGymStore:
             )
         reply = await self._run(encoded.rollout_id, "put", encoded.model_call_id, encoded.digest, encoded.blob)
         status = _status(reply)
-        if status in (GYM_OK, GYM_SAME):
+        if status in (GymStatus.OK, GymStatus.SAME):
             return
         rollout_id, call_id = encoded.rollout_id, encoded.model_call_id
-        if status == GYM_CONFLICT:
+        if status == GymStatus.CONFLICT:
             raise TokenEntryConflictError(
                 f"rollout {rollout_id!r} already holds another entry for model_call_id {call_id!r}: the stored "
                 "entry is kept and the rollout is marked incomplete"
@@ -276,21 +267,21 @@ class AsyncGymStore:
         check_rollout_id(rollout_id)
         check_call_id(model_call_id, allow_empty=True)
         reply = await self._run(rollout_id, "mark", model_call_id)
-        if _status(reply) != GYM_OK:
+        if _status(reply) != GymStatus.OK:
             self._refuse(_status(reply), rollout_id, "mark_incomplete")
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         check_rollout_id(rollout_id)
         check_call_id(model_call_id)
         reply = await self._run(rollout_id, "begin", model_call_id)
-        if _status(reply) != GYM_OK:
+        if _status(reply) != GymStatus.OK:
             self._refuse(_status(reply), rollout_id, f"begin_call of model_call_id {model_call_id!r}")
 
     @staticmethod
     def _refuse(status: int, rollout_id: str, what: str) -> None:
-        if status == GYM_FROZEN:
+        if status == GymStatus.FROZEN:
             raise RolloutFrozenError(f"rollout {rollout_id!r} is frozen: {what} refused; nothing was written")
-        if status == GYM_RETIRED:
+        if status == GymStatus.RETIRED:
             raise RolloutRetiredError(rollout_id)
         raise CaptureWriteError(f"{what} of rollout {rollout_id!r}: unexpected script status {status}")
 
@@ -300,7 +291,7 @@ class AsyncGymStore:
         """Freeze *rollout_id* (see :class:`~sink.gym.RedisTokenSource.freeze`)."""
         check_rollout_id(rollout_id)
         reply = await self._run(rollout_id, "freeze", uuid.uuid4().hex)
-        if _status(reply) != GYM_OK:
+        if _status(reply) != GymStatus.OK:
             self._refuse(_status(reply), rollout_id, "freeze")
         snapshot_id, version, incomplete, blobs, snapshot_after, fenced_after = reply[1:7]
         if int(fenced_after):
@@ -316,7 +307,7 @@ class AsyncGymStore:
             rollout_id=rollout_id,
             entries=entries,
             incomplete=bool(int(incomplete)),
-            snapshot_id=snapshot_id.decode() if isinstance(snapshot_id, bytes) else str(snapshot_id),
+            snapshot_id=reply_text(snapshot_id, "gym snapshot id"),
             version=int(version),
         )
 
@@ -329,6 +320,6 @@ class AsyncGymStore:
             raise ValueError(f"version must be an int, got {version!r}")
         reply = await self._run(rollout_id, "drop", snapshot_id, str(version))
         status = _status(reply)
-        if status not in (GYM_OK, GYM_DROP_REFUSED):
+        if status not in (GymStatus.OK, GymStatus.DROP_REFUSED):
             raise CaptureWriteError(f"drop of rollout {rollout_id!r}: unexpected script status {status}")
-        return status == GYM_OK
+        return status == GymStatus.OK

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
 
+from sink.canonical import canonical_json
 from sink.contract.records import CaptureLedgerCommit, RolloutManifest, RolloutRemoval
 from sink.errors import LedgerConflictError, RolloutRetiredError
 from sink.keys import validate_rollout_id
@@ -29,7 +30,6 @@ from sink.ledger.rows import (
     custody_row,
     decode_custody_rows,
     differing_fields,
-    encode_row,
     failure_entry,
     failure_id_field,
     manifest_from_entries,
@@ -135,7 +135,7 @@ class CaptureLedger(AsyncResource):
         rollout_id = commit_rollout_id(commit)
         check_row_ownership(rollout_id, commit.record)
         check_chain_ownership(rollout_id, commit.staging_chain)
-        text = encode_row(custody_row(commit))
+        text = canonical_json(custody_row(commit))  # sorted keys, no whitespace
         call_id = commit.record.model_call_id
         outcome, stored = await self._append_counted(rollout_id, custody_id_field(call_id), text, custody_entry(text))
         if outcome is AppendOutcome.FENCED:

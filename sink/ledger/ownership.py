@@ -15,12 +15,11 @@ import re
 from collections.abc import Iterable
 
 from sink.contract.records import CallRecord
+from sink.contract.skip_codes import SkipCode
 from sink.errors import StagingKeyOwnershipError
 from sink.keys import validate_rollout_id
 
 __all__ = (
-    "FOREIGN_CAPTURE_KEY",
-    "FOREIGN_STAGING_KEY",
     "check_chain_ownership",
     "check_row_ownership",
     "is_call_staging_key",
@@ -29,10 +28,6 @@ __all__ = (
     "same_rollout",
 )
 
-FOREIGN_STAGING_KEY = "foreign_staging_key"
-"""Skip code: a manifest row names a malformed key, or a key of a rollout that does not own the row."""
-FOREIGN_CAPTURE_KEY = "foreign_capture_key"
-"""Skip code: a manifest row's ``capture_key`` names another rollout (not an attempt of this one)."""
 
 _ATTEMPT_SUFFIX = re.compile(r"-a[0-9]+\Z")
 _CUT_SUFFIX = re.compile(r"/cut/([A-Za-z0-9._-]+)/(0|[1-9][0-9]*)\Z")
@@ -65,13 +60,16 @@ def _owner_of_key(staging_key: str) -> str | None:
         return None
 
 
-def ownership_problem(rollout_id: str, staging_key: str, capture_key: str | None) -> tuple[str, str] | None:
+def ownership_problem(rollout_id: str, staging_key: str, capture_key: str | None) -> tuple[SkipCode, str] | None:
     """``(skip code, detail)`` when a row of *rollout_id* may not name *staging_key*, else ``None``."""
     owner = capture_key or rollout_id
     if not same_rollout(rollout_id, owner):
-        return FOREIGN_CAPTURE_KEY, f"capture_key {owner!r} is not rollout {rollout_id!r} or an attempt of it"
+        return SkipCode.FOREIGN_CAPTURE_KEY, f"capture_key {owner!r} is not rollout {rollout_id!r} or an attempt of it"
     if _owner_of_key(staging_key) != owner:
-        return FOREIGN_STAGING_KEY, f"staging key {staging_key!r} is not a key of {owner!r} (rollout {rollout_id!r})"
+        return (
+            SkipCode.FOREIGN_STAGING_KEY,
+            f"staging key {staging_key!r} is not a key of {owner!r} (rollout {rollout_id!r})",
+        )
     return None
 
 
@@ -85,7 +83,7 @@ def check_row_ownership(rollout_id: str, record: CallRecord) -> None:
         record.staging_key, record.capture_key or rollout_id, record.model_call_id
     ):
         problem = (
-            FOREIGN_STAGING_KEY,
+            SkipCode.FOREIGN_STAGING_KEY,
             f"staging key {record.staging_key!r} is not a key of call {record.model_call_id!r}",
         )
     if problem is not None:

@@ -37,18 +37,14 @@ from sink.store.connection import Topology, map_redis_errors, reply_text, transl
 from sink.store.durability import run_script_durably
 from sink.store.resource import settings_or_fields
 from sink.store.scripts import (
-    APPEND_APPENDED,
-    APPEND_CONFLICT,
-    APPEND_DUPLICATE,
-    APPEND_FENCED,
     APPEND_SCRIPT,
-    DELETE_STALE,
     HAS_ROWS_SCRIPT,
     LEDGER_DELETE_SCRIPT,
-    LEDGER_FENCED,
     LEDGER_RETIRE_SCRIPT,
     READ_SCRIPT,
-    REMOVED,
+    AppendStatus,
+    LedgerStatus,
+    RemovalStatus,
     ServerScript,
 )
 
@@ -73,26 +69,22 @@ def _in_flight_limit(client: aioredis.Redis | RedisCluster) -> int:
     return _MAX_IN_FLIGHT  # the cluster client has one pool per node
 
 
-def _text(value: object) -> str:
-    return reply_text(value, "ledger entry")
-
-
 def _entries(xrange_reply: object) -> list[dict[str, str]]:
     """Field maps of a raw ``XRANGE`` reply returned from a script."""
     if not isinstance(xrange_reply, list):
         raise CodecError("unexpected ledger reply shape")
     entries: list[dict[str, str]] = []
     for _entry_id, flat in xrange_reply:
-        values = [_text(value) for value in flat]
+        values = [reply_text(value, "ledger entry") for value in flat]
         entries.append(dict(zip(values[::2], values[1::2], strict=True)))
     return entries
 
 
 _OUTCOMES = {
-    APPEND_APPENDED: AppendOutcome.APPENDED,
-    APPEND_DUPLICATE: AppendOutcome.DUPLICATE,
-    APPEND_FENCED: AppendOutcome.FENCED,
-    APPEND_CONFLICT: AppendOutcome.CONFLICT,
+    AppendStatus.APPENDED: AppendOutcome.APPENDED,
+    AppendStatus.DUPLICATE: AppendOutcome.DUPLICATE,
+    AppendStatus.FENCED: AppendOutcome.FENCED,
+    AppendStatus.CONFLICT: AppendOutcome.CONFLICT,
 }
 
 
@@ -195,17 +187,17 @@ class RedisCaptureLedger(CaptureLedger):
             APPEND_SCRIPT, self._keys(rollout_id), [id_field, id_value, *flat], "append a ledger row"
         )
         outcome = _OUTCOMES[reply[0]]
-        return outcome, _text(reply[1]) if outcome is AppendOutcome.CONFLICT else None
+        return outcome, reply_text(reply[1], "ledger entry") if outcome is AppendOutcome.CONFLICT else None
 
     async def _read_entries(self, rollout_id: str) -> list[dict[str, str]] | None:
         stream, _ids, fence = self._keys(rollout_id)
         reply = await self._run(READ_SCRIPT, [stream, fence], [], "read a rollout ledger")
-        return None if reply[0] == LEDGER_FENCED else _entries(reply[1])
+        return None if reply[0] == LedgerStatus.FENCED else _entries(reply[1])
 
     async def _fence_state(self, rollout_id: str) -> tuple[bool, bool]:
         stream, _ids, fence = self._keys(rollout_id)
         reply = await self._run(HAS_ROWS_SCRIPT, [stream, fence], [], "check a rollout ledger")
-        return (True, False) if reply[0] == LEDGER_FENCED else (False, bool(reply[1]))
+        return (True, False) if reply[0] == LedgerStatus.FENCED else (False, bool(reply[1]))
 
     async def _per_id(self, ids: list[str], run: Callable[[str], Awaitable[bool]], verb: str) -> RolloutRemoval:
         outcomes: list[bool] = [False] * len(ids)
@@ -240,13 +232,13 @@ class RedisCaptureLedger(CaptureLedger):
                 with map_redis_errors(f"read the calls of {rollout_id!r}"):
                     client = self._topology.client
                     raw = await client.xrange(calls) if await client.type(calls) == b"stream" else []
-            staged = [_text((fields or {}).get(b"key", b"")) for _entry_id, fields in raw or []]
+            staged = [reply_text((fields or {}).get(b"key", b""), "ledger entry") for _entry_id, fields in raw or []]
             records = [record_key(ns, key) for key in keys_owned_by(rollout_id, staged)]
             reply = await self._write(
                 LEDGER_DELETE_SCRIPT, [*fixed, *records], [str(len(raw or []))], f"delete {rollout_id!r}"
             )
-            if reply[0] != DELETE_STALE:
-                return bool(reply[0] == REMOVED)
+            if reply[0] != RemovalStatus.DELETE_STALE:
+                return bool(reply[0] == RemovalStatus.REMOVED)
         raise StagingUnavailableError(  # contention, not a refusal: trying again later may succeed
             f"could not delete {rollout_id!r}: records kept being staged during {_DELETE_ATTEMPTS} attempts"
         )
@@ -274,7 +266,7 @@ class RedisCaptureLedger(CaptureLedger):
             rollout_id, exc = refused[0]
             error = translate_redis_error(exc, f"retire {rollout_id!r}")
             raise _restate(error, len(refused), len(rollout_ids), "retire") from exc
-        hits = [reply[0] == REMOVED for reply in replies]
+        hits = [reply[0] == RemovalStatus.REMOVED for reply in replies]
         return RolloutRemoval(
             removed=[rid for rid, hit in zip(rollout_ids, hits, strict=True) if hit],
             absent=[rid for rid, hit in zip(rollout_ids, hits, strict=True) if not hit],

@@ -23,7 +23,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sink.canonical import canonical_json
 from sink.contract.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from sink.contract.records import (
     LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
@@ -49,7 +48,6 @@ __all__ = (
     "decode_custody_rows",
     "decode_row",
     "differing_fields",
-    "encode_row",
     "failure_entry",
     "failure_id_field",
     "manifest_from_entries",
@@ -106,11 +104,6 @@ def custody_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
         "context_digest": conversation_digest(request_items),
         "fingerprint_version": FINGERPRINT_VERSION,
     }
-
-
-def encode_row(row: Mapping[str, Any]) -> str:
-    """Canonical JSON of a row: sorted keys, no whitespace, UTF-8 text."""
-    return canonical_json(row)
 
 
 def decode_row(text: str | None) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from sink.ops.metrics_collect import (
     collect_server_gauges,
     stream_labels,
 )
-from sink.store.pipeline_counters import COUNTER_HELP, PipelineCounters, pipeline_counters
+from sink.store.pipeline_counters import COUNTER_HELP, PipelineCounters, StageOutcome, pipeline_counters
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -93,7 +93,7 @@ _GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "staging_sink_build_info": ("The staging-sink version that exports these metrics.", ("version",)),
 }
 
-STAGE_RESULTS = ("ok", "conflict", "failed")
+STAGE_RESULTS = tuple(StageOutcome)
 """Label values of ``staging_sink_stages_total{result=...}``."""
 
 EXPORTED_METRICS: frozenset[str] = frozenset(

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
 from sink.keys import DEFAULT_NAMESPACE
+from sink.store.connection import reply_text
 from sink.store.durability import verify_durability
 
 __all__ = (
@@ -75,10 +76,6 @@ class ServerGauges:
     """Stored receipts (``<ns>:{R}:receipt``), consumed or not."""
 
 
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def stream_labels(namespace: str, stream: str) -> tuple[str, str]:
     """``(kind, shard)`` of a shared stream name ``<ns>:<kind>:<shard>`` (kind ``other`` when not one of ours)."""
     prefix, _, rest = stream.partition(":")
@@ -100,21 +97,21 @@ def _is_absent(exc: redis_errors.ResponseError) -> bool:
 
 
 def _info_map(raw: Mapping[Any, Any]) -> dict[str, Any]:
-    return {_text(key): value for key, value in raw.items()}
+    return {reply_text(key, "server reply"): value for key, value in raw.items()}
 
 
 async def _groups(client: aioredis.Redis, stream: str, reply: Iterable[Mapping[Any, Any]]) -> dict[str, GroupGauges]:
     groups: dict[str, GroupGauges] = {}
     for raw in reply:
         info = _info_map(raw)
-        name = _text(info["name"])
+        name = reply_text(info["name"], "server reply")
         lag = info.get("lag")
         consumers = [_info_map(c) for c in await client.xinfo_consumers(stream, name)]
         groups[name] = GroupGauges(
             pending=int(info.get("pending", 0)),
             lag=None if lag is None else int(lag),
             consumers=int(info.get("consumers", 0)),
-            idle_ms={_text(c["name"]): int(c.get("idle", 0)) for c in consumers},
+            idle_ms={reply_text(c["name"], "server reply"): int(c.get("idle", 0)) for c in consumers},
         )
     return groups
 
@@ -133,14 +130,14 @@ async def collect_redis_gauges(
         found: set[str] = set()
         for kind in STREAM_KINDS:
             async for key in client.scan_iter(match=f"{namespace}:{kind}:*", count=_SCAN_COUNT, _type="stream"):
-                found.add(_text(key))
+                found.add(reply_text(key, "server reply"))
         names = sorted(found)
     else:
         names = list(streams)
     result: dict[str, StreamGauges] = {}
     for name in names:
         try:
-            if _text(await client.type(name)) != "stream":
+            if reply_text(await client.type(name), "server reply") != "stream":
                 continue
             length = int(await client.xlen(name))
             groups = await _groups(client, name, await client.xinfo_groups(name))
@@ -175,7 +172,7 @@ async def collect_server_gauges(
     receipts: set[str] = set()
     for primary in primaries:
         async for raw in primary.scan_iter(match=f"{namespace}:{{*}}:*", count=_SCAN_COUNT):
-            key = _text(raw)
+            key = reply_text(raw, "server reply")
             tag, _, suffix = key[len(namespace) + 1 :].partition("}:")
             if suffix == "ledger":
                 ledgers.add(tag)

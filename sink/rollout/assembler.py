@@ -40,7 +40,7 @@ from sink.rollout.done_event import DoneEvent, GroupTag, finished, group_fields,
 from sink.rollout.receipt import build_receipt
 from sink.service import OutagePolicy, ReclaimSchedule
 from sink.settings import AssemblerSettings
-from sink.store.connection import Topology, describe_redis_error, map_redis_errors
+from sink.store.connection import Topology, describe_redis_error, map_redis_errors, reply_text
 from sink.store.durability import execute_durably
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_receipt_published
@@ -343,7 +343,7 @@ class Assembler(AsyncResource):
             self._counts["created"] += 1
             return text
         # Another assembler (or an earlier delivery) stored it first: that one is the receipt.
-        stored = previous.decode() if isinstance(previous, bytes) else str(previous)
+        stored = reply_text(previous, "stored receipt")
         try:
             RolloutReceipt.model_validate_json(stored)
         except ValidationError as exc:

@@ -20,7 +20,7 @@ from sink.canonical import canonical_json
 from sink.errors import CodecError
 from sink.keys import DEFAULT_NAMESPACE, done_stream, shard_of, validate_rollout_id
 from sink.settings import DEFAULT_SHARDS
-from sink.store.connection import map_redis_errors
+from sink.store.connection import map_redis_errors, reply_text
 from sink.store.durability import Durability, execute_durably
 
 __all__ = ("DoneEvent", "GroupTag", "finished", "group_fields", "parse_done_event", "parse_group_fields")
@@ -144,7 +144,7 @@ async def finished(
         )
         if isinstance(entry_id, BaseException):
             raise entry_id
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return reply_text(entry_id, "done entry id")
 
 
 class DoneEvent(NamedTuple):

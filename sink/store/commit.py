@@ -25,6 +25,7 @@ from sink.contract.records import StageResult
 from sink.settings import SinkSettings
 from sink.store.connection import Topology, describe_redis_error
 from sink.store.durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address, waitaof_problem
+from sink.store.pipeline_counters import StageOutcome
 from sink.store.script_runner import ScriptMode, ServerScript
 from sink.store.scripts import LIBRARY, STAGE_SCRIPT
 
@@ -62,15 +63,17 @@ class PendingStage:
     entry: tuple[str, ...]
     done: anyio.Event = field(default_factory=anyio.Event)
     result: StageResult | None = None
+    outcome: StageOutcome | None = None
 
     @property
     def route_key(self) -> str:
         return self.record_key
 
-    def finish(self, result: StageResult) -> None:
+    def finish(self, result: StageResult, outcome: StageOutcome) -> None:
         """Set the result once and wake the caller (later calls are ignored)."""
         if self.result is None:
             self.result = result
+            self.outcome = outcome
             self.done.set()
 
 

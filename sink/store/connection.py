@@ -32,18 +32,22 @@ from sink.settings import ConnectionSettings
 __all__ = ("Topology", "describe_redis_error", "map_redis_errors", "reply_text", "translate_redis_error")
 
 
-def reply_text(value: object, what: str = "reply") -> str:
-    """A server reply element as text (clients run with ``decode_responses`` off).
+def reply_text(value: object, what: str = "reply", *, lenient: bool = False) -> str:
+    """A server reply element as text (clients run with ``decode_responses`` off): the package's one decoder.
 
-    :raises CodecError: the element is not UTF-8 text; *what* names the reply in the message.
+    *lenient* (for display: the command line) replaces invalid UTF-8 and turns any other value into ``str()``.
+
+    :raises CodecError: (not *lenient*) the element is not UTF-8 text; *what* names the reply in the message.
     """
     if isinstance(value, bytes):
         try:
-            return value.decode("utf-8")
+            return value.decode("utf-8", errors="replace" if lenient else "strict")
         except UnicodeDecodeError as exc:
             raise CodecError(f"{what} is not UTF-8: {exc}") from exc
     if isinstance(value, str):
         return value
+    if lenient:
+        return str(value)
     raise CodecError(f"unexpected {what} element {type(value).__name__}")
 
 

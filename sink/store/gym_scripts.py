@@ -1,5 +1,6 @@
-"""The NeMo Gym transport's one Lua script, ``GYM_SCRIPT``, and its status codes (re-exported by
-:mod:`sink.store.scripts`, whose import registers every script in the one library).
+"""The NeMo Gym transport's one Lua script, ``GYM_SCRIPT`` (its status codes are
+:class:`~sink.store.script_status.GymStatus`; re-exported by :mod:`sink.store.scripts`, whose import registers
+every script in the one library).
 
 The script runs a batch of operations, each on the keys of one rollout, all of one cluster slot (the
 group commit in :mod:`sink.store.commit` queues it like the staging script). Per rollout ``R``:
@@ -40,37 +41,11 @@ from typing import Final
 from sink.store.script_status import library_script
 
 __all__ = (
-    "GYM_CODES",
-    "GYM_CONFLICT",
-    "GYM_DROP_REFUSED",
-    "GYM_FROZEN",
     "GYM_KEYS_PER_OP",
     "GYM_LUA",
-    "GYM_OK",
-    "GYM_RETIRED",
-    "GYM_SAME",
     "GYM_SCRIPT",
-    "GYM_WRONG_TYPE",
     "TOMBSTONE_PREFIX",
 )
-
-GYM_OK: Final = 0
-GYM_SAME: Final = 1
-GYM_CONFLICT: Final = 2
-GYM_FROZEN: Final = 3
-GYM_RETIRED: Final = 4
-GYM_WRONG_TYPE: Final = 5
-GYM_DROP_REFUSED: Final = 6
-
-GYM_CODES: Final = {
-    "GYM_OK": str(GYM_OK),
-    "GYM_SAME": str(GYM_SAME),
-    "GYM_CONFLICT": str(GYM_CONFLICT),
-    "GYM_FROZEN": str(GYM_FROZEN),
-    "GYM_RETIRED": str(GYM_RETIRED),
-    "GYM_WRONG_TYPE": str(GYM_WRONG_TYPE),
-    "GYM_DROP_REFUSED": str(GYM_DROP_REFUSED),
-}
 
 GYM_KEYS_PER_OP: Final = 5
 
@@ -181,5 +156,5 @@ end
 return replies
 """
 
-GYM_SCRIPT: Final = library_script("gym", GYM_LUA, TOMBSTONE_PREFIX=TOMBSTONE_PREFIX, **GYM_CODES)
+GYM_SCRIPT: Final = library_script("gym", GYM_LUA, TOMBSTONE_PREFIX=TOMBSTONE_PREFIX)
 """The batch script of :mod:`sink.gym.store` (see the module docstring)."""

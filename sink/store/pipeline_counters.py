@@ -21,15 +21,18 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable, Mapping
+from enum import StrEnum
 from typing import Any
+
+from sink.contract.skip_codes import UPSTREAM_SKIP_CODES
 
 __all__ = (
     "COUNTER_HELP",
     "LATENCY_BUCKETS_S",
     "LATENCY_SERIES",
-    "UPSTREAM_SKIP_CODES",
     "CounterListener",
     "PipelineCounters",
+    "StageOutcome",
     "count_dead_letter",
     "count_gym_operation",
     "count_pulled",
@@ -43,8 +46,15 @@ __all__ = (
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Stage latency histogram buckets in seconds: an fsync'd stage takes ~0.5-20 ms; WAIT can take seconds."""
 
-UPSTREAM_SKIP_CODES = frozenset({"rollout_failed", "capture_poisoned"})
-"""Skip codes that the receipt itself carries (the rollout failed upstream): not verification failures."""
+
+class StageOutcome(StrEnum):
+    """How one ``stage()`` ended: the ``result`` label of ``staging_sink_stages_total``."""
+
+    OK = "ok"
+    CONFLICT = "conflict"
+    """The key holds a record with another digest (nothing was written)."""
+    FAILED = "failed"
+
 
 COUNTER_HELP: Mapping[str, str] = {
     "staging_sink_stages": "stage() calls by result (ok, conflict, failed).",
@@ -178,8 +188,8 @@ def pipeline_counters() -> PipelineCounters:
     return _PROCESS_COUNTERS
 
 
-def count_stage(namespace: str, result: str, seconds: float) -> None:
-    """One ``stage()`` in *namespace* that ended with *result* (``ok``, ``conflict`` or ``failed``)."""
+def count_stage(namespace: str, result: StageOutcome, seconds: float) -> None:
+    """One ``stage()`` in *namespace* that ended with *result*."""
     _PROCESS_COUNTERS.add("staging_sink_stages", namespace=namespace, result=result)
     _PROCESS_COUNTERS.observe_latency(namespace, max(0.0, seconds))
 

@@ -39,9 +39,9 @@ from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.commit import STAGE_BATCH, GroupCommitWriter, PendingStage
 from sink.store.connection import Topology, describe_redis_error, map_redis_errors
 from sink.store.durability import DurabilityMonitor
-from sink.store.pipeline_counters import count_stage, count_staged_bytes
+from sink.store.pipeline_counters import StageOutcome, count_stage, count_staged_bytes
 from sink.store.resource import AsyncResource, PortalOwner, settings_or_fields
-from sink.store.scripts import CLEAR_SCRIPT, STAGE_CONFLICT, STAGE_REPAIRED, STAGE_RETIRED, STAGE_SAME, STAGE_WRITTEN
+from sink.store.scripts import CLEAR_SCRIPT, StageStatus
 
 __all__ = (
     "CONFLICT_ERROR",
@@ -61,6 +61,14 @@ CONFLICT_ERROR = "conflicting staged record"
 RETIRED_ERROR = "the rollout is retired (its ledger fence is set): a late stage is refused; nothing was written"
 """``StageResult.error`` for a stage of a rollout that was consumed or retired (contract §6.9)."""
 _WRONG_TYPE_ERROR = "a key of this rollout holds a value of the wrong type; nothing was written"
+
+
+def _stage_status(reply: Any) -> StageStatus:
+    """The stage script's status for one record (a number it never returns reads as the wrong-type refusal)."""
+    try:
+        return StageStatus(int(reply))
+    except ValueError:
+        return StageStatus.WRONG_TYPE
 
 
 def generation_prefix_suffix(checkpoint_id: str, chunk_sequence: int) -> str:
@@ -246,7 +254,7 @@ class AsyncRedisStagingSink(AsyncResource):
         if not isinstance(record, StagedCallRecord):
             raise TypeError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
         started = time.perf_counter()
-        return self._counted(await self._stage(record, ""), started)
+        return self._counted(*await self._stage(record, ""), started)
 
     async def stage_generation_prefix(
         self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int
@@ -260,15 +268,14 @@ class AsyncRedisStagingSink(AsyncResource):
             raise TypeError(f"stage_generation_prefix() takes a StagedCallRecord, got {type(record).__name__}")
         started = time.perf_counter()
         return self._counted(
-            await self._stage(record, generation_prefix_suffix(checkpoint_id, chunk_sequence)), started
+            *await self._stage(record, generation_prefix_suffix(checkpoint_id, chunk_sequence)), started
         )
 
-    def _counted(self, result: StageResult, started: float) -> StageResult:
-        label = "ok" if result.ok else "conflict" if result.error == CONFLICT_ERROR else "failed"
-        count_stage(self._settings.namespace, label, time.perf_counter() - started)  # stage counters and latency
+    def _counted(self, result: StageResult, outcome: StageOutcome, started: float) -> StageResult:
+        count_stage(self._settings.namespace, outcome, time.perf_counter() - started)  # stage counters and latency
         return result
 
-    async def _stage(self, record: StagedCallRecord, key_suffix: str) -> StageResult:
+    async def _stage(self, record: StagedCallRecord, key_suffix: str) -> tuple[StageResult, StageOutcome]:
         send = self._send  # set to None once closed; a stage already past this point fails as closing
         if send is None:
             raise RuntimeError("the staging sink is not open: use 'async with sink:'")
@@ -303,33 +310,36 @@ class AsyncRedisStagingSink(AsyncResource):
             return self._failed(staging_key, "the staging sink is closing")
         # Cancelling here leaves the queued write to complete atomically or not at all.
         await pending.done.wait()
-        assert pending.result is not None
-        return pending.result
+        assert pending.result is not None and pending.outcome is not None
+        return pending.result, pending.outcome
 
-    def _failed(self, staging_key: str | None, error: str) -> StageResult:
+    def _failed(
+        self, staging_key: str | None, error: str, outcome: StageOutcome = StageOutcome.FAILED
+    ) -> tuple[StageResult, StageOutcome]:
         self._counts["failed"] += 1
-        return StageResult(ok=False, staging_key=staging_key, error=error)
+        return StageResult(ok=False, staging_key=staging_key, error=error), outcome
 
     def _settle(self, pending: PendingStage, reply: Any, error: str | None) -> None:
         """The group commit's verdict on *pending*: a script status (``None``: nothing ran) and an error."""
-        status = None if reply is None else int(reply)
-        if status == STAGE_CONFLICT:
+        status = None if reply is None else _stage_status(reply)
+        outcome = StageOutcome.FAILED
+        if status is StageStatus.CONFLICT:
             self._counts["conflicts"] += 1
-            error = CONFLICT_ERROR
-        elif status == STAGE_RETIRED:
+            error, outcome = CONFLICT_ERROR, StageOutcome.CONFLICT
+        elif status is StageStatus.RETIRED:
             error = RETIRED_ERROR
-        elif status == STAGE_REPAIRED:
+        elif status is StageStatus.REPAIRED:
             logger.warning("repaired corrupt stored record %r (same digest, other bytes)", pending.staging_key)
-        elif status is not None and status not in (STAGE_WRITTEN, STAGE_SAME):
+        elif status is StageStatus.WRONG_TYPE:
             error = _WRONG_TYPE_ERROR
         if status is None or error is not None:
-            pending.finish(self._failed(pending.staging_key, error or "nothing was written"))
-        else:
-            counter = {STAGE_WRITTEN: "staged", STAGE_REPAIRED: "repaired"}.get(status, "already_present")
-            self._counts[counter] += 1
-            if status in (STAGE_WRITTEN, STAGE_REPAIRED):
-                count_staged_bytes(self._settings.namespace, len(pending.blob))
-            pending.finish(StageResult(ok=True, staging_key=pending.staging_key))
+            pending.finish(*self._failed(pending.staging_key, error or "nothing was written", outcome))
+            return
+        counter = {StageStatus.WRITTEN: "staged", StageStatus.REPAIRED: "repaired"}.get(status, "already_present")
+        self._counts[counter] += 1
+        if status in (StageStatus.WRITTEN, StageStatus.REPAIRED):
+            count_staged_bytes(self._settings.namespace, len(pending.blob))
+        pending.finish(StageResult(ok=True, staging_key=pending.staging_key), StageOutcome.OK)
 
     # --- cleanup ----------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.dead_letters import UndecodableEntry, dead_letter_record
 from sink.store.durability import Durability, execute_durably
 from sink.store.pipeline_counters import count_dead_letter
-from sink.store.scripts import REMOVED, RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT
+from sink.store.scripts import RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT, RemovalStatus
 
 __all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
 
@@ -53,10 +53,6 @@ def default_consumer_name() -> str:
     """A consumer name unique to this process: ``<host>-<pid>-<random>``."""
     host = _NAME_JUNK.sub("-", socket.gethostname()).strip("-") or "host"
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def _text(value: object) -> str:
-    return reply_text(value, "stream entry")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,12 +147,13 @@ class GroupConsumer:
         for entry_id, fields in raw:
             if fields is None:
                 continue  # history of an entry deleted after delivery; nothing to process
+            entry_text = reply_text(entry_id, "stream entry")
             try:
-                decoded = {_text(k): _text(v) for k, v in fields.items()}
+                decoded = {reply_text(k, "stream entry"): reply_text(v, "stream entry") for k, v in fields.items()}
             except CodecError as exc:
-                self._undecodable.append(UndecodableEntry(shard, _text(entry_id), dict(fields), deliveries, str(exc)))
+                self._undecodable.append(UndecodableEntry(shard, entry_text, dict(fields), deliveries, str(exc)))
                 continue
-            entries.append(StreamEntry(self.streams[shard], shard, _text(entry_id), decoded, deliveries))
+            entries.append(StreamEntry(self.streams[shard], shard, entry_text, decoded, deliveries))
         return entries
 
     def _parse_read(self, reply: Any, deliveries: int) -> tuple[list[StreamEntry], list[str]]:
@@ -165,8 +162,9 @@ class GroupConsumer:
         entries: list[StreamEntry] = []
         raw_ids: list[str] = []
         for stream, raw in items:
-            raw_ids.extend(_text(entry_id) for entry_id, _fields in raw or [])
-            entries.extend(self._entries(self._shard_of_stream[_text(stream)], raw or [], deliveries))
+            raw_ids.extend(reply_text(entry_id, "stream entry") for entry_id, _fields in raw or [])
+            shard = self._shard_of_stream[reply_text(stream, "stream entry")]
+            entries.extend(self._entries(shard, raw or [], deliveries))
         return entries, raw_ids
 
     async def reject_undecodable(self) -> int:
@@ -273,7 +271,7 @@ class GroupConsumer:
                     start_id=self._claim_cursor[shard],
                     count=count - len(claimed),
                 )
-                self._claim_cursor[shard] = _text(cursor)
+                self._claim_cursor[shard] = reply_text(cursor, "stream entry")
                 claimed.extend(self._entries(shard, raw, 0))
                 if self._claim_cursor[shard] == "0-0":
                     break  # one full pass over the pending list
@@ -372,7 +370,7 @@ class GroupConsumer:
         calls = [BatchCall([stream], [self.group, self.consumer, *held], TOUCH_SCRIPT) for stream, held in ids.items()]
         with map_redis_errors(f"refresh held {self._role} entries"):
             replies = raise_first_error(await run_batch(self._topology, calls))  # one pipeline per node
-        gone = {(stream, _text(value)) for stream, reply in zip(ids, replies, strict=True) for value in reply[1:]}
+        gone = {(stream, reply_text(value, "stream entry")) for stream, reply in zip(ids, replies, strict=True) for value in reply[1:]}
         return [entry for entry in entries if (entry.stream, entry.entry_id) in gone]
 
     async def retire_consumer(self) -> int:
@@ -384,7 +382,7 @@ class GroupConsumer:
         with anyio.CancelScope(shield=True), map_redis_errors(f"retire consumer {self.consumer!r}"):
             for shard, stream in enumerate(self.streams):
                 reply = await RETIRE_CONSUMER_SCRIPT.run(self._client(shard), [stream], [self.group, self.consumer])
-                if reply[0] == REMOVED:
+                if reply[0] == RemovalStatus.REMOVED:
                     deleted += 1
         return deleted
 

@@ -14,7 +14,7 @@ from typing import Any
 from sink.keys import receipts_stream
 from sink.service import ReclaimSchedule
 from sink.settings import ReaderSettings
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.streams import StreamEntry
 from sink.trainer.held import HeldRollouts
@@ -24,12 +24,10 @@ __all__ = ("TRAINER_GROUP", "ReceiptBacklog")
 TRAINER_GROUP = "trainers"
 
 
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _text_fields(fields: Any) -> dict[str, str]:
-    return {_text(key): _text(value) for key, value in dict(fields).items()}
+    return {
+        reply_text(key, "receipts entry"): reply_text(value, "receipts entry") for key, value in dict(fields).items()
+    }
 
 
 class ReceiptBacklog:
@@ -109,5 +107,9 @@ class ReceiptBacklog:
                 reply: list[Any] = await client.xclaim(stream, TRAINER_GROUP, consumer, 0, [entry_id])
                 for claimed_id, fields in reply or []:
                     if fields:
-                        entries.append(StreamEntry(stream, shard, _text(claimed_id), _text_fields(fields), 1))
+                        entries.append(
+                            StreamEntry(
+                                stream, shard, reply_text(claimed_id, "receipts entry"), _text_fields(fields), 1
+                            )
+                        )
         return [e for e in entries if not self._held.holds(e)]

@@ -19,7 +19,7 @@ from sink.contract.records import RolloutReceipt
 from sink.keys import claim_key, fence_key
 from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import Topology, map_redis_errors
-from sink.store.scripts import CLAIM_CLAIMED, CLAIM_RETIRED, CLAIM_SCRIPT, RELEASE_SCRIPT
+from sink.store.scripts import CLAIM_SCRIPT, RELEASE_SCRIPT, ClaimStatus
 from sink.store.sink import clear_staged
 from sink.store.streams import GroupConsumer, StreamEntry
 from sink.trainer.held import HeldRollouts, claim_rounds
@@ -89,13 +89,13 @@ class RolloutClaims:
             reply = await CLAIM_SCRIPT.run(
                 self._topology.client, keys, [_token(entry), self._consumer.consumer, check_fence]
             )
-        if reply[0] == CLAIM_CLAIMED:
+        if reply[0] == ClaimStatus.CLAIMED:
             if entry.deliveries > 1 and self.defer_grouped and entry.fields.get("group_id"):
                 self.redelivered_grouped.add(rollout_id)
             elif entry.deliveries > 1:
                 self.count_double_delivery(rollout_id, f"an entry delivered {entry.deliveries} times")
             return True
-        retired = reply[0] == CLAIM_RETIRED
+        retired = reply[0] == ClaimStatus.RETIRED
         if retired:
             # Consumed (or given up) before: finish its cleanup idempotently, then drop.
             await clear_staged(self._topology, self._ns, own_keys(receipt))

@@ -36,6 +36,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.records import RolloutReceipt
+from sink.contract.skip_codes import SkipCode
 from sink.errors import (
     BatchInputError,
     CodecError,
@@ -210,7 +211,9 @@ async def export_rollouts(
             except ValueError as exc:
                 raise CodecError(f"stored receipt of {rollout_id!r} is corrupt: {exc}") from exc
             if receipt.capture_poisoned:
-                raise ReceiptVerificationError("capture_poisoned", f"rollout {rollout_id!r} has no trainable row")
+                raise ReceiptVerificationError(
+                    SkipCode.CAPTURE_POISONED, f"rollout {rollout_id!r} has no trainable row"
+                )
             try:
                 snapshots = await source.fetch([row.staging_key for row in receipt.manifest])
             except KeyError as exc:

@@ -40,21 +40,12 @@ from typing import Any, NamedTuple
 
 import anyio
 
+from sink.contract.skip_codes import SkipCode
 from sink.keys import dead_letter_stream, group_keys
 from sink.rollout.done_event import GroupTag
 from sink.store.batch import BatchCall, raise_first_error, run_batch
-from sink.store.connection import map_redis_errors
-from sink.store.scripts import (
-    GROUP_CHECK_SCRIPT,
-    GROUP_CLOSE_SCRIPT,
-    GROUP_COMPLETE,
-    GROUP_GATHER_SCRIPT,
-    GROUP_GONE,
-    GROUP_LATE,
-    GROUP_SEALED,
-    GROUP_TAKEN,
-    GROUP_WAIT,
-)
+from sink.store.connection import map_redis_errors, reply_text
+from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
 from sink.trainer.pulled import PulledRollout, SkippedRollout
 from sink.trainer.reader import RolloutReader
 
@@ -62,8 +53,6 @@ __all__ = ("GROUP_SIZE_MISMATCH", "LATE_MEMBER", "GroupReader", "GroupStatistics
 
 logger = logging.getLogger(__name__)
 
-MEMBER_UNAVAILABLE = "member_unavailable"
-"""Failed-member code: the member's receipt entry was gone when the owner took it over."""
 LATE_MEMBER = "late_member"
 """``dead_code`` on ``ns:dead:groups``: a member that arrived after its group went out (acknowledged, recorded)."""
 GROUP_SIZE_MISMATCH = "group_size_mismatch"
@@ -218,25 +207,25 @@ class GroupReader:
                     ttl_ms,
                 ],
             )
-        state = int(reply[0])
-        if state == GROUP_LATE:
+        state = GroupStatus(int(reply[0]))
+        if state == GroupStatus.LATE:
             await self._record_dead(tag, [item.rollout_id], [], LATE_MEMBER, "arrived after its group went out")
             await self._reader.ack([item.rollout_id])
             self._counts["late"] += 1
             return None
         if not item.trainable:
             await self._reader.ack([item.rollout_id])  # recorded with its code; nothing to train on
-        elif state in (GROUP_WAIT, GROUP_COMPLETE):
+        elif state in (GroupStatus.WAIT, GroupStatus.COMPLETE):
             self._parked.setdefault(tag.group_id, {})[item.rollout_id] = item
-        if state == GROUP_TAKEN:
+        if state == GroupStatus.TAKEN:
             self._hand_over(tag.group_id, [item.rollout_id])
             return None
-        if state == GROUP_WAIT:
+        if state == GroupStatus.WAIT:
             self._watched[tag.group_id] = tag
             return None
-        if state == GROUP_COMPLETE:
+        if state == GroupStatus.COMPLETE:
             return await self._own(tag, reply[1:], complete=True)
-        return None  # GROUP_OWNED: delivered by this rank already
+        return None  # OWNED: delivered by this rank already
 
     async def _check_watched(self) -> list[RolloutGroup]:
         """Check every group this rank waits on (the scripts run concurrently), then act on each state."""
@@ -261,14 +250,14 @@ class GroupReader:
                 checks.start_soon(check, index, group_id)
         delivered: list[RolloutGroup] = []
         for (group_id, tag), reply in zip(watched, replies, strict=True):
-            state = int(reply[0])
-            if state == GROUP_WAIT:
+            state = GroupStatus(int(reply[0]))
+            if state == GroupStatus.WAIT:
                 continue
             del self._watched[group_id]
-            if state in (GROUP_TAKEN, GROUP_GONE):
+            if state in (GroupStatus.TAKEN, GroupStatus.GONE):
                 self._hand_over(group_id, list(self._parked.pop(group_id, {})))
-            elif state in (GROUP_COMPLETE, GROUP_SEALED):
-                delivered += await self._own(tag, reply[1:], complete=state == GROUP_COMPLETE)
+            elif state in (GroupStatus.COMPLETE, GroupStatus.SEALED):
+                delivered += await self._own(tag, reply[1:], complete=state == GroupStatus.COMPLETE)
         return delivered
 
     def _hand_over(self, group_id: str, rollout_ids: list[str]) -> None:
@@ -288,7 +277,8 @@ class GroupReader:
         *reply*: the group's size (the largest announced), whether sizes disagreed, then its members record.
         """
         self._watched.pop(tag.group_id, None)
-        announced, mismatch, flat = int(_text(reply[0])), _text(reply[1]) == "1", reply[2:]
+        announced = int(reply_text(reply[0], "group size"))
+        mismatch, flat = reply_text(reply[1], "group size mismatch") == "1", reply[2:]
         if mismatch:
             self._counts["mismatch"] += 1
             text = "%s: members of group %r announced different group_size values; using the largest, %d"
@@ -300,8 +290,8 @@ class GroupReader:
         tokens: dict[str, str] = {}
         for index in range(0, len(flat), 2):
             rollout_id, (kind, first, second) = (
-                _text(flat[index]),
-                (_text(flat[index + 1]).split("\n", 2) + ["", ""])[:3],
+                reply_text(flat[index], "group member"),
+                (reply_text(flat[index + 1], "group member").split("\n", 2) + ["", ""])[:3],
             )
             if kind == "skip":
                 failed.append(SkippedRollout(rollout_id, first, second))
@@ -320,7 +310,7 @@ class GroupReader:
             await self._reader.ack(skipped)  # one ack for every member taken over that cannot be trained
         for rollout_id in tokens:
             if rollout_id not in members and all(f.rollout_id != rollout_id for f in failed):
-                failed.append(SkippedRollout(rollout_id, MEMBER_UNAVAILABLE, "its receipt entry was gone"))
+                failed.append(SkippedRollout(rollout_id, SkipCode.MEMBER_UNAVAILABLE, "its receipt entry was gone"))
         ordered = [members[rollout_id] for rollout_id in sorted(members)]
         return await self._finish(tag, ordered, failed, complete=complete)
 
@@ -365,7 +355,7 @@ class GroupReader:
         """Whether the group had an owner before this rank (``deliveries`` counts them, in the scripts)."""
         with map_redis_errors(f"read group {group_id!r}"):
             count = await self._reader.client.hget(group_keys(self._ns, group_id)[0], "deliveries")
-        return int(_text(count or 0)) > 1
+        return count is not None and int(reply_text(count, "group deliveries")) > 1
 
     async def _record_dead(
         self, tag: GroupTag, members: Sequence[str], failed: Sequence[SkippedRollout], code: str, reason: str
@@ -391,7 +381,3 @@ class GroupReader:
         await self._reader.ack([m.rollout_id for m in members])
         await self._delete([tag.group_id])
         self._counts["dead"] += 1
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

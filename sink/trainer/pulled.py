@@ -13,27 +13,20 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from sink.contract.records import RolloutReceipt
+from sink.contract.skip_codes import SkipCode
 from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import validate_rollout_id
-from sink.rollout.done_event import GroupTag, parse_group_fields
+from sink.rollout.done_event import GroupTag
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.verify import LinearizedRow, verify_decoded_and_linearize
 
 __all__ = (
-    "CORRUPT_RECORD",
-    "MISSING_RECORD",
     "PulledRollout",
     "SkippedRollout",
     "fetch_and_verify",
     "parse_receipt_entry",
-    "parse_receipt_group",
     "with_group",
 )
-
-MISSING_RECORD = "missing_record"
-"""Skip code: a staged record named by the manifest is gone (``KeyError`` from the source)."""
-CORRUPT_RECORD = "corrupt_record"
-"""Skip code: a staged blob is corrupt or stored under a foreign key (``CodecError`` from the source)."""
 
 
 class SkippedRollout(NamedTuple):
@@ -85,14 +78,6 @@ def parse_receipt_entry(fields: Mapping[str, str]) -> RolloutReceipt:
     return receipt
 
 
-def parse_receipt_group(fields: Mapping[str, str]) -> GroupTag | None:
-    """The GRPO group a ``ns:receipts:<k>`` entry carries beside its receipt, or ``None``.
-
-    :raises ValueError: the group fields are malformed.
-    """
-    return parse_group_fields(fields)
-
-
 def with_group(pulled: PulledRollout, group: GroupTag | None) -> PulledRollout:
     """*pulled* carrying *group*."""
     return pulled if group is None else replace(pulled, group=group)
@@ -108,16 +93,18 @@ async def fetch_and_verify(source: AsyncRedisStagingSource, receipt: RolloutRece
     :raises StagingConnectionError: the server could not be reached.
     """
     if receipt.failure_reason is not None:
-        return _skip(receipt, "rollout_failed", receipt.failure_reason)
+        return _skip(receipt, SkipCode.ROLLOUT_FAILED, receipt.failure_reason)
     if receipt.capture_poisoned:
-        return _skip(receipt, "capture_poisoned", receipt.terminal_attribution_reason or "capture_poisoned")
+        return _skip(
+            receipt, SkipCode.CAPTURE_POISONED, receipt.terminal_attribution_reason or SkipCode.CAPTURE_POISONED
+        )
     try:
         # One fetch per rollout: one MGET per slot, and a rollout lives in one slot.
         snapshots = await source.fetch_packed([row.staging_key for row in receipt.manifest])
     except KeyError as exc:
-        return _skip(receipt, MISSING_RECORD, str(exc.args[0]) if exc.args else str(exc))
+        return _skip(receipt, SkipCode.MISSING_RECORD, str(exc.args[0]) if exc.args else str(exc))
     except CodecError as exc:
-        return _skip(receipt, CORRUPT_RECORD, str(exc))
+        return _skip(receipt, SkipCode.CORRUPT_RECORD, str(exc))
     try:
         # Decoded just now, packed, and not shared: verified at decode (same
         # checks, same digests), and the row keeps their bytes.

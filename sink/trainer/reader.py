@@ -32,7 +32,7 @@ from redis.asyncio.cluster import RedisCluster
 from sink.contract.records import RolloutReceipt
 from sink.keys import receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
-from sink.rollout.done_event import GroupTag
+from sink.rollout.done_event import GroupTag, parse_group_fields
 from sink.settings import ReaderSettings, SourceSettings
 from sink.store.connection import Topology
 from sink.store.healing import SelfHealingGroupConsumer
@@ -45,24 +45,18 @@ from sink.trainer.backlog import TRAINER_GROUP, ReceiptBacklog
 from sink.trainer.claims import RolloutClaims
 from sink.trainer.held import HeldRollouts
 from sink.trainer.pulled import (
-    CORRUPT_RECORD,
-    MISSING_RECORD,
     PulledRollout,
     fetch_and_verify,
     parse_receipt_entry,
-    parse_receipt_group,
     with_group,
 )
 from sink.trainer.reader_guards import AckOutcome, foreign_row_skip, own_keys
 from sink.trainer.retention import expire_consumed
-from sink.trainer.staleness import STALE_WEIGHTS, stale_skip
+from sink.trainer.staleness import stale_skip
 from sink.trainer.statistics import ReaderStatistics
 from sink.trainer.weights import publish_weight_version
 
 __all__ = (
-    "CORRUPT_RECORD",
-    "MISSING_RECORD",
-    "STALE_WEIGHTS",
     "TRAINER_GROUP",
     "AckOutcome",
     "PulledRollout",
@@ -283,7 +277,7 @@ class RolloutReader(AsyncResource):
         for entry in entries:
             try:
                 receipt = parse_receipt_entry(entry.fields)
-                groups[entry.stream, entry.entry_id] = parse_receipt_group(entry.fields)
+                groups[entry.stream, entry.entry_id] = parse_group_fields(entry.fields)
             except ValueError as exc:
                 await self._consumer.dead_letter(entry, f"malformed receipt entry: {exc}")
                 settled.add((entry.stream, entry.entry_id))

@@ -5,19 +5,17 @@ The trainer tells its reader the current weight version
 ``ReaderSettings.max_weight_lag`` set, a trainable rollout whose *oldest*
 generating call ran on a version more than ``max_weight_lag`` behind is
 acknowledged by the reader and reported as skipped with code
-:data:`STALE_WEIGHTS`, counted in ``statistics().skipped_by_code``.
+:attr:`~sink.contract.skip_codes.SkipCode.STALE_WEIGHTS`, counted in ``statistics().skipped_by_code``.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from sink.contract.skip_codes import SkipCode
 from sink.trainer.pulled import PulledRollout
 
-__all__ = ("STALE_WEIGHTS", "stale_skip")
-
-STALE_WEIGHTS = "stale_weights"
-"""Skip code: the rollout's oldest generating call is more than ``max_weight_lag`` versions old."""
+__all__ = ("stale_skip",)
 
 
 def stale_skip(pulled: PulledRollout, current_version: int | None, max_weight_lag: int | None) -> PulledRollout | None:
@@ -34,4 +32,4 @@ def stale_skip(pulled: PulledRollout, current_version: int | None, max_weight_la
         f"oldest generating call used weight version {oldest}, {lag} behind the trainer's {current_version} "
         f"(max_weight_lag={max_weight_lag})"
     )
-    return replace(pulled, row=None, skip_code=STALE_WEIGHTS, skip_reason=reason)
+    return replace(pulled, row=None, skip_code=SkipCode.STALE_WEIGHTS, skip_reason=reason)

@@ -24,6 +24,7 @@ from typing import Final
 from sink.contract.packed import PackedColumns, PackedSnapshot
 from sink.contract.record_schema import IDENTITY_FIELDS, SUPPORTED_VERSIONS, unsupported_version
 from sink.contract.records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
+from sink.contract.skip_codes import SkipCode
 from sink.errors import RebuildError, ReceiptVerificationError
 from sink.trainer.rebuild import PackedCall, Snapshot, chain_positions, linearize_chain, verify_lineage
 from sink.trainer.row import ExtrasCommitment, LinearizedRow, LinkSpan, NumpyColumns, WeightVersionSpan
@@ -48,10 +49,6 @@ _VERSION_CODES: Final = {
 _MISSING: Final = object()
 
 
-def _fail(code: str, detail: str) -> ReceiptVerificationError:
-    return ReceiptVerificationError(code, detail)
-
-
 def _check_argument_types(receipt: object, snapshots: object) -> None:
     # Step 1, plus the type of the snapshots argument (a programming error,
     # reported before anything about the receipt's state).
@@ -65,13 +62,15 @@ def _check_receipt_state(receipt: RolloutReceipt) -> None:
     # Steps 2-5.
     for name, expected in SUPPORTED_VERSIONS.items():
         if problem := unsupported_version(f"receipt {name}", getattr(receipt, name, _MISSING), expected):
-            raise _fail(_VERSION_CODES[name], problem)
+            raise ReceiptVerificationError(_VERSION_CODES[name], problem)
     if receipt.failure_reason is not None:
-        raise _fail("rollout_failed", f"rollout {receipt.rollout_id!r} failed: {receipt.failure_reason}")
+        raise ReceiptVerificationError(
+            SkipCode.ROLLOUT_FAILED, f"rollout {receipt.rollout_id!r} failed: {receipt.failure_reason}"
+        )
     if receipt.capture_poisoned:
-        raise _fail("capture_poisoned", f"rollout {receipt.rollout_id!r} is capture-poisoned")
+        raise ReceiptVerificationError(SkipCode.CAPTURE_POISONED, f"rollout {receipt.rollout_id!r} is capture-poisoned")
     if not receipt.manifest:
-        raise _fail("empty_manifest", f"rollout {receipt.rollout_id!r} has an empty manifest")
+        raise ReceiptVerificationError("empty_manifest", f"rollout {receipt.rollout_id!r} has an empty manifest")
 
 
 def _index_manifest(manifest: Sequence[CallRecord]) -> dict[str, int]:
@@ -82,9 +81,11 @@ def _index_manifest(manifest: Sequence[CallRecord]) -> dict[str, int]:
         if not isinstance(record, CallRecord):
             raise TypeError(f"manifest row {position} is a {type(record).__name__}, not a CallRecord")
         if record.model_call_id in index_by_id:
-            raise _fail("duplicate_manifest_row", f"model_call_id {record.model_call_id!r} appears twice")
+            raise ReceiptVerificationError(
+                "duplicate_manifest_row", f"model_call_id {record.model_call_id!r} appears twice"
+            )
         if record.staging_key in seen_keys:
-            raise _fail("duplicate_staging_key", f"staging key {record.staging_key!r} appears twice")
+            raise ReceiptVerificationError("duplicate_staging_key", f"staging key {record.staging_key!r} appears twice")
         index_by_id[record.model_call_id] = position
         seen_keys.add(record.staging_key)
     return index_by_id
@@ -106,24 +107,34 @@ def _verify_snapshot(
     call_id = getattr(snapshot, "model_call_id", _MISSING)
     where = f"position {position} ({record.model_call_id!r})"
     if call_id in seen_ids:
-        raise _fail("duplicate_snapshot", f"{where}: snapshot {call_id!r} was already supplied")
+        raise ReceiptVerificationError("duplicate_snapshot", f"{where}: snapshot {call_id!r} was already supplied")
     seen_ids.add(call_id)
     if call_id not in index_by_id:
-        raise _fail("snapshot_identity_mismatch", f"{where}: snapshot {call_id!r} is not in the manifest")
+        raise ReceiptVerificationError(
+            "snapshot_identity_mismatch", f"{where}: snapshot {call_id!r} is not in the manifest"
+        )
     if call_id != record.model_call_id:
-        raise _fail("snapshot_order_mismatch", f"{where}: got snapshot {call_id!r} out of manifest order")
+        raise ReceiptVerificationError(
+            "snapshot_order_mismatch", f"{where}: got snapshot {call_id!r} out of manifest order"
+        )
     owner = record.capture_key or receipt.rollout_id
     staged_owner = getattr(snapshot, "rollout_id", _MISSING)
     if staged_owner != owner:
-        raise _fail("wrong_rollout", f"{where}: snapshot staged under {staged_owner!r}, expected {owner!r}")
+        raise ReceiptVerificationError(
+            "wrong_rollout", f"{where}: snapshot staged under {staged_owner!r}, expected {owner!r}"
+        )
     for name in IDENTITY_FIELDS:  # step 8f: first mismatch wins
         staged, recorded = getattr(snapshot, name, _MISSING), getattr(record, name)
         if staged != recorded:
-            raise _fail(f"wrong_{name}", f"{where}: snapshot {name} {staged!r} != manifest {recorded!r}")
+            raise ReceiptVerificationError(
+                f"wrong_{name}", f"{where}: snapshot {name} {staged!r} != manifest {recorded!r}"
+            )
     for name in SUPPORTED_VERSIONS:  # step 8g: equal on snapshot, manifest row and receipt
         values = (getattr(snapshot, name, _MISSING), getattr(record, name), getattr(receipt, name))
         if not values[0] == values[1] == values[2]:
-            raise _fail(f"wrong_{name}", f"{where}: {name} differs (snapshot, manifest, receipt) = {values!r}")
+            raise ReceiptVerificationError(
+                f"wrong_{name}", f"{where}: {name} differs (snapshot, manifest, receipt) = {values!r}"
+            )
     if isinstance(snapshot, PackedSnapshot):
         # Step 8h ran when the caller decoded it: its digest was recomputed over
         # exactly these (immutable) bytes and compared.
@@ -140,9 +151,11 @@ def _verify_snapshot(
             recomputed = snapshot._packed_digest(forms)  # noqa: SLF001 (the records' packed digest, inside sink)
         recomputed = recomputed or snapshot.recompute_digest()
     except Exception as exc:  # any failure to recompute is reported, typed, with its cause chained
-        raise _fail("invalid_snapshot", f"{where}: cannot recompute the call digest: {exc}") from exc
+        raise ReceiptVerificationError("invalid_snapshot", f"{where}: cannot recompute the call digest: {exc}") from exc
     if recomputed != snapshot.digest:
-        raise _fail("corrupt_digest", f"{where}: recorded digest {snapshot.digest} != recomputed {recomputed}")
+        raise ReceiptVerificationError(
+            "corrupt_digest", f"{where}: recorded digest {snapshot.digest} != recomputed {recomputed}"
+        )
     return packed_call
 
 
@@ -192,7 +205,9 @@ def _verify_and_linearize(
     manifest = receipt.manifest
     index_by_id = _index_manifest(manifest)
     if len(snapshots) != len(manifest):
-        raise _fail("row_count_mismatch", f"{len(snapshots)} snapshots for {len(manifest)} manifest rows")
+        raise ReceiptVerificationError(
+            "row_count_mismatch", f"{len(snapshots)} snapshots for {len(manifest)} manifest rows"
+        )
     seen_ids: set[object] = set()
     packed_calls = [
         _verify_snapshot(position, snapshot, record, receipt, index_by_id, seen_ids, use_cached_columns)

@@ -12,7 +12,7 @@ from typing import Any
 
 from sink.errors import StagingError
 from sink.keys import weight_version_key
-from sink.store.connection import map_redis_errors
+from sink.store.connection import map_redis_errors, reply_text
 
 __all__ = ("WeightVersionKeyError", "publish_weight_version", "read_published_weight_version")
 
@@ -48,7 +48,7 @@ async def read_published_weight_version(client: Any, namespace: str) -> int | No
         raw = await client.get(weight_version_key(namespace))
     if raw is None:
         return None
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    text = reply_text(raw, lenient=True)  # not UTF-8: refused below as not a number
     if not text.isascii() or not text.isdigit():
         raise WeightVersionKeyError(f"{weight_version_key(namespace)} holds {text!r}, not a non-negative integer")
     return int(text)

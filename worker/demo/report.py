@@ -16,11 +16,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sink.contract.records import WORKER_CAPTURE_FAILED_REASON
+from sink.contract.skip_codes import SkipCode
 from sink.rollout.assembler import Assembler
 
 __all__ = ("EXPECTED_SKIP", "DemoTally", "live_progress", "percentile", "render_summary", "show_progress")
 
-EXPECTED_SKIP = ("rollout_failed", WORKER_CAPTURE_FAILED_REASON)
+EXPECTED_SKIP = (SkipCode.ROLLOUT_FAILED, WORKER_CAPTURE_FAILED_REASON)
 """(code, reason) every rollout with an injected capture failure must be skipped with."""
 _UI_INTERVAL_S = 0.1
 _COUNTER_NAMES = (
