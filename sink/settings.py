@@ -184,6 +184,9 @@ class ReaderSettings(ServiceSettings):
     or acknowledge every member and deliver nothing (counted as dropped)."""
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     """After ``ack``, the rollout's receipt and fence expire after this many seconds (bounded state)."""
+    chain_failure_policy: Literal["skip_chain", "skip_rollout"] = "skip_chain"
+    """A multi-chain rollout with a poisoned chain (contract §14.4): train its healthy chains and report the
+    poisoned one in ``chain_skips``, or skip the whole rollout."""
 
 
 UpstreamKind = Literal["vllm", "nemo-rl"]
