@@ -235,6 +235,10 @@ class ProxySettings(BaseModel):
     and derender routes (probed at start), verify mode elsewhere; ``exact``: refuse to start without them;
     ``verify``: never re-route (the engine re-templates history, drift is detected and the call not staged)."""
     durability: Literal["fsync", "none"] = "fsync"
+    chain_policy: Literal["single", "roots", "branches"] = "single"
+    """Multi-chain rollouts (contract §14.1): ``single`` (an unresolved continuation poisons the rollout),
+    ``roots`` (a call that extends no earlier call starts a new chain) or ``branches`` (also every leaf);
+    a rollout may opt in itself with the header ``X-Staging-Chains``."""
 
     @model_validator(mode="after")
     def _check_capture_has_a_store(self) -> ProxySettings:
