@@ -34,6 +34,7 @@ __all__ = (
     "ChainSkip",
     "PulledRollout",
     "SkippedRollout",
+    "chain_receipt",
     "fetch_and_verify",
     "parse_receipt_chains",
     "parse_receipt_entry",
