@@ -25,12 +25,14 @@ from worker.openai_adapters import NemoGymResponsesAdapter, OpenAIChatAdapter, V
 
 __all__ = (
     "CAPTURE_ROUTES",
+    "CHAINS_HEADER",
     "ROLLOUT_HEADER",
     "ClientAsked",
     "RouteKind",
     "Target",
     "adapter_for",
     "canonical_path",
+    "chains_of",
     "disguised_capture_route",
     "parse_target",
     "request_items",
