@@ -3,6 +3,7 @@ the reader's per-chain rows and skips against a real server."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,9 +21,13 @@ from sink.rollout.chains import build_chains
 from sink.rollout.done_event import finished
 from sink.rollout.receipt import build_receipt
 from sink.store.sink import AsyncRedisStagingSink
+from sink.trainer.batch import chain_weights, collate
+from sink.trainer.export import read_export, write_export
+from sink.trainer.groups import GroupReader, RolloutGroup
+from sink.trainer.packing import pack
 from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader import RolloutReader
-from tests.helpers.e2e import call_record_of, pull_until, running_assembler
+from tests.helpers.e2e import call_record_of, pull_until, running_assembler, stage_rollouts
 from tests.helpers.staging import make_record
 
 USER = {"role": "user", "content": "hello"}
@@ -208,3 +213,72 @@ def test_staleness_is_per_chain(redis_url: str) -> None:
     pulled = anyio.run(main)
     assert not pulled.trainable and pulled.skip_code == "stale_weights"
     assert [skip.skip_code for skip in pulled.chain_skips] == ["stale_weights", "stale_weights"]
+
+
+def test_collate_pack_and_export_round_trip_one_row_per_chain(redis_url: str, tmp_path: Path) -> None:
+    trees = anyio.run(_stage_two_trees, redis_url, "mc-batch", ChainPolicy.ROOTS)
+    single = anyio.run(stage_rollouts, redis_url, ["mc-one"])
+    pulled = anyio.run(_pull_all, redis_url, ["mc-batch", "mc-one"])
+    by_id = {item.rollout_id: item for item in pulled}
+    ordered = [by_id["mc-batch"], by_id["mc-one"]]
+    batch = collate(ordered)
+    assert batch.rollout_ids == ("mc-batch", "mc-batch", "mc-one") and batch.chain_indices == (0, 1, 0)
+    assert batch.ack_ids == ("mc-batch", "mc-one")
+    expected = [_columns(trees[0])[0], _columns(trees[1])[0], single[0].token_ids]
+    for index, ids in enumerate(expected):
+        assert batch.input_ids[index, : len(ids)].tolist() == ids
+    assert batch.rewards.tolist() == [0.5, 0.5, 0.5]  # every chain shares its rollout's reward
+    assert chain_weights(batch.rollout_ids, "split").tolist() == [0.5, 0.5, 1.0]
+    assert chain_weights(batch.rollout_ids).tolist() == [1.0, 1.0, 1.0]
+    packed = pack(ordered, max_tokens=64)
+    assert packed.rollout_ids == batch.rollout_ids and packed.chain_indices == (0, 1, 0)
+    path = tmp_path / "rows.jsonl"
+    assert write_export(ordered, path) == 3
+    lines = read_export(path)
+    assert [(line["rollout_id"], line["chain_index"]) for line in lines] == [
+        ("mc-batch", 0),
+        ("mc-batch", 1),
+        ("mc-one", 0),
+    ]
+    for line, ids, tree_or_none in zip(lines, expected, [trees[0], trees[1], None], strict=True):
+        assert line["token_ids"] == ids and line["reward"] == 0.5
+        if tree_or_none is not None:
+            assert line["model_call_ids"] == [record.model_call_id for record in tree_or_none]
+            assert line["terminal_model_call_id"] == tree_or_none[-1].model_call_id
+    assert lines[1]["terminal_selection"] == "declared" and lines[0]["terminal_selection"] == "heuristic"
+
+
+async def _pull_all(url: str, rollout_ids: list[str]) -> list[PulledRollout]:
+    async with aioredis.Redis.from_url(url) as client:
+        for rollout_id in rollout_ids:
+            declared = f"resp-{rollout_id}-b2" if rollout_id == "mc-batch" else None  # the other: the §7.4 walk
+            await finished(client, rollout_id, reward=0.5, declared_response_id=declared)
+    async with running_assembler(url, block_ms=50), RolloutReader.from_url(url) as reader:
+        pulled = await pull_until(reader, len(rollout_ids))
+        await reader.ack([item.rollout_id for item in pulled])
+        return pulled
+
+
+def test_group_statistics_are_per_rollout_with_multi_chain_members(redis_url: str) -> None:
+    anyio.run(_stage_two_trees, redis_url, "mc-g1", ChainPolicy.ROOTS)
+    anyio.run(stage_rollouts, redis_url, ["mc-g2"])
+
+    async def main() -> list[RolloutGroup]:
+        async with aioredis.Redis.from_url(redis_url) as client:
+            await finished(client, "mc-g1", reward=1.0, group_id="g", group_size=2)
+            await finished(client, "mc-g2", reward=0.0, group_id="g", group_size=2)
+        async with running_assembler(redis_url, block_ms=50), RolloutReader.from_url(redis_url) as reader:
+            groups = GroupReader(reader)
+            delivered: list[RolloutGroup] = []
+            with anyio.fail_after(20):
+                while not delivered:
+                    delivered += await groups.pull_groups(4, block_ms=100)
+            await reader.ack([member.rollout_id for group in delivered for member in group.members])
+            return delivered
+
+    [group] = anyio.run(main)
+    assert group.complete and sorted(group.rollout_ids) == ["mc-g1", "mc-g2"]
+    # Two members, whatever their chains: the mean and spread of 1.0 and 0.0, not of three chain rows.
+    assert (group.reward_mean, group.reward_std) == (0.5, 0.5)
+    rows = [row for member in group.members for row in member.rows]
+    assert len(rows) == 3

@@ -21,9 +21,10 @@ numpy is a default dependency of staging-sink; this module needs it.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,7 @@ __all__ = (
     "RowSelection",
     "SkippedRollout",
     "TrainingBatch",
+    "chain_weights",
     "collate",
     "row_metadata",
     "select_rows",
@@ -116,6 +118,26 @@ def row_metadata(
         weights = row.weight_versions
         versions[index] = (min(weights), max(weights))
     return rewards, versions
+
+
+def chain_weights(
+    rollout_ids: Sequence[str], weighting: Literal["shared", "split"] = "shared"
+) -> npt.NDArray[np.float32]:
+    """Per-row loss weights for the rows of a batch (its ``rollout_ids``), contract §14.4.
+
+    Every chain of a rollout shares the rollout's reward, hence its GRPO advantage (group statistics are per
+    rollout, :class:`~sink.trainer.groups.RolloutGroup`). ``shared``: each chain row weighs 1.0 (a rollout with
+    more chains contributes more tokens); ``split``: each weighs ``1 / chains of its rollout in the batch``, so
+    every rollout weighs the same whatever its number of chains.
+
+    :raises BatchInputError: an unknown *weighting*.
+    """
+    if weighting not in ("shared", "split"):
+        raise BatchInputError(f"weighting must be 'shared' or 'split', not {weighting!r}")
+    if weighting == "shared":
+        return np.ones(len(rollout_ids), dtype=np.float32)
+    counts = Counter(rollout_ids)
+    return np.array([1.0 / counts[rollout_id] for rollout_id in rollout_ids], dtype=np.float32)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
