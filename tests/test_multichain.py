@@ -10,6 +10,7 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
+from sink.bench.chains import run_chain_benchmark
 from sink.contract.chains import ChainEntry, ChainPolicy, RolloutChains
 from sink.contract.records import CaptureLedgerCommit, ManifestFailure, RolloutManifest, StagedCallRecord
 from sink.keys import DEFAULT_NAMESPACE
@@ -282,3 +283,20 @@ def test_group_statistics_are_per_rollout_with_multi_chain_members(redis_url: st
     assert (group.reward_mean, group.reward_std) == (0.5, 0.5)
     rows = [row for member in group.members for row in member.rows]
     assert len(rows) == 3
+
+
+def test_chain_benchmark_runs_every_chain_count_and_cleans_up(redis_url: str) -> None:
+    figures = anyio.run(
+        lambda: run_chain_benchmark(
+            redis_url, chain_counts=(1, 2), rollouts=2, calls=4, tokens=128, repeats=1, namespace="mc-bench"
+        )
+    )
+    assert set(figures) == {1, 2} and all(value > 0 for value in figures.values())
+
+    async def leftover() -> list[bytes]:
+        async with aioredis.Redis.from_url(redis_url) as client:
+            return [key async for key in client.scan_iter(match="mc-bench*")]
+
+    assert anyio.run(leftover) == []
+    with pytest.raises(ValueError, match="divide"):
+        anyio.run(lambda: run_chain_benchmark(redis_url, chain_counts=(3,), calls=4, namespace="mc-bench"))
