@@ -3,6 +3,7 @@ the reader's per-chain rows and skips against a real server."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from sink.bench.chains import run_chain_benchmark
+from sink.cli.main import main as cli_main
 from sink.contract.chains import ChainEntry, ChainPolicy, RolloutChains
 from sink.contract.records import CaptureLedgerCommit, ManifestFailure, RolloutManifest, StagedCallRecord
 from sink.keys import DEFAULT_NAMESPACE
@@ -300,3 +302,18 @@ def test_chain_benchmark_runs_every_chain_count_and_cleans_up(redis_url: str) ->
     assert anyio.run(leftover) == []
     with pytest.raises(ValueError, match="divide"):
         anyio.run(lambda: run_chain_benchmark(redis_url, chain_counts=(3,), calls=4, namespace="mc-bench"))
+
+
+def test_inspect_and_verify_show_the_chains(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    anyio.run(_stage_two_trees, redis_url, "mc-cli", ChainPolicy.ROOTS)
+    assert cli_main(["inspect", "mc-cli", "--redis-url", redis_url, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["chains"]["policy"] == "roots"
+    assert [chain["root_call_id"] for chain in shown["chains"]["chains"]] == ["a0", "b0"]
+    assert cli_main(["verify", "mc-cli", "--redis-url", redis_url, "--json"]) == 0
+    verified = json.loads(capsys.readouterr().out)
+    assert verified["verified"] is True
+    assert [(chain["index"], chain["verified"]) for chain in verified["chains"]] == [(0, True), (1, True)]
+    assert cli_main(["verify", "mc-cli", "--redis-url", redis_url]) == 0
+    text = capsys.readouterr().out
+    assert "chain 0 (root a0)" in text and "chain 1 (root b0)" in text
