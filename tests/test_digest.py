@@ -28,6 +28,7 @@ from sink.contract.digest import (
     is_token_id_list,
 )
 from tests.helpers.contract_examples import GOLDEN_VECTOR, root_staged_wire
+from tests.helpers.param_ids import stable_repr
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Above the midpoint between FLOAT32_MAX and 2**128: rounds to inf in binary32.
@@ -248,7 +249,7 @@ BAD_HEX = ["A" * 64, "a" * 63, "a" * 65, "0x" + "a" * 62, "g" * 64, "a" * 64 + "
         {"generation_log_probs_delta": [0.0, 0.0, -ROUNDS_TO_F32_INF]},
         {"generation_log_probs_delta": [0.0, 0.0, -1e39]},
     ],
-    ids=repr,
+    ids=stable_repr,
 )
 def test_call_digest_precheck_raises_value_error(overrides: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
@@ -277,7 +278,7 @@ def test_call_digest_non_str_text_raises_type_error(field: str, value: object) -
         ({"generation_log_probs_delta": [-0.0, 0.0, -0.1]}, True),  # carry -0.0 passes, encodes differently
         ({"token_mask_delta": [0.0, -0.0, 1.0]}, True),
     ],
-    ids=repr,
+    ids=stable_repr,
 )
 def test_call_digest_accepted_edge_values(overrides: dict[str, Any], changes: bool) -> None:
     base = compute_staging_digest(**_root_fields())
@@ -380,7 +381,7 @@ def test_chain_hash_rejects_invalid_parent(parent: object) -> None:
         compute_chain_hash(parent, [1])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("ids", [[-1], [True], [1.0], [U64_LIMIT], ["1"], [np.int64(1)]], ids=repr)
+@pytest.mark.parametrize("ids", [[-1], [True], [1.0], [U64_LIMIT], ["1"], [np.int64(1)]], ids=stable_repr)
 def test_token_id_encoding_rejects(ids: list[Any]) -> None:
     with pytest.raises(ValueError):
         hash_token_ids(ids)
@@ -418,7 +419,7 @@ def test_extras_encoding_reproduced_independently() -> None:
         ({"a": [1, 2]}, {"a": [2, 1]}),
         ({"a": 1}, {"b": 1}),
     ],
-    ids=repr,
+    ids=stable_repr,
 )
 def test_extras_encoding_distinguishes(left: dict[str, Any], right: dict[str, Any]) -> None:
     assert compute_extras_digest(left) != compute_extras_digest(right)
@@ -484,7 +485,7 @@ class _DictSubclass(dict[str, Any]):
         object(),
         1j,
     ],
-    ids=repr,
+    ids=stable_repr,
 )
 def test_extras_unsupported_values_raise_type_error(value: object) -> None:
     with pytest.raises(TypeError):
@@ -499,13 +500,13 @@ def test_extras_non_str_keys_raise_type_error(key: object) -> None:
         compute_extras_digest({"outer": {key: 1}})
 
 
-@pytest.mark.parametrize("extras", [[], [("a", 1)], "a", 1, ("a",), b"", object()], ids=repr)
+@pytest.mark.parametrize("extras", [[], [("a", 1)], "a", 1, ("a",), b"", object()], ids=stable_repr)
 def test_extras_top_level_must_be_none_or_mapping(extras: object) -> None:
     with pytest.raises(TypeError):
         compute_extras_digest(extras)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, math.nan, math.inf, -math.inf], ids=repr)
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, math.nan, math.inf, -math.inf], ids=stable_repr)
 def test_extras_out_of_range_values_raise_value_error(value: object) -> None:
     with pytest.raises(ValueError):
         compute_extras_digest({"v": value})

@@ -33,6 +33,7 @@ from tests.helpers.contract_examples import (
     root_staged_wire,
     valid_wire_by_model,
 )
+from tests.helpers.param_ids import stable_repr
 
 ALL_MODELS = list(valid_wire_by_model())
 STAGED_MODELS = [R.StagedCallBaseSnapshot, R.StagedCallRecord, R.StagedCallSnapshot]
@@ -502,7 +503,7 @@ def test_extras_rule(model: type[R.StagedCallRecord], wire: dict[str, Any], frag
 
 
 @pytest.mark.parametrize("model", RECORD_MODELS, ids=_name)
-@pytest.mark.parametrize("bad", [(1, 2), b"x", np.int64(1), np.float32(0.5), {"k": {1, 2}}], ids=repr)
+@pytest.mark.parametrize("bad", [(1, 2), b"x", np.int64(1), np.float32(0.5), {"k": {1, 2}}], ids=stable_repr)
 def test_extras_encoder_type_error_propagates_unchanged(model: type[R.StagedCallRecord], bad: object) -> None:
     with pytest.raises(TypeError) as exc:
         model.model_validate({**root_staged_wire(), "extras": {"v": bad}})
@@ -535,7 +536,7 @@ class _FloatSubclass(float):
 
 @pytest.mark.parametrize("column", ["token_mask_delta", "generation_log_probs_delta"])
 @pytest.mark.parametrize(
-    "element", [0, 1, True, False, np.float64(0.0), np.float32(0.0), _FloatSubclass(0.0), None, "0.0"], ids=repr
+    "element", [0, 1, True, False, np.float64(0.0), np.float32(0.0), _FloatSubclass(0.0), None, "0.0"], ids=stable_repr
 )
 @pytest.mark.parametrize("also_invalid", [False, True], ids=["otherwise-valid", "otherwise-invalid"])
 def test_from_components_exact_float_gate_raises_plain_value_error(
@@ -565,7 +566,7 @@ def test_from_components_exact_float_gate_raises_plain_value_error(
         ({"extras_digest": EMPTY_EXTRAS_DIGEST}, EXTRAS_RULE),
         ({"chain_hash": "1" * 63}, "chain_hash"),
     ],
-    ids=repr,
+    ids=stable_repr,
 )
 def test_from_components_other_failures_are_validation_errors(overrides: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValidationError, match=fragment):
@@ -632,7 +633,7 @@ def test_wire_construction_always_recomputes_and_compares(parse: Any, digest_cal
 @pytest.mark.parametrize(
     "context",
     [None, {}, {"build": "build"}, {"build": True}, {"build": object()}, {"build": R._BUILD_STAGING_DIGEST.__class__}],
-    ids=repr,
+    ids=stable_repr,
 )
 def test_build_sentinel_cannot_be_triggered_from_wire_data(context: dict[str, Any] | None) -> None:
     wrong = _golden_record_wire(digest=OTHER_HEX)
