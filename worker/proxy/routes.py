@@ -85,8 +85,9 @@ def parse_target(path: str, rollout_header: str | None) -> Target:
     return Target(rollout_id, rest, finished=rest == "/finished")
 
 
-def chains_of(scope: Mapping[str, Any]) -> ChainPolicy | None:
-    """The chain policy a request opts its rollout into (header ``X-Staging-Chains``), or ``None``.
+def chains_of(scope: Mapping[str, Any]) -> dict[str, ChainPolicy]:
+    """The ``admit()`` option of a request that opts its rollout into a chain policy (header
+    ``X-Staging-Chains``): ``{"chain_policy": ...}``, or ``{}`` without the header (the gate's default).
 
     :raises ValueError: the header names no chain policy.
     """
@@ -94,10 +95,10 @@ def chains_of(scope: Mapping[str, Any]) -> ChainPolicy | None:
         if name == CHAINS_HEADER:
             text = value.decode("latin-1").strip().lower()
             try:
-                return ChainPolicy(text)
+                return {"chain_policy": ChainPolicy(text)}
             except ValueError:
                 raise ValueError(f"X-Staging-Chains must be single, roots or branches, not {text!r}") from None
-    return None
+    return {}
 
 
 def canonical_path(path: str) -> str:
