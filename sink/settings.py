@@ -184,6 +184,9 @@ class ReaderSettings(ServiceSettings):
     or acknowledge every member and deliver nothing (counted as dropped)."""
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     """After ``ack``, the rollout's receipt and fence expire after this many seconds (bounded state)."""
+    chain_failure_policy: Literal["skip_chain", "skip_rollout"] = "skip_chain"
+    """A multi-chain rollout with a poisoned chain (contract §14.4): train its healthy chains and report the
+    poisoned one in ``chain_skips``, or skip the whole rollout."""
 
 
 UpstreamKind = Literal["vllm", "nemo-rl"]
@@ -238,6 +241,10 @@ class ProxySettings(BaseModel):
     server_timing: bool = False
     """Add a ``Server-Timing`` header (``engine``, ``capture``, ``total`` ms) to each captured call's response
     (benchmarks: the proxy's own share of a call is ``total - engine``)."""
+    chain_policy: Literal["single", "roots", "branches"] = "single"
+    """Multi-chain rollouts (contract §14.1): ``single`` (an unresolved continuation poisons the rollout),
+    ``roots`` (a call that extends no earlier call starts a new chain) or ``branches`` (also every leaf);
+    a rollout may opt in itself with the header ``X-Staging-Chains``."""
 
     @model_validator(mode="after")
     def _check_capture_has_a_store(self) -> ProxySettings:

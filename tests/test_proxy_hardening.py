@@ -238,8 +238,8 @@ class CommitBug(CaptureGate):
     def __init__(self, real: CaptureGate) -> None:
         self.real = real
 
-    async def admit(self, rollout_id: str, request_items: Any, *, model_call_id: str | None = None) -> Any:
-        return await self.real.admit(rollout_id, request_items, model_call_id=model_call_id)
+    async def admit(self, rollout_id: str, request_items: Any, **options: Any) -> Any:
+        return await self.real.admit(rollout_id, request_items, **options)
 
     async def abandon(self, admission: Any) -> None:
         await self.real.abandon(admission)

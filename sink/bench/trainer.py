@@ -35,6 +35,7 @@ import anyio
 import redis.asyncio as aioredis
 
 from sink.bench import DEFAULT_BENCH_NAMESPACE, BenchHelpFormatter, bench_namespace, report_on_server
+from sink.bench.chains import chain_main
 from sink.bench.workload import build_records
 from sink.contract.records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
 from sink.keys import claim_key, receipts_stream, record_key
@@ -361,7 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--keep-all", action="store_true", help="keep every batch's numpy columns alive in the trainer loop"
     )
     parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    parser.add_argument("--chains", help="instead: compare rollouts of these chain counts, e.g. 1,2,8 (§14)")
     args = parser.parse_args(argv)
+    if args.chains:
+        return chain_main(args)
 
     def run(url: str) -> TrainerFigures:
         return anyio.run(

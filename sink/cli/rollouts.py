@@ -25,16 +25,19 @@ from sink.cli.common import (
 )
 from sink.cli.common import write_json as _write_json
 from sink.cli.gym_view import gym_rollout_state, render_gym_state
-from sink.contract.records import RolloutManifest, RolloutReceipt
+from sink.contract.chains import ChainPolicy, RolloutChains
+from sink.contract.records import RolloutManifest, RolloutReceipt, StagedCallSnapshot
 from sink.contract.skip_codes import SkipCode
 from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import calls_stream, fence_key, ledger_stream, receipt_key, validate_rollout_id
 from sink.ledger.ownership import ownership_problem
-from sink.ledger.rows import manifest_from_entries
+from sink.ledger.rows import chain_view_from_entries, manifest_from_entries
+from sink.rollout.chains import build_chains
 from sink.rollout.receipt import build_receipt
 from sink.settings import SourceSettings
 from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.source import AsyncRedisStagingSource
+from sink.trainer.pulled import chain_receipt
 from sink.trainer.verify import verify_and_linearize
 
 __all__ = (
@@ -94,7 +97,23 @@ async def rollout_state(topology: Topology, target: RedisTarget, rollout_id: str
             raise CommandError(f"the stored receipt of {rollout_id!r} is corrupt: {exc}") from exc
     exists = bool(calls) or fenced or receipt is not None or gym is not None
     exists = exists or (manifest is not None and bool(manifest.records or manifest.failures))
-    return {"calls": calls, "fenced": fenced, "manifest": manifest, "receipt": receipt, "gym": gym, "exists": exists}
+    chains = None if manifest is None else _live_chains(rollout_id, manifest, receipt, ledger_entries)
+    return {"calls": calls, "fenced": fenced, "manifest": manifest, "receipt": receipt, "gym": gym, "exists": exists} | {
+        "chains": chains
+    }
+
+
+def _live_chains(
+    rollout_id: str, manifest: RolloutManifest, receipt: RolloutReceipt | None, entries: list[dict[str, str]]
+) -> RolloutChains | None:
+    """A multi-chain rollout's chain record (§14.3), from its live ledger and its receipt (or a heuristic one)."""
+    view = chain_view_from_entries(entries)
+    if view.policy is ChainPolicy.SINGLE:
+        return None
+    try:
+        return build_chains(receipt or build_receipt(manifest, rollout_id=rollout_id, reward=None), manifest, view)
+    except ValueError:
+        return None  # a manifest no receipt can be built from: inspect shows it row by row
 
 
 _INT_FIELDS = frozenset(("prev_len", "delta_len", "cum_len", "weight", "bytes"))
@@ -134,6 +153,7 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
                 "manifest": None if manifest is None else manifest.model_dump(mode="json"),
                 "receipt": None if receipt is None else receipt.model_dump(mode="json"),
                 "gym": state["gym"],
+                "chains": None if state["chains"] is None else state["chains"].model_dump(mode="json"),
             }
         )
         return EXIT_OK
@@ -171,6 +191,14 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
         console.print(rows)
         for failure in manifest.failures:
             console.print(f"[red]failure row[/]: call {failure.model_call_id}: {failure.reason}")
+    chains: RolloutChains | None = state["chains"]
+    if chains is not None:
+        console.print(f"chains ({chains.policy}): {len(chains.chains)}, rollout failure {chains.failure_reason or '-'}")
+        for chain in chains.chains:
+            console.print(
+                f"  chain {chain.index}: root {chain.root_call_id}, terminal {chain.terminal_call_id or '-'} "
+                f"({chain.selection}), {len(chain.call_ids)} call(s), failure {chain.failure_reason or '-'}"
+            )
     if receipt is None:
         console.print("receipt: none yet")
     else:
@@ -184,6 +212,35 @@ async def inspect_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool
 
 
 # --- verify ------------------------------------------------------------------------------------------
+
+
+def _verify_chains(
+    receipt: RolloutReceipt, chains: RolloutChains, snapshots: list[StagedCallSnapshot]
+) -> list[dict[str, Any]]:
+    """Each chain verified on its own (§14.4): ``{index, root, verified, code, detail, tokens}``."""
+    by_id = {snapshot.model_call_id: snapshot for snapshot in snapshots}
+    results: list[dict[str, Any]] = []
+    for chain in chains.chains:
+        result: dict[str, Any] = {"index": chain.index, "root": chain.root_call_id, "terminal": chain.terminal_call_id}
+        if chain.failure_reason is not None:
+            results.append(result | {"verified": False, "code": "rollout_failed", "detail": chain.failure_reason})
+            continue
+        try:
+            row = verify_and_linearize(chain_receipt(receipt, chain), [by_id[c] for c in chain.tree_call_ids])
+        except ReceiptVerificationError as exc:
+            results.append(result | {"verified": False, "code": exc.code, "detail": exc.detail})
+        else:
+            results.append(result | {"verified": True, "tokens": len(row.token_ids)})
+    return results
+
+
+def _first_trainable(receipt: RolloutReceipt, chains: RolloutChains, results: list[dict[str, Any]]) -> RolloutReceipt:
+    """The receipt the rollout-level summary verifies: the first verified chain's (else the first chain's)."""
+    chosen = next((r["index"] for r in results if r["verified"]), None)
+    if chosen is None:
+        first = results[0] if results else {"code": "rollout_failed", "detail": chains.failure_reason or "no chains"}
+        raise ReceiptVerificationError(first["code"], first["detail"])
+    return chain_receipt(receipt, chains.chains[chosen])
 
 
 async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool) -> int:
@@ -222,6 +279,10 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
                 topology.client, SourceSettings(namespace=target.namespace, cluster=target.cluster)
             ) as source:
                 snapshots = await source.fetch([row.staging_key for row in receipt.manifest])
+            if state["chains"] is not None:
+                outcome["chains"] = _verify_chains(receipt, state["chains"], snapshots)
+                receipt = _first_trainable(receipt, state["chains"], outcome["chains"])
+                snapshots = [s for s in snapshots if s.model_call_id in {r.model_call_id for r in receipt.manifest}]
             row = verify_and_linearize(receipt, snapshots)
         except KeyError as exc:
             outcome |= {
@@ -262,6 +323,9 @@ async def verify_rollout(target: RedisTarget, rollout_id: str, *, as_json: bool)
         stdout_console().print(
             f"[red]NOT verified[/] {rollout_id}: {outcome['code']}: {outcome['detail']} ({source_of_receipt})"
         )
+    for chain in [] if as_json else outcome.get("chains", []):
+        shown = f"{chain['tokens']} tokens" if chain["verified"] else f"{chain['code']}: {chain['detail']}"
+        stdout_console().print(f"  chain {chain['index']} (root {chain['root']}): {shown}")
     return EXIT_OK if outcome["verified"] or outcome["consumed"] else EXIT_FAILURE
 
 

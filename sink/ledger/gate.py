@@ -7,6 +7,10 @@ the ledger and returns the admission to attach to the engine request (or
 the worker's commit coordinates and records the token-free ledger row, or a
 failure row that poisons the rollout. A capture failure never fails the model
 call (INV-4); only a failing ledger read does (§6.6 step 2).
+
+With a multi-chain policy (contract §14.1; the gate's default or one rollout's opt-in), a request that
+continues no committed call starts a new chain: it is admitted as a ``text`` root instead of being recorded as
+``unresolved_parent``, and the policy is recorded in the rollout's ledger for the assembler.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from sink.contract.chains import ChainPolicy
 from sink.contract.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 from sink.contract.records import (
     INVALID_COMMIT_COORDS_REASON,
@@ -39,6 +44,8 @@ __all__ = ("CaptureGate", "CaptureLedgerProtocol", "new_model_call_id")
 
 logger = logging.getLogger(__name__)
 
+_POLICIES_REMEMBERED = 65_536
+
 
 class CaptureLedgerProtocol(Protocol):
     """What the gate needs from a capture ledger (Redis or in-memory)."""
@@ -49,7 +56,11 @@ class CaptureLedgerProtocol(Protocol):
 
     async def record(self, commit: CaptureLedgerCommit) -> None: ...
 
-    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None: ...
+    async def record_failure(
+        self, rollout_id: str, model_call_id: str, reason: str, *, parent_call_id: str | None = None, root: bool = False
+    ) -> None: ...
+
+    async def record_chain_policy(self, rollout_id: str, policy: ChainPolicy) -> ChainPolicy | None: ...
 
 
 def new_model_call_id() -> str:
@@ -72,21 +83,41 @@ def _unresolved_cause(resolution: LineageResolution) -> str:
 class CaptureGate:
     """Admission and commit for one gate process over a shared capture ledger."""
 
-    def __init__(self, ledger: CaptureLedgerProtocol) -> None:
+    def __init__(self, ledger: CaptureLedgerProtocol, *, chain_policy: ChainPolicy = ChainPolicy.SINGLE) -> None:
         self._ledger = ledger
+        self._chain_policy = ChainPolicy(chain_policy)
+        self._policy_recorded: dict[str, None] = {}  # rollouts whose policy row this gate wrote (bounded)
+
+    @property
+    def chain_policy(self) -> ChainPolicy:
+        """The policy of rollouts that do not opt in themselves (contract §14.1)."""
+        return self._chain_policy
 
     async def admit(
-        self, rollout_id: str, request_items: Sequence[dict[str, Any]], *, model_call_id: str | None = None
+        self,
+        rollout_id: str,
+        request_items: Sequence[dict[str, Any]],
+        *,
+        model_call_id: str | None = None,
+        chain_policy: ChainPolicy | None = None,
     ) -> CaptureAdmission | None:
-        """Resolve the request's parent and build its admission (contract §6.6 steps 1-6).
+        """Resolve the request's parent and build its admission (contract §6.6 steps 1-6, §14.1).
 
+        :param chain_policy: this rollout's opt-in; default the gate's policy.
         :returns: a ``text`` root or a by-reference ``token_in`` admission, or
             ``None`` when the call must be served uncaptured (retired rollout,
-            or an unresolved parent, recorded as ``unresolved_parent``).
+            or an unresolved parent under ``single``, recorded as ``unresolved_parent``).
         :raises InvalidCallIdError: *model_call_id* contains ``/cut/`` (it would collide with a cut key).
         :raises StagingError: the ledger could not be read (the request fails).
         """
         call_id = check_call_id(model_call_id or new_model_call_id())
+        policy = self._chain_policy if chain_policy is None else ChainPolicy(chain_policy)
+        if policy is not ChainPolicy.SINGLE and rollout_id not in self._policy_recorded:
+            if await self._ledger.record_chain_policy(rollout_id, policy) is None:
+                return None  # retired
+            self._policy_recorded[rollout_id] = None
+            while len(self._policy_recorded) > _POLICIES_REMEMBERED:
+                del self._policy_recorded[next(iter(self._policy_recorded))]
         resolution = await self._ledger.resolve(rollout_id, request_items)
         if resolution.status is LineageStatus.ROOT:
             return CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text")
@@ -106,8 +137,9 @@ class CaptureGate:
             has_rows = await self._ledger.has_rows(rollout_id)
         except RolloutRetiredError:
             return None
-        if not has_rows:
-            # Seeded history on a fresh rollout: a new root (§6.6 step 5).
+        if not has_rows or policy is not ChainPolicy.SINGLE:
+            # Seeded history on a fresh rollout (§6.6 step 5), or a call that extends no earlier call in a
+            # multi-chain rollout: a new root whose prompt is staged in full (§14.1).
             return CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text")
         # Never silently turn an unresolved continuation into a root (§6.6 step 6).
         logger.warning(
@@ -136,8 +168,11 @@ class CaptureGate:
         :raises StagingError: the ledger could not be written.
         """
         rollout_id, call_id = admission.rollout_id, admission.model_call_id
+        parent, root = admission.parent_call_id, admission.mode == "text"
         if coords is None:
-            await self._ledger.record_failure(rollout_id, call_id, WORKER_MISSING_COMMIT_COORDS_REASON)
+            await self._ledger.record_failure(
+                rollout_id, call_id, WORKER_MISSING_COMMIT_COORDS_REASON, parent_call_id=parent, root=root
+            )
             return None
         try:
             parsed = coords if isinstance(coords, CommitCoords) else CommitCoords.model_validate(coords)
@@ -147,16 +182,22 @@ class CaptureGate:
                 raise ValueError(f"coordinates name staging key {parsed.staging_key!r}, not a key of this call")
         except (ValidationError, ValueError, TypeError) as exc:
             logger.warning("invalid commit coordinates for %s/%s: %s", rollout_id, call_id, exc)
-            await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
+            await self._ledger.record_failure(
+                rollout_id, call_id, INVALID_COMMIT_COORDS_REASON, parent_call_id=parent, root=root
+            )
             return None
         if parsed.disposition == "capture_failed":
-            await self._ledger.record_failure(rollout_id, call_id, WORKER_CAPTURE_FAILED_REASON)
+            await self._ledger.record_failure(
+                rollout_id, call_id, WORKER_CAPTURE_FAILED_REASON, parent_call_id=parent, root=root
+            )
             return None
         try:
             row = self._call_record(admission, parsed, response_id, request_items, response_items, admitted_at)
         except (ValidationError, ValueError, TypeError) as exc:
             logger.warning("cannot commit %s/%s: %s", rollout_id, call_id, exc)
-            await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
+            await self._ledger.record_failure(
+                rollout_id, call_id, INVALID_COMMIT_COORDS_REASON, parent_call_id=parent, root=root
+            )
             return None
         assert parsed.staging_key is not None
         commit = CaptureLedgerCommit(
@@ -172,7 +213,9 @@ class CaptureGate:
             # Step 10 failed without a connection problem: items the ledger cannot
             # fingerprint, or a conflicting row. Poison the rollout; never fail the call (INV-4).
             logger.warning("cannot commit %s/%s: %s", rollout_id, call_id, exc)
-            await self._ledger.record_failure(rollout_id, call_id, INVALID_COMMIT_COORDS_REASON)
+            await self._ledger.record_failure(
+                rollout_id, call_id, INVALID_COMMIT_COORDS_REASON, parent_call_id=parent, root=root
+            )
             return None
         return row
 
@@ -194,7 +237,13 @@ class CaptureGate:
 
         :raises StagingError: the ledger could not be written.
         """
-        await self._ledger.record_failure(admission.rollout_id, admission.model_call_id, UNCOMMITTED_CALL_REASON)
+        await self._ledger.record_failure(
+            admission.rollout_id,
+            admission.model_call_id,
+            UNCOMMITTED_CALL_REASON,
+            parent_call_id=admission.parent_call_id,
+            root=admission.mode == "text",
+        )
 
     @staticmethod
     def _call_record(

@@ -17,12 +17,16 @@ from enum import Enum
 from typing import Any
 
 from sink.canonical import canonical_json
+from sink.contract.chains import ChainPolicy
 from sink.contract.records import CaptureLedgerCommit, RolloutManifest, RolloutRemoval
 from sink.errors import LedgerConflictError, RolloutRetiredError
 from sink.keys import validate_rollout_id
 from sink.ledger.lineage import RETIRED_REASON, LineageResolution, LineageStatus, is_root_request, resolve_from_rows
 from sink.ledger.ownership import check_chain_ownership, check_row_ownership
 from sink.ledger.rows import (
+    POLICY_ID_FIELD,
+    ChainLedgerView,
+    chain_view_from_entries,
     check_failure_args,
     commit_rollout_id,
     custody_entry,
@@ -34,6 +38,7 @@ from sink.ledger.rows import (
     failure_id_field,
     manifest_from_entries,
     normalize_rollout_batch,
+    policy_entry,
     warn_discarded_call,
     warn_discarded_failure,
 )
@@ -144,17 +149,38 @@ class CaptureLedger(AsyncResource):
             assert stored is not None
             raise LedgerConflictError(rollout_id, call_id, differing_fields(stored, text))
 
-    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+    async def record_failure(
+        self, rollout_id: str, model_call_id: str, reason: str, *, parent_call_id: str | None = None, root: bool = False
+    ) -> None:
         """Append a failure row; an identical ``(call, reason)`` is a no-op, a retired rollout discards it.
+
+        *parent_call_id* / *root*: the parent the failed call claimed, or that it was a ``text`` root (kept beside
+        the row, never in the manifest), so a multi-chain rollout poisons only that chain (contract §14.2).
 
         :raises ValueError: invalid rollout id, or an empty call id or reason.
         """
         check_failure_args(rollout_id, model_call_id, reason)
-        outcome, _ = await self._append_counted(
-            rollout_id, failure_id_field(model_call_id, reason), "1", failure_entry(model_call_id, reason)
-        )
+        entry = failure_entry(model_call_id, reason, parent_call_id, root=root)
+        outcome, _ = await self._append_counted(rollout_id, failure_id_field(model_call_id, reason), "1", entry)
         if outcome is AppendOutcome.FENCED:
             warn_discarded_failure(rollout_id, model_call_id, reason)
+
+    async def record_chain_policy(self, rollout_id: str, policy: ChainPolicy) -> ChainPolicy | None:
+        """Record the rollout's chain policy once (contract §14.1); the first recorded policy wins.
+
+        :returns: the policy in force (``None`` when the rollout is retired).
+        :raises ValueError: invalid rollout id, or *policy* is not a multi-chain policy.
+        """
+        validate_rollout_id(rollout_id)
+        policy = ChainPolicy(policy)
+        if policy is ChainPolicy.SINGLE:
+            raise ValueError("only a multi-chain policy is recorded; single is the default")
+        outcome, stored = await self._append_counted(rollout_id, POLICY_ID_FIELD, policy.value, policy_entry(policy))
+        if outcome is AppendOutcome.FENCED:
+            return None
+        if outcome is AppendOutcome.CONFLICT and stored is not None:
+            return ChainPolicy(stored)
+        return policy
 
     # --- reads ----------------------------------------------------------------------
 
@@ -170,6 +196,19 @@ class CaptureLedger(AsyncResource):
         if entries is None:
             raise RolloutRetiredError(rollout_id)
         return manifest_from_entries(rollout_id, entries)
+
+    async def manifest_and_chains(self, rollout_id: str) -> tuple[RolloutManifest, ChainLedgerView]:
+        """The manifest and its chain view (policy, failures' claimed parents) from one atomic read.
+
+        :raises RolloutRetiredError: the rollout is retired.
+        :raises CodecError: a stored row is corrupt.
+        """
+        validate_rollout_id(rollout_id)
+        self._check_open()
+        entries = await self._read_entries(rollout_id)
+        if entries is None:
+            raise RolloutRetiredError(rollout_id)
+        return manifest_from_entries(rollout_id, entries), chain_view_from_entries(entries)
 
     async def has_rows(self, rollout_id: str) -> bool:
         """Whether committed or failure rows exist.

@@ -8,7 +8,9 @@ strings (exactly what a Redis stream entry holds):
   "fingerprint", "context_len", "context_digest", "fingerprint_version"}``.
   The top-level ``fingerprint_version`` is the version of the resolution
   index; ``record.fingerprint_version`` is what the gate stamped on the call.
-* failure entry: ``{"kind": "failure", "model_call_id", "reason"}``.
+* failure entry: ``{"kind": "failure", "model_call_id", "reason"}``, plus ``parent_call_id`` when the failed
+  call claimed a parent (a multi-chain rollout poisons only that parent's chain, contract §14.2).
+* chain-policy entry: ``{"kind": "chains", "policy"}``, at most one per rollout (contract §14.1).
 
 Canonical JSON (sorted keys, no whitespace, UTF-8) makes a replayed commit
 byte-identical to the stored row, so idempotency is one comparison.
@@ -19,10 +21,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
+from sink.contract.chains import ChainPolicy
 from sink.contract.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from sink.contract.records import (
     LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
@@ -39,7 +42,12 @@ __all__ = (
     "CUSTODY_KIND",
     "FAILURE_KIND",
     "KIND_FIELD",
+    "POLICY_ID_FIELD",
+    "POLICY_KIND",
     "ROW_FIELD",
+    "ChainLedgerView",
+    "ClaimedFailure",
+    "chain_view_from_entries",
     "check_failure_args",
     "commit_rollout_id",
     "custody_entry",
@@ -52,6 +60,7 @@ __all__ = (
     "failure_id_field",
     "manifest_from_entries",
     "normalize_rollout_batch",
+    "policy_entry",
     "warn_discarded_call",
     "warn_discarded_failure",
 )
@@ -60,6 +69,8 @@ KIND_FIELD = "kind"
 ROW_FIELD = "row"
 CUSTODY_KIND = "call"
 FAILURE_KIND = "failure"
+POLICY_KIND = "chains"
+POLICY_ID_FIELD = "p:chains"
 
 _log = logging.getLogger("sink.ledger")
 
@@ -135,9 +146,60 @@ def custody_entry(row_text: str) -> dict[str, str]:
     return {KIND_FIELD: CUSTODY_KIND, ROW_FIELD: row_text}
 
 
-def failure_entry(model_call_id: str, reason: str) -> dict[str, str]:
-    """The ledger entry of one failure row."""
-    return {KIND_FIELD: FAILURE_KIND, "model_call_id": model_call_id, "reason": reason}
+def failure_entry(
+    model_call_id: str, reason: str, parent_call_id: str | None = None, *, root: bool = False
+) -> dict[str, str]:
+    """The ledger entry of one failure row, with the parent the failed call claimed or ``root`` for a failed
+    ``text`` admission (neither: unknown, e.g. ``unresolved_parent``)."""
+    entry = {KIND_FIELD: FAILURE_KIND, "model_call_id": model_call_id, "reason": reason}
+    if parent_call_id:
+        entry["parent_call_id"] = parent_call_id
+    elif root:
+        entry["root"] = "1"
+    return entry
+
+
+def policy_entry(policy: ChainPolicy) -> dict[str, str]:
+    """The ledger entry recording a rollout's chain policy (contract §14.1)."""
+    return {KIND_FIELD: POLICY_KIND, "policy": policy.value}
+
+
+class ChainLedgerView(NamedTuple):
+    """What multi-chain assembly reads from the ledger besides the manifest (contract §14.2)."""
+
+    policy: ChainPolicy
+    failures: tuple[ClaimedFailure, ...] = ()
+    """Every failure row, in append order, with what the failed call claimed."""
+
+
+class ClaimedFailure(NamedTuple):
+    """One failure row and the lineage its call claimed: a parent, a new root, or nothing known."""
+
+    model_call_id: str
+    reason: str
+    parent_call_id: str | None
+    root: bool
+
+
+def chain_view_from_entries(entries: Iterable[Mapping[str, str]]) -> ChainLedgerView:
+    """The chain policy (``single`` when none was recorded) and the failures' claimed parents.
+
+    :raises CodecError: a policy entry names no known policy.
+    """
+    policy = ChainPolicy.SINGLE
+    failures: list[ClaimedFailure] = []
+    for entry in entries:
+        kind = entry.get(KIND_FIELD)
+        if kind == POLICY_KIND:
+            try:
+                policy = ChainPolicy(entry.get("policy", ""))
+            except ValueError as exc:
+                raise CodecError(f"corrupt chain-policy row: {exc}") from exc
+        elif kind == FAILURE_KIND:
+            parent = entry.get("parent_call_id") or None
+            call_id, reason = entry.get("model_call_id", ""), entry.get("reason", "")
+            failures.append(ClaimedFailure(call_id, reason, parent, parent is None and entry.get("root") == "1"))
+    return ChainLedgerView(policy, tuple(failures))
 
 
 def _differing_fields(stored: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -1,22 +1,18 @@
 """Rollout end: the receipt :class:`Assembler` (contract §7.1 steps 2-4).
 
-Flow (contract §7.5): the framework calls :func:`finished` (re-exported
-from :mod:`sink.rollout.done_event`) once a rollout is scored; it appends one
-token-free event to ``ns:done:<shard>``. An :class:`Assembler` (consumer
-group ``assemblers``) reads the event, reads the rollout's manifest from the
-capture ledger, builds the immutable :class:`~sink.contract.records.RolloutReceipt`,
-stores it with ``SET ns:{R}:receipt <json> NX`` (an existing receipt wins, so
-several assemblers never produce two different receipts for one rollout),
-publishes it to ``ns:receipts:<shard>`` and only then acknowledges the event.
+Flow (contract §7.5): the framework calls :func:`finished` (re-exported from :mod:`sink.rollout.done_event`)
+once a rollout is scored; it appends one token-free event to ``ns:done:<shard>``. An :class:`Assembler`
+(consumer group ``assemblers``) reads the event, reads the rollout's manifest from the capture ledger, builds
+the immutable :class:`~sink.contract.records.RolloutReceipt`, stores it with ``SET ns:{R}:receipt <json> NX``
+(an existing receipt wins, so several assemblers never produce two different receipts for one rollout),
+publishes it to ``ns:receipts:<shard>`` (with a multi-chain rollout's chain record beside it, §14.3) and only
+then acknowledges the event.
 
-Delivery guarantee: every finished rollout gets exactly one stored receipt
-and it is published **at least once**; after an assembler crash between
-publish and acknowledgement the reclaimed event republishes the same stored
-receipt, and the trainer reader drops the duplicate.
+Delivery guarantee: every finished rollout gets exactly one stored receipt, published **at least once** (a
+reclaimed event republishes the same stored receipt; the trainer reader drops the duplicate).
 
-A transient server error leaves the event pending: it is retried after
-``claim_idle_ms`` and dead-lettered after ``max_deliveries``. A retired or
-unparsable ledger yields a poisoned ``manifest_unavailable`` receipt instead.
+A transient server error leaves the event pending: retried after ``claim_idle_ms``, dead-lettered after
+``max_deliveries``. A retired or unparsable ledger yields a poisoned ``manifest_unavailable`` receipt.
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ from sink.contract.records import RolloutManifest, RolloutReceipt
 from sink.errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
 from sink.keys import done_stream, receipt_key, receipts_stream, shard_of
 from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.chains import LedgerRead, chain_fields
 from sink.rollout.done_event import DoneEvent, GroupTag, finished, group_fields, parse_done_event
 from sink.rollout.receipt import build_receipt
 from sink.service import OutagePolicy, ReclaimSchedule
@@ -286,13 +283,13 @@ class Assembler(AsyncResource):
                 await self._consumer.dead_letter(entry, str(exc))
                 return
             try:
-                receipt = await self._assemble(event)
+                receipt, read = await self._assemble(event)
             except (ValueError, TypeError, RecursionError) as exc:
                 # No receipt can ever be built from this event (e.g. a response nested too deeply).
                 await self._consumer.dead_letter(entry, f"no receipt can be built from this done event: {exc!r}")
                 return
             text = await self._store_receipt(receipt)
-            await self._publish(event.rollout_id, text, event.group)
+            await self._publish(event.rollout_id, text, event.group, chain_fields(text, read))
             if self._before_ack is not None:
                 await self._before_ack(entry)
             settled.append(entry)
@@ -305,25 +302,23 @@ class Assembler(AsyncResource):
         finally:
             self._counts["in_flight"] -= 1
 
-    async def _assemble(self, event: DoneEvent) -> RolloutReceipt:
+    async def _assemble(self, event: DoneEvent) -> tuple[RolloutReceipt, LedgerRead | None]:
         manifest: RolloutManifest | None
+        read: LedgerRead | None = None
         try:
-            manifest = await self._ledger.manifest(event.rollout_id)
+            read = await self._ledger.manifest_and_chains(event.rollout_id)
+            manifest = read[0]
         except (RolloutRetiredError, CodecError, ValidationError) as exc:
             logger.warning("manifest of %r unavailable: %s", event.rollout_id, exc)
             manifest = None
-        arguments: dict[str, Any] = {
-            "rollout_id": event.rollout_id,
-            "reward": event.reward,
-            "response": event.response,
-            "declared_response_id": event.declared_response_id,
-        }
+        arguments: dict[str, Any] = {"rollout_id": event.rollout_id, "reward": event.reward}
+        arguments.update(response=event.response, declared_response_id=event.declared_response_id)
         try:
-            return build_receipt(manifest, **arguments)
+            return build_receipt(manifest, **arguments), read
         except ValueError as exc:
             # The manifest cannot make a valid receipt: treat it as unparsable (state 3).
             logger.warning("manifest of %r cannot form a receipt: %s", event.rollout_id, exc)
-            return build_receipt(None, **arguments)
+            return build_receipt(None, **arguments), None
 
     async def _store_receipt(self, receipt: RolloutReceipt) -> str:
         """``SET ns:{R}:receipt <json> NX GET``: return the stored receipt, ours or an earlier one."""
@@ -358,11 +353,13 @@ class Assembler(AsyncResource):
         client = self._topology.node_for_key(key)
         return await execute_durably(client, queue, durability=settings.durability, timeout_s=timeout_s, action=action)
 
-    async def _publish(self, rollout_id: str, receipt_text: str, group: GroupTag | None) -> None:
+    async def _publish(
+        self, rollout_id: str, receipt_text: str, group: GroupTag | None, chains: dict[str, str]
+    ) -> None:
         shard = shard_of(rollout_id, self._settings.receipt_shards)
         stream = receipts_stream(self._ns, shard)
-        # The GRPO group rides beside the receipt (the receipt model has no group field).
-        fields = {"rollout_id": rollout_id, "receipt": receipt_text}
+        # The GRPO group and the chain record (§14.3) ride beside the receipt (the receipt forbids extra fields).
+        fields = {"rollout_id": rollout_id, "receipt": receipt_text, **chains}
         if group is not None:
             fields.update(group_fields(group))
         action = f"publish the receipt of {rollout_id!r}"
@@ -375,7 +372,11 @@ class Assembler(AsyncResource):
 
 
 async def run_assembler(
-    url: str, settings: AssemblerSettings | None = None, *, handle_signals: bool = True, outage: OutagePolicy | None = None
+    url: str,
+    settings: AssemblerSettings | None = None,
+    *,
+    handle_signals: bool = True,
+    outage: OutagePolicy | None = None,
 ) -> None:
     """Run one assembler against *url* until SIGINT/SIGTERM (the CLI entry point).
 

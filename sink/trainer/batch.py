@@ -21,9 +21,10 @@ numpy is a default dependency of staging-sink; this module needs it.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,7 @@ __all__ = (
     "RowSelection",
     "SkippedRollout",
     "TrainingBatch",
+    "chain_weights",
     "collate",
     "row_metadata",
     "select_rows",
@@ -89,31 +91,53 @@ def select_rows(pulled: Sequence[PulledRollout], *, max_tokens: int | None = Non
         if item.rollout_id in seen:
             raise BatchInputError(f"rollout {item.rollout_id!r} appears twice")
         seen.add(item.rollout_id)
-        row = item.row
-        if row is None:
+        if not item.trainable:
             skipped.append(item.skipped())
             continue
-        length = len(row.columns)
-        if max_tokens is not None and length > max_tokens:
-            overlong.append(OverlongRow(item.rollout_id, length, max_tokens))
-            continue
-        items.append(item)
-        rows.append(row)
-        lengths.append(length)
+        for row in item.rows:  # one row per chain of a multi-chain rollout (contract §14.4)
+            length = len(row.columns)
+            if max_tokens is not None and length > max_tokens:
+                overlong.append(OverlongRow(item.rollout_id, length, max_tokens))
+                continue
+            items.append(item)
+            rows.append(row)
+            lengths.append(length)
     return RowSelection(tuple(items), tuple(rows), tuple(lengths), tuple(overlong), tuple(skipped))
 
 
-def row_metadata(items: Sequence[PulledRollout]) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
-    """Per row: the reward (``NaN`` when the receipt has none) and ``[oldest, newest]`` weight version."""
+def row_metadata(
+    items: Sequence[PulledRollout], rows: Sequence[LinearizedRow]
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """Per row: the reward (``NaN`` when the receipt has none; every chain of a rollout shares it) and
+    ``[oldest, newest]`` weight version of the row's own calls."""
     rewards = np.array(
         [math.nan if item.receipt.reward is None else item.receipt.reward for item in items], dtype=np.float32
     )
     versions = np.zeros((len(items), 2), dtype=np.int64)
-    for index, item in enumerate(items):
-        assert item.row is not None
-        weights = item.row.weight_versions
+    for index, row in enumerate(rows):
+        weights = row.weight_versions
         versions[index] = (min(weights), max(weights))
     return rewards, versions
+
+
+def chain_weights(
+    rollout_ids: Sequence[str], weighting: Literal["shared", "split"] = "shared"
+) -> npt.NDArray[np.float32]:
+    """Per-row loss weights for the rows of a batch (its ``rollout_ids``), contract §14.4.
+
+    Every chain of a rollout shares the rollout's reward, hence its GRPO advantage (group statistics are per
+    rollout, :class:`~sink.trainer.groups.RolloutGroup`). ``shared``: each chain row weighs 1.0 (a rollout with
+    more chains contributes more tokens); ``split``: each weighs ``1 / chains of its rollout in the batch``, so
+    every rollout weighs the same whatever its number of chains.
+
+    :raises BatchInputError: an unknown *weighting*.
+    """
+    if weighting not in ("shared", "split"):
+        raise BatchInputError(f"weighting must be 'shared' or 'split', not {weighting!r}")
+    if weighting == "shared":
+        return np.ones(len(rollout_ids), dtype=np.float32)
+    counts = Counter(rollout_ids)
+    return np.array([1.0 / counts[rollout_id] for rollout_id in rollout_ids], dtype=np.float32)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -127,7 +151,8 @@ class TrainingBatch:
     * ``generation_logprobs`` ``[B, T]`` float32, the behaviour log-probabilities (0.0 where the mask is 0);
     * ``input_lengths`` ``[B]`` int64; ``rewards`` ``[B]`` float32 (``NaN``: no reward);
     * ``weight_versions`` ``[B, 2]`` int64: oldest and newest weight version among the row's calls;
-    * ``rollout_ids`` and ``group_ids`` (``None`` outside a group) per row;
+    * ``rollout_ids``, ``chain_indices`` (0 for a single chain) and ``group_ids`` (``None`` outside a group) per
+      row: a multi-chain rollout gives one row per healthy chain (contract §14.4);
     * ``overlong`` / ``skipped``: rollouts pulled but not in the batch, with why.
     """
 
@@ -143,6 +168,7 @@ class TrainingBatch:
     pad_token_id: int
     overlong: tuple[OverlongRow, ...]
     skipped: tuple[SkippedRollout, ...]
+    chain_indices: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -152,7 +178,8 @@ class TrainingBatch:
     @property
     def ack_ids(self) -> tuple[str, ...]:
         """Every rollout this batch came from (rows, overlong, skipped): acknowledge them after the step."""
-        return (*self.rollout_ids, *(o.rollout_id for o in self.overlong), *(s.rollout_id for s in self.skipped))
+        ids = (*self.rollout_ids, *(o.rollout_id for o in self.overlong), *(s.rollout_id for s in self.skipped))
+        return tuple(dict.fromkeys(ids))
 
     def tensors(self) -> dict[str, npt.NDArray[np.generic]]:
         """The per-token and per-row arrays by name, ready for ``torch.from_numpy`` (no copy)."""
@@ -207,7 +234,7 @@ def collate(
         loss_mask[index, length:] = 0.0
         logprobs[index, length:] = 0.0
     attention_mask = np.arange(width, dtype=np.int64)[None, :] < lengths[:, None]
-    rewards, versions = row_metadata(selection.items)
+    rewards, versions = row_metadata(selection.items, selection.rows)
     return TrainingBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -221,4 +248,5 @@ def collate(
         pad_token_id=pad_token_id,
         overlong=selection.overlong,
         skipped=selection.skipped,
+        chain_indices=tuple(row.chain_index for row in selection.rows),
     )

@@ -2,9 +2,10 @@
 
 ``RolloutReader.ack`` deletes the staged records; export first when the rows
 must outlive training (audits, replays, offline RL). One exported row per
-verified rollout (skipped rollouts have no row and are not written):
+verified rollout or chain (skipped rollouts have no row and are not written):
 
-``rollout_id``, ``token_ids`` (ints), ``token_mask`` and ``logprobs``
+``rollout_id``, ``chain_index`` (0, or the chain of a multi-chain rollout: one line per chain, contract
+§14.4), ``token_ids`` (ints), ``token_mask`` and ``logprobs``
 (floats, exactly the verified row's values; Parquet stores them as float64), ``reward``, ``group_id``/``group_size`` (``None`` outside a group),
 ``prompt_len``, ``model_call_ids`` and ``weight_versions`` (per call, root
 first), ``terminal_model_call_id``, ``terminal_selection`` and ``receipt``
@@ -57,16 +58,20 @@ ExportFormat = Literal["jsonl", "parquet"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
 
 
-def export_record(pulled: PulledRollout) -> dict[str, Any]:
-    """The exported row of one trainable pulled rollout.
+def export_record(pulled: PulledRollout, chain_index: int | None = None) -> dict[str, Any]:
+    """The exported row of one trainable pulled rollout (of its chain *chain_index*, contract §14.4).
 
-    :raises BatchInputError: *pulled* is not a trainable :class:`PulledRollout`.
+    :raises BatchInputError: *pulled* is not a trainable :class:`PulledRollout`, or has no such chain row.
     """
-    if not isinstance(pulled, PulledRollout) or pulled.row is None:
+    if not isinstance(pulled, PulledRollout) or not pulled.trainable:
         raise BatchInputError(f"only trainable pulled rollouts have a row to export, got {pulled!r}")
-    row, receipt = pulled.row, pulled.receipt
+    rows = [row for row in pulled.rows if chain_index is None or row.chain_index == chain_index]
+    if len(rows) != 1:
+        raise BatchInputError(f"rollout {pulled.rollout_id!r} has no single row for chain {chain_index!r}")
+    row, receipt = rows[0], pulled.receipt
     return {
         "rollout_id": row.rollout_id,
+        "chain_index": row.chain_index,
         "token_ids": list(row.token_ids),
         "token_mask": list(row.token_mask),
         "logprobs": list(row.logprobs),
@@ -76,10 +81,16 @@ def export_record(pulled: PulledRollout) -> dict[str, Any]:
         "prompt_len": row.prompt_len,
         "model_call_ids": list(row.model_call_ids),
         "weight_versions": list(row.weight_versions),
-        "terminal_model_call_id": receipt.terminal_model_call_id,
-        "terminal_selection": receipt.terminal_selection,
+        "terminal_model_call_id": row.model_call_ids[-1] if pulled.chains else receipt.terminal_model_call_id,
+        "terminal_selection": _selection(pulled, row.chain_index),
         "receipt": receipt.model_dump(mode="json"),
     }
+
+
+def _selection(pulled: PulledRollout, chain_index: int) -> str | None:
+    if pulled.chains is None:
+        return pulled.receipt.terminal_selection
+    return pulled.chains.chains[chain_index].selection
 
 
 def _check_format(fmt: object) -> ExportFormat:
@@ -122,7 +133,7 @@ def write_export(
     fmt = _check_format(fmt)
     if isinstance(pulled, str | bytes) or any(not isinstance(p, PulledRollout) for p in pulled):
         raise BatchInputError("write_export takes a sequence of PulledRollout")
-    records = [export_record(p) for p in pulled if p.trainable]
+    records = [export_record(p, row.chain_index) for p in pulled if p.trainable for row in p.rows]
     if fmt == "parquet":
         if not isinstance(destination, str | Path):
             raise BatchInputError("a Parquet export needs a file path")
@@ -141,6 +152,7 @@ def _parquet_schema(pa: Any) -> Any:
     return pa.schema(
         [
             ("rollout_id", pa.string()),
+            ("chain_index", pa.int64()),
             ("token_ids", pa.list_(pa.int64())),
             ("token_mask", pa.list_(pa.float64())),
             ("logprobs", pa.list_(pa.float64())),

@@ -76,11 +76,14 @@ class PackedBatch:
     pad_token_id: int
     overlong: tuple[OverlongRow, ...]
     skipped: tuple[SkippedRollout, ...]
+    chain_indices: tuple[int, ...] = ()
+    """Per row: its chain of a multi-chain rollout (contract §14.4), 0 for a single chain."""
 
     @property
     def ack_ids(self) -> tuple[str, ...]:
         """Every rollout this batch came from (rows, overlong, skipped): acknowledge them after the step."""
-        return (*self.rollout_ids, *(o.rollout_id for o in self.overlong), *(s.rollout_id for s in self.skipped))
+        ids = (*self.rollout_ids, *(o.rollout_id for o in self.overlong), *(s.rollout_id for s in self.skipped))
+        return tuple(dict.fromkeys(ids))
 
     @property
     def fill(self) -> float:
@@ -133,7 +136,7 @@ def pack(pulled: Sequence[PulledRollout], *, max_tokens: int, pad_token_id: int 
         position_ids[slot, start:] = 0
         segment_ids[slot, start:] = -1
         cu_seqlens.append(offsets)
-    rewards, versions = row_metadata(selection.items)
+    rewards, versions = row_metadata(selection.items, selection.rows)
     return PackedBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -151,4 +154,5 @@ def pack(pulled: Sequence[PulledRollout], *, max_tokens: int, pad_token_id: int 
         pad_token_id=pad_token_id,
         overlong=selection.overlong,
         skipped=selection.skipped,
+        chain_indices=tuple(row.chain_index for row in selection.rows),
     )

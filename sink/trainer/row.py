@@ -146,6 +146,8 @@ class LinearizedRow:
     weight_version_spans: tuple[WeightVersionSpan, ...]
     link_spans: tuple[LinkSpan, ...]
     extras_commitments: tuple[ExtrasCommitment, ...]
+    chain_index: int = 0
+    """The chain of a multi-chain rollout this row trains (contract §14.4); 0 for a single-chain rollout."""
 
     @property
     def token_ids(self) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sink.contract.skip_codes import SkipCode
-from sink.trainer.pulled import PulledRollout
+from sink.trainer.pulled import ChainSkip, PulledRollout
 
 __all__ = ("stale_skip",)
 
@@ -21,15 +21,27 @@ __all__ = ("stale_skip",)
 def stale_skip(pulled: PulledRollout, current_version: int | None, max_weight_lag: int | None) -> PulledRollout | None:
     """*pulled* turned into a ``stale_weights`` skip when it is too old, else ``None`` (also when no bound or
     no current version is set, or the rollout is not trainable)."""
-    row = pulled.row
-    if row is None or current_version is None or max_weight_lag is None:
+    if not pulled.rows or current_version is None or max_weight_lag is None:
         return None
-    oldest = min(row.weight_versions)
-    lag = current_version - oldest
-    if lag <= max_weight_lag:
+    fresh, stale = [], []
+    for row in pulled.rows:
+        oldest = min(row.weight_versions)
+        lag = current_version - oldest
+        if lag <= max_weight_lag:
+            fresh.append(row)
+            continue
+        reason = (
+            f"oldest generating call used weight version {oldest}, {lag} behind the trainer's {current_version} "
+            f"(max_weight_lag={max_weight_lag})"
+        )
+        stale.append((row, reason))
+    if not stale:
         return None
-    reason = (
-        f"oldest generating call used weight version {oldest}, {lag} behind the trainer's {current_version} "
-        f"(max_weight_lag={max_weight_lag})"
-    )
-    return replace(pulled, row=None, skip_code=SkipCode.STALE_WEIGHTS, skip_reason=reason)
+    if pulled.chains is None:
+        return replace(pulled, row=None, skip_code=SkipCode.STALE_WEIGHTS, skip_reason=stale[0][1])
+    # Per chain (contract §14.4): a stale chain is skipped, the fresh ones train.
+    skips = tuple(ChainSkip(row.chain_index, row.model_call_ids[0], SkipCode.STALE_WEIGHTS, why) for row, why in stale)
+    all_skips = tuple(sorted((*pulled.chain_skips, *skips), key=lambda skip: skip.chain_index))
+    if fresh:
+        return replace(pulled, chain_rows=tuple(fresh), chain_skips=all_skips)
+    return replace(pulled, chain_rows=(), chain_skips=all_skips, skip_code=SkipCode.STALE_WEIGHTS, skip_reason=stale[0][1])

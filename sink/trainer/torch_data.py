@@ -169,9 +169,7 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
             if multiprocessing_context is None or isinstance(multiprocessing_context, str)
             else multiprocessing_context
         )
-        self._ack_queues: list[multiprocessing.queues.Queue[list[str]]] = [
-            context.Queue() for _ in range(num_workers)
-        ]
+        self._ack_queues: list[multiprocessing.queues.Queue[list[str]]] = [context.Queue() for _ in range(num_workers)]
         self._reader: SyncRolloutReader | None = None
 
     def consumer_name(self, worker_id: int | None) -> str:
@@ -191,7 +189,9 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
                 raise BatchInputError(f"batch of {batch.consumer_name!r} came from a reader that is closed")
             outcome = self._reader.ack(ids)
             if outcome.lost_lease:
-                _log.warning("lost the lease of %d rollout(s) before ack: %s", len(outcome.lost_lease), outcome.lost_lease)
+                _log.warning(
+                    "lost the lease of %d rollout(s) before ack: %s", len(outcome.lost_lease), outcome.lost_lease
+                )
             return
         if batch.worker_id >= len(self._ack_queues):
             raise BatchInputError(f"batch from worker {batch.worker_id}, but the dataset has {len(self._ack_queues)}")

@@ -15,6 +15,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from sink.contract.chains import ChainPolicy
 from sink.ledger.gate import CaptureGate
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.done_event import finished
@@ -87,7 +88,7 @@ class ProxyApp:
         self.middleware = CaptureMiddleware(
             inner or self.forward,
             capture=capture,
-            gate=CaptureGate(ledger),
+            gate=CaptureGate(ledger, chain_policy=ChainPolicy(config.chain_policy)),
             settings=config,
             announce=announce,
             metrics=self.metrics,

@@ -35,6 +35,7 @@ from worker.proxy.routes import (
     ClientAsked,
     RouteKind,
     adapter_for,
+    chains_of,
     response_items,
     strip_token_fields,
     upstream_request,
@@ -102,7 +103,7 @@ class CapturedCall:
         """Admit and begin the call; never raises (a failure is remembered in ``admit_failure``)."""
         owner = self.owner
         try:
-            self.admission = await owner.gate.admit(self.rollout_id, self.items)
+            self.admission = await owner.gate.admit(self.rollout_id, self.items, **chains_of(self.scope))
         except StagingError as exc:  # the ledger is unreachable: fail open (or closed) as configured
             logger.error("%s: capture admission failed (ledger unreachable?): %r", self.ids, exc)
             self.admit_failure = "ledger unreachable"

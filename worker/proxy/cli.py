@@ -100,6 +100,13 @@ def add_http_parsers(commands: Any, redis_options: argparse.ArgumentParser) -> N
     proxy.add_argument("--port", type=int, default=8100, help="listen port (default: %(default)s)")
     proxy.add_argument("--workers", type=_positive_int, default=1, help="uvicorn worker processes (default: 1)")
     proxy.add_argument("--fail-closed", action="store_true", help="answer 503 when a call cannot be captured")
+    proxy.add_argument(
+        "--chain-policy",
+        choices=("single", "roots", "branches"),
+        default="single",
+        help="multi-chain rollouts: a call that extends no earlier call starts a new chain (roots; branches: also "
+        "every leaf); a rollout may opt in with the header X-Staging-Chains (default: single)",
+    )
     proxy.add_argument("--no-capture", action="store_true", help="bare forwarding proxy (benchmarks)")
     proxy.add_argument("--upstream-timeout-s", type=_positive_float, default=600.0, help="default: %(default)s")
     proxy.add_argument("--redis-timeout-s", type=_positive_float, default=5.0, help="default: %(default)s")
@@ -188,6 +195,7 @@ def proxy_config(args: argparse.Namespace) -> ProxySettings:
         upstream_kind=args.upstream_kind,
         capture=capture,
         fail_closed=args.fail_closed,
+        chain_policy=args.chain_policy,
         upstream_timeout_s=args.upstream_timeout_s,
         max_response_bytes=args.max_response_mib * _MIB,
         weight_version=args.weight_version,

@@ -52,6 +52,7 @@ from worker.proxy.routes import (
     RouteKind,
     Target,
     canonical_path,
+    chains_of,
     disguised_capture_route,
     parse_target,
     request_items,
@@ -110,6 +111,11 @@ class CaptureMiddleware:
             target = parse_target(path, header(scope, ROLLOUT_HEADER))
         except ValueError as exc:
             await send_body(send, 400, error_body(400, str(exc), "InvalidRolloutId"))
+            return
+        try:
+            chains_of(scope)  # read again at admission; refused here, before anything is forwarded
+        except ValueError as exc:
+            await send_body(send, 400, error_body(400, str(exc), "InvalidChainPolicy"))
             return
         if target.path not in CAPTURE_ROUTES and disguised_capture_route(target.path):
             await send_body(send, 400, error_body(400, f"path {scope['path']!r} is ambiguously encoded", "InvalidPath"))

@@ -1,6 +1,7 @@
 """What the capture proxy reads from and writes to OpenAI-compatible requests and responses.
 
-* the rollout identity: the route prefix ``/r/{rollout_id}`` or the header ``X-Staging-Rollout-Id``;
+* the rollout identity: the route prefix ``/r/{rollout_id}`` or the header ``X-Staging-Rollout-Id`` (and a
+  rollout's chain-policy opt-in, ``X-Staging-Chains``);
 * the request items the gate resolves a parent from (chat ``messages``, Responses ``input``, a completion prompt);
 * the request fields the upstream needs to return exact ids and log-probs (vLLM 0.10.2+ ``return_token_ids``,
   ``logprobs`` with ``return_tokens_as_token_ids``; ``required_prefix_token_ids`` for a ``nemo-rl`` upstream);
@@ -10,10 +11,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote
 
+from sink.contract.chains import ChainPolicy
 from sink.keys import validate_rollout_id
 from sink.settings import UpstreamKind
 from worker.adapters import CaptureAdapter
@@ -22,6 +25,7 @@ from worker.openai_adapters import NemoGymResponsesAdapter, OpenAIChatAdapter, V
 
 __all__ = (
     "CAPTURE_ROUTES",
+    "CHAINS_HEADER",
     "PASSTHROUGH_POSTS",
     "ROLLOUT_HEADER",
     "ClientAsked",
@@ -29,6 +33,7 @@ __all__ = (
     "Target",
     "adapter_for",
     "canonical_path",
+    "chains_of",
     "disguised_capture_route",
     "parse_target",
     "request_items",
@@ -48,6 +53,8 @@ PASSTHROUGH_POSTS = frozenset({"/tokenize", "/detokenize"})
 Any other rollout-tagged POST (``/inference/v1/generate``, render routes, audio, ``/v1/messages``...) is refused."""
 ROLLOUT_HEADER = b"x-staging-rollout-id"
 """Request header naming the rollout (lower-case, as ASGI delivers it)."""
+CHAINS_HEADER = b"x-staging-chains"
+"""Request header opting one rollout into a multi-chain policy (``roots`` or ``branches``, contract §14.1)."""
 
 _ROUTE = re.compile(r"^/r/([^/]+)(/.*)?$")
 _MESSAGE_TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
@@ -80,6 +87,22 @@ def parse_target(path: str, rollout_header: str | None) -> Target:
     rollout_id = validate_rollout_id(match.group(1))
     rest = match.group(2) or "/"
     return Target(rollout_id, rest, finished=rest == "/finished")
+
+
+def chains_of(scope: Mapping[str, Any]) -> dict[str, ChainPolicy]:
+    """The ``admit()`` option of a request that opts its rollout into a chain policy (header
+    ``X-Staging-Chains``): ``{"chain_policy": ...}``, or ``{}`` without the header (the gate's default).
+
+    :raises ValueError: the header names no chain policy.
+    """
+    for name, value in scope.get("headers", ()):
+        if name == CHAINS_HEADER:
+            text = value.decode("latin-1").strip().lower()
+            try:
+                return {"chain_policy": ChainPolicy(text)}
+            except ValueError:
+                raise ValueError(f"X-Staging-Chains must be single, roots or branches, not {text!r}") from None
+    return {}
 
 
 def canonical_path(path: str) -> str:
