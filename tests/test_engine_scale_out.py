@@ -41,7 +41,8 @@ from tests.helpers.vllm_server import VllmServer
 from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
 from worker.exact_probe import probe_exact_prefix
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp, EngineOptions
+from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
 MAX_MODEL_LEN = 1024

@@ -22,7 +22,8 @@ from tests.helpers.vllm_server import VllmServer
 from worker.exact_text import ExactText, index_entry, match_parent, prompt_text, spell_ids
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp, EngineOptions
+from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 ENGINES = ["simulated", pytest.param("vllm", marks=pytest.mark.vllm)]
 STOPS = ["e", "t", "a", "o"]

@@ -16,7 +16,8 @@ from worker.errors import StagingModeError
 from worker.proxy.app import ProxyApp
 from worker.proxy.in_process import EnvCaptureMiddleware, config_from_environment
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp, EngineOptions
+from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp
+from worker.simulated.options import EngineOptions
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,8 @@ from worker.errors import StagingModeError
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
 from worker.simulated.engine import IM_END
-from worker.simulated.http_app import EngineApp, EngineOptions
+from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 TOOLS = [
     {

@@ -16,7 +16,8 @@ from worker.asgi import Receive, Scope, Send
 from worker.proxy.in_process import EnvCaptureMiddleware, config_from_environment
 from worker.proxy.serve import running_server
 from worker.simulated.engine import BYTE_OFFSET, IM_END
-from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp, EngineOptions
+from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp
+from worker.simulated.options import EngineOptions
 
 MESSAGES: Any = [SYSTEM, {"role": "user", "content": "count to three"}]
 

@@ -17,7 +17,8 @@ from sink.trainer.pulled import PulledRollout
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, expected_ids, manifest, proxy_config, pull
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp, EngineOptions
+from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 Messages = list[dict[str, Any]]
 

@@ -25,7 +25,8 @@ from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, pro
 from worker.asgi import Receive, Scope, Send, read_body, send_body
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp, EngineOptions
+from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 MESSAGES: list[Any] = [SYSTEM, {"role": "user", "content": "go"}]
 

@@ -17,7 +17,8 @@ from tests.helpers.proxy import SYSTEM, manifest, proxy_config
 from worker.asgi import Receive, Scope, Send
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp, EngineOptions
+from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 BODY: dict[str, Any] = {
     "model": "simulated",

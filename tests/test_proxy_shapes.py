@@ -26,7 +26,8 @@ from worker.asgi import Message, Receive, Scope, Send, header, send_body
 from worker.proxy.app import ProxyApp, build_proxy
 from worker.proxy.serve import running_server
 from worker.simulated.engine import IM_END, IM_START
-from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp, EngineOptions
+from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp
+from worker.simulated.options import EngineOptions
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,8 @@ from worker.proxy.app import build_proxy
 from worker.proxy.bench import server_timing
 from worker.proxy.call_timing import CallClock, call_clock, current_call_clock, engine_span, timing_headers
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp, EngineOptions
+from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 
 def test_overlapping_engine_waits_count_once() -> None:

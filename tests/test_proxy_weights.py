@@ -16,7 +16,8 @@ from tests.helpers.proxy import close_clients, finish, proxy_config, pull, run_a
 from worker.errors import StagingModeError
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp, EngineOptions
+from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 
 @pytest.fixture(autouse=True)

@@ -38,7 +38,8 @@ from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
 from worker.simulated.chat_extras import routed_experts_array
 from worker.simulated.engine import IM_END
-from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp, EngineOptions
+from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp
+from worker.simulated.options import EngineOptions
 
 MESSAGES: list[Any] = [SYSTEM, {"role": "user", "content": "go"}]
 TOOLS: Any = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]

@@ -223,7 +223,7 @@ def _verify_chains(
     for chain in chains.chains:
         result: dict[str, Any] = {"index": chain.index, "root": chain.root_call_id, "terminal": chain.terminal_call_id}
         if chain.failure_reason is not None:
-            results.append(result | {"verified": False, "code": "rollout_failed", "detail": chain.failure_reason})
+            results.append(result | {"verified": False, "code": SkipCode.ROLLOUT_FAILED, "detail": chain.failure_reason})
             continue
         try:
             row = verify_and_linearize(chain_receipt(receipt, chain), [by_id[c] for c in chain.tree_call_ids])
@@ -238,7 +238,7 @@ def _first_trainable(receipt: RolloutReceipt, chains: RolloutChains, results: li
     """The receipt the rollout-level summary verifies: the first verified chain's (else the first chain's)."""
     chosen = next((r["index"] for r in results if r["verified"]), None)
     if chosen is None:
-        first = results[0] if results else {"code": "rollout_failed", "detail": chains.failure_reason or "no chains"}
+        first = results[0] if results else {"code": SkipCode.ROLLOUT_FAILED, "detail": chains.failure_reason or "no chains"}
         raise ReceiptVerificationError(first["code"], first["detail"])
     return chain_receipt(receipt, chains.chains[chosen])
 

@@ -222,7 +222,7 @@ async def _fetch_chains(
     source: AsyncRedisStagingSource, receipt: RolloutReceipt, chains: RolloutChains, whole_rollout: bool
 ) -> PulledRollout:
     if chains.failure_reason is not None:
-        return PulledRollout(receipt, skip_code="rollout_failed", skip_reason=chains.failure_reason, chains=chains)
+        return PulledRollout(receipt, skip_code=SkipCode.ROLLOUT_FAILED, skip_reason=chains.failure_reason, chains=chains)
     healthy = [chain for chain in chains.chains if chain.failure_reason is None]
     # One fetch for the whole rollout (one MGET: a rollout lives in one slot); tree by tree only when it fails,
     # so a missing or corrupt record poisons only the chains whose tree holds it.
@@ -231,7 +231,7 @@ async def _fetch_chains(
     skips: list[ChainSkip] = []
     for chain in chains.chains:
         if chain.failure_reason is not None:
-            skips.append(ChainSkip(chain.index, chain.root_call_id, "rollout_failed", chain.failure_reason))
+            skips.append(ChainSkip(chain.index, chain.root_call_id, SkipCode.ROLLOUT_FAILED, chain.failure_reason))
             continue
         snapshots = (
             fetched if isinstance(fetched, dict) else await _fetch_tree(source, receipt, set(chain.tree_call_ids))

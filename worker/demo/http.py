@@ -31,7 +31,8 @@ from sink.settings import ProxySettings
 from sink.trainer.reader import RolloutReader
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp, EngineOptions
+from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 __all__ = ("HttpDemoResult", "http_demo_command", "run_http_demo")
 

@@ -282,7 +282,8 @@ def engine_command(args: argparse.Namespace) -> int:
     check_listen(args.host, args.port)
     import uvicorn
 
-    from worker.simulated.http_app import EngineApp, EngineOptions
+    from worker.simulated.http_app import EngineApp
+    from worker.simulated.options import EngineOptions
 
     _tune_gc()
     options = EngineOptions(

@@ -3,19 +3,13 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (text or token-id prompts), ``POST /v1/responses``,
 ``POST /tokenize``, ``GET /v1/models``, ``GET /health``. Responses carry vLLM's token fields when asked
 (``return_token_ids``: top-level ``prompt_token_ids`` and ``choices[i].token_ids``; ``logprobs``/``top_logprobs``
-with ``return_tokens_as_token_ids``: ``"token_id:<n>"`` strings) and ``usage``. Options:
-
-* ``shape="nemo-gym"`` puts NeMo Gym's message-level fields (``prompt_token_ids``, ``generation_token_ids``,
-  ``generation_log_probs``) on ``choices[0].message`` instead;
-* ``honour_prefix=True`` starts the prompt with ``required_prefix_token_ids`` (a NeMo RL generation server);
-* ``drift=True`` re-tokenizes earlier assistant text differently (a space becomes a merged token), so a
-  continuation's prompt no longer starts with the parent's exact ids: the ``token_in`` check must fire;
-* ``reasoning_field``, ``tool_calls`` and ``routed_experts`` add a reasoning parser's output, a tool call and
-  the routed experts (on the choice as vLLM 0.32 does, or on the message) to chat answers
-  (:mod:`worker.simulated.chat_extras`); an end-of-turn ``logit_bias`` of ``>= 50`` forces an empty reply;
-* ``scale_out=True`` (``--enable-scale-out``) serves vLLM 0.32's token-in/token-out routes
-  (:mod:`worker.simulated.scale_out`, :mod:`worker.simulated.derender`); without it they answer 403
-  ``PermissionDeniedError`` as vLLM does. ``GET /weight_info`` and ``POST /update_weight_version`` are always served.
+with ``return_tokens_as_token_ids``: ``"token_id:<n>"`` strings) and ``usage``. :class:`EngineOptions` sets the
+rest: NeMo Gym's message-level shape, a NeMo RL server's ``required_prefix_token_ids``, ``drift`` (earlier
+assistant text re-tokenized differently, so the ``token_in`` check must fire), reasoning, tool calls and routed
+experts (:mod:`worker.simulated.chat_extras`; an end-of-turn ``logit_bias >= 50`` forces an empty reply), and
+vLLM 0.32's token-in/token-out routes with ``scale_out`` (:mod:`worker.simulated.scale_out`,
+:mod:`worker.simulated.derender`; 403 ``PermissionDeniedError`` without it, as vLLM). ``GET /weight_info`` and
+``POST /update_weight_version`` are always served.
 
 Generations always end cleanly (``<im_end>`` after valid UTF-8), so without drift a re-rendered conversation
 reproduces the parent's exact ids.
@@ -26,54 +20,29 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import orjson
 
 from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
 from worker.simulated.chat_extras import (
-    ReasoningField,
-    RoutedExpertsPlace,
     add_extras,
     forced_empty,
     min_tokens_of,
 )
 from worker.simulated.derender import derender_chat, derender_chat_chunk
 from worker.simulated.engine import BYTE_OFFSET, IM_END, IM_START, Generation, SimulatedEngine
+from worker.simulated.options import EngineOptions
 from worker.simulated.scale_out import SCALE_OUT_DISABLED, BadScaleOutRequest, ScaleOut
 
-__all__ = ("DRIFT_SPACE_ID", "EngineApp", "EngineOptions", "item_text")
+__all__ = ("DRIFT_SPACE_ID", "EngineApp", "item_text")
 
 DRIFT_SPACE_ID = 3
 """The id a drifting engine gives a space inside earlier assistant text (a "merged" token)."""
 _SPACE_ID = BYTE_OFFSET + 0x20
 _MODEL = "simulated"
 _TOKEN_ID_STRINGS = [f"token_id:{token}" for token in range(BYTE_OFFSET + 256)]
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How the HTTP engine behaves."""
-
-    seed: int = 0
-    shape: Literal["vllm", "nemo-gym"] = "vllm"
-    honour_prefix: bool = False
-    drift: bool = False
-    delay_s: float = 0.0
-    """Latency added to every generation (timeout tests)."""
-    default_max_tokens: int = 16
-    scale_out: bool = False
-    """Serve the token-in/token-out routes (vLLM's ``--enable-scale-out``)."""
-    max_model_len: int = 1 << 20
-    """Context length: a longer prompt is a 400 on every route."""
-    reasoning_field: ReasoningField | None = None
-    """Chat answers carry a reasoning parser's output in this message field."""
-    tool_calls: bool = False
-    """A chat request naming ``tools`` is answered with a call of its first tool."""
-    routed_experts: RoutedExpertsPlace | None = None
-    """Chat answers carry ``routed_experts`` here (``choice``: base64 ``.npy``, as vLLM 0.32)."""
 
 
 class _BadRequest(Exception):
