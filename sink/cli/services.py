@@ -104,6 +104,13 @@ def _rollout_line(pulled: PulledRollout) -> str:
             f"[green]verified[/] {pulled.rollout_id}: {len(row.token_ids)} tokens over {len(row.model_call_ids)} "
             f"call(s), terminal {pulled.receipt.terminal_model_call_id}, reward {pulled.receipt.reward}"
         )
+    if pulled.rows:  # a multi-chain rollout (contract §14): one row per healthy chain
+        tokens = sum(len(row.token_ids) for row in pulled.rows)
+        skipped = "".join(f"; chain {skip.chain_index} skipped: {skip.skip_code}" for skip in pulled.chain_skips)
+        return (
+            f"[green]verified[/] {pulled.rollout_id}: {len(pulled.rows)} chain(s), {tokens} tokens, "
+            f"reward {pulled.receipt.reward}{skipped}"
+        )
     return f"[yellow]skipped[/] {pulled.rollout_id}: {pulled.skip_code} ({pulled.skip_reason})"
 
 

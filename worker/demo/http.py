@@ -139,9 +139,9 @@ async def _step(url: str, namespace: str, base: str, result: HttpDemoResult, pla
         with anyio.fail_after(120):
             while len(result.verified) + len(result.skipped) < result.rollouts:
                 for pulled in await reader.pull(32, block_ms=200):
-                    if pulled.row is not None:
+                    if pulled.rows:  # one row, or one per chain of a multi-chain rollout
                         result.verified.add(pulled.rollout_id)
-                        result.tokens += len(pulled.row.token_ids)
+                        result.tokens += sum(len(row.token_ids) for row in pulled.rows)
                     else:
                         result.skipped[pulled.rollout_id] = pulled.skip_reason or pulled.skip_code or "?"
                     await reader.ack([pulled.rollout_id])

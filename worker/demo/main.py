@@ -104,8 +104,8 @@ async def _train(reader: RolloutReader, topology: Topology, namespace: str, pref
         ours = [rollout for rollout in pulled if rollout.rollout_id.startswith(prefix)]
         for rollout in ours:
             tally.record_bytes += await _record_bytes(topology, namespace, rollout.rollout_id)
-            if rollout.row is not None:
-                tally.verified[rollout.rollout_id] = len(rollout.row.token_ids)
+            if rollout.rows:  # one row, or one per chain of a multi-chain rollout
+                tally.verified[rollout.rollout_id] = sum(len(row.token_ids) for row in rollout.rows)
             else:
                 tally.skipped[rollout.rollout_id] = (str(rollout.skip_code), str(rollout.skip_reason))
         if ours:
