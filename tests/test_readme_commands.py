@@ -27,7 +27,7 @@ PLACEHOLDERS = {
     "URL": "redis://127.0.0.1:6379",
     "NAME": "trainer",
 }
-BENCHES = ("codec", "stage", "worker", "assembly", "trainer", "gym", "ack", "proxy")
+BENCHES = ("codec", "stage", "worker", "assembly", "trainer", "ack", "gym", "proxy")
 
 
 def _command_texts() -> list[str]:
