@@ -18,16 +18,15 @@ import anyio
 import redis.asyncio as aioredis
 
 from sink.bench import bench_namespace, on_server
+from sink.bench.workload import assemble_receipts
 from sink.contract.chains import ChainPolicy
 from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
 from sink.contract.records import CallRecord, CaptureLedgerCommit, StagedCallRecord
 from sink.errors import StagingError
 from sink.keys import claim_key, receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
-from sink.rollout.assembler import Assembler, finished
 from sink.settings import DEFAULT_SHARDS
 from sink.store.sink import AsyncRedisStagingSink
-from sink.store.streams import StreamEntry
 from sink.trainer.reader import TRAINER_GROUP, RolloutReader
 
 __all__ = ("build_chain_records", "chain_main", "format_chain_report", "run_chain_benchmark")
@@ -98,25 +97,7 @@ async def _stage(url: str, ns: str, rollouts: dict[str, list[list[StagedCallReco
                         response_items=[],
                     )
                     await ledger.record(commit)
-    published = anyio.Event()
-    seen: list[StreamEntry] = []
-
-    async def count(entry: StreamEntry) -> None:
-        seen.append(entry)
-        if len(seen) == len(rollouts):
-            published.set()
-
-    async with aioredis.Redis.from_url(url) as client:
-        for rollout_id in rollouts:
-            await finished(client, rollout_id, reward=1.0, namespace=ns)
-    async with (
-        Assembler.from_url(url, before_ack=count, block_ms=100, namespace=ns) as assembler,
-        anyio.create_task_group() as group,
-    ):
-        group.start_soon(assembler.run)
-        with anyio.fail_after(120):
-            await published.wait()
-        assembler.stop()
+    await assemble_receipts(url, ns, list(rollouts))
 
 
 async def _pull_loop(url: str, ns: str, rollouts: int, chains: int) -> tuple[float, int]:

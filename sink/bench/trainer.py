@@ -36,15 +36,13 @@ import redis.asyncio as aioredis
 
 from sink.bench import DEFAULT_BENCH_NAMESPACE, BenchHelpFormatter, bench_namespace, report_on_server
 from sink.bench.chains import chain_main
-from sink.bench.workload import build_records
+from sink.bench.workload import assemble_receipts, build_records
 from sink.contract.records import CallRecord, CaptureLedgerCommit, RolloutReceipt, StagedCallRecord
 from sink.keys import claim_key, receipts_stream, record_key
 from sink.ledger.redis import RedisCaptureLedger
-from sink.rollout.assembler import Assembler, finished
 from sink.settings import DEFAULT_SHARDS
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
-from sink.store.streams import StreamEntry
 from sink.trainer.batch import collate
 from sink.trainer.packing import pack
 from sink.trainer.reader import TRAINER_GROUP, RolloutReader
@@ -118,25 +116,7 @@ async def stage_and_assemble(url: str, ns: str, records: list[StagedCallRecord],
         for start in range(0, len(records), calls):
             group.start_soon(stage_rollout, records[start : start + calls])
     rollout_ids = list(dict.fromkeys(record.rollout_id for record in records))
-    published = anyio.Event()
-    seen: list[StreamEntry] = []
-
-    async def count(entry: StreamEntry) -> None:
-        seen.append(entry)
-        if len(seen) == len(rollout_ids):
-            published.set()
-
-    async with aioredis.Redis.from_url(url) as client:
-        for rollout_id in rollout_ids:
-            await finished(client, rollout_id, reward=1.0, namespace=ns)
-    async with (
-        Assembler.from_url(url, before_ack=count, block_ms=100, namespace=ns) as assembler,
-        anyio.create_task_group() as tg,
-    ):
-        tg.start_soon(assembler.run)
-        with anyio.fail_after(120):
-            await published.wait()
-        assembler.stop()
+    await assemble_receipts(url, ns, rollout_ids)
 
 
 def _columns_as_lists(row: LinearizedRow) -> tuple[list[int], list[float], list[float]]:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import anyio
+import redis.asyncio as aioredis
+
 from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
 from sink.contract.records import StagedCallRecord
+from sink.rollout.assembler import Assembler, finished
+from sink.store.streams import StreamEntry
 
-__all__ = ("build_records",)
+__all__ = ("assemble_receipts", "build_records")
 
 
 def build_records(rollouts: int, calls: int, tokens: int, *, tag: str) -> list[StagedCallRecord]:
@@ -40,3 +47,26 @@ def build_records(rollouts: int, calls: int, tokens: int, *, tag: str) -> list[S
             records.append(record)
             parent = record
     return records
+
+
+async def assemble_receipts(url: str, ns: str, rollout_ids: Sequence[str]) -> None:
+    """Finish every rollout of *rollout_ids* (reward 1.0) and run an assembler until each receipt is published."""
+    published = anyio.Event()
+    seen: list[StreamEntry] = []
+
+    async def count(entry: StreamEntry) -> None:
+        seen.append(entry)
+        if len(seen) == len(rollout_ids):
+            published.set()
+
+    async with aioredis.Redis.from_url(url) as client:
+        for rollout_id in rollout_ids:
+            await finished(client, rollout_id, reward=1.0, namespace=ns)
+    async with (
+        Assembler.from_url(url, before_ack=count, block_ms=100, namespace=ns) as assembler,
+        anyio.create_task_group() as group,
+    ):
+        group.start_soon(assembler.run)
+        with anyio.fail_after(120):
+            await published.wait()
+        assembler.stop()
