@@ -134,7 +134,12 @@ async def _pull_until_refused(groups: GroupReader, *, timeout_s: float = 20.0) -
                 return exc
 
 
-async def test_a_dead_letter_on_a_non_durable_server_is_refused_and_nothing_acknowledged(redis_url: str) -> None:
+async def _restore_durability(url: str) -> None:
+    async with aioredis.Redis.from_url(url) as client:
+        await client.config_set("appendfsync", "always")
+
+
+async def test_a_refused_dead_letter_acknowledges_nothing_and_the_next_pull_finishes_it(redis_url: str) -> None:
     await publish_groups(redis_url, {"nd": ["n-0"]}, size=2, receipt_shards=1)
     async with RolloutReader.from_url(redis_url, consumer_name="rank-nd", **DEAD_LETTER) as reader:
         groups = GroupReader(reader)
@@ -146,9 +151,17 @@ async def test_a_dead_letter_on_a_non_durable_server_is_refused_and_nothing_ackn
         refused = await _pull_until_refused(groups)  # at the timeout: the dead letter's write is refused
         assert "dead-letter group 'nd' durably" in str(refused) and "not durable" in str(refused)
         assert await reader.pending() == 1 and groups.statistics().dead_lettered == 0  # nothing acknowledged
+        # Retrying is safe: once the server is durable again, the next pull records the group and acknowledges
+        # its member (never held by this rank forever).
+        await _restore_durability(redis_url)
+        assert await groups.pull_groups(4) == []
+        assert groups.statistics().dead_lettered == 1
+        assert await reader.pending() == 0 and reader.held_rollouts == ()
+    entries = await _dead_groups(redis_url)  # the refused write may have reached memory: then it is there twice
+    assert 1 <= len(entries) <= 2 and all(e["group_id"] == "nd" and e["members"] == "n-0" for e in entries)
 
 
-async def test_closing_a_group_with_no_trainable_member_on_a_non_durable_server_is_refused(redis_url: str) -> None:
+async def test_a_refused_close_of_a_group_with_nothing_to_train_is_finished_by_the_next_pull(redis_url: str) -> None:
     await publish_groups(redis_url, {"gone": ["g-0"]}, size=2, receipt_shards=1)
     await _lose_records(redis_url, ["g-0"])
     options = {**DEAD_LETTER, "group_timeout_policy": "partial"}
@@ -161,3 +174,10 @@ async def test_closing_a_group_with_no_trainable_member_on_a_non_durable_server_
         await _break_durability(redis_url)
         refused = await _pull_until_refused(groups)  # sealed with nothing to train: the close is refused
         assert "close 1 group records durably" in str(refused) and "not durable" in str(refused)
+        assert groups.statistics().dropped == 0
+        await _restore_durability(redis_url)
+        assert await groups.pull_groups(4) == []  # the next pull closes it
+        assert groups.statistics().dropped == 1
+    async with aioredis.Redis.from_url(redis_url) as client:
+        meta = group_keys(NS, "gone")[0]
+        assert await client.hget(meta, "closed") == b"1" and await client.pttl(meta) > 0
