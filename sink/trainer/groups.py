@@ -248,6 +248,10 @@ class GroupReader:
         async with anyio.create_task_group() as checks:
             for index, (group_id, _tag) in enumerate(watched):
                 checks.start_soon(check, index, group_id)
+        if any(GroupStatus(int(reply[0])) in (GroupStatus.COMPLETE, GroupStatus.SEALED) for reply in replies):
+            # About to own a group: a member parked here may have been taken over by a rank that died since (this
+            # rank did not pull meanwhile); the heartbeat finds it, so the take-over below claims its entry back.
+            await self._reader.heartbeat()
         delivered: list[RolloutGroup] = []
         for (group_id, tag), reply in zip(watched, replies, strict=True):
             state = GroupStatus(int(reply[0]))
