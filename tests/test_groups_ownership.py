@@ -247,3 +247,23 @@ async def test_a_parked_member_lost_to_another_rank_is_taken_back_by_the_complet
         assert rank0.statistics().acked == outcome_before + 2
         assert await second.pull_groups(1) == [] and rank1.held_rollouts == ()
         assert await rank0.pending() == 0
+
+
+async def test_a_rank_lets_go_of_every_member_of_a_group_a_live_rank_owns(redis_url: str) -> None:
+    # rank-9 owns the group (its record as the gather script writes it: owner, a fresh owner_at, the member it
+    # recorded), and rank-0 reads that member again: rank-0 lets it go, and its parked one, unacknowledged.
+    await publish_members(redis_url, _group("owned", 2, "ow-0"))
+    async with RolloutReader.from_url(redis_url, consumer_name="rank-0", **ONE_SHARD) as rank0:
+        groups = GroupReader(rank0)
+        assert await _pull_one(groups) == [] and rank0.holds("ow-0")
+        async with aioredis.Redis.from_url(redis_url) as client:
+            seconds, micros = await client.time()
+            meta, members = group_keys(NS, "owned")
+            await client.hset(meta, mapping={"owner": "rank-9", "owner_at": seconds * 1000 + micros // 1000})
+            await client.hset(members, "ow-1", f"ok\n{receipts_stream(NS, 0)}#0-1\nrank-9")
+        await publish_members(redis_url, _group("owned", 2, "ow-1"))
+        assert await _pull_one(groups) == []
+        stats = groups.statistics()
+        assert (stats.handed_over, stats.waiting, stats.delivered, stats.late) == (2, 0, 0, 0)
+        assert rank0.held_rollouts == () and rank0.statistics().acked == 0
+        assert await rank0.pending() == 2  # left for the owner
