@@ -25,9 +25,7 @@ one has no reward variance) but acknowledged and recorded on ``ns:dead:groups`` 
 (a closed group's ``:meta`` stays ``retention_s`` as a tombstone, so it is never a second group of the same id);
 members disagreeing on ``group_size`` make the group wait for the largest size announced (``complete=True`` only
 with that many; else sealed at the timeout), with a ``group_size_mismatch`` warning. Both are counted in
-:class:`GroupStatistics`.
-
-Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the optimizer step.
+:class:`GroupStatistics`. Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the optimizer step.
 """
 
 from __future__ import annotations
@@ -253,6 +251,9 @@ class GroupReader:
         async with anyio.create_task_group() as checks:
             for index, (group_id, _tag) in enumerate(watched):
                 checks.start_soon(check, index, group_id)
+        if any(GroupStatus(int(reply[0])) in (GroupStatus.COMPLETE, GroupStatus.SEALED) for reply in replies):
+            # About to own a group: the heartbeat finds a parked member taken over meanwhile, so it is claimed back.
+            await self._reader.heartbeat()
         delivered: list[RolloutGroup] = []
         for (group_id, tag), reply in zip(watched, replies, strict=True):
             state = GroupStatus(int(reply[0]))
