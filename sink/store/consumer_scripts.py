@@ -86,7 +86,7 @@ return {$NOT_REMOVED}
 
 # --- GRPO groups (sink.trainer.groups) ------------------------------------------------------------
 
-# KEYS: meta, members. ARGV: member id, member record, consumer, size, claim_idle_ms, ttl_ms.
+# KEYS: meta, members. ARGV: member id, member record, owner (the caller), size, claim_idle_ms, ttl_ms.
 # {GROUP_LATE} (nothing recorded) when the group went out already: closed (acknowledged, dropped, dead-lettered)
 # or owned, and this member is not one of it. Else records the member; sizes that disagree keep the largest and
 # set 'mismatch'. Then: {GROUP_COMPLETE, size, mismatch, members...} when this call completes the group (or finds
@@ -136,7 +136,7 @@ return {$DONE}
 """,
 )
 
-# KEYS: meta, members. ARGV: consumer, timeout_ms, claim_idle_ms.
+# KEYS: meta, members. ARGV: owner (the caller: consumer name / reader token), timeout_ms, claim_idle_ms.
 # A watched group's state: {GROUP_OWNED} / {GROUP_TAKEN, owner} / {GROUP_WAIT} / {GROUP_GONE} (expired or
 # closed), or {GROUP_COMPLETE | GROUP_SEALED, size, mismatch, members...} making the caller the owner: complete
 # (an owner died) or timed out.

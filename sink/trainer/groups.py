@@ -16,7 +16,8 @@ and delivers nothing (counted as dropped).
 A group still incomplete ``group_timeout_s`` after its first member arrived is sealed by a rank holding one of
 its members: delivered partial (``complete=False``) or, with ``group_timeout_policy="dead_letter"``, its members
 acknowledged and the group recorded on ``ns:dead:groups``. An owner that stops refreshing its groups for
-``claim_idle_ms`` (a crash) loses them to the next rank that finds them. Rollouts without a group are delivered
+``claim_idle_ms`` (a crash) loses them to the next rank that finds them (a rank restarted under the same
+``consumer_name`` is a new owner: it gets its predecessor's groups back that way, as double deliveries). Rollouts without a group are delivered
 as groups of one (``group_id=None``).
 
 Never silent, never pending forever, never ``complete=True`` with fewer members than announced: a member arriving
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -126,6 +128,10 @@ class GroupReader:
         self._fresh: dict[str, PulledRollout] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed", "late", "mismatch"), 0)
         self._unclosed: set[str | None] = set()  # acknowledged groups whose close was not confirmed yet
+        # The owner recorded in a group's meta: this reader's consumer name and a token of this GroupReader, so a
+        # rank restarted under the same name is not taken for the owner that died (it would hold that owner's
+        # members forever); it delivers them again once the old owner is idle past claim_idle_ms, as any rank.
+        self._owner = f"{reader.consumer_name}/{secrets.token_hex(4)}"
         reader.claims.defer_grouped = True  # a parked member read again was never trained: counted at delivery
 
     @property
@@ -201,7 +207,7 @@ class GroupReader:
                 [
                     item.rollout_id,
                     self._record(item),
-                    self._reader.consumer_name,
+                    self._owner,
                     tag.group_size,
                     self._settings.claim_idle_ms,
                     ttl_ms,
@@ -233,7 +239,7 @@ class GroupReader:
         replies: list[Any] = [None] * len(watched)
         limiter = anyio.CapacityLimiter(self._settings.fetch_concurrency)
         arguments = [
-            self._reader.consumer_name,
+            self._owner,
             int(self._settings.group_timeout_s * 1000),
             self._settings.claim_idle_ms,
         ]
