@@ -45,10 +45,8 @@ async def _gather(
     return list(await GROUP_GATHER_SCRIPT.run(client, group_keys(NS, group_id), args))
 
 
-async def _check(
-    client: aioredis.Redis, group_id: str, consumer: str, *, timeout_ms: int = LIVE_MS, claim_idle_ms: int = LIVE_MS
-) -> list[Any]:
-    return list(await GROUP_CHECK_SCRIPT.run(client, group_keys(NS, group_id), [consumer, timeout_ms, claim_idle_ms]))
+async def _check(client: aioredis.Redis, group_id: str, consumer: str, *, timeout_ms: int = LIVE_MS) -> list[Any]:
+    return list(await GROUP_CHECK_SCRIPT.run(client, group_keys(NS, group_id), [consumer, timeout_ms]))
 
 
 async def _close(client: aioredis.Redis, group_id: str, ttl_ms: int = TTL_MS) -> None:
@@ -96,6 +94,7 @@ async def test_a_member_of_a_group_a_live_rank_owns_is_taken_and_the_owner_is_to
         assert await _gather(client, "g", "m1", "rank-1", 2) == [GroupStatus.OWNED]
         assert (await _meta(client, "g"))[b"deliveries"] == b"1"
         # rank-1 idle past claim_idle_ms: rank-0 gathering a member takes the whole group over.
+        await _after(client, int((await _meta(client, "g"))[b"owner_at"]))  # idle 1 ms at least: past 0
         reply = await _gather(client, "g", "m0", "rank-0", 2, claim_idle_ms=0)
         assert reply[:3] == [GroupStatus.COMPLETE, b"2", b"0"] and set(_members(reply)) == {b"m0", b"m1"}
         meta = await _meta(client, "g")
@@ -113,23 +112,38 @@ async def test_a_check_tells_the_owner_it_owns_the_group_and_keeps_it_live(redis
         assert await _check(client, "g", "rank-0") == [GroupStatus.TAKEN, b"rank-1"]
 
 
-async def test_a_check_takes_a_whole_group_over_from_a_dead_owner_as_complete_and_owns_it(redis_url: str) -> None:
+async def test_a_check_never_takes_a_group_from_its_owner_however_long_since_it_took_it(redis_url: str) -> None:
+    """A rank waiting on a group another rank owns lets its members go, even when the owner took the group
+    longer than ``claim_idle_ms`` ago (its trainer may still work on it); a dead owner's members come back through
+    their receipt entries, to the gather."""
     async with aioredis.Redis.from_url(redis_url) as client:
         await _complete_by_rank1(client, "g")
-        reply = await _check(client, "g", "rank-0", claim_idle_ms=0)
-        assert reply[:3] == [GroupStatus.COMPLETE, b"2", b"0"] and set(_members(reply)) == {b"m0", b"m1"}
+        await _after(client, int((await _meta(client, "g"))[b"owner_at"]))
+        assert await _check(client, "g", "rank-0", timeout_ms=0) == [GroupStatus.TAKEN, b"rank-1"]
         meta = await _meta(client, "g")
-        assert meta[b"owner"] == b"rank-0" and meta[b"deliveries"] == b"2"  # delivered before: counted
-        # rank-0 owns it now: the old owner, checking again, is told so (never a second delivery).
-        assert await _check(client, "g", "rank-1") == [GroupStatus.TAKEN, b"rank-0"]
+        assert meta[b"owner"] == b"rank-1" and meta[b"deliveries"] == b"1"
 
 
-async def test_a_closed_group_is_gone_to_a_check_even_after_its_owner_went_idle(redis_url: str) -> None:
+async def test_a_check_seals_a_group_at_its_timeout_and_makes_the_caller_its_owner(redis_url: str) -> None:
+    async with aioredis.Redis.from_url(redis_url) as client:
+        assert await _gather(client, "g", "m0", "rank-0", 3) == [GroupStatus.WAIT]
+        assert await _gather(client, "g", "m1", "rank-1", 3) == [GroupStatus.WAIT]
+        assert await _check(client, "g", "rank-0") == [GroupStatus.WAIT]  # not timed out yet
+        await _after(client, int((await _meta(client, "g"))[b"first_at"]))
+        reply = await _check(client, "g", "rank-0", timeout_ms=1)
+        assert reply[:3] == [GroupStatus.SEALED, b"3", b"0"] and set(_members(reply)) == {b"m0", b"m1"}
+        meta = await _meta(client, "g")
+        assert meta[b"owner"] == b"rank-0" and meta[b"deliveries"] == b"1"
+        # rank-0 owns it now: the other rank, checking too, lets it go (never a second delivery).
+        assert await _check(client, "g", "rank-1", timeout_ms=1) == [GroupStatus.TAKEN, b"rank-0"]
+
+
+async def test_a_closed_group_is_gone_to_a_check_and_a_new_member_is_late(redis_url: str) -> None:
     async with aioredis.Redis.from_url(redis_url) as client:
         await _complete_by_rank1(client, "g")
         await _close(client, "g")
         assert await _check(client, "g", "rank-0") == [GroupStatus.GONE]
-        assert await _check(client, "g", "rank-0", claim_idle_ms=0) == [GroupStatus.GONE]
+        assert await _check(client, "g", "rank-0", timeout_ms=0) == [GroupStatus.GONE]
         assert await _gather(client, "g", "m2", "rank-0", 2, claim_idle_ms=0) == [GroupStatus.LATE]
 
 
@@ -203,3 +217,33 @@ async def test_a_group_owner_restarted_under_the_same_consumer_name_delivers_its
         assert again.statistics().double_deliveries == len(members)
         await groups.ack_groups(delivered)
         assert await again.pending() == 0
+
+
+async def test_a_live_owner_keeps_its_group_when_a_waiting_rank_pulls_after_claim_idle_ms(redis_url: str) -> None:
+    """rank-0 parks a member and does not pull for longer than ``claim_idle_ms`` (a long training step) while
+    rank-1 completes the group and trains on it, renewing its lease (``heartbeat``): rank-0's next pull lets its
+    member go, never delivers the group a second time."""
+    members = ["s-0", "s-1"]
+    options: dict[str, Any] = {"receipt_shards": 1, "claim_idle_ms": 300}
+    await publish(redis_url, members, groups=dict.fromkeys(members, ("slow", 2)), calls=1, receipt_shards=1)
+    async with (
+        RolloutReader.from_url(redis_url, consumer_name="rank-0", **options) as rank0,
+        RolloutReader.from_url(redis_url, consumer_name="rank-1", **options) as rank1,
+    ):
+        first, second = GroupReader(rank0), GroupReader(rank1)
+        assert await first.pull_groups(1, block_ms=2000) == []
+        (group,) = await second.pull_groups(1, block_ms=2000)
+        assert group.rollout_ids == tuple(members)
+        async with aioredis.Redis.from_url(redis_url) as client:
+            owner_at = int((await client.hgetall(group_keys("stg", "slow")[0]))[b"owner_at"])
+            with anyio.fail_after(10):
+                while True:
+                    assert await rank1.heartbeat() == 0  # the owner lives: its lease on the members is renewed
+                    if await _server_ms(client) > owner_at + 2 * 300:  # it took the group over claim_idle_ms ago
+                        break
+                    await anyio.sleep(0.02)
+        assert await first.pull_groups(1, block_ms=50) == []
+        assert rank0.held_rollouts == () and first.statistics().handed_over == 1
+        assert set(rank1.held_rollouts) == set(members)
+        await second.ack_groups([group])
+        assert await rank1.pending() == 0 and rank1.statistics().double_deliveries == 0

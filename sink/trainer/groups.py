@@ -15,9 +15,11 @@ and delivers nothing (counted as dropped).
 
 A group still incomplete ``group_timeout_s`` after its first member arrived is sealed by a rank holding one of
 its members: delivered partial (``complete=False``) or, with ``group_timeout_policy="dead_letter"``, its members
-acknowledged and the group recorded on ``ns:dead:groups``. An owner that stops refreshing its groups for
-``claim_idle_ms`` (a crash) loses them to the next rank that finds them (a rank restarted under the same
-``consumer_name`` is a new owner: it gets its predecessor's groups back that way, as double deliveries). Rollouts without a group are delivered
+acknowledged and the group recorded on ``ns:dead:groups``. An owner keeps its groups while it lives (a rank
+still waiting on one of them lets its members go, however long since the owner took it); a crashed owner loses
+them to the next rank that reclaims one of their receipt entries (idle past ``claim_idle_ms``), and a rank
+restarted under the same ``consumer_name`` is a new owner that gets its predecessor's groups back that way
+(double deliveries). Rollouts without a group are delivered
 as groups of one (``group_id=None``).
 
 Never silent, never pending forever, never ``complete=True`` with fewer members than announced: a member arriving
@@ -238,11 +240,7 @@ class GroupReader:
         watched = list(self._watched.items())
         replies: list[Any] = [None] * len(watched)
         limiter = anyio.CapacityLimiter(self._settings.fetch_concurrency)
-        arguments = [
-            self._owner,
-            int(self._settings.group_timeout_s * 1000),
-            self._settings.claim_idle_ms,
-        ]
+        arguments = [self._owner, int(self._settings.group_timeout_s * 1000)]
 
         async def check(index: int, group_id: str) -> None:
             async with limiter:
