@@ -30,6 +30,7 @@ NS = "stg"
 STAGE_BOUND_S = 15.0
 
 
+@pytest.mark.slow  # the fast tier's out-of-memory stage: tests/test_sink.py
 async def test_out_of_memory_under_concurrency_fails_cleanly_and_evicts_nothing(
     redis_url: str, durable_server: DurableServer
 ) -> None:

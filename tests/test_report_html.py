@@ -81,6 +81,7 @@ class _Elements(HTMLParser):
             self._in_status = 0
 
 
+@pytest.mark.slow  # starts Chromium twice; the fast tier checks the written page (test_inspect_html_...)
 def test_the_report_opens_in_chromium_with_every_expected_element(redis_url: str, tmp_path: Path) -> None:
     staged = anyio.run(lambda: publish(redis_url, ["html-a", "html-b"], calls=3, n_tokens=6))
     anyio.run(lambda: stage_rollouts(redis_url, ["html-live"], calls=2))

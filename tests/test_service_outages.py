@@ -163,6 +163,7 @@ async def test_the_assembler_rides_out_an_outage_while_it_closes(
         assert await client.xinfo_consumers(stream, ASSEMBLER_GROUP) == []  # retired once the server was back
 
 
+@pytest.mark.slow  # the 5 s run waits out its timeout inside the outage; the fast tier has the other phases
 def test_the_trainer_command_rides_out_an_outage_while_it_closes(fresh_server: DurableServer) -> None:
     url = fresh_server.url
     with staging_sink(*_trainer(url, "--timeout-s", "5", "--max-outage-s", "600", "--consumer-name", "closer")) as cmd:

@@ -7,7 +7,7 @@ cannot be fetched or does not verify; the host failing a call or an admission.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -37,16 +37,19 @@ from worker import CaptureError, PrefixResolutionError, resolve_prefix
 
 
 @pytest.mark.parametrize(
-    ("sink", "logged"),
-    [
-        (RecordingSink(StageResult(ok=False, error="disk full")), "disk full"),
-        (RecordingSink(error=StagingConnectionError("connection reset")), "connection reset"),
-        (RecordingSink({"ok": True, "staging_key": "k"}), "not a StageResult"),
-        (RecordingSink(StageResult.model_construct(ok=True, staging_key=None)), "rejected"),
+    ("make_sink", "logged"),
+    [  # factories: a sink records what it is given, so every run of the test needs a fresh one
+        (lambda: RecordingSink(StageResult(ok=False, error="disk full")), "disk full"),
+        (lambda: RecordingSink(error=StagingConnectionError("connection reset")), "connection reset"),
+        (lambda: RecordingSink({"ok": True, "staging_key": "k"}), "not a StageResult"),
+        (lambda: RecordingSink(StageResult.model_construct(ok=True, staging_key=None)), "rejected"),
     ],
     ids=["rejected", "raising", "dict-result", "keyless-ok"],
 )
-def test_sink_failures_give_failed_coords(sink: RecordingSink, logged: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_sink_failures_give_failed_coords(
+    make_sink: Callable[[], RecordingSink], logged: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    sink = make_sink()
     capture = make_capture(sink)
     call = capture.begin_call(root_admission())
     with caplog.at_level(logging.WARNING, logger="worker"):
