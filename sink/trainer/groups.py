@@ -19,8 +19,7 @@ acknowledged and the group recorded on ``ns:dead:groups``. An owner keeps its gr
 still waiting on one of them lets its members go, however long since the owner took it); a crashed owner loses
 them to the next rank that reclaims one of their receipt entries (idle past ``claim_idle_ms``), and a rank
 restarted under the same ``consumer_name`` is a new owner that gets its predecessor's groups back that way
-(double deliveries). Rollouts without a group are delivered
-as groups of one (``group_id=None``).
+(double deliveries). Rollouts without a group are delivered as groups of one (``group_id=None``).
 
 Never silent, never pending forever, never ``complete=True`` with fewer members than announced: a member arriving
 after its group went out (delivered by any rank, acknowledged, dropped, sealed) is not delivered alone (a group of
@@ -28,9 +27,7 @@ one has no reward variance) but acknowledged and recorded on ``ns:dead:groups`` 
 (a closed group's ``:meta`` stays ``retention_s`` as a tombstone, so it is never a second group of the same id);
 members disagreeing on ``group_size`` make the group wait for the largest size announced (``complete=True`` only
 with that many; else sealed at the timeout), with a ``group_size_mismatch`` warning. Both are counted in
-:class:`GroupStatistics`.
-
-Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the optimizer step.
+:class:`GroupStatistics`. Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the optimizer step.
 """
 
 from __future__ import annotations
@@ -130,10 +127,9 @@ class GroupReader:
         self._fresh: dict[str, PulledRollout] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed", "late", "mismatch"), 0)
         self._unclosed: set[str | None] = set()  # acknowledged groups whose close was not confirmed yet
-        # The owner recorded in a group's meta: this reader's consumer name and a token of this GroupReader, so a
-        # rank restarted under the same name is not taken for the owner that died (it would hold that owner's
-        # members forever); it delivers them again once the old owner is idle past claim_idle_ms, as any rank.
-        self._owner = f"{reader.consumer_name}/{secrets.token_hex(4)}"
+        self._owner = f"{reader.consumer_name}/{secrets.token_hex(4)}"  # a restart under the same name: a new owner
+        # Owned groups a refused write left unsettled: (tag, members, failed, complete, redelivered), see _settle.
+        self._unsettled: dict[str, tuple[GroupTag, list[PulledRollout], list[SkippedRollout], bool, bool]] = {}
         reader.claims.defer_grouped = True  # a parked member read again was never trained: counted at delivery
 
     @property
@@ -152,7 +148,10 @@ class GroupReader:
         :raises ValueError: as :meth:`RolloutReader.pull`.
         :raises StagingConnectionError: the server could not be reached.
         """
-        delivered = await self._check_watched()
+        delivered: list[RolloutGroup] = []
+        for group_id in list(self._unsettled):  # a refused write interrupted them: settle them first
+            delivered += await self._settle(group_id)
+        delivered += await self._check_watched()
         pulled = await self._reader.pull(max_rollouts, block_ms=block_ms)
         self._fresh = {item.rollout_id: item for item in pulled if item.trainable}
         for item in pulled:
@@ -252,6 +251,9 @@ class GroupReader:
         async with anyio.create_task_group() as checks:
             for index, (group_id, _tag) in enumerate(watched):
                 checks.start_soon(check, index, group_id)
+        if any(GroupStatus(int(reply[0])) in (GroupStatus.COMPLETE, GroupStatus.SEALED) for reply in replies):
+            # About to own a group: the heartbeat finds a parked member taken over meanwhile, so it is claimed back.
+            await self._reader.heartbeat()
         delivered: list[RolloutGroup] = []
         for (group_id, tag), reply in zip(watched, replies, strict=True):
             state = GroupStatus(int(reply[0]))
@@ -329,31 +331,41 @@ class GroupReader:
     async def _finish(
         self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout], *, complete: bool
     ) -> list[RolloutGroup]:
-        settings = self._settings
-        ids = [m.rollout_id for m in members]
-        redelivered = self._reader.claims.take_redelivered([*ids, *(f.rollout_id for f in failed)])
+        ids = [m.rollout_id for m in members] + [f.rollout_id for f in failed]
+        self._unsettled[tag.group_id] = (tag, members, failed, complete, self._reader.claims.take_redelivered(ids))
+        return await self._settle(tag.group_id)
+
+    async def _settle(self, group_id: str) -> list[RolloutGroup]:
+        """Deliver, drop or dead-letter a group this rank owns. A refused write (:class:`~sink.errors.NotDurableError`,
+        a lost connection) raises and leaves it unsettled: the next :meth:`pull_groups` settles it again (every
+        step is safe to redo; a dead letter is then recorded again, never lost)."""
+        tag, members, failed, complete, redelivered = self._unsettled[group_id]
+        settings, held = self._settings, [m.rollout_id for m in members if self._reader.holds(m.rollout_id)]
+        delivered: list[RolloutGroup] = []  # acknowledged: the members still held (a retry skips the acknowledged)
         if not members:
-            failed_only = RolloutGroup(tag.group_id, tag.group_size, (), tuple(failed), complete)
-            self._counts["dropped"] += 1
-            logger.warning("group %r has no trainable member: %r", tag.group_id, failed_only)
             await self._delete([tag.group_id])
-            return []
-        if failed and settings.group_failure_policy == "drop_group":
-            await self._reader.ack([m.rollout_id for m in members])
+            self._counts["dropped"] += 1
+            failed_only = RolloutGroup(tag.group_id, tag.group_size, (), tuple(failed), complete)
+            logger.warning("group %r has no trainable member: %r", tag.group_id, failed_only)
+        elif failed and settings.group_failure_policy == "drop_group":
+            await self._reader.ack(held)
             await self._delete([tag.group_id])
             self._counts["dropped"] += 1
             logger.warning("dropped group %r: failed members %s", tag.group_id, [f.skip_code for f in failed])
-            return []
-        if not complete and settings.group_timeout_policy == "dead_letter":
-            await self._dead_letter(tag, members, failed)
-            return []
-        if not complete:
-            self._counts["partial"] += 1
-        self._counts["delivered"] += 1
-        if redelivered and await self._delivered_before(tag.group_id):
-            for rollout_id in ids:
-                self._reader.claims.count_double_delivery(rollout_id, f"group {tag.group_id!r}, delivered before")
-        return [RolloutGroup(tag.group_id, tag.group_size, tuple(members), tuple(failed), complete)]
+        elif not complete and settings.group_timeout_policy == "dead_letter":
+            await self._dead_letter(tag, [m.rollout_id for m in members], failed)
+        else:
+            if redelivered and await self._delivered_before(tag.group_id):
+                for member in members:
+                    self._reader.claims.count_double_delivery(
+                        member.rollout_id, f"group {group_id!r}, delivered before"
+                    )
+            if not complete:
+                self._counts["partial"] += 1
+            self._counts["delivered"] += 1
+            delivered.append(RolloutGroup(tag.group_id, tag.group_size, tuple(members), tuple(failed), complete))
+        del self._unsettled[group_id]
+        return delivered
 
     async def _delivered_before(self, group_id: str) -> bool:
         """Whether the group had an owner before this rank (``deliveries`` counts them, in the scripts)."""
@@ -379,9 +391,9 @@ class GroupReader:
         await self._write([BatchCall([stream], ["XADD", stream, "*", *flat])], f"dead-letter group {tag.group_id!r}")
         logger.warning("%s: group %r members %s recorded on %s: %s", code, tag.group_id, list(members), stream, reason)
 
-    async def _dead_letter(self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout]) -> None:
+    async def _dead_letter(self, tag: GroupTag, members: list[str], failed: list[SkippedRollout]) -> None:
         reason = f"incomplete after group_timeout_s={self._settings.group_timeout_s}"
-        await self._record_dead(tag, [m.rollout_id for m in members], failed, GROUP_TIMEOUT, reason)
-        await self._reader.ack([m.rollout_id for m in members])
+        await self._record_dead(tag, members, failed, GROUP_TIMEOUT, reason)
+        await self._reader.ack([rollout_id for rollout_id in members if self._reader.holds(rollout_id)])
         await self._delete([tag.group_id])
         self._counts["dead"] += 1

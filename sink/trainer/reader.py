@@ -311,6 +311,7 @@ class RolloutReader(AsyncResource):
                 if not result.trainable:  # every chain stale: finished here (a fresh chain keeps it held)
                     stale.append(result.rollout_id)
             self._held.add(entry, receipt)
+            self._lost_leases.discard(result.rollout_id)  # held again (taken back): the lost lease is over
             self._counts["pulled"] += 1
             self._counts["trainable" if result.trainable else "skipped"] += 1
             if result.skip_code is not None:

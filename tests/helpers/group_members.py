@@ -1,0 +1,46 @@
+"""GRPO group members for the group tests: finished with any reward (``None`` too) and, optionally, a failure
+the worker recorded on the rollout's ledger (a ``rollout_failed`` skip carrying that reason)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import anyio
+import redis.asyncio as aioredis
+
+from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.assembler import finished
+from tests.helpers.e2e import EventCounter, running_assembler, stage_rollouts
+
+__all__ = ("publish_members",)
+
+
+async def publish_members(
+    url: str,
+    members: Mapping[str, tuple[str, int] | None],
+    *,
+    rewards: Mapping[str, float | None] | None = None,
+    failures: Mapping[str, str] | None = None,
+    calls: int = 2,
+) -> None:
+    """Stage *members* (rollout id -> ``(group_id, group_size)`` or ``None`` for no group), record *failures*
+    (rollout id -> reason) on their ledgers, finish each with its reward (default 1.0) and publish the receipts on
+    one receipts stream (``receipt_shards=1``), in the order given."""
+    staged = await stage_rollouts(url, list(members), calls=calls)
+    if failures:
+        async with RedisCaptureLedger.from_url(url) as ledger:
+            for rollout_id, reason in failures.items():
+                await ledger.record_failure(rollout_id, "c9", reason)
+    published = EventCounter(len(staged))
+    async with aioredis.Redis.from_url(url) as client:
+        for rollout_id, group in members.items():
+            await finished(
+                client,
+                rollout_id,
+                reward=(rewards or {}).get(rollout_id, 1.0),
+                group_id=group[0] if group else None,
+                group_size=group[1] if group else None,
+            )
+    async with running_assembler(url, before_ack=published, block_ms=50, receipt_shards=1):
+        with anyio.fail_after(30):
+            await published.reached.wait()
