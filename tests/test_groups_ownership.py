@@ -196,19 +196,25 @@ async def test_every_group_past_its_timeout_is_sealed_in_one_pull(redis_url: str
 
 async def test_a_group_whose_owner_died_is_delivered_complete_by_a_rank_waiting_on_it(redis_url: str) -> None:
     await publish_members(redis_url, _group("orphan", 3, "o-0"))
-    async with RolloutReader.from_url(redis_url, consumer_name="rank-0", **ONE_SHARD) as rank0:
+    options: dict[str, Any] = {**ONE_SHARD, "claim_idle_ms": 300}
+    async with RolloutReader.from_url(redis_url, consumer_name="rank-0", **options) as rank0:
         survivor = GroupReader(rank0)
         assert await _pull_one(survivor) == []
         await publish_members(redis_url, _group("orphan", 3, "o-1", "o-2"))
-        async with RolloutReader.from_url(redis_url, consumer_name="rank-1", **ONE_SHARD) as rank1:
+        async with RolloutReader.from_url(redis_url, consumer_name="rank-1", **options) as rank1:
             crashed = GroupReader(rank1)
             delivered: list[RolloutGroup] = []
             with anyio.fail_after(20):
                 while not delivered:
                     delivered = await crashed.pull_groups(2, block_ms=50)
             # rank-1 delivered the group and "crashes": closes without acknowledging.
-        await _age(redis_url, "orphan", "owner_at", rank0.settings.claim_idle_ms + 1_000)  # its lease ran out
-        (again,) = await survivor.pull_groups(1)
+        # Its lease runs out (its receipt entries idle past claim_idle_ms): the waiting rank reclaims a member and
+        # takes the whole group over (a check alone never takes a group from its owner: it may be alive).
+        await _idle_at_least(redis_url, receipts_stream(NS, 0), 300)
+        with anyio.fail_after(20):
+            while not (redelivered := await survivor.pull_groups(4, block_ms=50)):
+                pass
+        (again,) = redelivered
         assert again.rollout_ids == ("o-0", "o-1", "o-2") and again.complete is True
         assert survivor.statistics().partial == 0
         await survivor.ack_groups([again])

@@ -86,7 +86,7 @@ return {$NOT_REMOVED}
 
 # --- GRPO groups (sink.trainer.groups) ------------------------------------------------------------
 
-# KEYS: meta, members. ARGV: member id, member record, consumer, size, claim_idle_ms, ttl_ms.
+# KEYS: meta, members. ARGV: member id, member record, owner (the caller), size, claim_idle_ms, ttl_ms.
 # {GROUP_LATE} (nothing recorded) when the group went out already: closed (acknowledged, dropped, dead-lettered)
 # or owned, and this member is not one of it. Else records the member; sizes that disagree keep the largest and
 # set 'mismatch'. Then: {GROUP_COMPLETE, size, mismatch, members...} when this call completes the group (or finds
@@ -136,10 +136,10 @@ return {$DONE}
 """,
 )
 
-# KEYS: meta, members. ARGV: consumer, timeout_ms, claim_idle_ms.
-# A watched group's state: {GROUP_OWNED} / {GROUP_TAKEN, owner} / {GROUP_WAIT} / {GROUP_GONE} (expired or
-# closed), or {GROUP_COMPLETE | GROUP_SEALED, size, mismatch, members...} making the caller the owner: complete
-# (an owner died) or timed out.
+# KEYS: meta, members. ARGV: owner (the caller: consumer name / reader token), timeout_ms. A watched group's state:
+# {GROUP_OWNED} / {GROUP_TAKEN, owner} (any other owner, idle or not: a dead owner's members come back through their
+# idle receipt entries, to the gather) / {GROUP_WAIT} / {GROUP_GONE} (expired or closed), or
+# {GROUP_COMPLETE | GROUP_SEALED, size, mismatch, members...} making the caller the owner: complete, or timed out.
 GROUP_CHECK_SCRIPT: Final = library_script(
     "group_check",
     """
@@ -151,7 +151,7 @@ if owner == ARGV[1] then
   redis.call('HSET', KEYS[1], 'owner_at', now)
   return {$GROUP_OWNED}
 end
-if owner and now - tonumber(redis.call('HGET', KEYS[1], 'owner_at')) < tonumber(ARGV[3]) then
+if owner then
   return {$GROUP_TAKEN, owner}
 end
 local state = $GROUP_COMPLETE

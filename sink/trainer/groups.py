@@ -15,9 +15,11 @@ and delivers nothing (counted as dropped).
 
 A group still incomplete ``group_timeout_s`` after its first member arrived is sealed by a rank holding one of
 its members: delivered partial (``complete=False``) or, with ``group_timeout_policy="dead_letter"``, its members
-acknowledged and the group recorded on ``ns:dead:groups``. An owner that stops refreshing its groups for
-``claim_idle_ms`` (a crash) loses them to the next rank that finds them. Rollouts without a group are delivered
-as groups of one (``group_id=None``).
+acknowledged and the group recorded on ``ns:dead:groups``. An owner keeps its groups while it lives (a rank
+still waiting on one of them lets its members go, however long since the owner took it); a crashed owner loses
+them to the next rank that reclaims one of their receipt entries (idle past ``claim_idle_ms``), and a rank
+restarted under the same ``consumer_name`` is a new owner that gets its predecessor's groups back that way
+(double deliveries). Rollouts without a group are delivered as groups of one (``group_id=None``).
 
 Never silent, never pending forever, never ``complete=True`` with fewer members than announced: a member arriving
 after its group went out (delivered by any rank, acknowledged, dropped, sealed) is not delivered alone (a group of
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -124,6 +127,7 @@ class GroupReader:
         self._fresh: dict[str, PulledRollout] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed", "late", "mismatch"), 0)
         self._unclosed: set[str | None] = set()  # acknowledged groups whose close was not confirmed yet
+        self._owner = f"{reader.consumer_name}/{secrets.token_hex(4)}"  # a restart under the same name: a new owner
         # Owned groups a refused write left unsettled: (tag, members, failed, complete, redelivered), see _settle.
         self._unsettled: dict[str, tuple[GroupTag, list[PulledRollout], list[SkippedRollout], bool, bool]] = {}
         reader.claims.defer_grouped = True  # a parked member read again was never trained: counted at delivery
@@ -204,7 +208,7 @@ class GroupReader:
                 [
                     item.rollout_id,
                     self._record(item),
-                    self._reader.consumer_name,
+                    self._owner,
                     tag.group_size,
                     self._settings.claim_idle_ms,
                     ttl_ms,
@@ -235,11 +239,7 @@ class GroupReader:
         watched = list(self._watched.items())
         replies: list[Any] = [None] * len(watched)
         limiter = anyio.CapacityLimiter(self._settings.fetch_concurrency)
-        arguments = [
-            self._reader.consumer_name,
-            int(self._settings.group_timeout_s * 1000),
-            self._settings.claim_idle_ms,
-        ]
+        arguments = [self._owner, int(self._settings.group_timeout_s * 1000)]
 
         async def check(index: int, group_id: str) -> None:
             async with limiter:
