@@ -1,5 +1,5 @@
-"""What every long-running service shares (assembler, ``staging-sink trainer``): the reclaim schedule and the
-outage policy.
+"""What every long-running service shares (assembler, ``staging-sink trainer``, ``staging-sink prune
+--interval-s``): the outage policy, and for the consumers the reclaim schedule.
 
 The line between waiting and stopping is drawn by type where redis-py errors are translated
 (:func:`sink.store.connection.translate_redis_error`):
@@ -13,7 +13,7 @@ The line between waiting and stopping is drawn by type where redis-py errors are
   ``READONLY``, ``OOM``...): retrying sends the same command to the same answer, so the service stops at once
   with :class:`~sink.errors.UnrecoverableServiceError` (the command exits 1).
 
-The settings are those of :class:`~sink.settings.ServiceSettings` (the assembler's and the reader's).
+The settings are those of :class:`~sink.settings.OutageSettings` (the assembler's, the reader's and prune's).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Literal, TypeVar
 import anyio
 
 from sink.errors import StagingConnectionError, StagingUnavailableError, UnrecoverableServiceError
-from sink.settings import ServiceSettings
+from sink.settings import OutageSettings, ServiceSettings
 
 __all__ = ("OutagePolicy", "Phase", "ReclaimSchedule", "leaf_errors")
 
@@ -66,7 +66,7 @@ class OutagePolicy:
     :param report: where the retry and recovery lines go (default: the module's logger, as warnings).
     """
 
-    def __init__(self, settings: ServiceSettings, service: str, *, report: Callable[[str], None] | None = None) -> None:
+    def __init__(self, settings: OutageSettings, service: str, *, report: Callable[[str], None] | None = None) -> None:
         self._settings = settings
         self.service = service
         self._report = report or logger.warning

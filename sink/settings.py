@@ -21,6 +21,7 @@ __all__ = (
     "ConnectionSettings",
     "GymTransportSettings",
     "LedgerSettings",
+    "OutageSettings",
     "ProxySettings",
     "PruneSettings",
     "ReaderSettings",
@@ -109,7 +110,22 @@ RECLAIMS_PER_IDLE = 2
 """A consumer looks for entries crashed consumers left pending this many times per ``claim_idle_ms``."""
 
 
-class ServiceSettings(ConnectionSettings):
+class OutageSettings(ConnectionSettings):
+    """How a long-running service rides out a server it cannot reach (:class:`sink.service.OutagePolicy`): the
+    assembler, the trainer reader and ``staging-sink prune --interval-s``."""
+
+    reconnect_backoff_s: float = Field(default=1.0, gt=0)
+    """First pause before retrying after the server could not be reached."""
+    reconnect_backoff_max_s: float = Field(default=5.0, gt=0)
+    """The longest pause between retries during an outage (the pause doubles from ``reconnect_backoff_s``)."""
+    max_outage_s: float | None = Field(default=300.0, gt=0)
+    """Give up after the server was unreachable this long without a success in between, in any phase (opening,
+    running, closing): a :class:`~sink.errors.StagingUnavailableError` naming the limit, exit 3 for
+    ``staging-sink assembler``/``trainer``/``prune --interval-s``; ``None``: retry forever. A refusal
+    (:class:`~sink.errors.StagingRefusedError`) stops the service at once."""
+
+
+class ServiceSettings(OutageSettings):
     """What every long-running service shares (the assembler, the trainer reader): its consumer group and its
     outage policy (:class:`sink.service.OutagePolicy`)."""
 
@@ -120,15 +136,6 @@ class ServiceSettings(ConnectionSettings):
     """Entries delivered to a consumer and unacknowledged for this long are reclaimed (``XAUTOCLAIM``)."""
     max_deliveries: int = Field(default=5, ge=1)
     """An entry delivered more often than this is moved to ``ns:dead:<role>-<shard>`` instead of processed."""
-    reconnect_backoff_s: float = Field(default=1.0, gt=0)
-    """First pause before retrying after the server could not be reached."""
-    reconnect_backoff_max_s: float = Field(default=5.0, gt=0)
-    """The longest pause between retries during an outage (the pause doubles from ``reconnect_backoff_s``)."""
-    max_outage_s: float | None = Field(default=300.0, gt=0)
-    """Give up after the server was unreachable this long without a success in between, in any phase (opening,
-    running, closing): a :class:`~sink.errors.StagingUnavailableError` naming the limit, exit 3 for
-    ``staging-sink assembler``/``trainer``; ``None``: retry forever. A refusal
-    (:class:`~sink.errors.StagingRefusedError`) stops the service at once."""
 
     @property
     def reclaim_interval_s(self) -> float:
@@ -268,8 +275,9 @@ class GymTransportSettings(SinkSettings):
     (a server fsyncs them one after the other anyway)."""
 
 
-class PruneSettings(ConnectionSettings):
-    """Settings of :func:`sink.ops.prune.prune_namespace` (``staging-sink prune``): who removes what, and when."""
+class PruneSettings(OutageSettings):
+    """Settings of :func:`sink.ops.prune.prune_namespace` (``staging-sink prune``): who removes what, and when.
+    The outage fields apply to ``staging-sink prune --interval-s`` (a service)."""
 
     retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     """Receipts and fences of consumed rollouts (no ledger, no staged records) without a TTL get this one."""

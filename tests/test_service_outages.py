@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import signal
 import time
 
 import anyio
@@ -175,3 +176,15 @@ def test_the_trainer_command_rides_out_an_outage_while_it_closes(fresh_server: D
     with redis.Redis.from_url(url) as client:
         consumers = client.xinfo_consumers(receipts_stream("stg", 0), "trainers")
     assert [c["name"] for c in consumers] == [], consumers  # retired once the server was back
+
+
+def test_the_metrics_exporter_waits_for_the_server_while_it_opens(fresh_server: DurableServer) -> None:
+    url = fresh_server.url
+    fresh_server.kill()  # down before the exporter asks the server's cluster mode
+    with staging_sink("metrics", "--redis-url", url, "--port", "0", "--interval-s", "0.2") as cmd:
+        cmd.wait_for(r"metrics: server unreachable while opening.*retrying")
+        assert cmd.process.poll() is None  # it waits (it never gives up while it runs, nor while it opens)
+        fresh_server.restart()
+        cmd.wait_for(r"^metrics at http://\S+ \(Redis gauges from .*Ctrl-C stops it", "stdout")
+        cmd.process.send_signal(signal.SIGINT)
+        assert cmd.wait(timeout_s=60) == 0, cmd.lines("stderr")

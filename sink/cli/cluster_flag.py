@@ -3,8 +3,9 @@
 Without either flag the server decides (``INFO cluster``: ``cluster_enabled``); an explicit flag that contradicts
 the server ends the command with one line and exit 2, never a traceback from deep inside redis-py.
 
-A service command (``assembler``, ``trainer``) is already opening when it asks: it asks under its outage
-policy (a server that is down is waited for, up to ``--max-outage-s``), and hands that policy on as
+A service command (``assembler``, ``trainer``, ``prune --interval-s``, ``metrics``) is already opening when it
+asks: it asks under its outage policy (a server that is down is waited for, up to ``--max-outage-s``; the
+metrics exporter, which never gives up while it runs, waits for as long), and hands that policy on as
 ``args.outage`` so the outage goes on counting from its start.
 """
 
@@ -17,7 +18,7 @@ import anyio
 
 from sink.cli.common import EXIT_USAGE, CommandError, check_redis_url, mask_url, service_outage_policy
 from sink.errors import ClusterModeMismatchError
-from sink.settings import ServiceSettings
+from sink.settings import OutageSettings
 from sink.store.cluster_mode import detect_cluster_mode
 
 __all__ = ("CLUSTER_HELP", "resolve_cluster_flag")
@@ -29,7 +30,19 @@ CLUSTER_HELP = (
 )
 _DETECT_TIMEOUT_S = 3.0
 SERVICE_COMMANDS = frozenset({"assembler", "trainer"})
-"""Long-running commands: they wait out an outage while they open (and run, and close)."""
+"""Long-running commands: they wait out an outage while they open (and run, and close), up to
+``--max-outage-s``; so does ``prune`` when it runs a pass every ``--interval-s``."""
+
+
+def _outage_settings(args: argparse.Namespace) -> OutageSettings | None:
+    """The outage settings of a service command, ``None`` for a one-shot command."""
+    command = getattr(args, "command", None)
+    if command == "metrics":  # it never gives up while it runs, nor while it opens
+        return OutageSettings(max_outage_s=None)
+    if command in SERVICE_COMMANDS or (command == "prune" and args.interval_s is not None):
+        limit = getattr(args, "max_outage_s", None)
+        return OutageSettings() if limit is None else OutageSettings(max_outage_s=limit)
+    return None
 
 
 def resolve_cluster_flag(args: argparse.Namespace) -> None:
@@ -55,9 +68,8 @@ def resolve_cluster_flag(args: argparse.Namespace) -> None:
         where=mask_url(url),
     )
     try:
-        if getattr(args, "command", None) in SERVICE_COMMANDS:
-            limit = getattr(args, "max_outage_s", None)
-            settings = ServiceSettings() if limit is None else ServiceSettings(max_outage_s=limit)
+        settings = _outage_settings(args)
+        if settings is not None:
             args.outage = service_outage_policy(settings, args.command)
             args.cluster = anyio.run(args.outage.call, partial(anyio.to_thread.run_sync, detect), "opening")
         else:

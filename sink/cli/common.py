@@ -24,7 +24,7 @@ from rich.console import Console
 from sink.errors import CommandError, StagingError, StagingUnavailableError
 from sink.keys import DEFAULT_NAMESPACE
 from sink.service import OutagePolicy
-from sink.settings import ConnectionSettings, ServiceSettings
+from sink.settings import ConnectionSettings, OutageSettings
 from sink.store.connection import Topology, map_redis_errors
 
 __all__ = (
@@ -40,6 +40,7 @@ __all__ = (
     "RedisTarget",
     "cancel_on_signal",
     "check_redis_url",
+    "connect_topology",
     "int_at_least",
     "is_unreachable",
     "mask_url",
@@ -191,7 +192,7 @@ def is_unreachable(exc: BaseException) -> bool:
     return isinstance(exc, redis_errors.ConnectionError | redis_errors.TimeoutError | OSError)
 
 
-def service_outage_policy(settings: ServiceSettings, service: str) -> OutagePolicy:
+def service_outage_policy(settings: OutageSettings, service: str) -> OutagePolicy:
     """The outage policy of a service command, its retry lines on stderr."""
     console = stderr_console()
     return OutagePolicy(settings, service, report=lambda line: console.print(line, markup=False, soft_wrap=True))
@@ -237,12 +238,20 @@ async def open_topology(target: RedisTarget) -> AsyncIterator[Topology]:
     """
     topology = Topology.from_url(target.url, target.settings())
     try:
-        with map_redis_errors(f"connect to {target.display_url}"):
-            await topology.initialize()
-            await topology.client.ping()
+        await connect_topology(topology, target)
         yield topology
     finally:
         await topology.aclose()
+
+
+async def connect_topology(topology: Topology, target: RedisTarget) -> None:
+    """Initialize *topology* (of *target*) and check that it answers ``PING``.
+
+    :raises StagingConnectionError: the server cannot be reached or refuses ``PING``.
+    """
+    with map_redis_errors(f"connect to {target.display_url}"):
+        await topology.initialize()
+        await topology.client.ping()
 
 
 def _console(stream: TextIO) -> Console:

@@ -26,10 +26,15 @@ between leaves it alone), and a failure is recorded on ``ns:dead:abandoned`` and
 (``staging_sink_rollouts_abandoned_total``). A rollout that has a receipt belongs to the trainer: never touched.
 
 Only keys of the namespace are read or changed (``SCAN MATCH ns:*`` on every primary).
+
+**One bad entry never stops a pass.** A rollout whose state cannot be read (a Gym ``touched_ms`` that is not a
+millisecond count, written by hand or by another tool) and a key name that is not UTF-8 are left exactly as they
+are, logged, and listed in :attr:`PruneReport.skipped` with the reason; the pass goes on with the rest.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +44,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
+from sink.errors import CodecError
 from sink.keys import (
     calls_stream,
     claim_key,
@@ -55,6 +61,8 @@ from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.pipeline_counters import count_rollouts_abandoned
 
 __all__ = ("ABANDONED_STREAM", "PruneReport", "prune_namespace")
+
+logger = logging.getLogger(__name__)
 
 ABANDONED_STREAM = "abandoned"
 """``ns:dead:abandoned``: one entry per abandoned rollout (``rollout_id``, ``reason``, ``last_activity_ms``)."""
@@ -76,6 +84,14 @@ class PruneReport:
     dead_letters_trimmed: dict[str, int] = field(default_factory=dict)
     consumers_removed: list[str] = field(default_factory=list)
     """``stream group consumer`` of each deleted consumer name."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Rollout ids (or, for a name that is not UTF-8, the key's ``repr``) left alone because what the pass read
+    of them is malformed, each with the reason; nothing of them was changed."""
+
+    def skip(self, what: str, reason: str) -> None:
+        """Leave *what* alone for this pass, logged with *reason*."""
+        logger.warning("prune: %s left alone: %s", what, reason)
+        self.skipped[what] = reason
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -85,6 +101,7 @@ class PruneReport:
             "abandoned": sorted(self.abandoned),
             "dead_letters_trimmed": dict(sorted(self.dead_letters_trimmed.items())),
             "consumers_removed": sorted(self.consumers_removed),
+            "skipped": dict(sorted(self.skipped.items())),
         }
 
 
@@ -94,16 +111,23 @@ class _Rollout:
     records: list[str] = field(default_factory=list)
 
 
-async def _scan(topology: Topology, match: str, count: int, key_type: str | None = None) -> AsyncIterator[str]:
+async def _scan(
+    topology: Topology, match: str, count: int, report: PruneReport, key_type: str | None = None
+) -> AsyncIterator[str]:
     for node in topology.primaries():
         async for key in node.scan_iter(match=match, count=count, _type=key_type):
-            yield reply_text(key, "key name")
+            try:
+                name = reply_text(key, "key name")
+            except CodecError as exc:
+                report.skip(repr(key), str(exc))
+                continue
+            yield name
 
 
-async def _rollouts(topology: Topology, ns: str, count: int) -> dict[str, _Rollout]:
+async def _rollouts(topology: Topology, ns: str, count: int, report: PruneReport) -> dict[str, _Rollout]:
     found: dict[str, _Rollout] = {}
     prefix = f"{ns}:{{"
-    async for key in _scan(topology, f"{prefix}*", count):
+    async for key in _scan(topology, f"{prefix}*", count, report):
         tag, sep, kind = key[len(prefix) :].partition("}:")
         if not sep or tag.startswith("grp:"):
             continue
@@ -129,7 +153,11 @@ async def _last_activity_ms(client: aioredis.Redis, ns: str, rollout_id: str) ->
             newest = max(newest, _entry_ms(entries[0][0]))
     touched = await client.hget(gym_keys(ns, rollout_id)[0], "touched_ms")
     if touched is not None:
-        newest = max(newest, int(reply_text(touched, "touched_ms")))
+        text = reply_text(touched, "touched_ms")
+        try:
+            newest = max(newest, int(text))
+        except ValueError:
+            raise CodecError(f"its Gym state's touched_ms is not a millisecond count: {text!r}") from None
     return newest
 
 
@@ -201,7 +229,7 @@ async def _abandon(
 
 async def _trim_dead_letters(topology: Topology, ns: str, settings: PruneSettings, report: PruneReport) -> None:
     limit = settings.dead_letter_max_entries
-    async for stream in _scan(topology, f"{ns}:dead:*", settings.scan_count, "stream"):
+    async for stream in _scan(topology, f"{ns}:dead:*", settings.scan_count, report, "stream"):
         client = topology.node_for_key(stream)
         length = int(await client.xlen(stream))
         if length <= limit:
@@ -216,7 +244,7 @@ async def _trim_dead_letters(topology: Topology, ns: str, settings: PruneSetting
 async def _remove_idle_consumers(topology: Topology, ns: str, settings: PruneSettings, report: PruneReport) -> None:
     idle_ms = settings.consumer_idle_max_s * 1000
     for pattern in (f"{ns}:done:*", f"{ns}:receipts:*"):
-        async for stream in _scan(topology, pattern, settings.scan_count, "stream"):
+        async for stream in _scan(topology, pattern, settings.scan_count, report, "stream"):
             client = topology.node_for_key(stream)
             for group in await client.xinfo_groups(stream):
                 name = reply_text(group["name"], "group name")
@@ -243,13 +271,16 @@ async def prune_namespace(
     report = PruneReport(dry_run=dry_run)
     now_s = time.time() if now_s is None else now_s
     with map_redis_errors(f"prune namespace {ns!r}"):
-        rollouts = await _rollouts(topology, ns, settings.scan_count)
+        rollouts = await _rollouts(topology, ns, settings.scan_count, report)
         report.rollouts_seen = len(rollouts)
         for rollout_id, rollout in sorted(rollouts.items()):
-            if not rollout.kinds & _LIVE_KINDS:
-                await _retain(topology, ns, rollout_id, settings, report)
-            elif "receipt" not in rollout.kinds:
-                await _abandon(topology, ns, rollout_id, rollout, settings, report, now_s)
+            try:
+                if not rollout.kinds & _LIVE_KINDS:
+                    await _retain(topology, ns, rollout_id, settings, report)
+                elif "receipt" not in rollout.kinds:
+                    await _abandon(topology, ns, rollout_id, rollout, settings, report, now_s)
+            except CodecError as exc:  # nothing of it was changed: the reads come before any write
+                report.skip(rollout_id, str(exc))
         await _trim_dead_letters(topology, ns, settings, report)
         await _remove_idle_consumers(topology, ns, settings, report)
     return report

@@ -47,19 +47,21 @@ class Command:
         with self._changed:
             return list(self._lines[stream])
 
-    def wait_for(self, pattern: str, stream: Stream = "stderr", *, timeout_s: float = 60.0) -> str:
-        """The first line of *stream* matching *pattern* (a regular expression), once it was printed.
+    def wait_for(self, pattern: str, stream: Stream = "stderr", *, count: int = 1, timeout_s: float = 60.0) -> str:
+        """The *count*-th line of *stream* matching *pattern* (a regular expression), once it was printed.
 
         :raises AssertionError: the process closed its output, or *timeout_s* passed, without such a line.
         """
         regex = re.compile(pattern)
+
+        def found() -> list[str]:
+            return [line for line in self._lines[stream] if regex.search(line)]
+
         with self._changed:
-            matched = self._changed.wait_for(
-                lambda: any(regex.search(line) for line in self._lines[stream]) or self._open == 0, timeout=timeout_s
-            )
-            found = [line for line in self._lines[stream] if regex.search(line)]
-            assert matched and found, f"no {stream} line matching {pattern!r}; saw {self._lines}"
-            return found[0]
+            self._changed.wait_for(lambda: len(found()) >= count or self._open == 0, timeout=timeout_s)
+            lines = found()
+            assert len(lines) >= count, f"{len(lines)} of {count} {stream} line(s) matching {pattern!r}; saw {self._lines}"
+            return lines[count - 1]
 
     def wait(self, *, timeout_s: float = 60.0) -> int:
         """The exit code, once the process ended and its output was read."""
