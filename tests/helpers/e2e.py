@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 
 from sink.contract.records import CallRecord, CaptureLedgerCommit, StagedCallRecord
+from sink.keys import DEFAULT_NAMESPACE
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import Assembler
 from sink.store.sink import AsyncRedisStagingSink
@@ -101,11 +102,13 @@ async def stage_rollout(
 
 
 async def stage_rollouts(url: str, rollout_ids: Sequence[str], **kwargs: Any) -> list[StagedRollout]:
-    """Open a sink and a ledger on *url* (plain or cluster via ``cluster=``) and stage every rollout."""
+    """Open a sink and a ledger on *url* (plain or cluster via ``cluster=``, in ``namespace=``) and stage every
+    rollout."""
     cluster = bool(kwargs.pop("cluster", False))
+    namespace = str(kwargs.pop("namespace", DEFAULT_NAMESPACE))
     async with (
-        AsyncRedisStagingSink.from_url(url, cluster=cluster) as sink,
-        RedisCaptureLedger.from_url(url, cluster=cluster) as ledger,
+        AsyncRedisStagingSink.from_url(url, cluster=cluster, namespace=namespace) as sink,
+        RedisCaptureLedger.from_url(url, cluster=cluster, namespace=namespace) as ledger,
     ):
         return [await stage_rollout(sink, ledger, rollout_id, **kwargs) for rollout_id in rollout_ids]
 

@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 
+from sink.keys import DEFAULT_NAMESPACE
 from sink.rollout.assembler import finished
 from sink.settings import DEFAULT_SHARDS
 from tests.helpers.e2e import EventCounter, StagedRollout, running_assembler, stage_rollouts
@@ -22,11 +23,12 @@ async def publish(
     rewards: Mapping[str, float] | None = None,
     groups: Mapping[str, tuple[str, int]] | None = None,
     receipt_shards: int = DEFAULT_SHARDS,
+    namespace: str = DEFAULT_NAMESPACE,
     **stage: Any,
 ) -> dict[str, StagedRollout]:
-    """Stage *rollout_ids*, call ``finished`` for each (reward, group) and run an assembler until every receipt
-    is published."""
-    staged = await stage_rollouts(url, rollout_ids, **stage)
+    """Stage *rollout_ids* (in *namespace*), call ``finished`` for each (reward, group) and run an assembler until
+    every receipt is published."""
+    staged = await stage_rollouts(url, rollout_ids, namespace=namespace, **stage)
     published = EventCounter(len(staged))
     async with aioredis.Redis.from_url(url) as client:
         for rollout in staged:
@@ -37,8 +39,11 @@ async def publish(
                 reward=(rewards or {}).get(rollout.rollout_id, 1.0),
                 group_id=group_id,
                 group_size=group_size,
+                namespace=namespace,
             )
-    async with running_assembler(url, before_ack=published, block_ms=50, receipt_shards=receipt_shards):
+    async with running_assembler(
+        url, before_ack=published, block_ms=50, receipt_shards=receipt_shards, namespace=namespace
+    ):
         with anyio.fail_after(30):
             await published.reached.wait()
     return {s.rollout_id: s for s in staged}
