@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import re
 import socket
 from collections.abc import Iterator
@@ -516,3 +518,30 @@ async def test_the_trainer_role_delivers_and_acks_grpo_groups(acl_server: AclSer
     with acl_server.client() as admin:
         meta, members = group_keys(NS, "acl-grp")
         assert admin.exists(members) == 0 and admin.hget(meta, "closed") == b"1"  # closed: a tombstone stays
+
+
+@pytest.mark.anyio
+async def test_the_trainer_role_exports_by_id_a_rollout_the_pipeline_published(acl_server: AclServer) -> None:
+    """``export_rollouts`` reads the receipt, the ledger (the chain record is built from it) and the records:
+    all within the trainer's grants."""
+    from sink.ledger.redis import RedisCaptureLedger
+    from sink.rollout.done_event import finished
+    from sink.store.sink import AsyncRedisStagingSink
+    from sink.trainer.export import export_rollouts
+    from tests.helpers.e2e import EventCounter, running_assembler, stage_rollout
+
+    async with (
+        AsyncRedisStagingSink.from_url(acl_server.role_url("worker")) as sink,
+        RedisCaptureLedger.from_url(acl_server.role_url("gate")) as ledger,
+    ):
+        staged = await stage_rollout(sink, ledger, "exported", calls=2)
+    async with aioredis.Redis.from_url(acl_server.role_url("gate")) as gate:
+        await finished(gate, "exported", reward=1.0)
+    published = EventCounter(1)
+    async with running_assembler(acl_server.role_url("assembler"), before_ack=published, block_ms=50):
+        with anyio.fail_after(20):
+            await published.reached.wait()
+    out = io.StringIO()
+    async with aioredis.Redis.from_url(acl_server.role_url("trainer")) as trainer:
+        assert await export_rollouts(trainer, ["exported"], out) == 1
+    assert json.loads(out.getvalue())["token_ids"] == staged.token_ids

@@ -17,7 +17,7 @@ from tests.helpers.trainer import publish
 
 
 @pytest.mark.anyio
-async def test_a_rollout_whose_capture_failed_is_refused_as_capture_poisoned_and_nothing_is_written(
+async def test_a_rollout_whose_capture_failed_is_refused_with_the_readers_skip_code_and_nothing_is_written(
     redis_url: str,
 ) -> None:
     async with RedisCaptureLedger.from_url(redis_url) as ledger:
@@ -27,7 +27,7 @@ async def test_a_rollout_whose_capture_failed_is_refused_as_capture_poisoned_and
     async with aioredis.Redis.from_url(redis_url) as client:
         with pytest.raises(ReceiptVerificationError) as info:
             await export_rollouts(client, ["ok-0", "bad-0"], out)
-    assert info.value.code == SkipCode.CAPTURE_POISONED
+    assert info.value.code == SkipCode.ROLLOUT_FAILED  # the code the reader skips it with
     assert "'bad-0'" in info.value.detail
     assert out.getvalue() == ""
 

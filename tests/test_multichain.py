@@ -14,24 +14,22 @@ import redis.asyncio as aioredis
 from sink.bench.chains import run_chain_benchmark
 from sink.cli.main import main as cli_main
 from sink.contract.chains import ChainEntry, ChainPolicy, RolloutChains
-from sink.contract.records import CaptureLedgerCommit, ManifestFailure, RolloutManifest, StagedCallRecord
+from sink.contract.records import ManifestFailure, RolloutManifest, StagedCallRecord
 from sink.keys import DEFAULT_NAMESPACE
 from sink.ledger.gate import CaptureGate
 from sink.ledger.memory import MemoryCaptureLedger
-from sink.ledger.redis import RedisCaptureLedger
 from sink.ledger.rows import ChainLedgerView, ClaimedFailure
 from sink.rollout.chains import build_chains
 from sink.rollout.done_event import finished
 from sink.rollout.receipt import build_receipt
-from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.batch import chain_weights, collate
 from sink.trainer.export import read_export, write_export
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.packing import pack
 from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader import RolloutReader
+from tests.helpers.chains import chain_tree, stage_two_trees
 from tests.helpers.e2e import call_record_of, pull_until, running_assembler, stage_rollouts
-from tests.helpers.staging import make_record
 
 USER = {"role": "user", "content": "hello"}
 REPLY = {"role": "assistant", "content": "a reply nobody committed"}
@@ -63,26 +61,13 @@ def test_gate_admits_an_unresolved_call_as_a_root_only_under_a_multi_chain_polic
     anyio.run(main)
 
 
-def _tree(rollout_id: str, root_id: str, *children: tuple[str, str]) -> list[StagedCallRecord]:
-    """A root and children given as ``(call id, parent call id)``, every record consistent (digests, hashes)."""
-    records = {root_id: make_record(rollout_id, root_id, carry=3)}
-    sequences = {root_id: list(records[root_id].token_ids_delta)}
-    for call_id, parent_id in children:
-        parent = records[parent_id]
-        records[call_id] = make_record(
-            rollout_id, call_id, carry=2, parent=parent, parent_prefix=sequences[parent_id], weight_version=2
-        )
-        sequences[call_id] = sequences[parent_id] + list(records[call_id].token_ids_delta)
-    return list(records.values())
-
-
 def _manifest(rollout_id: str, records: list[StagedCallRecord], failures: list[ManifestFailure]) -> RolloutManifest:
     rows = [call_record_of(record, admitted_at=100.0 + index) for index, record in enumerate(records)]
     return RolloutManifest(rollout_id=rollout_id, records=rows, failures=failures)
 
 
 def test_build_chains_selects_a_terminal_per_tree_and_holds_failures_to_their_chain() -> None:
-    records = _tree("r", "a0", ("a1", "a0"), ("a2", "a1")) + _tree("r", "b0", ("b1", "b0"))
+    records = chain_tree("r", "a0", ("a1", "a0"), ("a2", "a1")) + chain_tree("r", "b0", ("b1", "b0"))
     failures = [ManifestFailure(model_call_id="bx", reason="worker_capture_failed")]
     manifest = _manifest("r", records, failures)
     receipt = build_receipt(manifest, rollout_id="r", reward=1.0, declared_response_id="resp-r-b1")
@@ -103,7 +88,7 @@ def test_build_chains_selects_a_terminal_per_tree_and_holds_failures_to_their_ch
 
 
 def test_build_chains_branches_are_leaves_with_identical_retries_collapsed() -> None:
-    records = _tree("r", "t0", ("x1", "t0"), ("y1", "t0"))
+    records = chain_tree("r", "t0", ("x1", "t0"), ("y1", "t0"))
     # Same tokens as x1 under another call id: an identical retry (§7.3), collapsed to the smaller id.
     retry = records[1].model_copy(update={"model_call_id": "x9"})
     manifest = _manifest("r", [*records, retry], [])
@@ -129,26 +114,6 @@ def test_chain_record_rejects_inconsistent_shapes() -> None:
         RolloutChains(rollout_id="r", policy=ChainPolicy.SINGLE, failure_reason="x")
 
 
-async def _stage_two_trees(url: str, rollout_id: str, policy: ChainPolicy) -> list[list[StagedCallRecord]]:
-    trees = [_tree(rollout_id, "a0", ("a1", "a0")), _tree(rollout_id, "b0", ("b1", "b0"), ("b2", "b1"))]
-    async with AsyncRedisStagingSink.from_url(url) as sink, RedisCaptureLedger.from_url(url) as ledger:
-        await ledger.record_chain_policy(rollout_id, policy)
-        admitted = 0.0
-        for tree in trees:
-            chains: dict[str, tuple[str, ...]] = {}
-            for record in tree:
-                assert (await sink.stage(record)).ok
-                chain = (*chains.get(record.parent_call_id or "", ()), record.staging_key)
-                chains[record.model_call_id] = chain
-                admitted += 1.0
-                row = call_record_of(record, admitted_at=admitted)
-                commit = CaptureLedgerCommit(
-                    rollout_id=rollout_id, record=row, staging_chain=chain, request_items=[], response_items=[]
-                )
-                await ledger.record(commit)
-    return trees
-
-
 def _columns(records: list[StagedCallRecord]) -> tuple[list[int], list[float], list[float]]:
     return (
         [t for r in records for t in r.token_ids_delta],
@@ -167,7 +132,7 @@ async def _pull_one(url: str, rollout_id: str, **reader_fields: Any) -> PulledRo
 
 
 def test_reader_delivers_one_exact_row_per_chain(redis_url: str) -> None:
-    trees = anyio.run(_stage_two_trees, redis_url, "mc-rows", ChainPolicy.ROOTS)
+    trees = anyio.run(stage_two_trees, redis_url, "mc-rows", ChainPolicy.ROOTS)
     pulled = anyio.run(_pull_one, redis_url, "mc-rows")
     assert pulled.row is None and not pulled.chain_skips and len(pulled.rows) == 2
     for index, (row, tree) in enumerate(zip(pulled.rows, trees, strict=True)):
@@ -183,7 +148,7 @@ def test_missing_record_poisons_only_its_chain_or_the_whole_rollout(redis_url: s
         async with aioredis.Redis.from_url(redis_url) as client:
             assert await client.delete(f"{DEFAULT_NAMESPACE}:{{{rollout_id}}}:rec:{call_id}") == 1
 
-    anyio.run(_stage_two_trees, redis_url, "mc-miss", ChainPolicy.ROOTS)
+    anyio.run(stage_two_trees, redis_url, "mc-miss", ChainPolicy.ROOTS)
     anyio.run(drop, "mc-miss", "a1")
     pulled = anyio.run(_pull_one, redis_url, "mc-miss")
     [row] = pulled.rows
@@ -191,7 +156,7 @@ def test_missing_record_poisons_only_its_chain_or_the_whole_rollout(redis_url: s
     [skip] = pulled.chain_skips
     assert (skip.chain_index, skip.root_call_id, skip.skip_code) == (0, "a0", "missing_record")
 
-    anyio.run(_stage_two_trees, redis_url, "mc-whole", ChainPolicy.ROOTS)
+    anyio.run(stage_two_trees, redis_url, "mc-whole", ChainPolicy.ROOTS)
     anyio.run(drop, "mc-whole", "b1")
     whole = anyio.run(lambda: _pull_one(redis_url, "mc-whole", chain_failure_policy="skip_rollout"))
     assert not whole.trainable and whole.skip_code == "missing_record"
@@ -199,7 +164,7 @@ def test_missing_record_poisons_only_its_chain_or_the_whole_rollout(redis_url: s
 
 
 def test_staleness_is_per_chain(redis_url: str) -> None:
-    anyio.run(_stage_two_trees, redis_url, "mc-stale", ChainPolicy.ROOTS)
+    anyio.run(stage_two_trees, redis_url, "mc-stale", ChainPolicy.ROOTS)
 
     async def main() -> PulledRollout:
         async with aioredis.Redis.from_url(redis_url) as client:
@@ -219,7 +184,7 @@ def test_staleness_is_per_chain(redis_url: str) -> None:
 
 
 def test_collate_pack_and_export_round_trip_one_row_per_chain(redis_url: str, tmp_path: Path) -> None:
-    trees = anyio.run(_stage_two_trees, redis_url, "mc-batch", ChainPolicy.ROOTS)
+    trees = anyio.run(stage_two_trees, redis_url, "mc-batch", ChainPolicy.ROOTS)
     single = anyio.run(stage_rollouts, redis_url, ["mc-one"])
     pulled = anyio.run(_pull_all, redis_url, ["mc-batch", "mc-one"])
     by_id = {item.rollout_id: item for item in pulled}
@@ -263,7 +228,7 @@ async def _pull_all(url: str, rollout_ids: list[str]) -> list[PulledRollout]:
 
 
 def test_group_statistics_are_per_rollout_with_multi_chain_members(redis_url: str) -> None:
-    anyio.run(_stage_two_trees, redis_url, "mc-g1", ChainPolicy.ROOTS)
+    anyio.run(stage_two_trees, redis_url, "mc-g1", ChainPolicy.ROOTS)
     anyio.run(stage_rollouts, redis_url, ["mc-g2"])
 
     async def main() -> list[RolloutGroup]:
@@ -305,7 +270,7 @@ def test_chain_benchmark_runs_every_chain_count_and_cleans_up(redis_url: str) ->
 
 
 def test_inspect_and_verify_show_the_chains(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    anyio.run(_stage_two_trees, redis_url, "mc-cli", ChainPolicy.ROOTS)
+    anyio.run(stage_two_trees, redis_url, "mc-cli", ChainPolicy.ROOTS)
     assert cli_main(["inspect", "mc-cli", "--redis-url", redis_url, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["chains"]["policy"] == "roots"

@@ -181,7 +181,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     "trainer": RolePolicy(
         "trainer: consume receipts, claim each rollout (script: GET, SET, DEL claimed; EXISTS fence), read "
         "staged records (MGET), then delete them and their calls entries (script: DEL, TYPE, XRANGE, XDEL, "
-        "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); delete rollouts so their ids are reusable "
+        "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); read a ledger for an export by id (script: "
+        "EXISTS, XRANGE); delete rollouts so their ids are reusable "
         "(``staging-sink delete``: DEL of every key under the rollout's hash tag, one key per DEL); dead-letter "
         "poison entries; GRPO group mode: gather and own groups (script: TIME, HSETNX, HSET, HGET, HLEN, HGETALL, "
         "PEXPIRE, EXISTS), DEL them on ack; ledger retirement, acknowledgements and dead letters confirmed durable "
@@ -217,6 +218,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             Grant(("get", "mget", "del"), (_rw(_REC),)),
             Grant(("type", "xrange", "xdel", "xlen", "del", "exists"), (_rw(_CALLS),)),
             Grant(("exists", "del"), (_rw(_LEDGER), _rw(_LEDGER_IDS))),
+            Grant(("xrange",), (_ro(_LEDGER),)),  # an export by id builds a rollout's chain record from its ledger
             Grant(("exists", "set", "del"), (_rw(_FENCE),)),
             Grant(("xadd",), (_wo(_DEAD),)),
         ),

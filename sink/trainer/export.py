@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -43,19 +44,23 @@ from sink.errors import (
     CodecError,
     ExtraMissingError,
     ReceiptVerificationError,
+    RolloutRetiredError,
     RowUnavailableError,
 )
 from sink.keys import DEFAULT_NAMESPACE, receipt_key, validate_rollout_id
+from sink.ledger.redis import RedisCaptureLedger
+from sink.rollout.chains import build_chains
 from sink.settings import SourceSettings
 from sink.store.connection import map_redis_errors
 from sink.store.source import AsyncRedisStagingSource
-from sink.trainer.pulled import PulledRollout
-from sink.trainer.verify import verify_and_linearize
+from sink.trainer.pulled import PulledRollout, fetch_and_verify
 
 __all__ = ("EXPORT_FORMATS", "ExportFormat", "export_record", "export_rollouts", "read_export", "write_export")
 
 ExportFormat = Literal["jsonl", "parquet"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
+
+logger = logging.getLogger(__name__)
 
 
 def export_record(pulled: PulledRollout, chain_index: int | None = None) -> dict[str, Any]:
@@ -191,13 +196,18 @@ async def export_rollouts(
 ) -> int:
     """Export rollouts by id: read each stored receipt, fetch and verify its staged records, write the rows.
 
-    Nothing is consumed or acknowledged; run it before ``ack`` (which deletes the records). Every rollout must
-    verify, or nothing is written. Group ids are not known here (they travel on the receipt entries).
+    The rows are those the reader delivers: a multi-chain rollout (contract §14) gives one line per healthy chain,
+    its chain record built from the live ledger as the assembler built it; a chain the reader would skip is not
+    written and is logged. Nothing is consumed or acknowledged; run it before ``ack`` (which deletes the records
+    and retires the ledger). Every rollout must have a trainable row, or nothing is written. Group ids are not
+    known here (they travel on the receipt entries).
 
     :returns: how many rows were written.
     :raises BatchInputError: an invalid rollout id or format.
-    :raises RowUnavailableError: a rollout has no stored receipt or a staged record is gone (nothing written).
-    :raises ReceiptVerificationError: a rollout does not verify (nothing written).
+    :raises RowUnavailableError: a rollout has no stored receipt, its ledger is retired, or a staged record it
+        needs is gone (nothing written).
+    :raises ReceiptVerificationError: a rollout has no trainable row; ``code`` is the reader's skip code
+        (nothing written).
     :raises CodecError: a stored receipt or record is corrupt (nothing written).
     :raises StagingConnectionError: the server could not be reached.
     """
@@ -208,27 +218,47 @@ async def export_rollouts(
         ids = [validate_rollout_id(rollout_id) for rollout_id in dict.fromkeys(rollout_ids)]
     except ValueError as exc:
         raise BatchInputError(str(exc)) from exc
-    pulled: list[PulledRollout] = []
     settings = SourceSettings(namespace=namespace, cluster=cluster)
-    async with AsyncRedisStagingSource(client, settings) as source:
-        for rollout_id in ids:
-            with map_redis_errors(f"read the receipt of {rollout_id!r}"):
-                text = await client.get(receipt_key(namespace, rollout_id))
-            if text is None:
-                raise RowUnavailableError(
-                    f"rollout {rollout_id!r} has no stored receipt (not finished, or acknowledged)"
-                )
-            try:
-                receipt = RolloutReceipt.model_validate_json(text)
-            except ValueError as exc:
-                raise CodecError(f"stored receipt of {rollout_id!r} is corrupt: {exc}") from exc
-            if receipt.capture_poisoned:
-                raise ReceiptVerificationError(
-                    SkipCode.CAPTURE_POISONED, f"rollout {rollout_id!r} has no trainable row"
-                )
-            try:
-                snapshots = await source.fetch([row.staging_key for row in receipt.manifest])
-            except KeyError as exc:
-                raise RowUnavailableError(f"rollout {rollout_id!r}: staged record gone ({exc.args[0]})") from exc
-            pulled.append(PulledRollout(receipt=receipt, row=verify_and_linearize(receipt, snapshots)))
+    async with (
+        AsyncRedisStagingSource(client, settings) as source,
+        RedisCaptureLedger(client, settings) as ledger,
+    ):
+        pulled = [await _pull_by_id(client, source, ledger, namespace, rollout_id) for rollout_id in ids]
     return write_export(pulled, destination, fmt=fmt)
+
+
+async def _pull_by_id(
+    client: aioredis.Redis | RedisCluster,
+    source: AsyncRedisStagingSource,
+    ledger: RedisCaptureLedger,
+    namespace: str,
+    rollout_id: str,
+) -> PulledRollout:
+    """*rollout_id* fetched and verified as the reader delivers it (a multi-chain rollout's chain record built
+    from its live ledger, as the assembler built it); a rollout with no trainable row raises."""
+    with map_redis_errors(f"read the receipt of {rollout_id!r}"):
+        text = await client.get(receipt_key(namespace, rollout_id))
+    if text is None:
+        raise RowUnavailableError(f"rollout {rollout_id!r} has no stored receipt (not finished, or acknowledged)")
+    try:
+        receipt = RolloutReceipt.model_validate_json(text)
+    except ValueError as exc:
+        raise CodecError(f"stored receipt of {rollout_id!r} is corrupt: {exc}") from exc
+    try:
+        manifest, view = await ledger.manifest_and_chains(rollout_id)
+    except RolloutRetiredError as exc:
+        raise RowUnavailableError(f"rollout {rollout_id!r} is retired (acknowledged, or `retire`d)") from exc
+    pulled = await fetch_and_verify(source, receipt, build_chains(receipt, manifest, view))
+    if pulled.skip_code is not None:
+        reason = f"rollout {rollout_id!r} has no trainable row: {pulled.skip_reason}"
+        if pulled.skip_code == SkipCode.MISSING_RECORD:
+            raise RowUnavailableError(f"rollout {rollout_id!r}: staged record gone ({pulled.skip_reason})")
+        if pulled.skip_code == SkipCode.CORRUPT_RECORD:
+            raise CodecError(f"rollout {rollout_id!r}: staged record corrupt ({pulled.skip_reason})")
+        raise ReceiptVerificationError(pulled.skip_code, reason)
+    for skip in pulled.chain_skips:  # as the reader delivers it: the healthy chains only
+        logger.warning(
+            "export of rollout %r: chain %d (root %s) not written: %s (%s)",
+            rollout_id, skip.chain_index, skip.root_call_id, skip.skip_code, skip.skip_reason,
+        )  # fmt: skip
+    return pulled
