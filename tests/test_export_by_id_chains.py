@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 from sink.cli.main import main as cli_main
 from sink.contract.chains import ChainPolicy
 from sink.contract.records import StagedCallRecord
-from sink.contract.skip_codes import SkipCode
 from sink.errors import RowUnavailableError
 from sink.keys import DEFAULT_NAMESPACE, receipt_key, record_key
+from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.done_event import finished
 from sink.trainer.export import export_rollouts, write_export
 from sink.trainer.pulled import PulledRollout
@@ -28,22 +28,24 @@ from tests.helpers.chains import stage_two_trees
 from tests.helpers.e2e import pull_until, running_assembler
 
 
-async def _publish_two_trees(url: str, rollout_id: str) -> list[list[StagedCallRecord]]:
+async def _publish_two_trees(
+    url: str, rollout_id: str, namespace: str = DEFAULT_NAMESPACE
+) -> list[list[StagedCallRecord]]:
     """Stage two trees under ``roots`` (``a0 <- a1``, ``b0 <- b1 <- b2``), finish, and wait for the receipt."""
-    trees = await stage_two_trees(url, rollout_id, ChainPolicy.ROOTS)
+    trees = await stage_two_trees(url, rollout_id, ChainPolicy.ROOTS, namespace=namespace)
     async with aioredis.Redis.from_url(url) as client:
-        await finished(client, rollout_id, reward=0.5, declared_response_id=f"resp-{rollout_id}-b2")
-        async with running_assembler(url, block_ms=50):
+        await finished(client, rollout_id, reward=0.5, declared_response_id=f"resp-{rollout_id}-b2", namespace=namespace)
+        async with running_assembler(url, block_ms=50, namespace=namespace):
             with anyio.fail_after(30):
-                while not await client.exists(receipt_key(DEFAULT_NAMESPACE, rollout_id)):  # noqa: ASYNC110
+                while not await client.exists(receipt_key(namespace, rollout_id)):  # noqa: ASYNC110
                     await anyio.sleep(0.01)  # until the assembler stored the receipt
     return trees
 
 
-async def _export_by_id(url: str, rollout_id: str) -> list[dict[str, object]]:
+async def _export_by_id(url: str, rollout_id: str, namespace: str = DEFAULT_NAMESPACE) -> list[dict[str, object]]:
     out = io.StringIO()
     async with aioredis.Redis.from_url(url) as client:
-        written = await export_rollouts(client, [rollout_id], out)
+        written = await export_rollouts(client, [rollout_id], out, namespace=namespace)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert written == len(lines)
     return lines
@@ -95,10 +97,9 @@ def test_a_chain_the_reader_skips_is_not_exported_and_is_logged(
     caplog.set_level(logging.WARNING)
     lines = anyio.run(_export_by_id, redis_url, "mc-half")
     assert [(line["chain_index"], line["model_call_ids"]) for line in lines] == [(1, ["b0", "b1", "b2"])]
-    assert any(
-        "mc-half" in record.getMessage() and "chain 0" in record.getMessage() and SkipCode.MISSING_RECORD in
-        record.getMessage() for record in caplog.records
-    ), [record.getMessage() for record in caplog.records]
+    reason = "no staged record for 1 key(s): ['mc-half/a1']"
+    logged = f"export of rollout 'mc-half': chain 0 (root a0) not written: missing_record ({reason})"
+    assert [record.getMessage() for record in caplog.records if record.name == "sink.trainer.export"] == [logged]
     pulled = anyio.run(_pull, redis_url)
     assert lines == _lines_of(pulled) and [skip.chain_index for skip in pulled.chain_skips] == [0]
 
@@ -118,3 +119,30 @@ def test_a_multi_chain_rollout_with_no_healthy_chain_is_refused_and_nothing_is_w
 
     message = anyio.run(export_after_dropping)
     assert "'mc-none'" in message and "mc-none/a0" in message
+
+
+def test_a_multi_chain_rollout_of_another_namespace_is_exported_from_its_own_ledger(redis_url: str) -> None:
+    anyio.run(_publish_two_trees, redis_url, "mc-ns", "other")
+    lines = anyio.run(_export_by_id, redis_url, "mc-ns", "other")
+    assert [(line["chain_index"], line["model_call_ids"]) for line in lines] == [
+        (0, ["a0", "a1"]),
+        (1, ["b0", "b1", "b2"]),
+    ]
+
+
+def test_a_rollout_whose_ledger_was_retired_is_row_unavailable_naming_it(redis_url: str) -> None:
+    anyio.run(_publish_two_trees, redis_url, "mc-retired")
+
+    async def retire_then_export() -> str:
+        async with RedisCaptureLedger.from_url(redis_url) as ledger:
+            assert (await ledger.retire(["mc-retired"])).removed == ["mc-retired"]
+        out = io.StringIO()
+        async with aioredis.Redis.from_url(redis_url) as client:
+            with pytest.raises(RowUnavailableError) as info:
+                await export_rollouts(client, ["mc-retired"], out)
+        assert out.getvalue() == ""
+        return str(info.value)
+
+    message = anyio.run(retire_then_export)
+    assert "'mc-retired'" in message and "retired" in message
+

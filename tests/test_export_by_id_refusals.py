@@ -70,3 +70,20 @@ async def test_an_invalid_rollout_id_or_a_single_str_is_refused_naming_it(redis_
             await export_rollouts(client, "ok-0", io.StringIO())
     assert "'bad id'" in str(bad_id.value)
     assert "single str" in str(single.value)
+
+
+@pytest.mark.anyio
+async def test_a_corrupt_staged_record_is_a_codec_error_naming_the_rollout_and_nothing_is_written(
+    redis_url: str,
+) -> None:
+    staged = await publish(redis_url, ["ok-0", "torn-rec-0"], calls=2)
+    key = record_key(DEFAULT_NAMESPACE, staged["torn-rec-0"].staging_keys[1])
+    out = io.StringIO()
+    async with aioredis.Redis.from_url(redis_url) as client:
+        blob = await client.get(key)
+        assert isinstance(blob, bytes)
+        await client.set(key, blob[: len(blob) // 2])
+        with pytest.raises(CodecError) as info:
+            await export_rollouts(client, ["ok-0", "torn-rec-0"], out)
+    assert "'torn-rec-0'" in str(info.value) and "corrupt" in str(info.value)
+    assert out.getvalue() == ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sink.contract.chains import ChainPolicy
 from sink.contract.records import CaptureLedgerCommit, StagedCallRecord
+from sink.keys import DEFAULT_NAMESPACE
 from sink.ledger.redis import RedisCaptureLedger
 from sink.store.sink import AsyncRedisStagingSink
 from tests.helpers.e2e import call_record_of
@@ -25,10 +26,16 @@ def chain_tree(rollout_id: str, root_id: str, *children: tuple[str, str]) -> lis
     return list(records.values())
 
 
-async def stage_two_trees(url: str, rollout_id: str, policy: ChainPolicy) -> list[list[StagedCallRecord]]:
-    """Stage two trees under *policy*: ``a0 <- a1`` and ``b0 <- b1 <- b2``, each call committed to the ledger."""
+async def stage_two_trees(
+    url: str, rollout_id: str, policy: ChainPolicy, *, namespace: str = DEFAULT_NAMESPACE
+) -> list[list[StagedCallRecord]]:
+    """Stage two trees under *policy* in *namespace*: ``a0 <- a1`` and ``b0 <- b1 <- b2``, each call committed to
+    the ledger."""
     trees = [chain_tree(rollout_id, "a0", ("a1", "a0")), chain_tree(rollout_id, "b0", ("b1", "b0"), ("b2", "b1"))]
-    async with AsyncRedisStagingSink.from_url(url) as sink, RedisCaptureLedger.from_url(url) as ledger:
+    async with (
+        AsyncRedisStagingSink.from_url(url, namespace=namespace) as sink,
+        RedisCaptureLedger.from_url(url, namespace=namespace) as ledger,
+    ):
         await ledger.record_chain_policy(rollout_id, policy)
         admitted = 0.0
         for tree in trees:
