@@ -9,6 +9,7 @@ servers; each outage is a killed server, and every wait is on a printed line.
 
 from __future__ import annotations
 
+import logging
 import signal
 
 import anyio
@@ -40,7 +41,10 @@ async def _prune_both_ways(url: str) -> tuple[dict[str, object], dict[str, objec
 
 
 @pytest.mark.anyio
-async def test_a_rollout_with_a_malformed_gym_state_is_left_alone_and_the_pass_goes_on(redis_url: str) -> None:
+async def test_a_rollout_with_a_malformed_gym_state_is_left_alone_and_the_pass_goes_on(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="sink.ops.prune")
     await stage_rollouts(redis_url, ["a-stale", "z-stale"], calls=1)
     state = gym_keys("stg", "m-bad")[0]
     async with aioredis.Redis.from_url(redis_url) as client:
@@ -54,6 +58,8 @@ async def test_a_rollout_with_a_malformed_gym_state_is_left_alone_and_the_pass_g
         assert report["skipped"] == {"m-bad": reason}, report
         assert report["rollouts_seen"] == 3
     assert after == before == {state: ("hash", -1, 2)}
+    logged = [record.getMessage() for record in caplog.records if record.name == "sink.ops.prune"]
+    assert logged == [f"prune: m-bad left alone: {reason}"] * 2  # the dry run's and the pass's
 
 
 @pytest.mark.anyio
