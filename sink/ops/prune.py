@@ -19,7 +19,7 @@ key                                       removed by
 ========================================  =============================================================
 
 **Abandonment.** A rollout with staged records, a ledger or NeMo Gym transport keys but no receipt, whose last
-``calls`` or ledger entry (or Gym transport write, ``touched_ms``) is older than ``abandon_after_s``, never
+``calls`` or ledger entry (or Gym transport write, ``touched_ms``) is at least ``abandon_after_s`` old, never
 finished (or its Gym snapshot was never dropped): its records, ``calls`` stream, ledger, Gym keys and claim are
 deleted and its fence set (expiring after ``retention_s``) in one ``MULTI`` guarded by ``WATCH`` (a write in
 between leaves it alone), and a failure is recorded on ``ns:dead:abandoned`` and counted
