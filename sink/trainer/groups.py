@@ -33,11 +33,9 @@ with that many; else sealed at the timeout), with a ``group_size_mismatch`` warn
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import anyio
 
@@ -47,8 +45,9 @@ from sink.rollout.done_event import GroupTag
 from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import map_redis_errors, reply_text
 from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
-from sink.trainer.pulled import PulledRollout, SkippedRollout
+from sink.trainer.pulled import PulledRollout, RolloutGroup, SkippedRollout
 from sink.trainer.reader import RolloutReader
+from sink.trainer.statistics import GroupStatistics
 
 __all__ = ("GROUP_SIZE_MISMATCH", "LATE_MEMBER", "GroupReader", "GroupStatistics", "RolloutGroup")
 
@@ -62,58 +61,6 @@ GROUP_TIMEOUT = "group_timeout"
 """``dead_code`` on ``ns:dead:groups``: incomplete at ``group_timeout_s`` under ``group_timeout_policy="dead_letter"``."""
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class RolloutGroup:
-    """One delivered group: its trainable ``members`` (by rollout id), the ``failed`` ones, and reward statistics
-    over the members (``NaN`` when no member has a reward). ``complete``: every member arrived."""
-
-    group_id: str | None
-    group_size: int
-    members: tuple[PulledRollout, ...]
-    failed: tuple[SkippedRollout, ...]
-    complete: bool
-    reward_mean: float = field(init=False)
-    reward_std: float = field(init=False)
-    reward_min: float = field(init=False)
-    reward_max: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        rewards = [m.receipt.reward for m in self.members if m.receipt.reward is not None]
-        mean = math.fsum(rewards) / len(rewards) if rewards else math.nan
-        std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else math.nan
-        object.__setattr__(self, "reward_mean", mean)
-        object.__setattr__(self, "reward_std", std)
-        object.__setattr__(self, "reward_min", min(rewards) if rewards else math.nan)
-        object.__setattr__(self, "reward_max", max(rewards) if rewards else math.nan)
-
-    @property
-    def rollout_ids(self) -> tuple[str, ...]:
-        """The trainable members' ids (acknowledge them with :meth:`GroupReader.ack_groups`)."""
-        return tuple(m.rollout_id for m in self.members)
-
-    def __repr__(self) -> str:
-        return (
-            f"<RolloutGroup {self.group_id!r} members={len(self.members)}/{self.group_size} "
-            f"failed={len(self.failed)} complete={self.complete} reward_mean={self.reward_mean:.4g}>"
-        )
-
-
-class GroupStatistics(NamedTuple):
-    """Counters of one :class:`GroupReader`: groups delivered (``partial``: sealed at the timeout), dropped by
-    ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups this rank holds
-    members of, not complete; ``late``: members after their group went out (:data:`LATE_MEMBER`);
-    ``size_mismatches``: groups whose members disagreed on ``group_size``."""
-
-    delivered: int
-    partial: int
-    dropped: int
-    dead_lettered: int
-    handed_over: int
-    waiting: int
-    late: int = 0
-    size_mismatches: int = 0
-
-
 class GroupReader:
     """Delivers whole GRPO groups over a :class:`~sink.trainer.reader.RolloutReader` (borrowed; open it first)."""
 
@@ -125,6 +72,11 @@ class GroupReader:
         self._watched: dict[str, GroupTag] = {}
         # This pull's rollouts: a group completed by one of them may include others not gathered yet.
         self._fresh: dict[str, PulledRollout] = {}
+        # A pull a refused write (or a lost connection) interrupted: what it had settled and not returned yet, the
+        # rollouts it had pulled and not gathered yet, and the groups it was owning: the next pull goes on with them.
+        self._ready: list[RolloutGroup] = []
+        self._backlog: list[PulledRollout] = []
+        self._owning: dict[str, tuple[GroupTag, Sequence[object], bool]] = {}
         self._counts = dict.fromkeys(("delivered", "partial", "dropped", "dead", "handed", "late", "mismatch"), 0)
         self._unclosed: set[str | None] = set()  # acknowledged groups whose close was not confirmed yet
         self._owner = f"{reader.consumer_name}/{secrets.token_hex(4)}"  # a restart under the same name: a new owner
@@ -148,19 +100,24 @@ class GroupReader:
         :raises ValueError: as :meth:`RolloutReader.pull`.
         :raises StagingConnectionError: the server could not be reached.
         """
-        delivered: list[RolloutGroup] = []
-        for group_id in list(self._unsettled):  # a refused write interrupted them: settle them first
-            delivered += await self._settle(group_id)
-        delivered += await self._check_watched()
-        pulled = await self._reader.pull(max_rollouts, block_ms=block_ms)
-        self._fresh = {item.rollout_id: item for item in pulled if item.trainable}
-        for item in pulled:
+        # An interrupted pull left work behind (see __init__): finish it first, each step safe to redo.
+        self._fresh = {item.rollout_id: item for item in self._backlog if item.trainable}
+        for tag, reply, complete in list(self._owning.values()):
+            self._ready += await self._own(tag, reply, complete=complete)
+        for group_id in list(self._unsettled):
+            self._ready += await self._settle(group_id)
+        await self._check_watched()
+        if not self._backlog:
+            self._backlog = list(await self._reader.pull(max_rollouts, block_ms=block_ms))
+            self._fresh = {item.rollout_id: item for item in self._backlog if item.trainable}
+        while self._backlog:
+            item = self._backlog[0]
             if item.group is None:
-                delivered.append(await self._solo(item))
-                continue
-            group = await self._gather(item)
-            if group is not None:
-                delivered += group
+                self._ready.append(await self._solo(item))
+            else:
+                self._ready += await self._gather(item) or []
+            self._backlog.pop(0)  # gathered: not again
+        delivered, self._ready = self._ready, []
         return delivered
 
     async def ack_groups(self, groups: Iterable[RolloutGroup]) -> None:
@@ -217,11 +174,11 @@ class GroupReader:
         state = GroupStatus(int(reply[0]))
         if state == GroupStatus.LATE:
             await self._record_dead(tag, [item.rollout_id], [], LATE_MEMBER, "arrived after its group went out")
-            await self._reader.ack([item.rollout_id])
+            await self._ack_held([item.rollout_id])
             self._counts["late"] += 1
             return None
         if not item.trainable:
-            await self._reader.ack([item.rollout_id])  # recorded with its code; nothing to train on
+            await self._ack_held([item.rollout_id])  # recorded with its code; nothing to train on
         elif state in (GroupStatus.WAIT, GroupStatus.COMPLETE):
             self._parked.setdefault(tag.group_id, {})[item.rollout_id] = item
         if state == GroupStatus.TAKEN:
@@ -234,8 +191,13 @@ class GroupReader:
             return await self._own(tag, reply[1:], complete=True)
         return None  # OWNED: delivered by this rank already
 
-    async def _check_watched(self) -> list[RolloutGroup]:
-        """Check every group this rank waits on (the scripts run concurrently), then act on each state."""
+    async def _ack_held(self, rollout_ids: list[str]) -> None:
+        """Acknowledge those of *rollout_ids* this rank still holds (a step redone after a refused write)."""
+        await self._reader.ack([rollout_id for rollout_id in rollout_ids if self._reader.holds(rollout_id)])
+
+    async def _check_watched(self) -> None:
+        """Check every group this rank waits on (the scripts run concurrently), then act on each state: the groups
+        it comes to own go to ``_ready``."""
         watched = list(self._watched.items())
         replies: list[Any] = [None] * len(watched)
         limiter = anyio.CapacityLimiter(self._settings.fetch_concurrency)
@@ -254,7 +216,6 @@ class GroupReader:
         if any(GroupStatus(int(reply[0])) in (GroupStatus.COMPLETE, GroupStatus.SEALED) for reply in replies):
             # About to own a group: the heartbeat finds a parked member taken over meanwhile, so it is claimed back.
             await self._reader.heartbeat()
-        delivered: list[RolloutGroup] = []
         for (group_id, tag), reply in zip(watched, replies, strict=True):
             state = GroupStatus(int(reply[0]))
             if state == GroupStatus.WAIT:
@@ -263,8 +224,7 @@ class GroupReader:
             if state in (GroupStatus.TAKEN, GroupStatus.GONE):
                 self._hand_over(group_id, list(self._parked.pop(group_id, {})))
             elif state in (GroupStatus.COMPLETE, GroupStatus.SEALED):
-                delivered += await self._own(tag, reply[1:], complete=state == GroupStatus.COMPLETE)
-        return delivered
+                self._ready += await self._own(tag, reply[1:], complete=state == GroupStatus.COMPLETE)
 
     def _hand_over(self, group_id: str, rollout_ids: list[str]) -> None:
         """Another rank owns the group: let go of our members without acknowledging them."""
@@ -281,18 +241,18 @@ class GroupReader:
         """This rank owns the group: collect every member (taking over the other ranks'), then deliver.
 
         *reply*: the group's size (the largest announced), whether sizes disagreed, then its members record.
+        Until the group is handed to :meth:`_finish` it stays in ``_owning`` with its members parked (those taken
+        over too): a refused write or a lost connection on the way leaves it there for the next pull to own again.
         """
         self._watched.pop(tag.group_id, None)
+        self._owning[tag.group_id] = (tag, reply, complete)
         announced = int(reply_text(reply[0], "group size"))
         mismatch, flat = reply_text(reply[1], "group size mismatch") == "1", reply[2:]
-        if mismatch:
-            self._counts["mismatch"] += 1
-            text = "%s: members of group %r announced different group_size values; using the largest, %d"
-            logger.warning(text, GROUP_SIZE_MISMATCH, tag.group_id, announced)
         tag = GroupTag(tag.group_id, announced)
-        local = self._parked.pop(tag.group_id, {})
+        local = self._parked.setdefault(tag.group_id, {})
         members: dict[str, PulledRollout] = {}
         failed: list[SkippedRollout] = []
+        skipped: list[str] = []  # taken over, cannot be trained: acknowledged here
         tokens: dict[str, str] = {}
         for index in range(0, len(flat), 2):
             rollout_id, (kind, first, second) = (
@@ -301,31 +261,41 @@ class GroupReader:
             )
             if kind == "skip":
                 failed.append(SkippedRollout(rollout_id, first, second))
+            elif (taken := local.get(rollout_id)) is not None and not taken.trainable:  # an interrupted owning's
+                failed.append(taken.skipped())
+                skipped.append(rollout_id)
             elif (mine := local.get(rollout_id) or self._fresh.get(rollout_id)) and self._reader.holds(rollout_id):
                 members[rollout_id] = mine
             else:
                 tokens[rollout_id] = first
-        skipped: list[str] = []
         for item in await self._reader.take_over(list(tokens.values())) if tokens else []:
+            local[item.rollout_id] = item  # parked until the group is finished, trainable or not
             if item.trainable:
                 members[item.rollout_id] = item
             else:
                 failed.append(item.skipped())
                 skipped.append(item.rollout_id)
         if skipped:
-            await self._reader.ack(skipped)  # one ack for every member taken over that cannot be trained
+            await self._ack_held(skipped)  # one ack for every member taken over that cannot be trained
         for rollout_id in tokens:
             if rollout_id not in members and all(f.rollout_id != rollout_id for f in failed):
                 failed.append(SkippedRollout(rollout_id, SkipCode.MEMBER_UNAVAILABLE, "its receipt entry was gone"))
+        if mismatch:
+            self._counts["mismatch"] += 1
+            text = "%s: members of group %r announced different group_size values; using the largest, %d"
+            logger.warning(text, GROUP_SIZE_MISMATCH, tag.group_id, announced)
+        self._owning.pop(tag.group_id, None)
+        self._parked.pop(tag.group_id, None)
         ordered = [members[rollout_id] for rollout_id in sorted(members)]
         return await self._finish(tag, ordered, failed, complete=complete)
 
     async def _solo(self, item: PulledRollout) -> RolloutGroup:
         """A rollout without a group, as a group of one (a skipped one is acknowledged here and listed failed)."""
+        if not item.trainable:
+            await self._ack_held([item.rollout_id])
         self._counts["delivered"] += 1
         if item.trainable:
             return RolloutGroup(None, 1, (item,), (), True)
-        await self._reader.ack([item.rollout_id])
         return RolloutGroup(None, 1, (), (item.skipped(),), True)
 
     async def _finish(

@@ -1,10 +1,11 @@
-"""A trainer reader's counters (:meth:`~sink.trainer.reader.RolloutReader.statistics`)."""
+"""The trainer readers' counters (:meth:`~sink.trainer.reader.RolloutReader.statistics`,
+:meth:`~sink.trainer.groups.GroupReader.statistics`)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ("ReaderStatistics",)
+__all__ = ("GroupStatistics", "ReaderStatistics")
 
 
 class ReaderStatistics(NamedTuple):
@@ -26,3 +27,19 @@ class ReaderStatistics(NamedTuple):
     double_deliveries: int = 0
     """Rollouts this reader claimed from an entry delivered before (another rank, or this one before a
     restart, may have trained them too)."""
+
+
+class GroupStatistics(NamedTuple):
+    """Counters of one :class:`~sink.trainer.groups.GroupReader`: groups delivered (``partial``: sealed at the timeout), dropped by
+    ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups this rank holds
+    members of, not complete; ``late``: members after their group went out (:data:`~sink.trainer.groups.LATE_MEMBER`);
+    ``size_mismatches``: groups whose members disagreed on ``group_size``."""
+
+    delivered: int
+    partial: int
+    dropped: int
+    dead_lettered: int
+    handed_over: int
+    waiting: int
+    late: int = 0
+    size_mismatches: int = 0
