@@ -10,13 +10,11 @@ from typing import Any
 
 import httpx
 import openai
-import orjson
 import pytest
 
 from sink.contract.records import WORKER_CAPTURE_FAILED_REASON, RolloutManifest
 from sink.server import DurableServer
-from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, proxy_config
-from worker.asgi import Receive, Scope, Send, read_body, send_body
+from tests.helpers.proxy import SYSTEM, client_for, close_clients, fixed_upstream, manifest, proxy_config
 from worker.proxy.app import ProxyApp, build_proxy
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
@@ -49,18 +47,6 @@ def _failures(redis_url: str, rollout_id: str) -> list[str]:
     return [failure.reason for failure in manifest(redis_url, rollout_id).failures]
 
 
-def _fixed_upstream(payload: dict[str, Any]) -> Any:
-    """An upstream that answers every POST with *payload*."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        await read_body(receive)
-        await send_body(send, 200, orjson.dumps(payload))
-
-    return app
-
-
 MALFORMED = {
     "id": "chatcmpl-bad",
     "object": "chat.completion",
@@ -81,7 +67,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("fail_closed", [False, True], ids=["fail-open", "fail-closed"])
 def test_malformed_payload(redis_url: str, fail_closed: bool, caplog: pytest.LogCaptureFixture) -> None:
-    with running_server(_fixed_upstream(MALFORMED)) as upstream:
+    with running_server(fixed_upstream(MALFORMED)) as upstream:
         proxy = build_proxy(proxy_config(redis_url, upstream, fail_closed=fail_closed))
         with running_server(proxy) as url:
             if fail_closed:

@@ -13,12 +13,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.helpers.proxy import SYSTEM, manifest, proxy_config
-from worker.asgi import Receive, Scope, Send
+from tests.helpers.proxy import SYSTEM, RecordingEngine, manifest, proxy_config
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 BODY: dict[str, Any] = {
     "model": "simulated",
@@ -26,19 +23,6 @@ BODY: dict[str, Any] = {
     "max_tokens": 4,
     "min_tokens": 2,
 }
-
-
-class RecordingEngine:
-    """The simulated engine, recording the path of every HTTP request it receives."""
-
-    def __init__(self) -> None:
-        self.app = EngineApp(EngineOptions(seed=3))
-        self.paths: list[str] = []
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            self.paths.append(scope["path"])
-        await self.app(scope, receive, send)
 
 
 def _raw_post(base: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:

@@ -177,6 +177,35 @@ def test_cut_continuation_equals_an_uninterrupted_generation(current: int) -> No
     assert staged.token_mask_delta.count(1.0) == TOTAL
 
 
+def test_a_cut_continuation_whose_parent_the_sequence_cache_holds_equals_an_uninterrupted_generation() -> None:
+    """The re-issued attempt's capture staged the same root itself, so its sequence cache proves the prompt's head:
+    the continuation's record, hashes included, is still the uninterrupted generation's."""
+    ck = checkpoint()
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: WEIGHTS)
+    (root_record,) = ck.store.fetch([ck.root.staging_key or ""])
+    generated = 12  # the root's generation in checkpoint()
+    root = capture.complete_call(
+        capture.begin_call(CaptureAdmission(rollout_id="r1-a1", model_call_id="c1", mode="text")),
+        prompt_token_ids=ck.root_full[:-generated],
+        generated_token_ids=ck.root_full[-generated:],
+        generated_logprobs=root_record.generation_log_probs_delta[-generated:],
+    )
+    assert root.chain_hash == ck.root.chain_hash
+    admission = child_admission("r1-a1", "c2b", root, ck.root_full, ck.continuation)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    call = capture.begin_call(
+        admission, generation_cut=snapshot, generation_cut_staging_keys=ck.continuation.staging_keys
+    )
+    ids, lps = ck.generation.token_ids, ck.generation.logprobs
+    coords = capture.complete_call(
+        call,
+        prompt_token_ids=plan_cut_continuation(call).prompt_token_ids,
+        generated_token_ids=ids[CHUNK_END:],
+        generated_logprobs=lps[CHUNK_END:],
+    )
+    assert coords.model_dump() == uninterrupted(ck, WEIGHTS).model_dump()
+
+
 def test_by_reference_admission_rebuilds_with_the_resolved_prefix() -> None:
     ck = checkpoint()
     admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation, by_reference=True)

@@ -7,6 +7,7 @@ from typing import Any
 import anyio
 import httpx
 import openai
+import orjson
 
 from sink.contract.records import RolloutManifest
 from sink.ledger.redis import RedisCaptureLedger
@@ -14,15 +15,19 @@ from sink.settings import ProxySettings
 from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler
+from worker.asgi import ASGIApp, Receive, Scope, Send, read_body, send_body
 from worker.simulated.engine import IM_END
 from worker.simulated.http_app import EngineApp
+from worker.simulated.options import EngineOptions
 
 __all__ = (
     "SYSTEM",
+    "RecordingEngine",
     "client_for",
     "close_clients",
     "expected_ids",
     "finish",
+    "fixed_upstream",
     "manifest",
     "proxy_config",
     "pull",
@@ -30,6 +35,33 @@ __all__ = (
 )
 
 SYSTEM = {"role": "system", "content": "You are a careful agent."}
+
+
+class RecordingEngine:
+    """The simulated engine, recording every HTTP request it receives: its path, and its whole ASGI scope."""
+
+    def __init__(self) -> None:
+        self.app = EngineApp(EngineOptions(seed=3))
+        self.paths: list[str] = []
+        self.scopes: list[Scope] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+            self.scopes.append(scope)
+        await self.app(scope, receive, send)
+
+
+def fixed_upstream(payload: dict[str, Any]) -> ASGIApp:
+    """An upstream that answers every POST with *payload*, whatever the body (it never parses it)."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await read_body(receive)
+        await send_body(send, 200, orjson.dumps(payload))
+
+    return app
 
 
 def proxy_config(redis_url: str, upstream: str, **fields: Any) -> ProxySettings:
