@@ -18,9 +18,10 @@ import redis.asyncio as aioredis
 
 from sink.contract.skip_codes import SkipCode
 from sink.errors import NotDurableError
-from sink.keys import dead_letter_stream, group_keys, record_key
+from sink.keys import dead_letter_stream, group_keys
 from sink.trainer.groups import LATE_MEMBER, GroupReader, RolloutGroup
 from sink.trainer.reader import RolloutReader
+from tests.helpers.group_members import lose_root_records, pull_until_settled
 from tests.helpers.trainer import publish, publish_groups
 
 pytestmark = pytest.mark.anyio
@@ -35,31 +36,14 @@ async def _dead_groups(url: str) -> list[dict[str, str]]:
         return [{str(k): str(v) for k, v in (fields or {}).items()} for _id, fields in entries]
 
 
-async def _lose_records(url: str, rollout_ids: list[str]) -> None:
-    """Delete each rollout's root record: the reader reports it skipped with ``missing_record``."""
-    async with aioredis.Redis.from_url(url) as client:
-        assert await client.delete(*(record_key(NS, f"{rollout_id}/c0") for rollout_id in rollout_ids)) == len(
-            rollout_ids
-        )
-
-
-async def _pull_until_settled(groups: GroupReader, pulled: int, *, timeout_s: float = 20.0) -> list[RolloutGroup]:
-    """Pull until *pulled* rollouts came in and no group waits any more (sealed at its timeout or delivered)."""
-    delivered: list[RolloutGroup] = []
-    with anyio.fail_after(timeout_s):
-        while groups.reader.statistics().pulled < pulled or groups.statistics().waiting:
-            delivered += await groups.pull_groups(4, block_ms=50)
-    return delivered
-
-
 async def test_a_timed_out_group_is_recorded_with_every_field_and_its_members_acknowledged(redis_url: str) -> None:
     # "hurt" announces 5 members; 4 arrive, 2 of them untrainable. "short" announces 2; 1 arrives.
     await publish_groups(redis_url, {"hurt": ["d-0", "d-1", "d-2", "d-3"]}, size=5, receipt_shards=1)
     await publish_groups(redis_url, {"short": ["e-0"]}, size=2, receipt_shards=1)
-    await _lose_records(redis_url, ["d-1", "d-3"])
+    await lose_root_records(redis_url, ["d-1", "d-3"])
     async with RolloutReader.from_url(redis_url, consumer_name="rank-dl", **DEAD_LETTER) as reader:
         groups = GroupReader(reader)
-        assert await _pull_until_settled(groups, 5) == []
+        assert await pull_until_settled(groups, 5) == []
         assert groups.statistics().dead_lettered == 2  # one per group, counted up
         assert groups.statistics().delivered == 0 and groups.statistics().dropped == 0
         assert await reader.pending() == 0 and reader.statistics().held == 0  # every member acknowledged
@@ -163,7 +147,7 @@ async def test_a_refused_dead_letter_acknowledges_nothing_and_the_next_pull_fini
 
 async def test_a_refused_close_of_a_group_with_nothing_to_train_is_finished_by_the_next_pull(redis_url: str) -> None:
     await publish_groups(redis_url, {"gone": ["g-0"]}, size=2, receipt_shards=1)
-    await _lose_records(redis_url, ["g-0"])
+    await lose_root_records(redis_url, ["g-0"])
     options = {**DEAD_LETTER, "group_timeout_policy": "partial"}
     async with RolloutReader.from_url(redis_url, consumer_name="rank-gone", **options) as reader:
         groups = GroupReader(reader)

@@ -13,37 +13,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import pytest
 import redis.asyncio as aioredis
 
 from sink.contract.skip_codes import SkipCode
-from sink.keys import group_keys, record_key
-from sink.trainer.groups import GroupReader, RolloutGroup
+from sink.keys import group_keys
+from sink.trainer.groups import GroupReader
 from sink.trainer.reader import RolloutReader
+from tests.helpers.group_members import lose_root_records, pull_until_settled
 from tests.helpers.trainer import publish, publish_groups
 
 pytestmark = pytest.mark.anyio
 
 NS = "stg"
 ONE_SHARD: dict[str, Any] = {"receipt_shards": 1}
-
-
-async def _lose_records(url: str, rollout_ids: list[str]) -> None:
-    """Delete each rollout's root record: the reader reports it skipped with ``missing_record``."""
-    async with aioredis.Redis.from_url(url) as client:
-        assert await client.delete(*(record_key(NS, f"{rollout_id}/c0") for rollout_id in rollout_ids)) == len(
-            rollout_ids
-        )
-
-
-async def _pull_until_settled(groups: GroupReader, pulled: int, *, timeout_s: float = 20.0) -> list[RolloutGroup]:
-    """Pull until *pulled* rollouts came in and no group waits any more."""
-    delivered: list[RolloutGroup] = []
-    with anyio.fail_after(timeout_s):
-        while groups.reader.statistics().pulled < pulled or groups.statistics().waiting:
-            delivered += await groups.pull_groups(4, block_ms=50)
-    return delivered
 
 
 async def _closed(url: str, group_ids: list[str]) -> list[bool]:
@@ -55,7 +38,7 @@ async def test_a_rollout_without_a_group_is_a_complete_group_of_one_with_nothing
     await publish(redis_url, ["alone"], **ONE_SHARD)
     async with RolloutReader.from_url(redis_url, **ONE_SHARD) as reader:
         groups = GroupReader(reader)
-        (group,) = await _pull_until_settled(groups, 1)
+        (group,) = await pull_until_settled(groups, 1)
         assert group.group_id is None and group.group_size == 1 and group.rollout_ids == ("alone",)
         assert group.failed == () and group.complete is True
         assert reader.holds("alone")  # acknowledged with the group, after the optimizer step
@@ -65,10 +48,10 @@ async def test_a_rollout_without_a_group_is_a_complete_group_of_one_with_nothing
 
 async def test_a_skipped_rollout_without_a_group_is_acknowledged_and_listed_failed(redis_url: str) -> None:
     await publish(redis_url, ["lost"], **ONE_SHARD)
-    await _lose_records(redis_url, ["lost"])
+    await lose_root_records(redis_url, ["lost"])
     async with RolloutReader.from_url(redis_url, **ONE_SHARD) as reader:
         groups = GroupReader(reader)
-        (group,) = await _pull_until_settled(groups, 1)
+        (group,) = await pull_until_settled(groups, 1)
         assert group.group_id is None and group.group_size == 1 and group.members == ()
         assert [(f.rollout_id, f.skip_code) for f in group.failed] == [("lost", SkipCode.MISSING_RECORD)]
         assert group.complete is True and groups.statistics().delivered == 1
@@ -77,10 +60,10 @@ async def test_a_skipped_rollout_without_a_group_is_acknowledged_and_listed_fail
 
 async def test_groups_with_no_trainable_member_are_dropped_closed_and_counted(redis_url: str) -> None:
     await publish_groups(redis_url, {"void-a": ["va-0", "va-1"], "void-b": ["vb-0", "vb-1"]}, **ONE_SHARD)
-    await _lose_records(redis_url, ["va-0", "va-1", "vb-0", "vb-1"])
+    await lose_root_records(redis_url, ["va-0", "va-1", "vb-0", "vb-1"])
     async with RolloutReader.from_url(redis_url, **ONE_SHARD) as reader:
         groups = GroupReader(reader)
-        assert await _pull_until_settled(groups, 4) == []
+        assert await pull_until_settled(groups, 4) == []
         assert groups.statistics().dropped == 2 and groups.statistics().delivered == 0
         assert await reader.pending() == 0 and reader.statistics().held == 0
     assert await _closed(redis_url, ["void-a", "void-b"]) == [True, True]
@@ -88,10 +71,10 @@ async def test_groups_with_no_trainable_member_are_dropped_closed_and_counted(re
 
 async def test_drop_group_counts_every_dropped_group(redis_url: str) -> None:
     await publish_groups(redis_url, {"hurt-a": ["ha-0", "ha-1"], "hurt-b": ["hb-0", "hb-1"]}, **ONE_SHARD)
-    await _lose_records(redis_url, ["ha-1", "hb-0"])
+    await lose_root_records(redis_url, ["ha-1", "hb-0"])
     async with RolloutReader.from_url(redis_url, group_failure_policy="drop_group", **ONE_SHARD) as reader:
         groups = GroupReader(reader)
-        assert await _pull_until_settled(groups, 4) == []
+        assert await pull_until_settled(groups, 4) == []
         assert groups.statistics().dropped == 2 and groups.statistics().delivered == 0
         assert await reader.pending() == 0 and reader.statistics().held == 0  # trainable members acknowledged
     assert await _closed(redis_url, ["hurt-a", "hurt-b"]) == [True, True]
@@ -101,7 +84,7 @@ async def test_partial_groups_are_each_counted(redis_url: str) -> None:
     await publish_groups(redis_url, {"part-a": ["pa-0", "pa-1"], "part-b": ["pb-0", "pb-1"]}, size=3, **ONE_SHARD)
     async with RolloutReader.from_url(redis_url, group_timeout_s=0.3, **ONE_SHARD) as reader:
         groups = GroupReader(reader)
-        delivered = await _pull_until_settled(groups, 4)
+        delivered = await pull_until_settled(groups, 4)
         assert sorted((g.group_id, g.rollout_ids, g.complete) for g in delivered) == [
             ("part-a", ("pa-0", "pa-1"), False),
             ("part-b", ("pb-0", "pb-1"), False),
@@ -125,7 +108,7 @@ async def test_a_closed_groups_tombstone_lasts_its_longest_bound(redis_url: str,
     await publish_groups(redis_url, {"kept": ["k-0"]}, **ONE_SHARD)
     async with RolloutReader.from_url(redis_url, **settings, **ONE_SHARD) as reader:
         groups = GroupReader(reader)
-        delivered = await _pull_until_settled(groups, 1)
+        delivered = await pull_until_settled(groups, 1)
         await groups.ack_groups(delivered)
         async with aioredis.Redis.from_url(redis_url) as client:
             meta, members = group_keys(NS, "kept")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import anyio
 import pytest
@@ -22,6 +21,7 @@ from sink.store.connection import Topology
 from sink.store.pipeline_counters import pipeline_counters
 from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
+from tests.helpers.prune import next_millisecond
 from tests.helpers.replies import raw_entries
 
 
@@ -48,15 +48,6 @@ async def test_ack_gives_the_receipt_and_fence_their_retention(redis_url: str) -
     assert all(0 < ttl <= 30 for ttl in left.values()), left
 
 
-async def _next_millisecond() -> float:
-    """A wall-clock time in a millisecond after every stream entry written so far (entry ids count server
-    milliseconds, on this same clock): waits for the millisecond to turn over."""
-    start_ms = int(time.time() * 1000)
-    while int(time.time() * 1000) <= start_ms:  # noqa: ASYNC110 (the clock is the condition)
-        await anyio.sleep(0.0005)
-    return time.time()
-
-
 @pytest.mark.anyio
 async def test_prune_abandons_only_stale_unfinished_rollouts_and_only_in_its_namespace(redis_url: str) -> None:
     await stage_rollouts(redis_url, ["old", "waiting"], calls=2)
@@ -70,8 +61,8 @@ async def test_prune_abandons_only_stale_unfinished_rollouts_and_only_in_its_nam
                 await anyio.sleep(0.05)
         # The age line falls between "old" and "fresh": ages are counted to a time the test fixes, not to how
         # long the test took (it used to sleep past abandon_after_s and hope "fresh" stayed younger).
-        line_s = await _next_millisecond()
-        await _next_millisecond()
+        line_s = await next_millisecond()
+        await next_millisecond()
         await stage_rollouts(redis_url, ["fresh"], calls=1)
         settings = PruneSettings(abandon_after_s=1.0, retention_s=60)
         now_s = line_s + settings.abandon_after_s
@@ -138,7 +129,7 @@ async def test_prune_on_a_cluster_abandons_across_primaries(cluster: LocalCluste
     ids = [f"prune-c-{index}" for index in range(6)]  # spread over the primaries' slots
     await stage_rollouts(cluster.url, ids, calls=1, cluster=True)
     settings = PruneSettings(abandon_after_s=1.0, retention_s=60, cluster=True)
-    now_s = await _next_millisecond() + settings.abandon_after_s  # every rollout staged before the age line
+    now_s = await next_millisecond() + settings.abandon_after_s  # every rollout staged before the age line
     async with RedisCluster.from_url(cluster.url) as client:
         topology = Topology.borrow(client, settings)
         await topology.initialize()

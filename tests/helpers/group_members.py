@@ -8,11 +8,13 @@ from collections.abc import Mapping
 import anyio
 import redis.asyncio as aioredis
 
+from sink.keys import DEFAULT_NAMESPACE, record_key
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import finished
+from sink.trainer.groups import GroupReader, RolloutGroup
 from tests.helpers.e2e import EventCounter, running_assembler, stage_rollouts
 
-__all__ = ("publish_members",)
+__all__ = ("lose_root_records", "publish_members", "pull_until_settled")
 
 
 async def publish_members(
@@ -44,3 +46,20 @@ async def publish_members(
     async with running_assembler(url, before_ack=published, block_ms=50, receipt_shards=1):
         with anyio.fail_after(30):
             await published.reached.wait()
+
+
+async def lose_root_records(url: str, rollout_ids: list[str]) -> None:
+    """Delete each rollout's root record: the reader reports it skipped with ``missing_record``."""
+    async with aioredis.Redis.from_url(url) as client:
+        assert await client.delete(*(record_key(DEFAULT_NAMESPACE, f"{rollout_id}/c0") for rollout_id in rollout_ids)) == len(
+            rollout_ids
+        )
+
+
+async def pull_until_settled(groups: GroupReader, pulled: int, *, timeout_s: float = 20.0) -> list[RolloutGroup]:
+    """Pull until *pulled* rollouts came in and no group waits any more."""
+    delivered: list[RolloutGroup] = []
+    with anyio.fail_after(timeout_s):
+        while groups.reader.statistics().pulled < pulled or groups.statistics().waiting:
+            delivered += await groups.pull_groups(4, block_ms=50)
+    return delivered
