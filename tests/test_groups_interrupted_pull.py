@@ -8,13 +8,15 @@ none stays held by the rank forever (pending, never delivered, never acknowledge
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import redis.asyncio as aioredis
 
 from sink.contract.skip_codes import SkipCode
 from sink.errors import NotDurableError
-from sink.keys import record_key
+from sink.keys import group_keys, record_key
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.reader import RolloutReader
 from tests.helpers.group_members import publish_members
@@ -28,6 +30,11 @@ async def _set_appendfsync(url: str, value: str) -> None:
     """``everysec``: the session server stops confirming writes durable (the ``redis_url`` fixture restores it)."""
     async with aioredis.Redis.from_url(url) as client:
         await client.config_set("appendfsync", value)
+
+
+def _assert_nothing_in_hand(groups: GroupReader) -> None:
+    """No work of an interrupted pull is left, and no delivered group's members stay parked (white box)."""
+    assert (groups._ready, groups._backlog, groups._owning, groups._unsettled, groups._parked) == ([], [], {}, {}, {})
 
 
 async def _pull_until(groups: GroupReader, pulled: int) -> list[RolloutGroup]:
@@ -46,7 +53,8 @@ async def test_rollouts_around_a_refused_late_member_dead_letter_come_out_of_the
         (first,) = await _pull_until(groups, 1)
         await groups.ack_groups([first])  # the group is closed: a member after it is late
         # One pull takes all three: a rollout of no group, the late member, another rollout of no group.
-        await publish_members(redis_url, {"solo-0": None, "late-g-1": ("late-g", 1), "solo-1": None})
+        for member in ({"solo-0": None}, {"late-g-1": ("late-g", 1)}, {"solo-1": None}):  # in this order
+            await publish_members(redis_url, member)
         await _set_appendfsync(redis_url, "everysec")
         with anyio.fail_after(20), pytest.raises(NotDurableError):  # the late member's dead letter is refused
             while True:
@@ -58,6 +66,7 @@ async def test_rollouts_around_a_refused_late_member_dead_letter_come_out_of_the
         assert groups.statistics().late == 1
         await groups.ack_groups(delivered)
         assert await reader.pending() == 0 and reader.held_rollouts == ()
+        _assert_nothing_in_hand(groups)
 
 
 async def test_a_group_whose_owning_was_refused_is_delivered_by_the_next_pull(redis_url: str) -> None:
@@ -70,14 +79,17 @@ async def test_a_group_whose_owning_was_refused_is_delivered_by_the_next_pull(re
         assert await _pull_until(first, 1) == []  # t-0 parked on rank-0
         async with aioredis.Redis.from_url(redis_url) as client:
             assert await client.delete(record_key(NS, "t-0/c0")) == 1  # taken over, it cannot be trained
+        await publish_members(redis_url, {"solo-t": None})  # before t-1 on the stream
         await publish_members(redis_url, {"t-1": ("t", 2)})
         await _set_appendfsync(redis_url, "everysec")
-        # rank-1 completes the group, takes t-0 over and must acknowledge it (untrainable): refused.
+        # rank-1 delivers solo-t, completes the group, takes t-0 over and must acknowledge it (untrainable): refused.
         with anyio.fail_after(20), pytest.raises(NotDurableError):
             while True:
                 assert await second.pull_groups(4, block_ms=50) == []
         await _set_appendfsync(redis_url, "always")
-        (group,) = await second.pull_groups(4)
+        solo, group = await second.pull_groups(4)
+        assert solo.rollout_ids == ("solo-t",) and solo.group_id is None
+        await second.ack_groups([solo])
         assert group.rollout_ids == ("t-1",) and group.complete
         assert [(f.rollout_id, f.skip_code) for f in group.failed] == [("t-0", SkipCode.MISSING_RECORD)]
         await second.ack_groups([group])
@@ -85,3 +97,33 @@ async def test_a_group_whose_owning_was_refused_is_delivered_by_the_next_pull(re
         assert await first.pull_groups(4) == [] and rank0.held_rollouts == ()
         assert await rank1.pending() == 0 and rank1.held_rollouts == ()
         assert await rank0.pending() == 0
+        _assert_nothing_in_hand(first)
+        _assert_nothing_in_hand(second)
+
+
+async def test_what_an_interrupted_pull_delivered_outlives_a_refused_dead_letter_of_the_next(redis_url: str) -> None:
+    await publish_members(redis_url, {"late-w-0": ("late-w", 1)})
+    options: dict[str, Any] = {"receipt_shards": 1, "group_timeout_s": 60.0, "group_timeout_policy": "dead_letter"}
+    async with RolloutReader.from_url(redis_url, consumer_name="rank-0", **options) as reader:
+        groups = GroupReader(reader)
+        (closed,) = await _pull_until(groups, 1)
+        await groups.ack_groups([closed])
+        await publish_members(redis_url, {"w-0": ("w", 2)})
+        assert await _pull_until(groups, 2) == [] and groups.statistics().waiting == 1
+        await publish_members(redis_url, {"solo-w": None})  # before the late member on the stream
+        await publish_members(redis_url, {"late-w-1": ("late-w", 1)})
+        await _set_appendfsync(redis_url, "everysec")
+        with anyio.fail_after(20), pytest.raises(NotDurableError):  # solo-w delivered, the late member refused
+            while True:
+                assert await groups.pull_groups(4, block_ms=50) == []
+        async with aioredis.Redis.from_url(redis_url) as client:  # w is past its timeout now (its clock moved back)
+            await client.hincrby(group_keys(NS, "w")[0], "first_at", -120_000)
+        with pytest.raises(NotDurableError):  # w sealed: its dead letter is refused
+            await groups.pull_groups(4)
+        await _set_appendfsync(redis_url, "always")
+        delivered = await groups.pull_groups(4)
+        assert [group.rollout_ids for group in delivered] == [("solo-w",)]
+        assert groups.statistics().dead_lettered == 1 and groups.statistics().late == 1
+        await groups.ack_groups(delivered)
+        assert await reader.pending() == 0 and reader.held_rollouts == ()
+        _assert_nothing_in_hand(groups)

@@ -27,7 +27,8 @@ async def publish_members(
 ) -> None:
     """Stage *members* (rollout id -> ``(group_id, group_size)`` or ``None`` for no group), record *failures*
     (rollout id -> reason) on their ledgers, finish each with its reward (default 1.0) and publish the receipts on
-    one receipts stream (``receipt_shards=1``), in the order given."""
+    one receipts stream (``receipt_shards=1``). The assembler may publish them in any order: to order receipts on
+    the stream, publish them in separate calls."""
     staged = await stage_rollouts(url, list(members), calls=calls)
     if failures:
         async with RedisCaptureLedger.from_url(url) as ledger:
@@ -51,9 +52,8 @@ async def publish_members(
 async def lose_root_records(url: str, rollout_ids: list[str]) -> None:
     """Delete each rollout's root record: the reader reports it skipped with ``missing_record``."""
     async with aioredis.Redis.from_url(url) as client:
-        assert await client.delete(*(record_key(DEFAULT_NAMESPACE, f"{rollout_id}/c0") for rollout_id in rollout_ids)) == len(
-            rollout_ids
-        )
+        keys = [record_key(DEFAULT_NAMESPACE, f"{rollout_id}/c0") for rollout_id in rollout_ids]
+        assert await client.delete(*keys) == len(keys)
 
 
 async def pull_until_settled(groups: GroupReader, pulled: int, *, timeout_s: float = 20.0) -> list[RolloutGroup]:
