@@ -7,19 +7,15 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.helpers.proxy import RecordingEngine, manifest, proxy_config
-from worker.proxy.app import build_proxy
-from worker.proxy.serve import running_server
+from tests.helpers.proxy import RecordingEngine, manifest, proxy_before
 
 
 @pytest.mark.parametrize("fail_closed", [True, False], ids=["fail-closed", "fail-open"])
 def test_a_rollout_get_to_a_captured_route_is_forwarded_uncounted(redis_url: str, fail_closed: bool) -> None:
     engine = RecordingEngine()
     rollout_id = f"get-{int(fail_closed)}"
-    with running_server(engine) as engine_url:
-        proxy = build_proxy(proxy_config(redis_url, engine_url, fail_closed=fail_closed, prefix_mode="verify"))
-        with running_server(proxy) as url:
-            answer = httpx.get(f"{url}/r/{rollout_id}/v1/chat/completions", timeout=20)
+    with proxy_before(engine, redis_url, fail_closed=fail_closed, prefix_mode="verify") as (url, proxy):
+        answer = httpx.get(f"{url}/r/{rollout_id}/v1/chat/completions", timeout=20)
     # The simulated engine serves no such GET: its own 404 comes back, untouched.
     assert answer.status_code == 404
     assert answer.json()["error"] == {

@@ -12,9 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.proxy import SYSTEM, RecordingEngine, client_for, close_clients, manifest, proxy_config
-from worker.proxy.app import build_proxy
-from worker.proxy.serve import running_server
+from tests.helpers.proxy import SYSTEM, RecordingEngine, client_for, close_clients, manifest, proxy_before
 
 BODY: dict[str, Any] = {"model": "simulated", "messages": [SYSTEM, {"role": "user", "content": "go"}], "max_tokens": 4}
 
@@ -38,13 +36,10 @@ def _refused(redis_url: str, rollout_id: str, engine: RecordingEngine) -> None:
 
 def test_an_unknown_chain_policy_header_is_one_precise_openai_error(redis_url: str) -> None:
     engine = RecordingEngine()
-    with running_server(engine) as engine_url:
-        proxy = build_proxy(proxy_config(redis_url, engine_url))
-        with running_server(proxy) as url:
-            engine.paths.clear()
-            client = client_for(url, "chains-1")
-            with pytest.raises(openai.BadRequestError) as raised:
-                client.chat.completions.create(**BODY, extra_headers={"X-Staging-Chains": "everything"})
+    with proxy_before(engine, redis_url) as (url, _):
+        client = client_for(url, "chains-1")
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(**BODY, extra_headers={"X-Staging-Chains": "everything"})
     assert raised.value.status_code == 400
     message = "X-Staging-Chains must be single, roots or branches, not 'everything'"
     assert raised.value.response.json() == _error(400, message, "InvalidChainPolicy")
@@ -53,11 +48,8 @@ def test_an_unknown_chain_policy_header_is_one_precise_openai_error(redis_url: s
 
 def test_a_path_captured_only_after_a_second_decoding_is_one_precise_openai_error(redis_url: str) -> None:
     engine = RecordingEngine()
-    with running_server(engine) as engine_url:
-        proxy = build_proxy(proxy_config(redis_url, engine_url, fail_closed=True))
-        with running_server(proxy) as url:
-            engine.paths.clear()
-            answer = httpx.post(f"{url}/r/twice-1/v1/%252E/chat/completions", json=BODY, timeout=20)
+    with proxy_before(engine, redis_url, fail_closed=True) as (url, _):
+        answer = httpx.post(f"{url}/r/twice-1/v1/%252E/chat/completions", json=BODY, timeout=20)
     assert answer.status_code == 400
     message = "path '/r/twice-1/v1/%2E/chat/completions' is ambiguously encoded"
     assert answer.json() == _error(400, message, "InvalidPath")
@@ -67,14 +59,11 @@ def test_a_path_captured_only_after_a_second_decoding_is_one_precise_openai_erro
 def test_a_body_over_the_request_limit_is_refused_with_413_even_fail_open(redis_url: str) -> None:
     engine = RecordingEngine()
     long_body = {**BODY, "messages": [SYSTEM, {"role": "user", "content": "x" * 2000}]}
-    with running_server(engine) as engine_url:
-        proxy = build_proxy(proxy_config(redis_url, engine_url, max_request_bytes=1024))
-        with running_server(proxy) as url:
-            engine.paths.clear()
-            client = client_for(url, "large-1")
-            fits = client.chat.completions.create(**BODY)
-            with pytest.raises(openai.APIStatusError) as raised:
-                client.chat.completions.create(**long_body)
+    with proxy_before(engine, redis_url, max_request_bytes=1024) as (url, proxy):
+        client = client_for(url, "large-1")
+        fits = client.chat.completions.create(**BODY)
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.chat.completions.create(**long_body)
     assert fits.choices[0].message.content  # a body within the limit is captured as usual
     assert raised.value.status_code == 413
     assert raised.value.response.json() == _error(413, "request body larger than 1024 bytes", "RequestTooLarge")
@@ -86,11 +75,8 @@ def test_a_body_over_the_request_limit_is_refused_with_413_even_fail_open(redis_
 
 def test_fail_closed_refuses_a_body_that_is_not_a_json_object_with_one_precise_openai_error(redis_url: str) -> None:
     engine = RecordingEngine()
-    with running_server(engine) as engine_url:
-        proxy = build_proxy(proxy_config(redis_url, engine_url, fail_closed=True))
-        with running_server(proxy) as url:
-            engine.paths.clear()
-            answer = httpx.post(f"{url}/r/array-1/v1/chat/completions", json=[BODY], timeout=20)
+    with proxy_before(engine, redis_url, fail_closed=True) as (url, proxy):
+        answer = httpx.post(f"{url}/r/array-1/v1/chat/completions", json=[BODY], timeout=20)
     assert answer.status_code == 400
     message = "the proxy cannot parse this body (not a JSON object); --fail-closed does not forward it"
     assert answer.json() == _error(400, message, "InvalidRequest")

@@ -13,9 +13,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.helpers.proxy import SYSTEM, RecordingEngine, manifest, proxy_config
-from worker.proxy.app import build_proxy
-from worker.proxy.serve import running_server
+from tests.helpers.proxy import SYSTEM, RecordingEngine, manifest, proxy_before
 
 BODY: dict[str, Any] = {
     "model": "simulated",
@@ -61,44 +59,39 @@ REFUSED = [
 @pytest.mark.parametrize("fail_closed", [True, False], ids=["fail-closed", "fail-open"])
 def test_each_spelling_has_one_outcome(redis_url: str, fail_closed: bool) -> None:
     engine = RecordingEngine()
-    with running_server(engine) as engine_url:
-        proxy = build_proxy(proxy_config(redis_url, engine_url, fail_closed=fail_closed))
-        with running_server(proxy) as url:
-            for index, spelling in enumerate(CAPTURED):
-                rollout_id = f"spelt-{int(fail_closed)}-{index}"
-                headers = {} if "{id}" in spelling else {"X-Staging-Rollout-Id": rollout_id}
-                engine.paths.clear()
-                status, answer = _raw_post(url, spelling.format(id=rollout_id), headers)
-                assert status == 200, (spelling, status, answer)
-                assert [r.response_id for r in manifest(redis_url, rollout_id).records] == [answer["id"]], spelling
-                assert engine.paths == ["/v1/chat/completions"], spelling
-            for index, spelling in enumerate(REFUSED):
-                rollout_id = f"refused-{int(fail_closed)}-{index}"
-                headers = {} if "{id}" in spelling else {"X-Staging-Rollout-Id": rollout_id}
-                engine.paths.clear()
-                status, answer = _raw_post(url, spelling.format(id=rollout_id), headers)
-                assert (status, answer["error"]["type"]) == (400, "InvalidPath"), (spelling, answer)
-                assert engine.paths == [], spelling
-            # Escapes on a route that is not captured pass through, normalized, however deep; a rollout-tagged
-            # one is refused under fail-closed (an uncaptured route never serves a rollout) and never forwarded.
-            for path in ("/r/spelt-x/v1/files/a%25b", "/r/spelt-x/v1/files/%2525252525252561", "/v1/./files//x/"):
-                engine.paths.clear()
-                status, answer = _raw_post(url, path, {})
-                if fail_closed and path.startswith("/r/"):
-                    assert (status, answer["error"]["type"]) == (503, "UncapturedRoute"), (path, answer)
-                    assert engine.paths == [], path
-                    continue
-                assert (status, answer["error"]["type"]) == (404, "NotFoundError"), (path, answer)
-                assert len(engine.paths) == 1 and engine.paths[0].startswith("/v1/files/"), (path, engine.paths)
+    with proxy_before(engine, redis_url, fail_closed=fail_closed) as (url, _):
+        for index, spelling in enumerate(CAPTURED):
+            rollout_id = f"spelt-{int(fail_closed)}-{index}"
+            headers = {} if "{id}" in spelling else {"X-Staging-Rollout-Id": rollout_id}
+            engine.paths.clear()
+            status, answer = _raw_post(url, spelling.format(id=rollout_id), headers)
+            assert status == 200, (spelling, status, answer)
+            assert [r.response_id for r in manifest(redis_url, rollout_id).records] == [answer["id"]], spelling
+            assert engine.paths == ["/v1/chat/completions"], spelling
+        for index, spelling in enumerate(REFUSED):
+            rollout_id = f"refused-{int(fail_closed)}-{index}"
+            headers = {} if "{id}" in spelling else {"X-Staging-Rollout-Id": rollout_id}
+            engine.paths.clear()
+            status, answer = _raw_post(url, spelling.format(id=rollout_id), headers)
+            assert (status, answer["error"]["type"]) == (400, "InvalidPath"), (spelling, answer)
+            assert engine.paths == [], spelling
+        # Escapes on a route that is not captured pass through, normalized, however deep; a rollout-tagged
+        # one is refused under fail-closed (an uncaptured route never serves a rollout) and never forwarded.
+        for path in ("/r/spelt-x/v1/files/a%25b", "/r/spelt-x/v1/files/%2525252525252561", "/v1/./files//x/"):
+            engine.paths.clear()
+            status, answer = _raw_post(url, path, {})
+            if fail_closed and path.startswith("/r/"):
+                assert (status, answer["error"]["type"]) == (503, "UncapturedRoute"), (path, answer)
+                assert engine.paths == [], path
+                continue
+            assert (status, answer["error"]["type"]) == (404, "NotFoundError"), (path, answer)
+            assert len(engine.paths) == 1 and engine.paths[0].startswith("/v1/files/"), (path, engine.paths)
 
 
 def test_a_fail_closed_refusal_is_one_precise_openai_error(redis_url: str) -> None:
     engine = RecordingEngine()
-    with running_server(engine) as engine_url:
-        proxy = build_proxy(proxy_config(redis_url, engine_url, fail_closed=True))
-        with running_server(proxy) as url:
-            engine.paths.clear()
-            answer = httpx.post(f"{url}/r/refuse-1/v1/chat/completions", json={**BODY, "n": 2}, timeout=20)
+    with proxy_before(engine, redis_url, fail_closed=True) as (url, _):
+        answer = httpx.post(f"{url}/r/refuse-1/v1/chat/completions", json={**BODY, "n": 2}, timeout=20)
     assert answer.status_code == 503
     assert answer.json() == {
         "error": {
@@ -113,11 +106,8 @@ def test_a_fail_closed_refusal_is_one_precise_openai_error(redis_url: str) -> No
 
 def test_an_invalid_rollout_id_is_one_precise_openai_error(redis_url: str) -> None:
     engine = RecordingEngine()
-    with running_server(engine) as engine_url:
-        proxy = build_proxy(proxy_config(redis_url, engine_url, fail_closed=True))
-        with running_server(proxy) as url:
-            engine.paths.clear()
-            status, answer = _raw_post(url, "/r/bad%20id/v1/chat/completions", {})
+    with proxy_before(engine, redis_url, fail_closed=True) as (url, _):
+        status, answer = _raw_post(url, "/r/bad%20id/v1/chat/completions", {})
     assert status == 400
     error = answer["error"]
     assert (error["type"], error["code"], error["param"]) == ("InvalidRolloutId", 400, None)

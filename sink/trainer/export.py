@@ -250,11 +250,11 @@ async def _pull_by_id(
         raise RowUnavailableError(f"rollout {rollout_id!r} is retired (acknowledged, or `retire`d)") from exc
     pulled = await fetch_and_verify(source, receipt, build_chains(receipt, manifest, view))
     if pulled.skip_code is not None:
-        reason = f"rollout {rollout_id!r} has no trainable row: {pulled.skip_reason}"
         if pulled.skip_code == SkipCode.MISSING_RECORD:
             raise RowUnavailableError(f"rollout {rollout_id!r}: staged record gone ({pulled.skip_reason})")
         if pulled.skip_code == SkipCode.CORRUPT_RECORD:
             raise CodecError(f"rollout {rollout_id!r}: staged record corrupt ({pulled.skip_reason})")
+        reason = f"rollout {rollout_id!r} has no trainable row: {pulled.skip_reason}"
         raise ReceiptVerificationError(pulled.skip_code, reason)
     for skip in pulled.chain_skips:  # as the reader delivers it: the healthy chains only
         logger.warning(

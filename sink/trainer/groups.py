@@ -292,11 +292,10 @@ class GroupReader:
     async def _solo(self, item: PulledRollout) -> RolloutGroup:
         """A rollout without a group, as a group of one (a skipped one is acknowledged here and listed failed)."""
         if not item.trainable:
-            await self._ack_held([item.rollout_id])
+            await self._ack_held([item.rollout_id])  # before counting: a refused ack redoes this step
         self._counts["delivered"] += 1
-        if item.trainable:
-            return RolloutGroup(None, 1, (item,), (), True)
-        return RolloutGroup(None, 1, (), (item.skipped(),), True)
+        members, failed = ((item,), ()) if item.trainable else ((), (item.skipped(),))
+        return RolloutGroup(None, 1, members, failed, True)
 
     async def _finish(
         self, tag: GroupTag, members: list[PulledRollout], failed: list[SkippedRollout], *, complete: bool

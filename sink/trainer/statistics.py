@@ -30,10 +30,11 @@ class ReaderStatistics(NamedTuple):
 
 
 class GroupStatistics(NamedTuple):
-    """Counters of one :class:`~sink.trainer.groups.GroupReader`: groups delivered (``partial``: sealed at the timeout), dropped by
-    ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups this rank holds
-    members of, not complete; ``late``: members after their group went out (:data:`~sink.trainer.groups.LATE_MEMBER`);
-    ``size_mismatches``: groups whose members disagreed on ``group_size``."""
+    """Counters of one :class:`~sink.trainer.groups.GroupReader`: groups delivered (``partial``: sealed at the
+    timeout), dropped by ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups
+    this rank holds members of, not complete; ``late``: members after their group went out
+    (:data:`~sink.trainer.groups.LATE_MEMBER`); ``size_mismatches``: groups whose members disagreed on
+    ``group_size``."""
 
     delivered: int
     partial: int

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -16,6 +18,8 @@ from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler
 from worker.asgi import ASGIApp, Receive, Scope, Send, read_body, send_body
+from worker.proxy.app import ProxyApp, build_proxy
+from worker.proxy.serve import running_server
 from worker.simulated.engine import IM_END
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
@@ -29,6 +33,7 @@ __all__ = (
     "finish",
     "fixed_upstream",
     "manifest",
+    "proxy_before",
     "proxy_config",
     "pull",
     "run_agent",
@@ -66,6 +71,18 @@ def fixed_upstream(payload: dict[str, Any]) -> ASGIApp:
 
 def proxy_config(redis_url: str, upstream: str, **fields: Any) -> ProxySettings:
     return ProxySettings(upstream_url=upstream, redis_url=redis_url, **{"redis_timeout_s": 2.0, **fields})
+
+
+@contextmanager
+def proxy_before(engine: RecordingEngine, redis_url: str, **fields: Any) -> Iterator[tuple[str, ProxyApp]]:
+    """*engine* and a proxy in front of it (:func:`proxy_config` with *fields*), each on its own uvicorn server:
+    yields the proxy's URL and app, with the engine's record of the proxy's start-up requests (its probe) cleared."""
+    with running_server(engine) as engine_url:
+        proxy = build_proxy(proxy_config(redis_url, engine_url, **fields))
+        with running_server(proxy) as url:
+            engine.paths.clear()
+            engine.scopes.clear()
+            yield url, proxy
 
 
 _OPEN_CLIENTS: list[openai.OpenAI] = []
