@@ -128,11 +128,31 @@ def test_bare_proxy_forwards_rollout_routes(engine: tuple[EngineApp, str]) -> No
         assert httpx.get(f"{url}/r/bad%20id/v1/models").status_code == 400
 
 
+def test_exact_mode_counts_every_engine_round_trip_by_route(redis_url: str) -> None:
+    # Render (the request; a continuation's history too), generate and derender: each is one upstream latency.
+    with (
+        running_server(EngineApp(EngineOptions(seed=1, scale_out=True))) as engine,
+        running_server(build_proxy(proxy_config(redis_url, engine))) as url,
+    ):
+        run_agent([url], "metrics-exact", turns=2)
+        text = httpx.get(f"{url}/staging-sink/metrics").text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    counts = {
+        route: float(samples.get(f'staging_proxy_upstream_seconds_count{{route="{route}"}}', 0))
+        for route in ("/v1/chat/completions/render", "/inference/v1/generate", "/v1/chat/completions/derender")
+    }
+    assert counts == {
+        "/v1/chat/completions/render": 3.0,
+        "/inference/v1/generate": 2.0,
+        "/v1/chat/completions/derender": 2.0,
+    }
+
+
 def test_latency_and_bytes_metrics(proxy: str) -> None:
     run_agent([proxy], "metrics-1", turns=2)
     text = httpx.get(f"{proxy}/staging-sink/metrics").text
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    assert float(samples["staging_proxy_upstream_seconds_count"]) == 2.0
+    assert float(samples['staging_proxy_upstream_seconds_count{route="/v1/chat/completions"}']) == 2.0
     assert float(samples["staging_proxy_stage_seconds_count"]) == 2.0
     assert float(samples["staging_proxy_stage_seconds_sum"]) > 0
     assert float(samples["staging_proxy_response_bytes_total"]) > 100

@@ -14,7 +14,7 @@ import pytest
 
 from sink.contract.records import WORKER_CAPTURE_FAILED_REASON, RolloutManifest
 from sink.server import DurableServer
-from tests.helpers.proxy import SYSTEM, client_for, close_clients, fixed_upstream, manifest, proxy_config
+from tests.helpers.proxy import SYSTEM, client_for, close_clients, fixed_upstream, manifest, proxy_config, unset
 from worker.proxy.app import ProxyApp, build_proxy
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
@@ -77,7 +77,7 @@ def test_malformed_payload(redis_url: str, fail_closed: bool, caplog: pytest.Log
             else:
                 completion = _chat(url, "bad-1")
                 assert completion.choices[0].message.content == "fine"
-                assert completion.model_extra is not None and "prompt_token_ids" not in completion.model_extra
+                assert unset(completion.model_extra, "prompt_token_ids")
     assert _failures(redis_url, "bad-1") == [WORKER_CAPTURE_FAILED_REASON]
     assert proxy.metrics.counts["capture_failed"] == 1
     assert "malformed engine payload" in caplog.text and "prompt_token_ids" in caplog.text
@@ -180,7 +180,7 @@ def test_rollout_ids_and_finished_are_checked(redis_url: str, engine_url: str) -
             json={"model": "simulated", "messages": MESSAGES, "max_tokens": 4},
             headers={"X-Staging-Rollout-Id": "hdr-1"},
         )
-        assert header.status_code == 200 and "prompt_token_ids" not in header.json()
+        assert header.status_code == 200 and unset(header.json(), "prompt_token_ids")
         assert httpx.post(f"{url}/r/hdr-1/finished", json={"reward": "high"}).status_code == 422
         assert httpx.post(f"{url}/r/hdr-1/finished", json={"reward": 1.0, "extra": 1}).status_code == 422
         assert httpx.post(f"{url}/r/hdr-1/finished", json={"reward": None}).status_code == 200

@@ -21,7 +21,7 @@ from sink.ledger.gate import CaptureGate
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import running_assembler
-from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, proxy_config, run_agent
+from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, proxy_config, run_agent, unset
 from worker.asgi import Receive, Scope, Send, read_body, send_body
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
@@ -163,7 +163,7 @@ def test_every_spelling_of_a_captured_route_is_captured_or_refused(redis_url: st
                     continue
                 records: list[CallRecord] = manifest(redis_url, rollout_id).records
                 assert [r.response_id for r in records] == [answer["id"]], f"{spelling}: served 200, not captured"
-                assert "prompt_token_ids" not in answer and "token_ids" not in answer["choices"][0], spelling
+                assert unset(answer, "prompt_token_ids") and unset(answer["choices"][0], "token_ids"), spelling
             # A literal percent sign on a route that is not captured is not an ambiguous spelling: it passes
             # (fail-open), or is refused as any rollout POST to an uncaptured route is (fail-closed).
             status, answer = _raw_post(url, "/r/spell-x/v1/files/a%25b", body, {})
@@ -270,7 +270,7 @@ def test_a_bug_in_the_commit_reaches_the_boundary(
                         model="simulated", messages=MESSAGES, max_tokens=4
                     )
                     assert completion.choices[0].message.content is not None
-                    assert completion.model_extra is not None and "prompt_token_ids" not in completion.model_extra
+                    assert unset(completion.model_extra, "prompt_token_ids")
     assert proxy.metrics.counts["capture_error"] == 1 and proxy.metrics.counts["capture_failed"] == 0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info is not None]
     assert errors and "a bug in the gate's commit" in caplog.text and "Traceback" in caplog.text

@@ -21,6 +21,7 @@ from tests.helpers.proxy import (
     proxy_config,
     pull,
     run_agent,
+    unset,
 )
 from worker.asgi import Message, Receive, Scope, Send, header, send_body
 from worker.proxy.app import ProxyApp, build_proxy
@@ -55,7 +56,7 @@ def test_token_id_completion_is_captured_and_verified(redis_url: str, stack: tup
         model="simulated", prompt=prompt, max_tokens=6, extra_body={"min_tokens": 2}
     )
     choice = completion.choices[0]
-    assert choice.text and choice.logprobs is None and "token_ids" not in (choice.model_extra or {})
+    assert choice.text and choice.logprobs is None and unset(choice.model_extra or {}, "token_ids")
     finish(url, "cmpl-1", 1.0, completion.id)
     [pulled] = pull(redis_url, 1)
     assert pulled.row is not None

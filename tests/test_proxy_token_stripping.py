@@ -35,7 +35,17 @@ def test_a_chat_answer_loses_every_token_field_the_client_did_not_ask_for() -> N
     stripped = strip_token_fields("chat", _chat(), NOTHING)
     assert stripped == {
         "id": "chatcmpl-1",
-        "choices": ["not a choice", {"index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": None}],
+        "prompt_token_ids": None,  # vLLM's key without return_token_ids: null, as vLLM answers
+        "choices": [
+            "not a choice",
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},  # NeMo Gym's message fields: removed
+                "token_ids": None,
+                "prompt_token_ids": None,
+                "logprobs": None,
+            },
+        ],
     }
 
 
@@ -45,7 +55,7 @@ def test_what_the_client_asked_for_stays_and_the_coordinates_always_go() -> None
     assert strip_token_fields("chat", _chat(), EVERYTHING) == expected
     only_logprobs = strip_token_fields("chat", _chat(), ClientAsked(token_ids=False, logprobs=True))
     assert only_logprobs["choices"][1]["logprobs"] == {"content": [{"token": "token_id:3", "logprob": -0.5}]}
-    assert "token_ids" not in only_logprobs["choices"][1] and "prompt_token_ids" not in only_logprobs
+    assert only_logprobs["choices"][1]["token_ids"] is None and only_logprobs["prompt_token_ids"] is None
     # A choice without logprobs does not gain the field.
     assert "logprobs" not in strip_token_fields("completions", {"choices": [{"text": "x"}]}, NOTHING)["choices"][0]
 

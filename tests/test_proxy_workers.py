@@ -61,7 +61,7 @@ def test_every_scrape_of_a_four_worker_proxy_sees_every_call(redis_url: str) -> 
     for body in scrapes:  # whichever worker answered
         assert _value(body, 'staging_proxy_calls_total{outcome="captured"}') == calls
         assert _value(body, 'staging_proxy_calls_total{outcome="capture_failed"}') == 0
-        assert _value(body, "staging_proxy_upstream_seconds_count") == calls
+        assert _value(body, 'staging_proxy_upstream_seconds_count{route="/v1/chat/completions"}') == calls
         assert _value(body, 'staging_sink_stages_total{namespace="stg",result="ok"}') == calls
         assert _value(body, 'staging_sink_stage_latency_seconds_count{namespace="stg"}') == calls
         assert _value(body, 'staging_sink_staged_bytes_total{namespace="stg"}') > 0

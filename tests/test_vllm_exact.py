@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.scale_out import engine_call
 from tests.helpers.vllm_server import VllmServer
-from worker.exact_chat import RENDER_PATH, exact_chat
+from worker.exact_chat import RENDER_PATH, EngineTraits, Parent, exact_chat, render_chat
 from worker.exact_prefix import count_end_of_turn, splice_exact_prompt
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -64,7 +64,8 @@ async def test_splice_on_the_real_templates(variant: str, kind: str, request: py
     first = {"model": server.model, "messages": messages, "seed": 11, "logit_bias": bias(server, **extra_bias)}
     async with httpx.AsyncClient(timeout=120) as client:
         call = engine_call(client, server.url)
-        answer = await exact_chat(call, {**first, **PARENTS[kind], **tools}, parent_ids=None, eot_ids={eot})
+        traits = EngineTraits(frozenset({eot}))
+        answer = await exact_chat(call, {**first, **PARENTS[kind], **tools}, parent=None, traits=traits)
         assert answer.status == 200, answer.payload
         choice = answer.payload["choices"][0]
         generated = choice["token_ids"]
@@ -130,7 +131,8 @@ async def test_a_root_call_answers_as_the_chat_route_does(
             server.url + "/v1/chat/completions", json={**body, "return_token_ids": True, "logprobs": True}
         )
         assert direct.status_code == 200, direct.text
-        answer = await exact_chat(engine_call(client, server.url), body, parent_ids=None, eot_ids={eot})
+        traits = EngineTraits(frozenset({eot}))
+        answer = await exact_chat(engine_call(client, server.url), body, parent=None, traits=traits)
     expected, got = direct.json(), answer.payload
     assert got["prompt_token_ids"] == expected["prompt_token_ids"]
     [want], [have] = expected["choices"], got["choices"]
@@ -156,6 +158,10 @@ async def test_an_over_long_continuation_is_the_engines_400(vllm_chatml: VllmSer
     history = [SYSTEM, {"role": "user", "content": "Go."}, {"role": "assistant", "content": "ok"}]
     request = {"model": server.model, "messages": [*history, {"role": "user", "content": "x"}], "max_tokens": 4}
     async with httpx.AsyncClient(timeout=120) as client:
-        answer = await exact_chat(engine_call(client, server.url), request, parent_ids=[5] * 1100, eot_ids={eot})
+        call = engine_call(client, server.url)
+        rendering = await render_chat(call, request, {eot})
+        parent = Parent([5] * 1100, rendering.history_context)
+        traits = EngineTraits(frozenset({eot}))
+        answer = await exact_chat(call, request, parent=parent, traits=traits, rendering=rendering)
     assert answer.status == 400 and answer.spliced
     assert answer.payload["error"]["type"] == "BadRequestError"

@@ -47,6 +47,9 @@ class ActiveCall:
     generation_cut: StagedCallBaseSnapshot | None = None
     completed: bool = False
     capture_failure: str | None = None
+    parent_extras: dict[str, Any] | None = None
+    """The extras of the parent's staged record when ``begin_call`` fetched the staging chain (digest-checked by the
+    source), else ``None``: exact-prefix mode reads the parent's rendered context from them."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _prefix_proof: ProvenSequence | None = field(default=None, repr=False)
 

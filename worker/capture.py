@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sink.contract.digest import is_token_id_list
-from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StageResult
+from sink.contract.packed import PackedSnapshot
+from sink.contract.records import (
+    CaptureAdmission,
+    CommitCoords,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    StageResult,
+)
 from sink.errors import StagingError
 from worker.call import ActiveCall, build_call_record, failed_coords, staged_coords
 from worker.errors import CaptureError, EnginePayloadError, PrefixResolutionError, StreamingUnsupportedError
@@ -176,6 +183,7 @@ class RolloutTokenCapture:
             cut = check_cut_snapshot(admission, generation_cut, generation_cut_staging_keys, stamped)
         elif generation_cut is not None or generation_cut_staging_keys is not None:
             raise CaptureError("a generation-cut snapshot needs an admission with generation_cut set")
+        parent_extras: dict[str, Any] | None = None
         if prefix is None:
             fetch = self._fetch
             if fetch is None:  # ruled out above: a by-reference admission without a source raises
@@ -188,7 +196,9 @@ class RolloutTokenCapture:
                 prefix = verify_staging_chain(admission, snapshots)
             except PrefixResolutionError as exc:
                 return _uncaptured(admission, stamped, cut, str(exc))
-        return ActiveCall(admission, stamped, prefix, cut, _prefix_proof=proof)
+            last = snapshots[-1]
+            parent_extras = last.extras if isinstance(last, PackedSnapshot | StagedCallRecord) else None
+        return ActiveCall(admission, stamped, prefix, cut, parent_extras=parent_extras, _prefix_proof=proof)
 
     def _explicit_prefix(
         self, admission: CaptureAdmission, prefix_token_ids: object

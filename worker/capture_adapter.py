@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ("CaptureAdapter",)
+__all__ = ("CaptureAdapter", "ExtrasAdded")
 
 
 @runtime_checkable
@@ -31,3 +31,27 @@ class CaptureAdapter(Protocol):
     def extract_extras(self, response: Any) -> dict[str, Any] | None:
         """Engine-native per-token extras (e.g. routed experts), or ``None``."""
         ...
+
+
+class ExtrasAdded:
+    """*adapter* whose extras also hold *extras* (what the host knows of the call beyond the engine's payload, such
+    as the proxy's sampling provenance): a key of *extras* wins over the engine's."""
+
+    def __init__(self, adapter: CaptureAdapter, extras: dict[str, Any]) -> None:
+        self._adapter, self._extras = adapter, extras
+
+    def enter_prefix(self, request: Any, prefix_ids: list[int]) -> Any:
+        """As the wrapped adapter."""
+        return self._adapter.enter_prefix(request, prefix_ids)
+
+    def extract_prompt_ids(self, response: Any) -> list[int]:
+        """As the wrapped adapter."""
+        return self._adapter.extract_prompt_ids(response)
+
+    def extract_generation(self, response: Any) -> tuple[list[int], list[float]]:
+        """As the wrapped adapter."""
+        return self._adapter.extract_generation(response)
+
+    def extract_extras(self, response: Any) -> dict[str, Any] | None:
+        """The wrapped adapter's extras, with the added ones."""
+        return {**(self._adapter.extract_extras(response) or {}), **self._extras}

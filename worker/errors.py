@@ -11,6 +11,7 @@ from sink.errors import StagingError
 
 __all__ = (
     "CaptureError",
+    "ContextChangedError",
     "EnginePayloadError",
     "GenerationCutError",
     "PrefixResolutionError",
@@ -67,3 +68,10 @@ class StagingModeError(StagingError):
     """Raised at the proxy's start when the configured prefix mode cannot be used: ``prefix_mode=exact`` on an engine
     without the token-in/token-out routes, or engine weight labels the configured rule refuses. The message names
     the engine's answer."""
+
+
+class ContextChangedError(SpliceError):
+    """Raised by :func:`worker.exact_chat.exact_chat` when a continuation's conversation before its parent's reply
+    (system or developer messages, earlier turns, tools, template arguments) renders differently than it did for the
+    parent: splicing would send the engine the parent's old context. The call is no continuation of that parent: a
+    new chain where the rollout allows one, else a capture failure naming this cause."""

@@ -10,6 +10,13 @@ End-of-turn id, learned from the engine's own template (no tokenizer needed here
 turns (each rendering past the first) share a header and a closing; the closing (what follows the content) starts
 with the end-of-turn id: ``<|im_end|>`` in ``<|im_end|>\\n``. A template for which this does not hold (the user
 turn renders differently once an assistant turn follows, or no closing) keeps verify mode, with the reason.
+
+What the chat route answers that derender cannot tell (:class:`worker.exact_chat.EngineTraits`), learned from one
+chat completion of an empty reply (the end-of-turn forced by a ``logit_bias``, one token generated): its
+``system_fingerprint``, its parsers' message for no text (``content: null`` where a reasoning parser takes the whole
+output), and whether its usage reports reasoning tokens; then, with a reasoning parser, its ``<think>`` and
+``</think>`` ids (``POST /tokenize``) to count reasoning tokens as vLLM's think-style parsers do. A failing chat
+call leaves the defaults (no fingerprint, ``content: ""``): the mode is still exact.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from worker.exact_chat import DERENDER_PATH, RENDER_PATH, EngineCall
+from worker.exact_chat import DERENDER_PATH, RENDER_PATH, EngineCall, EngineTraits
 
 __all__ = ("EngineGet", "ExactProbe", "probe_exact_prefix")
 
@@ -35,6 +42,8 @@ class ExactProbe:
     reason: str
     eot_ids: frozenset[int] = frozenset()
     model: str = ""
+    traits: EngineTraits | None = None
+    """What exact mode needs to answer as the chat route (``None`` outside exact mode)."""
 
 
 def _verify(reason: str) -> ExactProbe:
@@ -95,4 +104,46 @@ async def probe_exact_prefix(post: EngineCall, get: EngineGet) -> ExactProbe:
     closing = _closing(turns[0], turns[1])
     if not closing:
         return _verify("the template's assistant turn has no closing end-of-turn")
-    return ExactProbe("exact", f"{RENDER_PATH}, generate and derender answer", frozenset({closing[0]}), model)
+    eot_ids = frozenset({closing[0]})
+    traits = await _traits(post, model, eot_ids)
+    return ExactProbe("exact", f"{RENDER_PATH}, generate and derender answer", eot_ids, model, traits)
+
+
+async def _single_id(post: EngineCall, model: str, text: str) -> int | None:
+    status, answer = await post("/tokenize", {"model": model, "prompt": text, "add_special_tokens": False})
+    tokens = answer.get("tokens") if status == 200 and isinstance(answer, dict) else None
+    return tokens[0] if isinstance(tokens, list) and len(tokens) == 1 and type(tokens[0]) is int else None
+
+
+async def _traits(post: EngineCall, model: str, eot_ids: frozenset[int]) -> EngineTraits:
+    """The chat route's answers exact mode reproduces (see the module docstring)."""
+    eot = min(eot_ids)
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "logit_bias": {str(eot): 100.0},
+    }
+    status, answer = await post("/v1/chat/completions", body)
+    answer = answer if status == 200 and isinstance(answer, dict) else {}
+    choices = answer.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        return EngineTraits(eot_ids)
+    empty = {"content": message.get("content"), "reasoning": message.get("reasoning")}
+    fingerprint = answer.get("system_fingerprint")
+    usage = answer.get("usage")
+    reasoning_usage = isinstance(usage, dict) and usage.get("completion_tokens_details") is not None
+    think_ids = None
+    if reasoning_usage:
+        start, end = await _single_id(post, model, "<think>"), await _single_id(post, model, "</think>")
+        think_ids = None if start is None or end is None else (start, end)
+    return EngineTraits(
+        eot_ids,
+        system_fingerprint=fingerprint if isinstance(fingerprint, str) else None,
+        empty_message=empty,
+        reasoning_usage=reasoning_usage,
+        think_ids=think_ids,
+    )

@@ -152,6 +152,22 @@ class CaptureGate:
         await self._ledger.record_failure(rollout_id, call_id, UNRESOLVED_PARENT_REASON)
         return None
 
+    async def admit_new_chain(
+        self, rollout_id: str, *, model_call_id: str | None = None, chain_policy: ChainPolicy | None = None
+    ) -> CaptureAdmission | None:
+        """A ``text`` root for a call that must not continue the parent its items resolve to (exact-prefix mode: the
+        conversation before that parent's reply changed), when the rollout's policy starts new chains (contract §14.1).
+
+        :param chain_policy: this rollout's opt-in; default the gate's policy.
+        :returns: the root admission, or ``None`` under ``single`` (the caller records the call failed).
+        :raises InvalidCallIdError: *model_call_id* contains ``/cut/``.
+        """
+        policy = self._chain_policy if chain_policy is None else ChainPolicy(chain_policy)
+        if policy is ChainPolicy.SINGLE:
+            return None
+        call_id = check_call_id(model_call_id or new_model_call_id())
+        return CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text")
+
     async def commit(
         self,
         admission: CaptureAdmission,

@@ -52,6 +52,8 @@ def _generated(exchange: Exchange) -> Generated | None:
     if exchange.path in ("/v1/chat/completions", "/v1/completions"):
         answer = exchange.response_json()
         choice = answer["choices"][0]
+        if choice.get("token_ids") is None:  # no token fields asked: the proxy's start-up probe, not a capture
+            return None
         prompt = answer.get("prompt_token_ids") or choice.get("prompt_token_ids")
         if exchange.path == "/v1/chat/completions":
             logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]

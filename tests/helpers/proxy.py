@@ -37,6 +37,7 @@ __all__ = (
     "proxy_config",
     "pull",
     "run_agent",
+    "unset",
 )
 
 SYSTEM = {"role": "system", "content": "You are a careful agent."}
@@ -67,6 +68,12 @@ def fixed_upstream(payload: dict[str, Any]) -> ASGIApp:
         await send_body(send, 200, orjson.dumps(payload))
 
     return app
+
+
+def unset(mapping: Any, *names: str) -> bool:
+    """Whether each of *names* is absent from *mapping* or ``None``: a token field the client did not ask for (the
+    proxy answers ``null`` where vLLM has the key, as vLLM does without ``return_token_ids``)."""
+    return isinstance(mapping, dict) and all(mapping.get(name) is None for name in names)
 
 
 def proxy_config(redis_url: str, upstream: str, **fields: Any) -> ProxySettings:
@@ -116,8 +123,8 @@ def run_agent(bases: list[str], rollout_id: str, turns: int) -> tuple[list[dict[
         )
         choice = completion.choices[0]
         assert choice.logprobs is None and completion.model_extra is not None
-        assert "prompt_token_ids" not in completion.model_extra
-        assert "token_ids" not in (choice.model_extra or {})
+        assert unset(completion.model_extra, "prompt_token_ids")
+        assert unset(choice.model_extra or {}, "token_ids")
         messages.append({"role": "assistant", "content": choice.message.content})
         messages.append({"role": "tool", "content": f"result {turn}", "tool_call_id": f"t{turn}"})
         last_id = completion.id

@@ -125,7 +125,7 @@ class ProxyApp:
             )
             return
         labels = WeightLabelRule(default_version=config.weight_version) if config.weight_source == "engine" else None
-        choice = PrefixModeChoice(engine, config.prefix_mode, labels)
+        choice = PrefixModeChoice(engine, config.prefix_mode, labels, middleware.metrics)
         await choice.start()
         middleware.prefix_mode = choice
         if choice.exact is not None:

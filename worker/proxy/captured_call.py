@@ -23,11 +23,12 @@ from sink.settings import ProxySettings
 from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, send_body
 from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
-from worker.errors import EnginePayloadError
+from worker.capture_adapter import ExtrasAdded
+from worker.errors import ContextChangedError, EnginePayloadError
 from worker.exact_chat import Rendering
 from worker.exact_text import ExactText
 from worker.proxy.call_timing import engine_span, note_capture, timing_headers
-from worker.proxy.exact_answers import JSON_HEADERS, asked_by, exact_chat_answer
+from worker.proxy.exact_answers import JSON_HEADERS, ExactOutcome, asked_by, exact_chat_answer, parent_of
 from worker.proxy.exact_completions import ExactCompletions
 from worker.proxy.exact_mode import ExactMode, PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
@@ -42,6 +43,7 @@ from worker.proxy.routes import (
 )
 from worker.proxy.sse import sse_events
 from worker.proxy.upstream import UpstreamAnswer, call_inner, client_gone, error_message, refused
+from worker.sampling import SAMPLING_EXTRAS_KEY, sampling_from_request
 from worker.weight_version import PublishedWeightVersion
 
 __all__ = ("CallOwner", "CapturedCall")
@@ -96,6 +98,11 @@ class CapturedCall:
         self.refused = False
         """The engine refused the request (nothing generated): no failure row, its error passed through."""
         self.answer: tuple[UpstreamAnswer, dict[str, Any] | None, ClientAsked] | None = None  # once known
+        self.extras: dict[str, Any] = {SAMPLING_EXTRAS_KEY: sampling_from_request(request)}
+        """Staged beside the engine's own extras: how the tokens were sampled (exact mode: the engine's own
+        parameters and the rendered context)."""
+        self.failure: str | None = None
+        """Why a call served with an engine answer must not be staged (its context changed under ``single``)."""
 
     # --- admission ------------------------------------------------------------
 
@@ -112,10 +119,16 @@ class CapturedCall:
             logger.warning("%s: no admission (retired rollout or unresolved parent); served uncaptured", self.ids)
             self.admit_failure = "no admission"
             return
-        self.ids = f"rollout {self.rollout_id} call {self.admission.model_call_id}"
+        await self._begin(self.admission)
+
+    async def _begin(self, admission: CaptureAdmission) -> None:
+        """Begin the admitted call (the parent's chain fetched); a failure is remembered in ``admit_failure``."""
+        owner = self.owner
+        self.admission = admission
+        self.ids = f"rollout {self.rollout_id} call {admission.model_call_id}"
         try:
             version = None if owner.published is None else await owner.published.current()
-            self.active = await owner.capture.abegin_call(self.admission, weight_version=version)
+            self.active = await owner.capture.abegin_call(admission, weight_version=version)
         except StagingError as exc:  # an invalid weight version (CaptureError), an unreadable published one
             logger.error("%s: begin failed: %r; served uncaptured", self.ids, exc)
             self.admit_failure = "begin failed"
@@ -170,7 +183,7 @@ class CapturedCall:
     async def _upstream(self, body: bytes, receive: Receive) -> UpstreamAnswer:
         with engine_span() as span:
             result = await call_inner(self.owner.app, self.scope, body, receive, self.owner.settings.max_response_bytes)
-        self.owner.metrics.observe(upstream_s=span.seconds)
+        self.owner.metrics.observe(upstream_s=span.seconds, route=self.scope["path"])
         return result
 
     def _parsed(self, upstream: UpstreamAnswer) -> dict[str, Any] | None:
@@ -202,6 +215,8 @@ class CapturedCall:
         capture = self.owner.capture
         if payload is None:
             return await capture.afail_call(active, reason=f"upstream status {upstream.status} or not JSON")
+        if self.failure is not None:
+            return await capture.afail_call(active, reason=self.failure)
         if upstream.oversized:
             logger.warning(
                 "%s: upstream response of %d bytes exceeds max_response_bytes=%d; capture failed",
@@ -211,7 +226,8 @@ class CapturedCall:
             )
             return await capture.afail_call(active, reason="oversized response")
         with anyio.CancelScope(shield=True):  # the stage completes or the call is recorded failed, never half
-            coords = await capture.acomplete_call_from_response(active, payload, adapter=adapter_for(self.route))
+            adapter = ExtrasAdded(adapter_for(self.route), self.extras)
+            coords = await capture.acomplete_call_from_response(active, payload, adapter=adapter)
         if coords.disposition != "staged":
             logger.warning("%s: not staged (prefix drift, store refusal or invalid ids: see above)", self.ids)
         return coords
@@ -226,9 +242,8 @@ class CapturedCall:
 
     def _parent_ids(self) -> list[int] | None:
         """The parent's exact sequence of an admitted continuation (``None``: a root, or not capturable)."""
-        active, admission = self.active, self.admission
-        continuation = admission is not None and admission.mode == "token_in"
-        return active.prefix_token_ids if active is not None and not active.capture_failed and continuation else None
+        parent = parent_of(self.active)
+        return None if parent is None else parent.ids
 
     async def _exact_completion(self, exact: ExactMode, text: ExactText, receive: Receive) -> UpstreamAnswer:
         """An exact-prefix completion (:mod:`worker.proxy.exact_completions`): admitted from the exact-text items."""
@@ -251,14 +266,42 @@ class CapturedCall:
         """An exact-prefix chat call (:func:`~worker.proxy.exact_answers.exact_chat_answer`), in verify mode when it
         cannot be spliced."""
         limit = self.owner.settings.max_response_bytes
-        parent, active, ids = self._parent_ids(), self.active, self.ids
-        answer = await exact_chat_answer(
-            exact, self.request, rendering, parent=parent, active=active, ids=ids, max_response_bytes=limit
-        )
-        if answer is None:
+        try:
+            outcome = await exact_chat_answer(
+                exact,
+                self.request,
+                rendering,
+                parent=parent_of(self.active),
+                active=self.active,
+                ids=self.ids,
+                max_response_bytes=limit,
+            )
+        except ContextChangedError as exc:
+            outcome = await self._context_changed(exact, rendering, exc)
+        if outcome.upstream is None:
             body, asked = self._body()
             return await self._upstream(body, receive), asked
-        return answer, asked_by(self.request)
+        if outcome.extras is not None:
+            self.extras = outcome.extras
+        return outcome.upstream, asked_by(self.request)
+
+    async def _context_changed(self, exact: ExactMode, rendering: Rendering, exc: ContextChangedError) -> ExactOutcome:
+        """A continuation whose context changed is no continuation of its parent: under a multi-chain policy it starts
+        a new chain, else its capture fails (the rollout is poisoned). Either way the engine sees what the agent sent."""
+        admission = self.admission
+        assert admission is not None
+        parent = admission.parent_call_id
+        root = await self.owner.gate.admit_new_chain(self.rollout_id, **chains_of(self.scope))
+        if root is None:
+            logger.warning("%s: %s: not a continuation of call %s; capture failed", self.ids, exc, parent)
+            self.failure = f"not a continuation of call {parent}: {exc}"
+        else:
+            logger.warning("%s: %s: not a continuation of call %s; it starts a new chain", self.ids, exc, parent)
+            await self._begin(root)
+        limit = self.owner.settings.max_response_bytes
+        return await exact_chat_answer(
+            exact, self.request, rendering, parent=None, active=self.active, ids=self.ids, max_response_bytes=limit
+        )
 
     async def run(self, receive: Receive, send: Send) -> None:
         """Serve the call: capture it, then reply (or refuse with 503 when fail-closed and not captured). The one

@@ -20,9 +20,10 @@ import orjson
 
 from worker.asgi import ASGIApp, Message
 from worker.errors import StagingModeError
-from worker.exact_chat import ExactAnswer, Rendering, exact_chat, render_chat
+from worker.exact_chat import EngineTraits, ExactAnswer, Parent, Rendering, exact_chat, render_chat
 from worker.exact_probe import ExactProbe, probe_exact_prefix
 from worker.proxy.call_timing import engine_span
+from worker.proxy.metrics import ProxyMetrics
 from worker.weight_version import WeightLabelRule, WeightVersionError, version_of_spans
 
 __all__ = ("ExactMode", "PrefixMode", "PrefixModeChoice", "sub_request", "without_spans")
@@ -92,23 +93,33 @@ class ExactMode:
     probe: ExactProbe
     labels: WeightLabelRule | None = None
     """How the engine's weight labels map to versions; ``None``: the proxy's configured version stamps calls."""
+    metrics: ProxyMetrics | None = None
+    """Where every engine round trip's latency is observed (``staging_proxy_upstream_seconds{route}``)."""
+
+    @property
+    def traits(self) -> EngineTraits:
+        """What the probe learned of the engine."""
+        return self.probe.traits or EngineTraits(self.probe.eot_ids)
 
     async def call(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        """``POST`` *body* to *path* on the engine: its status and parsed JSON body."""
-        with engine_span():
-            return await sub_request(self.app, "POST", path, body)
+        """``POST`` *body* to *path* on the engine: its status and parsed JSON body (its latency observed)."""
+        with engine_span() as span:
+            answer = await sub_request(self.app, "POST", path, body)
+        if self.metrics is not None:
+            self.metrics.observe(upstream_s=span.seconds, route=path)
+        return answer
 
     async def render(self, request: dict[str, Any]) -> Rendering:
         """Render *request* and its history with the engine's template (an error: nothing can be generated)."""
         return await render_chat(self.call, request, self.probe.eot_ids)
 
-    async def chat(self, request: dict[str, Any], rendering: Rendering, parent_ids: list[int] | None) -> ExactAnswer:
+    async def chat(self, request: dict[str, Any], rendering: Rendering, parent: Parent | None) -> ExactAnswer:
         """Finish one rendered chat request exactly (:func:`worker.exact_chat.exact_chat`).
 
-        :raises worker.errors.SpliceError: the request cannot be spliced onto *parent_ids*.
+        :raises worker.errors.ContextChangedError: *parent* was rendered from another context.
+        :raises worker.errors.SpliceError: the request cannot be spliced onto *parent*.
         """
-        eot_ids = self.probe.eot_ids
-        return await exact_chat(self.call, request, parent_ids=parent_ids, eot_ids=eot_ids, rendering=rendering)
+        return await exact_chat(self.call, request, parent=parent, traits=self.traits, rendering=rendering)
 
     def weight_version_of(self, payload: dict[str, Any]) -> int | None:
         """The call's weight version from the answer's spans (the oldest), or ``None`` without a label rule.
@@ -121,7 +132,9 @@ class ExactMode:
         return version_of_spans(choice.get("weight_versions") or [], len(choice["token_ids"]), self.labels)
 
 
-async def _decide(app: ASGIApp, mode: PrefixMode, labels: WeightLabelRule | None) -> ExactMode | None | ExactProbe:
+async def _decide(
+    app: ASGIApp, mode: PrefixMode, labels: WeightLabelRule | None, metrics: ProxyMetrics | None
+) -> ExactMode | None | ExactProbe:
     """The mode for the engine behind *app*: an :class:`ExactMode`, ``None`` (verify), or the probe when the engine
     did not answer. One log line says which and why.
 
@@ -157,7 +170,7 @@ async def _decide(app: ASGIApp, mode: PrefixMode, labels: WeightLabelRule | None
             except WeightVersionError as exc:
                 raise StagingModeError(f"GET /weight_info: {exc}") from exc
     logger.info("prefix mode: exact (%s; end-of-turn ids %s)", probe.reason, sorted(probe.eot_ids))
-    return ExactMode(app, probe, labels)
+    return ExactMode(app, probe, labels, metrics)
 
 
 class PrefixModeChoice:
@@ -168,8 +181,14 @@ class PrefixModeChoice:
     are served in verify mode. Once decided, the mode never changes.
     """
 
-    def __init__(self, app: ASGIApp | None, mode: PrefixMode = "verify", labels: WeightLabelRule | None = None):
-        self._app, self._mode, self._labels = app, mode, labels
+    def __init__(
+        self,
+        app: ASGIApp | None,
+        mode: PrefixMode = "verify",
+        labels: WeightLabelRule | None = None,
+        metrics: ProxyMetrics | None = None,
+    ):
+        self._app, self._mode, self._labels, self._metrics = app, mode, labels, metrics
         self._decided = app is None
         self._exact: ExactMode | None = None
         self._lock = anyio.Lock()
@@ -185,7 +204,7 @@ class PrefixModeChoice:
         :raises StagingModeError: see :func:`_decide`; also ``exact`` (or engine weights) with the engine unreachable.
         """
         assert self._app is not None
-        outcome = await _decide(self._app, self._mode, self._labels)
+        outcome = await _decide(self._app, self._mode, self._labels, self._metrics)
         if isinstance(outcome, ExactProbe):
             if self._mode == "exact" or self._labels is not None:
                 raise StagingModeError(f"the engine did not answer the start-up probe ({outcome.reason})")
@@ -202,7 +221,7 @@ class PrefixModeChoice:
             return self._exact
         async with self._lock:
             if not self._decided and self._app is not None:
-                outcome = await _decide(self._app, self._mode, self._labels)
+                outcome = await _decide(self._app, self._mode, self._labels, self._metrics)
                 if not isinstance(outcome, ExactProbe):
                     self._exact, self._decided = outcome, True
         return self._exact

@@ -6,7 +6,9 @@
 
 * ``staging_proxy_calls_total{outcome=captured|uncaptured|capture_failed|capture_error}`` (``capture_error``: an
   unexpected exception, a bug, logged with its traceback; the call is recorded failed)
-* ``staging_proxy_upstream_seconds`` and ``staging_proxy_stage_seconds`` (histograms)
+* ``staging_proxy_upstream_seconds{route}`` (every engine round trip, by engine route: the captured route in verify
+  mode; render, generate, derender and ``/tokenize`` in exact-prefix mode) and ``staging_proxy_stage_seconds``
+  (histograms)
 * ``staging_proxy_response_bytes_total``
 * the sink's stage series of this process (mirrored from :mod:`sink.store.pipeline_counters` while the app is
   open): ``staging_sink_stages_total``, ``staging_sink_staged_bytes_total``, ``staging_sink_stage_latency_seconds``.
@@ -57,7 +59,11 @@ class ProxyMetrics:
                 "staging_proxy_calls", "Calls seen by the capture proxy", ["outcome"], registry=registry
             ),
             "upstream": prometheus.Histogram(
-                "staging_proxy_upstream_seconds", "Upstream latency", buckets=_BUCKETS_S, registry=registry
+                "staging_proxy_upstream_seconds",
+                "Latency of each engine round trip, by engine route",
+                ["route"],
+                buckets=_BUCKETS_S,
+                registry=registry,
             ),
             "stage": prometheus.Histogram(
                 "staging_proxy_stage_seconds",
@@ -111,12 +117,14 @@ class ProxyMetrics:
         if self._prom:
             self._prom["calls"].labels(outcome=outcome).inc()
 
-    def observe(self, *, upstream_s: float | None = None, stage_s: float | None = None, nbytes: int = 0) -> None:
-        """Record latencies and served bytes (the deques keep the last 10,000 samples)."""
+    def observe(
+        self, *, upstream_s: float | None = None, route: str = "", stage_s: float | None = None, nbytes: int = 0
+    ) -> None:
+        """Record latencies (an engine round trip on *route*) and served bytes (the deques keep the last 10,000)."""
         if upstream_s is not None:
             self.upstream_seconds.append(upstream_s)
             if self._prom:
-                self._prom["upstream"].observe(upstream_s)
+                self._prom["upstream"].labels(route=route).observe(upstream_s)
         if stage_s is not None:
             self.stage_seconds.append(stage_s)
             if self._prom:

@@ -192,8 +192,16 @@ def upstream_request(
     return body, asked
 
 
+def _nulled(mapping: dict[str, Any], *names: str) -> None:
+    """Each of *names* that *mapping* holds set to ``None``: vLLM's own answer when the fields were not asked for."""
+    for name in names:
+        if name in mapping:
+            mapping[name] = None
+
+
 def strip_token_fields(route: RouteKind, payload: dict[str, Any], asked: ClientAsked) -> dict[str, Any]:
-    """*payload* without the token fields the client did not ask for (modified in place and returned)."""
+    """*payload* without the token fields the client did not ask for (modified in place and returned): vLLM's keys
+    hold ``None`` as vLLM answers without ``return_token_ids``; NeMo Gym's message-level fields are removed."""
     payload.pop("ng_commit_coords", None)
     if route == "responses":
         for item in payload.get("output") or ():
@@ -202,14 +210,12 @@ def strip_token_fields(route: RouteKind, payload: dict[str, Any], asked: ClientA
                     item.pop(name, None)
         return payload
     if not asked.token_ids:
-        payload.pop("prompt_token_ids", None)
+        _nulled(payload, "prompt_token_ids")
     for choice in payload.get("choices") or ():
         if not isinstance(choice, dict):
             continue
         if not asked.token_ids:
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
-            choice.pop("routed_experts", None)
+            _nulled(choice, "token_ids", "prompt_token_ids", "routed_experts")
             message = choice.get("message")
             if isinstance(message, dict):
                 for name in _MESSAGE_TOKEN_FIELDS:

@@ -22,37 +22,39 @@ def _event(payload: Any, name: str | None = None) -> bytes:
 
 
 def _chat(payload: dict[str, Any], include_usage: bool) -> list[bytes]:
-    base = {key: payload.get(key) for key in ("id", "created", "model")}
+    """vLLM's chat stream for *payload*: a role chunk (with ``prompt_token_ids``), the reasoning, the tool calls, then
+    the content chunk that ends the choice (its log-probs, ids, ``finish_reason``, ``stop_reason``), then the usage
+    chunk when asked. vLLM splits the text over more chunks (one per engine step); the concatenation is the same."""
+    base = {key: payload.get(key) for key in ("id", "object", "created", "model")}
     base["object"] = "chat.completion.chunk"
+    fingerprint = {"system_fingerprint": payload.get("system_fingerprint")}
     events = []
     for choice in payload.get("choices") or ():
+        index = choice.get("index", 0)
         message = choice.get("message") or {}
-        delta = {"role": "assistant", "content": message.get("content") or ""}
-        for field in ("reasoning", "reasoning_content"):  # a reasoning parser's output rides along
-            if message.get(field):
-                delta[field] = message[field]
-        if message.get("tool_calls"):
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        first = {
-            "index": choice.get("index", 0),
-            "delta": delta,
-            "logprobs": choice.get("logprobs"),
-            "finish_reason": None,
-        }
-        if "token_ids" in choice:  # the agent asked for them (return_token_ids): vLLM streams them per chunk
-            first["token_ids"] = choice["token_ids"]
+        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        head = {"prompt_token_ids": payload.get("prompt_token_ids"), "prompt_text": None}
+        events.append(_event({**base, "choices": [role], **head}))
+        pending = {"index": index, "logprobs": None, "finish_reason": None, "token_ids": None}
+        reasoning = message.get("reasoning")
+        if reasoning:
+            events.append(_event({**base, "choices": [{**pending, "delta": {"reasoning": reasoning}}]}))
+        calls = message.get("tool_calls") or []
+        if calls:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            events.append(_event({**base, "choices": [{**pending, "delta": delta}]}))
         last = {
-            "index": choice.get("index", 0),
-            "delta": {},
-            "logprobs": None,
+            **pending,
+            "delta": {"content": message.get("content") or ""},
+            "logprobs": choice.get("logprobs"),
             "finish_reason": choice.get("finish_reason"),
+            "stop_reason": choice.get("stop_reason"),
+            "token_ids": choice.get("token_ids"),
         }
-        if "stop_reason" in choice:
-            last["stop_reason"] = choice["stop_reason"]
-        head = {**base, "prompt_token_ids": payload["prompt_token_ids"]} if "prompt_token_ids" in payload else base
-        events += [_event({**head, "choices": [first]}), _event({**base, "choices": [last]})]
+        events.append(_event({**base, "choices": [last], **({} if include_usage else fingerprint)}))
     if include_usage:
-        events.append(_event({**base, "choices": [], "usage": payload.get("usage")}))
+        usage = {key: value for key, value in (payload.get("usage") or {}).items() if value is not None}
+        events.append(_event({**base, "choices": [], "usage": usage, **fingerprint}))
     return events
 
 
