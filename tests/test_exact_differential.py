@@ -246,7 +246,8 @@ class Answer:
     def message(self) -> dict[str, Any]:
         """The assistant message to append to the conversation (content and tool calls)."""
         if isinstance(self.body, list):  # a stream: assemble the deltas as an agent does
-            content, calls = "", []
+            content = ""
+            calls: list[dict[str, Any]] = []
             for chunk in self.body:
                 for choice in chunk["choices"]:
                     content += choice["delta"].get("content") or ""
