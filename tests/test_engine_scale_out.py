@@ -14,6 +14,8 @@ What a real vLLM 0.32.0 (``--enable-scale-out``, ``VLLM_SERVER_DEV_MODE=1``) doe
   strings, ``message.content`` the decoded text, ``""`` for an empty reply); streamed, one call per generate chunk
   with the ``stream_state`` carried from the previous answer returns ``{chunk, stream_state}``, the first chunk's
   delta has ``role: "assistant"``;
+* with vLLM's pythonic tool-call parser (the ``tools`` variant), derender of a generation holding ``[lookup(q='x')]``
+  returns it as ``message.tool_calls`` with ``finish_reason`` as given (``stop``); the chat route says ``tool_calls``;
 * ``/v1/completions`` with a token-id prompt echoes the prompt in ``choices[0].prompt_token_ids``;
 * ``GET /weight_info`` is ``{"weight_version": "default"}`` until ``POST /update_weight_version
   {"new_version": s}`` (answer ``{"success": true, "new_version": s}``), and then generate's spans carry ``s``;
@@ -22,6 +24,7 @@ What a real vLLM 0.32.0 (``--enable-scale-out``, ``VLLM_SERVER_DEV_MODE=1``) doe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +41,7 @@ from tests.helpers.scale_out import (
     vllm_engine,
 )
 from tests.helpers.vllm_server import VllmServer
+from tests.helpers.vllm_shapes import TOOL_CALL, TOOLS
 from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
 from worker.exact_probe import probe_exact_prefix
 from worker.proxy.serve import running_server
@@ -48,14 +52,24 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 MAX_MODEL_LEN = 1024
 
 
-@pytest.fixture(params=["simulated", pytest.param("vllm", marks=pytest.mark.vllm)])
-def engine(request: pytest.FixtureRequest) -> Iterator[ScaleOutEngine]:
+def _engine(request: pytest.FixtureRequest, variant: str) -> Iterator[ScaleOutEngine]:
     if request.param == "vllm":
-        server: VllmServer = request.getfixturevalue("vllm_chatml")
+        server: VllmServer = request.getfixturevalue(f"vllm_{variant}")
         yield vllm_engine(server)
         return
     with running_server(EngineApp(EngineOptions(seed=3, scale_out=True, max_model_len=MAX_MODEL_LEN))) as url:
         yield simulated_engine(url)
+
+
+@pytest.fixture(params=["simulated", pytest.param("vllm", marks=pytest.mark.vllm)])
+def engine(request: pytest.FixtureRequest) -> Iterator[ScaleOutEngine]:
+    yield from _engine(request, "chatml")
+
+
+@pytest.fixture(params=["simulated", pytest.param("vllm", marks=pytest.mark.vllm)])
+def tools_engine(request: pytest.FixtureRequest) -> Iterator[ScaleOutEngine]:
+    """An engine with vLLM's pythonic tool-call parser (the real one: the ``tools`` model variant)."""
+    yield from _engine(request, "tools")
 
 
 def render(engine: ScaleOutEngine, **fields: Any) -> dict[str, Any]:
@@ -162,6 +176,45 @@ def test_derender_streams_with_a_carried_state(engine: ScaleOutEngine) -> None:
     assert deltas[-1]["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"]
     streamed = [entry["logprob"] for delta in deltas for entry in delta["logprobs"]["content"]]
     assert streamed == [entry["logprob"] for c in chunks for entry in c["choices"][0]["logprobs"]["content"]]
+
+
+def test_derender_returns_the_tool_call_the_generation_holds(tools_engine: ScaleOutEngine) -> None:
+    """A generation constrained to a pythonic call comes back from derender as ``tool_calls`` (``finish_reason`` as
+    given: ``stop``), and from the chat route with ``finish_reason: "tool_calls"``."""
+    request = {
+        "model": tools_engine.model,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "max_tokens": 30,
+        "structured_outputs": {"choice": [TOOL_CALL]},
+    }
+    answer = post(tools_engine, "/v1/chat/completions/render", request)
+    assert answer.status_code == 200, answer.text
+    rendered = answer.json()
+    generated = generate(tools_engine, rendered)
+    choice = generated["choices"][0]
+    assert choice["token_ids"][-1] == tools_engine.eot_id and choice["finish_reason"] == "stop"
+    shown = {**choice, "token_ids": choice["token_ids"][:-1], "logprobs": None}  # the end-of-turn is not text
+    body = {
+        "model": tools_engine.model,
+        "generate_response": {**generated, "choices": [shown]},
+        "prompt_token_ids": rendered["token_ids"],
+        "chat_request": request,
+    }
+    answer = post(tools_engine, "/v1/chat/completions/derender", body)
+    assert answer.status_code == 200, answer.text
+    [derendered] = answer.json()["choices"]
+    calls = [
+        (call["function"]["name"], json.loads(call["function"]["arguments"]))
+        for call in derendered["message"]["tool_calls"]
+    ]
+    assert calls == [("lookup", {"q": "x"})]
+    assert derendered["message"]["content"] is None and derendered["finish_reason"] == "stop"
+    answer = post(tools_engine, "/v1/chat/completions", request)
+    assert answer.status_code == 200, answer.text
+    [chat] = answer.json()["choices"]
+    assert chat["finish_reason"] == "tool_calls" and chat["message"]["content"] is None
+    assert [call["function"]["name"] for call in chat["message"]["tool_calls"]] == ["lookup"]
 
 
 def test_completions_take_a_token_id_prompt(engine: ScaleOutEngine) -> None:

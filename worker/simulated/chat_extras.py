@@ -1,8 +1,7 @@
 """Optional parts of the simulated engine's ``/v1/chat/completions`` answer, shaped as real engines send them.
 
-* a reasoning parser's output: the first half of the text (rounded up) goes to ``message.reasoning`` (vLLM 0.32) or
-  ``message.reasoning_content`` (older vLLM), the rest stays ``content``;
-* a tool call: a request naming ``tools`` is answered with one call of its first tool;
+(The reasoning and tool-call parsers are :mod:`worker.simulated.parsers`.)
+
 * ``routed_experts``: vLLM 0.32 puts it on the **choice** as base64 of a ``.npy`` array shaped
   ``(num_tokens - 1, layers, k)`` (prompt and generated tokens, without the last); older engines (and NeMo Gym's
   model server) on the message as nested lists, one ``[layers][k]`` entry per generated id;
@@ -25,7 +24,7 @@ __all__ = (
     "EXPERT_LAYERS",
     "ReasoningField",
     "RoutedExpertsPlace",
-    "add_extras",
+    "add_routed_experts",
     "eot_bias",
     "forced_empty",
     "min_tokens_of",
@@ -72,36 +71,13 @@ def _npy_base64(array: np.ndarray[Any, Any]) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _split_reasoning(message: dict[str, Any], field: ReasoningField) -> None:
-    text = message.get("content") or ""
-    cut = (len(text) + 1) // 2
-    message[field] = text[:cut] or None
-    message["content"] = text[cut:]
-
-
-def add_extras(
-    request: dict[str, Any],
-    payload: dict[str, Any],
-    prompt: list[int],
-    generation: Generation,
-    *,
-    reasoning_field: ReasoningField | None,
-    tool_calls: bool,
-    routed_experts: RoutedExpertsPlace | None,
+def add_routed_experts(
+    payload: dict[str, Any], prompt: list[int], generation: Generation, place: RoutedExpertsPlace | None
 ) -> None:
-    """Add the configured optional parts to a chat-completion *payload* (in place)."""
+    """Add ``routed_experts`` to a chat-completion *payload* where *place* says (in place; ``None``: nowhere)."""
     choice = payload["choices"][0]
-    message = choice["message"]
-    if reasoning_field is not None:
-        _split_reasoning(message, reasoning_field)
-    tools = request.get("tools")
-    if tool_calls and isinstance(tools, list) and tools and isinstance(tools[0], dict):
-        name = (tools[0].get("function") or {}).get("name") or "tool"
-        call = {"id": f"call-{payload['id']}", "type": "function", "function": {"name": name, "arguments": "{}"}}
-        message["tool_calls"] = [call]
-        choice["finish_reason"] = "tool_calls"
-    if routed_experts == "choice":
+    if place == "choice":
         sequence = [*prompt, *generation.token_ids][:-1]
         choice["routed_experts"] = _npy_base64(routed_experts_array(sequence))
-    elif routed_experts == "message":
-        message["routed_experts"] = routed_experts_array(generation.token_ids).tolist()
+    elif place == "message":
+        choice["message"]["routed_experts"] = routed_experts_array(generation.token_ids).tolist()

@@ -1,48 +1,63 @@
 """The simulated engine over HTTP, answering like vLLM's OpenAI-compatible server (``staging-sink engine``).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (text or token-id prompts), ``POST /v1/responses``,
-``POST /tokenize``, ``GET /v1/models``, ``GET /health``. Responses carry vLLM's token fields when asked
-(``return_token_ids``: top-level ``prompt_token_ids`` and ``choices[i].token_ids``; ``logprobs``/``top_logprobs``
-with ``return_tokens_as_token_ids``: ``"token_id:<n>"`` strings) and ``usage``. :class:`EngineOptions` sets the
-rest: NeMo Gym's message-level shape, a NeMo RL server's ``required_prefix_token_ids``, ``drift`` (earlier
-assistant text re-tokenized differently, so the ``token_in`` check must fire), reasoning, tool calls and routed
-experts (:mod:`worker.simulated.chat_extras`; an end-of-turn ``logit_bias >= 50`` forces an empty reply), and
-vLLM 0.32's token-in/token-out routes with ``scale_out`` (:mod:`worker.simulated.scale_out`,
-:mod:`worker.simulated.derender`; 403 ``PermissionDeniedError`` without it, as vLLM). ``GET /weight_info`` and
-``POST /update_weight_version`` are always served.
+Routes: ``POST /v1/chat/completions`` (streamed or not), ``POST /v1/completions`` (text or token-id prompts),
+``POST /v1/responses``, ``POST /tokenize``, ``GET /v1/models``, ``GET /health``. The chat route answers with vLLM
+0.32's fields (``tests/test_simulated_vs_vllm.py`` holds it to the shapes recorded from the real server): token
+fields null unless asked (``return_token_ids``: top-level ``prompt_token_ids`` and ``choices[i].token_ids``),
+log-prob entries ``{token, logprob, bytes, top_logprobs}`` (the end-of-turn's token ``<|im_end|>``;
+``return_tokens_as_token_ids``: ``"token_id:<n>"``), ``usage`` counting every generated id, ``system_fingerprint``,
+the reasoning and tool-call parsers' message (:mod:`worker.simulated.parsers`; ``finish_reason: "tool_calls"`` for
+an auto tool call), ``stop`` strings cut from the text. :class:`EngineOptions` sets the rest: NeMo Gym's
+message-level shape, a NeMo RL server's ``required_prefix_token_ids``, ``drift`` (earlier assistant text
+re-tokenized differently, so the ``token_in`` check must fire), a reasoning model, generated tool calls and routed
+experts (:mod:`worker.simulated.chat_extras`; an end-of-turn ``logit_bias >= 50`` forces an empty reply,
+``<= -50`` forbids the end-of-turn), and vLLM 0.32's token-in/token-out routes with ``scale_out``
+(:mod:`worker.simulated.scale_out`, :mod:`worker.simulated.derender`; 403 ``PermissionDeniedError`` without it, as
+vLLM). ``GET /weight_info`` and ``POST /update_weight_version`` are always served.
 
-Generations always end cleanly (``<im_end>`` after valid UTF-8), so without drift a re-rendered conversation
-reproduces the parent's exact ids.
+A chat reply cut by ``max_tokens`` ends cleanly (``<im_end>`` after valid UTF-8; unless the end-of-turn is forbidden
+or ignored, or a constraint ran out: then ``finish_reason: "length"`` after valid UTF-8), so without drift a
+re-rendered conversation reproduces the parent's exact ids. Without ``max_tokens`` the chat route generates up to
+``default_max_tokens`` (vLLM: up to the context's end; render and generate do that here too).
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import anyio
 import orjson
 
 from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
-from worker.simulated.chat_extras import (
-    add_extras,
-    forced_empty,
-    min_tokens_of,
-)
-from worker.simulated.derender import derender_chat, derender_chat_chunk
+from worker.simulated.chat_extras import add_routed_experts, forced_empty, min_tokens_of
+from worker.simulated.chat_stream import chat_events, send_events
+from worker.simulated.derender import Derender, logprob_entry
 from worker.simulated.engine import BYTE_OFFSET, IM_END, IM_START, Generation, SimulatedEngine
 from worker.simulated.options import EngineOptions
-from worker.simulated.scale_out import SCALE_OUT_DISABLED, BadScaleOutRequest, ScaleOut
+from worker.simulated.parsers import Parsed, message_of, parse
+from worker.simulated.scale_out import (
+    SCALE_OUT_DISABLED,
+    BadScaleOutRequest,
+    SamplingParams,
+    ScaleOut,
+    top_logprobs,
+)
 
-__all__ = ("DRIFT_SPACE_ID", "EngineApp", "item_text")
+__all__ = ("DRIFT_SPACE_ID", "SYSTEM_FINGERPRINT", "EngineApp", "item_text")
 
 DRIFT_SPACE_ID = 3
 """The id a drifting engine gives a space inside earlier assistant text (a "merged" token)."""
 _SPACE_ID = BYTE_OFFSET + 0x20
 _MODEL = "simulated"
 _TOKEN_ID_STRINGS = [f"token_id:{token}" for token in range(BYTE_OFFSET + 256)]
+_FORCE_BIAS = 50.0
+SYSTEM_FINGERPRINT = "vllm-0.32.0-simulated"
+"""The chat route's ``system_fingerprint`` (vLLM 0.32: ``vllm-0.32.0-<hash>``)."""
 
 
 class _BadRequest(Exception):
@@ -70,14 +85,35 @@ def item_text(item: dict[str, Any]) -> str:
     raise _BadRequest("message content must be a string or a list of parts")
 
 
+def _valid_tail(ids: list[int]) -> list[int]:
+    """*ids* with the bytes of a character cut off at their end replaced by spaces (same length)."""
+    start = len(ids)
+    while start > 0 and ids[start - 1] >= BYTE_OFFSET and len(ids) - start < 4:
+        start -= 1
+    tail = bytes(token - BYTE_OFFSET for token in ids[start:])
+    valid = tail.decode("utf-8", errors="ignore").encode("utf-8")
+    if tail.startswith(valid) and len(valid) < len(tail):
+        return [*ids[:start], *(BYTE_OFFSET + byte for byte in valid), *[_SPACE_ID] * (len(tail) - len(valid))]
+    return ids
+
+
 def _stop_clean(generation: Generation) -> Generation:
     """*generation* ending with ``<im_end>`` after valid UTF-8 (same length and log-probs)."""
     if generation.finish_reason == "stop":
         return generation
-    body = bytes(token - BYTE_OFFSET for token in generation.token_ids[:-1])
-    valid = body.decode("utf-8", errors="ignore").encode("utf-8")
-    valid += b" " * (len(body) - len(valid))
-    return Generation([BYTE_OFFSET + byte for byte in valid] + [IM_END], generation.logprobs, "stop")
+    ids = [*_valid_tail(generation.token_ids[:-1]), IM_END]
+    return Generation(ids, generation.logprobs, "stop")
+
+
+def _cut_stop_string(parsed: Parsed, stop_reason: str) -> Parsed:
+    """*parsed* without the stop string at the end of its text (the content, or the reasoning when it ended there)."""
+    if parsed.content:
+        cut = parsed.content.rfind(stop_reason)
+        return Parsed(parsed.reasoning, parsed.content[:cut] if cut >= 0 else parsed.content, [], auto=False)
+    if parsed.reasoning:
+        cut = parsed.reasoning.rfind(stop_reason)
+        return Parsed(parsed.reasoning[:cut] if cut >= 0 else parsed.reasoning, parsed.content, [], auto=False)
+    return parsed
 
 
 class EngineApp:
@@ -86,7 +122,10 @@ class EngineApp:
     def __init__(self, options: EngineOptions | None = None) -> None:
         self.options = options or EngineOptions()
         self.engine = SimulatedEngine(self.options.seed)
-        self.scale_out = ScaleOut(self.engine, self.options.max_model_len)
+        self.scale_out = ScaleOut(
+            self.engine, self.options.max_model_len, reasoning=self.options.reasoning_field is not None
+        )
+        self.derender = Derender(self.options.reasoning_field)
         self._ids = itertools.count(1)
         self.calls = 0
 
@@ -149,42 +188,96 @@ class EngineApp:
             "generation_log_probs": generation.logprobs,
         }
 
-    def chat(self, request: dict[str, Any], prompt: list[int], generation: Generation) -> dict[str, Any]:
-        """A vLLM chat-completion payload."""
-        text = self.engine.tokenizer.decode(generation.token_ids)
-        message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": []}
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}
+    async def _chat_generation(
+        self, request: dict[str, Any], prompt: list[int]
+    ) -> tuple[Generation, str | None, SamplingParams]:
+        """The chat route's generation: as generate's, except that a reply cut by ``max_tokens`` ends cleanly
+        (``<im_end>`` after valid UTF-8) unless the end-of-turn is forbidden, ignored or a constraint ran out."""
+        params = SamplingParams.of_chat(request, self.options.default_max_tokens, tool_calls=self.options.tool_calls)
+        if request.get("n", 1) != 1:
+            raise _BadRequest("the simulated engine serves n == 1 only")
+        if self.options.delay_s:
+            await anyio.sleep(self.options.delay_s)
+        self.calls += 1
+        generation, stop_reason = self.scale_out.sample(prompt, params)
+        if generation.finish_reason == "length" and stop_reason is None:
+            keep_length = params.ignore_eos or params.eot_bias <= -_FORCE_BIAS or params.structured is not None
+            if keep_length:
+                generation = Generation(_valid_tail(generation.token_ids), generation.logprobs, "length")
+            else:
+                generation = _stop_clean(generation)
+        return generation, stop_reason, params
+
+    def _chat_logprobs(self, request: dict[str, Any], generation: Generation, count: int) -> dict[str, Any]:
+        if request.get("return_tokens_as_token_ids"):
+            named: list[dict[str, Any]] = [
+                {"token": _TOKEN_ID_STRINGS[token], "logprob": logprob, "bytes": None, "top_logprobs": []}
+                for token, logprob in zip(generation.token_ids, generation.logprobs, strict=True)
+            ]
+            return {"content": named}
+        entries = []
+        for token, logprob in zip(generation.token_ids, generation.logprobs, strict=True):
+            top = [(i, lp) for i, lp, _ in top_logprobs(token, logprob, count)] if count else []
+            entries.append(logprob_entry(token, logprob, top))
+        return {"content": entries}
+
+    def chat(
+        self,
+        request: dict[str, Any],
+        prompt: list[int],
+        generation: Generation,
+        stop_reason: str | None = None,
+        params: SamplingParams | None = None,
+    ) -> dict[str, Any]:
+        """vLLM 0.32's chat-completion payload (the parsers' message, log-probs with token strings, ``usage``)."""
+        options = self.options
+        reasoning = options.reasoning_field is not None
+        parsed = parse(generation.token_ids, request, reasoning=reasoning, keep_specials=False)
+        if isinstance(stop_reason, str) and request.get("include_stop_str_in_output") is not True:
+            parsed = _cut_stop_string(parsed, stop_reason)
+        message = message_of(parsed, reasoning_field=options.reasoning_field, chat_route=True)
+        returned = request.get("return_token_ids") is True
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": "tool_calls" if parsed.auto else generation.finish_reason,
+            "stop_reason": stop_reason,
+            "token_ids": generation.token_ids if returned else None,
+            "routed_experts": None,
+        }
+        completion = len(generation.token_ids)
+        usage: dict[str, Any] = {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": {"reasoning_tokens": 0} if reasoning else None,
+        }
         payload: dict[str, Any] = {
-            "id": f"chatcmpl-sim-{next(self._ids)}",
+            "id": f"chatcmpl-{secrets.token_hex(8)}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": _MODEL,
             "choices": [choice],
-            "usage": self._usage(prompt, generation),
+            "service_tier": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": usage,
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt if returned else None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
-        options = self.options
-        add_extras(
-            request,
-            payload,
-            prompt,
-            generation,
-            reasoning_field=options.reasoning_field,
-            tool_calls=options.tool_calls,
-            routed_experts=options.routed_experts,
-        )
+        if options.routed_experts == "message":  # an older engine's shape: the message carries them, not the choice
+            del choice["routed_experts"]
+        add_routed_experts(payload, prompt, generation, options.routed_experts)
         if options.shape == "nemo-gym":
             message.update(self._gym_fields(prompt, generation))
             return payload
         if request.get("logprobs"):
-            strings = self._token_strings(request, generation.token_ids)
-            content = [
-                {"token": text, "logprob": logprob, "top_logprobs": ()}
-                for text, logprob in zip(strings, generation.logprobs, strict=True)
-            ]
-            choice["logprobs"] = {"content": content}
-        if request.get("return_token_ids"):
-            choice["token_ids"] = generation.token_ids
-            payload["prompt_token_ids"] = prompt
+            choice["logprobs"] = self._chat_logprobs(request, generation, (params.logprobs or 0) if params else 0)
         return payload
 
     def completion(self, request: dict[str, Any], prompt: list[int], generation: Generation) -> dict[str, Any]:
@@ -275,31 +368,49 @@ class EngineApp:
             raise _ScaleOutDisabled
         if path == "/v1/chat/completions/render":
             rendered = self._messages(request)
-            await send_json(send, 200, self.scale_out.render(request, rendered, self.options.default_max_tokens))
+            kwargs = request.get("chat_template_kwargs")
+            template_kwargs = {
+                "add_generation_prompt": request.get("add_generation_prompt", True) is not False,
+                "continue_final_message": request.get("continue_final_message") is True,
+                **(kwargs if isinstance(kwargs, dict) else {}),
+            }
+            answer = self.scale_out.render(
+                request, rendered, tool_calls=self.options.tool_calls, template_kwargs=template_kwargs
+            )
+            await send_json(send, 200, answer)
         elif path == "/inference/v1/generate":
             if self.options.delay_s:
                 await anyio.sleep(self.options.delay_s)
             self.calls += 1
-            request_id, prompt, generation, stop_reason = self.scale_out.generate(request)
+            request_id, prompt, generation, stop_reason, params = self.scale_out.generate(request)
             if not request.get("stream"):
                 model = request.get("model") or _MODEL
-                answer = self.scale_out.response(request_id, model, prompt, generation, stop_reason)
+                answer = self.scale_out.response(request_id, model, prompt, (generation, stop_reason, params))
                 await send_json(send, 200, answer)
                 return
-            events = [
-                b"data: " + orjson.dumps(c) + b"\n\n"
-                for c in self.scale_out.chunks(request_id, generation, stop_reason)
-            ]
-            await send_body(send, 200, b"".join([*events, b"data: [DONE]\n\n"]), b"text/event-stream")
+            chunks = self.scale_out.chunks(request_id, generation, stop_reason, params)
+            await send_events(send, chunks)
         elif request.get("stream"):
-            await send_json(send, 200, derender_chat_chunk(self.engine.tokenizer, request))
+            await send_json(send, 200, self.derender.chunk(request))
         else:
-            await send_json(send, 200, derender_chat(self.engine.tokenizer, request))
+            await send_json(send, 200, self.derender.chat(request))
+
+    async def _chat_route(self, request: dict[str, Any], send: Send) -> None:
+        prompt = self._prompt(request, self._messages(request))
+        generation, stop_reason, params = await self._chat_generation(request, prompt)
+        payload = self.chat(request, prompt, generation, stop_reason, params)
+        if request.get("stream") is not True:
+            await send_json(send, 200, payload)
+            return
+        parse_prefix = partial(
+            parse, request=request, reasoning=self.options.reasoning_field is not None, keep_specials=False
+        )
+        options = request.get("stream_options")
+        usage = isinstance(options, dict) and options.get("include_usage") is True
+        chunks = chat_events(payload, prompt, generation, parse_prefix, stops=params.stop, include_usage=usage)
+        await send_events(send, chunks)
 
     async def _handle(self, path: str, request: dict[str, Any]) -> dict[str, Any]:
-        if path == "/v1/chat/completions":
-            prompt = self._prompt(request, self._messages(request))
-            return self.chat(request, prompt, await self._generate(request, prompt))
         if path == "/v1/completions":
             raw = request.get("prompt")
             if isinstance(raw, str):
@@ -355,6 +466,9 @@ class EngineApp:
             if path in _SCALE_OUT_ROUTES:
                 await self._scale_out(path, request, send)
                 return
+            if path == "/v1/chat/completions":
+                await self._chat_route(request, send)
+                return
             if path == "/update_weight_version":
                 version = request.get("new_version")
                 if not isinstance(version, str):
@@ -366,7 +480,11 @@ class EngineApp:
         except _ScaleOutDisabled:
             await send_body(send, 403, error_body(403, SCALE_OUT_DISABLED, "PermissionDeniedError"))
             return
-        except (_BadRequest, BadScaleOutRequest, orjson.JSONDecodeError, ValueError) as exc:
+        except BadScaleOutRequest as exc:
+            error = {"message": str(exc), "type": "BadRequestError", "param": exc.param, "code": 400}
+            await send_json(send, 400, {"error": error})
+            return
+        except (_BadRequest, orjson.JSONDecodeError, ValueError) as exc:
             await send_body(send, 400, error_body(400, str(exc), "BadRequestError"))
             return
         except LookupError:

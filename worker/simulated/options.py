@@ -29,8 +29,11 @@ class EngineOptions:
     max_model_len: int = 1 << 20
     """Context length: a longer prompt is a 400 on every route."""
     reasoning_field: ReasoningField | None = None
-    """Chat answers carry a reasoning parser's output in this message field."""
+    """A reasoning model and parser (vLLM's ``deepseek_r1``): generations hold ``</think>`` mid-text, and chat and
+    derender answers carry the text before it in this message field (:mod:`worker.simulated.parsers`)."""
     tool_calls: bool = False
-    """A chat request naming ``tools`` is answered with a call of its first tool."""
+    """A chat request naming ``tools`` (``tool_choice`` absent or ``auto``) generates a pythonic call of its first
+    tool, ``[name()]``, which the tool-call parser answers as ``message.tool_calls`` (without it, a generation holds
+    a call only when constrained to one, e.g. ``structured_outputs: {"choice": ["[lookup(q='x')]"]}``)."""
     routed_experts: RoutedExpertsPlace | None = None
     """Chat answers carry ``routed_experts`` here (``choice``: base64 ``.npy``, as vLLM 0.32)."""
