@@ -34,6 +34,7 @@ __all__ = (
     "RolloutFrozenError",
     "RolloutRetiredError",
     "RowUnavailableError",
+    "SamplingProvenanceError",
     "ServerNotFoundError",
     "ServerProcessError",
     "StagingConnectionError",
@@ -189,14 +190,20 @@ class MetricsExtraMissingError(ExtraMissingError):
 
 
 class BatchInputError(StagingError, ValueError):
-    """Raised when a training-batch step (:mod:`sink.trainer.batch`, :mod:`sink.trainer.packing`, :mod:`sink.trainer.export`) is given
-    invalid input: an option out of range, an item that is not a pulled rollout, a rollout id twice. Nothing was
-    built; the message names the offending value."""
+    """Raised when a training-batch step (:mod:`sink.trainer.batch`, :mod:`sink.trainer.packing`, :mod:`sink.trainer.export`,
+    :func:`sink.trainer.statistics.mismatch_report`) is given invalid input: an option out of range, an item that is
+    not a pulled rollout, a rollout id twice, a column of the wrong length. Nothing was built; the message names the
+    offending value."""
 
 
 class RowUnavailableError(StagingError, LookupError):
     """Raised when an export by rollout id finds no stored receipt (not finished, or acknowledged already) or
     a staged record the receipt names is gone. Nothing was written."""
+
+
+class SamplingProvenanceError(StagingError, ValueError):
+    """Raised when a staged call's ``extras["sampling"]`` entry is not of the documented shape
+    (:class:`sink.contract.sampling.SamplingProvenance`); the message names the field."""
 
 
 class BenchmarkNamespaceInUseError(StagingError):

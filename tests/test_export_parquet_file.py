@@ -14,6 +14,7 @@ import pytest
 from sink.rollout.done_event import GroupTag
 from sink.trainer.export import ExportFormat, export_record, read_export, write_export
 from tests.helpers.rows import skipped_pulled, verified_pulled
+from tests.helpers.sampling import sampling_extras
 
 pa: Any = importlib.import_module("pyarrow")
 pq: Any = importlib.import_module("pyarrow.parquet")
@@ -31,6 +32,25 @@ COLUMNS = [
     ("prompt_len", pa.int64()),
     ("model_call_ids", pa.list_(pa.string())),
     ("weight_versions", pa.list_(pa.int64())),
+    (
+        "sampling",
+        pa.list_(
+            pa.struct(
+                [
+                    ("source", pa.string()),
+                    *((name, pa.float64()) for name in ("temperature", "top_p")),
+                    ("top_k", pa.int64()),
+                    *((name, pa.float64()) for name in ("min_p", "presence_penalty", "frequency_penalty")),
+                    ("repetition_penalty", pa.float64()),
+                    *((name, pa.int64()) for name in ("seed", "max_tokens", "min_tokens")),
+                    ("ignore_eos", pa.bool_()),
+                    ("logit_bias", pa.bool_()),
+                    ("constraint", pa.string()),
+                    ("logprobs_mode", pa.string()),
+                ]
+            )
+        ),
+    ),
     ("terminal_model_call_id", pa.string()),
     ("terminal_selection", pa.string()),
     ("receipt", pa.string()),
@@ -39,14 +59,18 @@ COLUMNS = [
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_every_column_reads_back_as_export_record_built_it(tmp_path: Path, fmt: ExportFormat) -> None:
+    extras = (sampling_extras(), None, sampling_extras(constraint="tool_choice", seed=7, top_p=None))
     pulled = [
-        verified_pulled("a", lengths=(8, 6, 5), weight_versions=(1, 2, 2), group=GroupTag("g", 2)),
+        verified_pulled("a", lengths=(8, 6, 5), weight_versions=(1, 2, 2), group=GroupTag("g", 2), extras=extras),
         verified_pulled("b", reward=None),
     ]
     path = tmp_path / f"rows.{fmt}"
     assert write_export(pulled, path, fmt=fmt) == 2
     rows = read_export(path)
     assert rows == [export_record(item) for item in pulled]
+    # Each call's provenance as its extras hold it, None where unknown.
+    assert rows[0]["sampling"] == [extras[0]["sampling"], None, extras[2]["sampling"]]
+    assert rows[1]["sampling"] == [None, None]
     assert [(row["chain_index"], row["terminal_model_call_id"], row["terminal_selection"]) for row in rows] == [
         (0, "c2", "declared"),
         (0, "c1", "declared"),

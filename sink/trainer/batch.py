@@ -107,9 +107,9 @@ def select_rows(pulled: Sequence[PulledRollout], *, max_tokens: int | None = Non
 
 def row_metadata(
     items: Sequence[PulledRollout], rows: Sequence[LinearizedRow]
-) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
-    """Per row: the reward (``NaN`` when the receipt has none; every chain of a rollout shares it) and
-    ``[oldest, newest]`` weight version of the row's own calls."""
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """Per row: the reward (``NaN`` when the receipt has none; every chain of a rollout shares it),
+    ``[oldest, newest]`` weight version of the row's own calls, and whether every call has sampling provenance."""
     rewards = np.array(
         [math.nan if item.receipt.reward is None else item.receipt.reward for item in items], dtype=np.float32
     )
@@ -117,7 +117,7 @@ def row_metadata(
     for index, row in enumerate(rows):
         weights = row.weight_versions
         versions[index] = (min(weights), max(weights))
-    return rewards, versions
+    return rewards, versions, np.array([row.provenance_known for row in rows], dtype=np.bool_)
 
 
 def chain_weights(
@@ -149,6 +149,10 @@ class TrainingBatch:
     * ``loss_mask`` ``[B, T]`` float32, the row's token mask (0.0 on carried prompt tokens and padding,
       1.0 on generated tokens);
     * ``generation_logprobs`` ``[B, T]`` float32, the behaviour log-probabilities (0.0 where the mask is 0);
+    * ``policy_mask`` ``[B, T]`` bool, the rows' :meth:`~sink.trainer.row.LinearizedRow.policy_mask`: True on
+      generated tokens sampled from the model's own distribution with its own log-prob (False on prompt tokens,
+      padding, and tokens of constrained or biased calls); ``provenance_known`` ``[B]`` bool: every call of the
+      row carries sampling provenance (without it, its generated tokens count as policy tokens);
     * ``input_lengths`` ``[B]`` int64; ``rewards`` ``[B]`` float32 (``NaN``: no reward);
     * ``weight_versions`` ``[B, 2]`` int64: oldest and newest weight version among the row's calls;
     * ``rollout_ids``, ``chain_indices`` (0 for a single chain) and ``group_ids`` (``None`` outside a group) per
@@ -160,9 +164,11 @@ class TrainingBatch:
     attention_mask: npt.NDArray[np.bool_]
     loss_mask: npt.NDArray[np.float32]
     generation_logprobs: npt.NDArray[np.float32]
+    policy_mask: npt.NDArray[np.bool_]
     input_lengths: npt.NDArray[np.int64]
     rewards: npt.NDArray[np.float32]
     weight_versions: npt.NDArray[np.int64]
+    provenance_known: npt.NDArray[np.bool_]
     rollout_ids: tuple[str, ...]
     group_ids: tuple[str | None, ...]
     pad_token_id: int
@@ -188,9 +194,11 @@ class TrainingBatch:
             "attention_mask": self.attention_mask,
             "loss_mask": self.loss_mask,
             "generation_logprobs": self.generation_logprobs,
+            "policy_mask": self.policy_mask,
             "input_lengths": self.input_lengths,
             "rewards": self.rewards,
             "weight_versions": self.weight_versions,
+            "provenance_known": self.provenance_known,
         }
 
     def __repr__(self) -> str:
@@ -226,23 +234,28 @@ def collate(
     input_ids = np.empty((rows, width), dtype=np.int64)
     loss_mask = np.empty((rows, width), dtype=np.float32)
     logprobs = np.empty((rows, width), dtype=np.float32)
+    policy_mask = np.empty((rows, width), dtype=np.bool_)
     for index, row in enumerate(selection.rows):
         length = selection.lengths[index]
         # The one copy of each column, from the stored bytes into the batch; padding only past the row's end.
         row.write_numpy(input_ids[index, :length], loss_mask[index, :length], logprobs[index, :length])
+        row.write_policy_mask(policy_mask[index, :length])
         input_ids[index, length:] = pad_token_id
         loss_mask[index, length:] = 0.0
         logprobs[index, length:] = 0.0
+        policy_mask[index, length:] = False
     attention_mask = np.arange(width, dtype=np.int64)[None, :] < lengths[:, None]
-    rewards, versions = row_metadata(selection.items, selection.rows)
+    rewards, versions, known = row_metadata(selection.items, selection.rows)
     return TrainingBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         loss_mask=loss_mask,
         generation_logprobs=logprobs,
+        policy_mask=policy_mask,
         input_lengths=lengths,
         rewards=rewards,
         weight_versions=versions,
+        provenance_known=known,
         rollout_ids=tuple(item.rollout_id for item in selection.items),
         group_ids=tuple(None if item.group is None else item.group.group_id for item in selection.items),
         pad_token_id=pad_token_id,

@@ -7,8 +7,10 @@ verified rollout or chain (skipped rollouts have no row and are not written):
 ``rollout_id``, ``chain_index`` (0, or the chain of a multi-chain rollout: one line per chain, contract
 §14.4), ``token_ids`` (ints), ``token_mask`` and ``logprobs``
 (floats, exactly the verified row's values; Parquet stores them as float64), ``reward``, ``group_id``/``group_size`` (``None`` outside a group),
-``prompt_len``, ``model_call_ids`` and ``weight_versions`` (per call, root
-first), ``terminal_model_call_id``, ``terminal_selection`` and ``receipt``
+``prompt_len``, ``model_call_ids``, ``weight_versions`` and ``sampling`` (per call, root
+first; ``sampling`` is each call's sampling provenance as its extras hold it,
+:meth:`~sink.contract.sampling.SamplingProvenance.as_extras`, or ``None`` when the call has none),
+``terminal_model_call_id``, ``terminal_selection`` and ``receipt``
 (the token-free receipt as a JSON object; Parquet stores its JSON text, and
 :func:`read_export` returns the object for both formats).
 
@@ -38,6 +40,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.records import RolloutReceipt
+from sink.contract.sampling import SAMPLING_FIELD_TYPES, SamplingProvenance
 from sink.contract.skip_codes import SkipCode
 from sink.errors import (
     BatchInputError,
@@ -54,6 +57,7 @@ from sink.settings import SourceSettings
 from sink.store.connection import map_redis_errors
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.pulled import PulledRollout, fetch_and_verify
+from sink.trainer.row import LinearizedRow
 
 __all__ = ("EXPORT_FORMATS", "ExportFormat", "export_record", "export_rollouts", "read_export", "write_export")
 
@@ -86,10 +90,15 @@ def export_record(pulled: PulledRollout, chain_index: int | None = None) -> dict
         "prompt_len": row.prompt_len,
         "model_call_ids": list(row.model_call_ids),
         "weight_versions": list(row.weight_versions),
+        "sampling": [None if provenance is None else provenance.as_extras() for provenance in _sampling(row)],
         "terminal_model_call_id": row.model_call_ids[-1] if pulled.chains else receipt.terminal_model_call_id,
         "terminal_selection": _selection(pulled, row.chain_index),
         "receipt": receipt.model_dump(mode="json"),
     }
+
+
+def _sampling(row: LinearizedRow) -> tuple[SamplingProvenance | None, ...]:
+    return row.sampling or (None,) * len(row.model_call_ids)
 
 
 def _selection(pulled: PulledRollout, chain_index: int) -> str | None:
@@ -167,11 +176,18 @@ def _parquet_schema(pa: Any) -> Any:
             ("prompt_len", pa.int64()),
             ("model_call_ids", pa.list_(pa.string())),
             ("weight_versions", pa.list_(pa.int64())),
+            ("sampling", pa.list_(_sampling_struct(pa))),
             ("terminal_model_call_id", pa.string()),
             ("terminal_selection", pa.string()),
             ("receipt", pa.string()),
         ]
     )
+
+
+def _sampling_struct(pa: Any) -> Any:
+    """One call's sampling provenance in Parquet: a struct of the entry's fields (a null struct: unknown)."""
+    kinds = {float: pa.float64(), int: pa.int64(), bool: pa.bool_(), str: pa.string()}
+    return pa.struct([(name, kinds[kind]) for name, kind in SAMPLING_FIELD_TYPES.items()])
 
 
 def read_export(path: str | Path, *, fmt: ExportFormat | None = None) -> list[dict[str, Any]]:

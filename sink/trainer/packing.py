@@ -54,10 +54,11 @@ class PackedBatch:
 
     * ``input_ids`` ``[N, max_tokens]`` int64 (padding: ``pad_token_id``); ``position_ids`` ``[N, max_tokens]``
       int64 (0 on padding); ``segment_ids`` ``[N, max_tokens]`` int64 (row index, ``-1`` on padding);
-    * ``loss_mask``, ``generation_logprobs`` ``[N, max_tokens]`` float32 (0.0 on padding);
+    * ``loss_mask``, ``generation_logprobs`` ``[N, max_tokens]`` float32 (0.0 on padding); ``policy_mask``
+      ``[N, max_tokens]`` bool (False on padding), as :class:`~sink.trainer.batch.TrainingBatch`'s;
     * ``cu_seqlens``: per bin, int32 ``[rows_in_bin + 1]``; ``bins``: per bin, the row indices in order;
     * per row (index = segment id): ``rollout_ids``, ``group_ids``, ``input_lengths``, ``rewards``
-      (``NaN``: none), ``weight_versions`` ``[B, 2]`` (oldest, newest).
+      (``NaN``: none), ``weight_versions`` ``[B, 2]`` (oldest, newest), ``provenance_known`` ``[B]`` bool.
     """
 
     input_ids: npt.NDArray[np.int64]
@@ -65,11 +66,13 @@ class PackedBatch:
     segment_ids: npt.NDArray[np.int64]
     loss_mask: npt.NDArray[np.float32]
     generation_logprobs: npt.NDArray[np.float32]
+    policy_mask: npt.NDArray[np.bool_]
     cu_seqlens: tuple[npt.NDArray[np.int32], ...]
     bins: tuple[tuple[int, ...], ...]
     input_lengths: npt.NDArray[np.int64]
     rewards: npt.NDArray[np.float32]
     weight_versions: npt.NDArray[np.int64]
+    provenance_known: npt.NDArray[np.bool_]
     rollout_ids: tuple[str, ...]
     group_ids: tuple[str | None, ...]
     max_tokens: int
@@ -115,6 +118,7 @@ def pack(pulled: Sequence[PulledRollout], *, max_tokens: int, pad_token_id: int 
     segment_ids = np.empty((count, max_tokens), dtype=np.int64)
     loss_mask = np.empty((count, max_tokens), dtype=np.float32)
     logprobs = np.empty((count, max_tokens), dtype=np.float32)
+    policy_mask = np.empty((count, max_tokens), dtype=np.bool_)
     ramp = np.arange(max_tokens, dtype=np.int64)
     cu_seqlens: list[npt.NDArray[np.int32]] = []
     for slot, members in enumerate(bins):
@@ -123,9 +127,9 @@ def pack(pulled: Sequence[PulledRollout], *, max_tokens: int, pad_token_id: int 
         for position, index in enumerate(members):
             end = start + lengths[index]
             # The one copy of each column, from the stored bytes into its bin.
-            selection.rows[index].write_numpy(
-                input_ids[slot, start:end], loss_mask[slot, start:end], logprobs[slot, start:end]
-            )
+            row = selection.rows[index]
+            row.write_numpy(input_ids[slot, start:end], loss_mask[slot, start:end], logprobs[slot, start:end])
+            row.write_policy_mask(policy_mask[slot, start:end])
             position_ids[slot, start:end] = ramp[: end - start]
             segment_ids[slot, start:end] = index
             offsets[position + 1] = end
@@ -133,21 +137,24 @@ def pack(pulled: Sequence[PulledRollout], *, max_tokens: int, pad_token_id: int 
         input_ids[slot, start:] = pad_token_id
         loss_mask[slot, start:] = 0.0
         logprobs[slot, start:] = 0.0
+        policy_mask[slot, start:] = False
         position_ids[slot, start:] = 0
         segment_ids[slot, start:] = -1
         cu_seqlens.append(offsets)
-    rewards, versions = row_metadata(selection.items, selection.rows)
+    rewards, versions, known = row_metadata(selection.items, selection.rows)
     return PackedBatch(
         input_ids=input_ids,
         position_ids=position_ids,
         segment_ids=segment_ids,
         loss_mask=loss_mask,
         generation_logprobs=logprobs,
+        policy_mask=policy_mask,
         cu_seqlens=tuple(cu_seqlens),
         bins=tuple(tuple(members) for members in bins),
         input_lengths=np.array(lengths, dtype=np.int64),
         rewards=rewards,
         weight_versions=versions,
+        provenance_known=known,
         rollout_ids=tuple(item.rollout_id for item in selection.items),
         group_ids=tuple(None if item.group is None else item.group.group_id for item in selection.items),
         max_tokens=max_tokens,

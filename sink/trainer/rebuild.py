@@ -1,21 +1,29 @@
-"""Rebuilding the training row of a verified receipt (contract §8.1 steps 9-13), for :mod:`sink.trainer.verify`.
+"""Rebuilding the training row of a verified receipt (contract §8.1 steps 9-14), for :mod:`sink.trainer.verify`.
 
 :func:`verify_lineage` checks every manifest row's parent link (step 9), :func:`chain_positions` finds the
 terminal and its ancestry (step 10), and :func:`linearize_chain` lays out the chain's columns while checking
-its masks, chain hashes and the terminal's cumulative hash (steps 11-13). Each failure raises a
-:class:`~sink.errors.RebuildError` whose ``code`` names the check.
+its masks, chain hashes and the terminal's cumulative hash (steps 11-13), then reads each chain call's sampling
+provenance (step 14). Each failure of steps 9-13 raises a :class:`~sink.errors.RebuildError` whose ``code`` names
+the check; step 14's a :class:`~sink.errors.ReceiptVerificationError`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple, TypeAlias
 
-from sink.contract.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
+from sink.contract.digest import (
+    chain_hash_of_packed,
+    compute_chain_hash,
+    compute_extras_digest,
+    hash_packed_token_ids,
+    hash_token_ids,
+)
 from sink.contract.packed import PackedColumns, PackedSnapshot
 from sink.contract.records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
-from sink.errors import RebuildError
+from sink.contract.sampling import SAMPLING_EXTRAS_KEY, SamplingProvenance
+from sink.errors import RebuildError, ReceiptVerificationError, SamplingProvenanceError
 from sink.trainer.row import ExtrasCommitment, LinearizedRow, LinkSpan, RowColumns, WeightVersionSpan
 
 __all__ = ("PackedCall", "Snapshot", "chain_positions", "linearize_chain", "verify_lineage")
@@ -148,7 +156,34 @@ def linearize_chain(
         weight_version_spans=tuple(spans),
         link_spans=tuple(links),
         extras_commitments=tuple(commitments),
+        sampling=tuple(_sampling(manifest[position], snapshots[position]) for position in chain),
     )
+
+
+def _sampling(record: CallRecord, snapshot: Snapshot) -> SamplingProvenance | None:
+    """Step 14: the call's sampling provenance from its extras, ``None`` when they hold none.
+
+    A :class:`PackedSnapshot`'s extras were checked against its ``extras_digest`` when it was decoded (and step 8f
+    proved that digest the manifest's); a model snapshot's are checked here, as they may have changed since it was
+    validated.
+    """
+    extras = getattr(snapshot, "extras", None)
+    if not isinstance(extras, Mapping) or SAMPLING_EXTRAS_KEY not in extras:
+        return None
+    call_id = record.model_call_id
+    if not isinstance(snapshot, PackedSnapshot):
+        try:
+            recomputed = compute_extras_digest(extras)
+        except (TypeError, ValueError) as exc:
+            raise ReceiptVerificationError("corrupt_extras", f"{call_id!r}: cannot digest its extras: {exc}") from exc
+        if recomputed != record.extras_digest:
+            raise ReceiptVerificationError(
+                "corrupt_extras", f"{call_id!r}: extras digest {recomputed} != recorded {record.extras_digest}"
+            )
+    try:
+        return SamplingProvenance.from_extras(extras)
+    except SamplingProvenanceError as exc:
+        raise ReceiptVerificationError("invalid_sampling", f"{call_id!r}: {exc}") from exc
 
 
 def _row_columns(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sink.contract.packed import PackedColumns
+from sink.contract.sampling import SamplingProvenance
 
 if TYPE_CHECKING:
     import numpy as np
@@ -148,6 +149,46 @@ class LinearizedRow:
     extras_commitments: tuple[ExtrasCommitment, ...]
     chain_index: int = 0
     """The chain of a multi-chain rollout this row trains (contract §14.4); 0 for a single-chain rollout."""
+    sampling: tuple[SamplingProvenance | None, ...] = ()
+    """Per chain call (root first, like :attr:`model_call_ids`): how its tokens were sampled, from its extras'
+    ``sampling`` entry (checked against its extras digest), or ``None`` when the call has none (unknown)."""
+
+    @property
+    def provenance_known(self) -> bool:
+        """Every call of the row has sampling provenance (else :meth:`policy_mask` counts the unknown calls'
+        generated tokens as policy tokens)."""
+        return len(self.sampling) == len(self.model_call_ids) and None not in self.sampling
+
+    def policy_mask(self) -> npt.NDArray[np.bool_]:
+        """Per token, aligned with :attr:`token_ids`: True where the staged log-prob is the model's own and the
+        token was sampled from the model's (tempered, truncated) distribution, so a loss or an importance ratio
+        may use it (a new array on every call).
+
+        False on carried prompt tokens (mask 0.0); on every generated token of a call that ran under a grammar
+        constraint (structured outputs, a named or required ``tool_choice``), a logit bias (or allowed token ids,
+        bad words) or an engine log-prob mode other than raw log-probs; and on the first ``min_tokens`` generated
+        tokens of a call (the end of turn was suppressed there). A call without provenance counts as unconstrained:
+        its generated tokens are True (see :attr:`provenance_known`).
+
+        :raises ImportError: numpy is not installed (a default dependency: reinstall staging-sink).
+        """
+        out: npt.NDArray[np.bool_] = _import_numpy().empty(len(self.columns), dtype=bool)
+        self.write_policy_mask(out)
+        return out
+
+    def write_policy_mask(self, out: npt.NDArray[np.bool_]) -> None:
+        """:meth:`policy_mask` written into a caller-owned 1-D bool array or view of ``len(self.columns)``
+        elements (e.g. one row of a batch).
+
+        :raises ValueError: *out* has the wrong shape.
+        """
+        if out.shape != (len(self.columns),):
+            raise ValueError(f"write_policy_mask needs a 1-D target of {len(self.columns)} elements")
+        out[:] = False
+        sampling = self.sampling or (None,) * len(self.link_spans)
+        for span, link, provenance in zip(self.weight_version_spans, self.link_spans, sampling, strict=True):
+            skipped = 0 if provenance is None else provenance.off_policy_prefix(link.generated_count)
+            out[span.start + link.carry_count + skipped : span.end] = True
 
     @property
     def token_ids(self) -> tuple[int, ...]:

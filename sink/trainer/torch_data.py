@@ -59,10 +59,11 @@ _HEARTBEAT_EVERY_S = 1.0
 class TorchBatch:
     """One batch as tensors, and what to acknowledge after the optimizer step.
 
-    ``tensors``: collated ``input_ids``, ``attention_mask``, ``loss_mask``, ``generation_logprobs``
-    (``[B, T]``), ``input_lengths``, ``rewards`` (``[B]``), ``weight_versions`` (``[B, 2]``); packed
-    ``input_ids``, ``position_ids``, ``segment_ids``, ``loss_mask``, ``generation_logprobs``
-    (``[N, max_tokens]``) and the same per-row tensors, with ``cu_seqlens`` per bin.
+    ``tensors``: collated ``input_ids``, ``attention_mask``, ``loss_mask``, ``generation_logprobs``,
+    ``policy_mask`` (``[B, T]``), ``input_lengths``, ``rewards``, ``provenance_known`` (``[B]``),
+    ``weight_versions`` (``[B, 2]``); packed ``input_ids``, ``position_ids``, ``segment_ids``, ``loss_mask``,
+    ``generation_logprobs``, ``policy_mask`` (``[N, max_tokens]``) and the same per-row tensors, with
+    ``cu_seqlens`` per bin.
     ``ack_ids``: every rollout the batch came from (rows, ``overlong``, ``skipped``).
     ``worker_id``: the ``DataLoader`` worker that read it (``None``: the loading process).
     """
@@ -254,9 +255,11 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
                 "segment_ids": packed.segment_ids,
                 "loss_mask": packed.loss_mask,
                 "generation_logprobs": packed.generation_logprobs,
+                "policy_mask": packed.policy_mask,
                 "input_lengths": packed.input_lengths,
                 "rewards": packed.rewards,
                 "weight_versions": packed.weight_versions,
+                "provenance_known": packed.provenance_known,
             }
             cu_seqlens = tuple(torch.from_numpy(c) for c in packed.cu_seqlens)
             result: Any = packed

@@ -5,9 +5,10 @@ against the staged snapshots fetched for it (every digest, every lineage link,
 the terminal's chain and cumulative hash) and concatenates the terminal call's
 ancestry, root first, into one :class:`LinearizedRow`. Checks run in exactly
 the order of contract §8.1; the first failure raises a
-:class:`ReceiptVerificationError` (steps 2-8) or :class:`RebuildError`
-(steps 9-13) whose ``code`` names the check. Verification reads no extras, has
-no side effects, and is deterministic, so it is safe to retry.
+:class:`ReceiptVerificationError` (steps 2-8 and 14) or :class:`RebuildError`
+(steps 9-13) whose ``code`` names the check. Verification reads no extras but
+the chain calls' ``sampling`` entries (step 14: the row's sampling provenance),
+has no side effects, and is deterministic, so it is safe to retry.
 
 Snapshots come as :class:`~sink.contract.records.StagedCallBaseSnapshot` models or as
 :class:`~sink.contract.packed.PackedSnapshot` (the trainer's decode form,
@@ -166,12 +167,13 @@ def verify_and_linearize(receipt: RolloutReceipt, snapshots: Sequence[StagedCall
     """Verify *receipt* against *snapshots* (in manifest order) and linearize its terminal chain.
 
     Runs every check of contract §8.1 in order. Side branches are verified
-    (steps 8 and 9) but not linearized. Extras are never read; the row's
-    ``extras_commitments`` let consumers verify extras at point of use.
+    (steps 8 and 9) but not linearized. Of the extras only a chain call's
+    ``sampling`` entry is read (step 14, checked against its extras digest);
+    the row's ``extras_commitments`` let consumers verify the rest at point of use.
 
     :raises TypeError: *receipt* is not a ``RolloutReceipt``, *snapshots* is
         not a sequence, or an element is not a ``StagedCallBaseSnapshot``.
-    :raises ReceiptVerificationError: steps 2-8 fail (``.code`` names the check).
+    :raises ReceiptVerificationError: steps 2-8 or 14 fail (``.code`` names the check).
     :raises RebuildError: steps 9-13 fail (lineage, terminal, chain, masks, hashes).
     """
     return _verify_and_linearize(receipt, snapshots, use_cached_columns=False)

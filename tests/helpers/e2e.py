@@ -81,10 +81,18 @@ def call_record_of(record: StagedCallRecord, *, admitted_at: float) -> CallRecor
 
 
 async def stage_rollout(
-    sink: AsyncRedisStagingSink, ledger: RedisCaptureLedger, rollout_id: str, *, calls: int = 3, n_tokens: int = 8
+    sink: AsyncRedisStagingSink,
+    ledger: RedisCaptureLedger,
+    rollout_id: str,
+    *,
+    calls: int = 3,
+    n_tokens: int = 8,
+    extras: Sequence[dict[str, Any] | None] | None = None,
+    chain: Sequence[StagedCallRecord] | None = None,
 ) -> StagedRollout:
-    """Stage a linear chain of *calls* records durably and record one custody row per call."""
-    chain = make_chain(rollout_id, calls, n_tokens=n_tokens)
+    """Stage a linear chain of *calls* records (*extras*: one per call), or the records of *chain*, durably and
+    record one custody row per call."""
+    chain = list(chain) if chain is not None else make_chain(rollout_id, calls, n_tokens=n_tokens, extras=extras)
     staging_chain: list[str] = []
     for index, record in enumerate(chain):
         result = await sink.stage(record)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from sink.contract.chains import ChainPolicy
 from sink.contract.records import RolloutManifest, RolloutReceipt, StagedCallRecord
@@ -21,7 +22,12 @@ __all__ = ("multi_chain_pulled", "skipped_pulled", "verified_pulled")
 
 
 def _chain(
-    rollout_id: str, lengths: Sequence[int], weight_versions: Sequence[int], prefix: str = "c"
+    rollout_id: str,
+    lengths: Sequence[int],
+    weight_versions: Sequence[int],
+    prefix: str = "c",
+    extras: Sequence[dict[str, Any] | None] | None = None,
+    carries: Sequence[int] | None = None,
 ) -> list[StagedCallRecord]:
     chain: list[StagedCallRecord] = []
     sequence: list[int] = []
@@ -30,10 +36,11 @@ def _chain(
             rollout_id,
             f"{prefix}{index}",
             n_tokens=length,
-            carry=min(2 if index else 3, length - 1),
+            carry=min(2 if index else 3, length - 1) if carries is None else carries[index],
             parent=chain[-1] if chain else None,
             parent_prefix=list(sequence),
             weight_version=version,
+            extras=None if extras is None else extras[index],
         )
         sequence += record.token_ids_delta
         chain.append(record)
@@ -47,10 +54,13 @@ def verified_pulled(
     weight_versions: Sequence[int] | None = None,
     reward: float | None = 1.0,
     group: GroupTag | None = None,
+    extras: Sequence[dict[str, Any] | None] | None = None,
+    carries: Sequence[int] | None = None,
 ) -> PulledRollout:
-    """A trainable pulled rollout: a linear chain of calls with *lengths* tokens each (every length >= 2)."""
+    """A trainable pulled rollout: a linear chain of calls with *lengths* tokens each (every length >= 2), with
+    *extras* and *carries* (prompt tokens, each below its length) per call when given."""
     versions = list(weight_versions) if weight_versions is not None else [0] * len(lengths)
-    chain = _chain(rollout_id, lengths, versions)
+    chain = _chain(rollout_id, lengths, versions, extras=extras, carries=carries)
     receipt = RolloutReceipt(
         rollout_id=rollout_id,
         reward=reward,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from sink.contract.digest import compute_chain_hash, compute_extras_digest, hash_token_ids
 from sink.contract.records import StagedCallRecord
 
-__all__ = ("make_chain", "make_record")
+__all__ = ("make_chain", "make_record", "record_of_tokens")
 
 
 def make_record(
@@ -30,9 +31,30 @@ def make_record(
     """
     rng = random.Random(f"{rollout_id}/{model_call_id}/{seed}")
     ids = [rng.randrange(0, 150_000) for _ in range(n_tokens)]
-    generated = n_tokens - carry
-    mask = [0.0] * carry + [1.0] * generated
-    logprobs = [0.0] * carry + [-rng.random() * 5 for _ in range(generated)]
+    logprobs = [-rng.random() * 5 for _ in range(n_tokens - carry)]
+    return record_of_tokens(
+        rollout_id, model_call_id, ids, carry, logprobs, parent=parent, parent_prefix=parent_prefix,
+        weight_version=weight_version, extras=extras,
+    )  # fmt: skip
+
+
+def record_of_tokens(
+    rollout_id: str,
+    model_call_id: str,
+    ids: Sequence[int],
+    carry: int,
+    generated_logprobs: Sequence[float],
+    *,
+    parent: StagedCallRecord | None = None,
+    parent_prefix: list[int] | None = None,
+    weight_version: int = 0,
+    extras: dict[str, Any] | None = None,
+) -> StagedCallRecord:
+    """The record of *ids*: the first *carry* are prompt tokens (mask 0.0, log-prob 0.0), the rest generated ones
+    with *generated_logprobs*; *parent* and *parent_prefix* as :func:`make_record`'s."""
+    ids = list(ids)
+    mask = [0.0] * carry + [1.0] * (len(ids) - carry)
+    logprobs = [0.0] * carry + list(generated_logprobs)
     if parent is None:
         prev_len, parent_id, parent_chain, prefix = 0, None, None, []
     else:
@@ -44,8 +66,8 @@ def make_record(
         parent_call_id=parent_id,
         mode="text" if parent is None else "token_in",
         prev_len=prev_len,
-        delta_len=n_tokens,
-        cum_len=prev_len + n_tokens,
+        delta_len=len(ids),
+        cum_len=prev_len + len(ids),
         weight_version=weight_version,
         token_ids_delta=ids,
         token_mask_delta=mask,
@@ -57,8 +79,10 @@ def make_record(
     )
 
 
-def make_chain(rollout_id: str, calls: int, *, n_tokens: int = 8) -> list[StagedCallRecord]:
-    """A linear chain root -> c1 -> ... with consistent chain and cumulative hashes."""
+def make_chain(
+    rollout_id: str, calls: int, *, n_tokens: int = 8, extras: Sequence[dict[str, Any] | None] | None = None
+) -> list[StagedCallRecord]:
+    """A linear chain root -> c1 -> ... with consistent chain and cumulative hashes (*extras*: one per call)."""
     chain: list[StagedCallRecord] = []
     sequence: list[int] = []
     for index in range(calls):
@@ -70,6 +94,7 @@ def make_chain(rollout_id: str, calls: int, *, n_tokens: int = 8) -> list[Staged
             carry=2 if index else 3,
             parent=parent,
             parent_prefix=list(sequence),
+            extras=None if extras is None else extras[index],
         )
         sequence += record.token_ids_delta
         chain.append(record)

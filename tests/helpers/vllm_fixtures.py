@@ -46,6 +46,7 @@ class VllmFleet:
         self._processes: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
         self._vocab: dict[str, dict[str, int]] = {}
         self._ready: dict[str, VllmServer] = {}
+        self._models = work_dir
 
     def start(self) -> None:
         """Build every model (in parallel) and start every server (without waiting)."""
@@ -59,6 +60,7 @@ class VllmFleet:
 
     def reuse(self, folder: Path) -> None:
         """Use the servers described in *folder* (see the module docstring) instead of starting any."""
+        self._models = folder
         for variant in VARIANTS:
             url = (folder / f"{variant}.url").read_text().strip()
             vocab = json.loads((folder / variant / "staging_sink_variant.json").read_text())["vocab"]
@@ -71,6 +73,10 @@ class VllmFleet:
             wait_ready(process, url, self.work_dir / f"{variant}.log")
             self._ready[variant] = VllmServer(variant, url, variant, self._vocab[variant], process.pid)
         return self._ready[variant]
+
+    def model_dir(self, variant: str) -> Path:
+        """The folder of *variant*'s model (:func:`tests.helpers.vllm_server.build_model`'s output)."""
+        return self._models / variant
 
     def stop(self) -> None:
         """Stop every server by its PID."""
