@@ -3,13 +3,15 @@
 The snapshot holds the verified durability settings of every node, memory, rollouts in flight (ledgers
 found with ``SCAN``), the NeMo Gym transport's rollouts (held, frozen, incomplete, entries), the staging rate (calls entries of the last window, read from their stream ids), the
 length of every ``done``/``receipts``/``dead`` stream with its consumer groups' pending count and lag, and
-every consumer's pending count and idle time. ``SCAN`` walks the whole keyspace: this is an ops tool, never
+every consumer's pending count and idle time, and the trainer's published weight version (or the last one
+published, when its key was deleted: :func:`sink.trainer.weights.read_published_state`). ``SCAN`` walks the whole keyspace: this is an ops tool, never
 a hot path.
 
 ``--check`` turns the snapshot into a verdict (:func:`check_problems`), exit 1 only when **broken**: the server
 is not durable (or unreachable: exit 3), a dead-letter stream has entries newer than the operators' last
-``staging-sink dead-letters ack``, or a consumer group lags more than ``--max-lag`` entries (summed over its
-shards; a stream with no group counts its whole length). **Idle** (an empty namespace: every fresh deployment)
+``staging-sink dead-letters ack``, a consumer group lags more than ``--max-lag`` entries (summed over its
+shards; a stream with no group counts its whole length), or the published weight version was deleted or holds
+what the record cannot carry. **Idle** (an empty namespace: every fresh deployment)
 and **known, handled** (``prune``'s ``ns:dead:abandoned`` records, acknowledged dead letters) pass, and are
 reported in ``snapshot["check"]["notes"]``.
 """
@@ -40,6 +42,7 @@ from sink.cli.health import OPERATORS_GROUP, check_notes, check_problems, unackn
 from sink.ops.metrics import STREAM_KINDS, collect_redis_gauges
 from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.durability import REQUIRED_CONFIG, verify_durability
+from sink.trainer.weights import WeightVersionKeyError, read_published_state
 
 __all__ = (
     "DEFAULT_MAX_LAG",
@@ -158,6 +161,15 @@ async def _server(topology: Topology) -> dict[str, Any]:
     }
 
 
+async def _weight_version(topology: Topology, namespace: str) -> dict[str, Any]:
+    """The published weight version, the last one published when it was deleted, and what makes the key unusable."""
+    try:
+        state = await read_published_state(topology.client, namespace)
+    except WeightVersionKeyError as exc:
+        return {"published": None, "deleted": None, "unusable": str(exc)}
+    return {"published": state.version, "deleted": state.deleted, "unusable": None}
+
+
 async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_s: float) -> dict[str, Any]:
     """One snapshot of the namespace (JSON-serializable).
 
@@ -180,6 +192,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         found = await namespaces_found(topology) if empty else ([], False)
         dead = {name: stream["length"] for name, stream in gauges.items() if stream["kind"] == "dead"}
         unacknowledged = {name: await unacknowledged_dead_letters(topology, name, dict(gauges[name])) for name in dead}
+        weights = await _weight_version(topology, ns)
     return {
         "url": target.display_url,
         "namespace": ns,
@@ -200,6 +213,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         "consumers": consumers,
         "dead_letters": sum(dead.values()),
         "dead_letters_unacknowledged": unacknowledged,
+        "weight_version": weights,
         "namespace_empty": empty,
         "namespaces_found": found[0],
         "namespaces_scan_truncated": found[1],
@@ -222,6 +236,14 @@ def _bytes(count: int) -> str:
             return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
         size /= 1024
     return f"{count} B"
+
+
+def _weight_line(weights: dict[str, Any]) -> str:
+    if weights["unusable"]:
+        return f"[red]unusable[/]: {escape(weights['unusable'])}"
+    if weights["deleted"] is not None:
+        return f"[red]deleted[/] ({weights['deleted']} was published; proxies stamp their --weight-version)"
+    return "none published" if weights["published"] is None else f"{weights['published']} (published)"
 
 
 def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
@@ -256,6 +278,7 @@ def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
         f"{snapshot['staged_calls_per_s']} (last {snapshot['rate_window_s']:g} s, "
         f"{snapshot['calls_streams']} calls stream(s))",
     )
+    summary.add_row("weight version", _weight_line(snapshot["weight_version"]))
     dead_style = "red" if snapshot["dead_letters"] else "green"
     summary.add_row("dead letters", f"[{dead_style}]{snapshot['dead_letters']}[/]")
     console.print(summary)
