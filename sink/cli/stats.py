@@ -1,7 +1,8 @@
 """``staging-sink stats``: the command, and one snapshot of a namespace's health as a dict and a rich table.
 
-The snapshot holds the verified durability settings of every node, memory, rollouts in flight (ledgers
-found with ``SCAN``), the NeMo Gym transport's rollouts (held, frozen, incomplete, entries), the staging rate (calls entries of the last window, read from their stream ids), the
+The snapshot holds the verified durability settings of every node, memory, rollouts in flight (a capture ledger
+and no receipt yet: :func:`sink.ops.metrics_collect.count_rollouts`, what the exporter's gauge shows) and
+receipts stored, the NeMo Gym transport's rollouts (held, frozen, incomplete, entries), the staging rate (calls entries of the last window, read from their stream ids), the
 length of every ``done``/``receipts``/``dead`` stream with its consumer groups' pending count and lag, and
 every consumer's pending count and idle time, and the trainer's published weight version (or the last one
 published, when its key was deleted: :func:`sink.trainer.weights.read_published_state`). ``SCAN`` walks the whole keyspace: this is an ops tool, never
@@ -40,6 +41,7 @@ from sink.cli.common import (
 from sink.cli.gym_view import gym_totals
 from sink.cli.health import OPERATORS_GROUP, check_notes, check_problems, unacknowledged_dead_letters
 from sink.ops.metrics import STREAM_KINDS, collect_redis_gauges
+from sink.ops.metrics_collect import count_rollouts
 from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.durability import REQUIRED_CONFIG, verify_durability
 from sink.trainer.weights import WeightVersionKeyError, read_published_state
@@ -180,7 +182,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         nodes = await topology.all_nodes()
         durability = await verify_durability(nodes)
         server = await _server(topology)
-        ledgers = await scan_keys(topology, f"{ns}:*:ledger", "stream")
+        rollouts = await count_rollouts(topology.primaries(), ns)
         calls = await scan_keys(topology, f"{ns}:*:calls", "stream")
         gym = await gym_totals(topology, ns, await scan_keys(topology, f"{ns}:*:gym", "hash"))
         staged_recently = await _recent_calls(topology, calls, rate_window_s)
@@ -188,7 +190,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         # The cluster client routes each keyed command; the gauges only issue keyed commands here.
         gauges = await collect_redis_gauges(cast(aioredis.Redis, topology.client), ns, streams=shared)
         consumers = await _consumers(topology, dict(gauges))
-        empty = not (ledgers or calls or shared or gym["rollouts"]) and not await _has_keys(topology, ns)
+        empty = not (calls or shared or gym["rollouts"]) and not await _has_keys(topology, ns)
         found = await namespaces_found(topology) if empty else ([], False)
         dead = {name: stream["length"] for name, stream in gauges.items() if stream["kind"] == "dead"}
         unacknowledged = {name: await unacknowledged_dead_letters(topology, name, dict(gauges[name])) for name in dead}
@@ -204,7 +206,8 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
             "waitaof": durability.supports_waitaof,
             "nodes_checked": len(nodes),
         },
-        "rollouts_in_flight": len(ledgers),
+        "rollouts_in_flight": rollouts.in_flight,
+        "receipts_retained": rollouts.receipts_retained,
         "calls_streams": len(calls),
         "gym_rollouts": gym,
         "staged_calls_per_s": round(staged_recently / rate_window_s, 2),
@@ -267,7 +270,11 @@ def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
         f"{_bytes(server['used_memory_bytes'])} used, peak {_bytes(server['used_memory_peak_bytes'])}, "
         f"maxmemory {maxmemory}",
     )
-    summary.add_row("rollouts in flight", f"{snapshot['rollouts_in_flight']} ledger(s)")
+    summary.add_row(
+        "rollouts in flight",
+        f"{snapshot['rollouts_in_flight']} (a capture ledger, no receipt yet); "
+        f"{snapshot['receipts_retained']} receipt(s) stored",
+    )
     gym = snapshot["gym_rollouts"]
     summary.add_row(
         "gym rollouts",
