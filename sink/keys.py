@@ -23,6 +23,7 @@ __all__ = (
     "fence_key",
     "group_keys",
     "gym_keys",
+    "last_weight_version_key",
     "ledger_ids_key",
     "ledger_stream",
     "ledger_text_key",
@@ -140,6 +141,13 @@ def dead_letter_stream(ns: str, name: str) -> str:
 def weight_version_key(ns: str) -> str:
     """The trainer's published weight version of the namespace (a decimal integer string)."""
     return f"{ns}:weight_version"
+
+
+def last_weight_version_key(ns: str) -> str:
+    """The last weight version published in the namespace: written after :func:`weight_version_key` by every
+    publish and never deleted by one, so a namespace that has it and no :func:`weight_version_key` had its
+    published version deleted."""
+    return f"{ns}:weight_version:last"
 
 
 def shard_of(rollout_id: str, shards: int) -> int:

@@ -227,7 +227,7 @@ class ProxySettings(BaseModel):
     max_request_bytes: int = Field(default=64 * _MIB, ge=1)
     max_response_bytes: int = Field(default=64 * _MIB, ge=1)
     """A larger upstream response is served but not captured."""
-    weight_version: int = Field(default=0, ge=0)
+    weight_version: int = Field(default=0, ge=0, lt=1 << 64)
     """The policy weight version stamped on every call (``weight_source="fixed"``); with ``engine``, the version
     of vLLM's label ``"default"``; with ``published``, the version while the trainer has published none."""
     weight_source: Literal["fixed", "engine", "published"] = "fixed"

@@ -545,3 +545,27 @@ async def test_the_trainer_role_exports_by_id_a_rollout_the_pipeline_published(a
     async with aioredis.Redis.from_url(acl_server.role_url("trainer")) as trainer:
         assert await export_rollouts(trainer, ["exported"], out) == 1
     assert json.loads(out.getvalue())["token_ids"] == staged.token_ids
+
+
+@pytest.mark.anyio
+async def test_the_trainer_publishes_the_weight_version_the_proxy_and_ops_read(seeded: AclServer) -> None:
+    """The trainer publishes (the version and its last-published record), the proxy's gate user and ops read both,
+    so a deleted version is seen by each; the worker may not publish."""
+    from sink.errors import StagingConnectionError
+    from sink.keys import weight_version_key
+    from sink.trainer.reader import RolloutReader
+    from sink.trainer.weights import PublishedState, publish_weight_version, read_published_state
+
+    async with RolloutReader.from_url(seeded.role_url("trainer")) as reader:
+        await reader.publish_weight_version(4)
+    async with (
+        aioredis.Redis.from_url(seeded.role_url("gate")) as gate,
+        aioredis.Redis.from_url(seeded.role_url("ops")) as ops,
+        aioredis.Redis.from_url(seeded.role_url("worker")) as worker,
+    ):
+        assert await read_published_state(gate, NS) == PublishedState(4, None)
+        with seeded.client() as admin:
+            admin.delete(weight_version_key(NS))
+        assert await read_published_state(gate, NS) == await read_published_state(ops, NS) == PublishedState(None, 4)
+        with pytest.raises(StagingConnectionError, match="NoPermissionError"):
+            await publish_weight_version(worker, NS, 5)

@@ -204,7 +204,7 @@ def test_stats_reports_durability_and_rollouts_in_flight(staged: str, capsys: py
     assert snapshot["staged_calls_per_s"] > 0 and snapshot["dead_letters"] == 0
     assert main(["stats", "--redis-url", staged]) == 0
     out = capsys.readouterr().out
-    assert "durable" in out and "1 ledger(s)" in out
+    assert "durable" in out and "1 (a capture ledger, no receipt yet); 0 receipt(s) stored" in out
 
 
 def test_stats_sees_consumer_groups_and_lag(staged: str, capsys: pytest.CaptureFixture[str]) -> None:

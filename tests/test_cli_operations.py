@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from functools import partial
 
 import anyio
@@ -171,6 +174,44 @@ def test_stats_watch_json_is_one_object_per_line(staged: str) -> None:
         process.kill()
         process.communicate(timeout=30)
     assert all(json.loads(line)["namespace"] == "stg" for line in lines)
+
+
+# --- rollouts in flight: one meaning for stats and the exporter ---------------------------------------------
+
+
+def _exported(url: str, series: str) -> float:
+    """*series* from the exporter at *url*, once its first collection is in (a generous deadline)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        if 'staging_sink_collection_up{namespace="stg"} 1.0' in lines:
+            return float(next(line.split()[-1] for line in lines if line.startswith(series + " ")))
+        time.sleep(0.1)
+    raise AssertionError(f"the exporter at {url} collected nothing in 60 s")
+
+
+def test_stats_and_the_exporter_count_the_same_rollouts_in_flight(
+    lifecycle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rollout in flight has a capture ledger and no receipt yet: s-staging, s-finished (not assembled) and
+    s-dead_lettered (staged only); not the rollouts with a receipt (waiting, claimed, poisoned) nor s-consumed."""
+    assert main(["stats", "--redis-url", lifecycle, "--json"]) == EXIT_OK
+    snapshot = json.loads(capsys.readouterr().out)
+    command = sink_command("metrics", "--redis-url", lifecycle, "--port", "0", "--interval-s", "0.2")
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            url = next(word for word in process.stdout.readline().split() if word.startswith("http://"))
+            in_flight = _exported(url, 'staging_sink_rollouts_in_flight{namespace="stg"}')
+            retained = _exported(url, 'staging_sink_receipts_retained{namespace="stg"}')
+        finally:
+            process.send_signal(signal.SIGINT)
+            process.communicate(timeout=30)
+    assert snapshot["rollouts_in_flight"] == in_flight == 3
+    assert snapshot["receipts_retained"] == retained == 4
+    assert main(["stats", "--redis-url", lifecycle]) == EXIT_OK
+    assert "3 (a capture ledger, no receipt yet); 4 receipt(s) stored" in capsys.readouterr().out
 
 
 # --- list ---------------------------------------------------------------------------------------------------

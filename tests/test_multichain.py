@@ -52,6 +52,13 @@ def test_gate_admits_an_unresolved_call_as_a_root_only_under_a_multi_chain_polic
             assert view.failures == (ClaimedFailure("seed", "worker_capture_failed", None, True),)
             # The first recorded policy wins; the manifest never shows the policy row.
             assert await ledger.record_chain_policy("r-opt", ChainPolicy.ROOTS) is ChainPolicy.BRANCHES
+            assert await ledger.chain_policy("r-opt") is ChainPolicy.BRANCHES
+            assert await ledger.chain_policy("r-single") is ChainPolicy.SINGLE
+            # A later call of the opted-in rollout, without the opt-in (or with single), follows the recorded policy.
+            await ledger.record_failure("r-opt", "seed", "worker_capture_failed", root=True)
+            for opt_in in (None, ChainPolicy.SINGLE):
+                later = await CaptureGate(ledger).admit("r-opt", [USER, REPLY, USER], chain_policy=opt_in)
+                assert later is not None and later.mode == "text"
             manifest_single, view_single = await ledger.manifest_and_chains("r-single")
             assert view_single.policy is ChainPolicy.SINGLE
             assert [f.reason for f in manifest_single.failures] == ["worker_capture_failed", "unresolved_parent"]

@@ -182,3 +182,33 @@ def test_invalid_chain_header_is_refused(redis_url: str, engine: tuple[EngineApp
             headers={"X-Staging-Chains": "everything"},
         )
     assert answer.status_code == 400 and "X-Staging-Chains" in answer.text
+
+
+def test_a_rollout_keeps_the_first_chain_policy_it_recorded(redis_url: str, engine: tuple[EngineApp, str]) -> None:
+    """The rollout opts into roots once: later calls without the header, or with another value (single, branches),
+    follow the recorded policy (contract §14.1: the first recorded policy wins) and poison nothing."""
+    app, upstream = engine
+    with (
+        running_server(build_proxy(proxy_config(redis_url, upstream))) as proxy,
+        running_server(build_proxy(proxy_config(redis_url, upstream))) as other_proxy,  # a gate that recorded nothing
+    ):
+        first = _chat(proxy, "keep-1", [SYSTEM, {"role": "user", "content": "long task"}], {"X-Staging-Chains": "roots"})
+        first = _chat(proxy, "keep-1", _tool(first, "result one"))
+        second = _chat(  # compacted, no header: a new root, as the recorded policy says
+            other_proxy,
+            "keep-1",
+            [SYSTEM, {"role": "user", "content": "long task (compacted)"}, {"role": "assistant", "content": "so far"}],
+        )
+        third = _chat(  # compacted again, with a conflicting header: the recorded policy still decides
+            other_proxy,
+            "keep-1",
+            [SYSTEM, {"role": "user", "content": "long task (again)"}, {"role": "assistant", "content": "lately"}],
+            {"X-Staging-Chains": "single"},
+        )
+        third = _chat(other_proxy, "keep-1", _tool(third, "result three"), {"X-Staging-Chains": "branches"})
+        _finish(proxy, "keep-1", third[-1]["_id"])
+    shown = manifest(redis_url, "keep-1")
+    assert not shown.failures and len(shown.records) == 5
+    [pulled] = pull(redis_url, 1)
+    assert pulled.chains is not None and pulled.chains.policy == "roots"
+    _assert_exact(app, pulled, [first, second, third])

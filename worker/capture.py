@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sink.contract.digest import is_token_id_list
+from sink.contract.digest_encoding import is_u64
 from sink.contract.packed import PackedSnapshot
 from sink.contract.records import (
     CaptureAdmission,
@@ -69,8 +70,8 @@ def _uncaptured(
 
 
 def _validated_weight_version(value: object) -> int:
-    if type(value) is not int or value < 0:
-        raise CaptureError(f"weight version must be a non-negative int, got {value!r}")
+    if not is_u64(value):
+        raise CaptureError(f"weight version must be an int in [0, 2**64) (the record's u64), got {value!r}")
     return value
 
 
@@ -138,7 +139,7 @@ class RolloutTokenCapture:
     def current_weight_version(self) -> int:
         """The provider's current weight version, validated (§5.1).
 
-        :raises CaptureError: the provider returned anything but a non-negative int.
+        :raises CaptureError: the provider returned anything but an int in ``[0, 2**64)``.
         """
         return _validated_weight_version(self._weight_version_fn())
 

@@ -15,11 +15,15 @@ strings. The record's ``weight_version`` is an integer, so:
 **From the trainer** where the engine reports nothing: :class:`PublishedWeightVersion` reads the namespace's key
 (:mod:`sink.trainer.weights`) at most once per ``max_staleness_s``; a call is stamped with a version read no more
 than ``max_staleness_s`` (plus one Redis round trip) before it was admitted. ``--weight-version`` stays a fixed
-override of both.
+override of both, and the fallback while nothing is published. A published version that was **deleted** (the key
+existed, then vanished: :func:`sink.trainer.weights.read_published_state`) keeps that fallback, loudly: one error
+line when it is found deleted, one line when a version is published again (per process), and
+:attr:`PublishedWeightVersion.deleted` for the proxy to count the calls stamped meanwhile.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,10 +31,14 @@ from typing import Any
 
 import anyio
 
-from sink.trainer.weights import read_published_weight_version
+from sink.contract.digest_encoding import decimal_u64
+from sink.keys import weight_version_key
+from sink.trainer.weights import read_published_state
 from worker.errors import CaptureError
 
 __all__ = ("PublishedWeightVersion", "WeightLabelRule", "WeightVersionError", "version_of_spans")
+
+logger = logging.getLogger(__name__)
 
 
 class WeightVersionError(CaptureError):
@@ -49,12 +57,13 @@ class WeightLabelRule:
 
         :raises WeightVersionError: not a decimal integer, nor ``"default"`` with a configured value.
         """
-        if isinstance(label, str) and label.isascii() and label.isdigit():
-            return int(label)
+        version = decimal_u64(label) if isinstance(label, str) else None
+        if version is not None:
+            return version
         if label == "default" and self.default_version is not None:
             return self.default_version
         hint = " (configure the version of 'default')" if label == "default" else ""
-        raise WeightVersionError(f"engine weight label {label!r} is not a non-negative integer{hint}")
+        raise WeightVersionError(f"engine weight label {label!r} is not a non-negative integer below 2**64{hint}")
 
 
 def version_of_spans(spans: Sequence[Any], output_length: int, rule: WeightLabelRule) -> int:
@@ -83,7 +92,8 @@ def version_of_spans(spans: Sequence[Any], output_length: int, rule: WeightLabel
 class PublishedWeightVersion:
     """The trainer's published weight version, read at most once per *max_staleness_s* (see the module docstring).
 
-    Concurrent callers share one read. ``None`` while nothing is published.
+    Concurrent callers share one read. ``None`` while nothing is published, or after the published version was
+    deleted (then :attr:`deleted` is the last published one).
     """
 
     def __init__(
@@ -100,6 +110,8 @@ class PublishedWeightVersion:
         self._namespace = namespace
         self.max_staleness_s = max_staleness_s
         self._value: int | None = None
+        self.deleted: int | None = None
+        """The last published version while the namespace's published one is deleted, else ``None``."""
         self._read_at = -float("inf")
         self._lock = anyio.Lock()
         self._clock = clock
@@ -107,11 +119,26 @@ class PublishedWeightVersion:
     async def current(self) -> int | None:
         """The published version, re-read when the cached one is older than ``max_staleness_s``.
 
-        :raises sink.trainer.weights.WeightVersionKeyError: the key holds a non-integer.
+        :raises sink.trainer.weights.WeightVersionKeyError: the key holds what the record cannot carry.
         """
         async with self._lock:
             if self._clock() - self._read_at >= self.max_staleness_s:
                 started = self._clock()
-                self._value = await read_published_weight_version(self._client, self._namespace)
-                self._read_at = started
+                state = await read_published_state(self._client, self._namespace)
+                self._note_transition(state.version, state.deleted)
+                self._value, self.deleted, self._read_at = state.version, state.deleted, started
             return self._value
+
+    def _note_transition(self, version: int | None, deleted: int | None) -> None:
+        if deleted is not None and self.deleted is None:
+            logger.error(
+                "the published weight version (%d) was deleted: %s is gone; calls are stamped with the fallback "
+                "version (--weight-version) until the trainer publishes again (staging-sink weights set N)",
+                deleted,
+                weight_version_key(self._namespace),
+            )
+        elif deleted is None and self.deleted is not None:
+            if version is not None:
+                logger.warning("a weight version is published again (%d): calls are stamped with it", version)
+            else:
+                logger.warning("the deleted weight version's record is gone too: calls keep the fallback version")

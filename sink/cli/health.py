@@ -1,7 +1,9 @@
 """The verdict of ``staging-sink stats --check``: broken, idle, or known and handled (see :mod:`sink.cli.stats`).
 
 Broken (exit 1): not durable, dead letters newer than the operators' last ``staging-sink dead-letters ack``,
-a consumer group lagging past ``--max-lag``. Idle (an empty namespace) and known, handled (``prune``'s
+a consumer group lagging past ``--max-lag``, a published weight version that was deleted (proxies with
+``--weight-source published`` fall back to their ``--weight-version``) or that the record cannot carry (they refuse
+every call). Idle (an empty namespace) and known, handled (``prune``'s
 ``ns:dead:abandoned`` records, acknowledged dead letters) pass and are listed as notes.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sink.keys import weight_version_key
 from sink.store.connection import Topology, reply_text
 
 __all__ = (
@@ -75,6 +78,17 @@ def check_notes(snapshot: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _weight_problems(snapshot: dict[str, Any]) -> list[str]:
+    weights, key = snapshot["weight_version"], weight_version_key(snapshot["namespace"])
+    published = "proxies with --weight-source published"
+    if weights["unusable"]:
+        return [f"{weights['unusable']}: {published} refuse every call (staging-sink weights set N)"]
+    if weights["deleted"] is None:
+        return []
+    fallback = "stamp their --weight-version (publish again: staging-sink weights set N)"
+    return [f"weight version {weights['deleted']} was published and {key} is gone: {published} {fallback}"]
+
+
 def check_problems(snapshot: dict[str, Any], *, max_lag: int) -> list[str]:
     """What ``stats --check`` fails on in *snapshot* (from :func:`collect_stats`), one sentence each: broken only."""
     problems = []
@@ -86,6 +100,7 @@ def check_problems(snapshot: dict[str, Any], *, max_lag: int) -> list[str]:
             f"{sum(unacked.values())} dead letter(s) newer than the last `staging-sink dead-letters ack` in "
             f"{', '.join(sorted(unacked))} (inspect: `staging-sink dead-letters list`)"
         )
+    problems.extend(_weight_problems(snapshot))
     for (kind, group), lag in sorted(_lags(snapshot).items()):
         if lag > max_lag:
             who = "no consumer group reads them" if group == "-" else f"group {group!r} has not read them"

@@ -1,15 +1,18 @@
 """``staging-sink stats``: the command, and one snapshot of a namespace's health as a dict and a rich table.
 
-The snapshot holds the verified durability settings of every node, memory, rollouts in flight (ledgers
-found with ``SCAN``), the NeMo Gym transport's rollouts (held, frozen, incomplete, entries), the staging rate (calls entries of the last window, read from their stream ids), the
+The snapshot holds the verified durability settings of every node, memory, rollouts in flight (a capture ledger
+and no receipt yet: :func:`sink.ops.metrics_collect.count_rollouts`, what the exporter's gauge shows) and
+receipts stored, the NeMo Gym transport's rollouts (held, frozen, incomplete, entries), the staging rate (calls entries of the last window, read from their stream ids), the
 length of every ``done``/``receipts``/``dead`` stream with its consumer groups' pending count and lag, and
-every consumer's pending count and idle time. ``SCAN`` walks the whole keyspace: this is an ops tool, never
+every consumer's pending count and idle time, and the trainer's published weight version (or the last one
+published, when its key was deleted: :func:`sink.trainer.weights.read_published_state`). ``SCAN`` walks the whole keyspace: this is an ops tool, never
 a hot path.
 
 ``--check`` turns the snapshot into a verdict (:func:`check_problems`), exit 1 only when **broken**: the server
 is not durable (or unreachable: exit 3), a dead-letter stream has entries newer than the operators' last
-``staging-sink dead-letters ack``, or a consumer group lags more than ``--max-lag`` entries (summed over its
-shards; a stream with no group counts its whole length). **Idle** (an empty namespace: every fresh deployment)
+``staging-sink dead-letters ack``, a consumer group lags more than ``--max-lag`` entries (summed over its
+shards; a stream with no group counts its whole length), or the published weight version was deleted or holds
+what the record cannot carry. **Idle** (an empty namespace: every fresh deployment)
 and **known, handled** (``prune``'s ``ns:dead:abandoned`` records, acknowledged dead letters) pass, and are
 reported in ``snapshot["check"]["notes"]``.
 """
@@ -38,8 +41,10 @@ from sink.cli.common import (
 from sink.cli.gym_view import gym_totals
 from sink.cli.health import OPERATORS_GROUP, check_notes, check_problems, unacknowledged_dead_letters
 from sink.ops.metrics import STREAM_KINDS, collect_redis_gauges
+from sink.ops.metrics_collect import count_rollouts
 from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.durability import REQUIRED_CONFIG, verify_durability
+from sink.trainer.weights import WeightVersionKeyError, read_published_state
 
 __all__ = (
     "DEFAULT_MAX_LAG",
@@ -158,6 +163,15 @@ async def _server(topology: Topology) -> dict[str, Any]:
     }
 
 
+async def _weight_version(topology: Topology, namespace: str) -> dict[str, Any]:
+    """The published weight version, the last one published when it was deleted, and what makes the key unusable."""
+    try:
+        state = await read_published_state(topology.client, namespace)
+    except WeightVersionKeyError as exc:
+        return {"published": None, "deleted": None, "unusable": str(exc)}
+    return {"published": state.version, "deleted": state.deleted, "unusable": None}
+
+
 async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_s: float) -> dict[str, Any]:
     """One snapshot of the namespace (JSON-serializable).
 
@@ -168,7 +182,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         nodes = await topology.all_nodes()
         durability = await verify_durability(nodes)
         server = await _server(topology)
-        ledgers = await scan_keys(topology, f"{ns}:*:ledger", "stream")
+        rollouts = await count_rollouts(topology.primaries(), ns)
         calls = await scan_keys(topology, f"{ns}:*:calls", "stream")
         gym = await gym_totals(topology, ns, await scan_keys(topology, f"{ns}:*:gym", "hash"))
         staged_recently = await _recent_calls(topology, calls, rate_window_s)
@@ -176,10 +190,11 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         # The cluster client routes each keyed command; the gauges only issue keyed commands here.
         gauges = await collect_redis_gauges(cast(aioredis.Redis, topology.client), ns, streams=shared)
         consumers = await _consumers(topology, dict(gauges))
-        empty = not (ledgers or calls or shared or gym["rollouts"]) and not await _has_keys(topology, ns)
+        empty = not (calls or shared or gym["rollouts"]) and not await _has_keys(topology, ns)
         found = await namespaces_found(topology) if empty else ([], False)
         dead = {name: stream["length"] for name, stream in gauges.items() if stream["kind"] == "dead"}
         unacknowledged = {name: await unacknowledged_dead_letters(topology, name, dict(gauges[name])) for name in dead}
+        weights = await _weight_version(topology, ns)
     return {
         "url": target.display_url,
         "namespace": ns,
@@ -191,7 +206,8 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
             "waitaof": durability.supports_waitaof,
             "nodes_checked": len(nodes),
         },
-        "rollouts_in_flight": len(ledgers),
+        "rollouts_in_flight": rollouts.in_flight,
+        "receipts_retained": rollouts.receipts_retained,
         "calls_streams": len(calls),
         "gym_rollouts": gym,
         "staged_calls_per_s": round(staged_recently / rate_window_s, 2),
@@ -200,6 +216,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         "consumers": consumers,
         "dead_letters": sum(dead.values()),
         "dead_letters_unacknowledged": unacknowledged,
+        "weight_version": weights,
         "namespace_empty": empty,
         "namespaces_found": found[0],
         "namespaces_scan_truncated": found[1],
@@ -224,6 +241,14 @@ def _bytes(count: int) -> str:
     return f"{count} B"
 
 
+def _weight_line(weights: dict[str, Any]) -> str:
+    if weights["unusable"]:
+        return f"[red]unusable[/]: {escape(weights['unusable'])}"
+    if weights["deleted"] is not None:
+        return f"[red]deleted[/] ({weights['deleted']} was published; proxies stamp their --weight-version)"
+    return "none published" if weights["published"] is None else f"{weights['published']} (published)"
+
+
 def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
     """Print *snapshot* (from :func:`collect_stats`) as a summary and a stream table."""
     durability = snapshot["durability"]
@@ -245,7 +270,11 @@ def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
         f"{_bytes(server['used_memory_bytes'])} used, peak {_bytes(server['used_memory_peak_bytes'])}, "
         f"maxmemory {maxmemory}",
     )
-    summary.add_row("rollouts in flight", f"{snapshot['rollouts_in_flight']} ledger(s)")
+    summary.add_row(
+        "rollouts in flight",
+        f"{snapshot['rollouts_in_flight']} (a capture ledger, no receipt yet); "
+        f"{snapshot['receipts_retained']} receipt(s) stored",
+    )
     gym = snapshot["gym_rollouts"]
     summary.add_row(
         "gym rollouts",
@@ -256,6 +285,7 @@ def render_stats(console: Console, snapshot: dict[str, Any]) -> None:
         f"{snapshot['staged_calls_per_s']} (last {snapshot['rate_window_s']:g} s, "
         f"{snapshot['calls_streams']} calls stream(s))",
     )
+    summary.add_row("weight version", _weight_line(snapshot["weight_version"]))
     dead_style = "red" if snapshot["dead_letters"] else "green"
     summary.add_row("dead letters", f"[{dead_style}]{snapshot['dead_letters']}[/]")
     console.print(summary)

@@ -19,23 +19,43 @@ from sink.cli.common import (
     CommandError,
     RedisTarget,
     check_redis_url,
-    non_negative_int,
     open_topology,
     stdout_console,
 )
-from sink.trainer.weights import publish_weight_version, read_published_weight_version
+from sink.trainer.weights import (
+    InvalidWeightVersionError,
+    checked_weight_version,
+    publish_weight_version,
+    read_published_state,
+)
 
 __all__ = ("add_weights_command", "weights_command")
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 async def weights_command(target: RedisTarget, version: int | None) -> int:
-    """Publish *version* (``None``: show the published one); print the result."""
+    """Publish *version* (``None``: show the published one); print the result.
+
+    :raises CommandError: the record cannot carry *version* (exit 2, nothing written).
+    """
+    if version is not None:
+        try:
+            checked_weight_version(version)
+        except InvalidWeightVersionError as exc:
+            raise CommandError(str(exc), exit_code=EXIT_USAGE) from exc
     async with open_topology(target) as topology:
         if version is not None:
             await publish_weight_version(topology.client, target.namespace, version)
-        current = await read_published_weight_version(topology.client, target.namespace)
+        current, deleted = await read_published_state(topology.client, target.namespace)
     if current is None:
-        stdout_console().print(f"no weight version published in namespace {target.namespace!r}")
+        was = "" if deleted is None else f" ({deleted} was, and the key was deleted)"
+        stdout_console().print(f"no weight version published in namespace {target.namespace!r}{was}")
         return EXIT_FAILURE
     stdout_console().print(f"weight version {current} (namespace {target.namespace!r})")
     return EXIT_OK
@@ -56,7 +76,7 @@ def add_weights_command(
     command = commands.add_parser("weights", help=text, description=text)
     actions = command.add_subparsers(dest="weights_action", required=True, metavar="{set,show}")
     publish = actions.add_parser("set", parents=[redis], help="publish weight version N in the namespace")
-    publish.add_argument("version", type=non_negative_int, metavar="N")
+    publish.add_argument("version", type=_integer, metavar="N", help="an integer in [0, 2**64) (the record's u64)")
     publish.set_defaults(handler=_handle)
     show = actions.add_parser("show", parents=[redis], help="print the published weight version (exit 1: none)")
     show.set_defaults(handler=_handle)

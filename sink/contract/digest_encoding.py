@@ -13,24 +13,30 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, TypeGuard
 
 from sink.contract._packed import ids_from_marshal, pack_f32be
 
 __all__ = (
     "U64",
+    "U64_LIMIT",
+    "decimal_u64",
     "encode_f32s",
     "encode_text",
     "encode_token_ids",
     "encode_u64",
     "hex_bytes",
     "is_digest_hex",
+    "is_u64",
     "length_prefixed",
 )
 
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 #: A u64 big-endian (counts and lengths).
 U64: Final = struct.Struct(">Q")
+#: Every ``u64`` field (the lengths, ``weight_version``) holds an exact int in ``[0, U64_LIMIT)``.
+U64_LIMIT: Final = 1 << 64
+_U64_DIGITS: Final = len(str(U64_LIMIT - 1))
 
 
 def _digest_bytes(value: object) -> bytes | None:
@@ -50,6 +56,20 @@ def is_digest_hex(value: object) -> bool:
     return _digest_bytes(value) is not None
 
 
+def is_u64(value: object) -> TypeGuard[int]:
+    """Return whether *value* is an exact int (not a ``bool``) that a ``u64`` field carries: ``[0, 2**64)``."""
+    return type(value) is int and 0 <= value < U64_LIMIT
+
+
+def decimal_u64(text: str) -> int | None:
+    """The int a plain ASCII decimal *text* spells when a ``u64`` carries it, else ``None`` (signs, spaces,
+    underscores, other digits and more than 20 digits refused)."""
+    if not text.isascii() or not text.isdigit() or len(text) > _U64_DIGITS:
+        return None
+    value = int(text)
+    return value if is_u64(value) else None
+
+
 def encode_u64(n: object) -> bytes:
     """``u64(n)``: an exact int in ``[0, 2**64)`` as 8 bytes big-endian.
 
@@ -57,7 +77,7 @@ def encode_u64(n: object) -> bytes:
     """
     if type(n) is not int:
         raise ValueError(f"expected an int for a u64 field, got {type(n).__name__}")
-    if n < 0 or n >= 1 << 64:
+    if not is_u64(n):
         raise ValueError(f"u64 field out of range: {n}")
     return U64.pack(n)
 

@@ -54,6 +54,8 @@ class CaptureLedgerProtocol(Protocol):
 
     async def has_rows(self, rollout_id: str) -> bool: ...
 
+    async def chain_policy(self, rollout_id: str) -> ChainPolicy: ...
+
     async def record(self, commit: CaptureLedgerCommit) -> None: ...
 
     async def record_failure(
@@ -103,7 +105,9 @@ class CaptureGate:
     ) -> CaptureAdmission | None:
         """Resolve the request's parent and build its admission (contract §6.6 steps 1-6, §14.1).
 
-        :param chain_policy: this rollout's opt-in; default the gate's policy.
+        :param chain_policy: this rollout's opt-in; default the gate's policy. Either way the rollout's first
+            recorded multi-chain policy wins (§14.1): a later call without the opt-in, or with another value, follows
+            it (read only when the request extends no earlier call, the one case where the policy matters here).
         :returns: a ``text`` root or a by-reference ``token_in`` admission, or
             ``None`` when the call must be served uncaptured (retired rollout,
             or an unresolved parent under ``single``, recorded as ``unresolved_parent``).
@@ -135,6 +139,8 @@ class CaptureGate:
             )
         try:
             has_rows = await self._ledger.has_rows(rollout_id)
+            if has_rows and policy is ChainPolicy.SINGLE:  # no opt-in with this call: the first recorded one wins
+                policy = await self._ledger.chain_policy(rollout_id)
         except RolloutRetiredError:
             return None
         if not has_rows or policy is not ChainPolicy.SINGLE:

@@ -210,6 +210,14 @@ class CaptureLedger(AsyncResource):
             raise RolloutRetiredError(rollout_id)
         return manifest_from_entries(rollout_id, entries), chain_view_from_entries(entries)
 
+    async def chain_policy(self, rollout_id: str) -> ChainPolicy:
+        """The rollout's recorded chain policy (contract §14.1), ``single`` when none was recorded.
+
+        :raises RolloutRetiredError: the rollout is retired.
+        :raises CodecError: a stored row is corrupt.
+        """
+        return (await self.manifest_and_chains(rollout_id))[1].policy
+
     async def has_rows(self, rollout_id: str) -> bool:
         """Whether committed or failure rows exist.
 

@@ -92,6 +92,7 @@ _RECEIPTS = "<ns>:receipts:*"
 _DEAD = "<ns>:dead:*"
 _GROUP_META = "<ns>:{grp:*}:meta"
 _GROUP_MEMBERS = "<ns>:{grp:*}:members"
+_WEIGHTS = ("<ns>:weight_version", "<ns>:weight_version:last")  # the published version and its last-published record
 
 CONNECTION_COMMANDS: tuple[str, ...] = (
     "ping",
@@ -152,7 +153,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     "gate": RolePolicy(
         "model server (gate): the capture ledger's scripts (EXISTS, HGET, HSET, XADD, XRANGE on ledger, "
         "ledger:ids, fence; retire/delete: SET fence, DEL) and rollout-finished events (XADD done), each "
-        "confirmed durable in its round trip (WAITAOF, CONFIG GET)",
+        "confirmed durable in its round trip (WAITAOF, CONFIG GET); the proxy reads the trainer's published weight "
+        "version with it (GET weight_version, weight_version:last)",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", *_DURABLE_ACK)),
             Grant(_SCRIPTS, (_rw(_LEDGER), _rw(_LEDGER_IDS), _rw(_FENCE))),
@@ -161,6 +163,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             Grant(("hgetall", "hset", "expire"), (_rw(_LEDGER_TEXT),)),  # exact-prefix completions' texts
             Grant(("exists", "set", "del"), (_rw(_FENCE),)),
             Grant(("xadd",), (_wo(_DONE),)),
+            Grant(("get",), tuple(_ro(p) for p in _WEIGHTS)),
             # `staging-sink retire` checks that an id names something before it fences it
             Grant(("exists",), (_ro(_CALLS), _ro(_RECEIPT), _ro(_CLAIMED))),
         ),
@@ -185,8 +188,9 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
         "EXISTS, XRANGE); delete rollouts so their ids are reusable "
         "(``staging-sink delete``: DEL of every key under the rollout's hash tag, one key per DEL); dead-letter "
         "poison entries; GRPO group mode: gather and own groups (script: TIME, HSETNX, HSET, HGET, HLEN, HGETALL, "
-        "PEXPIRE, EXISTS), DEL them on ack; ledger retirement, acknowledgements and dead letters confirmed durable "
-        "in their round trip (WAITAOF, CONFIG GET)",
+        "PEXPIRE, EXISTS), DEL them on ack; publish its weight version (SET weight_version, weight_version:last); "
+        "ledger retirement, acknowledgements and dead letters confirmed durable in their round trip (WAITAOF, "
+        "CONFIG GET)",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "time", *_TRANSACTIONS, *_DURABLE_ACK)),
             Grant(
@@ -221,6 +225,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             Grant(("xrange",), (_ro(_LEDGER),)),  # an export by id builds a rollout's chain record from its ledger
             Grant(("exists", "set", "del"), (_rw(_FENCE),)),
             Grant(("xadd",), (_wo(_DEAD),)),
+            Grant(("set",), tuple(_wo(p) for p in _WEIGHTS)),
         ),
     ),
     "ops": RolePolicy(

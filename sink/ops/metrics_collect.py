@@ -3,7 +3,8 @@
 :func:`collect_redis_gauges` reads the length of every ``done``/``receipts``/``dead`` stream and each consumer
 group's pending count, lag and consumers' idle times (``XINFO GROUPS``/``XINFO CONSUMERS``).
 :func:`collect_server_gauges` reads each node's durability and memory, and counts the namespace's rollouts in
-flight and retained receipts (one ``SCAN`` of the namespace per primary). Both need only the read-only ``ops``
+flight and retained receipts with :func:`count_rollouts` (one ``SCAN`` of the namespace per primary), the one
+definition ``staging-sink stats`` shows too: a rollout **in flight** has a capture ledger and no receipt yet. Both need only the read-only ``ops``
 ACL role, and walk the keyspace: an ops-tool cost, fine at scrape intervals, never on a hot path.
 """
 
@@ -24,10 +25,12 @@ __all__ = (
     "STREAM_KINDS",
     "GroupGauges",
     "NodeGauges",
+    "RolloutCounts",
     "ServerGauges",
     "StreamGauges",
     "collect_redis_gauges",
     "collect_server_gauges",
+    "count_rollouts",
     "node_address",
     "stream_labels",
 )
@@ -71,9 +74,21 @@ class ServerGauges:
 
     nodes: dict[str, NodeGauges] = field(default_factory=dict)
     rollouts_in_flight: int = 0
-    """Rollouts with a capture ledger and no receipt yet."""
+    """Rollouts with a capture ledger and no receipt yet (:attr:`RolloutCounts.in_flight`)."""
     receipts_retained: int = 0
     """Stored receipts (``<ns>:{R}:receipt``), consumed or not."""
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutCounts:
+    """The namespace's rollouts by the keys they hold (:func:`count_rollouts`)."""
+
+    in_flight: int
+    """Rollouts **in flight**: a capture ledger and no receipt yet, so still being captured, or finished and not
+    yet assembled. A rollout leaves it when its receipt is stored (it is the trainer's then, until its ack
+    deletes the ledger); a rollout that never finishes stays until ``prune`` abandons it."""
+    receipts_retained: int
+    """Stored receipts (``<ns>:{R}:receipt``): assembled rollouts, consumed (kept for ``retention_s``) or not."""
 
 
 def stream_labels(namespace: str, stream: str) -> tuple[str, str]:
@@ -159,15 +174,12 @@ async def _node(client: aioredis.Redis) -> NodeGauges:
     )
 
 
-async def collect_server_gauges(
-    nodes: Sequence[aioredis.Redis], primaries: Sequence[aioredis.Redis], namespace: str = DEFAULT_NAMESPACE
-) -> ServerGauges:
-    """Durability and memory of every node in *nodes*; rollouts in flight and receipts retained, counted with
-    ``SCAN MATCH <ns>:{*}`` on every primary in *primaries*.
+async def count_rollouts(primaries: Sequence[aioredis.Redis], namespace: str) -> RolloutCounts:
+    """Rollouts in flight and receipts retained, counted with ``SCAN MATCH <ns>:{*}`` on every primary in
+    *primaries* (the exporter's gauges and ``staging-sink stats`` both use it).
 
     :raises redis.RedisError: a node cannot be reached or refuses a command.
     """
-    per_node = {node_address(node): await _node(node) for node in nodes}
     ledgers: set[str] = set()
     receipts: set[str] = set()
     for primary in primaries:
@@ -178,4 +190,19 @@ async def collect_server_gauges(
                 ledgers.add(tag)
             elif suffix == "receipt":
                 receipts.add(tag)
-    return ServerGauges(nodes=per_node, rollouts_in_flight=len(ledgers - receipts), receipts_retained=len(receipts))
+    return RolloutCounts(in_flight=len(ledgers - receipts), receipts_retained=len(receipts))
+
+
+async def collect_server_gauges(
+    nodes: Sequence[aioredis.Redis], primaries: Sequence[aioredis.Redis], namespace: str = DEFAULT_NAMESPACE
+) -> ServerGauges:
+    """Durability and memory of every node in *nodes*; rollouts in flight and receipts retained
+    (:func:`count_rollouts` on *primaries*).
+
+    :raises redis.RedisError: a node cannot be reached or refuses a command.
+    """
+    per_node = {node_address(node): await _node(node) for node in nodes}
+    counts = await count_rollouts(primaries, namespace)
+    return ServerGauges(
+        nodes=per_node, rollouts_in_flight=counts.in_flight, receipts_retained=counts.receipts_retained
+    )

@@ -55,7 +55,7 @@ from sink.trainer.reader_guards import AckOutcome, foreign_row_skip, own_keys
 from sink.trainer.retention import expire_consumed
 from sink.trainer.staleness import stale_skip
 from sink.trainer.statistics import ReaderStatistics
-from sink.trainer.weights import publish_weight_version
+from sink.trainer.weights import checked_weight_version, publish_weight_version
 
 __all__ = (
     "TRAINER_GROUP",
@@ -142,15 +142,14 @@ class RolloutReader(AsyncResource):
     def set_weight_version(self, version: int) -> None:
         """Tell the reader the trainer's current weight version (for ``max_weight_lag``).
 
-        :raises ValueError: *version* is not a non-negative int.
+        :raises InvalidWeightVersionError: the record cannot carry *version* (a ``ValueError``: not an int in
+            ``[0, 2**64)``).
         """
-        if type(version) is not int or version < 0:
-            raise ValueError(f"weight version must be a non-negative int, got {version!r}")
-        self._weight_version = version
+        self._weight_version = checked_weight_version(version)
 
     async def publish_weight_version(self, version: int) -> None:
         """:meth:`set_weight_version`, and publish *version* for proxies (:mod:`sink.trainer.weights`); a bad
-        *version* raises ``ValueError``."""
+        *version* raises :class:`~sink.trainer.weights.InvalidWeightVersionError` (a ``ValueError``), nothing published."""
         self.set_weight_version(version)
         await publish_weight_version(self._topology.client, self._ns, version)
 

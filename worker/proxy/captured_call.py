@@ -44,7 +44,6 @@ from worker.proxy.routes import (
 from worker.proxy.sse import sse_events
 from worker.proxy.upstream import UpstreamAnswer, call_inner, client_gone, error_message, refused
 from worker.sampling import SAMPLING_EXTRAS_KEY, sampling_from_request
-from worker.weight_version import PublishedWeightVersion
 
 __all__ = ("CallOwner", "CapturedCall")
 
@@ -61,13 +60,19 @@ class CallOwner(Protocol):
     metrics: ProxyMetrics
     prefix_mode: PrefixModeChoice
     """Whether chat calls go in exact-prefix mode."""
-    published: PublishedWeightVersion | None
-    """The trainer's published weight version, when calls are stamped with it."""
     exact_completions: ExactCompletions | None
     """The exact-text index of ``/v1/completions`` calls (exact-prefix mode)."""
 
     async def refuse(self, send: Send, reason: str) -> None:
         """Answer 503 for a call that could not be captured (``fail_closed``)."""
+        ...
+
+    async def refused_for_weight_version(self, ids: str, send: Send) -> bool:
+        """Refuse the call (503) when the published weight version is unusable; whether it was refused."""
+        ...
+
+    async def stamped_version(self) -> int | None:
+        """The published weight version to stamp on an admitted call (``None``: the fallback)."""
         ...
 
 
@@ -127,7 +132,7 @@ class CapturedCall:
         self.admission = admission
         self.ids = f"rollout {self.rollout_id} call {admission.model_call_id}"
         try:
-            version = None if owner.published is None else await owner.published.current()
+            version = await owner.stamped_version()
             self.active = await owner.capture.abegin_call(admission, weight_version=version)
         except StagingError as exc:  # an invalid weight version (CaptureError), an unreadable published one
             logger.error("%s: begin failed: %r; served uncaptured", self.ids, exc)
@@ -337,6 +342,8 @@ class CapturedCall:
 
     async def _serve(self, receive: Receive, send: Send) -> None:
         owner, metrics = self.owner, self.owner.metrics
+        if await owner.refused_for_weight_version(self.ids, send):
+            return
         try:
             exact = await owner.prefix_mode.current() if self.route != "responses" else None
             xc = owner.exact_completions if exact is not None and self.route == "completions" else None

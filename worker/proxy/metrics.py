@@ -10,6 +10,8 @@
   mode; render, generate, derender and ``/tokenize`` in exact-prefix mode) and ``staging_proxy_stage_seconds``
   (histograms)
 * ``staging_proxy_response_bytes_total``
+* ``staging_proxy_deleted_weight_version_calls_total``: calls stamped with the fallback ``--weight-version``
+  because the trainer's published version was deleted (``--weight-source published``; 0 otherwise)
 * the sink's stage series of this process (mirrored from :mod:`sink.store.pipeline_counters` while the app is
   open): ``staging_sink_stages_total``, ``staging_sink_staged_bytes_total``, ``staging_sink_stage_latency_seconds``.
 
@@ -41,6 +43,7 @@ class ProxyMetrics:
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     response_bytes: int = 0
+    deleted_weight_version_calls: int = 0
     upstream_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     stage_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     _prom: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -73,6 +76,11 @@ class ProxyMetrics:
             ),
             "bytes": prometheus.Counter(
                 "staging_proxy_response_bytes", "Response bytes served to clients", registry=registry
+            ),
+            "deleted_weight_version": prometheus.Counter(
+                "staging_proxy_deleted_weight_version_calls",
+                "Calls stamped with the fallback --weight-version because the published weight version was deleted",
+                registry=registry,
             ),
             "stages": prometheus.Counter(
                 "staging_sink_stages", COUNTER_HELP["staging_sink_stages"], ["namespace", "result"], registry=registry
@@ -117,6 +125,12 @@ class ProxyMetrics:
         if self._prom:
             self._prom["calls"].labels(outcome=outcome).inc()
 
+    def count_deleted_weight_version(self) -> None:
+        """Count one call stamped with the fallback version while the published one is deleted."""
+        self.deleted_weight_version_calls += 1
+        if self._prom:
+            self._prom["deleted_weight_version"].inc()
+
     def observe(
         self, *, upstream_s: float | None = None, route: str = "", stage_s: float | None = None, nbytes: int = 0
     ) -> None:
@@ -142,4 +156,5 @@ class ProxyMetrics:
             return data
         lines = [f'staging_proxy_calls_total{{outcome="{name}"}} {value}' for name, value in self.counts.items()]
         lines.append(f"staging_proxy_response_bytes_total {self.response_bytes}")
+        lines.append(f"staging_proxy_deleted_weight_version_calls_total {self.deleted_weight_version_calls}")
         return ("\n".join(lines) + "\n").encode()

@@ -25,6 +25,7 @@ import orjson
 from sink.errors import StagingError
 from sink.ledger.gate import CaptureGate
 from sink.settings import ProxySettings
+from sink.trainer.weights import WeightVersionKeyError
 from worker.asgi import (
     ASGIApp,
     BodyTooLargeError,
@@ -217,6 +218,39 @@ class CaptureMiddleware:
         await send_body(
             send, 503, error_body(503, f"capture failed ({reason}); --fail-closed refuses", "CaptureFailed")
         )
+
+    async def refused_for_weight_version(self, ids: str, send: Send) -> bool:
+        """With ``weight_source="published"``: when the published key holds what the record cannot carry, refuse the
+        call (503 ``WeightVersionUnusable``, counted ``capture_failed``) before anything is admitted or generated, so
+        it poisons nothing and the agent's retry is captured once a valid version is published; return whether it
+        was refused. An unreachable key is left to the admission, which records the call failed."""
+        if self.published is None:
+            return False
+        try:
+            await self.published.current()
+        except WeightVersionKeyError as exc:
+            fix = "publish a valid version: staging-sink weights set N"
+            message = f"{exc}; the call is refused before it is generated ({fix})"
+            logger.error("%s: %s", ids, message)
+            self.metrics.count("capture_failed")
+            await send_body(send, 503, error_body(503, message, "WeightVersionUnusable"))
+            return True
+        except StagingError:
+            return False
+        return False
+
+    async def stamped_version(self) -> int | None:
+        """The published version to stamp on an admitted call (``None``: the fallback ``weight_version``); a call
+        stamped with the fallback while the published version is deleted is counted.
+
+        :raises StagingError: the key cannot be read, or holds what the record cannot carry.
+        """
+        if self.published is None:
+            return None
+        version = await self.published.current()
+        if version is None and self.published.deleted is not None:
+            self.metrics.count_deleted_weight_version()
+        return version
 
     async def _captured(self, route: RouteKind, rollout_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         try:
