@@ -25,6 +25,7 @@ __all__ = (
     "CommandError",
     "ExtraMissingError",
     "FingerprintInputError",
+    "GymInputError",
     "InvalidCallIdError",
     "LedgerConflictError",
     "MetricsExtraMissingError",
@@ -242,6 +243,12 @@ class UnrecoverableServiceError(StagingError):
 class TokenEntryConflictError(StagingError, ValueError):
     """NeMo Gym transport: a ``put`` of another payload under a ``model_call_id`` the rollout holds already.
     The stored entry is kept and the rollout is marked incomplete (its snapshot ``version`` changes)."""
+
+
+class GymInputError(StagingError, ValueError):
+    """NeMo Gym transport: an argument or entry the transport refuses (an invalid rollout or call id, an entry
+    field that breaks the entry's rules, a non-finite log-prob, a drop identity of the wrong type); nothing was
+    written. A ``ValueError``, as Gym's own store raises for bad input."""
 
 
 class RolloutFrozenError(StagingError, RuntimeError):

@@ -4,17 +4,24 @@ One namespace prefix ``ns`` (default ``stg``); every per-rollout key carries
 the hash tag ``{R}`` so a rollout lives in one cluster slot. Only the sink and
 the source derive a Redis key from a staging key (:func:`record_key`); every
 other component treats staging keys as opaque.
+
+The NeMo Gym transport's keys are a family of their own, ``ns:gym:{R}...``
+(:func:`gym_keys`): no key of the RL path starts with ``ns:gym:``, so an ACL
+pattern of one family never matches a key of the other, whatever a call id
+holds.
 """
 
 from __future__ import annotations
 
 import re
 import zlib
+from typing import NamedTuple
 
 from sink.errors import InvalidCallIdError
 
 __all__ = (
     "DEFAULT_NAMESPACE",
+    "GymKeys",
     "calls_stream",
     "check_call_id",
     "claim_key",
@@ -22,6 +29,8 @@ __all__ = (
     "done_stream",
     "fence_key",
     "group_keys",
+    "gym_key_kind",
+    "gym_key_prefix",
     "gym_keys",
     "last_weight_version_key",
     "ledger_ids_key",
@@ -162,9 +171,55 @@ def group_keys(namespace: str, group_id: str) -> tuple[str, str]:
     return f"{namespace}:{{grp:{group_id}}}:meta", f"{namespace}:{{grp:{group_id}}}:members"
 
 
-def gym_keys(ns: str, rollout_id: str) -> tuple[str, str, str, str, str]:
-    """The NeMo Gym transport's keys of one rollout (:mod:`sink.store.gym_scripts`): ``(state, entries, digests,
-    intents, fence)`` = ``ns:{R}:gym``, ``ns:{R}:gym:entries``, ``ns:{R}:gym:digests``, ``ns:{R}:gym:intents``
-    and the rollout's retire fence, which is also the tombstone of a dropped snapshot."""
-    tag = _tag(ns, rollout_id)
-    return f"{tag}:gym", f"{tag}:gym:entries", f"{tag}:gym:digests", f"{tag}:gym:intents", fence_key(ns, rollout_id)
+class GymKeys(NamedTuple):
+    """The NeMo Gym transport's keys of one rollout (:mod:`sink.store.gym_scripts`), in the script's order.
+
+    The sink (``gym_sink``) writes the first four while the rollout is open; the source (``gym_source``) owns
+    the last three. A freeze moves the entries into ``snapshot``, out of the sink's reach.
+    """
+
+    state: str
+    """``ns:gym:{R}``: the sink's state (``version``, ``incomplete``, ``touched_ms``)."""
+    entries: str
+    """``ns:gym:{R}:entries``: the open rollout's entries by call id."""
+    digests: str
+    """``ns:gym:{R}:digests``: each entry's digest by call id."""
+    intents: str
+    """``ns:gym:{R}:intents``: the call ids ``begin_call`` announced."""
+    frozen: str
+    """``ns:gym:{R}:frozen``: the snapshot's identity (``snapshot_id``, ``version``, ``incomplete``, ``seen``,
+    ``touched_ms``); it exists once the rollout is frozen."""
+    snapshot: str
+    """``ns:gym:{R}:snapshot``: the frozen rollout's entries by call id."""
+    tombstone: str
+    """``ns:gym:{R}:tombstone``: a dropped (or abandoned) rollout's tombstone, never the RL retire fence."""
+
+
+def gym_key_prefix(ns: str) -> str:
+    """``ns:gym:{``: every key of the NeMo Gym transport starts with it (the rollout id follows, then ``}``)."""
+    return f"{ns}:gym:{{"
+
+
+def gym_key_kind(ns: str, key: str) -> tuple[str, str] | None:
+    """``(rollout id, kind)`` of a key of the Gym family (``gym`` for ``ns:gym:{R}``, ``gym:<suffix>`` for
+    ``ns:gym:{R}:<suffix>``); ``None`` for any other key."""
+    prefix = gym_key_prefix(ns)
+    rollout_id, sep, rest = key[len(prefix) :].partition("}")
+    if not key.startswith(prefix) or not sep or not rollout_id or (rest and not rest.startswith(":")):
+        return None
+    return rollout_id, f"gym{rest}"
+
+
+def gym_keys(ns: str, rollout_id: str) -> GymKeys:
+    """The NeMo Gym transport's keys of one rollout: ``ns:gym:{R}`` and ``ns:gym:{R}:<kind>`` (see
+    :class:`GymKeys`), in their own family: none of them is a key of the RL path (``ns:{R}:...``)."""
+    state = f"{gym_key_prefix(ns)}{rollout_id}}}"
+    return GymKeys(
+        state,
+        f"{state}:entries",
+        f"{state}:digests",
+        f"{state}:intents",
+        f"{state}:frozen",
+        f"{state}:snapshot",
+        f"{state}:tombstone",
+    )

@@ -28,7 +28,7 @@ import pytest
 
 from sink import server as sink_server
 from sink.ops import cluster as sink_cluster
-from tests.helpers.servers import require_binary, skip_or_fail
+from tests.helpers.servers import require_binary, reset_durable_server, skip_or_fail
 from tests.helpers.vllm_server import VLLM_FIXTURES, VLLM_TIMEOUT_S, deselect_without_vllm
 
 pytest_plugins = ["tests.helpers.vllm_fixtures"]
@@ -78,26 +78,9 @@ def durable_server(server_binary: Path) -> Iterator[sink_server.DurableServer]:
         yield server
 
 
-def _reset_session_server(server: sink_server.DurableServer) -> None:
-    """Undo what an earlier test may have done to the shared server."""
-    server.resume()
-    if not server.running:
-        server.restart()
-    with server.client() as connection:
-        for name, value in (
-            ("appendonly", "yes"),
-            ("appendfsync", "always"),
-            ("no-appendfsync-on-rewrite", "no"),
-            ("maxmemory-policy", "noeviction"),
-            ("maxmemory", "0"),
-        ):
-            connection.config_set(name, value)
-        connection.flushall()
-
-
 @pytest.fixture
 def redis_url(durable_server: sink_server.DurableServer) -> str:
-    _reset_session_server(durable_server)
+    reset_durable_server(durable_server)
     return durable_server.url
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,16 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from sink.keys import calls_stream, done_stream, fence_key, ledger_stream, receipt_key, receipts_stream, record_key
+from sink.keys import (
+    calls_stream,
+    done_stream,
+    fence_key,
+    gym_keys,
+    ledger_stream,
+    receipt_key,
+    receipts_stream,
+    record_key,
+)
 from sink.ops.acl import (
     ADMIN_ROLE,
     PLACEHOLDER_HASH,
@@ -29,11 +37,10 @@ from sink.ops.acl import (
 )
 from sink.ops.metrics import collect_redis_gauges
 from sink.store.scripts import STAGE_SCRIPT, StageStatus
-from tests.helpers.acl import AclServer, start_acl_server
+from tests.helpers.acl import ACL_DENIAL, AclServer, is_acl_denial, start_acl_server
 from tests.helpers.servers import import_or_skip, skip_or_fail
 
 NS = "stg"
-ACL_DENIAL = re.compile(r"NOPERM|no permissions|ACL failure|user executing the script can't run")
 R = "r1"
 
 
@@ -44,19 +51,11 @@ def acl_server(server_binary: Path, tmp_path_factory: pytest.TempPathFactory) ->
         yield server
 
 
-def is_acl_denial(exc: BaseException) -> bool:
-    """NOPERM, or the same refusal reported from inside a script (Valkey: "ACL failure in script", Redis 7.0:
-    "The user executing the script can't run this command")."""
-    return isinstance(exc, redis.exceptions.NoPermissionError) or (
-        isinstance(exc, redis.ResponseError) and ACL_DENIAL.search(str(exc)) is not None
-    )
-
-
 REC1, REC2 = record_key(NS, f"{R}/c1"), record_key(NS, f"{R}/c2")
 CALLS, LEDGER, IDS = calls_stream(NS, R), ledger_stream(NS, R), f"{ledger_stream(NS, R)}:ids"
 FENCE, RECEIPT = f"{NS}:{{{R}}}:fence", receipt_key(NS, R)
 DONE, RECEIPTS, DEAD = done_stream(NS, 0), receipts_stream(NS, 0), f"{NS}:dead:assembler"
-GYM_STATE, GYM_ENTRIES = f"{NS}:{{{R}}}:gym", f"{NS}:{{{R}}}:gym:entries"
+GYM = gym_keys(NS, R)
 
 
 @pytest.fixture
@@ -187,14 +186,18 @@ MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     ("ops", ("EXISTS", FENCE), ALLOWED),
     ("ops", ("MGET", REC1, REC2), ALLOWED),
     ("ops", ("XREVRANGE", CALLS, "+", "-", "COUNT", 1), ALLOWED),
-    ("ops", ("HGETALL", GYM_STATE), ALLOWED),
-    ("ops", ("HGETALL", f"{GYM_STATE}:digests"), ALLOWED),
-    ("ops", ("HLEN", GYM_ENTRIES), ALLOWED),
-    ("ops", ("SMEMBERS", f"{GYM_STATE}:intents"), ALLOWED),
-    ("ops", ("HGETALL", GYM_ENTRIES), DENIED),  # an entry's tokens: never
-    ("ops", ("HVALS", GYM_ENTRIES), DENIED),
+    ("ops", ("HGETALL", GYM.state), ALLOWED),
+    ("ops", ("HGETALL", GYM.digests), ALLOWED),
+    ("ops", ("HGETALL", GYM.frozen), ALLOWED),
+    ("ops", ("HLEN", GYM.entries), ALLOWED),
+    ("ops", ("HLEN", GYM.snapshot), ALLOWED),
+    ("ops", ("SMEMBERS", GYM.intents), ALLOWED),
+    ("ops", ("GET", GYM.tombstone), ALLOWED),
+    ("ops", ("HGETALL", GYM.entries), DENIED),  # an entry's tokens: never
+    ("ops", ("HVALS", GYM.entries), DENIED),
+    ("ops", ("HVALS", GYM.snapshot), DENIED),
     ("ops", ("HGETALL", IDS), DENIED),  # the hash reads are the gym keys' only
-    ("ops", ("HSET", GYM_STATE, "frozen", "1"), DENIED),
+    ("ops", ("HSET", GYM.state, "frozen", "1"), DENIED),
     ("ops", ("SET", RECEIPT, "x"), DENIED),
     ("ops", ("EVALSHA", "0" * 40, 1, LEDGER), DENIED),
     ("ops", ("DEL", REC1), DENIED),
@@ -207,18 +210,33 @@ MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     ("ops", ("FLUSHALL",), DENIED),
     ("ops", ("KEYS", "*"), DENIED),
     ("ops", ("GET", "other:key"), DENIED),
-    # replica: the replication link only (masteruser)
-    ("gym_sink", ("EXISTS", FENCE), ALLOWED),
-    ("gym_sink", ("HGET", GYM_STATE, "version"), ALLOWED),
+    # the Gym roles (every forbidden action, role by role: tests/test_gym_acl.py)
+    ("gym_sink", ("EXISTS", GYM.frozen), ALLOWED),
+    ("gym_sink", ("EXISTS", GYM.tombstone), ALLOWED),
+    ("gym_sink", ("HGET", GYM.state, "version"), ALLOWED),
+    ("gym_sink", ("HSET", GYM.entries, "c9", "blob"), ALLOWED),
+    ("gym_sink", ("SADD", GYM.intents, "c9"), ALLOWED),
+    ("gym_sink", ("EXISTS", FENCE), DENIED),
     ("gym_sink", ("SET", FENCE, "forged"), DENIED),
-    ("gym_sink", ("HVALS", GYM_ENTRIES), DENIED),
+    ("gym_sink", ("HGET", GYM.entries, "c9"), DENIED),
+    ("gym_sink", ("HVALS", GYM.snapshot), DENIED),
+    ("gym_sink", ("HSET", GYM.snapshot, "c9", "blob"), DENIED),
+    ("gym_sink", ("HSET", GYM.frozen, "version", "1"), DENIED),
+    ("gym_sink", ("SET", GYM.tombstone, "x"), DENIED),
     ("gym_sink", ("GET", REC1), DENIED),
     ("gym_sink", ("EVAL", "return 1", 0), DENIED),
-    ("gym_source", ("HVALS", GYM_ENTRIES), ALLOWED),
-    ("gym_source", ("GET", FENCE), ALLOWED),
-    ("gym_source", ("SADD", f"{GYM_STATE}:intents", "c9"), DENIED),
+    ("gym_source", ("HVALS", GYM.snapshot), ALLOWED),
+    ("gym_source", ("GET", GYM.tombstone), ALLOWED),
+    ("gym_source", ("HGET", GYM.frozen, "version"), ALLOWED),
+    ("gym_source", ("SADD", GYM.intents, "c9"), DENIED),
+    ("gym_source", ("HSET", GYM.entries, "c9", "forged"), DENIED),
+    ("gym_source", ("HSET", GYM.state, "version", "0"), DENIED),
+    ("gym_source", ("DEL", GYM.tombstone), DENIED),
+    ("gym_source", ("GET", FENCE), DENIED),
+    ("gym_source", ("SET", FENCE, "x", "EX", 1), DENIED),
     ("gym_source", ("SET", REC1, "forged"), DENIED),
     ("gym_source", ("XADD", DONE, "*", "a", "1"), DENIED),
+    # replica: the replication link only (masteruser)
     ("replica", ("PING",), ALLOWED),
     ("replica", ("REPLCONF", "listening-port", 6380), ALLOWED),
     ("replica", ("GET", RECEIPT), DENIED),

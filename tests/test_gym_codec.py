@@ -34,7 +34,7 @@ def entries(draw: st.DrawFn) -> LocalTokenEntry:
         model=draw(st.text(max_size=10)),
         prompt_token_ids=draw(st.lists(st.integers(0, 2**64 - 1), max_size=40)),
         generation_token_ids=draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n)),
-        generation_log_probs=draw(st.lists(st.floats(allow_nan=False), min_size=n, max_size=n)),
+        generation_log_probs=draw(st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=n, max_size=n)),
         routed_experts=draw(_json),
         output_items=items,
         token_item_index=draw(st.none() | st.integers(0, len(items) - 1)) if items else None,

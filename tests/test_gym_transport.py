@@ -1,16 +1,23 @@
-"""The NeMo Gym transport (``sink.gym``) against real servers: every semantic of Gym's TokenSink/TokenSource."""
+"""The NeMo Gym transport (``sink.gym``) against real servers: every semantic of Gym's TokenSink/TokenSource.
+
+Each contract test runs twice per server: with one user for everything, and as a deployment runs it, the sink
+as the ``gym_sink`` ACL user and the source as ``gym_source`` (a server loading the ACL ``staging-sink acl``
+renders): the restricted roles do the whole job."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import struct
 import sys
 import time
 import types
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,25 +28,57 @@ import redis
 from sink.errors import (
     CaptureWriteError,
     CodecError,
+    GymInputError,
     RolloutFrozenError,
     RolloutRetiredError,
     TokenEntryConflictError,
 )
 from sink.gym import LocalTokenCaptureSnapshot, LocalTokenEntry, RedisTokenSink, RedisTokenSource, entry_types
 from sink.keys import gym_keys
+from sink.ops.acl import ADMIN_ROLE
 from sink.server import DurableServer, durable_server
 from sink.store.pipeline_counters import pipeline_counters
+from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.gym import make_entry
+from tests.helpers.servers import reset_durable_server
 
 pytestmark = pytest.mark.anyio
 
 NS = "gymt"
 
 
+@dataclass(frozen=True, slots=True)
+class Urls:
+    """Where the sink and the source log in, and an admin URL the test reads and plants keys with."""
+
+    sink: str
+    source: str
+    admin: str
+
+    @classmethod
+    def single(cls, url: str) -> Urls:
+        return cls(url, url, url)
+
+
+@pytest.fixture(scope="module")
+def role_server(server_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclServer]:
+    with start_acl_server(server_binary, tmp_path_factory.mktemp("gym-roles"), namespace=NS) as server:
+        yield server
+
+
+@pytest.fixture(params=["one-user", "gym-roles"])
+def urls(request: pytest.FixtureRequest, server_binary: Path) -> Urls:
+    if request.param == "one-user":
+        return Urls.single(request.getfixturevalue("redis_url"))
+    server: AclServer = request.getfixturevalue("role_server")
+    reset_durable_server(server)
+    return Urls(server.role_url("gym_sink"), server.role_url("gym_source"), server.role_url(ADMIN_ROLE))
+
+
 @asynccontextmanager
-async def transport(url: str, **settings: Any) -> AsyncIterator[tuple[RedisTokenSink, RedisTokenSource]]:
-    sink = RedisTokenSink(redis_url=url, namespace=NS, **settings)
-    source = RedisTokenSource(redis_url=url, namespace=NS, **settings)
+async def transport(urls: Urls, **settings: Any) -> AsyncIterator[tuple[RedisTokenSink, RedisTokenSource]]:
+    sink = RedisTokenSink(redis_url=urls.sink, namespace=NS, **settings)
+    source = RedisTokenSource(redis_url=urls.source, namespace=NS, **settings)
     try:
         yield sink, source
     finally:
@@ -71,11 +110,11 @@ def _key_count(url: str) -> int:
         return len(list(client.scan_iter(match=f"{NS}:*")))
 
 
-async def test_put_then_freeze_returns_the_entry_exactly(redis_url: str) -> None:
+async def test_put_then_freeze_returns_the_entry_exactly(urls: Urls) -> None:
     entry = make_entry("task-1", "c1", n_tokens=300, extra_field={"b": [1, 2.5], "a": None})
     wide = make_entry("task-1", "c2", generation_log_probs=[0.1] * 16, routed_experts=[[1, 2], [3, 4]])
     big_ids = make_entry("task-1", "c3", prompt_token_ids=[2**40, 7])
-    async with transport(redis_url) as (sink, source):
+    async with transport(urls) as (sink, source):
         for e in (entry, wide, big_ids):
             await sink.put(e)
         snapshot = await source.freeze("task-1")
@@ -91,13 +130,13 @@ async def test_put_then_freeze_returns_the_entry_exactly(redis_url: str) -> None
     assert by_id["c2"].generation_log_probs == [0.1] * 16  # not float32-exact: stored as float64
 
 
-async def test_identical_put_is_a_no_op(redis_url: str) -> None:
+async def test_identical_put_is_a_no_op(urls: Urls) -> None:
     entry = make_entry("t-2", "c1")
-    async with transport(redis_url) as (sink, source):
+    async with transport(urls) as (sink, source):
         await sink.put(entry)
         await sink.put(make_entry("t-2", "c1"))  # an equal payload, another object
         snapshot = await source.freeze("t-2")
-    async with transport(redis_url) as (sink, source):
+    async with transport(urls) as (sink, source):
         await sink.put(make_entry("t-2b", "c1"))
         reference = await source.freeze("t-2b")
     assert len(snapshot.entries) == 1 and not snapshot.incomplete
@@ -110,11 +149,11 @@ async def test_identical_put_is_a_no_op(redis_url: str) -> None:
     ids=["tokens", "created_at", "extra-field", "model"],
 )
 async def test_other_payload_under_a_known_call_id_raises_and_marks_incomplete(
-    redis_url: str, change: dict[str, Any]
+    urls: Urls, change: dict[str, Any]
 ) -> None:
     first = make_entry("t-3", "c1")
     conflicts = _gym_count("put", "conflict")
-    async with transport(redis_url) as (sink, source):
+    async with transport(urls) as (sink, source):
         await sink.put(first)
         with pytest.raises(TokenEntryConflictError) as raised:
             await sink.put(make_entry("t-3", "c1", **change))
@@ -125,8 +164,8 @@ async def test_other_payload_under_a_known_call_id_raises_and_marks_incomplete(
     assert [e.model_dump(mode="json") for e in snapshot.entries] == [first.model_dump(mode="json")]  # kept
 
 
-async def test_freeze_is_idempotent_and_a_fence(redis_url: str) -> None:
-    async with transport(redis_url) as (sink, source):
+async def test_freeze_is_idempotent_and_a_fence(urls: Urls) -> None:
+    async with transport(urls) as (sink, source):
         await sink.put(make_entry("t-4", "c1"))
         first = await source.freeze("t-4")
         again = await source.freeze("t-4")
@@ -143,21 +182,21 @@ async def test_freeze_is_idempotent_and_a_fence(redis_url: str) -> None:
     assert (third.snapshot_id, third.version, len(third.entries)) == (first.snapshot_id, first.version, 1)
 
 
-async def test_snapshot_ids_are_unique_per_rollout(redis_url: str) -> None:
-    async with transport(redis_url) as (_sink, source):
+async def test_snapshot_ids_are_unique_per_rollout(urls: Urls) -> None:
+    async with transport(urls) as (_sink, source):
         snapshots = [await source.freeze(f"t-5-{i}") for i in range(5)]
     assert len({s.snapshot_id for s in snapshots}) == 5
 
 
-async def test_unknown_rollout_freezes_empty(redis_url: str) -> None:
-    async with transport(redis_url) as (_sink, source):
+async def test_unknown_rollout_freezes_empty(urls: Urls) -> None:
+    async with transport(urls) as (_sink, source):
         snapshot = await source.freeze("never-seen")
         assert snapshot.entries == () and not snapshot.incomplete
         assert await source.drop("never-seen", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
 
 
-async def test_mark_incomplete_before_and_after_freeze(redis_url: str) -> None:
-    async with transport(redis_url) as (sink, source):
+async def test_mark_incomplete_before_and_after_freeze(urls: Urls) -> None:
+    async with transport(urls) as (sink, source):
         await sink.mark_incomplete("t-6")  # a rollout without entries
         assert (await source.freeze("t-6")).incomplete
 
@@ -173,8 +212,8 @@ async def test_mark_incomplete_before_and_after_freeze(redis_url: str) -> None:
         assert await source.drop("t-7", snapshot_id=marked.snapshot_id, version=marked.version)
 
 
-async def test_begin_call_without_entry_makes_the_snapshot_incomplete(redis_url: str) -> None:
-    async with transport(redis_url) as (sink, source):
+async def test_begin_call_without_entry_makes_the_snapshot_incomplete(urls: Urls) -> None:
+    async with transport(urls) as (sink, source):
         await sink.begin_call("t-8", "c1")
         await sink.put(make_entry("t-8", "c1"))
         await sink.begin_call("t-8", "c2")  # dispatched, its entry never arrives
@@ -190,8 +229,8 @@ async def test_begin_call_without_entry_makes_the_snapshot_incomplete(redis_url:
     assert complete.version == without_intent.version  # begin_call does not change the version
 
 
-async def test_drop_only_for_the_exact_frozen_snapshot(redis_url: str) -> None:
-    async with transport(redis_url) as (sink, source):
+async def test_drop_only_for_the_exact_frozen_snapshot(urls: Urls) -> None:
+    async with transport(urls) as (sink, source):
         await sink.put(make_entry("t-11", "c1"))
         assert not await source.drop("t-11", snapshot_id="nope", version=1)  # not frozen
         snapshot = await source.freeze("t-11")
@@ -201,14 +240,55 @@ async def test_drop_only_for_the_exact_frozen_snapshot(redis_url: str) -> None:
         assert await source.drop("t-11", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
         assert await source.drop("t-11", snapshot_id=snapshot.snapshot_id, version=snapshot.version)  # repeated
         assert not await source.drop("t-11", snapshot_id=snapshot.snapshot_id, version=snapshot.version - 1)
-    state, entries, digests, intents, fence = gym_keys(NS, "t-11")
-    with redis.Redis.from_url(redis_url) as client:
-        assert client.exists(state, entries, digests, intents) == 0
-        assert 0 < client.pttl(fence) <= 86_400_000
+    keys = gym_keys(NS, "t-11")
+    with redis.Redis.from_url(urls.admin) as client:
+        assert client.exists(*keys[:-1]) == 0
+        assert 0 < client.pttl(keys.tombstone) <= 86_400_000
 
 
-async def test_tombstone_refuses_every_later_call(redis_url: str) -> None:
-    async with transport(redis_url) as (sink, source):
+async def test_drop_of_a_never_frozen_rollout_is_refused_not_an_error(urls: Urls) -> None:
+    """Gym's own store returns ``False`` for a never-frozen rollout's drop, whatever identity it is given (its
+    contract test passes ``snapshot_id=""``, ``version=0``); nothing is deleted."""
+    async with transport(urls) as (sink, source):
+        await sink.put(make_entry("t-nf", "c1"))
+        for snapshot_id, version in (("", 0), ("", 1), ("s", 0), ("s", -1), ("", 2**70)):
+            assert await source.drop("t-nf", snapshot_id=snapshot_id, version=version) is False
+            assert await source.drop("never-seen-2", snapshot_id=snapshot_id, version=version) is False
+        snapshot = await source.freeze("t-nf")
+        assert [e.model_call_id for e in snapshot.entries] == ["c1"]  # nothing was deleted
+        assert await source.drop("t-nf", snapshot_id="", version=snapshot.version) is False  # frozen: still refused
+        assert await source.drop("t-nf", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+        assert await source.drop("t-nf", snapshot_id="", version=0) is False  # dropped: another identity
+
+
+@pytest.mark.parametrize(
+    "identity",
+    [{"snapshot_id": None, "version": 0}, {"snapshot_id": b"s", "version": 0}, {"snapshot_id": "s", "version": "1"}]
+    + [{"snapshot_id": "s", "version": v} for v in (None, 1.0, True)],
+    ids=["id-None", "id-bytes", "version-str", "version-None", "version-float", "version-bool"],
+)
+async def test_a_drop_identity_of_the_wrong_type_is_a_typed_error(urls: Urls, identity: dict[str, Any]) -> None:
+    async with transport(urls) as (sink, source):
+        await sink.put(make_entry("t-dt", "c1"))
+        snapshot = await source.freeze("t-dt")
+        with pytest.raises(GymInputError) as raised:
+            await source.drop("t-dt", **identity)
+        assert isinstance(raised.value, ValueError)
+        assert await source.freeze("t-dt") == snapshot  # nothing was deleted
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+async def test_non_finite_log_probs_are_refused_and_nothing_is_written(urls: Urls, value: float) -> None:
+    """As the RL path refuses a record with a non-finite log-prob (and the proxy an engine answer with one)."""
+    entry = make_entry("t-nan", "c1", n_tokens=4, generation_log_probs=[-0.5, value, -0.25, -1.0])
+    async with transport(urls) as (sink, _source):
+        with pytest.raises(GymInputError, match="generation_log_probs.*finite"):
+            await sink.put(entry)
+    assert _key_count(urls.admin) == 0
+
+
+async def test_tombstone_refuses_every_later_call(urls: Urls) -> None:
+    async with transport(urls) as (sink, source):
         await sink.put(make_entry("t-12", "c1"))
         snapshot = await source.freeze("t-12")
         assert await source.drop("t-12", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
@@ -223,19 +303,19 @@ async def test_tombstone_refuses_every_later_call(redis_url: str) -> None:
                 await call
 
 
-async def test_tombstone_retention_ends_and_frees_the_id(redis_url: str) -> None:
-    async with transport(redis_url, tombstone_retention_s=0.05) as (sink, source):
+async def test_tombstone_retention_ends_and_frees_the_id(urls: Urls) -> None:
+    async with transport(urls, tombstone_retention_s=0.05) as (sink, source):
         snapshot = await source.freeze("t-13")
         assert await source.drop("t-13", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
-        await anyio.to_thread.run_sync(_wait_until_expired, redis_url, gym_keys(NS, "t-13")[4])
+        await anyio.to_thread.run_sync(_wait_until_expired, urls.admin, gym_keys(NS, "t-13").tombstone)
         await sink.put(make_entry("t-13", "c1"))
         fresh = await source.freeze("t-13")
     assert len(fresh.entries) == 1 and fresh.snapshot_id != snapshot.snapshot_id
 
 
 @pytest.mark.parametrize("rollout_id", ["", "-lead", ".lead", "a/b", "a{b}", "a b", "é", "x" * 513, 7, None])
-async def test_invalid_rollout_ids_are_refused_and_nothing_is_written(redis_url: str, rollout_id: Any) -> None:
-    async with transport(redis_url) as (sink, source):
+async def test_invalid_rollout_ids_are_refused_and_nothing_is_written(urls: Urls, rollout_id: Any) -> None:
+    async with transport(urls) as (sink, source):
         with pytest.raises(ValueError):
             await sink.put(
                 LocalTokenEntry.model_construct(**{**make_entry("ok", "c1").__dict__, "rollout_id": rollout_id})
@@ -248,12 +328,12 @@ async def test_invalid_rollout_ids_are_refused_and_nothing_is_written(redis_url:
         ):
             with pytest.raises(ValueError):
                 await call()
-    assert _key_count(redis_url) == 0
+    assert _key_count(urls.admin) == 0
 
 
-async def test_invalid_entries_are_refused(redis_url: str) -> None:
+async def test_invalid_entries_are_refused(urls: Urls) -> None:
     good = make_entry("t-14", "c1").__dict__
-    async with transport(redis_url) as (sink, _source):
+    async with transport(urls) as (sink, _source):
         bad: list[dict[str, Any]] = [
             {"model_call_id": ""},
             {"generation_log_probs": [0.5]},  # length differs from the ids
@@ -266,44 +346,44 @@ async def test_invalid_entries_are_refused(redis_url: str) -> None:
                 await sink.put(LocalTokenEntry.model_construct(**{**good, **change}))
         with pytest.raises(TypeError):
             await sink.put({"rollout_id": "t-14"})
-    async with transport(redis_url, max_record_bytes=4096) as (sink, _source):
+    async with transport(urls, max_record_bytes=4096) as (sink, _source):
         with pytest.raises(ValueError, match="max_record_bytes"):
             await sink.put(make_entry("t-14", "c1", n_tokens=1024))
-    assert _key_count(redis_url) == 0
+    assert _key_count(urls.admin) == 0
 
 
-async def test_a_newer_stored_record_fails_the_read(redis_url: str) -> None:
-    async with transport(redis_url) as (sink, source):
+async def test_a_newer_stored_record_fails_the_read(urls: Urls) -> None:
+    async with transport(urls) as (sink, source):
         await sink.put(make_entry("t-15", "c1"))
-        with redis.Redis.from_url(redis_url) as client:
-            entries = gym_keys(NS, "t-15")[1]
-            blob = client.hget(entries, "c1")
+        keys = gym_keys(NS, "t-15")
+        with redis.Redis.from_url(urls.admin) as client:
+            blob = client.hget(keys.entries, "c1")
             assert isinstance(blob, bytes)
             body = msgpack.unpackb(blob[6:], raw=False)
             body["f"]["schema_version"] = 2
             newer = msgpack.packb(body, use_bin_type=True)
-            client.hset(entries, "c2", struct.pack(">2sI", b"GE", zlib.crc32(newer)) + newer)
-            client.hset(gym_keys(NS, "t-15")[2], "c2", "d")
+            client.hset(keys.entries, "c2", struct.pack(">2sI", b"GE", zlib.crc32(newer)) + newer)
+            client.hset(keys.digests, "c2", "d")
         with pytest.raises(CodecError, match="schema_version 2"):
             await source.freeze("t-15")
-        with redis.Redis.from_url(redis_url) as client:
-            client.hset(entries, "c2", blob[:-1])  # a corrupt blob fails loudly too
+        with redis.Redis.from_url(urls.admin) as client:
+            client.hset(keys.snapshot, "c2", blob[:-1])  # a corrupt blob fails loudly too (frozen: in the snapshot)
         with pytest.raises(CodecError):
             await source.freeze("t-15")
 
 
-async def test_a_key_of_the_wrong_type_fails_and_writes_nothing(redis_url: str) -> None:
-    with redis.Redis.from_url(redis_url) as client:
-        client.set(gym_keys(NS, "t-16")[3], "not a set")
-    async with transport(redis_url) as (sink, _source):
+async def test_a_key_of_the_wrong_type_fails_and_writes_nothing(urls: Urls) -> None:
+    with redis.Redis.from_url(urls.admin) as client:
+        client.set(gym_keys(NS, "t-16").intents, "not a set")
+    async with transport(urls) as (sink, _source):
         with pytest.raises(CaptureWriteError, match="wrong type"):
             await sink.put(make_entry("t-16", "c1"))
-    assert _key_count(redis_url) == 1
+    assert _key_count(urls.admin) == 1
 
 
-async def test_close_is_idempotent_and_final(redis_url: str) -> None:
-    sink = RedisTokenSink(redis_url=redis_url, namespace=NS)
-    source = RedisTokenSource(redis_url=redis_url, namespace=NS)
+async def test_close_is_idempotent_and_final(urls: Urls) -> None:
+    sink = RedisTokenSink(redis_url=urls.sink, namespace=NS)
+    source = RedisTokenSource(redis_url=urls.source, namespace=NS)
     await sink.close()  # never used
     await source.freeze("t-17")
     await source.close()
@@ -325,7 +405,7 @@ def test_constructor_is_keyword_only_and_checks_settings(redis_url: str) -> None
 
 
 async def test_a_server_that_does_not_fsync_fails_every_write(everysec_server: DurableServer) -> None:
-    async with transport(everysec_server.url) as (sink, source):
+    async with transport(Urls.single(everysec_server.url)) as (sink, source):
         with pytest.raises(CaptureWriteError, match="appendfsync"):
             await sink.put(make_entry("t-18", "c1"))
         with pytest.raises(CaptureWriteError):
@@ -336,14 +416,14 @@ async def test_a_server_that_does_not_fsync_fails_every_write(everysec_server: D
         assert client.dbsize() == 0
 
 
-async def test_missing_replicas_fail_the_put(redis_url: str) -> None:
-    async with transport(redis_url, min_replicas=1, confirm_timeout_s=0.2) as (sink, _source):
+async def test_missing_replicas_fail_the_put(urls: Urls) -> None:
+    async with transport(urls, min_replicas=1, confirm_timeout_s=0.2) as (sink, _source):
         with pytest.raises(CaptureWriteError, match="replica"):
             await sink.put(make_entry("t-19", "c1"))
 
 
 async def test_gyms_own_classes_are_returned_when_nemo_gym_is_importable(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch
+    urls: Urls, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stand-in ``nemo_gym.token_id_capture`` module (a second implementation of the two record types):
     the source builds its classes, not the local ones."""
@@ -367,7 +447,7 @@ async def test_gyms_own_classes_are_returned_when_nemo_gym_is_importable(
     entry_types.cache_clear()
     try:
         assert entry_types().from_gym
-        async with transport(redis_url) as (sink, source):
+        async with transport(urls) as (sink, source):
             await sink.put(GymTokenEntry(**make_entry("t-20", "c1").model_dump()))
             snapshot = await source.freeze("t-20")
         assert type(snapshot) is GymSnapshot and type(snapshot.entries[0]) is GymTokenEntry
@@ -377,10 +457,10 @@ async def test_gyms_own_classes_are_returned_when_nemo_gym_is_importable(
     assert not entry_types().from_gym
 
 
-async def test_a_durability_setting_changed_under_an_open_sink_fails_the_next_put(redis_url: str) -> None:
-    async with transport(redis_url) as (sink, _source):
+async def test_a_durability_setting_changed_under_an_open_sink_fails_the_next_put(urls: Urls) -> None:
+    async with transport(urls) as (sink, _source):
         await sink.put(make_entry("t-21", "c1"))
-        with redis.Redis.from_url(redis_url) as client:
+        with redis.Redis.from_url(urls.admin) as client:
             client.config_set("appendfsync", "everysec")  # checked again in the round trip of every batch
         with pytest.raises(CaptureWriteError, match="appendfsync"):
             await sink.put(make_entry("t-21", "c2"))
@@ -388,8 +468,8 @@ async def test_a_durability_setting_changed_under_an_open_sink_fails_the_next_pu
             await sink.mark_incomplete("t-21")  # refused until a fresh check passes
 
 
-async def test_cancelled_puts_leave_whole_entries_or_none(redis_url: str) -> None:
-    async with transport(redis_url) as (sink, source):
+async def test_cancelled_puts_leave_whole_entries_or_none(urls: Urls) -> None:
+    async with transport(urls) as (sink, source):
         await sink.put(make_entry("t-22", "c-first"))
         acknowledged: set[str] = set()
 
@@ -411,8 +491,8 @@ async def test_cancelled_puts_leave_whole_entries_or_none(redis_url: str) -> Non
             assert entry.model_dump(mode="json") == expected.model_dump(mode="json")
 
 
-def test_a_transport_belongs_to_the_loop_of_its_first_call(redis_url: str) -> None:
-    sink = RedisTokenSink(redis_url=redis_url, namespace=NS)  # built outside any loop, as Gym may
+def test_a_transport_belongs_to_the_loop_of_its_first_call(urls: Urls) -> None:
+    sink = RedisTokenSink(redis_url=urls.sink, namespace=NS)  # built outside any loop, as Gym may
 
     async def use_twice() -> None:
         await sink.put(make_entry("t-23", "c1"))
@@ -434,7 +514,7 @@ def test_a_transport_belongs_to_the_loop_of_its_first_call(redis_url: str) -> No
 
 async def test_min_replicas_puts_reach_the_replica_and_a_paused_one_fails_them(fresh_server: DurableServer) -> None:
     with durable_server(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
-        async with transport(fresh_server.url, min_replicas=1, confirm_timeout_s=0.5) as (sink, _source):
+        async with transport(Urls.single(fresh_server.url), min_replicas=1, confirm_timeout_s=0.5) as (sink, _source):
             for _attempt in range(100):  # a loaded machine may take a few windows for the first sync
                 try:
                     await sink.put(make_entry("t-24", "c1"))

@@ -76,12 +76,12 @@ async def test_an_abandoned_rollout_keeps_only_its_fence_and_is_recorded_with_it
         gym = RedisTokenSink(redis_url=redis_url)
         try:
             await gym.put(make_entry("gym-full", "c1"))
-            await gym.begin_call("gym-full", "c2")  # an announced call: ns:{R}:gym:intents
+            await gym.begin_call("gym-full", "c2")  # an announced call: ns:gym:{R}:intents
         finally:
             await gym.close()
-        assert len(await client.keys("stg:{gym-full}:gym*")) == 4  # state, entries, digests, intents
+        assert len(await client.keys("stg:gym:{gym-full}*")) == 4  # state, entries, digests, intents
         full_ms = await _newest_activity_ms(client, "full")
-        touched = await client.hget(gym_keys("stg", "gym-full")[0], "touched_ms")
+        touched = await client.hget(gym_keys("stg", "gym-full").state, "touched_ms")
         assert touched is not None
         settings = PruneSettings(abandon_after_s=ABANDON_AFTER_S, retention_s=60)
         now_s = await next_millisecond() + ABANDON_AFTER_S  # every write above is older than the age line
@@ -91,9 +91,13 @@ async def test_an_abandoned_rollout_keeps_only_its_fence_and_is_recorded_with_it
         assert report.abandoned == ["full", "gym-full", "orphan"]
         assert report.rollouts_seen == 3
         for rollout_id in report.abandoned:
+            # records, calls, ledger, Gym keys, claim: gone; an RL rollout keeps its fence, a Gym one its tombstone
             left = await key_state(client, f"stg:{{{rollout_id}}}:*")
-            assert list(left) == [fence_key("stg", rollout_id)], left  # records, calls, ledger, Gym keys, claim: gone
-            assert 0 < left[fence_key("stg", rollout_id)][1] <= 60
+            left |= await key_state(client, f"stg:gym:{{{rollout_id}}}*")
+            is_gym = rollout_id.startswith("gym")
+            fence = gym_keys("stg", rollout_id).tombstone if is_gym else fence_key("stg", rollout_id)
+            assert list(left) == [fence], left
+            assert 0 < left[fence][1] <= 60
         dead = await _dead_letters(client)
         assert set(dead) == {"full", "gym-full", "orphan"}
         assert {name for fields in dead.values() for name in fields} == {
@@ -144,17 +148,17 @@ async def test_activity_is_the_newest_calls_entry_ledger_row_or_gym_write(redis_
         settings = PruneSettings(abandon_after_s=ABANDON_AFTER_S, retention_s=60)
         now_s = line_s + ABANDON_AFTER_S
         topology = Topology.borrow(client, settings)
-        before = await key_state(client, "stg:{*")
+        before = await key_state(client, "stg:*")
         dry = await prune_namespace(topology, settings, dry_run=True, now_s=now_s)
         assert dry.abandoned == ["stale"]
-        assert await key_state(client, "stg:{*") == before
+        assert await key_state(client, "stg:*") == before
         report = await prune_namespace(topology, settings, now_s=now_s)
         await topology.aclose()
         assert report.abandoned == ["stale"]
         for rollout_id in ("calls-newer", "ledger-newer"):
             assert await client.exists(calls_stream("stg", rollout_id), ledger_stream("stg", rollout_id)) == 2
             assert await client.exists(fence_key("stg", rollout_id)) == 0
-        assert await client.exists(*gym_keys("stg", "gym-fresh")[:3]) == 3
+        assert await client.exists(*gym_keys("stg", "gym-fresh")[:3]) == 3  # state, entries, digests
 
 
 async def test_the_dry_run_and_the_pass_agree_at_the_age_line(redis_url: str) -> None:

@@ -46,12 +46,12 @@ async def test_a_rollout_with_a_malformed_gym_state_is_left_alone_and_the_pass_g
 ) -> None:
     caplog.set_level(logging.WARNING, logger="sink.ops.prune")
     await stage_rollouts(redis_url, ["a-stale", "z-stale"], calls=1)
-    state = gym_keys("stg", "m-bad")[0]
+    state = gym_keys("stg", "m-bad").state
     async with aioredis.Redis.from_url(redis_url) as client:
         await client.hset(state, mapping={"state": "open", "touched_ms": "yesterday"})
-        before = await key_state(client, "stg:{m-bad}:*")
+        before = await key_state(client, "stg:gym:{m-bad}*")
         dry, applied = await _prune_both_ways(redis_url)
-        after = await key_state(client, "stg:{m-bad}:*")
+        after = await key_state(client, "stg:gym:{m-bad}*")
     reason = "its Gym state's touched_ms is not a millisecond count: 'yesterday'"
     for report in (dry, applied):
         assert report["abandoned"] == ["a-stale", "z-stale"], report  # the rollouts on both sides of it

@@ -7,9 +7,9 @@ A rollout's state is the first that applies, in this order:
 * ``consumed``: receipt and retire fence (a trainer acknowledged it; the staged records are gone);
 * ``poisoned``: a receipt whose capture is poisoned (the trainer will skip it);
 * ``receipt_waiting``: a receipt not yet claimed by a trainer;
-* ``retired``: a fence and no receipt (retired by an operator or a restore);
+* ``retired``: a fence and no receipt (retired by an operator or a restore), or a NeMo Gym tombstone (dropped);
 * ``finished``: a ``done`` event not yet assembled into a receipt;
-* ``gym``: held by the NeMo Gym transport (:mod:`sink.gym`), not yet dropped (a dropped one is ``retired``);
+* ``gym``: held by the NeMo Gym transport (:mod:`sink.gym`, keys ``ns:gym:{R}...``), not yet dropped;
 * ``staging``: staged records, calls or ledger rows only.
 """
 
@@ -25,7 +25,7 @@ from rich.table import Table
 from sink.cli.common import EXIT_OK, RedisTarget, open_topology, stdout_console, write_json
 from sink.contract.records import RolloutReceipt
 from sink.contract.skip_codes import SkipCode
-from sink.keys import claim_key, receipt_key
+from sink.keys import claim_key, gym_key_kind, gym_key_prefix, receipt_key
 from sink.store.connection import Topology, map_redis_errors, reply_text
 
 __all__ = ("ROLLOUT_STATES", "RolloutState", "collect_rollouts", "list_command")
@@ -53,7 +53,8 @@ class RolloutState:
 
     rollout_id: str
     keys: set[str] = field(default_factory=set)
-    """Suffixes of its keys: ``calls``, ``ledger``, ``fence``, ``receipt``, ``claimed``, ``rec``."""
+    """Suffixes of its keys: ``calls``, ``ledger``, ``fence``, ``receipt``, ``claimed``, ``rec``; of its NeMo Gym
+    transport keys ``gym`` and ``gym:<kind>`` (``gym:entries``, ``gym:tombstone``, ...)."""
     done_events: int = 0
     dead_reasons: list[str] = field(default_factory=list)
     receipt: RolloutReceipt | None = None
@@ -70,11 +71,11 @@ class RolloutState:
             if "fence" in self.keys:
                 return "consumed"
             return "poisoned" if self.receipt is not None and self.receipt.capture_poisoned else "receipt_waiting"
-        if "fence" in self.keys:
+        if "fence" in self.keys or "gym:tombstone" in self.keys:
             return "retired"
         if self.done_events:
             return "finished"
-        return "gym" if "gym" in self.keys or "gym:entries" in self.keys else "staging"
+        return "gym" if any(k.startswith("gym") for k in self.keys) else "staging"
 
     def detail(self) -> str:
         """A short human note: who holds the claim, why it is poisoned or dead-lettered."""
@@ -93,7 +94,11 @@ class RolloutState:
 
 
 def _split(namespace: str, key: str) -> tuple[str, str] | None:
-    """``(rollout id, key kind)`` of a per-rollout key ``ns:{R}:<kind>...``, ``None`` for other keys."""
+    """``(rollout id, key kind)`` of a per-rollout key ``ns:{R}:<kind>...`` or ``ns:gym:{R}...``, ``None`` for
+    other keys."""
+    gym = gym_key_kind(namespace, key)
+    if gym is not None:
+        return gym
     prefix = f"{namespace}:{{"
     rollout_id, sep, rest = key[len(prefix) :].partition("}:")
     if not key.startswith(prefix) or not sep or not rollout_id:
@@ -135,7 +140,8 @@ async def collect_rollouts(topology: Topology, namespace: str) -> list[RolloutSt
         return rollouts.setdefault(rollout_id, RolloutState(rollout_id))
 
     with map_redis_errors(f"list the rollouts of namespace {namespace!r}"):
-        for key in await _scan(topology, f"{namespace}:{{*}}:*"):
+        keys = await _scan(topology, f"{namespace}:{{*}}:*") | await _scan(topology, f"{gym_key_prefix(namespace)}*")
+        for key in keys:
             split = _split(namespace, key)
             if split is not None:
                 of(split[0]).keys.add(split[1])

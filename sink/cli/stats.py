@@ -184,7 +184,7 @@ async def collect_stats(topology: Topology, target: RedisTarget, *, rate_window_
         server = await _server(topology)
         rollouts = await count_rollouts(topology.primaries(), ns)
         calls = await scan_keys(topology, f"{ns}:*:calls", "stream")
-        gym = await gym_totals(topology, ns, await scan_keys(topology, f"{ns}:*:gym", "hash"))
+        gym = await gym_totals(topology, ns)
         staged_recently = await _recent_calls(topology, calls, rate_window_s)
         shared = await shared_stream_names(topology, ns)
         # The cluster client routes each keyed command; the gauges only issue keyed commands here.

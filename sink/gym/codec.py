@@ -5,7 +5,8 @@ Layout: ``b"GE"``, the CRC-32 of the body (4 bytes, big-endian), then the body, 
 * ``p``, ``g``: the prompt and generated ids in the staged records' packed form (:mod:`sink.contract.packed`):
   little-endian u32 per token when every id fits (``pw`` 4), else u64 (``pw`` 8; ``gw`` likewise);
 * ``l``: the log-probabilities, little-endian float32 when every value round-trips exactly (``lw`` 4: what an
-  engine's float32 log-probs always do), else float64 (``lw`` 8), so a stored value is the value put;
+  engine's float32 log-probs always do), else float64 (``lw`` 8), so a stored value is the value put; a
+  non-finite one (NaN, ±inf) is refused, as the RL path's records refuse it;
 * ``f``: every other field (extras included) as ``model_dump(mode="json")`` gives it, dict keys sorted.
 
 So a 2,048-token call takes about 8 bytes per generated token instead of about 15 as JSON. The encoding is
@@ -30,7 +31,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 
 from sink.contract.packed import pack_ids
-from sink.errors import CodecError
+from sink.errors import CodecError, GymInputError
 from sink.gym.entry import SCHEMA_VERSION
 
 __all__ = ("EncodedEntry", "check_call_id", "check_rollout_id", "decode_entry", "encode_entry")
@@ -51,10 +52,10 @@ def check_rollout_id(rollout_id: object) -> str:
     """*rollout_id* if Gym would accept it as an explicit id: an ASCII letter or digit, then letters, digits,
     ``.``, ``_``, ``-`` (at most 512 characters).
 
-    :raises ValueError: anything else (nothing is written).
+    :raises GymInputError: (a ``ValueError``) anything else (nothing is written).
     """
     if type(rollout_id) is not str or len(rollout_id) > _MAX_ID_CHARS or not _ROLLOUT_ID_RE.fullmatch(rollout_id):
-        raise ValueError(
+        raise GymInputError(
             f"invalid rollout id {rollout_id!r}: it must start with an ASCII letter or digit and contain only "
             "letters, digits, '.', '_' and '-'"
         )
@@ -64,10 +65,10 @@ def check_rollout_id(rollout_id: object) -> str:
 def check_call_id(model_call_id: object, *, allow_empty: bool = False) -> str:
     """*model_call_id* if it is a ``str`` (non-empty unless *allow_empty*) of at most 512 characters.
 
-    :raises ValueError: anything else.
+    :raises GymInputError: (a ``ValueError``) anything else.
     """
     if type(model_call_id) is not str or len(model_call_id) > _MAX_ID_CHARS or (not model_call_id and not allow_empty):
-        raise ValueError(f"invalid model_call_id {model_call_id!r}: a non-empty str of at most 512 characters")
+        raise GymInputError(f"invalid model_call_id {model_call_id!r}: a non-empty str of at most 512 characters")
     return model_call_id
 
 
@@ -91,20 +92,21 @@ def _sorted(value: Any) -> Any:
 def _pack_ids(name: str, values: object) -> tuple[int, bytes]:
     packed = pack_ids(values) if type(values) is list else None
     if packed is None:
-        raise ValueError(f"{name} must be a list of non-negative ints below 2**64")
+        raise GymInputError(f"{name} must be a list of non-negative ints below 2**64")
     return packed
 
 
 def _pack_log_probs(values: object) -> tuple[int, bytes]:
     if type(values) is not list:
-        raise ValueError("generation_log_probs must be a list of floats")
+        raise GymInputError("generation_log_probs must be a list of floats")
     try:
         wide = np.frombuffer(array("d", values), dtype=np.float64)
     except TypeError as exc:
-        raise ValueError(f"generation_log_probs must be a list of floats: {exc}") from exc
+        raise GymInputError(f"generation_log_probs must be a list of floats: {exc}") from exc
+    if not np.isfinite(wide).all():
+        raise GymInputError("generation_log_probs must be finite: NaN, inf and -inf are refused, as on the RL path")
     with np.errstate(over="ignore"):  # a value beyond float32's range is stored as float64
         narrow = wide.astype(_F4)
-    # NaN never compares equal, so a NaN is stored as float64 too: either way the stored value is the value put.
     if np.array_equal(narrow, wide):
         return 4, narrow.tobytes()
     return 8, wide.astype(_F8).tobytes()
@@ -114,7 +116,8 @@ def encode_entry(entry: object) -> EncodedEntry:
     """Check and encode one ``TokenEntry`` (Gym's or :class:`~sink.gym.entry.LocalTokenEntry`).
 
     :raises TypeError: *entry* is not a pydantic model.
-    :raises ValueError: a field breaks the entry's rules (ids, lengths, ``token_item_index``, version).
+    :raises GymInputError: (a ``ValueError``) a field breaks the entry's rules (ids, lengths, a non-finite
+        log-prob, ``token_item_index``, version).
     """
     if not isinstance(entry, BaseModel):
         raise TypeError(f"put() takes a TokenEntry (a pydantic model), got {type(entry).__name__}")
@@ -122,28 +125,28 @@ def encode_entry(entry: object) -> EncodedEntry:
     try:
         fields = _sorted(entry.model_dump(mode="json", exclude=set(_EXCLUDE), warnings=False))
     except PydanticSerializationError as exc:
-        raise ValueError(f"entry cannot be serialized: {exc}") from exc
+        raise GymInputError(f"entry cannot be serialized: {exc}") from exc
     rollout_id = check_rollout_id(fields.get("rollout_id"))
     call_id = check_call_id(fields.get("model_call_id"))
     version = fields.get("schema_version")
     if type(version) is not int or not 1 <= version <= SCHEMA_VERSION:
-        raise ValueError(f"schema_version must be an int from 1 to {SCHEMA_VERSION}, got {version!r}")
+        raise GymInputError(f"schema_version must be an int from 1 to {SCHEMA_VERSION}, got {version!r}")
     pw, prompt = _pack_ids("prompt_token_ids", columns[0])
     gw, generated = _pack_ids("generation_token_ids", columns[1])
     lw, log_probs = _pack_log_probs(columns[2])
     if len(log_probs) // lw != len(generated) // gw:
-        raise ValueError(
+        raise GymInputError(
             f"generation_log_probs has {len(log_probs) // lw} values for {len(generated) // gw} generation_token_ids"
         )
     index, items = fields.get("token_item_index"), fields.get("output_items")
     if index is not None and not (type(index) is int and type(items) is list and 0 <= index < len(items)):
-        raise ValueError(f"token_item_index {index!r} does not index output_items")
+        raise GymInputError(f"token_item_index {index!r} does not index output_items")
     try:
         body = msgpack.packb(
             {"p": prompt, "pw": pw, "g": generated, "gw": gw, "l": log_probs, "lw": lw, "f": fields}, use_bin_type=True
         )
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"entry cannot be encoded: {exc}") from exc
+        raise GymInputError(f"entry cannot be encoded: {exc}") from exc
     return EncodedEntry(
         rollout_id, call_id, hashlib.sha256(body).hexdigest(), _HEAD.pack(_MAGIC, zlib.crc32(body)) + body
     )

@@ -22,10 +22,16 @@ from typing import Any, Final
 import anyio
 import redis.exceptions as redis_errors
 
-from sink.errors import CaptureWriteError, RolloutFrozenError, RolloutRetiredError, TokenEntryConflictError
+from sink.errors import (
+    CaptureWriteError,
+    GymInputError,
+    RolloutFrozenError,
+    RolloutRetiredError,
+    TokenEntryConflictError,
+)
 from sink.gym.codec import EncodedEntry, check_call_id, check_rollout_id, decode_entry
 from sink.gym.entry import EntryTypes
-from sink.keys import gym_keys
+from sink.keys import GymKeys, gym_keys
 from sink.settings import GymTransportSettings
 from sink.store.commit import BatchScript, GroupCommitWriter
 from sink.store.connection import Topology, describe_redis_error, reply_text
@@ -84,13 +90,13 @@ def _item(op: GymOp) -> tuple[tuple[str, ...], tuple[Any, ...]]:
 
 
 def _reads(op: GymOp) -> tuple[tuple[str, ...], ...]:
-    """A freeze reads its entries right after the script (``HVALS``), then the snapshot id and the fence again:
-    the script fenced the rollout, so its entries can only have changed since if it was dropped, abandoned or
-    deleted meanwhile, which those two reads show."""
+    """A freeze reads its entries right after the script (``HVALS`` of the snapshot), then the snapshot id and
+    the tombstone again: the script froze the rollout, so its entries can only have changed since if it was
+    dropped, abandoned or deleted meanwhile, which those two reads show."""
     if op.args[0] != "freeze":
         return ()
-    state, entries, _digests, _intents, fence = op.keys
-    return ("HVALS", entries), ("HGET", state, "snapshot_id"), ("EXISTS", fence)
+    keys = GymKeys(*op.keys)
+    return ("HVALS", keys.snapshot), ("HGET", keys.frozen, "snapshot_id"), ("EXISTS", keys.tombstone)
 
 
 def _batch_script(settings: GymTransportSettings) -> BatchScript[GymOp]:
@@ -244,10 +250,10 @@ class AsyncGymStore:
     async def put(self, encoded: EncodedEntry) -> None:
         """Store one encoded entry (see :class:`~sink.gym.RedisTokenSink.put`).
 
-        :raises ValueError: the entry is larger than ``max_record_bytes`` (nothing is written).
+        :raises GymInputError: the entry is larger than ``max_record_bytes`` (nothing is written).
         """
         if len(encoded.blob) > self._settings.max_record_bytes:
-            raise ValueError(
+            raise GymInputError(
                 f"entry {encoded.model_call_id!r} of rollout {encoded.rollout_id!r} is {len(encoded.blob)} bytes "
                 f"encoded, more than max_record_bytes={self._settings.max_record_bytes}"
             )
@@ -293,8 +299,8 @@ class AsyncGymStore:
         reply = await self._run(rollout_id, "freeze", uuid.uuid4().hex)
         if _status(reply) != GymStatus.OK:
             self._refuse(_status(reply), rollout_id, "freeze")
-        snapshot_id, version, incomplete, blobs, snapshot_after, fenced_after = reply[1:7]
-        if int(fenced_after):
+        snapshot_id, version, incomplete, blobs, snapshot_after, tombstoned_after = reply[1:7]
+        if int(tombstoned_after):
             raise RolloutRetiredError(rollout_id)  # dropped or abandoned while its entries were read
         if snapshot_after != snapshot_id:
             raise CaptureWriteError(
@@ -314,10 +320,12 @@ class AsyncGymStore:
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire the frozen snapshot if it is still *snapshot_id* at *version* (see ``RedisTokenSource.drop``)."""
         check_rollout_id(rollout_id)
-        if type(snapshot_id) is not str or not snapshot_id:
-            raise ValueError(f"snapshot_id must be a non-empty str, got {snapshot_id!r}")
+        # Any str and int are an identity (one no snapshot has, such as "" and 0 for a never-frozen rollout, is
+        # refused by the script: False, as Gym's own store answers); another type is a caller's mistake.
+        if type(snapshot_id) is not str:
+            raise GymInputError(f"snapshot_id must be a str, got {snapshot_id!r}")
         if type(version) is not int:
-            raise ValueError(f"version must be an int, got {version!r}")
+            raise GymInputError(f"version must be an int, got {version!r}")
         reply = await self._run(rollout_id, "drop", snapshot_id, str(version))
         status = _status(reply)
         if status not in (GymStatus.OK, GymStatus.DROP_REFUSED):

@@ -77,7 +77,9 @@ class RedisTokenSink(_Transport):
         :raises RolloutFrozenError: (a ``RuntimeError``) the rollout is frozen; nothing was written.
         :raises RolloutRetiredError: (a ``RuntimeError``) the rollout was dropped or retired.
         :raises CaptureWriteError: the write could not be confirmed durable.
-        :raises ValueError, TypeError: *entry* is not a valid ``TokenEntry`` (nothing was written).
+        :raises GymInputError: (a ``ValueError``) *entry* breaks the entry's rules: an invalid id, lengths that
+            differ, a non-finite log-prob, larger than ``max_record_bytes`` (nothing was written).
+        :raises TypeError: *entry* is not a pydantic model.
         """
         encoded = encode_entry(entry)
         await self._get_store().put(encoded)
@@ -88,7 +90,7 @@ class RedisTokenSink(_Transport):
 
         :raises RolloutRetiredError: the rollout was dropped or retired.
         :raises CaptureWriteError: the mark could not be confirmed durable.
-        :raises ValueError: an invalid rollout id.
+        :raises GymInputError: an invalid rollout or call id.
         """
         await self._get_store().mark_incomplete(rollout_id, model_call_id)
 
@@ -99,7 +101,7 @@ class RedisTokenSink(_Transport):
         :raises RolloutFrozenError: the rollout is frozen.
         :raises RolloutRetiredError: the rollout was dropped or retired.
         :raises CaptureWriteError: the intent could not be confirmed durable.
-        :raises ValueError: an invalid rollout or call id.
+        :raises GymInputError: an invalid rollout or call id.
         """
         await self._get_store().begin_call(rollout_id, model_call_id)
 
@@ -115,16 +117,18 @@ class RedisTokenSource(_Transport):
         :raises RolloutRetiredError: the rollout was dropped or retired.
         :raises CodecError: a stored entry is corrupt or has a newer ``schema_version`` than this reader's.
         :raises CaptureWriteError: the freeze could not be confirmed durable.
-        :raises ValueError: an invalid rollout id.
+        :raises GymInputError: an invalid rollout id.
         """
         return await self._get_store().freeze(rollout_id)
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         """Retire the consumed snapshot, only if the rollout is frozen at exactly *snapshot_id* and *version*:
-        ``True`` (also for a repeated drop of the same identity), else ``False`` and nothing is deleted. A
-        tombstone then keeps every later operation on the rollout failing for ``tombstone_retention_s``.
+        ``True`` (also for a repeated drop of the same identity), else ``False`` and nothing is deleted (a
+        never-frozen rollout, whatever the identity: ``snapshot_id=""``, ``version=0`` included). A tombstone then
+        keeps every later operation on the rollout failing for ``tombstone_retention_s``.
 
         :raises CaptureWriteError: the drop could not be confirmed durable.
-        :raises ValueError: an invalid rollout id, ``snapshot_id`` or ``version``.
+        :raises GymInputError: (a ``ValueError``) an invalid rollout id, a ``snapshot_id`` that is not a ``str``
+            or a ``version`` that is not an ``int`` (``bool`` included); nothing is deleted.
         """
         return await self._get_store().drop(rollout_id, snapshot_id, version)

@@ -81,10 +81,16 @@ _LEDGER = "<ns>:{*}:ledger"
 _LEDGER_IDS = "<ns>:{*}:ledger:ids"
 _LEDGER_TEXT = "<ns>:{*}:ledger:text"
 _FENCE = "<ns>:{*}:fence"
-_GYM = "<ns>:{*}:gym"
-_GYM_ENTRIES = "<ns>:{*}:gym:entries"
-_GYM_DIGESTS = "<ns>:{*}:gym:digests"
-_GYM_INTENTS = "<ns>:{*}:gym:intents"
+# The NeMo Gym transport's own key family (sink.keys.gym_keys): no RL key starts with <ns>:gym:, and a rollout id
+# holds no "}", so each pattern below matches exactly one kind of key of one family.
+_GYM = "<ns>:gym:{*}"
+_GYM_ENTRIES = "<ns>:gym:{*}:entries"
+_GYM_DIGESTS = "<ns>:gym:{*}:digests"
+_GYM_INTENTS = "<ns>:gym:{*}:intents"
+_GYM_FROZEN = "<ns>:gym:{*}:frozen"
+_GYM_SNAPSHOT = "<ns>:gym:{*}:snapshot"
+_GYM_TOMBSTONE = "<ns>:gym:{*}:tombstone"
+_GYM_KEYS = (_GYM, _GYM_ENTRIES, _GYM_DIGESTS, _GYM_INTENTS, _GYM_FROZEN, _GYM_SNAPSHOT, _GYM_TOMBSTONE)
 _RECEIPT = "<ns>:{*}:receipt"
 _CLAIMED = "<ns>:{*}:claimed"
 _DONE = "<ns>:done:*"
@@ -230,8 +236,8 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "ops": RolePolicy(
         "operators, the stats/inspect/tail/report/prune --dry-run CLI and the metrics exporter: read-only, no writes, "
-        "no scripts; of the NeMo Gym transport's keys only what stats/inspect show (HGETALL gym and gym:digests, "
-        "HLEN gym:entries, SMEMBERS gym:intents: never an entry's tokens)",
+        "no scripts; of the NeMo Gym transport's keys only what stats/inspect show (HGETALL gym, gym:digests and "
+        "gym:frozen, HLEN gym:entries and gym:snapshot, SMEMBERS gym:intents, GET gym:tombstone)",
         (
             Grant(
                 (
@@ -260,37 +266,47 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                 ),
                 (_ro("<ns>:*"),),
             ),
-            Grant(("hgetall",), (_ro(_GYM), _ro(_GYM_DIGESTS))),
-            Grant(("hlen",), (_ro(_GYM_ENTRIES),)),
+            Grant(("hgetall",), (_ro(_GYM), _ro(_GYM_DIGESTS), _ro(_GYM_FROZEN))),
+            Grant(("hlen",), (_ro(_GYM_ENTRIES), _ro(_GYM_SNAPSHOT))),
             Grant(("smembers",), (_ro(_GYM_INTENTS),)),
         ),
     ),
     "gym_sink": RolePolicy(
-        "NeMo Gym model server (sink.gym.RedisTokenSink): put, mark_incomplete, begin_call through the gym script "
-        "(TYPE, TIME, HGET, HSET, HSETNX, HINCRBY on gym, gym:entries, gym:digests; SADD gym:intents; EXISTS fence: "
-        "a dropped rollout refuses late writes), verify durability (CONFIG GET, INFO), confirm writes (WAIT, WAITAOF)",
+        "NeMo Gym model server (sink.gym.RedisTokenSink): put, mark_incomplete, begin_call through the gym script, "
+        "on the open side of the Gym keys only: HGET, HSET, HSETNX, HINCRBY of its state (gym); HSET of "
+        "gym:entries, write-only (it never reads an entry back); HGET, HSET gym:digests; SADD gym:intents, "
+        "write-only; TYPE and EXISTS of every Gym key (a frozen or dropped rollout refuses writes). No key of the RL "
+        "path, nothing of a frozen rollout's snapshot (gym:frozen, gym:snapshot) or tombstone but EXISTS. "
+        "Verify durability (CONFIG GET, INFO), confirm writes (WAIT, WAITAOF)",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof", "time")),
-            Grant(_SCRIPTS, tuple(_rw(p) for p in (_GYM, _GYM_ENTRIES, _GYM_DIGESTS, _GYM_INTENTS, _FENCE))),
-            Grant(("type", "hget", "hset", "hsetnx", "hincrby"), (_rw(_GYM),)),
-            Grant(("type", "hget", "hset"), (_rw(_GYM_ENTRIES), _rw(_GYM_DIGESTS))),
-            Grant(("type", "sadd"), (_rw(_GYM_INTENTS),)),
-            Grant(("type", "exists"), (_ro(_FENCE),)),
+            Grant(_SCRIPTS, tuple(_rw(p) for p in _GYM_KEYS)),
+            Grant(("type", "exists"), tuple(_ro(p) for p in _GYM_KEYS)),
+            Grant(("hget", "hset", "hsetnx", "hincrby"), (_rw(_GYM),)),
+            Grant(("hset",), (_wo(_GYM_ENTRIES),)),
+            Grant(("hget", "hset"), (_rw(_GYM_DIGESTS),)),
+            Grant(("sadd",), (_wo(_GYM_INTENTS),)),
         ),
     ),
     "gym_source": RolePolicy(
-        "NeMo Gym consumer (sink.gym.RedisTokenSource): freeze (gym script: TYPE, TIME, HGET, HSET, HSETNX, HINCRBY "
-        "gym; HEXISTS gym:digests; SMEMBERS gym:intents; EXISTS fence; then, in the same round trip, HVALS "
-        "gym:entries, HGET gym, EXISTS fence) and drop (GET, SET fence "
-        "as the tombstone; DEL of the gym keys, one key per DEL), verify durability, confirm writes",
+        "NeMo Gym consumer (sink.gym.RedisTokenSource): freeze through the gym script (HGET gym, SMEMBERS "
+        "gym:intents, HEXISTS gym:digests; RENAME gym:entries to gym:snapshot; HGET, HSET, HINCRBY gym:frozen; then, "
+        "in the same round trip, HVALS gym:snapshot, HGET gym:frozen, EXISTS gym:tombstone) and drop (GET, SET "
+        "gym:tombstone; DEL of the other Gym keys, one key per DEL); TYPE and EXISTS of every Gym key. It writes "
+        "nothing the sink owns (no entry, digest, intent or state field), lifts no tombstone, reaches no key of the "
+        "RL path. Verify durability, confirm writes",
         (
             Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof", "time")),
-            Grant(_SCRIPTS, tuple(_rw(p) for p in (_GYM, _GYM_ENTRIES, _GYM_DIGESTS, _GYM_INTENTS, _FENCE))),
-            Grant(("type", "hget", "hset", "hsetnx", "hincrby", "del"), (_rw(_GYM),)),
-            Grant(("type", "hvals", "del"), (_rw(_GYM_ENTRIES),)),
-            Grant(("type", "hexists", "del"), (_rw(_GYM_DIGESTS),)),
-            Grant(("type", "smembers", "del"), (_rw(_GYM_INTENTS),)),
-            Grant(("type", "exists", "get", "set"), (_rw(_FENCE),)),
+            Grant(_SCRIPTS, tuple(_rw(p) for p in _GYM_KEYS)),
+            Grant(("type", "exists"), tuple(_ro(p) for p in _GYM_KEYS)),
+            Grant(("hget", "del"), (_rw(_GYM),)),
+            Grant(("hexists",), (_ro(_GYM_DIGESTS),)),
+            Grant(("smembers",), (_ro(_GYM_INTENTS),)),
+            Grant(("del",), (_wo(_GYM_ENTRIES), _wo(_GYM_DIGESTS), _wo(_GYM_INTENTS))),
+            Grant(("rename",), (_rw(_GYM_ENTRIES), _wo(_GYM_SNAPSHOT))),  # the first freeze: entries -> snapshot
+            Grant(("hvals", "del"), (_rw(_GYM_SNAPSHOT),)),
+            Grant(("hget", "hset", "hincrby", "del"), (_rw(_GYM_FROZEN),)),
+            Grant(("get", "set"), (_rw(_GYM_TOMBSTONE),)),
         ),
     ),
     "replica": RolePolicy(

@@ -10,7 +10,8 @@ key                                       removed by
 ``ns:{R}:claimed``                        the trainer's ``ack``; else abandonment here
 ``ns:{R}:receipt``, ``ns:{R}:fence``      expire ``retention_s`` after the ack (:mod:`sink.trainer.retention`);
                                           a consumed rollout's keys left without a TTL get one here
-``ns:{R}:gym``, ``ns:{R}:gym:*``          the NeMo Gym transport's ``drop``; else abandonment here
+``ns:gym:{R}``, ``ns:gym:{R}:*``          the NeMo Gym transport's ``drop`` (its tombstone expires); else
+                                          abandonment here
 ``ns:{grp:G}:*``                          the reader (``PEXPIRE``, GRPO group mode)
 ``ns:done:<k>``, ``ns:receipts:<k>``      fixed count; entries ``XACK`` + ``XDEL`` once processed;
                                           consumer names idle ``consumer_idle_max_s`` with nothing
@@ -21,11 +22,12 @@ key                                       removed by
 **Abandonment.** A rollout with staged records, a ledger or NeMo Gym transport keys but no receipt, whose last
 ``calls`` or ledger entry (or Gym transport write, ``touched_ms``) is at least ``abandon_after_s`` old, never
 finished (or its Gym snapshot was never dropped): its records, ``calls`` stream, ledger, Gym keys and claim are
-deleted and its fence set (expiring after ``retention_s``) in one ``MULTI`` guarded by ``WATCH`` (a write in
-between leaves it alone), and a failure is recorded on ``ns:dead:abandoned`` and counted
+deleted and its fence set (the RL retire fence for an RL rollout, the Gym tombstone for a Gym one, both expiring
+after ``retention_s``) in one ``MULTI`` guarded by ``WATCH`` (a write in between leaves it alone), and a failure
+is recorded on ``ns:dead:abandoned`` and counted
 (``staging_sink_rollouts_abandoned_total``). A rollout that has a receipt belongs to the trainer: never touched.
 
-Only keys of the namespace are read or changed (``SCAN MATCH ns:*`` on every primary).
+Only keys of the namespace are read or changed (``SCAN MATCH ns:{*`` and ``ns:gym:{*`` on every primary).
 
 **One bad entry never stops a pass.** A rollout whose state cannot be read (a Gym ``touched_ms`` that is not a
 millisecond count, written by hand or by another tool) and a key name that is not UTF-8 are left exactly as they
@@ -50,6 +52,8 @@ from sink.keys import (
     claim_key,
     dead_letter_stream,
     fence_key,
+    gym_key_kind,
+    gym_key_prefix,
     gym_keys,
     ledger_ids_key,
     ledger_stream,
@@ -60,16 +64,18 @@ from sink.settings import PruneSettings
 from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.pipeline_counters import count_rollouts_abandoned
 
-__all__ = ("ABANDONED_STREAM", "PruneReport", "prune_namespace")
+__all__ = ("ABANDONED_STREAM", "ABANDONED_TOMBSTONE", "PruneReport", "prune_namespace")
 
 logger = logging.getLogger(__name__)
 
 ABANDONED_STREAM = "abandoned"
 """``ns:dead:abandoned``: one entry per abandoned rollout (``rollout_id``, ``reason``, ``last_activity_ms``)."""
 
-_LIVE_KINDS = frozenset(
-    {"calls", "ledger", "ledger:ids", "ledger:text", "claimed", "rec", "gym", "gym:entries", "gym:digests", "gym:intents"}
-)
+_RL_LIVE_KINDS = frozenset({"calls", "ledger", "ledger:ids", "ledger:text", "claimed", "rec"})
+_GYM_LIVE_KINDS = frozenset({"gym", "gym:entries", "gym:digests", "gym:intents", "gym:frozen", "gym:snapshot"})
+_LIVE_KINDS = _RL_LIVE_KINDS | _GYM_LIVE_KINDS
+ABANDONED_TOMBSTONE = "gym-abandoned "
+"""The Gym tombstone an abandonment leaves: this prefix, then the time (a drop's starts with ``gym-drop``)."""
 
 
 @dataclass
@@ -127,6 +133,10 @@ async def _scan(
 async def _rollouts(topology: Topology, ns: str, count: int, report: PruneReport) -> dict[str, _Rollout]:
     found: dict[str, _Rollout] = {}
     prefix = f"{ns}:{{"
+    async for key in _scan(topology, f"{gym_key_prefix(ns)}*", count, report):
+        gym = gym_key_kind(ns, key)
+        if gym is not None:
+            found.setdefault(gym[0], _Rollout()).kinds.add(gym[1])
     async for key in _scan(topology, f"{prefix}*", count, report):
         tag, sep, kind = key[len(prefix) :].partition("}:")
         if not sep or tag.startswith("grp:"):
@@ -151,13 +161,15 @@ async def _last_activity_ms(client: aioredis.Redis, ns: str, rollout_id: str) ->
         entries = await client.xrevrange(stream, count=1)
         if entries:
             newest = max(newest, _entry_ms(entries[0][0]))
-    touched = await client.hget(gym_keys(ns, rollout_id)[0], "touched_ms")
-    if touched is not None:
-        text = reply_text(touched, "touched_ms")
-        try:
-            newest = max(newest, int(text))
-        except ValueError:
-            raise CodecError(f"its Gym state's touched_ms is not a millisecond count: {text!r}") from None
+    keys = gym_keys(ns, rollout_id)
+    for key in (keys.state, keys.frozen):  # the sink's last write, the source's last freeze
+        touched = await client.hget(key, "touched_ms")
+        if touched is not None:
+            text = reply_text(touched, "touched_ms")
+            try:
+                newest = max(newest, int(text))
+            except ValueError:
+                raise CodecError(f"its Gym state's touched_ms is not a millisecond count: {text!r}") from None
     return newest
 
 
@@ -184,8 +196,9 @@ async def _abandon(
 ) -> None:
     client = topology.node_for_key(calls_stream(ns, rollout_id))
     cutoff_ms = int((now_s - settings.abandon_after_s) * 1000)
-    gym_state, *gym_rest, _fence = gym_keys(ns, rollout_id)
-    watched = [calls_stream(ns, rollout_id), ledger_stream(ns, rollout_id), receipt_key(ns, rollout_id), gym_state]
+    gym = gym_keys(ns, rollout_id)
+    watched = [calls_stream(ns, rollout_id), ledger_stream(ns, rollout_id), receipt_key(ns, rollout_id), gym.state]
+    watched.append(gym.frozen)
     if report.dry_run:  # plain reads, no WATCH: the read-only ops user can run a dry run
         if await _last_activity_ms(client, ns, rollout_id) <= cutoff_ms and not await client.exists(watched[2]):
             report.abandoned.append(rollout_id)
@@ -202,11 +215,14 @@ async def _abandon(
             ledger_ids_key(ns, rollout_id),
             ledger_text_key(ns, rollout_id),
             claim_key(ns, rollout_id),
-            gym_state,
-            *gym_rest,
+            *gym[:-1],
             *rollout.records,
         )
-        pipe.set(fence_key(ns, rollout_id), repr(time.time()), ex=max(1, math.ceil(settings.retention_s)))
+        retention_s = max(1, math.ceil(settings.retention_s))
+        if rollout.kinds & _RL_LIVE_KINDS or not rollout.kinds & _GYM_LIVE_KINDS:
+            pipe.set(fence_key(ns, rollout_id), repr(time.time()), ex=retention_s)
+        if rollout.kinds & _GYM_LIVE_KINDS:
+            pipe.set(gym.tombstone, f"{ABANDONED_TOMBSTONE}{time.time()!r}", ex=retention_s)
         try:
             await pipe.execute()
         except redis_errors.WatchError:

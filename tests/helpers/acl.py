@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,16 @@ from redis.retry import Retry
 from sink.ops.acl import ADMIN_ROLE, ROLE_NAMES, generate_passwords, render_acl_file
 from sink.server import DurableServer
 from sink.store.scripts import LIBRARY
+
+ACL_DENIAL = re.compile(r"NOPERM|no permissions|ACL failure|user executing the script can't run")
+
+
+def is_acl_denial(exc: BaseException) -> bool:
+    """NOPERM, or the same refusal reported from inside a script (Valkey: "ACL failure in script", Redis 7.0:
+    "The user executing the script can't run this command")."""
+    return isinstance(exc, redis.exceptions.NoPermissionError) or (
+        isinstance(exc, redis.ResponseError) and ACL_DENIAL.search(str(exc)) is not None
+    )
 
 
 class AclServer(DurableServer):

@@ -38,3 +38,21 @@ def require_binary(name: str) -> Path:
         return sink_server.find_server_binary(name)
     except sink_server.ServerNotFoundError as exc:
         skip_or_fail(str(exc))
+
+
+def reset_durable_server(server: sink_server.DurableServer) -> None:
+    """Undo what an earlier test may have done to a shared server: resume or restart it, restore the durable
+    settings, empty it (through ``server.client()``: an ACL server's admin)."""
+    server.resume()
+    if not server.running:
+        server.restart()
+    with server.client() as connection:
+        for name, value in (
+            ("appendonly", "yes"),
+            ("appendfsync", "always"),
+            ("no-appendfsync-on-rewrite", "no"),
+            ("maxmemory-policy", "noeviction"),
+            ("maxmemory", "0"),
+        ):
+            connection.config_set(name, value)
+        connection.flushall()
