@@ -71,15 +71,26 @@ class StagingConnectionError(StagingError):
 
 
 class StagingUnavailableError(StagingConnectionError):
-    """The server could not be reached: connection refused or reset, a timeout, DNS, or a server that answered
-    that it cannot serve yet (``LOADING``, ``CLUSTERDOWN``, ``TRYAGAIN``, ``MASTERDOWN``). Waiting may fix it:
-    services ride it out up to their ``max_outage_s``."""
+    """The server could not carry out the command now: it could not be reached (connection refused or reset, a
+    timeout, DNS), it answered that it cannot serve yet (``LOADING``, ``MASTERDOWN``), or the cluster's topology
+    changed under the client (``MOVED``, ``ASK``, ``READONLY``, ``TRYAGAIN``, ``CLUSTERDOWN``: a failover or a slot
+    migration; the client reloads its slot map before the next attempt). Waiting may fix it: services ride it out
+    up to their ``max_outage_s``. ``code`` is the reply's code when the server answered, ``None`` when it could
+    not be reached."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self) -> tuple[type[StagingUnavailableError], tuple[str, str | None]]:
+        # Rebuild from (message, code), so the error survives pickling with its code intact.
+        return (type(self), (str(self), self.code))
 
 
 class StagingRefusedError(StagingConnectionError):
-    """The server answered the command with an error reply. ``code`` is the reply's code (its first word:
-    ``WRONGTYPE``, ``NOPERM``, ``READONLY``, ``OOM``, ``WRONGPASS``, ``NOGROUP``, ``ERR``...). Sending the same
-    command again gets the same answer: services stop at once."""
+    """The server answered the command with an error reply that is not a topology change. ``code`` is the reply's
+    code (its first word: ``WRONGTYPE``, ``NOPERM``, ``OOM``, ``WRONGPASS``, ``NOGROUP``, ``ERR``...). Sending the
+    same command again gets the same answer: services stop at once."""
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)

@@ -4,14 +4,16 @@
 The line between waiting and stopping is drawn by type where redis-py errors are translated
 (:func:`sink.store.connection.translate_redis_error`):
 
-- :class:`~sink.errors.StagingUnavailableError` (the server cannot be reached): ridden out, in every phase of
-  the service (opening, running, closing), with a pause that doubles from ``reconnect_backoff_s`` up to
+- :class:`~sink.errors.StagingUnavailableError` (the server cannot be reached, or a cluster's topology changed
+  under the client: ``MOVED``, ``ASK``, ``READONLY``, ``TRYAGAIN``, ``CLUSTERDOWN`` during a failover or a slot
+  migration, the failed command having reloaded the slot map): ridden out, in every phase of the service
+  (opening, running, closing), with a pause that doubles from ``reconnect_backoff_s`` up to
   ``reconnect_backoff_max_s``, until the outage has lasted ``max_outage_s``; then it is raised again, naming
   the limit (the command exits 3). An outage begins at the first failure and only a success ends it, so one
   that spans two phases is one outage.
 - :class:`~sink.errors.StagingRefusedError` (the server answered with an error: ``WRONGTYPE``, ``NOPERM``,
-  ``READONLY``, ``OOM``...): retrying sends the same command to the same answer, so the service stops at once
-  with :class:`~sink.errors.UnrecoverableServiceError` (the command exits 1).
+  ``OOM``...): retrying sends the same command to the same answer, so the service stops at once with
+  :class:`~sink.errors.UnrecoverableServiceError` (the command exits 1).
 
 The settings are those of :class:`~sink.settings.OutageSettings` (the assembler's, the reader's and prune's).
 """
@@ -118,6 +120,16 @@ class OutagePolicy:
         self.retries += 1
         self._report(f"{self.service}: server unreachable while {phase} ({first}); retrying in {delay:.2g} s")
         await anyio.sleep(delay)
+
+    async def ride_out(self, step: Callable[[], Awaitable[T]], phase: Phase) -> T:
+        """``await step()``, again after each outage's pause (:meth:`failed`) until it succeeds, up to
+        ``max_outage_s``; any other error (a refusal too) is raised as it is. For one step of a service's work
+        (one event of a batch) whose refusal the service sets aside instead of stopping."""
+        while True:
+            try:
+                return await step()
+            except StagingUnavailableError as exc:
+                await self.failed(exc, phase)
 
     async def call(self, operation: Callable[[], Awaitable[T]], phase: Phase) -> T:
         """``await operation()``, again after each outage failure (:meth:`failed`), until it succeeds."""

@@ -216,7 +216,8 @@ async def setup_command(target: RedisTarget) -> int:
 
 async def metrics_command(target: RedisTarget, *, port: int, host: str, interval_s: float) -> int:
     """``staging-sink metrics``: serve Prometheus metrics with the Redis stream gauges refreshed every
-    *interval_s* seconds, until SIGINT/SIGTERM. A Redis outage is counted and logged, never fatal."""
+    *interval_s* seconds, until SIGINT/SIGTERM. A Redis outage (a cluster's failover or slot migration too) is
+    counted and logged, never fatal."""
     try:
         # The exporter stages and pulls nothing: it serves what it reads from Redis, no process counter.
         metrics = Metrics(namespace=target.namespace, process_counters=False)
@@ -241,8 +242,11 @@ async def metrics_command(target: RedisTarget, *, port: int, host: str, interval
                     client = cast(aioredis.Redis, topology.client)
                     nodes, primaries = await topology.all_nodes(), topology.primaries()
                     await metrics.refresh(client, target.namespace, streams=names, nodes=nodes, primaries=primaries)
-                except (redis_errors.RedisError, OSError) as exc:  # counted by refresh: collection_up 0
+                except (redis_errors.RedisError, redis_errors.RedisClusterException, OSError) as exc:
+                    # Counted by refresh (collection_up 0). A failover, a migration or a lost node: the next
+                    # collection reads the slot map again.
                     logger.warning("metrics: cannot read the Redis gauges: %s", describe_redis_error(exc))
+                    await topology.refresh_quietly()
                 await anyio.sleep(interval_s)
     finally:
         exporter.stop()

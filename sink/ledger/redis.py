@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, Self
 
 import anyio
@@ -33,7 +34,7 @@ from sink.ledger.ledger import AppendOutcome, CaptureLedger
 from sink.ledger.ownership import keys_owned_by
 from sink.settings import ConnectionSettings, LedgerSettings
 from sink.store.batch import BatchCall, run_batch
-from sink.store.connection import Topology, map_redis_errors, reply_text, translate_redis_error
+from sink.store.connection import Topology, reply_text, translate_redis_error
 from sink.store.durability import run_script_durably
 from sink.store.resource import settings_or_fields
 from sink.store.scripts import (
@@ -131,6 +132,7 @@ class RedisCaptureLedger(CaptureLedger):
         self._ns = settings.namespace
         self._durability = settings.durability
         self._confirm_timeout_s = settings.command_timeout_s / 2  # WAITAOF's deadline, inside the socket's
+        self._redirect_budget_s = settings.command_timeout_s  # how long a redirected script is sent again
         client = topology.client
         self._in_flight = anyio.CapacityLimiter(_in_flight_limit(client))
 
@@ -158,26 +160,35 @@ class RedisCaptureLedger(CaptureLedger):
         )
 
     async def _run(self, script: ServerScript, keys: Sequence[str], args: Sequence[str], action: str) -> Any:
+        """Run a script; one the cluster redirected (a failover, a migration) is sent again (see :meth:`_write`)."""
         self._check_open()
-        async with self._in_flight:
-            with map_redis_errors(action):
-                return await script.run(self._topology.client, keys, args)
+        async with self._in_flight, self._topology.translated(action):
+            run = partial(script.run, self._topology.client, keys, args)
+            return await self._topology.retry_redirected(run, budget_s=self._redirect_budget_s)
 
     async def _write(self, script: ServerScript, keys: Sequence[str], args: Sequence[str], action: str) -> Any:
-        """Run a writing script; answer only once the write is durable (:class:`~sink.errors.NotDurableError`)."""
+        """Run a writing script; answer only once the write is durable (:class:`~sink.errors.NotDurableError`).
+
+        A script the cluster did not run because its topology changed (``MOVED``, ``ASK``, ``READONLY``,
+        ``TRYAGAIN``, ``CLUSTERDOWN``) is sent again to the slot's owner once the slot map is reloaded, for up to
+        ``command_timeout_s``; any other outage reloads the map before it is raised.
+        """
         self._check_open()
-        async with self._in_flight:
-            with map_redis_errors(action):
-                await self._topology.initialize()  # a borrowed cluster client may not know its slots yet
-                return await run_script_durably(
-                    self._topology.node_for_key(keys[0]),
-                    script,
-                    keys,
-                    args,
-                    durability=self._durability,
-                    timeout_s=self._confirm_timeout_s,
-                    action=action,
-                )
+
+        async def attempt() -> Any:
+            return await run_script_durably(
+                self._topology.node_for_key(keys[0]),  # after a reload: the slot's owner now
+                script,
+                keys,
+                args,
+                durability=self._durability,
+                timeout_s=self._confirm_timeout_s,
+                action=action,
+            )
+
+        async with self._in_flight, self._topology.translated(action):
+            await self._topology.initialize()  # a borrowed cluster client may not know its slots yet
+            return await self._topology.retry_redirected(attempt, budget_s=self._redirect_budget_s)
 
     async def _append(
         self, rollout_id: str, id_field: str, id_value: str, entry: dict[str, str]
@@ -228,10 +239,9 @@ class RedisCaptureLedger(CaptureLedger):
         fixed = [*self._keys(rollout_id), receipt_key(ns, rollout_id), claim_key(ns, rollout_id), calls]
         for _attempt in range(_DELETE_ATTEMPTS):
             self._check_open()
-            async with self._in_flight:
-                with map_redis_errors(f"read the calls of {rollout_id!r}"):
-                    client = self._topology.client
-                    raw = await client.xrange(calls) if await client.type(calls) == b"stream" else []
+            async with self._in_flight, self._topology.translated(f"read the calls of {rollout_id!r}"):
+                client = self._topology.client
+                raw = await client.xrange(calls) if await client.type(calls) == b"stream" else []
             staged = [reply_text((fields or {}).get(b"key", b""), "ledger entry") for _entry_id, fields in raw or []]
             records = [record_key(ns, key) for key in keys_owned_by(rollout_id, staged)]
             reply = await self._write(
@@ -250,9 +260,8 @@ class RedisCaptureLedger(CaptureLedger):
         args = [repr(time.time())]
         calls = [BatchCall(self._keys(rollout_id), args, LEDGER_RETIRE_SCRIPT) for rollout_id in rollout_ids]
         action = f"retire the ledgers of {len(rollout_ids)} rollouts"
-        async with self._in_flight:
-            with map_redis_errors(action):
-                replies = await run_batch(
+        async with self._in_flight, self._topology.translated(action):
+            replies = await run_batch(
                     self._topology,
                     calls,
                     durability=self._durability,

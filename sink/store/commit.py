@@ -10,6 +10,7 @@ batch waits for its fsync the next one forms, so one fsync covers many records.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from sink.contract.codec import DIGEST_HEAD_BYTES
 from sink.contract.records import StageResult
 from sink.settings import SinkSettings
-from sink.store.connection import Topology, describe_redis_error
+from sink.store.connection import Topology, describe_redis_error, is_topology_reply
 from sink.store.durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address, waitaof_problem
 from sink.store.pipeline_counters import StageOutcome
 from sink.store.script_runner import ScriptMode, ServerScript
@@ -32,13 +33,6 @@ from sink.store.scripts import LIBRARY, STAGE_SCRIPT
 __all__ = ("STAGE_BATCH", "BatchScript", "Committable", "GroupCommitWriter", "PendingStage", "Settle")
 
 logger = logging.getLogger(__name__)
-
-_TOPOLOGY_ERRORS = (
-    redis_errors.MovedError,
-    redis_errors.AskError,
-    redis_errors.ClusterDownError,
-    redis_errors.TryAgainError,
-)
 
 
 class _ScriptMissingError(Exception):
@@ -155,55 +149,64 @@ class GroupCommitWriter(Generic[_Item]):
     async def write_batch(self, batch: list[_Item]) -> None:
         """Write *batch* (one script call per slot, then the confirmation) and settle every item of it.
 
+        Items the cluster did not run because its topology changed (``MOVED``, ``ASK``, ``READONLY``,
+        ``TRYAGAIN``, ``CLUSTERDOWN``: a failover, a slot migration) are written again once the slot map is
+        reloaded, for up to ``command_timeout_s``; then they fail with "cluster topology changed, retry".
+
         :meth:`run` calls it for each batch it forms; a caller that forms batches itself (the Gym transport,
         which has no writer tasks of its own) calls it directly.
         """
         self.batches += 1
-        by_node: dict[int, tuple[aioredis.Redis, list[_Item]]] = {}
+        deadline = anyio.current_time() + self._settings.command_timeout_s
+        pending = batch
         try:
-            for pending in batch:
-                client = self._topology.node_for_key(pending.route_key)
-                by_node.setdefault(id(client), (client, []))[1].append(pending)
-        except (redis_errors.RedisError, OSError) as exc:
-            self._fail_all(batch, f"cannot route the write: {describe_redis_error(exc)}")
-            return
-        async with anyio.create_task_group() as group:
-            for client, items in by_node.values():
-                group.start_soon(self._write_node, client, items)
+            for tries in itertools.count():
+                redirected: dict[int, str] = {}  # id(item) -> the topology reply it met (nothing of it ran)
+                by_node: dict[int, tuple[aioredis.Redis, list[_Item]]] = {}
+                try:
+                    for item in pending:
+                        client = self._topology.node_for_key(item.route_key)
+                        by_node.setdefault(id(client), (client, []))[1].append(item)
+                except (redis_errors.RedisError, OSError) as exc:
+                    self._fail_all(pending, f"cannot route the write: {describe_redis_error(exc)}")
+                    return
+                async with anyio.create_task_group() as group:
+                    for client, items in by_node.values():
+                        group.start_soon(self._write_node, client, items, redirected)
+                pending = [item for item in pending if id(item) in redirected and item.result is None]
+                if not pending or not await self._topology.wait_for_redirect(deadline, tries):
+                    for item in pending:
+                        self._settle(item, None, f"cluster topology changed, retry: {redirected[id(item)]}")
+                    return
+        finally:
+            self._fail_all(batch, "the write was interrupted before it was confirmed")
 
-    async def _write_node(self, client: aioredis.Redis, items: list[_Item]) -> None:
+    async def _write_node(self, client: aioredis.Redis, items: list[_Item], redirected: dict[int, str]) -> None:
+        """Write *items* on *client*'s node; the ones the cluster redirected are left unsettled in *redirected*."""
         try:
-            await self._write_node_once(client, items)
+            await self._write_node_once(client, items, redirected)
         except _ScriptMissingError as missing:
             # The script cache is empty (server restarted) or the functions were flushed: nothing ran;
             # load (or probe the library again) and retry once.
             try:
                 await self._batch_script.script.recover(client, missing.mode)
-                await self._write_node_once(client, items)
+                await self._write_node_once(client, items, redirected)
             except _ScriptMissingError as again:
                 self._fail_all(items, describe_redis_error(again.reply))
             except (redis_errors.RedisError, OSError) as exc:
                 self._fail_all(items, describe_redis_error(exc))
-        except _TOPOLOGY_ERRORS as exc:
-            self._fail_all(items, f"cluster topology changed, retry: {describe_redis_error(exc)}")
-            await self._refresh_topology()
         except (redis_errors.RedisError, OSError) as exc:
+            if is_topology_reply(exc):  # before anything was sent: every item goes again
+                redirected.update((id(item), describe_redis_error(exc)) for item in items if item.result is None)
+                return
             self._fail_all(items, describe_redis_error(exc))
             if self._topology.is_cluster:
-                await self._refresh_topology()
+                await self._topology.refresh_quietly()
         except Exception as exc:  # a bug must not strand callers waiting on their event
             logger.exception("staging sink writer failed")
             self._fail_all(items, f"internal error: {describe_redis_error(exc)}")
-        finally:
-            self._fail_all(items, "the write was interrupted before it was confirmed")
 
-    async def _refresh_topology(self) -> None:
-        try:
-            await self._topology.refresh()
-        except (redis_errors.RedisError, OSError) as exc:
-            logger.warning("could not refresh the cluster topology: %s", describe_redis_error(exc))
-
-    async def _write_node_once(self, client: aioredis.Redis, items: list[_Item]) -> None:
+    async def _write_node_once(self, client: aioredis.Redis, items: list[_Item], redirected: dict[int, str]) -> None:
         groups = self._topology.group_by_slot([p.route_key for p in items])
         settings = self._settings
         mode = await LIBRARY.mode(client)
@@ -255,10 +258,12 @@ class GroupCommitWriter(Generic[_Item]):
             if problem is not None:
                 self._durability.invalidate(problem)
                 confirmation_error = confirmation_error or problem
-        topology_changed = False
+        read_failed = False
         for chunk, reply, counts, reads in zip(slot_items, script_replies, slot_reads, read_replies, strict=True):
+            if is_topology_reply(reply):  # the script did not run: written again once the slot map is reloaded
+                redirected.update((id(item), describe_redis_error(reply)) for item in chunk)
+                continue
             if isinstance(reply, BaseException):
-                topology_changed |= isinstance(reply, _TOPOLOGY_ERRORS)
                 self._fail_all(chunk, LIBRARY.explain_refusal(client, mode, reply) or describe_redis_error(reply))
                 continue
             start = 0
@@ -267,14 +272,14 @@ class GroupCommitWriter(Generic[_Item]):
                 start += count
                 failed = next((r for r in item_reads if isinstance(r, BaseException)), None)
                 if failed is not None:
-                    topology_changed |= isinstance(failed, _TOPOLOGY_ERRORS)
+                    read_failed |= is_topology_reply(failed)
                     self._settle(pending, None, f"a read after the script failed: {describe_redis_error(failed)}")
                 elif count:
                     self._settle(pending, [*item_reply, *item_reads], confirmation_error)
                 else:
                     self._settle(pending, item_reply, confirmation_error)
-        if topology_changed:
-            await self._refresh_topology()
+        if read_failed:
+            await self._topology.refresh_quietly()
 
     def _confirmation_error(self, replies: Sequence[Any], waitaof: bool) -> str | None:
         settings = self._settings

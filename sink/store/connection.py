@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
-from typing import Any
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
+import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
@@ -29,7 +32,19 @@ from sink.errors import (
 )
 from sink.settings import ConnectionSettings
 
-__all__ = ("Topology", "describe_redis_error", "map_redis_errors", "reply_text", "translate_redis_error")
+__all__ = (
+    "TOPOLOGY_REPLIES",
+    "Topology",
+    "describe_redis_error",
+    "is_topology_reply",
+    "map_redis_errors",
+    "reply_text",
+    "translate_redis_error",
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def reply_text(value: object, what: str = "reply", *, lenient: bool = False) -> str:
@@ -58,12 +73,35 @@ def describe_redis_error(exc: BaseException) -> str:
     return f"{kind}: {text}"
 
 
-# Error replies that mean "not serving right now", not "no": a server loading its data, a cluster without a
-# quorum or in the middle of a slot move. Waiting fixes them, as it fixes a lost connection.
-_NOT_SERVING_YET: tuple[type[redis_errors.RedisError], ...] = (
+# Error replies of a cluster whose slot map changed under the client (a failover, a slot migration, a node that
+# stepped down): the command did not run where it was sent. Reloading the slot map and sending it again fixes them.
+TOPOLOGY_REPLIES: tuple[type[redis_errors.RedisError], ...] = (
+    redis_errors.AskError,  # ASK, and MOVED (MovedError is an AskError)
+    redis_errors.ReadOnlyError,  # READONLY: a replica now (a script without keys, a command queued over the switch)
+    redis_errors.TryAgainError,  # TRYAGAIN: a multi-key command over a slot half migrated
     redis_errors.ClusterDownError,  # CLUSTERDOWN, MASTERDOWN
-    redis_errors.TryAgainError,  # TRYAGAIN
+    redis_errors.ClusterError,  # the cluster client's "TTL exhausted": every attempt of it was redirected
 )
+# The code redis-py's own errors of these kinds carry when no reply named one (most specific class first).
+_TOPOLOGY_CODES = {
+    redis_errors.MovedError: "MOVED",
+    redis_errors.AskError: "ASK",
+    redis_errors.ReadOnlyError: "READONLY",
+    redis_errors.TryAgainError: "TRYAGAIN",
+    redis_errors.MasterDownError: "MASTERDOWN",
+    redis_errors.ClusterDownError: "CLUSTERDOWN",
+}
+# A blocked read on a node that stepped down to a replica is ended with this (the stream and its group are intact).
+_STEPPED_DOWN = "instance state changed"
+_REDIRECT_PAUSE_S, _REDIRECT_PAUSE_MAX_S = 0.05, 1.0
+
+
+def is_topology_reply(exc: BaseException) -> bool:
+    """Whether *exc* (a redis-py error) is a cluster's answer that its topology changed (see
+    :data:`TOPOLOGY_REPLIES`; also ``UNBLOCKED`` of a read blocked on a node that stepped down)."""
+    if isinstance(exc, TOPOLOGY_REPLIES):
+        return True
+    return isinstance(exc, redis_errors.ResponseError) and _reply_code(exc) == "UNBLOCKED" and _STEPPED_DOWN in str(exc)
 
 
 def _reply_code(exc: redis_errors.RedisError) -> str:
@@ -72,6 +110,9 @@ def _reply_code(exc: redis_errors.RedisError) -> str:
     code = getattr(exc, "status_code", None)
     if isinstance(code, str) and code:
         return code
+    for kind, topology_code in _TOPOLOGY_CODES.items():
+        if isinstance(exc, kind):
+            return topology_code  # raised by redis-py itself (a slot no node serves), not parsed from a reply
     first = str(exc).split(" ", 1)[0]
     return first if first.isupper() and first.isalpha() else "ERR"
 
@@ -79,19 +120,26 @@ def _reply_code(exc: redis_errors.RedisError) -> str:
 def translate_redis_error(exc: redis_errors.RedisError | OSError, action: str) -> StagingConnectionError:
     """The package's error for a redis-py (or socket) error: unavailable, or refused with the reply's code.
 
-    This is the one place that tells the two apart; everything above catches the types.
+    This is the one place that tells the two apart; everything above catches the types. A topology change
+    (:func:`is_topology_reply`: ``MOVED``, ``ASK``, ``READONLY``, ``TRYAGAIN``, ``CLUSTERDOWN``) is unavailable
+    with its reply's code, as is ``LOADING``; every other error reply is refused with its code.
 
     :param action: what was being done, for the message (``"fetch records"``).
     """
     message = f"could not {action}: {describe_redis_error(exc)}"
     if isinstance(exc, redis_errors.AuthenticationError | redis_errors.AuthorizationError):
         return StagingRefusedError(message, _reply_code(exc))  # WRONGPASS, NOAUTH, NOPERM (before any command)
-    if isinstance(exc, redis_errors.ResponseError) and not isinstance(exc, _NOT_SERVING_YET):
+    if is_topology_reply(exc):
+        assert isinstance(exc, redis_errors.RedisError)
+        code = _reply_code(exc) if isinstance(exc, redis_errors.ResponseError) else None  # none: TTL exhausted
+        return StagingUnavailableError(message, code)
+    if isinstance(exc, redis_errors.ResponseError):
         return StagingRefusedError(message, _reply_code(exc))
     if isinstance(exc, redis_errors.DataError):
         return StagingRefusedError(message, "DATAERROR")  # refused by the client before it was sent
-    # ConnectionError (BusyLoadingError: LOADING), TimeoutError, OSError, a garbled reply, not serving yet.
-    return StagingUnavailableError(message)
+    # ConnectionError (BusyLoadingError: LOADING), TimeoutError, OSError, a garbled reply.
+    code = getattr(exc, "status_code", None)
+    return StagingUnavailableError(message, code if isinstance(code, str) and code else None)
 
 
 @contextlib.contextmanager
@@ -99,13 +147,19 @@ def map_redis_errors(action: str) -> Iterator[None]:
     """Translate redis-py errors raised inside the block (:func:`translate_redis_error`).
 
     :param action: what was being done, for the message (``"fetch records"``).
-    :raises StagingUnavailableError: the server could not be reached.
+    :raises StagingUnavailableError: the server could not be reached, or the cluster's topology changed.
     :raises StagingRefusedError: the server answered with an error.
     """
     try:
         yield
     except (redis_errors.RedisError, OSError) as exc:
         raise translate_redis_error(exc, action) from exc
+
+
+def _has_outage(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_has_outage(inner) for inner in exc.exceptions)
+    return isinstance(exc, StagingUnavailableError)
 
 
 def _init_parameters(cls: type) -> frozenset[str]:
@@ -189,6 +243,51 @@ class Topology:
         """Reload the slot map after MOVED/failover errors (no-op for a single server)."""
         if self._cluster is not None:
             await self._cluster.nodes_manager.initialize()
+
+    async def refresh_quietly(self) -> None:
+        """:meth:`refresh`, a failure only logged: the next command reports the outage, translated, and is
+        retried (a refresh reaches no node while the cluster is down)."""
+        try:
+            await self.refresh()
+        except (redis_errors.RedisError, redis_errors.RedisClusterException, OSError) as exc:
+            logger.warning("could not reload the cluster's slot map: %s", describe_redis_error(exc))
+
+    @contextlib.asynccontextmanager
+    async def translated(self, action: str) -> AsyncIterator[None]:
+        """:func:`map_redis_errors` for commands sent through this topology's clients; in a cluster, an outage
+        (a topology change, a node that cannot be reached) also reloads the slot map before it propagates, so
+        the caller's next attempt goes to the slot's owner now (one a failover or a migration made)."""
+        try:
+            with map_redis_errors(action):
+                yield
+        except (StagingUnavailableError, BaseExceptionGroup) as exc:
+            if self._cluster is not None and _has_outage(exc):
+                await self.refresh_quietly()
+            raise
+
+    async def retry_redirected(self, attempt: Callable[[], Awaitable[T]], *, budget_s: float) -> T:
+        """``await attempt()``, sent again while the cluster answers with a topology change
+        (:func:`is_topology_reply`: the command did not run), each time after :meth:`wait_for_redirect`, for up to
+        *budget_s*; then the last such error is raised (untranslated)."""
+        deadline = anyio.current_time() + budget_s
+        for tries in itertools.count():
+            try:
+                return await attempt()
+            except redis_errors.RedisError as exc:
+                if not is_topology_reply(exc) or not await self.wait_for_redirect(deadline, tries):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def wait_for_redirect(self, deadline: float, tries: int) -> bool:
+        """Before sending again what the cluster redirected after *tries* earlier tries: ``False`` when the pause
+        (doubling from 50 ms, at most 1 s) would end past *deadline* (``anyio.current_time()``), else pause,
+        reload the slot map and return ``True``."""
+        pause = min(_REDIRECT_PAUSE_S * 2**tries, _REDIRECT_PAUSE_MAX_S)
+        if anyio.current_time() + pause > deadline:
+            return False
+        await anyio.sleep(pause)
+        await self.refresh_quietly()
+        return True
 
     def _node_client(self, host: str, port: int) -> aioredis.Redis:
         key = (host, port)

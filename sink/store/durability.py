@@ -156,7 +156,8 @@ async def execute_durably(
     same round trip (see the module docstring); return their replies (a failed one as its exception).
 
     On a cluster client the check goes to the primary of *route_key* (the queued commands' slot), in that
-    node's one pipeline. *atomic*: the commands run in one ``MULTI``/``EXEC`` (sent by hand, so the check
+    node's one pipeline; when the pipeline followed a ``MOVED`` (a failover, a migration), it is made again on the
+    slot's owner now, which ran the commands. *atomic*: the commands run in one ``MULTI``/``EXEC`` (sent by hand, so the check
     follows the ``EXEC``). When a queued command failed, its reply says so (*raise_on_error*: it is raised) and
     nothing is acknowledged: the caller handles it and no durability verdict is given. *action* names the write.
 
@@ -185,6 +186,12 @@ async def execute_durably(
     failed = next((reply for reply in written if isinstance(reply, BaseException)), None)
     if failed is not None and raise_on_error:
         raise failed
+    if checks and failed is None and isinstance(client, RedisCluster) and route_key is not None:
+        owner = client.get_node_from_key(route_key)  # the cluster pipeline followed a MOVED: the slot's owner now
+        if owner is not None and owner.name != target["target_nodes"].name:
+            confirm = client.pipeline(transaction=False)
+            queue_confirmation(confirm, timeout_s, target_nodes=owner)
+            checked, address = await confirm.execute(raise_on_error=False), f"{owner.host}:{owner.port}"
     if checks and failed is None:
         problem = confirmation_problem(address, checked)
         if problem is not None:

@@ -4,7 +4,9 @@ A consumer group lives inside its stream: ``FLUSHALL``/``FLUSHDB``, deleting the
 AOF or RDB older than the group removes it, and every ``XREADGROUP``/``XAUTOCLAIM``/``XPENDING`` then fails
 with ``NOGROUP``. :class:`SelfHealingGroupConsumer` recreates the group (``XGROUP CREATE ... 0 MKSTREAM``, so
 every event still in the stream is delivered: at least once, as before), logs one warning per recreation, and
-retries the command once.
+retries the command once. A recreation that meets a topology change (``MOVED``, ``ASK``, ``READONLY``,
+``TRYAGAIN``, ``CLUSTERDOWN``: the stream's slot moved, or its primary stepped down and ended a blocked read with
+``UNBLOCKED``) is an outage, not a refusal: the slot map is reloaded and the service tries again.
 
 Which failures a service waits out and which stop it is :mod:`sink.service`'s outage policy.
 """
@@ -21,7 +23,7 @@ import redis.exceptions as redis_errors
 
 from sink.errors import StagingConnectionError, StagingRefusedError, UnrecoverableServiceError
 from sink.store.cluster_mode import resolve_cluster_mode, server_cluster_enabled
-from sink.store.connection import describe_redis_error, map_redis_errors
+from sink.store.connection import describe_redis_error, is_topology_reply
 from sink.store.streams import GroupConsumer, StreamEntry
 
 __all__ = ("SelfHealingGroupConsumer", "is_missing_group")
@@ -64,7 +66,7 @@ class SelfHealingGroupConsumer(GroupConsumer):
         if topology.is_cluster:
             await super().prepare()  # Topology.initialize refuses a standalone server
             return
-        with map_redis_errors("read the server's cluster mode"):
+        async with topology.translated("read the server's cluster mode"):
             try:
                 enabled = await server_cluster_enabled(topology.primaries()[0])
             except redis_errors.NoPermissionError:
@@ -87,11 +89,13 @@ class SelfHealingGroupConsumer(GroupConsumer):
 
     async def _recreate_missing(self) -> None:
         created: list[str] = []
-        with map_redis_errors(f"recreate consumer group {self.group!r}"):
+        async with self._topology.translated(f"recreate consumer group {self.group!r}"):
             for shard, stream in enumerate(self.streams):
                 try:
                     await self._client(shard).xgroup_create(stream, self.group, id="0", mkstream=True)
                 except redis_errors.ResponseError as exc:
+                    if is_topology_reply(exc):
+                        raise  # the stream's slot moved (a failover, a migration): an outage, retried
                     if "BUSYGROUP" not in str(exc):
                         raise UnrecoverableServiceError(
                             f"cannot recreate consumer group {self.group!r} on {stream}: {describe_redis_error(exc)}"

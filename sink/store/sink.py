@@ -37,7 +37,7 @@ from sink.keys import calls_stream, check_call_id, fence_key, record_key, rollou
 from sink.settings import SinkSettings
 from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.commit import STAGE_BATCH, GroupCommitWriter, PendingStage
-from sink.store.connection import Topology, describe_redis_error, map_redis_errors
+from sink.store.connection import Topology, describe_redis_error
 from sink.store.durability import DurabilityMonitor
 from sink.store.pipeline_counters import StageOutcome, count_stage, count_staged_bytes
 from sink.store.resource import AsyncResource, PortalOwner, settings_or_fields
@@ -145,7 +145,7 @@ async def clear_staged(topology: Topology, namespace: str, staging_keys: Sequenc
         BatchCall([calls_stream(namespace, rollout_id), *(record_key(namespace, k) for k in keys)], keys, CLEAR_SCRIPT)
         for rollout_id, keys in by_rollout.items()
     ]
-    with map_redis_errors("clear staged records"):
+    async with topology.translated("clear staged records"):
         return sum(int(reply[1]) for reply in raise_first_error(await run_batch(topology, calls)))
 
 

@@ -9,6 +9,7 @@ naming every missing key, a corrupt blob a :class:`CodecError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Self, TypeVar
 
 import anyio
@@ -71,21 +72,27 @@ class AsyncRedisStagingSource(AsyncResource):
         await self._topology.aclose()
 
     async def fetch_blobs(self, staging_keys: Sequence[str]) -> list[bytes | None]:
-        """Raw stored blobs in request order (``None`` where absent); one ``MGET`` per slot."""
+        """Raw stored blobs in request order (``None`` where absent); one ``MGET`` per slot. An ``MGET`` the
+        cluster redirected (a failover, a slot migration) is sent again once the slot map is reloaded, for up to
+        ``command_timeout_s``."""
         if isinstance(staging_keys, str):
             raise TypeError("fetch() takes a sequence of staging keys, not a single str")
         redis_keys = [record_key(self._settings.namespace, key) for key in staging_keys]
         blobs: list[bytes | None] = [None] * len(redis_keys)
         groups = self._topology.group_by_slot(redis_keys)
 
+        async def read(keys: list[str]) -> list[Any]:
+            return list(await self._topology.node_for_key(keys[0]).mget(keys))  # the slot's owner, after a reload
+
         async def fetch_group(indices: list[int]) -> None:
-            client = self._topology.node_for_key(redis_keys[indices[0]])
-            values = await client.mget([redis_keys[i] for i in indices])
+            keys = [redis_keys[i] for i in indices]
+            values = await self._topology.retry_redirected(partial(read, keys), budget_s=budget_s)
             for i, value in zip(indices, values, strict=True):
                 # decode_responses is off, so values are bytes (or None when absent).
                 blobs[i] = value.encode() if isinstance(value, str) else value
 
-        with map_redis_errors("fetch staged records"):
+        budget_s = self._settings.command_timeout_s
+        async with self._topology.translated("fetch staged records"):
             if len(groups) == 1:
                 await fetch_group(next(iter(groups.values())))
             else:

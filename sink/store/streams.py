@@ -36,7 +36,7 @@ import redis.exceptions as redis_errors
 from sink.errors import CodecError
 from sink.keys import dead_letter_stream
 from sink.store.batch import BatchCall, raise_first_error, run_batch
-from sink.store.connection import Topology, map_redis_errors, reply_text
+from sink.store.connection import Topology, reply_text
 from sink.store.dead_letters import UndecodableEntry, dead_letter_record
 from sink.store.durability import Durability, execute_durably
 from sink.store.pipeline_counters import count_dead_letter
@@ -109,7 +109,7 @@ class GroupConsumer:
     async def _write(self, key: str, queue: Callable[[Any], object], action: str, *, atomic: bool = False) -> list[Any]:
         """An acknowledged write on *key*'s node, answered only once durable (:func:`execute_durably`)."""
         client, durability, timeout_s = self._topology.node_for_key(key), self._durability, self._confirm_timeout_s
-        with map_redis_errors(action):
+        async with self._topology.translated(action):
             return await execute_durably(
                 client,
                 queue,
@@ -124,13 +124,13 @@ class GroupConsumer:
 
     async def prepare(self) -> None:
         """Load the cluster topology, then :meth:`ensure_groups` (a service's ``async with`` entry)."""
-        with map_redis_errors("load the cluster topology"):
+        async with self._topology.translated("load the cluster topology"):
             await self._topology.initialize()
         await self.ensure_groups()
 
     async def ensure_groups(self) -> None:
         """``XGROUP CREATE <stream> <group> 0 MKSTREAM`` on every shard; an existing group is kept."""
-        with map_redis_errors(f"create consumer group {self.group!r}"):
+        async with self._topology.translated(f"create consumer group {self.group!r}"):
             for shard, stream in enumerate(self.streams):
                 try:
                     # Start at 0: events written before the group existed are delivered too.
@@ -199,7 +199,7 @@ class GroupConsumer:
         if not self._topology.is_cluster or len(shards) == 1:
             client = self._client(shards[0])
             streams: dict[Any, Any] = {self.streams[shard]: ">" for shard in shards}
-            with map_redis_errors(f"read {self._role} streams"):
+            async with self._topology.translated(f"read {self._role} streams"):
                 reply = await client.xreadgroup(self.group, self.consumer, streams, count=count, block=block)
             entries, _ = self._parse_read(reply, 1)
         else:
@@ -213,7 +213,7 @@ class GroupConsumer:
         unfinished = set(shards)
 
         async def read_one(shard: int, scope: anyio.CancelScope) -> None:
-            with map_redis_errors(f"read {self.streams[shard]}"):
+            async with self._topology.translated(f"read {self.streams[shard]}"):
                 reply = await self._client(shard).xreadgroup(
                     self.group, self.consumer, {self.streams[shard]: ">"}, count=count, block=block
                 )
@@ -241,7 +241,7 @@ class GroupConsumer:
         """
         collected: list[StreamEntry] = []
         start = "0"
-        with map_redis_errors(f"read own pending entries of {self.streams[shard]}"):
+        async with self._topology.translated(f"read own pending entries of {self.streams[shard]}"):
             while True:
                 reply = await self._client(shard).xreadgroup(
                     self.group, self.consumer, {self.streams[shard]: start}, count=count
@@ -261,7 +261,7 @@ class GroupConsumer:
         """
         client = self._client(shard)
         claimed: list[StreamEntry] = []
-        with map_redis_errors(f"reclaim idle entries of {self.streams[shard]}"):
+        async with self._topology.translated(f"reclaim idle entries of {self.streams[shard]}"):
             while len(claimed) < count:
                 cursor, raw, *_deleted = await client.xautoclaim(
                     self.streams[shard],
@@ -286,7 +286,7 @@ class GroupConsumer:
         """Attach delivery counts (``XPENDING`` per id, one pipeline); dead-letter entries past the limit."""
         if not entries:
             return []
-        with map_redis_errors(f"read delivery counts of {self.streams[shard]}"):
+        async with self._topology.translated(f"read delivery counts of {self.streams[shard]}"):
             pipe = self._client(shard).pipeline(transaction=False)
             for entry in entries:
                 pipe.xpending_range(entry.stream, self.group, entry.entry_id, entry.entry_id, 1)
@@ -368,7 +368,7 @@ class GroupConsumer:
             by_stream.setdefault(entry.stream, []).append(entry)
         ids = {stream: [entry.entry_id for entry in held] for stream, held in by_stream.items()}
         calls = [BatchCall([stream], [self.group, self.consumer, *held], TOUCH_SCRIPT) for stream, held in ids.items()]
-        with map_redis_errors(f"refresh held {self._role} entries"):
+        async with self._topology.translated(f"refresh held {self._role} entries"):
             replies = raise_first_error(await run_batch(self._topology, calls))  # one pipeline per node
         gone = {(stream, reply_text(value, "stream entry")) for stream, reply in zip(ids, replies, strict=True) for value in reply[1:]}
         return [entry for entry in entries if (entry.stream, entry.entry_id) in gone]
@@ -379,17 +379,18 @@ class GroupConsumer:
         :returns: on how many shards it was deleted.
         """
         deleted = 0
-        with anyio.CancelScope(shield=True), map_redis_errors(f"retire consumer {self.consumer!r}"):
-            for shard, stream in enumerate(self.streams):
-                reply = await RETIRE_CONSUMER_SCRIPT.run(self._client(shard), [stream], [self.group, self.consumer])
-                if reply[0] == RemovalStatus.REMOVED:
-                    deleted += 1
+        with anyio.CancelScope(shield=True):
+            async with self._topology.translated(f"retire consumer {self.consumer!r}"):
+                for shard, stream in enumerate(self.streams):
+                    reply = await RETIRE_CONSUMER_SCRIPT.run(self._client(shard), [stream], [self.group, self.consumer])
+                    if reply[0] == RemovalStatus.REMOVED:
+                        deleted += 1
         return deleted
 
     async def pending_count(self) -> int:
         """Entries pending in the group over every shard (all consumers)."""
         total = 0
-        with map_redis_errors(f"count pending {self._role} entries"):
+        async with self._topology.translated(f"count pending {self._role} entries"):
             for shard, stream in enumerate(self.streams):
                 summary = await self._client(shard).xpending(stream, self.group)
                 total += int(summary["pending"])

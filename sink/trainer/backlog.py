@@ -14,7 +14,7 @@ from typing import Any
 from sink.keys import receipts_stream
 from sink.service import ReclaimSchedule
 from sink.settings import ReaderSettings
-from sink.store.connection import Topology, map_redis_errors, reply_text
+from sink.store.connection import Topology, reply_text
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.streams import StreamEntry
 from sink.trainer.held import HeldRollouts
@@ -100,7 +100,7 @@ class ReceiptBacklog:
                 raise ValueError(f"not a receipt entry token of this reader: {token!r}")
             wanted.append((stream, shard_of_stream[stream], entry_id))
         entries: list[StreamEntry] = []
-        with map_redis_errors("take over receipt entries"):
+        async with self._topology.translated("take over receipt entries"):
             for stream, shard, entry_id in wanted:
                 client = self._topology.node_for_key(stream)
                 consumer = self._consumer.consumer

@@ -18,7 +18,7 @@ import anyio
 from sink.contract.records import RolloutReceipt
 from sink.keys import claim_key, fence_key
 from sink.store.batch import BatchCall, raise_first_error, run_batch
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology
 from sink.store.scripts import CLAIM_SCRIPT, RELEASE_SCRIPT, ClaimStatus
 from sink.store.sink import clear_staged
 from sink.store.streams import GroupConsumer, StreamEntry
@@ -85,7 +85,7 @@ class RolloutClaims:
         # receipt a retire fence means the rollout was consumed already.
         check_fence = "1" if receipt.terminal_selection is not None else "0"
         keys = [claim_key(self._ns, rollout_id), fence_key(self._ns, rollout_id)]
-        with map_redis_errors(f"claim rollout {rollout_id!r}"):
+        async with self._topology.translated(f"claim rollout {rollout_id!r}"):
             reply = await CLAIM_SCRIPT.run(
                 self._topology.client, keys, [_token(entry), self._consumer.consumer, check_fence]
             )
@@ -130,5 +130,5 @@ class RolloutClaims:
     async def release(self, claims: Sequence[tuple[str, str]]) -> None:
         """Release the claims ``(rollout id, entry token)`` (one pipeline per node)."""
         calls = [BatchCall([claim_key(self._ns, rollout_id)], [token], RELEASE_SCRIPT) for rollout_id, token in claims]
-        with map_redis_errors("release rollout claims"):
+        async with self._topology.translated("release rollout claims"):
             raise_first_error(await run_batch(self._topology, calls))

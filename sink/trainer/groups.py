@@ -43,7 +43,7 @@ from sink.contract.skip_codes import SkipCode
 from sink.keys import dead_letter_stream, group_keys
 from sink.rollout.done_event import GroupTag
 from sink.store.batch import BatchCall, raise_first_error, run_batch
-from sink.store.connection import map_redis_errors, reply_text
+from sink.store.connection import reply_text
 from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
 from sink.trainer.pulled import PulledRollout, RolloutGroup, SkippedRollout
 from sink.trainer.reader import RolloutReader
@@ -142,7 +142,7 @@ class GroupReader:
         """Acknowledged writes: one pipeline per node, each confirmed durable in it, as every acknowledgement
         (:func:`~sink.store.batch.run_batch`; :class:`~sink.errors.NotDurableError` otherwise)."""
         durability, timeout_s = self._settings.durability, self._settings.command_timeout_s / 2
-        with map_redis_errors(action):
+        async with self._reader.topology.translated(action):
             replies = await run_batch(
                 self._reader.topology, calls, durability=durability, timeout_s=timeout_s, action=action
             )
@@ -158,7 +158,7 @@ class GroupReader:
         tag = item.group
         assert tag is not None
         ttl_ms = int(max(self._settings.group_timeout_s * 1000 * 4, self._settings.claim_idle_ms * 4))
-        with map_redis_errors(f"record member {item.rollout_id!r} of group {tag.group_id!r}"):
+        async with self._reader.topology.translated(f"record member {item.rollout_id!r} of group {tag.group_id!r}"):
             reply = await GROUP_GATHER_SCRIPT.run(
                 self._reader.client,
                 group_keys(self._ns, tag.group_id),
@@ -204,11 +204,10 @@ class GroupReader:
         arguments = [self._owner, int(self._settings.group_timeout_s * 1000)]
 
         async def check(index: int, group_id: str) -> None:
-            async with limiter:
-                with map_redis_errors(f"check group {group_id!r}"):
-                    replies[index] = await GROUP_CHECK_SCRIPT.run(
-                        self._reader.client, group_keys(self._ns, group_id), arguments
-                    )
+            async with limiter, self._reader.topology.translated(f"check group {group_id!r}"):
+                replies[index] = await GROUP_CHECK_SCRIPT.run(
+                    self._reader.client, group_keys(self._ns, group_id), arguments
+                )
 
         async with anyio.create_task_group() as checks:
             for index, (group_id, _tag) in enumerate(watched):
@@ -338,7 +337,7 @@ class GroupReader:
 
     async def _delivered_before(self, group_id: str) -> bool:
         """Whether the group had an owner before this rank (``deliveries`` counts them, in the scripts)."""
-        with map_redis_errors(f"read group {group_id!r}"):
+        async with self._reader.topology.translated(f"read group {group_id!r}"):
             count = await self._reader.client.hget(group_keys(self._ns, group_id)[0], "deliveries")
         return count is not None and int(reply_text(count, "group deliveries")) > 1
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from sink.keys import fence_key, receipt_key
 from sink.store.batch import BatchCall, raise_first_error, run_batch
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology
 
 __all__ = ("consumed_keys", "expire_consumed")
 
@@ -34,5 +34,5 @@ async def expire_consumed(topology: Topology, namespace: str, rollout_ids: Seque
     seconds = max(1, math.ceil(retention_s))
     keys = [key for rollout_id in rollout_ids for key in consumed_keys(namespace, rollout_id)]
     calls = [BatchCall([key], ["EXPIRE", key, seconds]) for key in keys]
-    with map_redis_errors("set the retention of consumed rollouts"):
+    async with topology.translated("set the retention of consumed rollouts"):
         return sum(bool(reply) for reply in raise_first_error(await run_batch(topology, calls)))

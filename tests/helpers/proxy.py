@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -109,11 +109,16 @@ def close_clients() -> None:
         _OPEN_CLIENTS.pop().close()
 
 
-def run_agent(bases: list[str], rollout_id: str, turns: int) -> tuple[list[dict[str, Any]], str]:
-    """A multi-turn agent whose calls alternate over *bases*; returns the final conversation and last response id."""
+def run_agent(
+    bases: list[str], rollout_id: str, turns: int, *, before_turn: Callable[[int], None] | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """A multi-turn agent whose calls alternate over *bases*; returns the final conversation and last response id.
+    *before_turn* is called with each turn's index before its call (to change the world between two calls)."""
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": f"task {rollout_id}"}]
     last_id = ""
     for turn in range(turns):
+        if before_turn is not None:
+            before_turn(turn)
         client = client_for(bases[turn % len(bases)], rollout_id)
         completion = client.chat.completions.create(
             model="simulated",
