@@ -5,12 +5,22 @@ them into bins of ``--max-tokens``, computes a group-normalized advantage per ro
 ((reward - group mean) / (group std + eps)), a policy-gradient loss over the generated tokens, acknowledges the
 rollouts it trained (after the "optimizer step") and prints one line.
 
-It acknowledges only what it trained. The rest is never discarded:
+It ends by itself: after ``--max-steps`` steps, or when no new group came for ``--idle-timeout-s`` seconds
+(default 60: raise it for agents whose rollouts take longer). It acknowledges only what it trained and says,
+when it happens, what it sets aside; nothing is discarded:
 
-* groups pulled but not trained when the loop ends stay unacknowledged: the next run with the same consumer name
-  (``grpo-rank-0``) gets them back at once, another rank after ``claim_idle_ms``;
-* a group with a row longer than ``--max-tokens`` is not trained (its advantage needs every member) and stays
-  unacknowledged, reported on one line: raise ``--max-tokens`` (or split such rows) and run again.
+* a group with a row longer than ``--max-tokens`` is not trained (its advantage needs every member): one line
+  names the group, the row and its length; it stays unacknowledged: raise ``--max-tokens`` and run again;
+* a group still waiting for members (fewer finished than its ``group_size``) is held back: when a pull brings
+  nothing, one line says how many of how many arrived; it is delivered when the rest arrive, or partial after ``group_timeout_s`` (600 s; a
+  partial group is trained on the members that arrived, and said so);
+* when the loop ends, groups pulled but not trained, overlong and still incomplete are listed; they stay
+  unacknowledged: the next run with the same consumer name (``grpo-rank-0``) gets them back at once, another
+  rank after ``claim_idle_ms``.
+
+``--max-tokens`` defaults to 32768, the context length of common open models: one row holds a whole rollout,
+every turn's prompt, tool output and generated tokens, so a multi-turn agent rollout runs to thousands of tokens
+(a bin that size costs a few hundred kB per array).
 
     python examples/grpo_training_loop.py                      # a private durable server and simulated rollouts
     python examples/grpo_training_loop.py --redis-url URL --no-simulate   # train on what your workers produce
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import time
 from collections.abc import Sequence
 
 import anyio
@@ -29,6 +40,7 @@ import redis.asyncio as redis
 
 from sink import Assembler, AsyncRedisStagingSink, CaptureGate, RedisCaptureLedger, finished
 from sink.server import durable_server
+from sink.settings import ReaderSettings
 from sink.trainer.groups import RolloutGroup
 from sink.trainer.packing import pack
 from sink.trainer.sync_reader import SyncRolloutReader
@@ -106,42 +118,84 @@ def grpo_loss(groups: Sequence[RolloutGroup], max_tokens: int) -> tuple[float, i
     return loss, len(packed.bins), int(packed.input_lengths.sum()), float(np.abs(advantages).mean())
 
 
-def fits(group: RolloutGroup, max_tokens: int) -> bool:
-    """Whether every member's row fits one bin (a longer row is never truncated: the group is not trained)."""
-    return all(member.row is None or len(member.row.token_ids) <= max_tokens for member in group.members)
+def longest_row(group: RolloutGroup) -> tuple[str, int]:
+    """The member with the longest row, and its length in tokens."""
+    lengths = [(len(m.row.token_ids) if m.row is not None else 0, m.rollout_id) for m in group.members]
+    length, rollout_id = max(lengths, default=(0, ""))
+    return rollout_id, length
 
 
-def train(url: str, *, steps: int, groups_per_step: int, max_tokens: int, block_ms: int = 200) -> list[str]:
-    """Run *steps* training steps; return the printed lines."""
+def train(
+    url: str, *, max_steps: int, groups_per_step: int, max_tokens: int, idle_timeout_s: float, block_ms: int = 200
+) -> list[str]:
+    """Run up to *max_steps* training steps, or until no new group came for *idle_timeout_s*; return the printed
+    lines."""
     lines: list[str] = []
-    with SyncRolloutReader.from_url(url, consumer_name="grpo-rank-0") as reader:
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    settings = ReaderSettings(consumer_name="grpo-rank-0")
+    with SyncRolloutReader.from_url(url, settings) as reader:
         pending: list[RolloutGroup] = []
         overlong: list[RolloutGroup] = []
-        for step in range(steps):
-            while len(pending) < groups_per_step:
+        reported: set[str] = set()  # incomplete groups said once
+        step, last_group_at = 0, time.monotonic()
+        while step < max_steps:
+            if len(pending) < groups_per_step:
                 pulled = reader.pull_groups(16, block_ms=block_ms)
-                overlong += [group for group in pulled if not fits(group, max_tokens)]
-                pending += [group for group in pulled if fits(group, max_tokens)]
+                if pulled:
+                    last_group_at = time.monotonic()
+                for group in pulled:
+                    rollout_id, length = longest_row(group)
+                    arrived = f"{len(group.members)} of {group.group_size} members"
+                    if length > max_tokens:
+                        overlong.append(group)
+                        what = f"group {group.group_id!r} ({len(group.members)} rollouts): rollout {rollout_id!r}"
+                        say(
+                            f"set aside {what} has {length} tokens > --max-tokens {max_tokens}; not trained, left "
+                            "unacknowledged (raise --max-tokens to train it)"
+                        )
+                        continue
+                    if not group.complete:
+                        say(f"group {group.group_id!r} came incomplete after group_timeout_s: {arrived}; training those")
+                    pending.append(group)
+                held_up = {} if pulled else reader.waiting_groups()  # said once, when the loop is held up
+                for group_id, (held, size) in held_up.items():
+                    if group_id not in reported:
+                        reported.add(group_id)
+                        say(
+                            f"waiting for group {group_id!r}: {held} of {size} members so far; held back until the "
+                            f"rest arrive, or partial after group_timeout_s={settings.group_timeout_s:g} s"
+                        )
+                if len(pending) < groups_per_step:
+                    if time.monotonic() - last_group_at >= idle_timeout_s:
+                        say(f"no new group for {idle_timeout_s:g} s: stopping after {step} of {max_steps} steps")
+                        break
+                    continue
             batch, pending = pending[:groups_per_step], pending[groups_per_step:]
             loss, bins, tokens, advantage = grpo_loss(batch, max_tokens)
             # ... optimizer.step() here; only then acknowledge (a crash before this re-delivers the groups).
             reader.ack_groups(batch)
-            line = (
+            say(
                 f"step {step}: groups={len(batch)} rollouts={sum(len(g.members) for g in batch)} bins={bins} "
                 f"tokens={tokens} mean_reward={np.mean([g.reward_mean for g in batch]):.3f} "
                 f"mean|adv|={advantage:.3f} loss={loss:.4f}"
             )
-            print(line)
-            lines.append(line)
-        for what, groups in (("pulled", pending), (f"overlong (a row > --max-tokens {max_tokens})", overlong)):
+            step += 1
+        waiting = reader.waiting_groups()
+        left = (
+            ("pulled", len(pending), sum(len(g.members) for g in pending)),
+            (f"overlong (a row > --max-tokens {max_tokens})", len(overlong), sum(len(g.members) for g in overlong)),
+            ("incomplete", len(waiting), sum(held for held, _size in waiting.values())),
+        )
+        for what, groups, rollouts in left:
             if groups:
-                line = (
-                    f"left {len(groups)} {what} group{'s' if len(groups) != 1 else ''} "
-                    f"({sum(len(g.members) for g in groups)} rollouts) unacknowledged: redelivered to the next "
-                    "run of this rank, or to another rank after claim_idle_ms"
+                say(
+                    f"left {groups} {what} group{'s' if groups != 1 else ''} ({rollouts} rollouts) unacknowledged: "
+                    "redelivered to the next run of this rank, or to another rank after claim_idle_ms"
                 )
-                print(line)
-                lines.append(line)
     return lines
 
 
@@ -149,16 +203,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="a durable server (default: start a private one)")
     parser.add_argument("--no-simulate", action="store_true", help="do not produce simulated rollouts first")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--max-steps", "--steps", type=int, default=3, help="stop after this many steps")
+    parser.add_argument(
+        "--idle-timeout-s", type=float, default=60.0, help="stop when no new group came for this many seconds"
+    )
     parser.add_argument("--groups-per-step", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=4, help="of the simulated groups")
+    parser.add_argument("--max-tokens", type=int, default=32768, help="the bin width; longer rows are set aside")
     args = parser.parse_args(argv)
 
     def run(url: str) -> None:
         if not args.no_simulate:
-            anyio.run(simulate, url, args.steps * args.groups_per_step, args.group_size)
-        train(url, steps=args.steps, groups_per_step=args.groups_per_step, max_tokens=args.max_tokens)
+            anyio.run(simulate, url, args.max_steps * args.groups_per_step, args.group_size)
+        train(
+            url,
+            max_steps=args.max_steps,
+            groups_per_step=args.groups_per_step,
+            max_tokens=args.max_tokens,
+            idle_timeout_s=args.idle_timeout_s,
+        )
 
     if args.redis_url:
         run(args.redis_url)

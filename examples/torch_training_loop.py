@@ -2,7 +2,11 @@
 
 Each batch comes from :class:`sink.trainer.torch_data.StagedRolloutDataset` as tensors (``torch.from_numpy``, no
 copy). A tiny policy takes an optimizer step on a REINFORCE-style loss over the generated tokens (the loss mask),
-and only then is the batch acknowledged (``dataset.ack(batch)``): a crash before that re-delivers it.
+and only then is the batch acknowledged (``dataset.ack(batch)``, which returns once it is, workers or not): a
+crash before that re-delivers it. A rollout that cannot be trained (failed, poisoned, stale) is acknowledged with
+its batch and said on a line of its own. Each reading process (the main one, or each of ``--workers``) stops
+after ``--steps`` batches, so the run ends once ``--steps x --rollouts-per-step x max(--workers, 1)`` rollouts
+came (the simulated ones are exactly that many).
 
     pip install -e '.[torch]'                              # in a clone; CPU build: pip install torch==2.13.0
     python examples/torch_training_loop.py                 # a private durable server and simulated rollouts
@@ -67,6 +71,10 @@ def train(url: str, *, steps: int, rollouts_per_step: int, workers: int) -> list
         )
         print(line, flush=True)
         lines.append(line)
+        for skipped in batch.skipped:
+            line = f"set aside rollout {skipped.rollout_id!r}: {skipped.skip_code} ({skipped.skip_reason})"
+            print(line, flush=True)
+            lines.append(line)
     return lines
 
 

@@ -4,6 +4,7 @@ torch."""
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -17,16 +18,38 @@ from torch.utils.data import DataLoader
 
 from sink.errors import BatchInputError
 from sink.keys import receipts_stream
+from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import DEFAULT_SHARDS, ReaderSettings
+from sink.trainer.backlog import TRAINER_GROUP
 from sink.trainer.torch_data import StagedRolloutDataset, TorchBatch
-from tests.helpers.trainer import publish
+from tests.helpers.e2e import stage_rollouts
+from tests.helpers.trainer import publish, publish_staged
 
 VOCAB = 64
+AN_HOUR_MS = 3_600_000  # claim_idle_ms of the stall tests: a wait for a lease to expire times the test out
+BATCH_TIMEOUT_S = 30  # the DataLoader's deadline for any one batch, far below a lease
+WORKER_WARNING = "WORKER-WARNING"
+# torch's advice on machines with fewer cores than workers (the 2-core CI machine): not what these tests check.
+MORE_WORKERS_THAN_CORES = "ignore:This DataLoader will create:UserWarning"
 
 
 def _receipts_left(url: str) -> int:
     with redis.Redis.from_url(url) as client:
         return sum(int(client.xlen(receipts_stream("stg", shard))) for shard in range(DEFAULT_SHARDS))
+
+
+def _pending(url: str) -> int:
+    with redis.Redis.from_url(url) as client:
+        streams = [receipts_stream("stg", shard) for shard in range(DEFAULT_SHARDS)]
+        return sum(int(client.xpending(stream, TRAINER_GROUP)["pending"]) for stream in streams if client.exists(stream))
+
+
+def _worker_warnings_to_stderr(worker_id: int) -> None:
+    """A DataLoader worker's sink warnings go to its stderr (captured by ``capfd``), whatever the start method."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter(f"{WORKER_WARNING} worker {worker_id} %(name)s: %(message)s"))
+    logging.getLogger("sink").addHandler(handler)
 
 
 def test_importing_the_core_does_not_import_torch() -> None:
@@ -147,6 +170,77 @@ def test_every_dataloader_worker_reads_under_its_own_consumer_and_acks_through_i
         assert int(client.xpending(receipts_stream("stg", 0), "trainers")["pending"]) == 0
 
 
+@pytest.mark.filterwarnings(MORE_WORKERS_THAN_CORES)
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_every_rollout_is_yielded_once_per_epoch_promptly_and_without_a_warning(
+    redis_url: str, workers: int, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stall found with 2 workers: rollouts one worker had read were yielded only after claim_idle_ms, each with a
+    false "delivered 2 times" warning. Two epochs of exactly the rollouts published for them; claim_idle_ms is an
+    hour, so a wait for a lease to expire would exceed the DataLoader's timeout (and the test's)."""
+    caplog.set_level(logging.WARNING, logger="sink")
+    readers, per_batch, batches = max(workers, 1), 4, 3
+    dataset = StagedRolloutDataset(
+        redis_url,
+        settings=ReaderSettings(claim_idle_ms=AN_HOUR_MS),
+        rollouts_per_batch=per_batch,
+        max_batches=batches,
+        num_workers=workers,
+        block_ms=200,
+        consumer_prefix="epoch",
+    )
+    for epoch in range(2):
+        ids = [f"epoch{epoch}-{i}" for i in range(readers * per_batch * batches)]
+        _publish(redis_url, ids)  # over every receipts shard
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=workers,
+            timeout=BATCH_TIMEOUT_S if workers else 0,
+            worker_init_fn=_worker_warnings_to_stderr if workers else None,
+        )
+        yielded: list[str] = []
+        for batch in loader:
+            yielded += batch.ack_ids
+            dataset.ack(batch)
+        assert sorted(yielded) == sorted(ids)  # each rollout of the epoch, exactly once
+    assert _receipts_left(redis_url) == 0 and _pending(redis_url) == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert WORKER_WARNING not in capfd.readouterr().err
+
+
+def test_an_acknowledgement_through_a_worker_is_applied_when_ack_returns(redis_url: str) -> None:
+    """With workers, ``ack`` returns once the worker has acknowledged (as without workers), so breaking off the loop
+    loses no acknowledgement; what the stopped workers had in hand goes to the next loader at once."""
+    ids = [f"sync-{i}" for i in range(16)]
+    _publish(redis_url, ids)
+    settings = ReaderSettings(claim_idle_ms=AN_HOUR_MS)
+
+    def dataset(prefix: str) -> StagedRolloutDataset:
+        return StagedRolloutDataset(
+            redis_url, settings=settings, rollouts_per_batch=2, num_workers=2, block_ms=200, consumer_prefix=prefix
+        )
+
+    first = dataset("first")
+    trained: list[str] = []
+    for batch in DataLoader(first, batch_size=None, num_workers=2, timeout=BATCH_TIMEOUT_S):
+        left = _receipts_left(redis_url)
+        first.ack(batch)
+        assert _receipts_left(redis_url) == left - len(batch.ack_ids)  # acknowledged when ack() returned
+        trained += batch.ack_ids
+        if len(trained) >= 6:
+            break  # the loader stops its workers
+    second = dataset("second")  # other consumer names: nothing of the first loader's is its own pending
+    rest: list[str] = []
+    for batch in DataLoader(second, batch_size=None, num_workers=2, timeout=BATCH_TIMEOUT_S):
+        second.ack(batch)
+        rest += batch.ack_ids
+        if len(trained) + len(rest) >= len(ids):
+            break
+    assert sorted(trained + rest) == sorted(ids)  # the acknowledged never again, the rest exactly once
+    assert _receipts_left(redis_url) == 0 and _pending(redis_url) == 0
+
+
 def test_the_rank_comes_from_the_environment_without_torch_distributed(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -173,20 +267,51 @@ def test_bad_options_are_rejected_at_construction(fields: dict[str, object], mes
         StagedRolloutDataset("redis://127.0.0.1:1", **fields)  # type: ignore[arg-type]
 
 
-def test_the_torch_example_trains_and_acknowledges_every_batch(redis_url: str, tmp_path: Path) -> None:
+def _run_example(url: str, tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+    """The torch example as a user runs it, against *url* (a subprocess, far below a 300 s lease wait)."""
     example = Path(__file__).resolve().parents[1] / "examples" / "torch_training_loop.py"
-    result = subprocess.run(
-        [sys.executable, "-W", "error", str(example), "--redis-url", redis_url, "--steps", "3"],
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-W", MORE_WORKERS_THAN_CORES, str(example), "--redis-url", url, *arguments],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=100,
         cwd=tmp_path,
         check=False,
     )
+
+
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_the_torch_example_trains_and_acknowledges_every_batch(redis_url: str, tmp_path: Path, workers: int) -> None:
+    """As the docstring runs it (``--workers 2`` once gave 5 batches, then waited claim_idle_ms, 300 s, for the
+    6th, with 4 false double-delivery warnings)."""
+    result = _run_example(redis_url, tmp_path, "--steps", "3", "--workers", str(workers))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr == ""  # no warning (the example leaves logging unconfigured: warnings go to stderr)
+    lines = result.stdout.strip().splitlines()
+    pattern = re.compile(r"step (\d+): rows=(\d+) tokens=(\d+) consumer=torch-rank0-worker(main|\d) loss=(-?[\d.]+)")
+    matches = [pattern.fullmatch(line) for line in lines]
+    readers = max(workers, 1)
+    assert len(lines) == 3 * readers and all(matches), lines
+    assert sum(int(m.group(2)) for m in matches if m) == 12 * readers
+    names = {m.group(4) for m in matches if m}
+    assert names == ({"main"} if workers == 0 else {str(w) for w in range(workers)})
+    assert _receipts_left(redis_url) == 0
+
+
+async def _publish_with_a_poisoned_rollout(url: str, ids: list[str], poisoned: str) -> None:
+    """Stage *ids*, poison *poisoned* (a capture failure in its ledger), finish all and publish their receipts."""
+    await stage_rollouts(url, ids, calls=2)
+    async with RedisCaptureLedger.from_url(url) as ledger:
+        await ledger.record_failure(poisoned, "c9", "worker_capture_failed")
+    await publish_staged(url, ids)
+
+
+def test_the_torch_example_says_which_rollouts_it_sets_aside(redis_url: str, tmp_path: Path) -> None:
+    ids = ["good-0", "good-1", "good-2", "poisoned"]
+    anyio.run(_publish_with_a_poisoned_rollout, redis_url, ids, "poisoned")
+    result = _run_example(redis_url, tmp_path, "--no-simulate", "--steps", "1", "--rollouts-per-step", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
-    pattern = re.compile(r"step (\d): rows=(\d+) tokens=(\d+) consumer=torch-rank0-workermain loss=(-?[\d.]+)")
-    matches = [pattern.fullmatch(line) for line in lines]
-    assert len(lines) == 3 and all(matches), lines
-    assert sum(int(m.group(2)) for m in matches if m) == 12
-    assert _receipts_left(redis_url) == 0
+    assert len(lines) == 2 and lines[0].startswith("step 0: rows=3 "), lines
+    assert lines[1] == "set aside rollout 'poisoned': rollout_failed (worker_capture_failed)"
+    assert _receipts_left(redis_url) == 0  # acknowledged with its batch

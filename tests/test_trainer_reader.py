@@ -17,8 +17,8 @@ from sink.rollout.done_event import GroupTag, parse_done_event
 from sink.settings import DEFAULT_SHARDS, ReaderSettings
 from sink.trainer.reader import RolloutReader
 from sink.trainer.sync_reader import SyncRolloutReader
-from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
-from tests.helpers.trainer import publish
+from tests.helpers.e2e import pull_until, stage_rollouts
+from tests.helpers.trainer import publish, publish_staged
 
 
 @pytest.mark.anyio
@@ -65,7 +65,7 @@ def test_a_malformed_group_field_makes_a_malformed_done_event() -> None:
 async def test_stale_rollouts_are_acked_and_reported_with_a_reason_code(redis_url: str) -> None:
     staged = await stage_rollouts(redis_url, ["old", "fresh"], calls=2)
     assert all(r.weight_version == 0 for s in staged for r in s.records)
-    await publish_existing(redis_url, ["old", "fresh"])
+    await publish_staged(redis_url, ["old", "fresh"])
     async with RolloutReader.from_url(redis_url, max_weight_lag=2) as reader:
         reader.set_weight_version(3)  # version 0 is 3 behind: stale
         pulled = await pull_until(reader, 2)
@@ -93,17 +93,6 @@ async def test_within_the_lag_rollouts_stay_trainable(redis_url: str) -> None:
         (item,) = await pull_until(reader, 1)
         assert item.trainable and reader.statistics().skipped_by_code == ()
         await reader.ack([item.rollout_id])
-
-
-async def publish_existing(url: str, rollout_ids: list[str]) -> None:
-    """Finish already-staged rollouts and wait for their receipts."""
-    published = EventCounter(len(rollout_ids))
-    async with aioredis.Redis.from_url(url) as client:
-        for rollout_id in rollout_ids:
-            await finished(client, rollout_id, reward=1.0)
-    async with running_assembler(url, before_ack=published, block_ms=50):
-        with anyio.fail_after(20):
-            await published.reached.wait()
 
 
 @pytest.mark.anyio
@@ -145,6 +134,33 @@ async def test_the_sync_reader_pulls_heartbeats_and_acks_from_threads(redis_url:
 
     pulled, held, acked = await anyio.to_thread.run_sync(train)
     assert sorted(pulled) == sorted(ids) and held == len(ids) and acked == len(ids)
+
+
+def test_a_thread_beside_a_pulling_loop_waits_only_for_the_call_in_progress(redis_url: str) -> None:
+    """Calls from several threads take turns in order (a DataLoader worker waiting for receipts pulls in
+    a loop, and its acknowledging thread waited seconds behind it). Counted in pulls, not in time: a heartbeat
+    waits for the pull in progress and, at most, one its loop had asked for already."""
+    with SyncRolloutReader.from_url(redis_url, consumer_name="turns") as reader:
+        stop = threading.Event()
+        pulls = [0]
+
+        def loop() -> None:
+            while not stop.is_set():
+                reader.pull(1, block_ms=50)  # nothing to read: each pull holds the reader for 50 ms
+                pulls[0] += 1
+
+        puller = threading.Thread(target=loop)
+        puller.start()
+        try:
+            waited: list[int] = []
+            for _ in range(20):
+                before = pulls[0]
+                reader.heartbeat()
+                waited.append(pulls[0] - before)
+        finally:
+            stop.set()
+            puller.join()
+    assert max(waited) <= 2, waited
 
 
 @pytest.mark.parametrize(

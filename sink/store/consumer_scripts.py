@@ -8,6 +8,7 @@ from sink.store.script_status import library_script
 
 __all__ = (
     "CLAIM_SCRIPT",
+    "GIVE_BACK_SCRIPT",
     "GROUP_CHECK_SCRIPT",
     "GROUP_CLOSE_SCRIPT",
     "GROUP_GATHER_SCRIPT",
@@ -30,6 +31,25 @@ for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
   if #p == 1 and p[1][2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    reply[#reply + 1] = ARGV[i]
+  end
+end
+return reply
+""",
+)
+
+# KEYS: the stream; ARGV: group, consumer, idle ms, then pairs (id, delivery count). Makes each id this consumer
+# still owns idle for that long, so any consumer's XAUTOCLAIM takes it at once, with that delivery count.
+# Returns {DONE, ids it no longer owns...} (reclaimed by another consumer, or acked).
+GIVE_BACK_SCRIPT: Final = library_script(
+    "give_back",
+    """
+local reply = {$DONE}
+for i = 4, #ARGV, 2 do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'RETRYCOUNT', ARGV[i + 1], 'JUSTID')
   else
     reply[#reply + 1] = ARGV[i]
   end

@@ -118,8 +118,8 @@ class SelfHealingGroupConsumer(GroupConsumer):
     async def read_own_pending(self, shard: int, *, count: int = 256) -> list[StreamEntry]:
         return await self._healing(partial(GroupConsumer.read_own_pending, self, shard, count=count))
 
-    async def reclaim(self, shard: int, *, count: int) -> list[StreamEntry]:
-        return await self._healing(partial(GroupConsumer.reclaim, self, shard, count=count))
+    async def reclaim(self, shard: int, *, count: int, full_pass: bool = True) -> list[StreamEntry]:
+        return await self._healing(partial(GroupConsumer.reclaim, self, shard, count=count, full_pass=full_pass))
 
     async def touch(self, entries: Sequence[StreamEntry]) -> list[StreamEntry]:
         return await self._healing(partial(GroupConsumer.touch, self, entries))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from sink.store.consumer_scripts import (
     CLAIM_SCRIPT,
+    GIVE_BACK_SCRIPT,
     GROUP_CHECK_SCRIPT,
     GROUP_CLOSE_SCRIPT,
     GROUP_GATHER_SCRIPT,
@@ -59,6 +60,7 @@ __all__ = (
     "CALLS_ENTRY_FIELDS",
     "CLAIM_SCRIPT",
     "CLEAR_SCRIPT",
+    "GIVE_BACK_SCRIPT",
     "GROUP_CHECK_SCRIPT",
     "GROUP_CLOSE_SCRIPT",
     "GROUP_GATHER_SCRIPT",

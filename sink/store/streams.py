@@ -254,15 +254,18 @@ class GroupConsumer:
         await self.reject_undecodable()
         return await self._screen(shard, collected)
 
-    async def reclaim(self, shard: int, *, count: int) -> list[StreamEntry]:
-        """``XAUTOCLAIM`` entries idle longer than ``claim_idle_ms`` (from any consumer) on *shard*.
+    async def reclaim(self, shard: int, *, count: int, full_pass: bool = True) -> list[StreamEntry]:
+        """``XAUTOCLAIM`` entries idle longer than ``claim_idle_ms`` (from any consumer) on *shard*, until *count* or
+        a full pass over the pending list (``full_pass=False``: one ``XAUTOCLAIM``, from where the last stopped).
 
         Entries past ``max_deliveries`` are dead-lettered and not returned.
         """
         client = self._client(shard)
         claimed: list[StreamEntry] = []
+        calls = 0
         async with self._topology.translated(f"reclaim idle entries of {self.streams[shard]}"):
-            while len(claimed) < count:
+            while len(claimed) < count and (full_pass or calls == 0):
+                calls += 1
                 cursor, raw, *_deleted = await client.xautoclaim(
                     self.streams[shard],
                     self.group,

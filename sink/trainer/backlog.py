@@ -1,8 +1,12 @@
 """Which receipt entries a trainer reader consumes next (used by :class:`~sink.trainer.reader.RolloutReader`).
 
 Order of sources: the reader's own pending entries after a restart (and on shards its consumer found suspect),
-entries reclaimed from crashed readers (idle ``claim_idle_ms``, tried at most every ``reclaim_interval_s``), then
-new receipts. Entries the reader already holds or has queued are never queued twice. :meth:`ReceiptBacklog.take_over`
+entries reclaimed from crashed readers (idle ``claim_idle_ms``, tried every ``reclaim_interval_s``), then new
+receipts, read shard after shard and no more than wanted, so a pull reads no more than it returns and nothing
+waits in one reader's hand while another has nothing. With nothing in hand and nothing new, a reader about to
+wait reclaims first: entries another reader gave back (:meth:`ReceiptBacklog.give_back_unpulled`,
+:meth:`ReceiptBacklog.give_back_held`: left pending, idle ``claim_idle_ms`` already) are taken then, not after a
+lease. Entries the reader already holds or has queued are never queued twice. :meth:`ReceiptBacklog.take_over`
 moves named entries of other ranks to this reader (GRPO groups, :mod:`sink.trainer.groups`).
 """
 
@@ -14,8 +18,10 @@ from typing import Any
 from sink.keys import receipts_stream
 from sink.service import ReclaimSchedule
 from sink.settings import ReaderSettings
+from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import Topology, reply_text
 from sink.store.healing import SelfHealingGroupConsumer
+from sink.store.scripts import GIVE_BACK_SCRIPT
 from sink.store.streams import StreamEntry
 from sink.trainer.held import HeldRollouts
 
@@ -47,37 +53,94 @@ class ReceiptBacklog:
         self._entries: list[StreamEntry] = []
         self._recovered = False
         self._reclaims = ReclaimSchedule(settings)
+        self._first_shard = 0  # where the next read of new receipts starts (one further each time)
 
     async def take(self, wanted: int, *, block_ms: int) -> list[StreamEntry]:
-        """Up to *wanted* entries, waiting up to *block_ms* for new receipts when there is nothing else."""
+        """Up to *wanted* entries, waiting up to *block_ms* for new receipts when there is nothing else.
+
+        Only the wait may read more than *wanted* (receipts arriving on several shards at once): the rest stays
+        in hand for the next take, or goes back with :meth:`give_back_unpulled`.
+        """
         await self._refill(wanted)
         if len(self._entries) < wanted:
-            shards = list(range(self._settings.receipt_shards))
-            self._entries += await self._consumer.read_new(
-                shards, count=wanted - len(self._entries), block_ms=None if self._entries else block_ms
-            )
+            self._keep(await self._read_new(wanted - len(self._entries)))
+        if not self._entries and block_ms:
+            await self._reclaim(wanted, full_pass=False)  # given back by another reader: at once, not after a lease
+            if not self._entries:
+                shards = list(range(self._settings.receipt_shards))
+                self._keep(await self._consumer.read_new(shards, count=wanted, block_ms=block_ms))
         entries, self._entries = self._entries[:wanted], self._entries[wanted:]
         return entries
+
+    async def give_back_unpulled(self) -> int:
+        """Give back the entries in hand that no take returned (the rest of a wait that read more than wanted, own
+        pending entries after a restart): pending in the group, idle ``claim_idle_ms`` already, with the delivery
+        count they had before this reader read them, so the next reader about to wait takes them at once, and not
+        as a double delivery. :returns: how many were given back."""
+        entries, self._entries = self._entries, []
+        return await self._give_back(entries, uncount=True)
+
+    async def give_back_held(self) -> int:
+        """Give up every held rollout, unacknowledged, the same way (its delivery counted: the next reader counts a
+        double delivery, this one may have trained it); it is no longer this reader's to acknowledge.
+        :returns: how many were given back (one another rank took over meanwhile is not counted)."""
+        entries = self._held.entries()
+        self._held.release(self._held.rollout_ids())
+        return await self._give_back(entries, uncount=False)
+
+    async def _give_back(self, entries: list[StreamEntry], *, uncount: bool) -> int:
+        """One script per stream: each entry still pending for this reader made idle ``claim_idle_ms``, with its
+        delivery count (less this reader's read, with *uncount*)."""
+        by_stream: dict[str, list[str]] = {}
+        for entry in entries:
+            count = entry.deliveries - 1 if uncount else entry.deliveries
+            by_stream.setdefault(entry.stream, []).extend([entry.entry_id, str(max(count, 0))])
+        consumer = self._consumer
+        prefix = [consumer.group, consumer.consumer, self._settings.claim_idle_ms]
+        calls = [BatchCall([stream], [*prefix, *pairs], GIVE_BACK_SCRIPT) for stream, pairs in by_stream.items()]
+        if not calls:
+            return 0
+        async with self._topology.translated("give back receipt entries"):
+            replies = raise_first_error(await run_batch(self._topology, calls))  # one pipeline per node
+        return len(entries) - sum(len(reply) - 1 for reply in replies)  # a reply lists the ids not ours any more
 
     def put_back(self, entries: list[StreamEntry], settled: set[tuple[str, str]]) -> None:
         """Keep *entries* not consumed (not in *settled*, not held) for the next :meth:`take`: still pending for us."""
         self._entries[:0] = [e for e in entries if (e.stream, e.entry_id) not in settled and not self._held.holds(e)]
 
     async def _refill(self, wanted: int) -> None:
-        known = {(e.stream, e.entry_id) for e in self._entries}
-        known |= self._held.entry_ids()
         consumer = self._consumer
         shards = list(range(self._settings.receipt_shards)) if not self._recovered else []
         shards += [s for s in consumer.take_suspect_shards() if s not in shards]
-        found: list[StreamEntry] = []
         for shard in shards:
-            found += await consumer.read_own_pending(shard)
+            self._keep(await consumer.read_own_pending(shard))
         self._recovered = True
         if self._reclaims.due():
-            for shard in range(self._settings.receipt_shards):
-                if len(found) + len(self._entries) >= wanted:
-                    break
-                found += await consumer.reclaim(shard, count=wanted)
+            await self._reclaim(wanted, full_pass=True)
+
+    async def _read_new(self, wanted: int) -> list[StreamEntry]:
+        """New receipts without waiting, shard after shard, no more than *wanted*."""
+        shards = self._settings.receipt_shards
+        found: list[StreamEntry] = []
+        for step in range(shards):
+            shard = (self._first_shard + step) % shards
+            found += await self._consumer.read_new([shard], count=wanted - len(found), block_ms=None)
+            if len(found) >= wanted:
+                break
+        self._first_shard = (self._first_shard + 1) % shards  # no shard always read last
+        return found
+
+    async def _reclaim(self, wanted: int, *, full_pass: bool) -> None:
+        """Reclaim entries idle past ``claim_idle_ms`` until *wanted* are in hand."""
+        for shard in range(self._settings.receipt_shards):
+            missing = wanted - len(self._entries)
+            if missing <= 0:
+                break
+            self._keep(await self._consumer.reclaim(shard, count=missing, full_pass=full_pass))
+
+    def _keep(self, found: list[StreamEntry]) -> None:
+        """Queue the entries of *found* neither queued nor held already."""
+        known = {(e.stream, e.entry_id) for e in self._entries} | self._held.entry_ids()
         for entry in found:
             if (entry.stream, entry.entry_id) not in known:
                 known.add((entry.stream, entry.entry_id))

@@ -93,6 +93,10 @@ class GroupReader:
         counts = (c["delivered"], c["partial"], c["dropped"], c["dead"], c["handed"])
         return GroupStatistics(*counts, len(self._watched), c["late"], c["mismatch"])
 
+    def waiting_groups(self) -> dict[str, tuple[int, int]]:
+        """The incomplete groups this rank waits on: group id -> (members it holds, group size announced)."""
+        return {group_id: (len(self._parked.get(group_id, {})), tag.group_size) for group_id, tag in self._watched.items()}
+
     async def pull_groups(self, max_rollouts: int, *, block_ms: int = 0) -> list[RolloutGroup]:
         """Pull up to *max_rollouts* rollouts and return the groups that are now whole (or timed out) and owned
         by this rank; members of incomplete groups stay held here until their group completes.

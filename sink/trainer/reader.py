@@ -44,26 +44,14 @@ from sink.store.streams import StreamEntry, default_consumer_name
 from sink.trainer.backlog import TRAINER_GROUP, ReceiptBacklog
 from sink.trainer.claims import RolloutClaims
 from sink.trainer.held import HeldRollouts
-from sink.trainer.pulled import (
-    PulledRollout,
-    fetch_and_verify,
-    parse_receipt_chains,
-    parse_receipt_entry,
-    with_group,
-)
+from sink.trainer.pulled import PulledRollout, fetch_and_verify, parse_receipt_chains, parse_receipt_entry, with_group
 from sink.trainer.reader_guards import AckOutcome, foreign_row_skip, own_keys
 from sink.trainer.retention import expire_consumed
 from sink.trainer.staleness import stale_skip
 from sink.trainer.statistics import ReaderStatistics
 from sink.trainer.weights import checked_weight_version, publish_weight_version
 
-__all__ = (
-    "TRAINER_GROUP",
-    "AckOutcome",
-    "PulledRollout",
-    "ReaderStatistics",
-    "RolloutReader",
-)
+__all__ = ("TRAINER_GROUP", "AckOutcome", "PulledRollout", "ReaderStatistics", "RolloutReader")
 
 logger = logging.getLogger(__name__)
 
@@ -226,8 +214,8 @@ class RolloutReader(AsyncResource):
 
         Order of sources: this reader's own pending entries after a restart,
         entries reclaimed from crashed readers (idle ``claim_idle_ms``), then
-        new receipts, waiting up to *block_ms* when there is nothing else.
-        Duplicates are acknowledged and dropped, so fewer rollouts (or none)
+        new receipts (no more than *max_rollouts*), waiting up to *block_ms* when there is nothing else (after
+        taking what other readers gave back). Duplicates are acknowledged and dropped, so fewer rollouts (or none)
         may come back. Pulled rollouts are held until :meth:`ack`.
 
         :raises ValueError: *max_rollouts* < 1, or *block_ms* not shorter than ``command_timeout_s``.
@@ -339,6 +327,14 @@ class RolloutReader(AsyncResource):
         entries = await self._backlog.take_over(tokens)
         settled: set[tuple[str, str]] = set()
         return await self._consume(entries, settled)
+
+    async def release_unpulled(self) -> int:
+        """:meth:`ReceiptBacklog.give_back_unpulled`: for a reader that may not pull again soon while others do."""
+        return await self._backlog.give_back_unpulled()
+
+    async def release_held(self) -> int:
+        """:meth:`ReceiptBacklog.give_back_held`: for a reader that stops with rollouts in hand."""
+        return await self._backlog.give_back_held()
 
     def forget(self, rollout_ids: Iterable[str]) -> None:
         """Stop holding *rollout_ids* without acknowledging them (another rank takes them over); unknown ids

@@ -13,10 +13,20 @@ Rank-aware: every reading process has its own consumer name in the ``trainers`` 
 ``W`` the ``DataLoader`` worker id, ``main`` without workers), so ranks and workers never share a lease.
 
 Acknowledgement is explicit, never at iteration: call :meth:`StagedRolloutDataset.ack` with a batch after the
-optimizer step. Without workers it acknowledges at once; with workers the ids go to the worker that read the
-batch (one queue per worker), which acknowledges them before its next pull, and a worker that has produced its
-last batch waits (heartbeating its leases) up to ``ack_wait_s`` for the acknowledgements of the batches still
-in flight. A batch never acknowledged stays pending and is delivered again after ``claim_idle_ms``.
+optimizer step. It returns once the batch's rollouts are acknowledged, with or without workers: with workers the
+ids go to the worker that read the batch (the reader that holds them, one queue per worker), whose acknowledging
+thread applies them at once (after the worker's pull in progress: at most ``block_ms`` when it waits for
+receipts) and answers; that thread also renews the worker's leases while the worker waits for the loader.
+
+Nothing waits in one worker's hand while another has nothing: a pull reads no more receipts than it returns, and
+what a wait brought beyond that goes back to the group at once
+(:meth:`~sink.trainer.reader.RolloutReader.release_unpulled`), taken by the next reader about to wait. So every
+rollout is yielded promptly, by one worker, and not as a double delivery. One epoch is ``max_batches`` batches
+per reading process (``None``: endless). A worker that has produced its last batch waits (renewing its leases)
+up to ``ack_wait_s`` for the acknowledgements of its batches still in flight; a reader that stops with rollouts
+in hand (the loop broken off, ``ack_wait_s`` over) gives them back
+(:meth:`~sink.trainer.reader.RolloutReader.release_held`): the next reader takes them at once, as double
+deliveries (they may have been trained). A batch never acknowledged is delivered again.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import multiprocessing.context
 import multiprocessing.queues
 import os
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,13 +57,20 @@ from sink.settings import ReaderSettings
 from sink.trainer.batch import OverlongRow, SkippedRollout, collate
 from sink.trainer.packing import pack
 from sink.trainer.pulled import PulledRollout
-from sink.trainer.sync_reader import SyncRolloutReader
+from sink.trainer.sync_reader import (
+    RENEWALS_PER_IDLE,
+    STOPPED,
+    Answer,
+    Request,
+    SyncRolloutReader,
+    WorkerAcks,
+    give_back,
+)
 
 __all__ = ("BatchMode", "StagedRolloutDataset", "TorchBatch", "distributed_rank")
 
 BatchMode = Literal["collate", "pack"]
 _log = logging.getLogger(__name__)
-_HEARTBEAT_EVERY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -65,7 +83,8 @@ class TorchBatch:
     ``generation_logprobs``, ``policy_mask`` (``[N, max_tokens]``) and the same per-row tensors, with
     ``cu_seqlens`` per bin.
     ``ack_ids``: every rollout the batch came from (rows, ``overlong``, ``skipped``).
-    ``worker_id``: the ``DataLoader`` worker that read it (``None``: the loading process).
+    ``worker_id``: the ``DataLoader`` worker that read it (``None``: the loading process); ``iteration``: that
+    worker's pass over the dataset (where :meth:`StagedRolloutDataset.ack` sends the ids).
     """
 
     tensors: dict[str, torch.Tensor]
@@ -76,6 +95,7 @@ class TorchBatch:
     skipped: tuple[SkippedRollout, ...]
     consumer_name: str
     worker_id: int | None
+    iteration: str | None = None
 
     @property
     def size(self) -> int:
@@ -116,7 +136,9 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
     :param mode: ``"collate"`` (padded ``[B, T]``) or ``"pack"`` (bins of ``max_tokens``, required then).
     :param max_tokens: rows longer than this go to ``overlong`` (never truncated).
     :param num_workers: the ``DataLoader``'s ``num_workers`` (one acknowledgement queue per worker).
-    :param max_batches: stop after this many batches per reading process (``None``: never stop).
+    :param max_batches: stop after this many batches per reading process (one epoch; ``None``: never stop).
+    :param ack_wait_s: how long a worker that produced its last batch waits for the acknowledgements of the
+        batches in flight, and how long :meth:`ack` waits for a worker's answer.
     :param settings: reader settings; ``consumer_name`` is replaced by the rank-aware name.
     :param multiprocessing_context: the ``DataLoader``'s context (the queues must come from the same one).
     :raises BatchInputError: an option out of range.
@@ -170,8 +192,13 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
             if multiprocessing_context is None or isinstance(multiprocessing_context, str)
             else multiprocessing_context
         )
-        self._ack_queues: list[multiprocessing.queues.Queue[list[str]]] = [context.Queue() for _ in range(num_workers)]
+        self._ack_queues: list[multiprocessing.queues.Queue[Request]] = [context.Queue() for _ in range(num_workers)]
+        self._ack_answers: list[multiprocessing.queues.Queue[Answer]] = [context.Queue() for _ in range(num_workers)]
         self._reader: SyncRolloutReader | None = None
+        # The loading process's side of the workers' acknowledgements (see ack()).
+        self._ack_lock: threading.Lock | None = threading.Lock()
+        self._ack_requests = 0
+        self._stopped: set[str] = set()  # worker iterations known to have stopped
 
     def consumer_name(self, worker_id: int | None) -> str:
         """The consumer name of *worker_id* (``None``: no worker) on this rank."""
@@ -182,25 +209,61 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
         return name
 
     def ack(self, batch: TorchBatch) -> None:
-        """Acknowledge *batch* (call after the optimizer step): at once without workers, else through the
-        queue of the worker that read it (applied before that worker's next pull)."""
+        """Acknowledge *batch* (call after the optimizer step); returns once its rollouts are acknowledged, at once
+        without workers, else by the worker that read it (the batch's ids go through that worker's queue).
+
+        :raises BatchInputError: the batch's reader is closed or its worker stopped (the batch is delivered
+            again), or the worker did not answer within ``ack_wait_s``.
+        :raises StagingConnectionError: the acknowledgement failed (calling again is safe).
+        """
         ids = list(batch.ack_ids)
         if batch.worker_id is None:
             if self._reader is None:
                 raise BatchInputError(f"batch of {batch.consumer_name!r} came from a reader that is closed")
-            outcome = self._reader.ack(ids)
-            if outcome.lost_lease:
-                _log.warning(
-                    "lost the lease of %d rollout(s) before ack: %s", len(outcome.lost_lease), outcome.lost_lease
-                )
-            return
-        if batch.worker_id >= len(self._ack_queues):
-            raise BatchInputError(f"batch from worker {batch.worker_id}, but the dataset has {len(self._ack_queues)}")
-        self._ack_queues[batch.worker_id].put(ids)
+            lost = self._reader.ack(ids).lost_lease
+        else:
+            lost = self._ack_through_worker(batch, ids)
+        if lost:
+            _log.warning("lost the lease of %d rollout(s) before ack: %s", len(lost), lost)
+
+    def _ack_through_worker(self, batch: TorchBatch, ids: list[str]) -> list[str]:
+        worker = batch.worker_id
+        assert worker is not None and self._ack_lock is not None
+        if worker >= len(self._ack_queues):
+            raise BatchInputError(f"batch from worker {worker}, but the dataset has {len(self._ack_queues)}")
+        stopped = BatchInputError(
+            f"DataLoader worker {worker} ({batch.consumer_name}) stopped before this batch was acknowledged: "
+            "it gave its rollouts back, and they are delivered again"
+        )
+        with self._ack_lock:
+            if batch.iteration in self._stopped:
+                raise stopped
+            self._ack_requests += 1
+            number = self._ack_requests
+            self._ack_queues[worker].put((str(batch.iteration), number, ids))
+            deadline = time.monotonic() + self.ack_wait_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    iteration, answered, lost, error = self._ack_answers[worker].get(timeout=left)
+                except queue.Empty:
+                    break
+                if answered == STOPPED:
+                    self._stopped.add(iteration)
+                    if iteration == batch.iteration:
+                        raise stopped
+                elif answered == number:
+                    if error is not None:
+                        raise error
+                    return lost
+                # else: the answer to an earlier request that was given up on
+        raise BatchInputError(
+            f"DataLoader worker {worker} ({batch.consumer_name}) did not answer within ack_wait_s={self.ack_wait_s}"
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_reader"] = None  # a worker opens its own reader
+        state["_ack_lock"] = None  # the loading process's alone
         return state
 
     def __iter__(self) -> Iterator[TorchBatch]:
@@ -220,32 +283,46 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
                     yield from self._batches(reader, name, None, None)
                 finally:
                     self._reader = None
+                    give_back(reader)
                 return
-            acks = self._ack_queues[worker_id]
-            outstanding: set[str] = set()
-            for batch in self._batches(reader, name, worker_id, (acks, outstanding)):
-                outstanding.update(batch.ack_ids)
-                yield batch
-            self._drain(reader, acks, outstanding)
+            acks = WorkerAcks(
+                reader,
+                self._ack_queues[worker_id],
+                self._ack_answers[worker_id],
+                renew_every_s=self.settings.claim_idle_ms / RENEWALS_PER_IDLE / 1000,
+            )
+            try:
+                for batch in self._batches(reader, name, worker_id, acks.iteration):
+                    acks.expect(batch.ack_ids)
+                    yield batch
+                unacknowledged = acks.wait_for_all(self.ack_wait_s)  # the batches still in flight
+                if unacknowledged:
+                    _log.warning(
+                        "%s: %d rollout(s) not acknowledged within ack_wait_s=%s: given back, they are delivered "
+                        "again",
+                        name,
+                        len(unacknowledged),
+                        self.ack_wait_s,
+                    )
+            finally:
+                acks.stop()
+                give_back(reader)
 
     def _batches(
-        self,
-        reader: SyncRolloutReader,
-        name: str,
-        worker_id: int | None,
-        acks: tuple[multiprocessing.queues.Queue[list[str]], set[str]] | None,
+        self, reader: SyncRolloutReader, name: str, worker_id: int | None, iteration: str | None
     ) -> Iterator[TorchBatch]:
         produced = 0
         while self.max_batches is None or produced < self.max_batches:
-            if acks is not None:
-                _apply_acks(reader, *acks)
             pulled = reader.pull(self.rollouts_per_batch, block_ms=self.block_ms)
+            reader.release_unpulled()  # what the pull read beyond this batch: to whichever reader is free
             if not pulled:
                 continue
-            yield self._tensors(pulled, name, worker_id)
+            yield self._tensors(pulled, name, worker_id, iteration)
             produced += 1
 
-    def _tensors(self, pulled: list[PulledRollout], name: str, worker_id: int | None) -> TorchBatch:
+    def _tensors(
+        self, pulled: list[PulledRollout], name: str, worker_id: int | None, iteration: str | None
+    ) -> TorchBatch:
         if self.mode == "pack":
             assert self.max_tokens is not None
             packed = pack(pulled, max_tokens=self.max_tokens, pad_token_id=self.pad_token_id)
@@ -281,42 +358,5 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
             skipped=result.skipped,
             consumer_name=name,
             worker_id=worker_id,
+            iteration=iteration,
         )
-
-    def _drain(
-        self, reader: SyncRolloutReader, acks: multiprocessing.queues.Queue[list[str]], outstanding: set[str]
-    ) -> None:
-        """After the last batch: wait up to ``ack_wait_s`` for the batches in flight, heartbeating the leases."""
-        deadline = time.monotonic() + self.ack_wait_s
-        while outstanding and time.monotonic() < deadline:
-            try:
-                ids = acks.get(timeout=min(_HEARTBEAT_EVERY_S, max(deadline - time.monotonic(), 0.01)))
-            except queue.Empty:
-                reader.heartbeat()
-                continue
-            _ack(reader, ids, outstanding)
-        if outstanding:
-            _log.warning(
-                "%s: %d rollout(s) not acknowledged within ack_wait_s=%s; they stay pending and are re-delivered",
-                reader.consumer_name,
-                len(outstanding),
-                self.ack_wait_s,
-            )
-
-
-def _apply_acks(
-    reader: SyncRolloutReader, acks: multiprocessing.queues.Queue[list[str]], outstanding: set[str]
-) -> None:
-    while True:
-        try:
-            ids = acks.get_nowait()
-        except queue.Empty:
-            return
-        _ack(reader, ids, outstanding)
-
-
-def _ack(reader: SyncRolloutReader, ids: list[str], outstanding: set[str]) -> None:
-    outcome = reader.ack(ids)
-    outstanding.difference_update(ids)
-    if outcome.lost_lease:
-        _log.warning("lost the lease of %d rollout(s) before ack: %s", len(outcome.lost_lease), outcome.lost_lease)

@@ -13,7 +13,7 @@ from sink.rollout.assembler import finished
 from sink.settings import DEFAULT_SHARDS
 from tests.helpers.e2e import EventCounter, StagedRollout, running_assembler, stage_rollouts
 
-__all__ = ("publish", "publish_groups")
+__all__ = ("publish", "publish_groups", "publish_staged")
 
 
 async def publish(
@@ -29,14 +29,31 @@ async def publish(
     """Stage *rollout_ids* (in *namespace*), call ``finished`` for each (reward, group) and run an assembler until
     every receipt is published."""
     staged = await stage_rollouts(url, rollout_ids, namespace=namespace, **stage)
-    published = EventCounter(len(staged))
+    await publish_staged(
+        url, rollout_ids, rewards=rewards, groups=groups, receipt_shards=receipt_shards, namespace=namespace
+    )
+    return {s.rollout_id: s for s in staged}
+
+
+async def publish_staged(
+    url: str,
+    rollout_ids: Sequence[str],
+    *,
+    rewards: Mapping[str, float] | None = None,
+    groups: Mapping[str, tuple[str, int]] | None = None,
+    receipt_shards: int = DEFAULT_SHARDS,
+    namespace: str = DEFAULT_NAMESPACE,
+) -> None:
+    """Call ``finished`` for rollouts staged already (reward, group) and run an assembler until every receipt is
+    published."""
+    published = EventCounter(len(rollout_ids))
     async with aioredis.Redis.from_url(url) as client:
-        for rollout in staged:
-            group_id, group_size = (groups or {}).get(rollout.rollout_id, (None, None))
+        for rollout_id in rollout_ids:
+            group_id, group_size = (groups or {}).get(rollout_id, (None, None))
             await finished(
                 client,
-                rollout.rollout_id,
-                reward=(rewards or {}).get(rollout.rollout_id, 1.0),
+                rollout_id,
+                reward=(rewards or {}).get(rollout_id, 1.0),
                 group_id=group_id,
                 group_size=group_size,
                 namespace=namespace,
@@ -46,7 +63,6 @@ async def publish(
     ):
         with anyio.fail_after(30):
             await published.reached.wait()
-    return {s.rollout_id: s for s in staged}
 
 
 async def publish_groups(
