@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -59,6 +60,20 @@ def test_a_chain_of_prompts_resolves_to_its_deepest_ancestor(pieces: list[str]) 
         assert [item["role"] for item in items][-2:] == ["assistant", "user"]
         assert "".join(item["content"] for item in items) == child.text
         call = child
+
+
+@given(st.text(max_size=6), st.text(max_size=6), st.text(min_size=1, max_size=3), st.text(max_size=6))
+def test_a_remembered_stop_string_is_not_in_the_suffix_and_leaves_the_items_alone(
+    prompt: str, served: str, stop: str, more: str
+) -> None:
+    call = ExactText("t", "p:" + prompt)
+    index: dict[bytes, bytes] = {}
+    for entry in (index_entry(call, served), index_entry(call, served, stop)):
+        index[entry[0].encode()] = entry[1]
+    child = match_parent(ExactText("t", call.text + served + stop + more), index)
+    assert child.suffix == more  # the stop string is in the parent's ids: never tokenized again
+    plain = ExactText("t", child.text, (("u", len(call.text)), ("a", len(served))))
+    assert child.items() == plain.items()  # what the gate resolves the parent from is unchanged
 
 
 def test_what_is_not_an_exact_prefix_stays_a_root() -> None:
@@ -158,3 +173,46 @@ def test_verify_mode_keeps_completions_roots(scenario_redis_url: str, request: p
     pulled, _, exchanges = _run("simulated", scenario_redis_url, request, prefix_mode="verify")
     assert all(isinstance(x.request_json()["prompt"], str) for x in exchanges)
     assert pulled.row is None or len(pulled.row.model_call_ids) == 1
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_stop_string_the_agent_appends_reaches_the_engine_once(
+    kind: str, scenario_redis_url: str, request: pytest.FixtureRequest
+) -> None:
+    """A ReAct agent appends the stop string that ended each reply ("Observation:" in real agents) before its next
+    observation: the parent's ids already hold it, so the engine must not see it twice."""
+    rollout_id = f"react-stop-{kind}"
+    with ExitStack() as stack:
+        url, model, bias = _engine(kind, request, stack)
+        hop, hop_url = stack.enter_context(running_hop(url))
+        base = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, hop_url))))
+        client = client_for(base, rollout_id)
+        prompt, last_id, stops = "Question: go\n", "", []
+        for turn in range(3):
+            extra: dict[str, Any] = {"logit_bias": bias} if bias else {}
+            completion = client.completions.create(
+                model=model, prompt=prompt, max_tokens=24, seed=turn, stop=STOPS, extra_body=extra
+            )
+            stop = (completion.choices[0].model_extra or {}).get("stop_reason")
+            stops.append(stop)
+            last_id = completion.id
+            prompt = prompt + completion.choices[0].text + (stop if isinstance(stop, str) else "") + f"\nObs {turn}\n"
+        finish(base, rollout_id, 1.0, last_id)
+        engine_answers = generations(hop)
+        newline = _newline_id(kind, url, request)
+    assert any(isinstance(stop, str) for stop in stops[:2]), "no stop string fired: the case tests nothing"
+    for parent, child in itertools.pairwise(engine_answers):
+        assert child.prompt[: len(parent.sequence)] == parent.sequence
+        assert child.prompt[len(parent.sequence)] == newline, "the stop string was sent again after the parent's ids"
+    [pulled] = pull(scenario_redis_url, 1)
+    assert pulled.row is not None and len(pulled.row.model_call_ids) == 3, pulled.skip_reason
+    assert_row_is_exact(pulled.row, engine_answers)
+
+
+def _newline_id(kind: str, url: str, request: pytest.FixtureRequest) -> int:
+    if kind == "vllm":
+        server: VllmServer = request.getfixturevalue("vllm_chatml")
+        return server.id_of("\n")
+    answer = httpx.post(f"{url}/tokenize", json={"prompt": "\n", "add_special_tokens": False}, timeout=20)
+    [token] = answer.json()["tokens"]
+    return int(token)

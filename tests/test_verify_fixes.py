@@ -219,14 +219,14 @@ def test_the_streamed_replay_carries_the_token_fields_asked_for(redis_url: str) 
         asked = _stream(url, "stream-asked", {**body, "return_token_ids": True, "logprobs": True})
         not_asked = _stream(url, "stream-not-asked", body)
         finish(url, "stream-asked", 1.0, asked[0]["id"])
-    first = asked[0]
-    assert first["choices"][0]["logprobs"]["content"]  # the log-probs the agent asked for
+    first, ending = asked[0], asked[-1]  # vLLM's layout: the prompt ids on the role chunk, the rest on the ending one
+    assert ending["choices"][0]["logprobs"]["content"]  # the log-probs the agent asked for
     assert all(unset(event, "prompt_token_ids") and unset(event["choices"][0], "token_ids") for event in not_asked)
     assert not_asked[0]["choices"][0]["logprobs"] is None
     [pulled] = pull(redis_url, 1)
     assert pulled.row is not None
-    assert first["prompt_token_ids"] + first["choices"][0]["token_ids"] == list(pulled.row.token_ids)
-    logprobs = [entry["logprob"] for entry in first["choices"][0]["logprobs"]["content"]]
+    assert first["prompt_token_ids"] + ending["choices"][0]["token_ids"] == list(pulled.row.token_ids)
+    logprobs = [entry["logprob"] for entry in ending["choices"][0]["logprobs"]["content"]]
     assert [value for value, m in zip(pulled.row.logprobs, pulled.row.token_mask, strict=True) if m] == logprobs
 
 
@@ -383,7 +383,7 @@ def test_fail_open_records_a_body_it_cannot_parse(redis_url: str, caplog: pytest
     assert answer.status_code == 200 and upstream.parsed == 1  # forwarded (fail-open)
     served = answer.json()
     choice = served["choices"][0]
-    assert "prompt_token_ids" not in served and "token_ids" not in choice and "routed_experts" not in choice
+    assert unset(served, "prompt_token_ids") and unset(choice, "token_ids", "routed_experts")
     assert choice["logprobs"] is None and "routed_experts" not in choice["message"]
     assert [failure.reason for failure in manifest(redis_url, "lenient-open").failures] == [
         WORKER_CAPTURE_FAILED_REASON

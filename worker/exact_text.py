@@ -9,6 +9,12 @@ then the new suffix as one user item. The gate then resolves the parent from tho
 parent's row was committed with the same items), so an index entry that is stale or wrong finds no parent (a loud
 ``unresolved_parent``), never a wrong one.
 
+A call that stopped on a stop string is remembered twice: with its served text (the stop string dropped, as the
+agent saw it) and with the stop string after it (an ``s`` segment: text the call's ids hold but did not serve). A
+ReAct agent appends the stop string itself ("Observation:"); its next prompt then matches the longer entry, so the
+stop string it typed is not sent again after the ids that already hold it (the engine sees it once). For the gate,
+an ``s`` piece belongs to the next prompt item, so the items are what they would be without it.
+
 Token ids are spelled ``"1,2,3,"`` (each id followed by a comma), so "starts with" on the spelling is "starts with"
 on the ids; an item's content is then ``"token_ids:1,2,3"``, as :func:`worker.proxy.routes.request_items` spells a
 root's.
@@ -27,8 +33,9 @@ __all__ = ("ExactText", "Segment", "index_entry", "match_parent", "prompt_text",
 
 Kind = Literal["t", "i"]
 """``t``: a text prompt; ``i``: a token-id prompt."""
-Segment = tuple[Literal["u", "a"], int]
-"""One piece of an exact text: its role (``u`` prompt, ``a`` generated) and its length in characters."""
+Segment = tuple[Literal["u", "a", "s"], int]
+"""One piece of an exact text: its role (``u`` prompt, ``a`` generated and served, ``s`` a stop string the call's
+ids hold but its served text dropped) and its length in characters."""
 
 
 def _digest(text: str) -> str:
@@ -70,13 +77,23 @@ class ExactText:
         return piece if self.kind == "t" else "token_ids:" + piece.rstrip(",")
 
     def items(self) -> list[dict[str, Any]]:
-        """The conversation items the gate resolves the parent from (a root: the one user item of the prompt)."""
+        """The conversation items the gate resolves the parent from (a root: the one user item of the prompt); a
+        stop-string piece is the head of the prompt item after it (as the agent typed it)."""
         out: list[dict[str, Any]] = []
         start = 0
+        carried = ""
         for role, length in self.segments():
             piece = self.text[start : start + length]
-            out.append({"role": "user" if role == "u" else "assistant", "content": self._content(piece)})
             start += length
+            if role == "s":
+                carried += piece
+            elif role == "u":
+                out.append({"role": "user", "content": self._content(carried + piece)})
+                carried = ""
+            else:
+                out.append({"role": "assistant", "content": self._content(piece)})
+        if carried:  # the prompt ends with the stop string: it is the last prompt item
+            out.append({"role": "user", "content": self._content(carried)})
         return out
 
 
@@ -89,10 +106,13 @@ def prompt_text(prompt: Any) -> ExactText | None:
     return None
 
 
-def index_entry(call: ExactText, served: str) -> tuple[str, bytes]:
-    """The index field and value remembering *call* once it served *served* (text, or spelled generated ids)."""
-    segments = [*call.segments(), ("a", len(served))]
-    full = call.text + served
+def index_entry(call: ExactText, served: str, stop: str = "") -> tuple[str, bytes]:
+    """The index field and value remembering *call* once it served *served* (text, or spelled generated ids), followed
+    by *stop*: a stop string its ids hold but *served* dropped (see the module docstring)."""
+    segments: list[Segment] = [*call.segments(), ("a", len(served))]
+    if stop:
+        segments.append(("s", len(stop)))
+    full = call.text + served + stop
     return f"{call.kind}{len(full)}:{_digest(full)}", orjson.dumps(segments)
 
 
@@ -101,7 +121,7 @@ def _segments(raw: Any, length: int) -> tuple[Segment, ...] | None:
         segments = tuple((str(role), int(size)) for role, size in orjson.loads(raw))
     except (orjson.JSONDecodeError, TypeError, ValueError):
         return None
-    if any(role not in ("u", "a") or size < 0 for role, size in segments) or sum(s for _, s in segments) != length:
+    if any(role not in ("u", "a", "s") or size < 0 for role, size in segments) or sum(s for _, s in segments) != length:
         return None
     return segments  # type: ignore[return-value]  # roles checked above
 

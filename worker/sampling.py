@@ -1,33 +1,21 @@
-"""Sampling provenance: how a captured call's tokens were sampled, staged in its extras under ``"sampling"``.
+"""A captured call's sampling provenance (:class:`sink.contract.sampling.SamplingProvenance`), as the proxy knows it.
 
-The staged log-probs are what the engine reported. Whether they are the policy's own log-probs of tokens sampled
-from the policy depends on how the call was sampled: a grammar constraint (structured outputs, a named or required
-``tool_choice``) makes vLLM report the constrained distribution's log-probs (grammar-forced tokens come back as
-0.0); a ``logit_bias`` (or ``allowed_token_ids`` / ``bad_words``) reshapes the distribution the token was drawn from
-without changing the reported (raw) log-prob; ``min_tokens`` forbids the end-of-turn for the first positions. So every
-staged call records, in its extras (the extras digest covers them), the effective sampling parameters:
-
-* ``source``: ``"engine"`` in exact-prefix mode (the engine's own resolved parameters, from its render route: the
-  model's generation-config defaults applied), ``"request"`` in verify mode (the agent's request as sent; a field it
-  did not set is ``None``: the engine's default applied);
-* ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``presence_penalty``, ``frequency_penalty``,
-  ``repetition_penalty``, ``seed``, ``max_tokens``, ``min_tokens``, ``ignore_eos``;
-* ``logit_bias``: ``True`` when a ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` reshaped the distribution;
-* ``constraint``: ``None``, ``"structured_outputs"`` (``response_format`` other than text, ``structured_outputs``) or
-  ``"tool_choice"`` (a named or ``"required"`` tool choice: vLLM decodes it under a JSON-schema grammar);
-* ``logprobs_mode``: the engine's log-prob mode where it reports one (vLLM 0.32 does not: ``None``).
-
-The trainer side reads it back (:mod:`sink.trainer` policy mask, ``export``'s ``sampling`` column).
+In exact-prefix mode it is the engine's own: the generate request's ``sampling_params``, which vLLM's render route
+resolved (the model's generation-config defaults applied; a field vLLM leaves out holds its ``SamplingParams``
+default), with ``source="engine"``. In verify mode only the agent's request is known: its values, ``None`` where it
+set none (the engine's default applied), with ``source="request"``. Either way the tool choice comes from the
+request: a named or ``required`` one is decoded under a grammar (``constraint="tool_choice"``), as is a
+``response_format`` other than text or ``structured_outputs`` (``"structured_outputs"``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-__all__ = ("SAMPLING_EXTRAS_KEY", "sampling_from_engine", "sampling_from_request")
+from sink.contract.sampling import Constraint, SamplingProvenance, SamplingSource
 
-SAMPLING_EXTRAS_KEY = "sampling"
+__all__ = ("sampling_from_engine", "sampling_from_request")
 
 _ENGINE_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
@@ -42,11 +30,9 @@ _ENGINE_DEFAULTS: dict[str, Any] = {
     "ignore_eos": False,
 }
 """vLLM's ``SamplingParams`` defaults: the values its serialized ``sampling_params`` leaves out."""
-_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INTS = ("top_k", "seed", "max_tokens")
 
 
-def _constraint(request: Mapping[str, Any], structured: bool) -> Literal["structured_outputs", "tool_choice"] | None:
+def _constraint(request: Mapping[str, Any], structured: bool) -> Constraint | None:
     choice = request.get("tool_choice")
     if isinstance(choice, dict) or choice == "required":
         return "tool_choice"
@@ -56,33 +42,41 @@ def _constraint(request: Mapping[str, Any], structured: bool) -> Literal["struct
     return None
 
 
-def _number(value: Any, kind: type) -> Any:
-    """*value* as a float or int for the extras (exact types matter to the extras digest), ``None`` if absent."""
-    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if kind is float else int(value)
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def _provenance(values: Mapping[str, Any], request: Mapping[str, Any], source: str, structured: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"source": source}
-    out.update({name: _number(values.get(name), float) for name in _FLOATS})
-    out.update({name: _number(values.get(name), int) for name in _INTS})
-    out["min_tokens"] = _number(values.get("min_tokens"), int) or 0
-    out["ignore_eos"] = values.get("ignore_eos") is True
-    out["logit_bias"] = bool(values.get("logit_bias") or values.get("allowed_token_ids") or values.get("bad_words"))
-    out["constraint"] = _constraint(request, structured)
-    out["logprobs_mode"] = None
-    return out
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _provenance(values: Mapping[str, Any], request: Mapping[str, Any], source: SamplingSource) -> dict[str, Any]:
+    provenance = SamplingProvenance(
+        source=source,
+        temperature=_float(values.get("temperature")),
+        top_p=_float(values.get("top_p")),
+        top_k=_int(values.get("top_k")),
+        min_p=_float(values.get("min_p")),
+        presence_penalty=_float(values.get("presence_penalty")),
+        frequency_penalty=_float(values.get("frequency_penalty")),
+        repetition_penalty=_float(values.get("repetition_penalty")),
+        seed=_int(values.get("seed")),
+        max_tokens=_int(values.get("max_tokens")),
+        min_tokens=_int(values.get("min_tokens")) or 0,
+        ignore_eos=values.get("ignore_eos") is True,
+        logit_bias=bool(values.get("logit_bias") or values.get("allowed_token_ids") or values.get("bad_words")),
+        constraint=_constraint(request, values.get("structured_outputs") is not None),
+        logprobs_mode=None,  # vLLM 0.32 does not report its --logprobs-mode
+    )
+    return provenance.as_extras()
 
 
 def sampling_from_engine(params: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, Any]:
-    """The provenance of an exact-prefix call from the generate request's ``sampling_params`` (what the engine
-    sampled with; fields vLLM leaves out hold its defaults) and the agent's *request* (the tool choice)."""
-    values = {**_ENGINE_DEFAULTS, **params}
-    return _provenance(values, request, "engine", params.get("structured_outputs") is not None)
+    """The ``extras["sampling"]`` entry of an exact-prefix call from its generate request's ``sampling_params``."""
+    return _provenance({**_ENGINE_DEFAULTS, **params}, request, "engine")
 
 
 def sampling_from_request(request: Mapping[str, Any]) -> dict[str, Any]:
-    """The provenance of a verify-mode call: the agent's request as sent (unset fields ``None``)."""
-    values = {**request, "max_tokens": request.get("max_completion_tokens", request.get("max_tokens"))}
-    return _provenance(values, request, "request", request.get("structured_outputs") is not None)
+    """The ``extras["sampling"]`` entry of a verify-mode call: the agent's request as sent."""
+    limit = request.get("max_completion_tokens", request.get("max_tokens"))
+    return _provenance({**request, "max_tokens": limit}, request, "request")

@@ -17,6 +17,7 @@ import anyio
 import orjson
 
 from sink.contract.records import CaptureAdmission, CommitCoords
+from sink.contract.sampling import SAMPLING_EXTRAS_KEY
 from sink.errors import StagingError
 from sink.ledger.gate import CaptureGate
 from sink.settings import ProxySettings
@@ -43,7 +44,7 @@ from worker.proxy.routes import (
 )
 from worker.proxy.sse import sse_events
 from worker.proxy.upstream import UpstreamAnswer, call_inner, client_gone, error_message, refused
-from worker.sampling import SAMPLING_EXTRAS_KEY, sampling_from_request
+from worker.sampling import sampling_from_request
 
 __all__ = ("CallOwner", "CapturedCall")
 
@@ -386,7 +387,7 @@ class CapturedCall:
                     strip_token_fields(self.route, payload, asked)
                 await self._settle(coords, payload)
                 if self.captured and text is not None and served and xc is not None:
-                    await xc.remember(self.rollout_id, text, {"choices": served})
+                    await xc.remember(self.rollout_id, text, {"choices": served}, self.request)
                 metrics.observe(stage_s=note_capture(time.perf_counter() - staged_at))
             elif payload is not None:
                 strip_token_fields(self.route, payload, asked)

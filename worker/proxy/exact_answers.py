@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from sink.contract.sampling import SAMPLING_EXTRAS_KEY
 from worker.asgi import error_body
 from worker.call import ActiveCall
 from worker.errors import ContextChangedError, EnginePayloadError, SpliceError
@@ -17,7 +18,6 @@ from worker.exact_chat import Parent, Rendering
 from worker.proxy.exact_mode import ExactMode, without_spans
 from worker.proxy.routes import ClientAsked
 from worker.proxy.upstream import UpstreamAnswer
-from worker.sampling import SAMPLING_EXTRAS_KEY
 from worker.weight_version import WeightVersionError
 
 __all__ = (

@@ -83,8 +83,9 @@ class ExactCompletions:
             suffix = tokens
         return 200, None, {**request, "prompt": [*parent_ids, *suffix]}
 
-    async def remember(self, rollout_id: str, call: ExactText, payload: dict[str, Any]) -> None:
-        """Remember a committed call's exact text (its served text; for a token-id prompt its generated ids)."""
+    async def remember(self, rollout_id: str, call: ExactText, payload: dict[str, Any], request: dict[str, Any]) -> None:
+        """Remember a committed call's exact text (its served text; for a token-id prompt its generated ids), and,
+        when a stop string it dropped from the text ended it, that text followed by the stop string."""
         try:
             choice = payload["choices"][0]
             served = choice["text"] if call.kind == "t" else spell_ids(choice["token_ids"])
@@ -93,11 +94,14 @@ class ExactCompletions:
             return
         if not isinstance(served, str):
             return
-        field, value = index_entry(call, served)
+        entries = [index_entry(call, served)]
+        stop = choice.get("stop_reason")
+        if call.kind == "t" and isinstance(stop, str) and stop and request.get("include_stop_str_in_output") is not True:
+            entries.append(index_entry(call, served, stop))
         key = ledger_text_key(self._namespace, rollout_id)
         try:
             async with self._client.pipeline(transaction=False) as pipe:
-                pipe.hset(key, field, value)
+                pipe.hset(key, mapping=dict(entries))
                 pipe.expire(key, max(1, int(self._ttl_s)))
                 await pipe.execute()
         except redis_errors.RedisError as exc:

@@ -36,9 +36,8 @@ def _chat(payload: dict[str, Any], include_usage: bool) -> list[bytes]:
         head = {"prompt_token_ids": payload.get("prompt_token_ids"), "prompt_text": None}
         events.append(_event({**base, "choices": [role], **head}))
         pending = {"index": index, "logprobs": None, "finish_reason": None, "token_ids": None}
-        reasoning = message.get("reasoning")
-        if reasoning:
-            events.append(_event({**base, "choices": [{**pending, "delta": {"reasoning": reasoning}}]}))
+        reasoning = [field for field in ("reasoning", "reasoning_content") if message.get(field)]  # vLLM's, older
+        events += [_event({**base, "choices": [{**pending, "delta": {field: message[field]}}]}) for field in reasoning]
         calls = message.get("tool_calls") or []
         if calls:
             delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
