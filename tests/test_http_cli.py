@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from sink.cli.main import main
+from tests.helpers.commands import staging_sink
 from tests.helpers.proxy import close_clients, finish, manifest, pull, run_agent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,5 +161,19 @@ def test_exact_mode_refuses_an_engine_without_the_routes(redis_url: str) -> None
             capture_output=True,
             timeout=60,
         )
-    assert result.returncode != 0
-    assert b"--enable-scale-out" in result.stderr
+    # A configuration refusal: the usage code and one line (not uvicorn's exit 3, "unreachable", with a traceback).
+    assert result.returncode == 2, result.stderr
+    refusal = [line for line in result.stderr.decode().splitlines() if line.startswith("staging-sink: error:")]
+    assert len(refusal) == 1 and "--enable-scale-out" in refusal[0], result.stderr
+    assert b"Traceback" not in result.stderr
+
+
+def test_the_proxy_says_its_prefix_mode_at_start_without_verbose(redis_url: str) -> None:
+    engine_port, proxy_port = _free_port(), _free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    with (
+        _command("engine", "--port", str(engine_port), "--enable-scale-out", health=f"{engine}/health"),
+        staging_sink("proxy", "--upstream", engine, "--redis-url", redis_url, "--port", str(proxy_port)) as proxy,
+    ):
+        line = proxy.wait_for(r"prefix mode: ")
+    assert "prefix mode: exact (" in line and "end-of-turn ids [2]" in line

@@ -220,6 +220,7 @@ def app_from_environment() -> ProxyApp:
         verbose=bool(logging_options.get("verbose")), log_format=str(logging_options.get("log_format") or "text")
     )
     _tune_gc()
+    _say_the_prefix_mode()
     config = ProxySettings.model_validate_json(fields)
     logger.info("proxy worker %d serving -> %s", os.getpid(), config.upstream_url)
     return build_proxy(config)
@@ -237,6 +238,39 @@ def _tune_gc() -> None:
     gc.set_threshold(50_000, 50, 100)
 
 
+_MODE_LOGGERS = ("worker.proxy.exact_mode", "worker.proxy.app")
+"""Where the proxy says, once at start, which prefix mode it uses and why."""
+
+
+def _say_the_prefix_mode() -> None:
+    """The prefix-mode line at start is printed without ``-v`` too (the rest of INFO stays behind it)."""
+    for name in _MODE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
+def _refuse_before_serving(config: ProxySettings) -> None:
+    """Open the proxy once (Redis, the engine's probe) before serving, so a configuration the engine cannot honour
+    (``--prefix-mode exact`` or ``--weight-source engine`` without its token-in/token-out routes) is one usage line,
+    not a server start that fails.
+
+    :raises CommandError: the configuration is refused (:data:`EXIT_USAGE`).
+    """
+    import anyio
+
+    from worker.errors import StagingModeError
+    from worker.proxy.app import build_proxy
+
+    async def open_once() -> None:
+        app = build_proxy(config)
+        await app.open()
+        await app.aclose()
+
+    try:
+        anyio.run(open_once)
+    except StagingModeError as exc:
+        raise CommandError(str(exc), exit_code=EXIT_USAGE) from exc
+
+
 def proxy_command(args: argparse.Namespace) -> int:
     """Run the proxy in the foreground until SIGINT/SIGTERM."""
     config = proxy_config(args)
@@ -250,6 +284,9 @@ def proxy_command(args: argparse.Namespace) -> int:
         f"capture proxy on http://{args.host}:{args.port} -> {config.upstream_url} ({config.upstream_kind}, "
         f"{'capture' if config.capture else 'no capture'}, {'fail-closed' if config.fail_closed else 'fail-open'})\n"
     )
+    if config.capture and (config.prefix_mode == "exact" or config.weight_source == "engine"):
+        _refuse_before_serving(config)
+    _say_the_prefix_mode()
     # log_config=None: uvicorn's own lines go through the CLI's handler (timestamps, levels, --log-format).
     if args.workers == 1:
         uvicorn.run(
