@@ -1,5 +1,5 @@
 """Exact-prefix mode splices a continuation onto its parent only when everything before the parent's reply renders
-as it did for the parent (issue 30, item 3), and stages each call's sampling provenance (item 6).
+as it did for the parent, and stages each call's sampling provenance.
 
 The gate resolves a parent from the conversation's fingerprints, which leave system and developer messages out
 (contract §6.4: their content is volatile); a splice would then send the engine the parent's old system prompt. Here

@@ -1,4 +1,4 @@
-"""Exact-prefix mode answers as the engine's own chat route does (issue 30, items 1, 2 and 4).
+"""Exact-prefix mode answers as the engine's own chat route does, and every option reaches the engine.
 
 For each option an agent may set on a chat completion, the same first turn and the same second turn are sent straight
 to the engine's ``/v1/chat/completions`` and through the capture proxy (exact-prefix mode: render, generate from

@@ -99,6 +99,9 @@ def _process(args: Sequence[str], health: str) -> Iterator[None]:
             process.wait(5)
 
 
+_JSON = {"content-type": "application/json"}
+
+
 async def _drive(
     base: str, path: str, clients: int, calls: int, tokens: int, run: str, turns: int, model: str
 ) -> PathResult:
@@ -120,7 +123,7 @@ async def _drive(
             prefix = f"/r/{rollout}" if path in _CAPTURED else ""
             body = {"model": model, "messages": messages, "max_tokens": tokens, "min_tokens": tokens}
             started = time.perf_counter()
-            response = await http.post(f"{base}{prefix}/v1/chat/completions", content=orjson.dumps(body))
+            response = await http.post(f"{base}{prefix}/v1/chat/completions", content=orjson.dumps(body), headers=_JSON)
             if response.status_code != 200:
                 errors += 1
                 continue
@@ -131,7 +134,7 @@ async def _drive(
                 capture_s.append(capture)
                 own_s.append(total - engine)
             answer = orjson.loads(response.content)
-            if "prompt_token_ids" in answer:
+            if answer.get("prompt_token_ids") is not None:  # vLLM answers null when the fields were not asked for
                 raise RuntimeError(f"{path}: token fields reached the client")
             reply = answer["choices"][0]["message"]["content"] or ""
             messages = [*messages, {"role": "assistant", "content": reply}, {"role": "tool", "content": "ok"}]
