@@ -201,6 +201,9 @@ def test_every_rollout_is_trainable_and_exact(
     _check_scenario(name, kind, turns)
     # Exact-prefix mode: every generation went through the token-in route, none through the re-templating one.
     assert "/v1/chat/completions" not in paths and paths.count("/inference/v1/generate") == len(engine_answers) == 3
+    # ... and none generated more than the agent's max_tokens (vLLM drops a default-valued max_tokens from render).
+    limits = [SCENARIOS[name].options(Engine("", "", 0), turn)["max_tokens"] for turn in range(3)]
+    assert all(len(g.ids) <= limit for g, limit in zip(engine_answers, limits, strict=True)), [len(g.ids) for g in engine_answers]
 
 
 @pytest.mark.vllm
