@@ -17,13 +17,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import IO, Literal
 
+import anyio
 import httpx
 
-__all__ = ("Output", "Stream", "free_port", "healthy", "service", "stop", "wait_for")
+__all__ = ("Output", "Stream", "free_port", "healthy", "service", "stop", "until", "wait_for")
 
 ROOT = Path(__file__).resolve().parents[2]
 Stream = Literal["stdout", "stderr"]
@@ -54,6 +55,20 @@ def wait_for(
         failed = process is not None and process.poll() is not None or time.monotonic() >= deadline
         assert not failed, message() if callable(message) else message
         time.sleep(0.1)
+
+
+async def until(
+    condition: Callable[[], bool | Awaitable[bool]], message: str | Callable[[], str], *, timeout_s: float = 60
+) -> None:
+    """Poll *condition* (plain or async) until it holds; fails the test after *timeout_s* with *message* (or
+    what the function *message* returns then). For a state another task or the server changes: never a sleep."""
+    with anyio.move_on_after(timeout_s):
+        while True:
+            held = condition()
+            if held if isinstance(held, bool) else await held:
+                return
+            await anyio.sleep(0.01)
+    raise AssertionError(message() if callable(message) else message)
 
 
 class Output:
