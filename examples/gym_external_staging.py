@@ -6,8 +6,8 @@ finalizer later fetches every rollout's records by key, checks them against the 
 Here the worker's in-memory queue is replaced by a durable Redis/Valkey server: ``stage`` returns
 ``ok=True`` only once the record is fsynced.
 
-    python examples/gym_external_staging.py                     # a private durable server
-    python examples/gym_external_staging.py --redis-url URL     # your server (writes under --namespace)
+    .venv/bin/python examples/gym_external_staging.py                   # a private durable server
+    .venv/bin/python examples/gym_external_staging.py --redis-url URL   # your server (writes under --namespace)
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from sink import server as sink_server
 from sink.ops import cluster as sink_cluster
@@ -32,6 +33,11 @@ from tests.helpers.servers import require_binary, reset_durable_server, skip_or_
 from tests.helpers.vllm_server import VLLM_FIXTURES, VLLM_TIMEOUT_S, deselect_without_vllm
 
 pytest_plugins = ["tests.helpers.vllm_fixtures"]
+
+# Hypothesis fails an example that ran longer than its deadline (200 ms by default): on a busy machine that
+# measures the load, not the code. No default deadline (pytest-timeout bounds every test); a test may set its own.
+settings.register_profile("staging-sink", deadline=None)
+settings.load_profile("staging-sink")
 
 SERVER_FIXTURES = frozenset(
     {

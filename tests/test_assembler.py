@@ -39,6 +39,7 @@ from sink.settings import AssemblerSettings
 from sink.store.streams import StreamEntry
 from sink.trainer.reader import TRAINER_GROUP, RolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
+from tests.helpers.processes import until
 from tests.helpers.replies import raw_entries, text_entries, text_read
 
 
@@ -401,13 +402,22 @@ async def test_stop_interrupts_a_blocked_read_and_cancels_in_flight_events_after
         await anyio.sleep_forever()
 
     async with aioredis.Redis.from_url(redis_url) as client:
-        async with Assembler.from_url(redis_url, block_ms=5_000, done_shards=1) as idle:
-            with anyio.fail_after(2):  # far below block_ms: the blocked read is interrupted
-                async with anyio.create_task_group() as group:
-                    group.start_soon(idle.run)
-                    while int((await client.info("clients"))["blocked_clients"]) < 1:  # noqa: ASYNC110
-                        await anyio.sleep(0.005)  # until the XREADGROUP BLOCK is parked on the server
-                    idle.stop()
+        async with Assembler.from_url(redis_url, block_ms=60_000, command_timeout_s=120, done_shards=1) as idle:
+            returned = anyio.Event()
+
+            async def run_idle() -> None:
+                await idle.run()
+                returned.set()
+
+            async def parked() -> bool:  # the XREADGROUP BLOCK waits on the server
+                return int((await client.info("clients"))["blocked_clients"]) >= 1
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(run_idle)
+                await until(parked, "the assembler's blocked read never reached the server")
+                idle.stop()
+                with anyio.fail_after(30):  # far below block_ms: the blocked read is interrupted
+                    await returned.wait()
             assert "idle" in repr(idle)
 
         await stage_rollouts(redis_url, ["stuck"], calls=1)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from sink.rollout.assembler import finished
 from sink.server import DurableServer, free_port
 from sink.store.sink import AsyncRedisStagingSink
 from tests.helpers.acl import AclServer, start_acl_server
+from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import stage_rollouts
 from tests.helpers.staging import make_chain
 
@@ -54,18 +54,6 @@ SUBCOMMANDS = (
 
 def sink_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "sink", *args]
-
-
-@contextmanager
-def running(command: list[str]) -> Iterator[subprocess.Popen[str]]:
-    """A subprocess with piped output, killed if still running at the end; its pipes are closed."""
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.kill()
-            process.communicate(timeout=30)
 
 
 @pytest.fixture
@@ -180,15 +168,13 @@ def test_invalid_rollout_id_exits_2(redis_url: str, capsys: pytest.CaptureFixtur
 
 
 def test_server_prints_its_url_and_stops_on_sigterm(tmp_path: Path) -> None:
-    with running(sink_command("server", "--data-dir", str(tmp_path / "data"))) as process:
-        assert process.stdout is not None
-        url = process.stdout.readline().strip()
-        assert url.startswith("redis://127.0.0.1:"), url
+    with staging_sink("server", "--data-dir", str(tmp_path / "data")) as cmd:
+        url = cmd.wait_for(r"^redis://127\.0\.0\.1:\d+$", "stdout")
         with redis.Redis.from_url(url) as client:
             assert client.ping()
             assert client.config_get("appendfsync") == {"appendfsync": "always"}
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
+        cmd.process.send_signal(signal.SIGTERM)
+        assert cmd.wait(timeout_s=30) == 0, cmd.lines("stderr")
     with pytest.raises(redis.ConnectionError), redis.Redis.from_url(url, socket_connect_timeout=1) as client:
         client.ping()
 
@@ -255,14 +241,12 @@ def test_tail_follows_a_rollout_that_starts_later(redis_url: str) -> None:
             for record in make_chain("late", 2):
                 assert (await sink.stage(record)).ok
 
-    command = sink_command(
-        "tail", "late", "--redis-url", redis_url, "--from-start", "--count", "2", "--timeout-s", "60"
-    )
-    with running(command) as process:
+    command = ("tail", "late", "--redis-url", redis_url, "--from-start", "--count", "2", "--timeout-s", "60")
+    with staging_sink(*command) as cmd:
         anyio.run(stage_two)
-        out, err = process.communicate(timeout=60)
-    assert process.returncode == 0, err
-    assert [line.split()[1] for line in out.splitlines()] == ["call=c0", "call=c1"]
+        code = cmd.wait(timeout_s=90)
+    assert code == 0, cmd.lines("stderr")
+    assert [line.split()[1] for line in cmd.lines("stdout")] == ["call=c0", "call=c1"]
 
 
 def test_retire_then_delete(staged: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -292,13 +276,13 @@ def test_retire_then_delete(staged: str, capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.fixture
-def assembler_process(staged: str) -> Iterator[subprocess.Popen[str]]:
-    with running(sink_command("assembler", "--redis-url", staged)) as process:
-        yield process
+def assembler_process(staged: str) -> Iterator[Command]:
+    with staging_sink("assembler", "--redis-url", staged) as cmd:
+        yield cmd
 
 
 def test_assembler_and_trainer_commands_deliver_a_verified_rollout(
-    staged: str, assembler_process: subprocess.Popen[str], capsys: pytest.CaptureFixture[str]
+    staged: str, assembler_process: Command, capsys: pytest.CaptureFixture[str]
 ) -> None:
     async def announce() -> None:
         async with redis.asyncio.Redis.from_url(staged) as client:
@@ -308,8 +292,8 @@ def test_assembler_and_trainer_commands_deliver_a_verified_rollout(
     assert main(["trainer", "--redis-url", staged, "--max-rollouts", "1", "--timeout-s", "60"]) == 0
     out = capsys.readouterr().out
     assert "verified r1: 24 tokens over 3 call(s), terminal c2, reward 0.5" in out
-    assembler_process.send_signal(signal.SIGTERM)
-    assert assembler_process.wait(timeout=30) == 0
+    assembler_process.process.send_signal(signal.SIGTERM)
+    assert assembler_process.wait(timeout_s=30) == 0, assembler_process.lines("stderr")
     with redis.Redis.from_url(staged) as client:
         assert client.exists(record_key("stg", "r1/c0")) == 0  # acknowledged: the staged records are gone
 
@@ -320,17 +304,16 @@ def test_trainer_exits_1_when_fewer_rollouts_arrive(redis_url: str, capsys: pyte
 
 
 def test_metrics_command_serves_prometheus_text(staged: str) -> None:
-    with running(sink_command("metrics", "--redis-url", staged, "--port", "0", "--interval-s", "0.2")) as process:
-        assert process.stdout is not None
-        line = process.stdout.readline()
+    with staging_sink("metrics", "--redis-url", staged, "--port", "0", "--interval-s", "0.2") as cmd:
+        line = cmd.wait_for(r"^metrics at http://", "stdout")
         url = next(word for word in line.split() if word.startswith("http://"))
         with urllib.request.urlopen(url, timeout=10) as response:
             body = response.read().decode()
         assert "staging_sink_build_info" in body and "staging_sink_collection_up" in body
         # The exporter stages and pulls nothing itself: no counter it cannot know (no stages at 0 forever).
         assert "staging_sink_stages_total" not in body and "staging_sink_rollouts_pulled_total" not in body
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0
+        cmd.process.send_signal(signal.SIGINT)
+        assert cmd.wait(timeout_s=30) == 0, cmd.lines("stderr")
 
 
 # --- acl and bench ---------------------------------------------------------------------------------------
@@ -424,8 +407,7 @@ def test_the_read_only_ops_user_can_run_stats_and_inspect(
 
 
 def test_ctrl_c_ends_tail_normally(redis_url: str) -> None:
-    with running(sink_command("tail", "quiet", "--redis-url", redis_url)) as process:
-        assert process.stderr is not None
-        assert "following the calls of quiet" in process.stderr.readline()
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0
+    with staging_sink("tail", "quiet", "--redis-url", redis_url) as cmd:
+        cmd.wait_for("following the calls of quiet")
+        cmd.process.send_signal(signal.SIGINT)
+        assert cmd.wait(timeout_s=30) == 0, cmd.lines("stderr")

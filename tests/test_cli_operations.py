@@ -25,6 +25,7 @@ from sink.ops.cluster import LocalCluster
 from sink.rollout.assembler import finished
 from sink.server import DurableServer
 from sink.trainer.reader import RolloutReader
+from tests.helpers.commands import staging_sink
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 
 STATES = ("staging", "finished", "receipt_waiting", "claimed", "poisoned", "dead_lettered", "consumed")
@@ -167,12 +168,9 @@ def test_stats_shows_consumer_idle_time(lifecycle: str, capsys: pytest.CaptureFi
 
 
 def test_stats_watch_json_is_one_object_per_line(staged: str) -> None:
-    command = sink_command("stats", "--redis-url", staged, "--watch", "0.2", "--json")
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
-        assert process.stdout is not None
-        lines = [process.stdout.readline() for _ in range(2)]
-        process.kill()
-        process.communicate(timeout=30)
+    with staging_sink("stats", "--redis-url", staged, "--watch", "0.2", "--json") as cmd:
+        cmd.wait_for(".", "stdout", count=2)  # two refreshes
+        lines = cmd.lines("stdout")[:2]  # complete lines (a later one may be cut by the kill)
     assert all(json.loads(line)["namespace"] == "stg" for line in lines)
 
 

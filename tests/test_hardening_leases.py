@@ -94,11 +94,11 @@ def test_the_trainer_command_rides_through_a_server_restart(fresh_server: Durabl
 def test_the_trainer_command_gives_up_after_the_configured_outage(fresh_server: DurableServer) -> None:
     with _trainer(fresh_server.url, "--max-outage-s", "2") as command:
         command.wait_for(READY)  # pulling now (it used to sleep 1 s and hope it was)
+        started = time.monotonic()  # before the kill: the trainer's outage cannot begin earlier
         fresh_server.kill()
-        started = time.monotonic()
-        code = command.wait(timeout_s=20)
+        code = command.wait(timeout_s=60)  # it gives up (with no limit it would wait for the server forever)
         elapsed = time.monotonic() - started
         stderr = "\n".join(command.lines("stderr"))
     assert code == 3, stderr
-    assert 1.5 <= elapsed < 12, elapsed
+    assert elapsed >= 2.0, (elapsed, stderr)  # never before the limit (the wall time after it depends on the load)
     assert "max_outage_s=2" in stderr or "2.0 s" in stderr, stderr

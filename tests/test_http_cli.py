@@ -3,12 +3,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +13,7 @@ import pytest
 
 from sink.cli.main import main
 from tests.helpers.commands import staging_sink
+from tests.helpers.processes import free_port, service
 from tests.helpers.proxy import close_clients, finish, manifest, pull, run_agent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,48 +26,15 @@ def _clients() -> Iterator[None]:
     close_clients()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def _command(*args: str, health: str) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sink", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(health, timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the command did not come up"
-            time.sleep(0.1)
-        yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
-        if process.stderr is not None:
-            process.stderr.close()
-
-
 @pytest.mark.slow
 def test_two_proxy_processes_one_chain(redis_url: str) -> None:
-    engine_port, one_port, two_port = _free_port(), _free_port(), _free_port()
+    engine_port, one_port, two_port = free_port(), free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     proxy = ("proxy", "--upstream", engine, "--redis-url", redis_url)
     with (
-        _command("engine", "--port", str(engine_port), "--seed", "5", health=f"{engine}/health"),
-        _command(*proxy, "--port", str(one_port), health=f"http://127.0.0.1:{one_port}/health"),
-        _command(*proxy, "--port", str(two_port), "--workers", "2", health=f"http://127.0.0.1:{two_port}/health"),
+        service("engine", "--port", str(engine_port), "--seed", "5", health=f"{engine}/health"),
+        service(*proxy, "--port", str(one_port), health=f"http://127.0.0.1:{one_port}/health"),
+        service(*proxy, "--port", str(two_port), "--workers", "2", health=f"http://127.0.0.1:{two_port}/health"),
     ):
         bases = [f"http://127.0.0.1:{one_port}", f"http://127.0.0.1:{two_port}"]
         _, last_id = run_agent(bases, "cli-1", turns=4)
@@ -114,12 +78,12 @@ def test_the_cli_works_without_the_proxy_extra() -> None:
 @pytest.mark.slow
 def test_exact_prefix_mode_as_processes(redis_url: str) -> None:
     # --prefix-mode exact refuses to start unless the engine serves the token-in/token-out routes.
-    engine_port, proxy_port = _free_port(), _free_port()
+    engine_port, proxy_port = free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     proxy = ("proxy", "--upstream", engine, "--redis-url", redis_url, "--prefix-mode", "exact")
     with (
-        _command("engine", "--port", str(engine_port), "--enable-scale-out", health=f"{engine}/health"),
-        _command(
+        service("engine", "--port", str(engine_port), "--enable-scale-out", health=f"{engine}/health"),
+        service(
             *proxy,
             "--port",
             str(proxy_port),
@@ -138,9 +102,9 @@ def test_exact_prefix_mode_as_processes(redis_url: str) -> None:
 
 
 def test_exact_mode_refuses_an_engine_without_the_routes(redis_url: str) -> None:
-    engine_port, proxy_port = _free_port(), _free_port()
+    engine_port, proxy_port = free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
-    with _command("engine", "--port", str(engine_port), health=f"{engine}/health"):
+    with service("engine", "--port", str(engine_port), health=f"{engine}/health"):
         result = subprocess.run(
             [
                 sys.executable,
@@ -169,10 +133,10 @@ def test_exact_mode_refuses_an_engine_without_the_routes(redis_url: str) -> None
 
 
 def test_the_proxy_says_its_prefix_mode_at_start_without_verbose(redis_url: str) -> None:
-    engine_port, proxy_port = _free_port(), _free_port()
+    engine_port, proxy_port = free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     with (
-        _command("engine", "--port", str(engine_port), "--enable-scale-out", health=f"{engine}/health"),
+        service("engine", "--port", str(engine_port), "--enable-scale-out", health=f"{engine}/health"),
         staging_sink("proxy", "--upstream", engine, "--redis-url", redis_url, "--port", str(proxy_port)) as proxy,
     ):
         line = proxy.wait_for(r"prefix mode: ")

@@ -107,7 +107,7 @@ def _demo(redis_url: str, proxy: str) -> None:
 def test_every_dashboard_panel_has_data_after_the_demo(redis_url: str, tmp_path: Path) -> None:
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.fail("no prometheus on PATH: scripts/test installs it (apt-get install -y prometheus)")
+        pytest.fail("no prometheus on PATH: scripts/test installs it (apt-get install --no-install-recommends prometheus)")
     names = ("assembler", "trainer", "metrics", "capture-proxy", "engine", "prometheus")
     ports = {name: free_port() for name in names}
     redis_args = ("--redis-url", redis_url)

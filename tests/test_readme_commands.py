@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -52,7 +54,8 @@ def _variants(text: str) -> list[list[str]]:
     if choices and choices[0] == ["bench"] and len(choices) > 1 and choices[1] == ["NAME"]:
         choices[1] = list(BENCHES)
     return [
-        [_fill(word, combo[i - 1] if i else "") for i, word in enumerate(combo)] for combo in itertools.product(*choices)
+        [_fill(word, combo[i - 1] if i else "") for i, word in enumerate(combo)]
+        for combo in itertools.product(*choices)
     ]
 
 
@@ -169,3 +172,75 @@ def test_the_command_table_lists_every_command_and_benchmark(capsys: pytest.Capt
     assert installed == set(BENCHES), installed
     row = re.search(r"`staging-sink bench ([a-z\\|]+)`", README)
     assert row and set(row.group(1).split("\\|")) == installed, row
+
+
+# --- Python programs: what README and docs tell you to run with python or pip ------------------------------
+
+VENV = ".venv/bin/"
+"""Where README's first command installs the package: a bare ``python``/``pip`` is not on a fresh Debian's PATH
+(only ``python3``), has no staging-sink, and Debian's own refuses ``pip install`` (PEP 668)."""
+OTHER_ENVIRONMENTS = (
+    "python3 -m venv .venv",  # README's first command: it makes the venv
+    "pip install 'staging-sink[",  # pip's VCS form, for an environment that is not a clone ("elsewhere")
+    "python -m vllm.entrypoints.",  # vLLM's own environment
+)
+PROGRAM = re.compile(r"^(\S*?)(?:python3?|pip3?) ")
+
+
+def _shell_commands(text: str) -> list[str]:
+    """Inline code spans and the lines of code blocks that are not Python, comments cut, split at ``&&``."""
+    lines = re.findall(r"`([^`\n]+)`", text)
+    for language, block in re.findall(r"```([a-z]*)\n(.*?)```", text, flags=re.DOTALL):
+        if language not in ("python", "py"):
+            lines += block.splitlines()
+    parts = (part.strip() for line in lines for part in re.split(r"\s#", line)[0].split("&&"))
+    return [part for part in parts if part]
+
+
+def _python_commands() -> list[tuple[str, str]]:
+    """``(document, command)`` for every command in README and docs that runs ``python``/``pip``."""
+    return [
+        (path.relative_to(ROOT).as_posix(), command)
+        for path in DOCS
+        for command in _shell_commands(path.read_text())
+        if PROGRAM.match(command)
+    ]
+
+
+PYTHON_COMMANDS = _python_commands()
+EXAMPLE_COMMANDS = sorted({command for _doc, command in PYTHON_COMMANDS if " examples/" in command})
+
+
+def test_every_python_and_pip_command_in_the_docs_runs_in_the_readme_venv() -> None:
+    assert EXAMPLE_COMMANDS and any(doc == "docs/gym.md" for doc, _command in PYTHON_COMMANDS)
+    wrong = [
+        (doc, command)
+        for doc, command in PYTHON_COMMANDS
+        if not command.startswith(VENV) and not command.startswith(OTHER_ENVIRONMENTS)
+    ]
+    assert not wrong, f"run these with {VENV}python / {VENV}pip (README's venv), as every other command: {wrong}"
+
+
+def _example_argv(command: str) -> list[str]:
+    """The documented example command with this interpreter for ``.venv/bin/python`` (the venv it runs in)."""
+    program, *args = command.split()
+    assert program == f"{VENV}python", command
+    return [sys.executable, *args]
+
+
+@pytest.mark.parametrize("command", EXAMPLE_COMMANDS)
+def test_every_example_the_docs_run_exists_and_knows_the_documented_options(command: str) -> None:
+    argv = _example_argv(command)
+    assert (ROOT / argv[1]).is_file(), argv[1]
+    shown = subprocess.run([*argv[:2], "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    unknown = [word for word in argv[2:] if word.startswith("--") and word not in shown.stdout]
+    assert not unknown, (command, unknown)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", EXAMPLE_COMMANDS)
+def test_every_example_the_docs_run_works_as_written(command: str) -> None:
+    """Run from the repository root, as README's commands are; its own private durable server."""
+    done = subprocess.run(_example_argv(command), cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])

@@ -38,7 +38,7 @@ def _chromium() -> str:
         found = shutil.which(name)
         if found:
             return found
-    pytest.fail("no chromium on PATH: scripts/test installs it (apt-get install -y chromium)")
+    pytest.fail("no chromium on PATH: scripts/test installs it (apt-get install --no-install-recommends chromium)")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

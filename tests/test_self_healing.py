@@ -24,6 +24,7 @@ from sink.store.cluster_mode import resolve_cluster_mode
 from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
+from tests.helpers.processes import until
 
 SHARDS = 2
 FAST: dict[str, Any] = {"block_ms": 50, "done_shards": SHARDS, "receipt_shards": SHARDS, "reconnect_backoff_s": 0.05}
@@ -58,7 +59,8 @@ async def test_assembler_recreates_its_group_after_a_flush_once_and_keeps_workin
         await finished(client, "r-before", reward=1.0, shards=SHARDS)
         await _wait_for_receipt(client, "r-before")
         await client.flushall()  # the session server is ours: every stream and group is gone
-        await anyio.sleep(0.3)  # the shard loops meet NOGROUP meanwhile
+        consumer = assembler._consumer  # the shard loops meet NOGROUP on the empty server and recreate the groups
+        await until(lambda: consumer.groups_recreated >= SHARDS, lambda: f"recreated {consumer.groups_recreated}")
         await stage_rollouts(redis_url, ["r-after"], calls=2)
         await finished(client, "r-after", reward=1.0, shards=SHARDS)
         await _wait_for_receipt(client, "r-after")

@@ -16,6 +16,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from sink import server as sink_server
 from sink.errors import StagingError
 from sink.ops import cluster as sink_cluster
+from tests.helpers.processes import Output
 
 pytestmark = pytest.mark.redis
 
@@ -185,13 +186,14 @@ def test_server_dies_with_its_sigkilled_parent(tmp_path: Path) -> None:
         "time.sleep(60)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    output = Output(parent)
     try:
-        assert parent.stdout is not None
-        server_pid = int(parent.stdout.readline())
+        server_pid = int(output.wait_for(r"^\d+$", "stdout"))
         assert not process_gone(server_pid, timeout_s=0.1)
     finally:
         parent.kill()
         parent.wait()
+        output.closed(timeout_s=30)
         if parent.stdout is not None:
             parent.stdout.close()
     assert process_gone(server_pid), "the parent-death signal must take the server down"
@@ -200,10 +202,9 @@ def test_server_dies_with_its_sigkilled_parent(tmp_path: Path) -> None:
 def test_serve_forever_stops_on_sigterm() -> None:
     script = "from sink.server import serve_forever\nraise SystemExit(serve_forever())\n"
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    output = Output(child)
     try:
-        assert child.stdout is not None
-        url = child.stdout.readline().strip()
-        assert url.startswith("redis://127.0.0.1:")
+        url = output.wait_for(r"^redis://127\.0\.0\.1:\d+$", "stdout")
         with redis.Redis.from_url(url) as connection:
             server_pid = int(connection.info("server")["process_id"])
             assert connection.config_get("appendfsync")["appendfsync"] == "always"
@@ -213,6 +214,7 @@ def test_serve_forever_stops_on_sigterm() -> None:
         if child.poll() is None:
             child.kill()
             child.wait()
+        output.closed(timeout_s=30)
         if child.stdout is not None:
             child.stdout.close()
     assert process_gone(server_pid)
