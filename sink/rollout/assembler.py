@@ -65,6 +65,7 @@ class AssemblerStatistics(NamedTuple):
     reclaimed: int
     dead_lettered: int
     failures: int
+    """Failed attempts: events refused (left pending), and every attempt an outage made fail (ridden out)."""
     in_flight: int
 
 
@@ -162,7 +163,7 @@ class Assembler(AsyncResource):
             acked=consumer.acked,
             reclaimed=consumer.reclaimed,
             dead_lettered=consumer.dead_lettered,
-            failures=c["failures"],
+            failures=c["failures"] + self._outage.retries,
             in_flight=c["in_flight"],
         )
 
@@ -252,7 +253,6 @@ class Assembler(AsyncResource):
                 await self._process(entries)
                 self._outage.succeeded()
             except StagingConnectionError as exc:
-                self._counts["failures"] += 1
                 await self._outage.failed(exc, "running")  # raises on a refusal, or past max_outage_s
 
     # --- one batch / one event ------------------------------------------------------
