@@ -217,6 +217,57 @@ def test_derender_returns_the_tool_call_the_generation_holds(tools_engine: Scale
     assert [call["function"]["name"] for call in chat["message"]["tool_calls"]] == ["lookup"]
 
 
+def _chat_ids(engine: ScaleOutEngine, **fields: Any) -> list[int]:
+    body = {"model": engine.model, "messages": MESSAGES, "return_token_ids": True, **fields}
+    answer = post(engine, "/v1/chat/completions", body)
+    assert answer.status_code == 200, answer.text
+    ids: list[int] = answer.json()["choices"][0]["token_ids"]
+    return ids
+
+
+def _generated_ids(engine: ScaleOutEngine, **fields: Any) -> list[int]:
+    """Render *fields*, then generate with the agent's ``max_tokens`` set explicitly (as the proxy does)."""
+    rendered = render(engine, **fields)
+    rendered["sampling_params"]["max_tokens"] = fields["max_tokens"]
+    ids: list[int] = generate(engine, rendered)["choices"][0]["token_ids"]
+    return ids
+
+
+DETERMINISTIC: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0, "max_tokens": 12},
+    "seed": {"temperature": 1.0, "seed": 5, "max_tokens": 16},
+    "greedy-stop": {"temperature": 0.0, "max_tokens": 20, "stop": ["a", "e"]},
+    "seed-min-tokens": {"temperature": 0.9, "seed": 2, "max_tokens": 10, "min_tokens": 6},
+}
+
+
+@pytest.mark.parametrize("name", sorted(DETERMINISTIC))
+def test_greedy_and_seeded_requests_generate_the_same_ids_every_time(engine: ScaleOutEngine, name: str) -> None:
+    """Greedy decoding, or a request ``seed``, gives the same ids on every call, on the chat route and on render then
+    generate; and the chat route generates exactly what render then generate generate for the same request."""
+    fields = DETERMINISTIC[name]
+    chat = [_chat_ids(engine, **fields) for _ in range(2)]
+    generated = [_generated_ids(engine, **fields) for _ in range(2)]
+    assert chat[0] == chat[1] and generated[0] == generated[1]
+    assert chat[0] == generated[0]
+
+
+def test_greedy_completions_generate_the_same_ids_every_time(engine: ScaleOutEngine) -> None:
+    prompt = render(engine)["token_ids"]
+    body = {"model": engine.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+    answers = [post(engine, "/v1/completions", body) for _ in range(2)]
+    assert all(answer.status_code == 200 for answer in answers), answers[0].text
+    first, second = (answer.json()["choices"][0]["token_ids"] for answer in answers)
+    assert first == second and 1 <= len(first) <= 8
+
+
+def test_unseeded_sampling_draws_anew_on_every_call(engine: ScaleOutEngine) -> None:
+    """Without greedy decoding or a ``seed``, two identical requests sample two different generations."""
+    fields: dict[str, Any] = {"temperature": 1.0, "max_tokens": 16, "logit_bias": {str(engine.eot_id): -100.0}}
+    assert _chat_ids(engine, **fields) != _chat_ids(engine, **fields)
+    assert _generated_ids(engine, **fields) != _generated_ids(engine, **fields)
+
+
 def test_completions_take_a_token_id_prompt(engine: ScaleOutEngine) -> None:
     prompt = render(engine)["token_ids"]
     body = {"model": engine.model, "prompt": prompt, "max_tokens": 4, "logprobs": 0, "return_token_ids": True}

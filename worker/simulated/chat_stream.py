@@ -3,8 +3,9 @@
 A first chunk ``delta: {role: "assistant", content: ""}`` (with top-level ``prompt_token_ids``, null unless
 ``return_token_ids``), then one chunk per generated id: its text as ``delta.content`` (``delta.reasoning`` while the
 reasoning parser holds it; a character cut across ids, a possible stop string and a possible pythonic tool call held
-back until they settle), its log-prob entry, ``token_ids`` (null unless asked); the last one carries
-``finish_reason`` and ``stop_reason`` (a parsed tool call arrives whole in it, as ``delta.tool_calls``). With
+back until they settle), its log-prob entry, ``token_ids`` (null unless asked); an auto tool call arrives whole, as
+``delta.tool_calls``, in the chunk of the id that completes it, and the ids after it (the end-of-turn) add
+``content: ""``; the last chunk carries ``finish_reason`` and ``stop_reason``. With
 ``stream_options.include_usage`` a chunk with ``choices: []`` and ``usage`` follows; ``system_fingerprint`` rides on
 the last chunk; then ``data: [DONE]``.
 """
@@ -56,20 +57,26 @@ def chat_events(
     stop = max((len(s) for s in stops), default=1) - 1
     sent = {field: 0, "content": 0}
     ids = generation.token_ids
+    auto_calls = final["finish_reason"] == "tool_calls"
+    calls_sent = False
     for index, token in enumerate(ids):
         last = index == len(ids) - 1
+        calls_now = False
         if last:
             texts = {field: message.get(field) or "", "content": message.get("content") or ""}
+            calls_now = bool(message.get("tool_calls")) and not calls_sent
         else:
             parsed = parse_prefix(ids[: index + 1])
             content = parsed.content or ""
-            if final["finish_reason"] == "tool_calls" and content.lstrip().startswith("["):
+            if auto_calls and content.lstrip().startswith("["):
                 content = ""
             texts = {field: _settled(parsed.reasoning or "", held=0), "content": _settled(content, held=stop)}
+            calls_now = auto_calls and bool(parsed.tool_calls) and not calls_sent
         delta = {key: text[sent[key] :] for key, text in texts.items() if text[sent[key] :]}
         sent = {key: max(sent[key], len(text)) for key, text in texts.items()}
-        if last and message.get("tool_calls"):
+        if calls_now:
             delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+            calls_sent = True
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta or {"content": ""},

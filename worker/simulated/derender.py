@@ -33,12 +33,21 @@ _EMPTY_RESPONSE_FIELDS = ("prompt_logprobs", "prompt_token_ids", "prompt_text", 
                           "ec_transfer_params", "metrics")  # fmt: skip
 
 
-def logprob_entry(token: int, logprob: Any, top: Sequence[tuple[int, Any]] | None) -> dict[str, Any]:
-    """One chat log-prob entry: the token's string and bytes, its log-prob, and *top* (``(id, log-prob)`` pairs)."""
-    text = token_string(token)
-    entry: dict[str, Any] = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def logprob_entry(
+    token: int, logprob: Any, top: Sequence[tuple[int, Any]] | None, *, as_ids: bool = False
+) -> dict[str, Any]:
+    """One chat log-prob entry: the token's string and bytes, its log-prob, and *top* (``(id, log-prob)`` pairs).
+
+    *as_ids* (``return_tokens_as_token_ids``): the strings read ``"token_id:<n>"``; as vLLM 0.32, the entry's bytes
+    stay the token's own and each top entry's are those of its ``"token_id:<n>"`` string.
+    """
+
+    def spelled(i: int) -> str:
+        return f"token_id:{i}" if as_ids else token_string(i)
+
+    entry: dict[str, Any] = {"token": spelled(token), "logprob": logprob, "bytes": list(token_string(token).encode())}
     entry["top_logprobs"] = [
-        {"token": token_string(i), "logprob": lp, "bytes": list(token_string(i).encode())} for i, lp in top or ()
+        {"token": spelled(i), "logprob": lp, "bytes": list(spelled(i).encode())} for i, lp in top or ()
     ]
     return entry
 

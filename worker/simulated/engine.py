@@ -4,7 +4,9 @@ For tests, the demo and benchmarks: no model, no sleeps, no network. The
 tokenizer is byte-level (one id per UTF-8 byte, plus a few specials), so
 decoding a generation cut inside a multi-byte character yields U+FFFD exactly
 as a real BPE detokenizer does. The generator is seeded: one seed and one
-sequence of calls give the same ids and log-probs every run.
+sequence of calls give the same ids and log-probs every run; a call given its
+own generator (:meth:`SimulatedEngine.call_rng`: greedy decoding or a request
+seed, as vLLM makes those deterministic) gives the same ids whatever ran before.
 
 The driver, :func:`simulate_rollout`, plays both the gate (admissions built
 from committed coordinates, inline or by ``staging_chain``) and the serving
@@ -14,6 +16,7 @@ rollout with tool turns, retries, abandoned branches and injected failures.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 from array import array
@@ -27,6 +30,7 @@ from worker.prefix import resolve_prefix
 
 __all__ = (
     "BYTE_OFFSET",
+    "GREEDY_TEMPERATURE",
     "IM_END",
     "IM_START",
     "ByteTokenizer",
@@ -41,6 +45,8 @@ IM_START = 1
 IM_END = 2
 BYTE_OFFSET = 16
 """Token id of UTF-8 byte ``b`` is ``BYTE_OFFSET + b``; ids below are specials."""
+GREEDY_TEMPERATURE = 1e-5
+"""Decoding below this temperature is greedy (vLLM's ``_SAMPLING_EPS``)."""
 
 _VOCAB_SIZE = BYTE_OFFSET + 256
 # Mostly ASCII, with 2-, 3- and 4-byte characters so that length cuts can
@@ -92,40 +98,57 @@ class Generation:
 class SimulatedEngine:
     """Seeded generator of ids and finite negative log-probs (some float32-exact, some not).
 
-    Thread-safe; deterministic for a given seed and call order.
+    Thread-safe; deterministic for a given seed and call order (the shared
+    generator), and per call for a call drawing from its own (:meth:`call_rng`).
     """
 
     def __init__(self, seed: int = 0, *, tokenizer: ByteTokenizer | None = None) -> None:
         self.tokenizer = tokenizer or ByteTokenizer()
+        self.seed = seed
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._responses = 0
 
-    def generate(self, prompt_token_ids: Sequence[int], max_tokens: int, *, min_tokens: int = 0) -> Generation:
+    def call_rng(
+        self, prompt_token_ids: Sequence[int], *, temperature: float, seed: int | None
+    ) -> random.Random | None:
+        """The generator of one request, or ``None`` for the shared one.
+
+        As vLLM, greedy decoding (*temperature* below :data:`GREEDY_TEMPERATURE`)
+        and a request *seed* are deterministic: such a request gets its own
+        generator, derived from the engine's seed, ``greedy`` (which wins over a
+        seed) or the request's seed, and the prompt ids, so the same request
+        generates the same ids every time, whatever ran before. Unseeded sampling
+        draws from the shared generator (``None``).
+        """
+        greedy = temperature < GREEDY_TEMPERATURE
+        if not greedy and seed is None:
+            return None
+        key = f"{self.seed}/{'greedy' if greedy else f'seed {seed}'}/{','.join(map(str, prompt_token_ids))}"
+        return random.Random(hashlib.blake2b(key.encode(), digest_size=16).digest())
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        min_tokens: int = 0,
+        rng: random.Random | None = None,
+    ) -> Generation:
         """Generate between ``max(min_tokens, 1)`` and *max_tokens* tokens after the prompt.
 
         A ``stop`` generation ends with ``IM_END``; a ``length`` one stops at
-        *max_tokens* and may end inside a multi-byte character.
+        *max_tokens* and may end inside a multi-byte character. *rng*: the
+        call's own generator (:meth:`call_rng`); the shared one when ``None``.
 
         :raises ValueError: ``max_tokens < 1`` or ``min_tokens > max_tokens``.
         """
         if max_tokens < 1 or min_tokens > max_tokens:
             raise ValueError(f"need 1 <= max_tokens and min_tokens <= max_tokens, got {min_tokens}..{max_tokens}")
+        if rng is not None:
+            return _draw(rng, max_tokens, min_tokens)
         with self._lock:
-            rng = self._rng
-            count = rng.randint(max(min_tokens, 1), max_tokens)
-            stop = count < max_tokens or rng.random() < 0.5
-            text = "".join(rng.choices(_ALPHABET, _WEIGHTS, k=count)).encode("utf-8")
-            if stop:
-                text = text[: count - 1].decode("utf-8", errors="ignore").encode("utf-8")
-                text = text + b" " * (count - 1 - len(text))  # keep the exact length
-                ids = [BYTE_OFFSET + byte for byte in text] + [IM_END]
-            else:
-                ids = [BYTE_OFFSET + byte for byte in text[:count]]
-            logprobs = [-(rng.random() * 4.0 + 1e-3) for _ in ids]
-        # Every third value is float32-exact (as engines that compute in binary32 report it).
-        logprobs[::3] = array("f", logprobs[::3]).tolist()
-        return Generation(ids, logprobs, "stop" if stop else "length")
+            return _draw(self._rng, max_tokens, min_tokens)
 
     def chat_response(
         self, prompt_token_ids: Sequence[int], generation: Generation, *, routed_experts: bool = False
@@ -163,6 +186,22 @@ class SimulatedEngine:
             "generated_tokens": list(generation.token_ids),
             "generated_log_probs": list(generation.logprobs),
         }
+
+
+def _draw(rng: random.Random, max_tokens: int, min_tokens: int) -> Generation:
+    count = rng.randint(max(min_tokens, 1), max_tokens)
+    stop = count < max_tokens or rng.random() < 0.5
+    text = "".join(rng.choices(_ALPHABET, _WEIGHTS, k=count)).encode("utf-8")
+    if stop:
+        text = text[: count - 1].decode("utf-8", errors="ignore").encode("utf-8")
+        text = text + b" " * (count - 1 - len(text))  # keep the exact length
+        ids = [BYTE_OFFSET + byte for byte in text] + [IM_END]
+    else:
+        ids = [BYTE_OFFSET + byte for byte in text[:count]]
+    logprobs = [-(rng.random() * 4.0 + 1e-3) for _ in ids]
+    # Every third value is float32-exact (as engines that compute in binary32 report it).
+    logprobs[::3] = array("f", logprobs[::3]).tolist()
+    return Generation(ids, logprobs, "stop" if stop else "length")
 
 
 CallRole = Literal["main", "retried", "branch"]

@@ -15,10 +15,15 @@ experts (:mod:`worker.simulated.chat_extras`; an end-of-turn ``logit_bias >= 50`
 (:mod:`worker.simulated.scale_out`, :mod:`worker.simulated.derender`; 403 ``PermissionDeniedError`` without it, as
 vLLM). ``GET /weight_info`` and ``POST /update_weight_version`` are always served.
 
-A chat reply cut by ``max_tokens`` ends cleanly (``<im_end>`` after valid UTF-8; unless the end-of-turn is forbidden
-or ignored, or a constraint ran out: then ``finish_reason: "length"`` after valid UTF-8), so without drift a
-re-rendered conversation reproduces the parent's exact ids. Without ``max_tokens`` the chat route generates up to
-``default_max_tokens`` (vLLM: up to the context's end; render and generate do that here too).
+The chat route is, as in vLLM, the engine's render of the request (the render route's prompt and sampling
+parameters), the generate route's sampling (:meth:`worker.simulated.scale_out.ScaleOut.sample`: the same request gives
+the same ids on both routes; greedy decoding and a ``seed`` give the same ids on every call), then the message
+assembly (stop string cut, parsers, log-probs, ``usage``). A reply cut by ``max_tokens`` ends cleanly (``<im_end>``
+after valid UTF-8; unless the end-of-turn is forbidden or ignored, or a constraint ran out: then
+``finish_reason: "length"`` after valid UTF-8), so without drift a re-rendered conversation reproduces the parent's
+exact ids. Without ``max_tokens`` the chat route may generate up to the context's end (as vLLM; the simulated model
+ends its turn on its own well before); ``/v1/completions`` and ``/v1/responses`` generate up to
+``default_max_tokens``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from worker.simulated.scale_out import (
     BadScaleOutRequest,
     SamplingParams,
     ScaleOut,
+    stop_clean,
     top_logprobs,
 )
 
@@ -55,7 +61,6 @@ DRIFT_SPACE_ID = 3
 _SPACE_ID = BYTE_OFFSET + 0x20
 _MODEL = "simulated"
 _TOKEN_ID_STRINGS = [f"token_id:{token}" for token in range(BYTE_OFFSET + 256)]
-_FORCE_BIAS = 50.0
 SYSTEM_FINGERPRINT = "vllm-0.32.0-simulated"
 """The chat route's ``system_fingerprint`` (vLLM 0.32: ``vllm-0.32.0-<hash>``)."""
 
@@ -83,26 +88,6 @@ def item_text(item: dict[str, Any]) -> str:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     raise _BadRequest("message content must be a string or a list of parts")
-
-
-def _valid_tail(ids: list[int]) -> list[int]:
-    """*ids* with the bytes of a character cut off at their end replaced by spaces (same length)."""
-    start = len(ids)
-    while start > 0 and ids[start - 1] >= BYTE_OFFSET and len(ids) - start < 4:
-        start -= 1
-    tail = bytes(token - BYTE_OFFSET for token in ids[start:])
-    valid = tail.decode("utf-8", errors="ignore").encode("utf-8")
-    if tail.startswith(valid) and len(valid) < len(tail):
-        return [*ids[:start], *(BYTE_OFFSET + byte for byte in valid), *[_SPACE_ID] * (len(tail) - len(valid))]
-    return ids
-
-
-def _stop_clean(generation: Generation) -> Generation:
-    """*generation* ending with ``<im_end>`` after valid UTF-8 (same length and log-probs)."""
-    if generation.finish_reason == "stop":
-        return generation
-    ids = [*_valid_tail(generation.token_ids[:-1]), IM_END]
-    return Generation(ids, generation.logprobs, "stop")
 
 
 def _cut_stop_string(parsed: Parsed, stop_reason: str) -> Parsed:
@@ -168,7 +153,10 @@ class EngineApp:
         if forced_empty(request):
             return Generation([IM_END], [-0.015625], "stop")
         min_tokens = min(min_tokens_of(request, min_tokens), max_tokens)
-        return _stop_clean(self.engine.generate(prompt, max_tokens, min_tokens=min_tokens))
+        temperature, seed = request.get("temperature"), request.get("seed")
+        temperature = float(temperature) if isinstance(temperature, int | float) else 1.0
+        rng = self.engine.call_rng(prompt, temperature=temperature, seed=seed if type(seed) is int else None)
+        return stop_clean(self.engine.generate(prompt, max_tokens, min_tokens=min_tokens, rng=rng))
 
     # --- payloads ----------------------------------------------------------------
 
@@ -188,37 +176,19 @@ class EngineApp:
             "generation_log_probs": generation.logprobs,
         }
 
-    async def _chat_generation(
-        self, request: dict[str, Any], prompt: list[int]
-    ) -> tuple[Generation, str | None, SamplingParams]:
-        """The chat route's generation: as generate's, except that a reply cut by ``max_tokens`` ends cleanly
-        (``<im_end>`` after valid UTF-8) unless the end-of-turn is forbidden, ignored or a constraint ran out."""
-        params = SamplingParams.of_chat(request, self.options.default_max_tokens, tool_calls=self.options.tool_calls)
-        if request.get("n", 1) != 1:
-            raise _BadRequest("the simulated engine serves n == 1 only")
+    async def _sample(self, prompt: list[int], params: SamplingParams) -> tuple[Generation, str | None]:
+        """The engine's generation, for the generate route and for the chat route after its render."""
         if self.options.delay_s:
             await anyio.sleep(self.options.delay_s)
         self.calls += 1
-        generation, stop_reason = self.scale_out.sample(prompt, params)
-        if generation.finish_reason == "length" and stop_reason is None:
-            keep_length = params.ignore_eos or params.eot_bias <= -_FORCE_BIAS or params.structured is not None
-            if keep_length:
-                generation = Generation(_valid_tail(generation.token_ids), generation.logprobs, "length")
-            else:
-                generation = _stop_clean(generation)
-        return generation, stop_reason, params
+        return self.scale_out.sample(prompt, params)
 
     def _chat_logprobs(self, request: dict[str, Any], generation: Generation, count: int) -> dict[str, Any]:
-        if request.get("return_tokens_as_token_ids"):
-            named: list[dict[str, Any]] = [
-                {"token": _TOKEN_ID_STRINGS[token], "logprob": logprob, "bytes": None, "top_logprobs": []}
-                for token, logprob in zip(generation.token_ids, generation.logprobs, strict=True)
-            ]
-            return {"content": named}
+        as_ids = request.get("return_tokens_as_token_ids") is True
         entries = []
         for token, logprob in zip(generation.token_ids, generation.logprobs, strict=True):
             top = [(i, lp) for i, lp, _ in top_logprobs(token, logprob, count)] if count else []
-            entries.append(logprob_entry(token, logprob, top))
+            entries.append(logprob_entry(token, logprob, top, as_ids=as_ids))
         return {"content": entries}
 
     def chat(
@@ -379,10 +349,8 @@ class EngineApp:
             )
             await send_json(send, 200, answer)
         elif path == "/inference/v1/generate":
-            if self.options.delay_s:
-                await anyio.sleep(self.options.delay_s)
-            self.calls += 1
-            request_id, prompt, generation, stop_reason, params = self.scale_out.generate(request)
+            request_id, prompt, params = self.scale_out.generate_request(request)
+            generation, stop_reason = await self._sample(prompt, params)
             if not request.get("stream"):
                 model = request.get("model") or _MODEL
                 answer = self.scale_out.response(request_id, model, prompt, (generation, stop_reason, params))
@@ -396,8 +364,12 @@ class EngineApp:
             await send_json(send, 200, self.derender.chat(request))
 
     async def _chat_route(self, request: dict[str, Any], send: Send) -> None:
+        """vLLM's chat route: the render of the request, the generate route's sampling, then the message assembly."""
         prompt = self._prompt(request, self._messages(request))
-        generation, stop_reason, params = await self._chat_generation(request, prompt)
+        params = self.scale_out.sampling_params(request, prompt, tool_calls=self.options.tool_calls)
+        if request.get("n", 1) != 1:
+            raise _BadRequest("the simulated engine serves n == 1 only")
+        generation, stop_reason = await self._sample(prompt, params)
         payload = self.chat(request, prompt, generation, stop_reason, params)
         if request.get("stream") is not True:
             await send_json(send, 200, payload)

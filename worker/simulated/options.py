@@ -24,6 +24,8 @@ class EngineOptions:
     delay_s: float = 0.0
     """Latency added to every generation (timeout tests)."""
     default_max_tokens: int = 16
+    """At most this many ids for ``/v1/completions`` and ``/v1/responses`` without a limit (the chat route, as
+    vLLM's, may fill the context)."""
     scale_out: bool = False
     """Serve the token-in/token-out routes (vLLM's ``--enable-scale-out``)."""
     max_model_len: int = 1 << 20

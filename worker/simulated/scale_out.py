@@ -17,32 +17,47 @@ the real vLLM 0.32, including what vLLM leaves out:
 * log-probs only when ``sampling_params.logprobs`` is set; each entry's ``top_logprobs`` holds ``max(logprobs, 1)``
   entries, the sampled token's first.
 
-Sampling honours ``max_tokens``, ``min_tokens``, ``stop`` strings (the ids keep the token that completed the string),
-``ignore_eos`` (end-of-turn ids stay inside the output), a ``logit_bias`` on the end-of-turn id (``>= 50`` forces it,
-``<= -50`` forbids it), ``structured_outputs`` (:mod:`worker.simulated.structured`) and, on a reasoning engine, the
-``</think>`` marker (:func:`worker.simulated.parsers.think`).
+Sampling (:meth:`ScaleOut.sample`) is the engine's one generation: the generate route runs it on the request's
+``sampling_params``, and the chat route is render then the same sampling then the parsers, as in vLLM (so the same
+request gives the same ids on both routes). It honours ``max_tokens`` (capped to the context), ``min_tokens``,
+``stop`` strings (the ids keep the token that completed the string), ``ignore_eos`` (end-of-turn ids stay inside the
+output), a ``logit_bias`` on the end-of-turn id (``>= 50`` forces it, ``<= -50`` forbids it), ``structured_outputs``
+(:mod:`worker.simulated.structured`) and, on a reasoning engine, the ``</think>`` marker
+(:func:`worker.simulated.parsers.think`). The simulated model ends its turn on its last allowed id (``<im_end>``
+after valid UTF-8, ``finish_reason: "stop"``) unless the end-of-turn is ignored or forbidden or a constraint runs
+out (``length``, after valid UTF-8), so a re-rendered conversation reproduces a reply's ids. As vLLM, greedy
+decoding (``temperature`` 0) and a request ``seed`` are deterministic: the same prompt and parameters give the same
+ids every time (:meth:`worker.simulated.engine.SimulatedEngine.call_rng`); unseeded sampling draws anew.
 """
 
 from __future__ import annotations
 
+import random
 import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from worker.simulated.engine import BYTE_OFFSET, IM_END, FinishReason, Generation, SimulatedEngine
+from worker.simulated.engine import (
+    BYTE_OFFSET,
+    GREEDY_TEMPERATURE,
+    IM_END,
+    FinishReason,
+    Generation,
+    SimulatedEngine,
+)
 from worker.simulated.parsers import THINK_END, think
 from worker.simulated.structured import BadStructuredRequest, constraint_of_chat, forced_text
 
-__all__ = ("SCALE_OUT_DISABLED", "BadScaleOutRequest", "SamplingParams", "ScaleOut", "top_logprobs")
+__all__ = ("SCALE_OUT_DISABLED", "BadScaleOutRequest", "SamplingParams", "ScaleOut", "stop_clean", "top_logprobs")
 
 SCALE_OUT_DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 _FORCE_BIAS = 50.0
 _NATURAL_LENGTH = 64
 """At most this many ids per free draw: a generation asked for the whole context still ends on its own, like a model."""
 _VLLM_DEFAULT_MAX_TOKENS = 16
-_GREEDY = 1e-5
+_SPACE_ID = BYTE_OFFSET + 0x20
 
 
 class BadScaleOutRequest(ValueError):
@@ -51,6 +66,12 @@ class BadScaleOutRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _numbers(raw: dict[str, Any]) -> dict[str, float]:
+    """The float sampling fields *raw* sets (``temperature``, ``top_p``, ``min_p``, the penalties)."""
+    keys = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    return {key: float(raw[key]) for key in keys if isinstance(raw.get(key), int | float)}
 
 
 def _floats(raw: Any) -> dict[str, float]:
@@ -89,7 +110,7 @@ class SamplingParams:
 
     def to_json(self) -> dict[str, Any]:
         """The ``sampling_params`` object as vLLM 0.32 serializes it (see the module docstring)."""
-        greedy = self.temperature < _GREEDY
+        greedy = self.temperature < GREEDY_TEMPERATURE
         out: dict[str, Any] = {
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
@@ -133,6 +154,7 @@ class SamplingParams:
             raise BadScaleOutRequest("sampling_params must be an object")
         stop = raw.get("stop") or ()
         structured = raw.get("structured_outputs")
+        top_k, seed = raw.get("top_k"), raw.get("seed")
         params = cls(
             max_tokens=raw.get("max_tokens"),
             min_tokens=raw.get("min_tokens") or 0,
@@ -144,6 +166,9 @@ class SamplingParams:
             logit_bias=_floats(raw.get("logit_bias")),
             structured=structured if isinstance(structured, dict) else None,
             stream=raw.get("output_kind") == 1,
+            top_k=top_k if type(top_k) is int else 0,
+            seed=seed if type(seed) is int else None,
+            **_numbers(raw),
         )
         params.check()
         return params
@@ -161,11 +186,6 @@ class SamplingParams:
                 "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)", "top_logprobs"
             )
         stop = request.get("stop") or ()
-        numbers = {
-            key: float(request[key])
-            for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-            if isinstance(request.get(key), int | float)
-        }
         try:
             structured = constraint_of_chat(request, tool_calls=tool_calls)
         except BadStructuredRequest as exc:
@@ -184,7 +204,7 @@ class SamplingParams:
             seed=seed if isinstance(seed, int) else None,
             structured=structured,
             stream=request.get("stream") is True,
-            **numbers,
+            **_numbers(request),
         )
         params.check()
         return params
@@ -200,6 +220,26 @@ class SamplingParams:
             )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise BadScaleOutRequest("stop must be a string or a list of non-empty strings", "stop")
+
+
+def _valid_tail(ids: list[int]) -> list[int]:
+    """*ids* with the bytes of a character cut off at their end replaced by spaces (same length)."""
+    start = len(ids)
+    while start > 0 and ids[start - 1] >= BYTE_OFFSET and len(ids) - start < 4:
+        start -= 1
+    tail = bytes(token - BYTE_OFFSET for token in ids[start:])
+    valid = tail.decode("utf-8", errors="ignore").encode("utf-8")
+    if tail.startswith(valid) and len(valid) < len(tail):
+        return [*ids[:start], *(BYTE_OFFSET + byte for byte in valid), *[_SPACE_ID] * (len(tail) - len(valid))]
+    return ids
+
+
+def stop_clean(generation: Generation) -> Generation:
+    """*generation* ending with ``<im_end>`` after valid UTF-8 (same length and log-probs)."""
+    if generation.finish_reason == "stop":
+        return generation
+    ids = [*_valid_tail(generation.token_ids[:-1]), IM_END]
+    return Generation(ids, generation.logprobs, "stop")
 
 
 def top_logprobs(token: int, logprob: float, count: int) -> list[tuple[int, float, int]]:
@@ -236,13 +276,23 @@ class ScaleOut:
                     "max_tokens",
                 )
 
+    def sampling_params(self, request: dict[str, Any], token_ids: Sequence[int], *, tool_calls: bool) -> SamplingParams:
+        """The sampling parameters render gives a chat request whose template rendered *token_ids* (the chat route
+        samples with them too): ``max_tokens`` capped to the context, and filling it when the request names none.
+
+        :raises BadScaleOutRequest: a prompt over the context, or what :meth:`SamplingParams.of_chat` refuses.
+        """
+        self.check_length(token_ids)
+        self.check_max_tokens(request)
+        room = self.max_model_len - len(token_ids)
+        params = SamplingParams.of_chat(request, room, tool_calls=tool_calls)
+        return params if params.max_tokens is None or params.max_tokens <= room else replace(params, max_tokens=room)
+
     def render(
         self, request: dict[str, Any], token_ids: list[int], *, tool_calls: bool, template_kwargs: dict[str, Any]
     ) -> dict[str, Any]:
         """The generate request of a chat request whose template rendered *token_ids* (vLLM 0.32's fields)."""
-        self.check_length(token_ids)
-        self.check_max_tokens(request)
-        params = SamplingParams.of_chat(request, self.max_model_len - len(token_ids), tool_calls=tool_calls)
+        params = self.sampling_params(request, token_ids, tool_calls=tool_calls)
         options = request.get("stream_options")
         if isinstance(options, dict):
             options = {"include_usage": options.get("include_usage"), "continuous_usage_stats": False, **options}
@@ -266,7 +316,7 @@ class ScaleOut:
             "ec_transfer_params": None,
         }
 
-    def _forced(self, prompt: Sequence[int], params: SamplingParams, text: str, limit: int) -> Generation:
+    def _forced(self, text: str, limit: int, rng: random.Random | None) -> Generation:
         """A constrained generation: (on a reasoning engine, free reasoning and ``</think>``, then) *text* and the
         end-of-turn, the forced ids at log-prob 0.0; cut at *limit* ids (``length``)."""
         head: list[int] = []
@@ -274,7 +324,7 @@ class ScaleOut:
         forced = self.engine.tokenizer.encode(text)
         if self.reasoning:  # a short reasoning (at least one character), leaving room for the forced text if it can
             room = max(2, min(limit - len(forced) - 2, _NATURAL_LENGTH))
-            part = self.engine.generate(prompt, room, min_tokens=2)
+            part = self.engine.generate((), room, min_tokens=2, rng=rng)
             body = part.token_ids[:-1] if part.token_ids[-1] == IM_END else part.token_ids
             head, head_logprobs = [*body, THINK_END], [*part.logprobs[: len(body)], -0.5]
         ids = [*head, *forced, IM_END]
@@ -282,7 +332,7 @@ class ScaleOut:
         finish: FinishReason = "length" if len(ids) > limit else "stop"
         return Generation(ids[:limit], logprobs[:limit], finish)
 
-    def _free(self, prompt: Sequence[int], params: SamplingParams, limit: int) -> Generation:
+    def _free(self, params: SamplingParams, limit: int, rng: random.Random | None) -> Generation:
         if params.eot_bias >= _FORCE_BIAS:
             count = limit if params.ignore_eos else 1
             return Generation([IM_END] * count, [-0.015625] * count, "length" if params.ignore_eos else "stop")
@@ -291,7 +341,7 @@ class ScaleOut:
         while len(ids) < limit:
             floor = max(params.min_tokens - len(ids), 1)
             draw = min(limit - len(ids), max(_NATURAL_LENGTH, floor))
-            part = self.engine.generate([*prompt, *ids], draw, min_tokens=floor)
+            part = self.engine.generate(ids, draw, min_tokens=floor, rng=rng)
             body = part.token_ids
             if params.eot_bias <= -_FORCE_BIAS and body[-1] == IM_END:
                 body = [*body[:-1], BYTE_OFFSET + 0x20]
@@ -304,19 +354,31 @@ class ScaleOut:
         return think(generation, params.logit_bias) if self.reasoning else generation
 
     def sample(self, prompt: Sequence[int], params: SamplingParams) -> tuple[Generation, str | None]:
-        """Generate under *params*; returns the generation and its ``stop_reason`` (the stop string, if any).
+        """The engine's generation after *prompt* under *params* (the generate route's, and the chat route's after
+        its render); returns it and its ``stop_reason`` (the stop string, if any). See the module docstring.
 
-        ``max_tokens`` absent: up to the context's end (``max_model_len - len(prompt)``), as vLLM's generate route.
+        ``max_tokens`` absent or over the context: up to the context's end (``max_model_len - len(prompt)``), as
+        vLLM's generate route. Greedy decoding or a ``seed``: the call's own generator, derived from the prompt.
         """
-        limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
+        room = self.max_model_len - len(prompt)
+        limit = room if params.max_tokens is None else min(params.max_tokens, room)
+        rng = self.engine.call_rng(prompt, temperature=params.temperature, seed=params.seed)
         text = forced_text(params.structured)
-        generation = self._free(prompt, params, limit) if text is None else self._forced(prompt, params, text, limit)
-        if not params.stop:  # nothing to look for: skip the per-prefix decode (quadratic in the output length)
-            return generation, None
+        generation = self._free(params, limit, rng) if text is None else self._forced(text, limit, rng)
+        generation, stop_reason = self._stop_string(generation, params.stop)
+        if generation.finish_reason == "length" and stop_reason is None:
+            if params.ignore_eos or params.eot_bias <= -_FORCE_BIAS or params.structured is not None:
+                generation = Generation(_valid_tail(generation.token_ids), generation.logprobs, "length")
+            else:  # the model ends its turn on its last allowed id
+                generation = stop_clean(generation)
+        return generation, stop_reason
+
+    def _stop_string(self, generation: Generation, stops: tuple[str, ...]) -> tuple[Generation, str | None]:
+        """*generation* cut after the id that completes the first of *stops* in its text, and that stop string."""
         ids = generation.token_ids
-        for end in range(1, len(ids) + 1):
+        for end in range(1, len(ids) + 1) if stops else ():  # none: no per-prefix decode (quadratic in the length)
             decoded = self.engine.tokenizer.decode(ids[:end])
-            hit = next((stop for stop in params.stop if stop in decoded), None)
+            hit = next((stop for stop in stops if stop in decoded), None)
             if hit is not None:
                 return Generation(ids[:end], generation.logprobs[:end], "stop"), hit
         return generation, None
@@ -351,8 +413,9 @@ class ScaleOut:
             "logprobs": logprobs,
         }
 
-    def generate(self, request: dict[str, Any]) -> tuple[str, list[int], Generation, str | None, SamplingParams]:
-        """Run a generate request; returns its id, prompt, generation, stop reason and sampling parameters.
+    def generate_request(self, request: dict[str, Any]) -> tuple[str, list[int], SamplingParams]:
+        """A generate request's id, prompt and sampling parameters (:meth:`sample` runs it; a ``max_tokens`` over
+        the context is capped to it, silently, as vLLM).
 
         :raises BadScaleOutRequest: bad ``token_ids`` or ``sampling_params``, or a prompt over the context.
         """
@@ -361,11 +424,8 @@ class ScaleOut:
             raise BadScaleOutRequest("token_ids must be a non-empty list of non-negative ints")
         self.check_length(prompt)
         params = SamplingParams.from_json(request.get("sampling_params"))
-        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
-            params = replace(params, max_tokens=None)  # capped to the context, silently, as vLLM
-        generation, stop_reason = self.sample(prompt, params)
         request_id = f"generate-tokens-{request.get('request_id') or secrets.token_hex(8)}"
-        return request_id, prompt, generation, stop_reason, params
+        return request_id, prompt, params
 
     def response(
         self,
