@@ -53,7 +53,9 @@ from tests.helpers.topology import (
     slot_of,
 )
 
-pytestmark = pytest.mark.anyio
+# A cluster failover waits on the servers (a manual failover may be asked again on a busy machine): more than the
+# default per-test timeout, bounded by the helpers' own deadlines.
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 
 def _unavailable(exc: BaseException, code: str) -> None:

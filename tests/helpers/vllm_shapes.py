@@ -233,7 +233,9 @@ def generate_fills_the_context(run: _Run) -> None:
 
 def generate_and_derender(run: _Run) -> None:
     """Five ids (end-of-turn forbidden) with two top log-probs, back through derender with and without chat_request."""
-    rendered = run.render("render", max_tokens=5, logit_bias=NO_EOT, logprobs=True, top_logprobs=2)
+    # Greedy: the sampled id is the top candidate, so the top log-probs list it once (a sampled id outside the top
+    # two is listed first, then the two: the count would depend on the draw).
+    rendered = run.render("render", max_tokens=5, logit_bias=NO_EOT, logprobs=True, top_logprobs=2, temperature=0.0)
     generated = run.generate("generate", rendered)
     run.derender("derender", generated, rendered)
     choice = generated["choices"][0]
@@ -241,7 +243,7 @@ def generate_and_derender(run: _Run) -> None:
     run.derender("derender_fewer_logprobs", fewer, rendered)
     no_logprobs = {**generated, "choices": [{**choice, "logprobs": None}]}
     run.derender("derender_no_logprobs", no_logprobs, rendered)
-    chat_request = run.request(max_tokens=5, logit_bias=NO_EOT, logprobs=True, top_logprobs=2)
+    chat_request = run.request(max_tokens=5, logit_bias=NO_EOT, logprobs=True, top_logprobs=2, temperature=0.0)
     run.derender("derender_chat_request", generated, rendered, chat_request=chat_request)
     unasked = run.render("render_no_logprobs", max_tokens=3, logit_bias=NO_EOT)
     run.generate("generate_no_logprobs", unasked)
