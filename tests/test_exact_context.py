@@ -22,11 +22,9 @@ import pytest
 
 from tests.helpers.logging_hop import LoggingHop, running_hop
 from tests.helpers.proxy import client_for, close_clients, finish, manifest, proxy_config, pull
-from tests.helpers.vllm_server import VllmServer
+from tests.helpers.tier_engine import tier_engine
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
 OTHER_TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
@@ -36,16 +34,6 @@ OTHER_TOOLS = [{"type": "function", "function": {"name": "search", "parameters":
 def _clients() -> Iterator[None]:
     yield
     close_clients()
-
-
-def _engine(kind: str, variant: str, request: pytest.FixtureRequest, stack: ExitStack) -> tuple[str, str, dict[str, float]]:
-    """The engine's URL, model, and a logit bias keeping the tiny model off the specials its text hides."""
-    if kind == "simulated":
-        app = EngineApp(EngineOptions(seed=6, scale_out=True, max_model_len=1024))
-        return stack.enter_context(running_server(app)), "simulated", {}
-    server: VllmServer = request.getfixturevalue(f"vllm_{variant}")
-    hidden = ("<|endoftext|>", "<|im_start|>", "<think>")
-    return server.url, server.model, {str(server.id_of(token)): -100.0 for token in hidden}
 
 
 EDITS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -107,7 +95,8 @@ def test_an_edited_context_is_never_spliced_onto_the_old_one(
     before, after = {**before, "headers": headers}, {**after, "headers": headers}
     rollout = f"context-{edit}-{kind}-{policy}"
     with ExitStack() as stack:
-        url, model, bias = _engine(kind, variant, request, stack)
+        engine = tier_engine(kind, variant, request, stack, seed=6)
+        url, model, bias = engine.url, engine.model, engine.bias()
         hop, hop_url = stack.enter_context(running_hop(url))
         base = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, hop_url))))
         history: list[Any] = [{"role": "user", "content": "Go."}]
@@ -143,7 +132,8 @@ def test_an_unchanged_context_is_spliced_and_every_call_says_how_it_was_sampled(
     setup = {"system": "Be terse."}
     rollout = f"context-same-{kind}"
     with ExitStack() as stack:
-        url, model, bias = _engine(kind, "chatml", request, stack)
+        engine = tier_engine(kind, "chatml", request, stack, seed=6)
+        url, model, bias = engine.url, engine.model, engine.bias()
         base = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, url))))
         history: list[Any] = [{"role": "user", "content": "Go."}]
         first = _turn(base, rollout, model, bias, setup, history)

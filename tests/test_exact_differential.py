@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -28,12 +28,9 @@ import pytest
 
 from tests.helpers.logging_hop import LoggingHop, running_hop
 from tests.helpers.proxy import client_for, close_clients, proxy_config
-from tests.helpers.vllm_server import VllmServer
+from tests.helpers.tier_engine import TierEngine, tier_engine
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
-from worker.simulated.engine import IM_END
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 TOOLS = [
     {
@@ -47,26 +44,7 @@ TOOLS = [
 SYSTEM = {"role": "system", "content": "You are terse."}
 
 
-@dataclass(frozen=True)
-class Engine:
-    """The engine under test: its URL, served model and the ids the cases bias."""
-
-    url: str
-    model: str
-    eot: int
-    hidden: tuple[int, ...] = ()
-    """Ids the tiny model must not sample (specials its text would hide)."""
-    think_end: int | None = None
-    letters: dict[str, int] = field(default_factory=dict)
-    """Ids of single characters, for ``stop_token_ids`` (the tiny tokenizer has no merges)."""
-
-    def bias(self, **by_id: float) -> dict[str, float]:
-        out = {str(token): -100.0 for token in self.hidden}
-        out.update(by_id)
-        return out
-
-
-Options = Callable[[Engine], dict[str, Any]]
+Options = Callable[[TierEngine], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -81,11 +59,11 @@ class Case:
     """The first turn is refused (400): both sides must refuse it the same way."""
 
 
-def greedy(engine: Engine, **extra: Any) -> dict[str, Any]:
+def greedy(engine: TierEngine, **extra: Any) -> dict[str, Any]:
     return {"temperature": 0.0, "logit_bias": engine.bias(), **extra}
 
 
-def _eot(engine: Engine, value: float) -> dict[str, float]:
+def _eot(engine: TierEngine, value: float) -> dict[str, float]:
     return engine.bias(**{str(engine.eot): value})
 
 
@@ -184,19 +162,6 @@ def _clients() -> Iterator[None]:
     close_clients()
 
 
-def _engine(kind: str, variant: str, request: pytest.FixtureRequest, stack: ExitStack) -> Engine:
-    if kind == "simulated":
-        app = EngineApp(EngineOptions(seed=5, scale_out=True, max_model_len=1024))
-        tokenizer = app.engine.tokenizer
-        letters = {letter: tokenizer.encode(letter)[0] for letter in "aeo"}
-        return Engine(stack.enter_context(running_server(app)), "simulated", IM_END, letters=letters)
-    server: VllmServer = request.getfixturevalue(f"vllm_{variant}")
-    hidden = tuple(server.id_of(token) for token in ("<|endoftext|>", "<|im_start|>", "<think>"))
-    think_end = server.id_of("</think>") if variant == "reasoning" else None
-    letters = {letter: server.id_of(letter) for letter in "aeo"}
-    return Engine(server.url, server.model, server.id_of("<|im_end|>"), hidden, think_end, letters)
-
-
 def _normalized(value: Any) -> Any:
     """*value* without what differs on every call (ids, timestamps, tool-call ids)."""
     if isinstance(value, dict):
@@ -281,7 +246,7 @@ def _generate_requests(hop: LoggingHop) -> list[dict[str, Any]]:
     return [exchange.request_json() for exchange in hop.on("/inference/v1/generate")]
 
 
-def _rendered(engine: Engine, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
+def _rendered(engine: TierEngine, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
     body = {k: v for k, v in options.items() if k not in ("stream", "stream_options")}
     answer = httpx.post(
         f"{engine.url}/v1/chat/completions/render", json={"model": engine.model, "messages": messages, **body}, timeout=60
@@ -348,7 +313,7 @@ def _assert_same_fields(direct: Answer, proxied: Answer, what: str) -> None:
     assert shape(direct.body) == shape(proxied.body) or not direct.body["choices"][0]["message"].get("tool_calls"), what
 
 
-def _check_sampling_params(case: Case, engine: Engine, options: dict[str, Any], hop: LoggingHop) -> None:
+def _check_sampling_params(case: Case, engine: TierEngine, options: dict[str, Any], hop: LoggingHop) -> None:
     """Every generate request carried the agent's ``max_tokens`` explicitly and its log-prob count."""
     limit = options.get("max_completion_tokens", options.get("max_tokens"))
     for generate in _generate_requests(hop):
@@ -365,7 +330,7 @@ def test_exact_mode_answers_as_the_chat_route(
 ) -> None:
     case = CASES[name]
     with ExitStack() as stack:
-        engine = _engine(kind, case.variant, request, stack)
+        engine = tier_engine(kind, case.variant, request, stack)
         hop, hop_url = stack.enter_context(running_hop(engine.url))
         proxy = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, hop_url))))
         options = case.options(engine)

@@ -23,11 +23,10 @@ from tests.helpers.engine_truth import Generated, assert_row_is_exact, generatio
 from tests.helpers.logging_hop import Exchange, running_hop
 from tests.helpers.proxy import close_clients, finish, proxy_config, pull, run_agent
 from tests.helpers.scenario_agent import Turn, run_scenario
-from tests.helpers.vllm_server import VllmServer
+from tests.helpers.tier_engine import TierEngine, tier_engine
 from worker.errors import StagingModeError
 from worker.proxy.app import build_proxy
 from worker.proxy.serve import running_server
-from worker.simulated.engine import IM_END
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
 
@@ -42,63 +41,45 @@ TOOLS = [
 ]
 
 
-@dataclass(frozen=True)
-class Engine:
-    """The engine a scenario runs on: its URL, served model, and ids the scenarios bias."""
-
-    url: str
-    model: str
-    eot: int
-    hidden: tuple[int, ...] = ()
-    """Ids the tiny model must not sample in plain scenarios (specials its text would hide)."""
-    think_end: int | None = None
+Options = Callable[[TierEngine, int], dict[str, Any]]
 
 
-Options = Callable[[Engine, int], dict[str, Any]]
+def plain(engine: TierEngine, turn: int) -> dict[str, Any]:
+    return {"max_tokens": 12, "seed": turn, "logit_bias": engine.bias()}
 
 
-def bias(engine: Engine, **by_id: float) -> dict[str, float]:
-    out = {str(token): -100.0 for token in engine.hidden}
-    out.update(by_id)
-    return out
-
-
-def plain(engine: Engine, turn: int) -> dict[str, Any]:
-    return {"max_tokens": 12, "seed": turn, "logit_bias": bias(engine)}
-
-
-def streaming(engine: Engine, turn: int) -> dict[str, Any]:
+def streaming(engine: TierEngine, turn: int) -> dict[str, Any]:
     return {**plain(engine, turn), "stream": True, "stream_options": {"include_usage": True}}
 
 
-def tools(engine: Engine, turn: int) -> dict[str, Any]:
+def tools(engine: TierEngine, turn: int) -> dict[str, Any]:
     # Turns 0 and 1: structured outputs make the tiny model write a pythonic call, which the tool parser turns
     # into tool_calls (the simulated engine has no parser and ignores the constraint).
     forced = {"extra_body": {"structured_outputs": {"choice": [f"[lookup(q='t{turn}')]"]}}} if turn < 2 else {}
     return {**plain(engine, turn), "max_tokens": 24, "tools": TOOLS, **forced}
 
 
-def reasoning(engine: Engine, turn: int) -> dict[str, Any]:
+def reasoning(engine: TierEngine, turn: int) -> dict[str, Any]:
     think = {str(engine.think_end): 2.0} if engine.think_end is not None else {}
-    return {"max_tokens": 16, "seed": turn, "logit_bias": {**bias(engine), **think}}
+    return {"max_tokens": 16, "seed": turn, "logit_bias": {**engine.bias(), **think}}
 
 
-def reasoning_streaming(engine: Engine, turn: int) -> dict[str, Any]:
+def reasoning_streaming(engine: TierEngine, turn: int) -> dict[str, Any]:
     return {**reasoning(engine, turn), "stream": True}
 
 
-def stop_strings(engine: Engine, turn: int) -> dict[str, Any]:
-    return {"max_tokens": 40, "seed": turn, "stop": ["e", "t", "a", "o"], "logit_bias": bias(engine)}
+def stop_strings(engine: TierEngine, turn: int) -> dict[str, Any]:
+    return {"max_tokens": 40, "seed": turn, "stop": ["e", "t", "a", "o"], "logit_bias": engine.bias()}
 
 
-def ignore_eos(engine: Engine, turn: int) -> dict[str, Any]:
+def ignore_eos(engine: TierEngine, turn: int) -> dict[str, Any]:
     eot = {str(engine.eot): 4.0}
-    return {"max_tokens": 10, "seed": turn, "logit_bias": {**bias(engine), **eot}, "extra_body": {"ignore_eos": True}}
+    return {"max_tokens": 10, "seed": turn, "logit_bias": {**engine.bias(), **eot}, "extra_body": {"ignore_eos": True}}
 
 
-def forced_empty(engine: Engine, turn: int) -> dict[str, Any]:
+def forced_empty(engine: TierEngine, turn: int) -> dict[str, Any]:
     eot = 100.0 if turn == 1 else -100.0  # turn 1's reply is empty: its first sampled id is the end-of-turn
-    return {"max_tokens": 8, "seed": turn, "logit_bias": bias(engine, **{str(engine.eot): eot})}
+    return {"max_tokens": 8, "seed": turn, "logit_bias": engine.bias(**{str(engine.eot): eot})}
 
 
 @dataclass(frozen=True)
@@ -131,16 +112,6 @@ def _clients() -> Iterator[None]:
     close_clients()
 
 
-def _engine(kind: str, variant: str, request: pytest.FixtureRequest, stack: ExitStack) -> Engine:
-    if kind == "simulated":
-        app = EngineApp(EngineOptions(seed=5, scale_out=True, max_model_len=1024))
-        return Engine(stack.enter_context(running_server(app)), "simulated", IM_END)
-    server: VllmServer = request.getfixturevalue(f"vllm_{variant}")
-    hidden = tuple(server.id_of(token) for token in ("<|endoftext|>", "<|im_start|>", "<think>"))
-    think_end = server.id_of("</think>") if variant == "reasoning" else None
-    return Engine(server.url, server.model, server.id_of("<|im_end|>"), hidden, think_end)
-
-
 def _start_up_probe(exchange: Exchange) -> bool:
     """The proxy's one start-up chat call (exact mode learns the chat route's fingerprint and empty reply from it)."""
     if exchange.path != "/v1/chat/completions":
@@ -166,7 +137,7 @@ def _run(
     scenario = SCENARIOS[name]
     rollout_id = f"{name}-{kind}"
     with ExitStack() as stack:
-        engine = _engine(kind, scenario.variant, request, stack)
+        engine = tier_engine(kind, scenario.variant, request, stack)
         hop, hop_url = stack.enter_context(running_hop(engine.url))
         bases = [
             stack.enter_context(running_server(build_proxy(proxy_config(redis_url, hop_url, **settings))))
@@ -202,7 +173,7 @@ def test_every_rollout_is_trainable_and_exact(
     # Exact-prefix mode: every generation went through the token-in route, none through the re-templating one.
     assert "/v1/chat/completions" not in paths and paths.count("/inference/v1/generate") == len(engine_answers) == 3
     # ... and none generated more than the agent's max_tokens (vLLM drops a default-valued max_tokens from render).
-    limits = [SCENARIOS[name].options(Engine("", "", 0), turn)["max_tokens"] for turn in range(3)]
+    limits = [SCENARIOS[name].options(TierEngine("", "", 0), turn)["max_tokens"] for turn in range(3)]
     assert all(len(g.ids) <= limit for g, limit in zip(engine_answers, limits, strict=True)), [len(g.ids) for g in engine_answers]
 
 
