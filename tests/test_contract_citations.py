@@ -262,7 +262,11 @@ def test_the_contract_names_modules_and_objects_that_exist() -> None:
 
 
 def _linked_docs() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if p != CONTRACT)]
+    return [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        *sorted(p for p in (ROOT / "docs").rglob("*.md") if p != CONTRACT),
+    ]
 
 
 def test_readme_and_docs_link_their_contract_references() -> None:

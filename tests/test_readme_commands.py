@@ -76,7 +76,9 @@ def test_the_docs_show_commands() -> None:
 
 
 @pytest.mark.parametrize("argv", ARGVS, ids=" ".join)
-def test_every_documented_command_parses_and_has_help(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_documented_command_parses_and_has_help(
+    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
     if argv and argv[0] == "bench":  # bench hands its arguments to the benchmark's own parser
         assert argv[1] in BENCHES, argv
     elif argv and not argv[0].startswith("-"):
