@@ -1,10 +1,11 @@
 """Every contract citation resolves in docs/contract.md, the docs link to it, and no comment cites a tracker issue.
 
 * Each section sign (a section number such as 5.5 after the sign) and each ``INV-<n>`` in ``sink/``,
-  ``worker/``, ``tests/``, ``docs/`` and ``README.md`` names a heading or an anchor of ``docs/contract.md``;
+  ``worker/``, ``tests/``, ``docs/``, ``README.md`` and ``CONTRIBUTING.md`` names a heading or an anchor of
+  ``docs/contract.md``;
   no section sign cites another document.
 * The page keeps the reference's numbering, and every module or object it names (``sink.x.y``) exists.
-* Outside code blocks, README and the other docs link their contract references (section signs, invariants,
+* Outside code blocks, README, CONTRIBUTING and the other docs link their contract references (section signs, invariants,
   "the contract", "the seed") to ``docs/contract.md``, and every such link's anchor exists.
 * No Python source cites a tracker issue number: say what is meant instead.
 """
@@ -49,7 +50,7 @@ class Citation(NamedTuple):
 
 
 def _scanned_files() -> list[Path]:
-    files = [ROOT / "README.md"]
+    files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
     for folder in ("sink", "worker", "tests"):
         files.extend(sorted((ROOT / folder).rglob("*.py")))
     files.extend(sorted((ROOT / "docs").rglob("*.md")))
@@ -261,7 +262,11 @@ def test_the_contract_names_modules_and_objects_that_exist() -> None:
 
 
 def _linked_docs() -> list[Path]:
-    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if p != CONTRACT)]
+    return [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        *sorted(p for p in (ROOT / "docs").rglob("*.md") if p != CONTRACT),
+    ]
 
 
 def test_readme_and_docs_link_their_contract_references() -> None:

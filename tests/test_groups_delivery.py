@@ -1,7 +1,7 @@
 """What a GroupReader delivers and counts (real servers): groups of one, groups with nothing to train, the policies'
 counters, and how long a closed group's tombstone lasts.
 
-Policy (sink.trainer.groups, README "GRPO groups"): a rollout without a group is a complete group of one; a
+Policy (sink.trainer.groups, docs/training.md#grpo-groups): a rollout without a group is a complete group of one; a
 skipped one is acknowledged at once and listed in ``failed``. A group with no trainable member is never
 delivered: counted as dropped and closed. ``drop_group`` drops a group with a failed member; a group sealed at
 ``group_timeout_s`` under ``partial`` is delivered ``complete=False``. :class:`GroupStatistics` counts each group

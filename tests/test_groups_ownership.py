@@ -1,6 +1,6 @@
 """Who delivers a GRPO group, and with what, across ranks on real servers (sink.trainer.groups).
 
-The policy (module docstring, README "GRPO groups"): the rank whose member completes a group owns it and takes
+The policy (module docstring, docs/training.md#grpo-groups): the rank whose member completes a group owns it and takes
 the other ranks' members over; a member that cannot be taken over is listed in ``failed`` (its skip code, or
 ``member_unavailable`` when its receipt entry is gone) and nothing is stranded; the other ranks let their members
 go, unacknowledged, on their next pull, whatever else they wait on; a group found complete with a dead owner, or

@@ -1,7 +1,7 @@
 """What a GroupReader reports on real servers: each group's reward statistics, its failed members' codes and
 reasons, and the counters of :class:`~sink.trainer.groups.GroupStatistics`; every rollout of a pull delivered.
 
-The policy (sink.trainer.groups, README "GRPO groups"): ``reward_mean``/``reward_std``/``reward_min``/
+The policy (sink.trainer.groups, docs/training.md#grpo-groups): ``reward_mean``/``reward_std``/``reward_min``/
 ``reward_max`` are over the members that have a reward, ``NaN`` when none has; a failed member is listed in
 ``RolloutGroup.failed`` with the skip code and reason the reader gave it; ``late`` and ``size_mismatches`` count
 every late member and every group whose members disagreed on ``group_size`` (with a ``group_size_mismatch``

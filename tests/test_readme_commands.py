@@ -1,6 +1,7 @@
-"""README's commands match the CLI: every ``staging-sink`` command line in README (code blocks and inline code)
-parses with the real parser, its ``--help`` works, the safe ones run against a real server, and install lines
-say how this package is installed (from a clone, not from PyPI)."""
+"""The docs' commands match the CLI: every ``staging-sink`` command line in README, ``docs/``, ``deploy/README.md``
+and CONTRIBUTING (code blocks and inline code) parses with the real parser, its ``--help`` works, the safe ones run
+against a real server, install lines say how this package is installed (from a clone, not from PyPI), and every
+command, metric, exit code and ACL role the code has is documented somewhere in ``docs/``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from sink.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "deploy" / "README.md", *PAGES]
 EXTRAS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
 PLACEHOLDERS = {
     "R": "r1",
@@ -32,16 +34,17 @@ PLACEHOLDERS = {
 BENCHES = ("codec", "stage", "worker", "assembly", "trainer", "ack", "gym", "proxy")
 
 
-def _command_texts() -> list[str]:
-    """Every ``staging-sink ...`` command in README: code-block lines (comments cut) and inline code spans."""
+def _command_texts(paths: list[Path]) -> list[str]:
+    """Every ``staging-sink ...`` command in *paths*: code-block lines (comments cut) and inline code spans."""
     found: list[str] = []
-    for block in re.findall(r"```[a-z]*\n(.*?)```", README, flags=re.DOTALL):
-        for line in block.splitlines():
-            text = re.split(r"\s#", line)[0].strip()
-            text = re.sub(r"^(\S*/)?(staging-sink )", r"\2", text.split("&& ")[-1])
-            if text.startswith("staging-sink "):
-                found.append(text)
-    found += [m.replace("\\|", "|") for m in re.findall(r"`(staging-sink [^`]*)`", README)]
+    for text in (path.read_text() for path in paths):
+        for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.DOTALL):
+            for line in block.splitlines():
+                command = re.split(r"\s#", line)[0].strip()
+                command = re.sub(r"^(\S*/)?(staging-sink )", r"\2", command.split("&& ")[-1])
+                if command.startswith("staging-sink "):
+                    found.append(command)
+        found += [m.replace("\\|", "|") for m in re.findall(r"`(staging-sink [^`]*)`", text)]
     return sorted(set(found))
 
 
@@ -63,23 +66,26 @@ def _fill(word: str, before: str) -> str:
     return "staging" if before == "--state" else PLACEHOLDERS.get(word, word)
 
 
-COMMANDS = _command_texts()
+COMMANDS = _command_texts(DOCS)
 ARGVS = sorted({tuple(argv) for text in COMMANDS for argv in _variants(text)})
 
 
-def test_readme_shows_commands() -> None:
+def test_the_docs_show_commands() -> None:
     assert len(COMMANDS) >= 20 and any(argv[:1] == ("proxy",) for argv in ARGVS)
+    assert any(argv[:1] == ["proxy"] for text in _command_texts([ROOT / "README.md"]) for argv in _variants(text))
 
 
 @pytest.mark.parametrize("argv", ARGVS, ids=" ".join)
-def test_every_readme_command_parses_and_has_help(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_documented_command_parses_and_has_help(
+    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
     if argv and argv[0] == "bench":  # bench hands its arguments to the benchmark's own parser
         assert argv[1] in BENCHES, argv
     elif argv and not argv[0].startswith("-"):
         try:
             build_parser().parse_args(list(argv))
         except SystemExit:
-            # A bare mention (`staging-sink proxy`) may omit a required option; nothing README shows may be
+            # A bare mention (`staging-sink proxy`) may omit a required option; nothing the docs show may be
             # unknown to the CLI.
             error = capsys.readouterr().err
             assert "unrecognized arguments" not in error and "invalid choice" not in error, error
@@ -97,7 +103,7 @@ SAFE = [["stats"], ["list"], ["prune", "--dry-run"], ["prune", "--dry-run", "--j
 
 
 @pytest.mark.parametrize("argv", SAFE, ids=" ".join)
-def test_the_safe_readme_commands_run_against_a_real_server(argv: list[str], redis_url: str) -> None:
+def test_the_safe_documented_commands_run_against_a_real_server(argv: list[str], redis_url: str) -> None:
     assert tuple(argv) in ARGVS or any(a[: len(argv)] == tuple(argv) for a in ARGVS), argv
     assert main([*argv, "--redis-url", redis_url]) == 0
 
@@ -139,39 +145,80 @@ def test_proxy_and_delete_help_say_what_the_commands_do(capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main(["delete", "--help"])
     delete = " ".join(capsys.readouterr().out.split())
-    assert "every key" in delete and "staged records" in delete  # as README's command table says
-    assert "remove **every key of the rollout**" in README
+    assert "every key" in delete and "staged records" in delete
 
 
-def test_the_function_library_name_is_the_one_readme_describes() -> None:
+def test_the_function_library_name_has_the_documented_form() -> None:
     from sink.store.scripts import LIBRARY
 
-    assert "`staging_sink_<hash>`" in README
+    assert any("`staging_sink_<hash>`" in path.read_text() for path in PAGES)
     assert re.fullmatch(r"staging_sink_[0-9a-f]{12}", LIBRARY.name), LIBRARY.name
 
 
-def _table_commands() -> set[str]:
-    """The command names README's command table lists: the first word after ``staging-sink`` of a row's first
-    cell, and of every further code span in it (`` `staging-sink inspect R` / `verify R` ``)."""
-    names: set[str] = set()
-    for row in re.findall(r"^\| (`staging-sink .*?) \|", README, flags=re.MULTILINE):
-        for span in re.findall(r"`([^`]*)`", row):
-            names.add(span.removeprefix("staging-sink ").split()[0])
-    return names
+# --- everything the code has is documented somewhere in docs/ --------------------------------------------
+
+DOCS_TEXT = "\n".join(page.read_text() for page in PAGES)
 
 
-def test_the_command_table_lists_every_command_and_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_command_and_benchmark_is_documented_in_docs(capsys: pytest.CaptureFixture[str]) -> None:
     [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    missing = set(commands.choices) - _table_commands()
-    assert not missing, f"README's command table lacks {sorted(missing)}"
+    documented = {argv[0] for text in _command_texts(PAGES) for argv in _variants(text) if argv}
+    # A table row may name several commands: `staging-sink inspect R` / `verify R` / `tail R`.
+    for row in re.findall(r"^\| (`staging-sink .*?) \|", DOCS_TEXT, flags=re.MULTILINE):
+        documented |= {span.removeprefix("staging-sink ").split()[0] for span in re.findall(r"`([^`]+)`", row)}
+    missing = set(commands.choices) - documented
+    assert not missing, f"no page of docs/ shows `staging-sink {sorted(missing)}`"
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     listed = re.search(r"^\s+NAME\s+(\S+(?: \| \S+)*)$", capsys.readouterr().out, flags=re.MULTILINE)
     assert listed, "bench --help names no benchmark"
     installed = set(listed.group(1).split(" | "))
     assert installed == set(BENCHES), installed
-    row = re.search(r"`staging-sink bench ([a-z\\|]+)`", README)
-    assert row and set(row.group(1).split("\\|")) == installed, row
+    # Named one by one (`staging-sink bench codec|stage|...`), not through the NAME placeholder.
+    named = {name for spans in re.findall(r"staging-sink bench ([a-z|\\]+)", DOCS_TEXT) for name in spans.split("|")}
+    named = {name.strip("\\") for name in named}
+    assert installed <= named, sorted(installed - named)
+
+
+def _proxy_series() -> set[str]:
+    """The series names the capture proxy's registry declares (counters with their ``_total`` once)."""
+    from worker.proxy.metrics import ProxyMetrics
+
+    types = re.findall(r"^# TYPE (\S+) (\S+)$", ProxyMetrics().exposition().decode(), flags=re.MULTILINE)
+    return {f"{name.removesuffix('_total')}_total" if kind == "counter" else name for name, kind in types}
+
+
+def test_every_metric_series_is_documented_in_docs() -> None:
+    from sink.ops.metrics import EXPORTED_METRICS
+
+    series = {re.sub(r"_(bucket|count|sum)$", "", name) for name in EXPORTED_METRICS} | _proxy_series()
+    assert "staging_proxy_calls_total" in series and "staging_sink_stages_total" in series
+    missing = sorted(name for name in series if not re.search(rf"`{name}[`{{]", DOCS_TEXT))
+    assert not missing, f"series no page of docs/ names: {missing}"
+
+
+def test_every_exit_code_is_documented_in_docs() -> None:
+    import sink.cli.common
+    import sink.cli.failures
+
+    codes = {
+        value
+        for module in (sink.cli.common, sink.cli.failures)
+        for name, value in vars(module).items()
+        if name.startswith("EXIT_") and isinstance(value, int)
+    }
+    assert {0, 1, 2, 3} <= codes
+    rows = {int(code) for code in re.findall(r"^\| (\d+) \|", DOCS_TEXT, flags=re.MULTILINE)}
+    assert codes <= rows, f"exit codes without a row in a docs/ table: {sorted(codes - rows)}"
+
+
+def test_every_acl_role_has_a_row_in_the_trust_model() -> None:
+    from sink.ops.acl_policy import ROLE_NAMES
+
+    trust = (ROOT / "docs" / "trust-model.md").read_text()
+    rows = set(re.findall(r"^\| `([a-z_]+)`", trust, flags=re.MULTILINE))
+    assert {"worker", "gym_sink", "gym_source"} <= set(ROLE_NAMES)
+    assert set(ROLE_NAMES) <= rows, f"roles without a row: {sorted(set(ROLE_NAMES) - rows)}"
 
 
 # --- Python programs: what README and docs tell you to run with python or pip ------------------------------

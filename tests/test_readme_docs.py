@@ -1,5 +1,6 @@
 """The docs pages README links to keep README's promise: their runnable examples run as installed and print what
-the page says, their configuration blocks build what they name, and README links every page of docs/."""
+the page says, their configuration blocks build what they name, README links every page of docs/, and every relative
+link and anchor resolves, in the Markdown files and wherever the code's comments and docstrings name a page."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from sink.gym import RedisTokenSink, RedisTokenSource
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 PAGES = sorted((ROOT / "docs").glob("*.md"))
+MARKDOWN = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "deploy" / "README.md", *PAGES]
 # A runnable program is a ```python block; reference fragments (names defined elsewhere) are ```py blocks.
 RUNNABLE = [
     pytest.param(page, block, id=f"{page.name}#{number}")
@@ -28,6 +30,7 @@ def test_readme_links_every_docs_page() -> None:
     assert PAGES
     for page in PAGES:
         assert f"(docs/{page.name}" in README, f"README does not link docs/{page.name}"
+    assert "(CONTRIBUTING.md" in README
 
 
 @pytest.mark.parametrize(("page", "program"), RUNNABLE)
@@ -73,15 +76,39 @@ def _anchors(path: Path) -> set[str]:
     )
 
 
-@pytest.mark.parametrize("page", [ROOT / "README.md", *PAGES], ids=lambda page: page.name)
+def _resolves(base: Path, target: str) -> bool:
+    """Whether *target* (``file#anchor``, ``file`` or ``#anchor``, relative to *base*'s folder) names a file that
+    exists and, when it has one, an anchor of it."""
+    file, _, anchor = target.partition("#")
+    resolved = (base.parent / file).resolve() if file else base
+    return resolved.is_file() and (not anchor or anchor in _anchors(resolved))
+
+
+@pytest.mark.parametrize("page", MARKDOWN, ids=lambda page: page.relative_to(ROOT).as_posix())
 def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
     text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
-    broken = []
-    for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"[a-z]+:", target):
-            continue  # an absolute URL
-        file, _, anchor = target.partition("#")
-        resolved = (page.parent / file).resolve() if file else page
-        if not resolved.exists() or (anchor and anchor not in _anchors(resolved)):
-            broken.append(target)
+    targets = [target for target in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", target)]
+    assert targets or page != ROOT / "README.md"
+    broken = [target for target in targets if not _resolves(page, target)]
     assert not broken, f"{page.name}: {broken}"
+
+
+# A page named in code: README.md, CONTRIBUTING.md or docs/<page>.md, with an optional #anchor.
+_PAGE_MENTION = re.compile(r"(?<![\w/.-])((?:docs/[\w-]+|README|CONTRIBUTING)\.md)(#[\w-]+)?")
+
+
+def test_every_page_and_anchor_the_code_names_exists() -> None:
+    sources = [
+        path
+        for folder in ("sink", "worker", "tests", "examples", "scripts", "deploy")
+        for path in sorted((ROOT / folder).rglob("*"))
+        if path.is_file() and path.suffix in {".py", ".sh", ".yml", ".yaml", ".toml", ""} and ".venv" not in path.parts
+    ] + [ROOT / "pyproject.toml", ROOT / "docker-compose.yml", ROOT / "Dockerfile"]
+    found = [
+        (path.relative_to(ROOT).as_posix(), page + anchor)
+        for path in sources
+        for page, anchor in _PAGE_MENTION.findall(path.read_text(errors="replace"))
+    ]
+    assert any(target.startswith("docs/") for _path, target in found)
+    broken = [(path, target) for path, target in found if not _resolves(ROOT / "README.md", target)]
+    assert not broken, f"pages or anchors named in code that do not exist: {broken}"
