@@ -6,8 +6,9 @@ and finished before, during and after each change:
 
 - a graceful ``CLUSTER FAILOVER`` on a replica (the old primary stays up and answers ``MOVED``, and a read
   blocked on it is ``UNBLOCKED``);
-- a primary killed (SIGKILL) and its replica promoted (the stager then waits for a replica again:
-  ``min_replicas=1``, so no acknowledged record can be lost);
+- a primary killed (SIGKILL) once its replica caught up, and the replica promoted (the stager then waits for a
+  replica again: ``min_replicas=1``; see :func:`tests.helpers.topology.kill_and_promote` for what a kill inside
+  the replication lag may lose);
 - a live migration of the slots holding in-flight rollouts (``SETSLOT IMPORTING``/``MIGRATING``, every key
   ``MIGRATE`` d, the services meeting ``ASK`` until ``SETSLOT NODE``).
 
@@ -118,7 +119,8 @@ async def test_the_services_ride_out_a_killed_primary(cluster: LocalCluster) -> 
     namespace = "topo-kill"
     async with fresh_namespace(cluster, namespace):
         with running_services(cluster.url, namespace) as services:
-            # min_replicas=1: a record is acknowledged only once on a replica, so the kill cannot lose one.
+            # min_replicas=1: a record is acknowledged only once on a replica; the promoted primary has none until
+            # the killed node rejoins, and stages wait for it.
             async with RolloutFlow(cluster.url, namespace, min_replicas=1) as flow:
                 before = [f"before-{n}" for n in range(8)]
                 await flow.complete(before)

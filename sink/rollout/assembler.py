@@ -229,8 +229,9 @@ class Assembler(AsyncResource):
         reclaims = ReclaimSchedule(settings)
         while not self._stopping:
             try:
-                if not recovered:
-                    # A restart under a stable consumer name: our own pending entries first.
+                if not recovered or shard in consumer.suspect_shards():
+                    # A restart under a stable consumer name, or a read that failed after the server may have
+                    # served it: our own pending entries first.
                     await self._process(await consumer.read_own_pending(shard))
                     recovered = True
                 if reclaims.due():

@@ -187,9 +187,10 @@ class GroupConsumer:
 
         On a single server one ``XREADGROUP`` covers every shard and returns as soon as any has entries. In a
         cluster each shard is read with its own command, concurrently; with *block_ms* the first shard that
-        delivers ends the wait and the other reads are cancelled. A cancelled read may have been served by the
-        server already: its entries stay pending for this consumer and the shard is remembered for
-        :meth:`take_suspect_shards`.
+        delivers ends the wait and the other reads are cancelled. A read that was cancelled or failed (a lost
+        connection, a failover's ``MOVED`` or ``UNBLOCKED``) may have been served by the server already: its
+        entries stay pending for this consumer and its shard is :meth:`suspect <suspect_shards>` until
+        :meth:`read_own_pending` reads it.
 
         :param block_ms: ``None`` or ``0`` for a non-blocking read.
         """
@@ -199,8 +200,12 @@ class GroupConsumer:
         if not self._topology.is_cluster or len(shards) == 1:
             client = self._client(shards[0])
             streams: dict[Any, Any] = {self.streams[shard]: ">" for shard in shards}
-            async with self._topology.translated(f"read {self._role} streams"):
-                reply = await client.xreadgroup(self.group, self.consumer, streams, count=count, block=block)
+            try:
+                async with self._topology.translated(f"read {self._role} streams"):
+                    reply = await client.xreadgroup(self.group, self.consumer, streams, count=count, block=block)
+            except BaseException:
+                self._suspect.update(shards)
+                raise
             entries, _ = self._parse_read(reply, 1)
         else:
             entries = await self._read_cluster(shards, count=count, block=block)
@@ -223,16 +228,17 @@ class GroupConsumer:
             if got and block is not None:
                 scope.cancel()  # the first shard that delivers ends the wait
 
-        async with anyio.create_task_group() as group:
-            for shard in shards:
-                group.start_soon(read_one, shard, group.cancel_scope)
-        self._suspect |= unfinished
+        try:
+            async with anyio.create_task_group() as group:
+                for shard in shards:
+                    group.start_soon(read_one, shard, group.cancel_scope)
+        finally:
+            self._suspect |= unfinished
         return entries
 
-    def take_suspect_shards(self) -> list[int]:
-        """Shards whose read was cancelled since the last call (see :meth:`read_new`)."""
-        suspect, self._suspect = sorted(self._suspect), set()
-        return suspect
+    def suspect_shards(self) -> list[int]:
+        """Shards whose read of new entries was cancelled or failed, not read by :meth:`read_own_pending` since."""
+        return sorted(self._suspect)
 
     async def read_own_pending(self, shard: int, *, count: int = 256) -> list[StreamEntry]:
         """Every entry pending for this consumer on *shard* (``XREADGROUP ... 0``), e.g. after a restart.
@@ -251,6 +257,7 @@ class GroupConsumer:
                 if len(raw_ids) < count:
                     break
                 start = raw_ids[-1]
+        self._suspect.discard(shard)
         await self.reject_undecodable()
         return await self._screen(shard, collected)
 

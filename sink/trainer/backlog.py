@@ -63,7 +63,7 @@ class ReceiptBacklog:
         """
         await self._refill(wanted)
         if len(self._entries) < wanted:
-            self._keep(await self._read_new(wanted - len(self._entries)))
+            await self._read_new(wanted)
         if not self._entries and block_ms:
             await self._reclaim(wanted, full_pass=False)  # given back by another reader: at once, not after a lease
             if not self._entries:
@@ -111,24 +111,23 @@ class ReceiptBacklog:
     async def _refill(self, wanted: int) -> None:
         consumer = self._consumer
         shards = list(range(self._settings.receipt_shards)) if not self._recovered else []
-        shards += [s for s in consumer.take_suspect_shards() if s not in shards]
+        shards += [s for s in consumer.suspect_shards() if s not in shards]
         for shard in shards:
             self._keep(await consumer.read_own_pending(shard))
         self._recovered = True
         if self._reclaims.due():
             await self._reclaim(wanted, full_pass=True)
 
-    async def _read_new(self, wanted: int) -> list[StreamEntry]:
-        """New receipts without waiting, shard after shard, no more than *wanted*."""
+    async def _read_new(self, wanted: int) -> None:
+        """New receipts without waiting, shard after shard, until *wanted* are in hand. Each shard's are kept as
+        they come: when a later shard's read fails, the earlier ones' are served already (pending for us)."""
         shards = self._settings.receipt_shards
-        found: list[StreamEntry] = []
+        first, self._first_shard = self._first_shard, (self._first_shard + 1) % shards  # no shard always read last
         for step in range(shards):
-            shard = (self._first_shard + step) % shards
-            found += await self._consumer.read_new([shard], count=wanted - len(found), block_ms=None)
-            if len(found) >= wanted:
+            shard = (first + step) % shards
+            self._keep(await self._consumer.read_new([shard], count=wanted - len(self._entries), block_ms=None))
+            if len(self._entries) >= wanted:
                 break
-        self._first_shard = (self._first_shard + 1) % shards  # no shard always read last
-        return found
 
     async def _reclaim(self, wanted: int, *, full_pass: bool) -> None:
         """Reclaim entries idle past ``claim_idle_ms`` until *wanted* are in hand."""
