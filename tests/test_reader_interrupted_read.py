@@ -12,14 +12,18 @@ from __future__ import annotations
 import anyio
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from sink.errors import StagingError
 from sink.keys import DEFAULT_NAMESPACE, receipts_stream
+from sink.ops.cluster import LocalCluster
+from sink.service import leaf_errors
 from sink.settings import ServiceSettings
 from sink.store.connection import Topology
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.trainer.reader import RolloutReader
 from tests.helpers.group_members import publish_members
+from tests.helpers.topology import owner_of, slot_of
 
 pytestmark = pytest.mark.anyio
 
@@ -79,3 +83,71 @@ async def test_a_shard_whose_read_failed_is_suspect_until_its_own_pending_entrie
         assert consumer.suspect_shards() == [0]  # a read that succeeded clears nothing
         assert await consumer.read_own_pending(0) == []
         assert consumer.suspect_shards() == []
+
+
+def _namespace_across_two_nodes(cluster: LocalCluster) -> str:
+    """A namespace whose receipts shards 0 and 1 live on two different primaries."""
+    for n in range(1000):
+        namespace = f"suspect-{n}"
+        first, second = (owner_of(cluster, slot_of(receipts_stream(namespace, shard))) for shard in range(2))
+        if first.port != second.port:
+            return namespace
+    raise AssertionError("no namespace puts shards 0 and 1 on two nodes")
+
+
+async def test_a_cluster_read_that_failed_leaves_every_shard_it_read_suspect(cluster: LocalCluster) -> None:
+    # In a cluster each shard is read with its own command, concurrently. Shard 0's read is answered first (its
+    # entry delivered and taken in); shard 1's node is paused meanwhile, then answers WRONGTYPE. The entry of shard
+    # 0 went with the error: it is pending for this consumer only, so both shards must be suspect and shard 0's own
+    # pending entries hold it (before the fix only the unfinished shards were, and only when no read failed).
+    await anyio.to_thread.run_sync(cluster.heal)
+    namespace = _namespace_across_two_nodes(cluster)
+    streams = [receipts_stream(namespace, shard) for shard in range(2)]
+    slow = owner_of(cluster, slot_of(streams[1]))
+    topology = Topology.from_url(cluster.url, ServiceSettings(namespace=namespace, cluster=True))
+    async with RedisCluster.from_url(cluster.url) as client:
+        consumer = SelfHealingGroupConsumer(
+            topology,
+            namespace=namespace,
+            role="receipts",
+            streams=streams,
+            group="g",
+            consumer="c",
+            claim_idle_ms=300_000,
+            max_deliveries=5,
+        )
+        try:
+            await consumer.prepare()
+            entry_id = await client.xadd(streams[0], {"rollout_id": "r-0"})
+            await client.delete(streams[1])
+            await client.set(streams[1], "not a stream")
+            failure: list[BaseException] = []
+
+            async def read() -> None:
+                try:
+                    await consumer.read_new([0, 1], count=8, block_ms=None)
+                except Exception as exc:  # noqa: BLE001 (a task group's failure: checked below)
+                    failure.append(exc)
+
+            slow.pause()
+            try:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(read)
+                    with anyio.fail_after(20):
+                        while not (await client.xpending(streams[0], "g"))["pending"]:  # noqa: ASYNC110 (the server's)
+                            await anyio.sleep(0.01)  # shard 0's read was served
+                    await anyio.sleep(0.5)  # and its reply taken in, while shard 1's node is still paused
+                    slow.resume()
+            finally:
+                if slow.paused:
+                    slow.resume()
+            (error,) = failure
+            assert any(isinstance(leaf, StagingError) and "WRONGTYPE" in str(leaf) for leaf in leaf_errors(error))
+            assert consumer.suspect_shards() == [0, 1]
+            with anyio.fail_after(20):
+                (entry,) = await consumer.read_own_pending(0)
+            assert entry.entry_id.encode() == entry_id
+            assert consumer.suspect_shards() == [1]
+        finally:
+            await client.delete(*streams)
+            await topology.aclose()

@@ -232,8 +232,11 @@ class GroupConsumer:
             async with anyio.create_task_group() as group:
                 for shard in shards:
                     group.start_soon(read_one, shard, group.cancel_scope)
-        finally:
-            self._suspect |= unfinished
+        except BaseException:
+            # What the shards that answered delivered goes with the failure: pending for us, read again later.
+            self._suspect.update(shards)
+            raise
+        self._suspect |= unfinished
         return entries
 
     def suspect_shards(self) -> list[int]:
