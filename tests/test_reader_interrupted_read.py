@@ -53,22 +53,27 @@ async def test_receipts_read_before_a_shard_failed_come_out_of_the_next_pull(red
         assert await reader.pending() == 0
 
 
+def _consumer(topology: Topology, namespace: str, streams: list[str]) -> SelfHealingGroupConsumer:
+    """Consumer ``c`` of group ``g`` over *streams*, with the reader's default lease (5 minutes)."""
+    return SelfHealingGroupConsumer(
+        topology,
+        namespace=namespace,
+        role="receipts",
+        streams=streams,
+        group="g",
+        consumer="c",
+        claim_idle_ms=300_000,
+        max_deliveries=5,
+    )
+
+
 async def test_a_shard_whose_read_failed_is_suspect_until_its_own_pending_entries_are_read(redis_url: str) -> None:
     namespace = "suspect"
     streams = [receipts_stream(namespace, shard) for shard in range(2)]
     settings = ServiceSettings(namespace=namespace)
     async with aioredis.Redis.from_url(redis_url) as client:
         topology = Topology.borrow(client, settings)
-        consumer = SelfHealingGroupConsumer(
-            topology,
-            namespace=namespace,
-            role="receipts",
-            streams=streams,
-            group="g",
-            consumer="c",
-            claim_idle_ms=300_000,
-            max_deliveries=5,
-        )
+        consumer = _consumer(topology, namespace, streams)
         await consumer.prepare()
         entry_id = await client.xadd(streams[1], {"rollout_id": "r-0"})
         await client.delete(streams[0])
@@ -106,16 +111,7 @@ async def test_a_cluster_read_that_failed_leaves_every_shard_it_read_suspect(clu
     slow = owner_of(cluster, slot_of(streams[1]))
     topology = Topology.from_url(cluster.url, ServiceSettings(namespace=namespace, cluster=True))
     async with RedisCluster.from_url(cluster.url) as client:
-        consumer = SelfHealingGroupConsumer(
-            topology,
-            namespace=namespace,
-            role="receipts",
-            streams=streams,
-            group="g",
-            consumer="c",
-            claim_idle_ms=300_000,
-            max_deliveries=5,
-        )
+        consumer = _consumer(topology, namespace, streams)
         try:
             await consumer.prepare()
             entry_id = await client.xadd(streams[0], {"rollout_id": "r-0"})
