@@ -140,21 +140,23 @@ _ATTEMPT_S = 10.0
 """How long one CLUSTER FAILOVER is given to switch the roles before it is asked again."""
 
 
-def _role(node: DurableServer) -> str:
+def _replication(node: DurableServer) -> dict[str, Any]:
+    """*node*'s ``INFO replication``."""
     with node.client() as client:
-        return str(client.info("replication")["role"])
+        return dict(client.info("replication"))
+
+
+def _role(node: DurableServer) -> str:
+    return str(_replication(node)["role"])
 
 
 def _replica_of(node: DurableServer, cluster: LocalCluster) -> DurableServer:
-    with node.client() as client:
-        info = client.info("replication")
-    return _by_port(cluster, int(info["slave0"]["port"]))
+    return _by_port(cluster, int(_replication(node)["slave0"]["port"]))
 
 
-def _replication_offset(replica: DurableServer) -> int:
-    """How far into its primary's replication stream *replica* has read."""
-    with replica.client() as client:
-        return int(client.info("replication")["master_repl_offset"])
+def _replication_offset(node: DurableServer) -> int:
+    """How far into the replication stream *node* is: a primary's written, a replica's read."""
+    return int(_replication(node)["master_repl_offset"])
 
 
 def _until(condition: Callable[[], bool], message: str, timeout_s: float = DEADLINE_S) -> None:
@@ -196,7 +198,7 @@ def kill_and_promote(cluster: LocalCluster, primary: DurableServer) -> DurableSe
     replica = _replica_of(primary, cluster)
     with primary.client() as client:
         client.execute_command("CLIENT", "PAUSE", int(DEADLINE_S * 1000), "WRITE")
-        offset = int(client.info("replication")["master_repl_offset"])
+    offset = _replication_offset(primary)
     _until(lambda: _replication_offset(replica) >= offset, "the replica did not catch up with the paused primary")
     primary.kill()
     _until(lambda: _role(replica) == "master", "the replica of the killed primary was not promoted")
