@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import orjson
 
-__all__ = ("CASES", "RECORDING", "Case", "ShapeEngine", "record", "reduce", "run_case")
+__all__ = ("CASES", "RECORDING", "Case", "ShapeEngine", "record", "reduce", "run_case", "stream_shape")
 
 RECORDING = Path(__file__).resolve().parent.parent / "data" / "vllm_shapes.json"
 MAX_MODEL_LEN = 1024
@@ -76,21 +76,23 @@ class _Run:
         self.client = client
         self.out: dict[str, Any] = {}
 
-    def post(self, step: str, path: str, body: dict[str, Any], *, context: int | None = None) -> Any:
+    def call(self, path: str, body: dict[str, Any]) -> tuple[int, Any, bool]:
+        """The status, the parsed answer (a stream's chunks as a list) and whether it was a stream."""
         answer = self.client.post(
             self.engine.url + path, content=orjson.dumps(body), headers={"content-type": "application/json"}
         )
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             lines = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
             assert lines and lines[-1] == "[DONE]", answer.text[-300:]
-            chunks = [orjson.loads(line) for line in lines[:-1]]
-            self.out[step] = {
-                "status": answer.status_code,
-                "stream": _collapse([self.reduce(c, context) for c in chunks]),
-            }
-            return chunks
-        parsed = orjson.loads(answer.content)
-        self.out[step] = {"status": answer.status_code, "body": self.reduce(parsed, context)}
+            return answer.status_code, [orjson.loads(line) for line in lines[:-1]], True
+        return answer.status_code, orjson.loads(answer.content), False
+
+    def post(self, step: str, path: str, body: dict[str, Any], *, context: int | None = None) -> Any:
+        status, parsed, streamed = self.call(path, body)
+        if streamed:
+            self.out[step] = {"status": status, "stream": stream_shape([self.reduce(c, context) for c in parsed])}
+        else:
+            self.out[step] = {"status": status, "body": self.reduce(parsed, context)}
         return parsed
 
     def chat(self, step: str, **fields: Any) -> Any:
@@ -125,15 +127,26 @@ class _Run:
         return reduce(value, model=self.engine.model, context=context)
 
 
-def _collapse(chunks: list[Any]) -> list[Any]:
-    """Consecutive equal chunk shapes as ``{"n": count, "chunk": shape}``."""
-    out: list[dict[str, Any]] = []
+def stream_shape(chunks: list[Any]) -> list[Any]:
+    """The shapes of a stream's chunks, uncounted, consecutive equal ones once.
+
+    How many tokens a chunk carries is timing, not shape: vLLM hands a reader that fell behind every token it has not
+    taken yet in one chunk (a busy machine sends fewer, larger chunks), so the counts of lists inside a chunk and the
+    number of equal chunks in a row are left out; the token count is in the usage chunk."""
+    out: list[Any] = []
     for chunk in chunks:
-        if out and out[-1]["chunk"] == chunk:
-            out[-1]["n"] += 1
-        else:
-            out.append({"n": 1, "chunk": chunk})
+        shape = _uncounted(chunk)
+        if not out or out[-1] != shape:
+            out.append(shape)
     return out
+
+
+def _uncounted(shape: Any) -> Any:
+    if isinstance(shape, dict):
+        return {k: _uncounted(v) for k, v in shape.items() if not (k == "n" and set(shape) == {"n", "of"})}
+    if isinstance(shape, list):
+        return [_uncounted(item) for item in shape]
+    return shape
 
 
 def _text(value: str) -> str:
@@ -274,16 +287,21 @@ def stop_string(run: _Run) -> None:
 
 
 def streams(run: _Run) -> None:
-    """Streamed generate (three ids), its streamed derender with the carried state, and the streamed chat route."""
-    rendered = run.render("render", max_tokens=3, logit_bias=NO_EOT, logprobs=True, stream=True)
+    """Streamed generate (eight ids), its streamed derender (one request per chunk, the state carried), and the
+    streamed chat route."""
+    rendered = run.render("render", max_tokens=8, logit_bias=NO_EOT, logprobs=True, stream=True)
     chunks = run.generate("generate", rendered)
     state = None
-    for index, chunk in enumerate(chunks):
+    derendered: list[Any] = []
+    for chunk in chunks:
         body = {"stream": True, "model": run.engine.model, "generate_chunk": chunk, "stream_state": state,
                 "prompt_token_ids": rendered["token_ids"], "prompt_tokens": len(rendered["token_ids"])}  # fmt: skip
-        answer = run.post(f"derender_{index}", "/v1/chat/completions/derender", body)
+        status, answer, _ = run.call("/v1/chat/completions/derender", body)
+        assert status == 200, answer
+        derendered.append(run.reduce(answer, None))
         state = answer["stream_state"]
-    options = {"stream_options": {"include_usage": True}, "max_tokens": 3, "logit_bias": NO_EOT}
+    run.out["derender"] = {"status": 200, "stream": stream_shape(derendered)}
+    options = {"stream_options": {"include_usage": True}, "max_tokens": 8, "logit_bias": NO_EOT}
     run.chat("chat", stream=True, **options)
     run.chat("chat_logprobs", stream=True, logprobs=True, **options)
 
@@ -312,7 +330,7 @@ def reasoning(run: _Run) -> None:
     rendered = run.render("render_split", **split)
     generated = run.generate("generate_split", rendered)
     run.derender("derender_split", generated, rendered, chat_request=run.request(**split))
-    run.chat("chat_stream", max_tokens=3, logit_bias=no_think, stream=True, stream_options={"include_usage": True})
+    run.chat("chat_stream", max_tokens=8, logit_bias=no_think, stream=True, stream_options={"include_usage": True})
     rendered = run.render("render_empty", max_tokens=4, logit_bias=FORCE_EOT)
     generated = run.generate("generate_empty", rendered)
     chat_request = run.request(max_tokens=4, logit_bias=FORCE_EOT)
