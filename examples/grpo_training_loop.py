@@ -39,7 +39,7 @@ import numpy as np
 import redis.asyncio as redis
 
 from sink import Assembler, AsyncRedisStagingSink, CaptureGate, RedisCaptureLedger, finished
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.settings import ReaderSettings
 from sink.trainer.groups import RolloutGroup
 from sink.trainer.packing import pack
@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.redis_url:
         run(args.redis_url)
     else:
-        with durable_server() as server:
+        with DurableServer() as server:
             run(server.url)
     return 0
 

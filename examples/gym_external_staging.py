@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sink import StagedCallRecord
 from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_ids
 from sink.contract.protocols import StagingSink, StagingSource
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.store import RedisStagingSink, RedisStagingSource
 
 LedgerRow = tuple[str, str, str]  # (model_call_id, staging_key, digest): what Gym's custody ledger keeps
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.redis_url:
         go(args.redis_url)
     else:
-        with durable_server() as server:
+        with DurableServer() as server:
             go(server.url)
     return 0
 

@@ -2,7 +2,7 @@ import anyio
 import redis.asyncio as redis
 
 from sink import Assembler, AsyncRedisStagingSink, CaptureGate, RedisCaptureLedger, RolloutReader, finished
-from sink.server import durable_server
+from sink.server import DurableServer
 from worker import RolloutTokenCapture
 
 
@@ -26,5 +26,5 @@ async def rollout_step(url: str) -> None:
         assembler.stop()
 
 
-with durable_server() as server:  # a private server with AOF fsync always; or use your own URL
+with DurableServer() as server:  # a private server with AOF fsync always; or use your own URL
     anyio.run(rollout_step, server.url)

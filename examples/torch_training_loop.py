@@ -24,7 +24,7 @@ import torch
 from grpo_training_loop import simulate  # the sibling example: simulated, scored rollouts and their receipts
 from torch.utils.data import DataLoader
 
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.trainer.torch_data import StagedRolloutDataset, TorchBatch
 
 VOCAB = 1000
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.redis_url:
         run(args.redis_url)
     else:
-        with durable_server() as server:
+        with DurableServer() as server:
             run(server.url)
     return 0
 

@@ -80,7 +80,7 @@ def server_binary(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def durable_server(server_binary: Path) -> Iterator[sink_server.DurableServer]:
-    with sink_server.durable_server(binary=server_binary) as server:
+    with sink_server.DurableServer(binary=server_binary) as server:
         yield server
 
 
@@ -92,13 +92,13 @@ def redis_url(durable_server: sink_server.DurableServer) -> str:
 
 @pytest.fixture
 def fresh_server(server_binary: Path, tmp_path: Path) -> Iterator[sink_server.DurableServer]:
-    with sink_server.durable_server(binary=server_binary, data_dir=tmp_path / "server") as server:
+    with sink_server.DurableServer(binary=server_binary, data_dir=tmp_path / "server") as server:
         yield server
 
 
 @pytest.fixture
 def everysec_server(server_binary: Path) -> Iterator[sink_server.DurableServer]:
-    with sink_server.durable_server(binary=server_binary, appendfsync="everysec") as server:
+    with sink_server.DurableServer(binary=server_binary, appendfsync="everysec") as server:
         yield server
 
 

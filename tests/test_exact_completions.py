@@ -21,7 +21,7 @@ from tests.helpers.logging_hop import Exchange, running_hop
 from tests.helpers.proxy import client_for, close_clients, finish, manifest, proxy_config, pull
 from tests.helpers.vllm_server import VllmServer
 from worker.exact_text import ExactText, index_entry, match_parent, prompt_text, spell_ids
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
@@ -137,7 +137,7 @@ def _run(kind: str, redis_url: str, request: pytest.FixtureRequest, **settings: 
     with ExitStack() as stack:
         url, model, bias = _engine(kind, request, stack)
         hop, hop_url = stack.enter_context(running_hop(url))
-        base = stack.enter_context(running_server(build_proxy(proxy_config(redis_url, hop_url, **settings))))
+        base = stack.enter_context(running_server(ProxyApp(proxy_config(redis_url, hop_url, **settings))))
         _, last_id = _agent(base, rollout_id, model, bias, 3)
         finish(base, rollout_id, 1.0, last_id)
         records = manifest(redis_url, rollout_id).records
@@ -185,7 +185,7 @@ def test_a_stop_string_the_agent_appends_reaches_the_engine_once(
     with ExitStack() as stack:
         url, model, bias = _engine(kind, request, stack)
         hop, hop_url = stack.enter_context(running_hop(url))
-        base = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, hop_url))))
+        base = stack.enter_context(running_server(ProxyApp(proxy_config(scenario_redis_url, hop_url))))
         client = client_for(base, rollout_id)
         prompt, last_id, stops = "Question: go\n", "", []
         for turn in range(3):

@@ -23,7 +23,7 @@ import pytest
 from tests.helpers.logging_hop import LoggingHop, running_hop
 from tests.helpers.proxy import client_for, close_clients, finish, manifest, proxy_config, pull
 from tests.helpers.tier_engine import tier_engine
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
@@ -98,7 +98,7 @@ def test_an_edited_context_is_never_spliced_onto_the_old_one(
         engine = tier_engine(kind, variant, request, stack, seed=6)
         url, model, bias = engine.url, engine.model, engine.bias()
         hop, hop_url = stack.enter_context(running_hop(url))
-        base = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, hop_url))))
+        base = stack.enter_context(running_server(ProxyApp(proxy_config(scenario_redis_url, hop_url))))
         history: list[Any] = [{"role": "user", "content": "Go."}]
         first = _turn(base, rollout, model, bias, before, history)
         history += [{"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "More."}]
@@ -134,7 +134,7 @@ def test_an_unchanged_context_is_spliced_and_every_call_says_how_it_was_sampled(
     with ExitStack() as stack:
         engine = tier_engine(kind, "chatml", request, stack, seed=6)
         url, model, bias = engine.url, engine.model, engine.bias()
-        base = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, url))))
+        base = stack.enter_context(running_server(ProxyApp(proxy_config(scenario_redis_url, url))))
         history: list[Any] = [{"role": "user", "content": "Go."}]
         first = _turn(base, rollout, model, bias, setup, history)
         history += [{"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "More."}]

@@ -29,7 +29,7 @@ import pytest
 from tests.helpers.logging_hop import LoggingHop, running_hop
 from tests.helpers.proxy import client_for, close_clients, proxy_config
 from tests.helpers.tier_engine import TierEngine, tier_engine
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 
 TOOLS = [
@@ -332,7 +332,7 @@ def test_exact_mode_answers_as_the_chat_route(
     with ExitStack() as stack:
         engine = tier_engine(kind, case.variant, request, stack)
         hop, hop_url = stack.enter_context(running_hop(engine.url))
-        proxy = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, hop_url))))
+        proxy = stack.enter_context(running_server(ProxyApp(proxy_config(scenario_redis_url, hop_url))))
         options = case.options(engine)
         messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Go."}]
         rollout = f"diff-{name}-{kind}"

@@ -25,7 +25,7 @@ from tests.helpers.proxy import close_clients, finish, proxy_config, pull, run_a
 from tests.helpers.scenario_agent import Turn, run_scenario
 from tests.helpers.tier_engine import TierEngine, tier_engine
 from worker.errors import StagingModeError
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
@@ -140,7 +140,7 @@ def _run(
         engine = tier_engine(kind, scenario.variant, request, stack)
         hop, hop_url = stack.enter_context(running_hop(engine.url))
         bases = [
-            stack.enter_context(running_server(build_proxy(proxy_config(redis_url, hop_url, **settings))))
+            stack.enter_context(running_server(ProxyApp(proxy_config(redis_url, hop_url, **settings))))
             for _ in range(scenario.proxies)
         ]
         conversation, turns = run_scenario(
@@ -192,7 +192,7 @@ def test_the_mode_is_probed_at_start_and_logged_once(redis_url: str, caplog: pyt
     caplog.set_level(logging.INFO, logger="worker.proxy.exact_mode")
 
     async def mode_of(url: str, **settings: Any) -> bool:
-        proxy = build_proxy(proxy_config(redis_url, url, **settings))
+        proxy = ProxyApp(proxy_config(redis_url, url, **settings))
         await proxy.open()
         try:
             assert proxy.middleware is not None
@@ -217,7 +217,7 @@ def test_the_mode_is_probed_at_start_and_logged_once(redis_url: str, caplog: pyt
 def test_a_streamed_reply_carries_the_token_fields_the_agent_asked_for(scenario_redis_url: str) -> None:
     with ExitStack() as stack:
         engine = stack.enter_context(running_server(EngineApp(EngineOptions(seed=2, scale_out=True))))
-        proxy = stack.enter_context(running_server(build_proxy(proxy_config(scenario_redis_url, engine))))
+        proxy = stack.enter_context(running_server(ProxyApp(proxy_config(scenario_redis_url, engine))))
         body = {
             "model": "simulated",
             "messages": [{"role": "user", "content": "hi"}],
@@ -244,7 +244,7 @@ def test_an_engine_not_up_at_start_is_probed_on_the_first_call(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     engine_url = f"http://127.0.0.1:{port}"
-    with running_server(build_proxy(proxy_config(scenario_redis_url, engine_url))) as proxy:
+    with running_server(ProxyApp(proxy_config(scenario_redis_url, engine_url))) as proxy:
         assert "prefix mode: undecided (GET /v1/models answered 502)" in caplog.text
         with running_server(EngineApp(EngineOptions(seed=4, scale_out=True)), port=port):
             _, last_id = run_agent([proxy], "late-engine", turns=2)

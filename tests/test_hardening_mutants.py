@@ -22,7 +22,7 @@ from sink.contract.records import CaptureLedgerCommit, StagedCallRecord, StagedC
 from sink.errors import StagingKeyOwnershipError
 from sink.ledger.redis import RedisCaptureLedger
 from sink.ops.acl import PLACEHOLDER_HASH, ROLE_POLICIES, KeyPattern, render_acl_example, write_private_file
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.settings import SinkSettings
 from sink.store.durability import supports_waitaof
 from sink.store.sink import AsyncRedisStagingSink
@@ -369,8 +369,8 @@ async def test_a_retry_while_the_replica_is_frozen_is_not_acknowledged(server_bi
     """
     fast = {"repl-diskless-sync-delay": "0"}
     with (
-        durable_server(binary=server_binary, data_dir=tmp_path / "p", extra_config=fast) as primary,
-        durable_server(
+        DurableServer(binary=server_binary, data_dir=tmp_path / "p", extra_config=fast) as primary,
+        DurableServer(
             binary=server_binary, data_dir=tmp_path / "r", replica_of=(primary.host, primary.port)
         ) as replica,
     ):

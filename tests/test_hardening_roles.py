@@ -22,7 +22,7 @@ from sink.cli.main import main as cli_main
 from sink.errors import StagingConnectionError
 from sink.keys import fence_key, ledger_ids_key, ledger_stream
 from sink.ledger.redis import RedisCaptureLedger
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.e2e import stage_rollout
@@ -116,7 +116,7 @@ def test_the_replica_role_is_a_working_masteruser_and_nothing_else(
     with fresh_roles.client() as admin:
         admin.config_set("repl-diskless-sync-delay", 0)  # the first sync starts at once
     primary = (fresh_roles.host, fresh_roles.port)
-    with durable_server(
+    with DurableServer(
         binary=server_binary, data_dir=tmp_path / "replica", replica_of=primary, extra_config=link
     ) as replica:
         with fresh_roles.client() as admin:

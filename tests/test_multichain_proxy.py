@@ -15,7 +15,7 @@ import pytest
 
 from sink.trainer.pulled import PulledRollout
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, expected_ids, manifest, proxy_config, pull
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
@@ -80,7 +80,7 @@ def _assert_exact(app: EngineApp, pulled: PulledRollout, conversations: list[Mes
 def test_compaction_opted_in_by_header_yields_one_row_per_chain(redis_url: str, engine: tuple[EngineApp, str]) -> None:
     app, upstream = engine
     opt_in = {"X-Staging-Chains": "roots"}
-    with running_server(build_proxy(proxy_config(redis_url, upstream))) as proxy:
+    with running_server(ProxyApp(proxy_config(redis_url, upstream))) as proxy:
         first = _chat(proxy, "compact-1", [SYSTEM, {"role": "user", "content": "long task"}], opt_in)
         first = _chat(proxy, "compact-1", _tool(first, "result one"), opt_in)
         # The agent compacts: its own earlier turns are rewritten as a summary it keeps as an assistant message.
@@ -106,7 +106,7 @@ def test_compaction_opted_in_by_header_yields_one_row_per_chain(redis_url: str, 
 
 def test_without_opt_in_compaction_still_poisons_the_rollout(redis_url: str, engine: tuple[EngineApp, str]) -> None:
     _, upstream = engine
-    with running_server(build_proxy(proxy_config(redis_url, upstream))) as proxy:
+    with running_server(ProxyApp(proxy_config(redis_url, upstream))) as proxy:
         first = _chat(proxy, "compact-0", [SYSTEM, {"role": "user", "content": "long task"}])
         compacted: Messages = [SYSTEM, {"role": "assistant", "content": "rewritten"}, *_tool(first, "r")[2:]]
         _chat(proxy, "compact-0", compacted)
@@ -120,7 +120,7 @@ def test_sub_agent_needs_no_client_change_with_a_namespace_policy(
     redis_url: str, engine: tuple[EngineApp, str]
 ) -> None:
     app, upstream = engine
-    with running_server(build_proxy(proxy_config(redis_url, upstream, chain_policy="roots"))) as proxy:
+    with running_server(ProxyApp(proxy_config(redis_url, upstream, chain_policy="roots"))) as proxy:
         planner = _chat(proxy, "sub-1", [SYSTEM, {"role": "user", "content": "plan the job"}])
         worker = _chat(
             proxy,
@@ -137,7 +137,7 @@ def test_sub_agent_needs_no_client_change_with_a_namespace_policy(
 
 def test_deliberate_branches_each_train(redis_url: str, engine: tuple[EngineApp, str]) -> None:
     app, upstream = engine
-    with running_server(build_proxy(proxy_config(redis_url, upstream, chain_policy="branches"))) as proxy:
+    with running_server(ProxyApp(proxy_config(redis_url, upstream, chain_policy="branches"))) as proxy:
         trunk = _chat(proxy, "branch-1", [SYSTEM, {"role": "user", "content": "solve it"}])
         left = _chat(proxy, "branch-1", [*_clean(trunk), {"role": "user", "content": "try approach A"}])
         right = _chat(proxy, "branch-1", [*_clean(trunk), {"role": "user", "content": "try approach B"}])
@@ -153,8 +153,8 @@ def test_poisoned_chain_is_skipped_while_the_healthy_one_trains(redis_url: str) 
     with (
         running_server(drifting) as drift_url,
         running_server(clean) as clean_url,
-        running_server(build_proxy(proxy_config(redis_url, drift_url, chain_policy="roots"))) as planner_proxy,
-        running_server(build_proxy(proxy_config(redis_url, clean_url, chain_policy="roots"))) as worker_proxy,
+        running_server(ProxyApp(proxy_config(redis_url, drift_url, chain_policy="roots"))) as planner_proxy,
+        running_server(ProxyApp(proxy_config(redis_url, clean_url, chain_policy="roots"))) as worker_proxy,
     ):
         planner = _chat(planner_proxy, "mixed-1", [SYSTEM, {"role": "user", "content": "plan with many words"}])
         worker = _chat(
@@ -175,7 +175,7 @@ def test_poisoned_chain_is_skipped_while_the_healthy_one_trains(redis_url: str) 
 
 def test_invalid_chain_header_is_refused(redis_url: str, engine: tuple[EngineApp, str]) -> None:
     _, upstream = engine
-    with running_server(build_proxy(proxy_config(redis_url, upstream))) as proxy:
+    with running_server(ProxyApp(proxy_config(redis_url, upstream))) as proxy:
         answer = httpx.post(
             f"{proxy}/r/bad-header/v1/chat/completions",
             json={"model": "simulated", "messages": [SYSTEM]},
@@ -189,8 +189,8 @@ def test_a_rollout_keeps_the_first_chain_policy_it_recorded(redis_url: str, engi
     follow the recorded policy (contract §14.1: the first recorded policy wins) and poison nothing."""
     app, upstream = engine
     with (
-        running_server(build_proxy(proxy_config(redis_url, upstream))) as proxy,
-        running_server(build_proxy(proxy_config(redis_url, upstream))) as other_proxy,  # a gate that recorded nothing
+        running_server(ProxyApp(proxy_config(redis_url, upstream))) as proxy,
+        running_server(ProxyApp(proxy_config(redis_url, upstream))) as other_proxy,  # a gate that recorded nothing
     ):
         first = _chat(proxy, "keep-1", [SYSTEM, {"role": "user", "content": "long task"}], {"X-Staging-Chains": "roots"})
         first = _chat(proxy, "keep-1", _tool(first, "result one"))

@@ -23,7 +23,7 @@ from tests.helpers.proxy import (
     pull,
     run_agent,
 )
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
@@ -45,7 +45,7 @@ def engine() -> Iterator[tuple[EngineApp, str]]:
 
 @pytest.fixture
 def proxy(redis_url: str, engine: tuple[EngineApp, str]) -> Iterator[str]:
-    with running_server(build_proxy(proxy_config(redis_url, engine[1]))) as url:
+    with running_server(ProxyApp(proxy_config(redis_url, engine[1]))) as url:
         yield url
 
 
@@ -67,8 +67,8 @@ def test_rollout_through_proxy_is_pulled_and_verified(
 def test_two_proxies_serve_one_rollout_alternately(redis_url: str, engine: tuple[EngineApp, str]) -> None:
     app, upstream = engine
     with (
-        running_server(build_proxy(proxy_config(redis_url, upstream))) as one,
-        running_server(build_proxy(proxy_config(redis_url, upstream))) as two,
+        running_server(ProxyApp(proxy_config(redis_url, upstream))) as one,
+        running_server(ProxyApp(proxy_config(redis_url, upstream))) as two,
     ):
         conversation, last_id = run_agent([one, two], "proxy-two", turns=4)
         finish(two, "proxy-two", 0.5, last_id)
@@ -97,7 +97,7 @@ def test_proxy_with_least_privilege_users(server_binary: Path, tmp_path: Path) -
         config = ProxySettings(
             upstream_url=upstream, redis_url=server.role_url("worker"), gate_redis_url=server.role_url("gate")
         )
-        app = build_proxy(config)
+        app = ProxyApp(config)
         with running_server(app) as url:
             _, last_id = run_agent([url], "acl-1", turns=3)
             finish(url, "acl-1", 1.0, last_id)
@@ -110,7 +110,7 @@ def test_proxy_on_a_cluster(cluster: LocalCluster) -> None:
     with redis.RedisCluster.from_url(cluster.url) as client:
         client.flushall(target_nodes=redis.RedisCluster.PRIMARIES)  # the cluster is shared by the session
     with running_server(EngineApp(EngineOptions(seed=10))) as upstream:
-        app = build_proxy(ProxySettings(upstream_url=upstream, redis_url=cluster.url, cluster=True))
+        app = ProxyApp(ProxySettings(upstream_url=upstream, redis_url=cluster.url, cluster=True))
         with running_server(app) as url:
             for rollout_id in ("cl-1", "cl-2", "cl-3"):
                 _, last_id = run_agent([url], rollout_id, turns=2)
@@ -120,7 +120,7 @@ def test_proxy_on_a_cluster(cluster: LocalCluster) -> None:
 
 def test_bare_proxy_forwards_rollout_routes(engine: tuple[EngineApp, str]) -> None:
     _, upstream = engine
-    with running_server(build_proxy(ProxySettings(upstream_url=upstream, capture=False))) as url:
+    with running_server(ProxyApp(ProxySettings(upstream_url=upstream, capture=False))) as url:
         completion = client_for(url, "bare-1").chat.completions.create(
             model="simulated", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
@@ -132,7 +132,7 @@ def test_exact_mode_counts_every_engine_round_trip_by_route(redis_url: str) -> N
     # Render (the request; a continuation's history too), generate and derender: each is one upstream latency.
     with (
         running_server(EngineApp(EngineOptions(seed=1, scale_out=True))) as engine,
-        running_server(build_proxy(proxy_config(redis_url, engine))) as url,
+        running_server(ProxyApp(proxy_config(redis_url, engine))) as url,
     ):
         run_agent([url], "metrics-exact", turns=2)
         text = httpx.get(f"{url}/staging-sink/metrics").text

@@ -15,7 +15,7 @@ import pytest
 from sink.contract.records import WORKER_CAPTURE_FAILED_REASON, RolloutManifest
 from sink.server import DurableServer
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, fixed_upstream, manifest, proxy_config, unset
-from worker.proxy.app import ProxyApp, build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
@@ -68,7 +68,7 @@ MALFORMED = {
 @pytest.mark.parametrize("fail_closed", [False, True], ids=["fail-open", "fail-closed"])
 def test_malformed_payload(redis_url: str, fail_closed: bool, caplog: pytest.LogCaptureFixture) -> None:
     with running_server(fixed_upstream(MALFORMED)) as upstream:
-        proxy = build_proxy(proxy_config(redis_url, upstream, fail_closed=fail_closed))
+        proxy = ProxyApp(proxy_config(redis_url, upstream, fail_closed=fail_closed))
         with running_server(proxy) as url:
             if fail_closed:
                 with pytest.raises(openai.InternalServerError) as raised:
@@ -89,7 +89,7 @@ def test_upstream_error_passes_through_with_its_status(
 ) -> None:
     """An engine 4xx generated nothing: its answer passes through (in both policies) and no failure row is written,
     so a retry continues the rollout."""
-    with running_server(build_proxy(proxy_config(redis_url, engine_url, fail_closed=fail_closed))) as url:
+    with running_server(ProxyApp(proxy_config(redis_url, engine_url, fail_closed=fail_closed))) as url:
         with pytest.raises(openai.BadRequestError) as raised:
             _chat(url, "err-1", extra_body={"min_tokens": 20})  # min_tokens > max_tokens: the engine answers 400
         assert raised.value.status_code == 400 and "min_tokens" in str(raised.value)
@@ -100,7 +100,7 @@ def test_upstream_error_passes_through_with_its_status(
 
 def test_upstream_timeout(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     with running_server(EngineApp(EngineOptions(delay_s=0.8))) as upstream:
-        app = build_proxy(proxy_config(redis_url, upstream, upstream_timeout_s=0.2))
+        app = ProxyApp(proxy_config(redis_url, upstream, upstream_timeout_s=0.2))
         with running_server(app) as url, pytest.raises(openai.APIStatusError) as raised:
             _chat(url, "slow-1")
         assert raised.value.status_code == 504
@@ -120,7 +120,7 @@ def _settled(redis_url: str, rollout_id: str, timeout_s: float = 10.0) -> Rollou
 def test_client_disconnect_mid_call_never_half_writes(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     with (
         running_server(EngineApp(EngineOptions(delay_s=0.6))) as upstream,
-        running_server(build_proxy(proxy_config(redis_url, upstream))) as url,
+        running_server(ProxyApp(proxy_config(redis_url, upstream))) as url,
     ):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
@@ -139,7 +139,7 @@ def test_client_disconnect_mid_call_never_half_writes(redis_url: str, caplog: py
 def test_oversized_response_is_served_uncaptured(
     redis_url: str, engine_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with running_server(build_proxy(proxy_config(redis_url, engine_url, max_response_bytes=300))) as url:
+    with running_server(ProxyApp(proxy_config(redis_url, engine_url, max_response_bytes=300))) as url:
         completion = _chat(url, "big-1", extra_body={"min_tokens": 8})
         assert completion.choices[0].message.content
     assert _failures(redis_url, "big-1") == [WORKER_CAPTURE_FAILED_REASON]
@@ -150,7 +150,7 @@ def test_non_durable_server_fails_capture_not_the_call(
     everysec_server: DurableServer, engine_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     url_redis = everysec_server.url
-    with running_server(build_proxy(proxy_config(url_redis, engine_url))) as url:
+    with running_server(ProxyApp(proxy_config(url_redis, engine_url))) as url:
         assert _chat(url, "nd-1").choices[0].message.content is not None
     assert _failures(url_redis, "nd-1") == [WORKER_CAPTURE_FAILED_REASON]
     assert "appendfsync" in caplog.text
@@ -158,8 +158,8 @@ def test_non_durable_server_fails_capture_not_the_call(
 
 def test_redis_unreachable(fresh_server: DurableServer, engine_url: str, caplog: pytest.LogCaptureFixture) -> None:
     fields: dict[str, Any] = {"redis_timeout_s": 0.5}
-    open_app = build_proxy(proxy_config(fresh_server.url, engine_url, **fields))
-    closed_app = build_proxy(proxy_config(fresh_server.url, engine_url, fail_closed=True, **fields))
+    open_app = ProxyApp(proxy_config(fresh_server.url, engine_url, **fields))
+    closed_app = ProxyApp(proxy_config(fresh_server.url, engine_url, fail_closed=True, **fields))
     with running_server(open_app) as open_url, running_server(closed_app) as closed_url:
         fresh_server.stop()
         assert _chat(open_url, "down-1").choices[0].message.content is not None
@@ -171,7 +171,7 @@ def test_redis_unreachable(fresh_server: DurableServer, engine_url: str, caplog:
 
 
 def test_rollout_ids_and_finished_are_checked(redis_url: str, engine_url: str) -> None:
-    app: ProxyApp = build_proxy(proxy_config(redis_url, engine_url))
+    app: ProxyApp = ProxyApp(proxy_config(redis_url, engine_url))
     with running_server(app) as url:
         bad = httpx.post(f"{url}/r/bad%20id/v1/chat/completions", json={"messages": MESSAGES})
         assert bad.status_code == 400 and "Invalid rollout id" in bad.text
@@ -196,7 +196,7 @@ def test_requests_capture_cannot_take(redis_url: str, engine_url: str, fail_clos
     """n > 1 is out of capture's scope: forwarded uncaptured, or refused when fail-closed; bad JSON reaches the
     upstream, which answers it, and the rollout records a capture failure, or is refused by the proxy itself when
     fail-closed (never forwarded)."""
-    app = build_proxy(proxy_config(redis_url, engine_url, fail_closed=fail_closed))
+    app = ProxyApp(proxy_config(redis_url, engine_url, fail_closed=fail_closed))
     with running_server(app) as url:
         many = httpx.post(f"{url}/r/many-1/v1/chat/completions", json={"messages": MESSAGES, "n": 2})
         broken = httpx.post(f"{url}/r/many-1/v1/chat/completions", content=b"{not json")

@@ -23,7 +23,7 @@ from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import running_assembler
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, proxy_config, run_agent, unset
 from worker.asgi import Receive, Scope, Send, read_body, send_body
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
@@ -98,7 +98,7 @@ def test_fail_closed_refuses_a_body_only_the_engine_can_parse(redis_url: str, ca
     content = json.dumps(fields).encode()
     upstream = LenientUpstream()
     with running_server(upstream) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine, fail_closed=True))
+        proxy = ProxyApp(proxy_config(redis_url, engine, fail_closed=True))
         with running_server(proxy) as url:
             answer = httpx.post(
                 f"{url}/r/lenient-1/v1/chat/completions",
@@ -152,7 +152,7 @@ def test_every_spelling_of_a_captured_route_is_captured_or_refused(redis_url: st
     body = {"model": "simulated", "messages": MESSAGES, "max_tokens": 4, "min_tokens": 2}
     served: dict[str, int] = {}
     with running_server(EngineApp(EngineOptions(seed=3))) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine, fail_closed=fail_closed))
+        proxy = ProxyApp(proxy_config(redis_url, engine, fail_closed=fail_closed))
         with running_server(proxy) as url:
             for index, spelling in enumerate(SPELLINGS):
                 rollout_id = f"spell-{int(fail_closed)}-{index}"
@@ -190,7 +190,7 @@ def test_fail_open_never_serves_token_ids_of_an_unparseable_engine_body(
 ) -> None:
     upstream = LenientUpstream(UNPARSEABLE[case].encode())
     with running_server(upstream) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine))
+        proxy = ProxyApp(proxy_config(redis_url, engine))
         with running_server(proxy) as url:
             answer = httpx.post(
                 f"{url}/r/unparsed-1/v1/chat/completions",
@@ -218,7 +218,7 @@ def test_a_self_contradicting_engine_payload_fails_the_capture(
 ) -> None:
     upstream = LenientUpstream(json.dumps(CONTRADICTIONS[case]).encode())
     with running_server(upstream) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine))
+        proxy = ProxyApp(proxy_config(redis_url, engine))
         with running_server(proxy) as url:
             completion = client_for(url, "contra-1").chat.completions.create(
                 model="simulated", messages=MESSAGES, max_tokens=4
@@ -254,7 +254,7 @@ def test_a_bug_in_the_commit_reaches_the_boundary(
     redis_url: str, fail_closed: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     with running_server(EngineApp(EngineOptions(seed=5))) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine, fail_closed=fail_closed))
+        proxy = ProxyApp(proxy_config(redis_url, engine, fail_closed=fail_closed))
         with running_server(proxy) as url:
             assert proxy.middleware is not None
             proxy.middleware.gate = CommitBug(proxy.middleware.gate)
@@ -282,7 +282,7 @@ def test_a_bug_in_the_commit_reaches_the_boundary(
 
 def test_finished_through_the_proxy_feeds_a_group_reader(redis_url: str) -> None:
     with running_server(EngineApp(EngineOptions(seed=9))) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine))
+        proxy = ProxyApp(proxy_config(redis_url, engine))
         with running_server(proxy) as url:
             for member, reward in (("grp-a", 1.0), ("grp-b", 0.0)):
                 _, last_id = run_agent([url], member, turns=2)

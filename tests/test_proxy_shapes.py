@@ -24,7 +24,7 @@ from tests.helpers.proxy import (
     unset,
 )
 from worker.asgi import Message, Receive, Scope, Send, header, send_body
-from worker.proxy.app import ProxyApp, build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.engine import IM_END, IM_START
 from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp
@@ -44,7 +44,7 @@ def stack(request: pytest.FixtureRequest, redis_url: str) -> Iterator[tuple[Engi
     options, fields = getattr(request, "param", (EngineOptions(seed=3), {}))
     engine = EngineApp(options)
     with running_server(engine) as upstream:
-        proxy = build_proxy(proxy_config(redis_url, upstream, **fields))
+        proxy = ProxyApp(proxy_config(redis_url, upstream, **fields))
         with running_server(proxy) as url:
             yield engine, proxy, url
 
@@ -169,7 +169,7 @@ def test_compressing_upstream_is_still_captured(redis_url: str) -> None:
     with running_server(_gzipping(EngineApp(EngineOptions(seed=8)))) as upstream:
         direct = httpx.post(f"{upstream}/v1/models", headers={"accept-encoding": "gzip"})
         assert direct.status_code == 404 or direct.headers.get("content-encoding") == "gzip"
-        with running_server(build_proxy(proxy_config(redis_url, upstream))) as url:
+        with running_server(ProxyApp(proxy_config(redis_url, upstream))) as url:
             run_agent([url], "gzip-1", turns=2)
             models = httpx.get(f"{url}/v1/models", headers={"accept-encoding": "gzip"})
             assert models.json()["data"][0]["id"] == "simulated"

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.helpers.proxy import proxy_config
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.bench import server_timing
 from worker.proxy.call_timing import CallClock, call_clock, current_call_clock, engine_span, timing_headers
 from worker.proxy.serve import running_server
@@ -52,13 +52,13 @@ def engine_url() -> Iterator[str]:
 def test_captured_calls_carry_server_timing_when_asked(redis_url: str, engine_url: str, mode: str) -> None:
     body = {"model": "simulated", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     config = proxy_config(redis_url, engine_url, prefix_mode=mode, server_timing=True, namespace=f"timing-{mode}")
-    with running_server(build_proxy(config)) as url:
+    with running_server(ProxyApp(config)) as url:
         answer = httpx.post(f"{url}/r/timing-{mode}/v1/chat/completions", json=body, timeout=20)
         uncaptured = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=20)
     assert answer.status_code == 200 and uncaptured.status_code == 200
     engine, capture, total = server_timing(answer.headers["server-timing"])
     assert 0 < engine < total and 0 < capture < total
     assert "server-timing" not in uncaptured.headers  # only captured calls are timed
-    with running_server(build_proxy(proxy_config(redis_url, engine_url, namespace=f"plain-{mode}"))) as url:
+    with running_server(ProxyApp(proxy_config(redis_url, engine_url, namespace=f"plain-{mode}"))) as url:
         plain = httpx.post(f"{url}/r/plain-{mode}/v1/chat/completions", json=body, timeout=20)
     assert plain.status_code == 200 and "server-timing" not in plain.headers  # off by default

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.logging_hop import running_hop
 from tests.helpers.proxy import proxy_config
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
@@ -37,7 +37,7 @@ def engine_url() -> Iterator[str]:
 @pytest.mark.parametrize("path", UNCAPTURED)
 def test_fail_closed_refuses_rollout_calls_to_uncaptured_routes(redis_url: str, engine_url: str, path: str) -> None:
     with running_hop(engine_url) as (hop, hop_url):
-        app = build_proxy(proxy_config(redis_url, hop_url, fail_closed=True, prefix_mode="verify"))
+        app = ProxyApp(proxy_config(redis_url, hop_url, fail_closed=True, prefix_mode="verify"))
         with running_server(app) as url:
             tagged = httpx.post(f"{url}/r/gen-1{path}", json=GENERATE, timeout=20)
             header = httpx.post(f"{url}{path}", json=GENERATE, headers={"X-Staging-Rollout-Id": "gen-2"}, timeout=20)
@@ -50,7 +50,7 @@ def test_fail_closed_refuses_rollout_calls_to_uncaptured_routes(redis_url: str, 
 
 
 def test_fail_closed_still_forwards_what_generates_nothing(redis_url: str, engine_url: str) -> None:
-    app = build_proxy(proxy_config(redis_url, engine_url, fail_closed=True, prefix_mode="verify"))
+    app = ProxyApp(proxy_config(redis_url, engine_url, fail_closed=True, prefix_mode="verify"))
     with running_server(app) as url:
         tokenize = httpx.post(f"{url}/r/gen-3/tokenize", json={"prompt": "ab"}, timeout=20)
         models = httpx.get(f"{url}/r/gen-3/v1/models", timeout=20)
@@ -61,7 +61,7 @@ def test_fail_closed_still_forwards_what_generates_nothing(redis_url: str, engin
 
 
 def test_fail_open_forwards_and_counts_uncaptured(redis_url: str, engine_url: str) -> None:
-    app = build_proxy(proxy_config(redis_url, engine_url, prefix_mode="verify"))
+    app = ProxyApp(proxy_config(redis_url, engine_url, prefix_mode="verify"))
     with running_server(app) as url:
         answer = httpx.post(f"{url}/r/gen-4/inference/v1/generate", json=GENERATE, timeout=20)
     assert answer.status_code == 200 and answer.json()["choices"][0]["token_ids"]

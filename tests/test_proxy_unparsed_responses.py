@@ -10,7 +10,7 @@ import httpx
 
 from sink.contract.records import WORKER_CAPTURE_FAILED_REASON
 from tests.helpers.proxy import fixed_upstream, manifest, proxy_config
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 
 MESSAGE: dict[str, Any] = {
@@ -32,7 +32,7 @@ RESPONSE: dict[str, Any] = {
 
 def test_an_unparsed_responses_call_is_served_without_the_token_fields_of_its_output(redis_url: str) -> None:
     with running_server(fixed_upstream(RESPONSE)) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine, prefix_mode="verify"))
+        proxy = ProxyApp(proxy_config(redis_url, engine, prefix_mode="verify"))
         with running_server(proxy) as url:
             answer = httpx.post(
                 f"{url}/r/unparsed-responses-1/v1/responses",

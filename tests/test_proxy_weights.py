@@ -31,7 +31,7 @@ from tests.helpers.proxy import (
     run_agent,
 )
 from worker.errors import StagingModeError
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions
@@ -61,7 +61,7 @@ def _versions(redis_url: str, proxy: str, rollout_id: str) -> tuple[int, ...]:
 
 def test_versions_follow_the_engine_labels(redis_url: str, engine: str) -> None:
     config = proxy_config(redis_url, engine, weight_source="engine", weight_version=4)
-    with running_server(build_proxy(config)) as proxy:
+    with running_server(ProxyApp(config)) as proxy:
         assert _versions(redis_url, proxy, "w-default") == (4, 4)  # label "default" is --weight-version
         httpx.post(f"{engine}/update_weight_version", json={"new_version": "6"}).raise_for_status()
         assert _versions(redis_url, proxy, "w-six") == (6, 6)
@@ -69,7 +69,7 @@ def test_versions_follow_the_engine_labels(redis_url: str, engine: str) -> None:
 
 def test_an_engine_label_the_rule_refuses_stops_the_start(redis_url: str, engine: str) -> None:
     httpx.post(f"{engine}/update_weight_version", json={"new_version": "v2"}).raise_for_status()
-    proxy = build_proxy(proxy_config(redis_url, engine, weight_source="engine"))
+    proxy = ProxyApp(proxy_config(redis_url, engine, weight_source="engine"))
     with pytest.raises(StagingModeError, match="'v2' is not a non-negative integer"):
         anyio.run(proxy.open)
     assert proxy.middleware is None  # and everything it opened is closed again (no ResourceWarning)
@@ -81,7 +81,7 @@ def test_versions_follow_the_trainers_published_key(redis_url: str, engine: str)
             await publish_weight_version(client, "stg", version)
 
     config = proxy_config(redis_url, engine, weight_source="published", weight_version=1, weight_staleness_s=0.001)
-    with running_server(build_proxy(config)) as proxy:
+    with running_server(ProxyApp(config)) as proxy:
         assert _versions(redis_url, proxy, "p-none") == (1, 1)  # nothing published: --weight-version
         anyio.run(publish, 8)
         assert _versions(redis_url, proxy, "p-eight") == (8, 8)
@@ -122,7 +122,7 @@ def test_a_deleted_published_version_is_loud(redis_url: str, engine: str, caplog
     caplog.set_level(logging.INFO, logger="worker.weight_version")
     counter = "staging_proxy_deleted_weight_version_calls_total"
     config = proxy_config(redis_url, engine, weight_source="published", weight_version=1, weight_staleness_s=0.001)
-    with redis.Redis.from_url(redis_url) as client, running_server(build_proxy(config)) as proxy:
+    with redis.Redis.from_url(redis_url) as client, running_server(ProxyApp(config)) as proxy:
         assert _versions(redis_url, proxy, "d-none") == (1, 1)  # never published: the fallback, quietly
         assert "deleted" not in caplog.text
         anyio.run(partial(_publish, redis_url, 8))

@@ -26,7 +26,7 @@ import redis
 from sink.contract.records import StagedCallRecord
 from sink.keys import calls_stream, record_key
 from sink.ops.cluster import LocalCluster
-from sink.server import DurableServer, durable_server, find_server_binary
+from sink.server import DurableServer, find_server_binary
 from sink.settings import SinkSettings
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
@@ -66,10 +66,8 @@ def primary_and_replica(
 ) -> Iterator[tuple[DurableServer, DurableServer]]:
     binary = find_server_binary(str(request.param))
     with (
-        durable_server(binary=binary, data_dir=tmp_path / "primary", extra_config=_FAST_SYNC) as primary,
-        durable_server(
-            binary=binary, data_dir=tmp_path / "replica", replica_of=(primary.host, primary.port)
-        ) as replica,
+        DurableServer(binary=binary, data_dir=tmp_path / "primary", extra_config=_FAST_SYNC) as primary,
+        DurableServer(binary=binary, data_dir=tmp_path / "replica", replica_of=(primary.host, primary.port)) as replica,
     ):
         _wait_link_up(primary, replica)
         yield primary, replica
@@ -201,8 +199,8 @@ async def test_a_retry_during_the_pause_is_not_acknowledged(binary_name: str, tm
     """A gate retrying a failed stage from another process while the replica is still frozen."""
     binary = find_server_binary(binary_name)
     with (
-        durable_server(binary=binary, data_dir=tmp_path / "p", extra_config=_FAST_SYNC) as primary,
-        durable_server(binary=binary, data_dir=tmp_path / "r", replica_of=(primary.host, primary.port)) as replica,
+        DurableServer(binary=binary, data_dir=tmp_path / "p", extra_config=_FAST_SYNC) as primary,
+        DurableServer(binary=binary, data_dir=tmp_path / "r", replica_of=(primary.host, primary.port)) as replica,
     ):
         _wait_link_up(primary, replica)
         settings = SinkSettings(min_replicas=1, confirm_timeout_s=CONFIRM_TIMEOUT_S)

@@ -26,7 +26,7 @@ from sink.contract.records import StagedCallRecord
 from sink.errors import StagingConnectionError
 from sink.keys import calls_stream
 from sink.ledger.redis import RedisCaptureLedger
-from sink.server import DurableServer, durable_server, find_server_binary
+from sink.server import DurableServer, find_server_binary
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from tests.helpers.reliability import audit_keyspace, commit_of, record_measurement
@@ -59,7 +59,7 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[DurableSe
     The proxy faults exercise the client side, so the fast runs use Valkey (and one round on Redis 7.0) and
     the slow runs Redis 7.0 instead of doubling every run.
     """
-    with durable_server(binary=find_server_binary(str(request.param)), data_dir=tmp_path / "server") as started:
+    with DurableServer(binary=find_server_binary(str(request.param)), data_dir=tmp_path / "server") as started:
         yield started
 
 

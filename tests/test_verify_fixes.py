@@ -34,7 +34,7 @@ from tests.helpers.processes import free_port, service
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, finish, manifest, proxy_config, pull, unset
 from tests.helpers.scenario_agent import run_scenario
 from tests.helpers.vllm_server import VllmServer
-from worker.proxy.app import build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.chat_extras import routed_experts_array
 from worker.simulated.engine import IM_END
@@ -86,7 +86,7 @@ def _verify_rollout(
     with ExitStack() as stack:
         engine = _engine(kind, request, stack)
         hop, hop_url = stack.enter_context(running_hop(engine.url))
-        proxy = stack.enter_context(running_server(build_proxy(proxy_config(redis_url, hop_url, prefix_mode="verify"))))
+        proxy = stack.enter_context(running_server(ProxyApp(proxy_config(redis_url, hop_url, prefix_mode="verify"))))
         _, turns = run_scenario(
             [proxy], rollout_id, engine.model, 3, lambda turn: options(engine, turn), retry_400_on=retry_400_on
         )
@@ -141,7 +141,7 @@ def test_a_400_then_a_retry_trains_in_verify_mode(
 def test_a_refused_root_and_a_complete_chain_train(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """The 400 on the very first call leaves nothing: the retry is the root, the rollout trains."""
     with running_server(EngineApp(EngineOptions(seed=3, max_model_len=1024))) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine, prefix_mode="verify"))
+        proxy = ProxyApp(proxy_config(redis_url, engine, prefix_mode="verify"))
         with running_server(proxy) as url:
             client = client_for(url, "refused-root")
             with pytest.raises(openai.BadRequestError):
@@ -157,7 +157,7 @@ def test_a_refused_root_and_a_complete_chain_train(redis_url: str, caplog: pytes
 def test_an_engine_5xx_still_poisons(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """A server error may come after a generation: it stays a failure row."""
     with running_server(EngineApp(EngineOptions(delay_s=0.8))) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine, prefix_mode="verify", upstream_timeout_s=0.2))
+        proxy = ProxyApp(proxy_config(redis_url, engine, prefix_mode="verify", upstream_timeout_s=0.2))
         with running_server(proxy) as url, pytest.raises(openai.APIStatusError) as raised:
             client_for(url, "timeout-verify").chat.completions.create(
                 model="simulated", messages=MESSAGES, max_tokens=4
@@ -184,7 +184,7 @@ def test_the_streamed_replay_carries_reasoning_and_tool_calls(redis_url: str, fi
     options = EngineOptions(seed=8, reasoning_field=field, tool_calls=True)
     with (
         running_server(EngineApp(options)) as engine,
-        running_server(build_proxy(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
+        running_server(ProxyApp(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
     ):
         client = client_for(url, f"stream-{field}")
         plain = client.chat.completions.create(
@@ -213,7 +213,7 @@ def test_the_streamed_replay_carries_reasoning_and_tool_calls(redis_url: str, fi
 def test_the_streamed_replay_carries_the_token_fields_asked_for(redis_url: str) -> None:
     with (
         running_server(EngineApp(EngineOptions(seed=2))) as engine,
-        running_server(build_proxy(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
+        running_server(ProxyApp(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
     ):
         body = {"model": "simulated", "messages": MESSAGES, "max_tokens": 6, "stream": True}
         asked = _stream(url, "stream-asked", {**body, "return_token_ids": True, "logprobs": True})
@@ -256,7 +256,7 @@ def test_routed_experts_are_staged_and_stripped_unless_asked(redis_url: str, pla
     rollout_id = f"experts-{place}-{asked}"
     with (
         running_server(EngineApp(EngineOptions(seed=4, routed_experts=place))) as engine,
-        running_server(build_proxy(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
+        running_server(ProxyApp(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
     ):
         extra = {"return_token_ids": True} if asked else {}
         completion = client_for(url, rollout_id).chat.completions.create(
@@ -288,7 +288,7 @@ def test_routed_experts_are_staged_and_stripped_unless_asked(redis_url: str, pla
 def test_drift_logs_the_token_index_and_both_ids(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     with (
         running_server(EngineApp(EngineOptions(seed=1, drift=True))) as engine,
-        running_server(build_proxy(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
+        running_server(ProxyApp(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
     ):
         client = client_for(url, "drift-log")
         messages: list[Any] = list(MESSAGES)
@@ -313,7 +313,7 @@ def test_an_ambiguous_parent_logs_the_candidates(redis_url: str, caplog: pytest.
     options = EngineOptions(seed=6, reasoning_field="reasoning")
     with (
         running_server(EngineApp(options)) as engine,
-        running_server(build_proxy(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
+        running_server(ProxyApp(proxy_config(redis_url, engine, prefix_mode="verify"))) as url,
     ):
         client = client_for(url, "ambiguous-log")
         replies = [
@@ -372,7 +372,7 @@ def test_fail_open_records_a_body_it_cannot_parse(redis_url: str, caplog: pytest
     fields = {"model": "simulated", "messages": MESSAGES, "max_tokens": 4, "temperature_jitter": float("nan")}
     upstream = _LenientEngine()
     with running_server(upstream) as engine:
-        proxy = build_proxy(proxy_config(redis_url, engine, prefix_mode="verify"))
+        proxy = ProxyApp(proxy_config(redis_url, engine, prefix_mode="verify"))
         with running_server(proxy) as url:
             answer = httpx.post(
                 f"{url}/r/lenient-open/v1/chat/completions",

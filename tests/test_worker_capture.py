@@ -328,9 +328,9 @@ async def test_async_failures_and_double_completion() -> None:
     with pytest.raises(CaptureError, match="already completed"):
         await capture.acomplete_call(call, **kwargs)
     failed = await capture.abegin_call(root_admission("c2"))
-    assert (await capture.afail_call(failed, reason="x")).disposition == "capture_failed"
+    assert (capture.fail_call(failed, reason="x")).disposition == "capture_failed"
     with pytest.raises(CaptureError):
-        await capture.afail_call(failed, reason="x")
+        capture.fail_call(failed, reason="x")
     missing = CaptureAdmission(
         rollout_id="rollout-1",
         model_call_id="c3",

@@ -389,13 +389,6 @@ class RolloutTokenCapture:
         call._claim()  # noqa: SLF001 (ActiveCall's claim, inside worker)
         return self._failed(call, f"host failed the call: {reason}")
 
-    async def afail_call(self, call: ActiveCall, *, reason: str) -> CommitCoords:
-        """Async twin of :meth:`fail_call` (no I/O).
-
-        :raises CaptureError: the call was already completed.
-        """
-        return self.fail_call(call, reason=reason)
-
     def fail_admission(self, admission: CaptureAdmission, *, reason: str) -> CommitCoords:
         """Failed coords for an admission whose ``begin_call`` never ran (provider's current version).
 

@@ -31,7 +31,7 @@ import anyio
 import redis.asyncio as aioredis
 
 from sink.errors import BenchmarkNamespaceInUseError, StagingError
-from sink.server import DurableServer, durable_server
+from sink.server import DurableServer
 from sink.store.connection import reply_text
 
 __all__ = (
@@ -74,7 +74,7 @@ def on_server(redis_url: str | None, run: Callable[[str, DurableServer | None], 
     """``run(url, server)`` on *redis_url*, or on a private durable server started for it (``server`` set)."""
     if redis_url:
         return run(redis_url, None)
-    with durable_server() as server:
+    with DurableServer() as server:
         return run(server.url, server)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from sink.errors import ServerNotFoundError, ServerProcessError
 from sink.server.binary import find_cli_binary, find_server_binary, server_version
-from sink.server.durable import DurableServer, durable_server, serve_forever
+from sink.server.durable import DurableServer, serve_forever
 from sink.server.loopback import LOOPBACK_HOST, free_port, server_client
 
 __all__ = (
@@ -19,7 +19,6 @@ __all__ = (
     "DurableServer",
     "ServerNotFoundError",
     "ServerProcessError",
-    "durable_server",
     "find_cli_binary",
     "find_server_binary",
     "free_port",

@@ -1,4 +1,4 @@
-"""The durable server process: :class:`DurableServer`, :func:`durable_server` and :func:`serve_forever`.
+"""The durable server process: :class:`DurableServer` (a context manager) and :func:`serve_forever`.
 
 A :class:`DurableServer` runs ``valkey-server`` or ``redis-server`` (found by :mod:`sink.server.binary`) as a
 child process bound to loopback on a free port, with the durable configuration of contract §11.2:
@@ -19,8 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
@@ -38,7 +37,7 @@ from sink.server.children import (
 )
 from sink.server.loopback import LOOPBACK_HOST, free_port, server_client
 
-__all__ = ("AppendFsync", "DurableServer", "durable_server", "serve_forever")
+__all__ = ("AppendFsync", "DurableServer", "serve_forever")
 
 AppendFsync = Literal["always", "everysec", "no"]
 
@@ -308,37 +307,6 @@ class DurableServer:
         self.close()
 
 
-@contextmanager
-def durable_server(
-    *,
-    binary: str | os.PathLike[str] | None = None,
-    data_dir: str | os.PathLike[str] | None = None,
-    port: int | None = None,
-    appendfsync: AppendFsync = "always",
-    maxmemory_bytes: int | None = None,
-    replica_of: tuple[str, int] | None = None,
-    cluster_enabled: bool = False,
-    extra_config: Mapping[str, str] | None = None,
-) -> Iterator[DurableServer]:
-    """Run a :class:`DurableServer` for the ``with`` block; it is stopped (or killed) on the way out.
-
-    :raises ServerNotFoundError: when no server binary is installed.
-    :raises ServerProcessError: when the server does not come up.
-    """
-    server = DurableServer(
-        binary=binary,
-        data_dir=data_dir,
-        port=port,
-        appendfsync=appendfsync,
-        maxmemory_bytes=maxmemory_bytes,
-        replica_of=replica_of,
-        cluster_enabled=cluster_enabled,
-        extra_config=extra_config,
-    )
-    with server:
-        yield server
-
-
 def serve_forever(
     *,
     binary: str | os.PathLike[str] | None = None,
@@ -360,7 +328,7 @@ def serve_forever(
 
     previous = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with durable_server(binary=binary, data_dir=data_dir, port=port, appendfsync=appendfsync) as server:
+        with DurableServer(binary=binary, data_dir=data_dir, port=port, appendfsync=appendfsync) as server:
             sys.stdout.write(f"{server.url}\n")
             sys.stdout.write(f"# {server.binary} {server.version}, data in {server.data_dir}; Ctrl-C stops it\n")
             sys.stdout.flush()

@@ -18,7 +18,7 @@ from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler
 from worker.asgi import ASGIApp, Receive, Scope, Send, read_body, send_body
-from worker.proxy.app import ProxyApp, build_proxy
+from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.engine import IM_END
 from worker.simulated.http_app import EngineApp
@@ -85,7 +85,7 @@ def proxy_before(engine: RecordingEngine, redis_url: str, **fields: Any) -> Iter
     """*engine* and a proxy in front of it (:func:`proxy_config` with *fields*), each on its own uvicorn server:
     yields the proxy's URL and app, with the engine's record of the proxy's start-up requests (its probe) cleared."""
     with running_server(engine) as engine_url:
-        proxy = build_proxy(proxy_config(redis_url, engine_url, **fields))
+        proxy = ProxyApp(proxy_config(redis_url, engine_url, **fields))
         with running_server(proxy) as url:
             engine.paths.clear()
             engine.scopes.clear()

@@ -119,7 +119,7 @@ def vllm_tools(vllm_fleet: VllmFleet) -> VllmServer:
 
 @pytest.fixture(scope="session")
 def _scenario_server() -> Iterator[sink_server.DurableServer]:
-    with sink_server.durable_server(binary=require_binary("valkey-server")) as server:
+    with sink_server.DurableServer(binary=require_binary("valkey-server")) as server:
         yield server
 
 

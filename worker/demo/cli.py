@@ -32,7 +32,7 @@ from sink.cli.plugin import (
     write_json,
 )
 from sink.keys import DEFAULT_NAMESPACE
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.store.connection import map_redis_errors
 from worker.demo.main import DemoOptions, make_plans, run_demo
 from worker.demo.report import DemoTally, render_summary
@@ -175,7 +175,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     if options.redis_url is None:
         if options.role == "worker" or options.gate_redis_url or options.cluster:
             raise CommandError("--role worker, --gate-redis-url and --cluster need --redis-url", exit_code=EXIT_USAGE)
-        with durable_server(binary=options.server_binary) as server:
+        with DurableServer(binary=options.server_binary) as server:
             description = f"embedded {server.binary.name} {server.version} ({server.binary}), {server.url}"
             return _run(options, server.url, options.namespace or DEFAULT_NAMESPACE, description, run_id)
     url = check_redis_url(options.redis_url)

@@ -26,7 +26,7 @@ import httpx
 
 from sink.keys import DEFAULT_NAMESPACE
 from sink.rollout.assembler import Assembler
-from sink.server import durable_server
+from sink.server import DurableServer
 from sink.settings import ProxySettings
 from sink.trainer.reader import RolloutReader
 from worker.proxy.app import ProxyApp
@@ -176,7 +176,7 @@ def run_http_demo(
     if redis_url:
         run(redis_url)
     else:
-        with durable_server() as server:
+        with DurableServer() as server:
             run(server.url)
     result.seconds = time.monotonic() - started
     return result

@@ -200,7 +200,7 @@ class _RolloutDriver:
         if active is None:
             self._counters.uncaptured += 1
         elif fail:
-            coords = await self._capture.afail_call(active, reason=INJECTED_FAILURE_NOTE)
+            coords = self._capture.fail_call(active, reason=INJECTED_FAILURE_NOTE)
         else:
             coords = await self._capture.acomplete_call(
                 active,

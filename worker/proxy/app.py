@@ -1,6 +1,6 @@
 """The capture proxy application: :class:`~worker.proxy.middleware.CaptureMiddleware` over a forwarding app.
 
-:func:`build_proxy` returns an ASGI app whose lifespan opens the Redis resources (staging sink, source for
+:class:`ProxyApp` is an ASGI app whose lifespan opens the Redis resources (staging sink, source for
 ``staging_chain`` prefixes, capture ledger, a client for ``finished``) and closes them with the upstream pool.
 ``capture=False`` gives the bare forwarding proxy (same server stack, no capture) the benchmark compares against.
 All state lives in Redis, so any number of proxy processes may serve one rollout's calls.
@@ -33,7 +33,7 @@ from worker.proxy.middleware import CaptureMiddleware
 from worker.proxy.routes import parse_target
 from worker.weight_version import PublishedWeightVersion, WeightLabelRule
 
-__all__ = ("ProxyApp", "build_proxy")
+__all__ = ("ProxyApp",)
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +165,3 @@ class ProxyApp:
                 return
             scope = {**scope, "path": target.path, "raw_path": target.path.encode()}
         await self.forward(scope, receive, send)
-
-
-def build_proxy(config: ProxySettings) -> ProxyApp:
-    """The proxy app for *config* (open it with its ASGI lifespan, or :meth:`ProxyApp.open`)."""
-    return ProxyApp(config)

@@ -153,7 +153,7 @@ class CapturedCall:
                 coords = (
                     capture.fail_admission(admission, reason="no completion")
                     if active is None or active.completed
-                    else await capture.afail_call(active, reason="the call ended without a completion")
+                    else capture.fail_call(active, reason="the call ended without a completion")
                 )
             try:
                 row = await self.owner.gate.commit(
@@ -176,7 +176,7 @@ class CapturedCall:
         with anyio.CancelScope(shield=True):
             try:
                 if active is not None and not active.completed:
-                    await self.owner.capture.afail_call(active, reason="the request ended before its completion")
+                    self.owner.capture.fail_call(active, reason="the request ended before its completion")
                 await self.owner.gate.abandon(admission)
             except StagingError as exc:  # the ledger is unreachable too: nothing more can be recorded
                 logger.error("%s: cannot record the abandoned call: %r", self.ids, exc)
@@ -220,9 +220,9 @@ class CapturedCall:
         """Stage the call from the upstream response, or fail it (§5.5, §5.6)."""
         capture = self.owner.capture
         if payload is None:
-            return await capture.afail_call(active, reason=f"upstream status {upstream.status} or not JSON")
+            return capture.fail_call(active, reason=f"upstream status {upstream.status} or not JSON")
         if self.failure is not None:
-            return await capture.afail_call(active, reason=self.failure)
+            return capture.fail_call(active, reason=self.failure)
         if upstream.oversized:
             logger.warning(
                 "%s: upstream response of %d bytes exceeds max_response_bytes=%d; capture failed",
@@ -230,7 +230,7 @@ class CapturedCall:
                 len(upstream.body),
                 self.owner.settings.max_response_bytes,
             )
-            return await capture.afail_call(active, reason="oversized response")
+            return capture.fail_call(active, reason="oversized response")
         with anyio.CancelScope(shield=True):  # the stage completes or the call is recorded failed, never half
             adapter = ExtrasAdded(adapter_for(self.route), self.extras)
             coords = await capture.acomplete_call_from_response(active, payload, adapter=adapter)

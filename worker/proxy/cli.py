@@ -212,7 +212,7 @@ def app_from_environment() -> ProxyApp:
     """The proxy app of ``$STAGING_SINK_PROXY_CONFIG`` (uvicorn's factory in each worker process)."""
 
     from sink.settings import ProxySettings
-    from worker.proxy.app import build_proxy
+    from worker.proxy.app import ProxyApp
 
     fields = os.environ[CONFIG_ENV]
     logging_options = json.loads(os.environ.get(LOGGING_ENV) or "{}")
@@ -223,7 +223,7 @@ def app_from_environment() -> ProxyApp:
     _say_the_prefix_mode()
     config = ProxySettings.model_validate_json(fields)
     logger.info("proxy worker %d serving -> %s", os.getpid(), config.upstream_url)
-    return build_proxy(config)
+    return ProxyApp(config)
 
 
 def _tune_gc() -> None:
@@ -258,10 +258,10 @@ def _refuse_before_serving(config: ProxySettings) -> None:
     import anyio
 
     from worker.errors import StagingModeError
-    from worker.proxy.app import build_proxy
+    from worker.proxy.app import ProxyApp
 
     async def open_once() -> None:
-        app = build_proxy(config)
+        app = ProxyApp(config)
         await app.open()
         await app.aclose()
 
@@ -277,7 +277,7 @@ def proxy_command(args: argparse.Namespace) -> int:
     check_listen(args.host, args.port)
     import uvicorn
 
-    from worker.proxy.app import build_proxy
+    from worker.proxy.app import ProxyApp
 
     _tune_gc()
     sys.stderr.write(
@@ -290,7 +290,7 @@ def proxy_command(args: argparse.Namespace) -> int:
     # log_config=None: uvicorn's own lines go through the CLI's handler (timestamps, levels, --log-format).
     if args.workers == 1:
         uvicorn.run(
-            build_proxy(config), host=args.host, port=args.port, log_level="warning", access_log=False, log_config=None
+            ProxyApp(config), host=args.host, port=args.port, log_level="warning", access_log=False, log_config=None
         )
         return 0
     os.environ[CONFIG_ENV] = config.model_dump_json()
