@@ -43,7 +43,7 @@ from tests.helpers.scale_out import (
 from tests.helpers.vllm_server import VllmServer
 from tests.helpers.vllm_shapes import TOOL_CALL, TOOLS
 from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
-from worker.exact_probe import probe_exact_prefix
+from worker.proxy.exact.probe import probe_exact_prefix
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions

@@ -20,8 +20,8 @@ from tests.helpers.engine_truth import Generated, assert_row_is_exact, generatio
 from tests.helpers.logging_hop import Exchange, running_hop
 from tests.helpers.proxy import client_for, close_clients, finish, manifest, proxy_config, pull
 from tests.helpers.vllm_server import VllmServer
-from worker.exact_text import ExactText, index_entry, match_parent, prompt_text, spell_ids
 from worker.proxy.app import ProxyApp
+from worker.proxy.exact.text import ExactText, index_entry, match_parent, prompt_text, spell_ids
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp
 from worker.simulated.options import EngineOptions

@@ -1,4 +1,4 @@
-"""The splice rule of exact-prefix mode (:mod:`worker.exact_prefix`): properties over generated conversations on
+"""The splice rule of exact-prefix mode (:mod:`worker.proxy.exact.splice`): properties over generated conversations on
 model templates (ChatML, one that drops earlier reasoning, one that injects a default system message, one that
 merges consecutive tool turns), parents that stopped on end-of-turn, on a stop string, at max_tokens or with
 ``ignore_eos`` (end-of-turn ids inside the output), and message text that spells the end-of-turn token."""
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.errors import SpliceError
-from worker.exact_prefix import (
+from worker.proxy.exact.splice import (
     count_end_of_turn,
     history_eot_count_by_messages,
     last_assistant_index,

@@ -189,7 +189,7 @@ def test_verify_mode_skips_what_exact_mode_trains(
 
 
 def test_the_mode_is_probed_at_start_and_logged_once(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="worker.proxy.exact_mode")
+    caplog.set_level(logging.INFO, logger="worker.proxy.exact.mode")
 
     async def mode_of(url: str, **settings: Any) -> bool:
         proxy = ProxyApp(proxy_config(redis_url, url, **settings))
@@ -206,7 +206,7 @@ def test_the_mode_is_probed_at_start_and_logged_once(redis_url: str, caplog: pyt
         assert anyio.run(mode_of, url) is False
         with pytest.raises(StagingModeError, match="--enable-scale-out"):
             anyio.run(partial(mode_of, url, prefix_mode="exact"))
-    lines = [record.getMessage() for record in caplog.records if record.name == "worker.proxy.exact_mode"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "worker.proxy.exact.mode"]
     assert lines[0].startswith("prefix mode: exact (") and "end-of-turn ids [2]" in lines[0]
     assert lines[1] == (
         "prefix mode: verify (the engine's token-in/token-out routes are disabled (start vLLM with --enable-scale-out))"
@@ -239,7 +239,7 @@ def test_a_streamed_reply_carries_the_token_fields_the_agent_asked_for(scenario_
 def test_an_engine_not_up_at_start_is_probed_on_the_first_call(
     scenario_redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="worker.proxy.exact_mode")
+    caplog.set_level(logging.INFO, logger="worker.proxy.exact.mode")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

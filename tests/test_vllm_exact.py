@@ -1,6 +1,6 @@
 """Exact-prefix mode against the real vLLM 0.32 (the ``vllm`` tier): the splice rule on the real templates (ChatML,
 the template that drops earlier reasoning, the tool template) with parents that stopped on a stop string, ran with
-``ignore_eos`` or ended inside their reasoning, and :func:`worker.exact_chat.exact_chat` answering a root call as
+``ignore_eos`` or ended inside their reasoning, and :func:`worker.proxy.exact.chat.exact_chat` answering a root call as
 vLLM's own chat route does (same seed: same ids, same parsed message)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers.scale_out import engine_call
 from tests.helpers.vllm_server import VllmServer
-from worker.exact_chat import RENDER_PATH, EngineTraits, Parent, exact_chat, render_chat
-from worker.exact_prefix import count_end_of_turn, splice_exact_prompt
+from worker.proxy.exact.chat import RENDER_PATH, EngineTraits, Parent, exact_chat, render_chat
+from worker.proxy.exact.splice import count_end_of_turn, splice_exact_prompt
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 

@@ -59,7 +59,7 @@ class WorkersFailedError(StagingError):
 
 
 class SpliceError(StagingError, ValueError):
-    """Raised by :func:`worker.exact_prefix.splice_exact_prompt` when a rendered continuation cannot be spliced onto
+    """Raised by :func:`worker.proxy.exact.splice.splice_exact_prompt` when a rendered continuation cannot be spliced onto
     its parent's exact sequence (no end-of-turn where the last assistant message must close, no rendered suffix).
     The proxy then serves the call in verify mode, never with a guessed prompt; the message names the check."""
 
@@ -71,7 +71,7 @@ class StagingModeError(StagingError):
 
 
 class ContextChangedError(SpliceError):
-    """Raised by :func:`worker.exact_chat.exact_chat` when a continuation's conversation before its parent's reply
+    """Raised by :func:`worker.proxy.exact.chat.exact_chat` when a continuation's conversation before its parent's reply
     (system or developer messages, earlier turns, tools, template arguments) renders differently than it did for the
     parent: splicing would send the engine the parent's old context. The call is no continuation of that parent: a
     new chain where the rollout allows one, else a capture failure naming this cause."""

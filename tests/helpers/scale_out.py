@@ -73,7 +73,7 @@ def stream(engine: ScaleOutEngine, path: str, body: dict[str, Any]) -> list[dict
 
 
 def engine_call(client: httpx.AsyncClient, url: str) -> Callable[[str, dict[str, Any]], Awaitable[tuple[int, Any]]]:
-    """An :data:`worker.exact_chat.EngineCall` over *client* to the engine at *url*."""
+    """An :data:`worker.proxy.exact.chat.EngineCall` over *client* to the engine at *url*."""
 
     async def call(path: str, body: dict[str, Any]) -> tuple[int, Any]:
         answer = await client.post(url + path, content=orjson.dumps(body), headers={"content-type": "application/json"})
@@ -83,7 +83,7 @@ def engine_call(client: httpx.AsyncClient, url: str) -> Callable[[str, dict[str,
 
 
 def engine_get(client: httpx.AsyncClient, url: str) -> Callable[[str], Awaitable[tuple[int, Any]]]:
-    """A :data:`worker.exact_probe.EngineGet` over *client* to the engine at *url*."""
+    """A :data:`worker.proxy.exact.probe.EngineGet` over *client* to the engine at *url*."""
 
     async def get(path: str) -> tuple[int, Any]:
         answer = await client.get(url + path)

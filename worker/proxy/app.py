@@ -25,8 +25,8 @@ from sink.store.source import AsyncRedisStagingSource
 from worker.asgi import ASGIApp, Receive, Scope, Send, error_body, send_body
 from worker.capture import RolloutTokenCapture
 from worker.errors import StagingModeError
-from worker.proxy.exact_completions import ExactCompletions
-from worker.proxy.exact_mode import PrefixModeChoice
+from worker.proxy.exact.completions import ExactCompletions
+from worker.proxy.exact.mode import PrefixModeChoice
 from worker.proxy.forward import ForwardingApp
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.middleware import CaptureMiddleware

@@ -26,12 +26,12 @@ from worker.call import ActiveCall
 from worker.capture import RolloutTokenCapture
 from worker.capture_adapter import ExtrasAdded
 from worker.errors import ContextChangedError, EnginePayloadError
-from worker.exact_chat import Rendering
-from worker.exact_text import ExactText
 from worker.proxy.call_timing import engine_span, note_capture, timing_headers
-from worker.proxy.exact_answers import JSON_HEADERS, ExactOutcome, asked_by, exact_chat_answer, parent_of
-from worker.proxy.exact_completions import ExactCompletions
-from worker.proxy.exact_mode import ExactMode, PrefixModeChoice
+from worker.proxy.exact.answers import JSON_HEADERS, ExactOutcome, asked_by, exact_chat_answer, parent_of
+from worker.proxy.exact.chat import Rendering
+from worker.proxy.exact.completions import ExactCompletions
+from worker.proxy.exact.mode import ExactMode, PrefixModeChoice
+from worker.proxy.exact.text import ExactText
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     ClientAsked,
@@ -252,7 +252,7 @@ class CapturedCall:
         return None if parent is None else parent.ids
 
     async def _exact_completion(self, exact: ExactMode, text: ExactText, receive: Receive) -> UpstreamAnswer:
-        """An exact-prefix completion (:mod:`worker.proxy.exact_completions`): admitted from the exact-text items."""
+        """An exact-prefix completion (:mod:`worker.proxy.exact.completions`): admitted from the exact-text items."""
         self.items = text.items()
         await self._admit()
         assert self.owner.exact_completions is not None
@@ -269,7 +269,7 @@ class CapturedCall:
     async def _exact_upstream(
         self, exact: ExactMode, rendering: Rendering, receive: Receive
     ) -> tuple[UpstreamAnswer, ClientAsked]:
-        """An exact-prefix chat call (:func:`~worker.proxy.exact_answers.exact_chat_answer`), in verify mode when it
+        """An exact-prefix chat call (:func:`~worker.proxy.exact.answers.exact_chat_answer`), in verify mode when it
         cannot be spliced."""
         limit = self.owner.settings.max_response_bytes
         try:

@@ -238,7 +238,7 @@ def _tune_gc() -> None:
     gc.set_threshold(50_000, 50, 100)
 
 
-_MODE_LOGGERS = ("worker.proxy.exact_mode", "worker.proxy.app")
+_MODE_LOGGERS = ("worker.proxy.exact.mode", "worker.proxy.app")
 """Where the proxy says, once at start, which prefix mode it uses and why."""
 
 

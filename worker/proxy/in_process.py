@@ -24,7 +24,7 @@ from sink.keys import DEFAULT_NAMESPACE
 from sink.settings import ProxySettings, UpstreamKind
 from worker.asgi import ASGIApp, Message, Receive, Scope, Send
 from worker.proxy.app import ProxyApp
-from worker.proxy.exact_mode import PrefixMode
+from worker.proxy.exact.mode import PrefixMode
 
 __all__ = ("EnvCaptureMiddleware", "config_from_environment")
 

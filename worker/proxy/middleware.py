@@ -42,8 +42,8 @@ from worker.asgi import (
 from worker.capture import RolloutTokenCapture
 from worker.proxy.call_timing import call_clock
 from worker.proxy.captured_call import CapturedCall
-from worker.proxy.exact_completions import ExactCompletions
-from worker.proxy.exact_mode import PrefixModeChoice
+from worker.proxy.exact.completions import ExactCompletions
+from worker.proxy.exact.mode import PrefixModeChoice
 from worker.proxy.metrics import ProxyMetrics
 from worker.proxy.routes import (
     CAPTURE_ROUTES,

@@ -1,9 +1,9 @@
 """Exact-prefix mode in the capture proxy: the chosen mode, and chat calls served over render/generate/derender.
 
-At start the proxy probes the engine (:func:`worker.exact_probe.probe_exact_prefix`) through the app it wraps (the
+At start the proxy probes the engine (:func:`worker.proxy.exact.probe.probe_exact_prefix`) through the app it wraps (the
 forwarder, or vLLM's own app in-process) and logs one line saying which mode it uses and why. ``prefix_mode``:
 ``auto`` (default) uses exact where the engine supports it, ``exact`` refuses to start without it, ``verify``
-keeps verify mode. In exact mode a captured chat call goes through :func:`worker.exact_chat.exact_chat`: a
+keeps verify mode. In exact mode a captured chat call goes through :func:`worker.proxy.exact.chat.exact_chat`: a
 continuation's prompt is the parent's exact staged sequence plus the rendered suffix, so history is never
 re-templated; the answer has vLLM's ``return_token_ids`` shape, so it is staged like any vLLM answer, and its
 ``weight_versions`` spans stamp the call's weight version (:mod:`worker.weight_version`) when a label rule is set.
@@ -20,9 +20,9 @@ import orjson
 
 from worker.asgi import ASGIApp, Message
 from worker.errors import StagingModeError
-from worker.exact_chat import EngineTraits, ExactAnswer, Parent, Rendering, exact_chat, render_chat
-from worker.exact_probe import ExactProbe, probe_exact_prefix
 from worker.proxy.call_timing import engine_span
+from worker.proxy.exact.chat import EngineTraits, ExactAnswer, Parent, Rendering, exact_chat, render_chat
+from worker.proxy.exact.probe import ExactProbe, probe_exact_prefix
 from worker.proxy.metrics import ProxyMetrics
 from worker.weight_version import WeightLabelRule, WeightVersionError, version_of_spans
 
@@ -114,7 +114,7 @@ class ExactMode:
         return await render_chat(self.call, request, self.probe.eot_ids)
 
     async def chat(self, request: dict[str, Any], rendering: Rendering, parent: Parent | None) -> ExactAnswer:
-        """Finish one rendered chat request exactly (:func:`worker.exact_chat.exact_chat`).
+        """Finish one rendered chat request exactly (:func:`worker.proxy.exact.chat.exact_chat`).
 
         :raises worker.errors.ContextChangedError: *parent* was rendered from another context.
         :raises worker.errors.SpliceError: the request cannot be spliced onto *parent*.

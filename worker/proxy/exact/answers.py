@@ -1,5 +1,5 @@
 """The engine's whole answer to a captured call, and the answer of an exact-prefix chat call
-(:meth:`worker.proxy.exact_mode.ExactMode.chat`) in that shape, with its weight version read from the spans and
+(:meth:`worker.proxy.exact.mode.ExactMode.chat`) in that shape, with its weight version read from the spans and
 what it stages beside the tokens (its extras: sampling provenance, its rendered context)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from sink.contract.sampling import SAMPLING_EXTRAS_KEY
 from worker.asgi import error_body
 from worker.call import ActiveCall
 from worker.errors import ContextChangedError, EnginePayloadError, SpliceError
-from worker.exact_chat import Parent, Rendering
-from worker.proxy.exact_mode import ExactMode, without_spans
+from worker.proxy.exact.chat import Parent, Rendering
+from worker.proxy.exact.mode import ExactMode, without_spans
 from worker.proxy.routes import ClientAsked
 from worker.proxy.upstream import UpstreamAnswer
 from worker.weight_version import WeightVersionError
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 CONTEXT_EXTRAS_KEY = "rendered_context"
-"""The extras key of an exact-prefix call's :func:`worker.exact_chat.context_digest`: what its continuations check."""
+"""The extras key of an exact-prefix call's :func:`worker.proxy.exact.chat.context_digest`: what its continuations check."""
 
 
 def asked_by(request: dict[str, Any]) -> ClientAsked:

@@ -7,7 +7,7 @@ for the forwarding proxy, a sub-request for the in-process middleware. The steps
    route does: ``logprobs: false`` with ``top_logprobs`` is its 400) into a generate request (templated ``token_ids``
    and resolved ``sampling_params``); for a continuation a second render of the messages through the last assistant
    one, without the generation prompt, counts the history's end-of-turn ids and fingerprints its context;
-2. a continuation is spliced onto its parent's exact sequence (:func:`worker.exact_prefix.splice_exact_prompt`) only
+2. a continuation is spliced onto its parent's exact sequence (:func:`worker.proxy.exact.splice.splice_exact_prompt`) only
    when everything before the parent's reply renders as it did for the parent (:class:`ContextChangedError`
    otherwise: an edited system message, tools or template arguments make it no continuation of that parent);
 3. ``POST /inference/v1/generate`` from those ids, with the sampling fields the proxy relies on set explicitly:
@@ -37,7 +37,7 @@ import anyio
 
 from sink.contract.digest import encode_token_ids
 from worker.errors import ContextChangedError, EnginePayloadError, SpliceError
-from worker.exact_prefix import count_end_of_turn, last_assistant_index, splice_exact_prompt
+from worker.proxy.exact.splice import count_end_of_turn, last_assistant_index, splice_exact_prompt
 from worker.sampling import sampling_from_engine
 
 __all__ = (
@@ -65,7 +65,7 @@ _CONTEXT_DOMAIN = b"staging-sink-rendered-context-v1"
 
 @dataclass(frozen=True)
 class EngineTraits:
-    """What the start-up probe learned of the engine (:mod:`worker.exact_probe`)."""
+    """What the start-up probe learned of the engine (:mod:`worker.proxy.exact.probe`)."""
 
     eot_ids: frozenset[int]
     """The template's end-of-turn id(s)."""

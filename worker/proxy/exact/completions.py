@@ -1,7 +1,7 @@
 """``/v1/completions`` in exact-prefix mode: a continuation's prompt is its parent's exact staged sequence plus the
 new suffix, as token ids.
 
-The rule (see :mod:`worker.exact_text` for how the parent is found): a text prompt that starts with a captured
+The rule (see :mod:`worker.proxy.exact.text` for how the parent is found): a text prompt that starts with a captured
 call's exact text (that call's prompt, then the text it served) continues that call. The proxy sends the engine a
 token-id prompt: the parent's exact staged ids (its prompt ids, then its generated ids: the token that completed a
 stop string included, which the served text drops), then the suffix tokenized by the engine
@@ -26,8 +26,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from sink.keys import ledger_text_key
 from worker.errors import EnginePayloadError
-from worker.exact_text import ExactText, index_entry, match_parent, prompt_text, spell_ids
-from worker.proxy.exact_mode import ExactMode
+from worker.proxy.exact.mode import ExactMode
+from worker.proxy.exact.text import ExactText, index_entry, match_parent, prompt_text, spell_ids
 
 __all__ = ("TOKENIZE_PATH", "ExactCompletions")
 

@@ -11,7 +11,7 @@ turns (each rendering past the first) share a header and a closing; the closing 
 with the end-of-turn id: ``<|im_end|>`` in ``<|im_end|>\\n``. A template for which this does not hold (the user
 turn renders differently once an assistant turn follows, or no closing) keeps verify mode, with the reason.
 
-What the chat route answers that derender cannot tell (:class:`worker.exact_chat.EngineTraits`), learned from one
+What the chat route answers that derender cannot tell (:class:`worker.proxy.exact.chat.EngineTraits`), learned from one
 chat completion of an empty reply (the end-of-turn forced by a ``logit_bias``, one token generated): its
 ``system_fingerprint``, its parsers' message for no text (``content: null`` where a reasoning parser takes the whole
 output), and whether its usage reports reasoning tokens; then, with a reasoning parser, its ``<think>`` and
@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from worker.exact_chat import DERENDER_PATH, RENDER_PATH, EngineCall, EngineTraits
+from worker.proxy.exact.chat import DERENDER_PATH, RENDER_PATH, EngineCall, EngineTraits
 
 __all__ = ("EngineGet", "ExactProbe", "probe_exact_prefix")
 
