@@ -43,7 +43,7 @@ from sink.server import DurableServer
 from sink.settings import ReaderSettings
 from sink.trainer.groups import RolloutGroup
 from sink.trainer.packing import pack
-from sink.trainer.sync_reader import SyncRolloutReader
+from sink.trainer.reader.sync_reader import SyncRolloutReader
 from worker import RolloutTokenCapture
 
 EPS = 1e-6

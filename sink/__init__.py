@@ -22,7 +22,7 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import Assembler
 from sink.rollout.done_event import finished
 from sink.store.sink import AsyncRedisStagingSink
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 
 # In the order the data flows, as in the README's example.
 __all__ = (  # noqa: RUF022 (data-flow order, not sorted)

@@ -482,7 +482,7 @@ async def test_the_whole_pipeline_runs_with_each_component_as_its_own_user(seede
         from sink.ledger.redis import RedisCaptureLedger
         from sink.rollout.assembler import finished
         from sink.store.sink import AsyncRedisStagingSink
-        from sink.trainer.reader import TRAINER_GROUP, RolloutReader
+        from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
         from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollout
     except ImportError as exc:
         skip_or_fail(f"the pipeline modules are not importable yet: {exc}")
@@ -519,7 +519,7 @@ async def test_the_trainer_role_delivers_and_acks_grpo_groups(acl_server: AclSer
     """Group mode's scripts and keys (``ns:{grp:<id>}:meta``/``:members``) are within the trainer's grants."""
     from sink.keys import group_keys
     from sink.trainer.groups import GroupReader, RolloutGroup
-    from sink.trainer.reader import RolloutReader
+    from sink.trainer.reader.rollout_reader import RolloutReader
     from tests.helpers.trainer import publish_groups
 
     groups = {"acl-grp": ["acl-m0", "acl-m1"]}
@@ -571,7 +571,7 @@ async def test_the_trainer_publishes_the_weight_version_the_proxy_and_ops_read(s
     so a deleted version is seen by each; the worker may not publish."""
     from sink.errors import StagingConnectionError
     from sink.keys import weight_version_key
-    from sink.trainer.reader import RolloutReader
+    from sink.trainer.reader.rollout_reader import RolloutReader
     from sink.trainer.weights import PublishedState, publish_weight_version, read_published_state
 
     async with RolloutReader.from_url(seeded.role_url("trainer")) as reader:

@@ -37,7 +37,7 @@ from sink.rollout.done_event import parse_done_event
 from sink.server import DurableServer
 from sink.settings import AssemblerSettings
 from sink.store.streams import StreamEntry
-from sink.trainer.reader import TRAINER_GROUP, RolloutReader
+from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.processes import until
 from tests.helpers.replies import raw_entries, text_entries, text_read

@@ -18,7 +18,7 @@ from sink.rollout.done_event import GroupTag
 from sink.trainer.batch import OverlongRow, collate
 from sink.trainer.packing import first_fit_decreasing, pack
 from sink.trainer.pulled import PulledRollout
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.rows import skipped_pulled, verified_pulled
 

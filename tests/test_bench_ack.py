@@ -21,7 +21,7 @@ from sink.rollout.done_event import finished
 from sink.settings import DEFAULT_SHARDS, ConnectionSettings
 from sink.store.batch import BatchCall, run_batch
 from sink.store.connection import Topology
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 
 # The steps of one ack that go through the batch runner: lease touch, ledger retire, clear staged, claim

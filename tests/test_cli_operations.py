@@ -24,7 +24,7 @@ from sink.keys import dead_letter_stream, fence_key, ledger_stream, receipt_key
 from sink.ops.cluster import LocalCluster
 from sink.rollout.assembler import finished
 from sink.server import DurableServer
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.commands import staging_sink
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 

@@ -23,7 +23,7 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.done_event import finished
 from sink.trainer.export import export_rollouts, write_export
 from sink.trainer.pulled import PulledRollout
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.chains import stage_two_trees
 from tests.helpers.e2e import pull_until, running_assembler
 

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from sink.trainer.groups import GroupReader, RolloutGroup
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.trainer import publish
 
 WARNING = "may have been trained before"

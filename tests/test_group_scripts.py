@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from sink.keys import group_keys
 from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
 from sink.trainer.groups import GroupReader, RolloutGroup
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.trainer import publish
 
 pytestmark = pytest.mark.anyio

@@ -12,8 +12,8 @@ import redis.asyncio as aioredis
 from sink.contract.skip_codes import SkipCode
 from sink.keys import dead_letter_stream, group_keys, record_key
 from sink.trainer.groups import GroupReader, RolloutGroup
-from sink.trainer.reader import RolloutReader
-from sink.trainer.sync_reader import SyncRolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
+from sink.trainer.reader.sync_reader import SyncRolloutReader
 from tests.helpers.replies import raw_entries
 from tests.helpers.trainer import publish, publish_groups
 

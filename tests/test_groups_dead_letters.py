@@ -20,7 +20,7 @@ from sink.contract.skip_codes import SkipCode
 from sink.errors import NotDurableError
 from sink.keys import dead_letter_stream, group_keys
 from sink.trainer.groups import LATE_MEMBER, GroupReader, RolloutGroup
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.group_members import lose_root_records, pull_until_settled
 from tests.helpers.trainer import publish, publish_groups
 

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from sink.contract.skip_codes import SkipCode
 from sink.keys import group_keys
 from sink.trainer.groups import GroupReader
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.group_members import lose_root_records, pull_until_settled
 from tests.helpers.trainer import publish, publish_groups
 

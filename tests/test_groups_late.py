@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from sink.keys import dead_letter_stream
 from sink.trainer.groups import LATE_MEMBER, GroupReader, RolloutGroup
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.trainer import publish
 
 pytestmark = pytest.mark.anyio

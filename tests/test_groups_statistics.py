@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from sink.contract.skip_codes import SkipCode
 from sink.keys import group_keys, record_key
 from sink.trainer.groups import GROUP_SIZE_MISMATCH, GroupReader, RolloutGroup
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.group_members import publish_members
 
 pytestmark = pytest.mark.anyio

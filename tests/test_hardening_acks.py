@@ -22,7 +22,7 @@ from sink.rollout.assembler import ASSEMBLER_GROUP
 from sink.rollout.done_event import finished
 from sink.settings import DEFAULT_SHARDS
 from sink.trainer.groups import GroupReader, RolloutGroup
-from sink.trainer.reader import TRAINER_GROUP, RolloutReader
+from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.ledger import root_commit
 

@@ -33,7 +33,7 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import finished
 from sink.rollout.receipt import build_receipt
 from sink.store.sink import AsyncRedisStagingSink
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import call_record_of, pull_until, running_assembler, stage_rollouts
 from tests.helpers.staging import make_record
 

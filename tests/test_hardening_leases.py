@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from sink.keys import record_key
 from sink.rollout.assembler import finished
 from sink.server import DurableServer
-from sink.trainer.reader import TRAINER_GROUP, RolloutReader
+from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
 from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollouts
 

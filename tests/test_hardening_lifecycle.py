@@ -17,7 +17,7 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import finished
 from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollout
 from tests.helpers.staging import make_record
 

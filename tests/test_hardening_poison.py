@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from sink.keys import dead_letter_stream, done_stream, receipt_key, receipts_stream
 from sink.rollout.assembler import Assembler, finished
 from sink.rollout.receipt import build_receipt
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.replies import raw_entries, xadd_fields
 

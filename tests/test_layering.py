@@ -70,7 +70,7 @@ BLIND_EXCEPT_BOUNDARIES: dict[str, str] = {
     "sink/store/resource.py:_close_forgotten": "finalizer of an unclosed resource: best effort, logged, never raises",
     "sink/store/resource.py:run": "loop thread: a startup failure goes to the waiting constructor",
     "sink/trainer/verify.py:_verify_snapshot": "a failed digest recompute becomes a typed error, chained",
-    "sink/trainer/sync_reader.py:_answer": "a DataLoader worker's acknowledgement: its error goes to the loading "
+    "sink/trainer/reader/sync_reader.py:_answer": "a DataLoader worker's acknowledgement: its error goes to the loading "
     "process, whose ack() raises it",
     "worker/demo/worker_process.py:worker_process_main": "demo worker process: failure sent to the parent",
     "worker/proxy/app.py:__call__": "ASGI lifespan startup: the failure is reported to the server, which exits",

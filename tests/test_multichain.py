@@ -27,7 +27,7 @@ from sink.trainer.export import read_export, write_export
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.packing import pack
 from sink.trainer.pulled import PulledRollout
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.chains import chain_tree, stage_two_trees
 from tests.helpers.e2e import call_record_of, pull_until, running_assembler, stage_rollouts
 

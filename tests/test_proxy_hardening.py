@@ -19,7 +19,7 @@ import pytest
 from sink.contract.records import UNCOMMITTED_CALL_REASON, WORKER_CAPTURE_FAILED_REASON, CallRecord
 from sink.ledger.gate import CaptureGate
 from sink.trainer.groups import GroupReader, RolloutGroup
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import running_assembler
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, proxy_config, run_agent, unset
 from worker.asgi import Receive, Scope, Send, read_body, send_body

@@ -19,7 +19,7 @@ from sink.rollout.assembler import finished
 from sink.settings import PruneSettings
 from sink.store.connection import Topology
 from sink.store.pipeline_counters import pipeline_counters
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.processes import until
 from tests.helpers.prune import next_millisecond

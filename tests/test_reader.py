@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from sink.keys import claim_key, dead_letter_stream, receipts_stream, record_key
 from sink.rollout.assembler import finished
 from sink.settings import ReaderSettings
-from sink.trainer.reader import TRAINER_GROUP, PulledRollout, RolloutReader
+from sink.trainer.reader.rollout_reader import TRAINER_GROUP, PulledRollout, RolloutReader
 from tests.helpers.e2e import EventCounter, StagedRollout, pull_until, running_assembler, stage_rollouts
 from tests.helpers.replies import raw_entries, text_entries, xadd_fields
 
@@ -235,7 +235,7 @@ async def test_a_retired_rollout_is_skipped_with_a_warning_never_silently(
     await publish(redis_url, ["ret-1"])
     async with RedisCaptureLedger.from_url(redis_url) as ledger:
         await ledger.retire(["ret-1"])
-    caplog.set_level(logging.WARNING, logger="sink.trainer.claims")
+    caplog.set_level(logging.WARNING, logger="sink.trainer.reader.claims")
     async with RolloutReader.from_url(redis_url) as reader:
         assert await reader.pull(1, block_ms=200) == []
     assert any("'ret-1': it is retired" in record.getMessage() for record in caplog.records), caplog.text

@@ -21,7 +21,7 @@ from sink.service import leaf_errors
 from sink.settings import ServiceSettings
 from sink.store.connection import Topology
 from sink.store.healing import SelfHealingGroupConsumer
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.group_members import publish_members
 from tests.helpers.topology import owner_of, slot_of
 

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 
 from sink.keys import receipts_stream
 from sink.settings import DEFAULT_SHARDS
-from sink.trainer.backlog import TRAINER_GROUP
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.backlog import TRAINER_GROUP
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.trainer import publish
 
 AN_HOUR_MS = 3_600_000

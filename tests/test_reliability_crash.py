@@ -38,7 +38,7 @@ from sink.rollout.assembler import finished
 from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.reliability import audit_keyspace, commit_of, record_measurement
 from tests.helpers.staging import make_record

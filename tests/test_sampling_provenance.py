@@ -20,7 +20,7 @@ from sink.errors import ReceiptVerificationError, SamplingProvenanceError
 from sink.trainer.batch import collate
 from sink.trainer.export import EXPORT_FORMATS, read_export, write_export
 from sink.trainer.packing import pack
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from sink.trainer.statistics import mismatch_report
 from sink.trainer.verify import verify_and_linearize
 from tests.helpers.codec import SETTINGS

@@ -22,7 +22,7 @@ from sink.ops.cluster import LocalCluster
 from sink.rollout.assembler import Assembler, finished
 from sink.store.cluster_mode import resolve_cluster_mode
 from sink.store.sink import AsyncRedisStagingSink
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.processes import until
 

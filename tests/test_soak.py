@@ -18,8 +18,8 @@ from sink.server import DurableServer
 from sink.settings import DEFAULT_SHARDS, PruneSettings
 from sink.store.connection import Topology
 from sink.store.sink import AsyncRedisStagingSink
-from sink.trainer.reader import RolloutReader
-from sink.trainer.retention import consumed_keys, expire_consumed
+from sink.trainer.reader.retention import consumed_keys, expire_consumed
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import running_assembler, stage_rollout
 
 ROLLOUTS = 5_000

@@ -38,7 +38,7 @@ from sink.settings import ConnectionSettings, ReaderSettings
 from sink.store.connection import Topology, translate_redis_error
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.trainer.groups import GroupReader, RolloutGroup
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler
 from tests.helpers.gym import make_entry
 from tests.helpers.proxy import RecordingEngine, close_clients, finish, proxy_before, run_agent

@@ -20,7 +20,7 @@ from sink.errors import BatchInputError
 from sink.keys import receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import DEFAULT_SHARDS, ReaderSettings
-from sink.trainer.backlog import TRAINER_GROUP
+from sink.trainer.reader.backlog import TRAINER_GROUP
 from sink.trainer.torch_data import StagedRolloutDataset, TorchBatch
 from tests.helpers.e2e import stage_rollouts
 from tests.helpers.trainer import publish, publish_staged
@@ -54,7 +54,7 @@ def _worker_warnings_to_stderr(worker_id: int) -> None:
 
 def test_importing_the_core_does_not_import_torch() -> None:
     code = (
-        "import sys, sink, sink.trainer.sync_reader, sink.trainer.batch, sink.trainer.packing, sink.cli.main, worker;"
+        "import sys, sink, sink.trainer.reader.sync_reader, sink.trainer.batch, sink.trainer.packing, sink.cli.main, worker;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)

@@ -15,8 +15,8 @@ from sink.keys import done_stream, receipts_stream
 from sink.rollout.assembler import finished
 from sink.rollout.done_event import GroupTag, parse_done_event
 from sink.settings import DEFAULT_SHARDS, ReaderSettings
-from sink.trainer.reader import RolloutReader
-from sink.trainer.sync_reader import SyncRolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
+from sink.trainer.reader.sync_reader import SyncRolloutReader
 from tests.helpers.e2e import pull_until, stage_rollouts
 from tests.helpers.trainer import publish, publish_staged
 

@@ -10,7 +10,7 @@ import pytest
 
 from sink.contract.skip_codes import SkipCode
 from sink.trainer.pulled import PulledRollout
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from sink.trainer.staleness import stale_skip
 from tests.helpers.e2e import pull_until
 from tests.helpers.trainer import publish

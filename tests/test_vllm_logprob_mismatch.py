@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sink.contract.records import StagedCallRecord
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from sink.trainer.statistics import mismatch_report
 from tests.helpers.e2e import pull_until
 from tests.helpers.sampling import sampling_entry

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sink.keys import weight_version_key
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from sink.trainer.weights import (
     InvalidWeightVersionError,
     WeightVersionKeyError,

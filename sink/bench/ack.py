@@ -29,7 +29,7 @@ from sink.bench import (
 )
 from sink.bench.trainer import stage_and_assemble
 from sink.bench.workload import build_records
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 
 __all__ = ("AckFigures", "RoundTrips", "count_round_trips", "format_report", "main", "run_ack_benchmark")
 

@@ -27,7 +27,7 @@ from sink.keys import claim_key, receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import DEFAULT_SHARDS
 from sink.store.sink import AsyncRedisStagingSink
-from sink.trainer.reader import TRAINER_GROUP, RolloutReader
+from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
 
 __all__ = ("build_chain_records", "chain_main", "format_chain_report", "run_chain_benchmark")
 

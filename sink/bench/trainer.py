@@ -45,7 +45,7 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.batch import collate
 from sink.trainer.packing import pack
-from sink.trainer.reader import TRAINER_GROUP, RolloutReader
+from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
 from sink.trainer.verify import LinearizedRow, verify_decoded_and_linearize
 
 __all__ = ("TrainerFigures", "format_report", "main", "run_trainer_benchmark", "stage_and_assemble")

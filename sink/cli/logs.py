@@ -1,6 +1,6 @@
 """Log output of the ``staging-sink`` commands: timestamped text lines, or one JSON object per line.
 
-``--log-format text`` (the default): ``2026-01-31T12:00:00.123+00:00 INFO sink.trainer.reader: message``.
+``--log-format text`` (the default): ``2026-01-31T12:00:00.123+00:00 INFO sink.trainer.reader.rollout_reader: message``.
 ``--log-format json``: ``{"time": ..., "level": ..., "logger": ..., "message": ...}`` (plus ``exception``
 when one is attached), for log shippers. Both go to stderr; times are UTC, ISO 8601.
 """

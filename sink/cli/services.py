@@ -47,7 +47,7 @@ from sink.service import OutagePolicy
 from sink.settings import AssemblerSettings, ReaderSettings
 from sink.store.connection import Topology, describe_redis_error, map_redis_errors
 from sink.store.scripts import LIBRARY
-from sink.trainer.reader import PulledRollout, RolloutReader
+from sink.trainer.reader.rollout_reader import PulledRollout, RolloutReader
 
 __all__ = (
     "BENCHMARKS",

@@ -1,7 +1,7 @@
 """``staging-sink weights set N`` and ``staging-sink weights show``: the trainer's published weight version.
 
 One key per namespace (:mod:`sink.trainer.weights`): proxies started with ``--weight-source published`` stamp each
-call with it, read at most every ``--weight-staleness-s``. A trainer that uses :class:`~sink.trainer.reader.RolloutReader`
+call with it, read at most every ``--weight-staleness-s``. A trainer that uses :class:`~sink.trainer.reader.rollout_reader.RolloutReader`
 publishes with ``publish_weight_version`` instead; this command is for scripts and operators.
 """
 

@@ -223,7 +223,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
             ),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
             Grant(("get", "del", "exists"), (_rw(_RECEIPT),)),
-            Grant(("expire",), (_rw(_RECEIPT), _rw(_FENCE))),  # retention after ack (sink.trainer.retention)
+            Grant(("expire",), (_rw(_RECEIPT), _rw(_FENCE))),  # retention after ack (sink.trainer.reader.retention)
             Grant(("get", "set", "del", "exists"), (_rw(_CLAIMED),)),
             Grant(("get", "mget", "del"), (_rw(_REC),)),
             Grant(("type", "xrange", "xdel", "xlen", "del", "exists"), (_rw(_CALLS),)),

@@ -8,7 +8,7 @@ key                                       removed by
 ``ns:{R}:rec:*``, ``ns:{R}:calls``        the trainer's ``ack`` (``clear_staged``); else abandonment here
 ``ns:{R}:ledger``, ``ns:{R}:ledger:ids``  the trainer's ``ack`` (ledger retirement); else abandonment here
 ``ns:{R}:claimed``                        the trainer's ``ack``; else abandonment here
-``ns:{R}:receipt``, ``ns:{R}:fence``      expire ``retention_s`` after the ack (:mod:`sink.trainer.retention`);
+``ns:{R}:receipt``, ``ns:{R}:fence``      expire ``retention_s`` after the ack (:mod:`sink.trainer.reader.retention`);
                                           a consumed rollout's keys left without a TTL get one here
 ``ns:gym:{R}``, ``ns:gym:{R}:*``          the NeMo Gym transport's ``drop`` (its tombstone expires); else
                                           abandonment here

@@ -72,7 +72,7 @@ return {$REMOVED}
 """,
 )
 
-# --- rollout claims (sink.trainer.reader) --------------------------------------------------------
+# --- rollout claims (sink.trainer.reader.rollout_reader) --------------------------------------------------------
 
 # KEYS: claim key, fence key; ARGV: token (stream#entry id), consumer, check fence ('1'/'0').
 # Returns {status, the claim's previous value or ''}: CLAIM_RETIRED (the ledger was

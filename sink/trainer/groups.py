@@ -1,7 +1,7 @@
 """GRPO group delivery: all rollouts of one prompt together, never split between trainer ranks.
 
 Rollouts join a group through :func:`~sink.rollout.done_event.finished` (``group_id=``, ``group_size=``). A
-:class:`GroupReader` wraps a :class:`~sink.trainer.reader.RolloutReader`; each rank pulls rollouts as usual and
+:class:`GroupReader` wraps a :class:`~sink.trainer.reader.rollout_reader.RolloutReader`; each rank pulls rollouts as usual and
 records every group member it receives in the group's server-side record (``ns:{grp:<id>}:members`` and
 ``:meta``, one slot) with one script. The rank whose member completes the group becomes its *owner* (atomically:
 exactly one rank) and takes the other ranks' members over (``XCLAIM`` of their receipt entries, then claim,
@@ -46,7 +46,7 @@ from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import reply_text
 from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
 from sink.trainer.pulled import PulledRollout, RolloutGroup, SkippedRollout
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from sink.trainer.statistics import GroupStatistics
 
 __all__ = ("GROUP_SIZE_MISMATCH", "LATE_MEMBER", "GroupReader", "GroupStatistics", "RolloutGroup")
@@ -62,7 +62,7 @@ GROUP_TIMEOUT = "group_timeout"
 
 
 class GroupReader:
-    """Delivers whole GRPO groups over a :class:`~sink.trainer.reader.RolloutReader` (borrowed; open it first)."""
+    """Delivers whole GRPO groups over a :class:`~sink.trainer.reader.rollout_reader.RolloutReader` (borrowed; open it first)."""
 
     def __init__(self, reader: RolloutReader) -> None:
         self._reader = reader

@@ -1,7 +1,7 @@
 """One pulled rollout: a receipt turned into a verified training row, or a skip with its reason (contract §8).
 
 :func:`fetch_and_verify` is the per-rollout work of
-:meth:`sink.trainer.reader.RolloutReader.pull`: fetch the staged records the manifest
+:meth:`sink.trainer.reader.rollout_reader.RolloutReader.pull`: fetch the staged records the manifest
 names, verify them against the receipt and linearize them. Nothing is dropped
 silently: every failure becomes a skipped :class:`PulledRollout` with a code.
 

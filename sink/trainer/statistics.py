@@ -1,4 +1,4 @@
-"""The trainer side's figures: the readers' counters (:meth:`~sink.trainer.reader.RolloutReader.statistics`,
+"""The trainer side's figures: the readers' counters (:meth:`~sink.trainer.reader.rollout_reader.RolloutReader.statistics`,
 :meth:`~sink.trainer.groups.GroupReader.statistics`) and the training/inference mismatch report of a row
 (:func:`mismatch_report`).
 
@@ -22,7 +22,7 @@ __all__ = ("GroupStatistics", "MismatchReport", "MismatchStats", "ReaderStatisti
 
 
 class ReaderStatistics(NamedTuple):
-    """Counters of one :class:`~sink.trainer.reader.RolloutReader` since it was opened; ``held``: pulled, not acked.
+    """Counters of one :class:`~sink.trainer.reader.rollout_reader.RolloutReader` since it was opened; ``held``: pulled, not acked.
 
     ``skipped_by_code``: skipped rollouts per skip code (e.g. ``stale_weights``, ``rollout_failed``), sorted.
     """

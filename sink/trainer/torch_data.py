@@ -20,12 +20,12 @@ receipts) and answers; that thread also renews the worker's leases while the wor
 
 Nothing waits in one worker's hand while another has nothing: a pull reads no more receipts than it returns, and
 what a wait brought beyond that goes back to the group at once
-(:meth:`~sink.trainer.reader.RolloutReader.release_unpulled`), taken by the next reader about to wait. So every
+(:meth:`~sink.trainer.reader.rollout_reader.RolloutReader.release_unpulled`), taken by the next reader about to wait. So every
 rollout is yielded promptly, by one worker, and not as a double delivery. One epoch is ``max_batches`` batches
 per reading process (``None``: endless). A worker that has produced its last batch waits (renewing its leases)
 up to ``ack_wait_s`` for the acknowledgements of its batches still in flight; a reader that stops with rollouts
 in hand (the loop broken off, ``ack_wait_s`` over) gives them back
-(:meth:`~sink.trainer.reader.RolloutReader.release_held`): the next reader takes them at once, as double
+(:meth:`~sink.trainer.reader.rollout_reader.RolloutReader.release_held`): the next reader takes them at once, as double
 deliveries (they may have been trained). A batch never acknowledged is delivered again.
 """
 
@@ -57,7 +57,7 @@ from sink.settings import ReaderSettings
 from sink.trainer.batch import OverlongRow, SkippedRollout, collate
 from sink.trainer.packing import pack
 from sink.trainer.pulled import PulledRollout
-from sink.trainer.sync_reader import (
+from sink.trainer.reader.sync_reader import (
     RENEWALS_PER_IDLE,
     STOPPED,
     Answer,

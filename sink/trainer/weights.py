@@ -1,6 +1,6 @@
 """The trainer's published weight version: one Redis key per namespace (``ns:weight_version``).
 
-The trainer publishes its version at each weight sync (:meth:`sink.trainer.reader.RolloutReader.publish_weight_version`
+The trainer publishes its version at each weight sync (:meth:`sink.trainer.reader.rollout_reader.RolloutReader.publish_weight_version`
 or ``staging-sink weights set N``); proxies and workers that get no version from their engine read it
 (:class:`worker.weight_version.PublishedWeightVersion`, bounded staleness). The value is a decimal integer the
 record's ``weight_version`` carries (a ``u64``: ``[0, 2**64)``): publishing anything else is refused

@@ -18,7 +18,7 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import Assembler
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.streams import StreamEntry
-from sink.trainer.reader import PulledRollout, RolloutReader
+from sink.trainer.reader.rollout_reader import PulledRollout, RolloutReader
 from tests.helpers.staging import make_chain
 
 __all__ = (

@@ -15,7 +15,7 @@ from sink.contract.records import RolloutManifest
 from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import ProxySettings
 from sink.trainer.pulled import PulledRollout
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler
 from worker.asgi import ASGIApp, Receive, Scope, Send, read_body, send_body
 from worker.proxy.app import ProxyApp

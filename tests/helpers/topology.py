@@ -39,7 +39,7 @@ from sink.rollout.done_event import finished
 from sink.server import DurableServer
 from sink.settings import DEFAULT_SHARDS
 from sink.store.sink import AsyncRedisStagingSink
-from sink.trainer.reader import TRAINER_GROUP
+from sink.trainer.reader.rollout_reader import TRAINER_GROUP
 from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import call_record_of
 from tests.helpers.staging import make_chain

@@ -28,7 +28,7 @@ from sink.keys import DEFAULT_NAMESPACE
 from sink.rollout.assembler import Assembler
 from sink.server import DurableServer
 from sink.settings import ProxySettings
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 from worker.simulated.http_app import EngineApp

@@ -2,7 +2,7 @@
 
 Worker processes (``multiprocessing``, spawn) play gate and inference worker for their share of the
 rollouts (:mod:`worker.demo.worker_process`, started by :mod:`worker.demo.worker_pool`); this process
-runs the receipt :class:`~sink.rollout.assembler.Assembler` and a trainer :class:`~sink.trainer.reader.RolloutReader`
+runs the receipt :class:`~sink.rollout.assembler.Assembler` and a trainer :class:`~sink.trainer.reader.rollout_reader.RolloutReader`
 that pulls, verifies and acknowledges every rollout, all in one anyio task group under a deadline, with
 live progress on stderr and a summary on stdout. A few rollouts get an injected capture failure on
 purpose: they must come back skipped, with their reason, and every other rollout must verify. That is
@@ -31,7 +31,7 @@ from sink.rollout.assembler import Assembler
 from sink.settings import DEFAULT_SHARDS, AssemblerSettings, ReaderSettings
 from sink.store.connection import Topology, map_redis_errors
 from sink.store.durability import verify_durability
-from sink.trainer.reader import RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from worker.demo.report import DemoTally, live_progress, show_progress
 from worker.demo.worker_pool import WorkerPool
 from worker.demo.worker_process import RolloutPlan, WorkerConfig

@@ -1,4 +1,4 @@
-"""Which receipt entries a trainer reader consumes next (used by :class:`~sink.trainer.reader.RolloutReader`).
+"""Which receipt entries a trainer reader consumes next (used by :class:`~sink.trainer.reader.rollout_reader.RolloutReader`).
 
 Order of sources: the reader's own pending entries after a restart (and on shards its consumer found suspect),
 entries reclaimed from crashed readers (idle ``claim_idle_ms``, tried every ``reclaim_interval_s``), then new
@@ -23,7 +23,7 @@ from sink.store.connection import Topology, reply_text
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.scripts import GIVE_BACK_SCRIPT
 from sink.store.streams import StreamEntry
-from sink.trainer.held import HeldRollouts
+from sink.trainer.reader.held import HeldRollouts
 
 __all__ = ("TRAINER_GROUP", "ReceiptBacklog")
 

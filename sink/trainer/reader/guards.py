@@ -3,7 +3,7 @@
 * :func:`foreign_row_skip`: a receipt whose manifest names a malformed key, another rollout's key or a
   foreign ``capture_key`` is skipped before anything is fetched;
 * :func:`own_keys`: the only staged keys the cleanup of a rollout may delete (its own hash tag);
-* :class:`AckOutcome`: what :meth:`~sink.trainer.reader.RolloutReader.ack` did, including the rollouts whose lease
+* :class:`AckOutcome`: what :meth:`~sink.trainer.reader.rollout_reader.RolloutReader.ack` did, including the rollouts whose lease
   this reader had lost to another rank (nothing is done for those).
 """
 
@@ -19,7 +19,7 @@ __all__ = ("AckOutcome", "foreign_row_skip", "own_keys")
 
 
 class AckOutcome(RolloutRemoval):
-    """:meth:`~sink.trainer.reader.RolloutReader.ack`'s result: the ledger retirement (``removed``/``absent``), plus
+    """:meth:`~sink.trainer.reader.rollout_reader.RolloutReader.ack`'s result: the ledger retirement (``removed``/``absent``), plus
     ``lost_lease``: rollouts another rank took over after this reader held them past ``claim_idle_ms``.
     Nothing was done for those (the new owner trains and acknowledges them); this reader's training of
     them was a duplicate.

@@ -1,6 +1,6 @@
 """Bounded state after the trainer's ack: a consumed rollout's receipt and fence expire after ``retention_s``.
 
-After :meth:`sink.trainer.reader.RolloutReader.ack` the rollout's staged records, ``calls`` stream, ledger and claim are
+After :meth:`sink.trainer.reader.rollout_reader.RolloutReader.ack` the rollout's staged records, ``calls`` stream, ledger and claim are
 gone; what remains is ``ns:{R}:receipt`` (what was trained on, for ``inspect``/``verify``) and ``ns:{R}:fence``
 (the id is consumed: a late duplicate is dropped, a late write refused). Both get ``EXPIRE retention_s`` here,
 in one pipeline per node (:func:`~sink.store.batch.run_batch`); both keys share the rollout's slot. A crash

@@ -6,7 +6,7 @@
 dropped silently. :meth:`RolloutReader.ack` then deletes the staged records, retires the ledgers and
 acknowledges the entries, each acknowledgement durable or refused (:class:`~sink.errors.NotDurableError`).
 
-Deduplication (:mod:`sink.trainer.claims`): a receipt published twice is consumed once, across ranks. Delivery
+Deduplication (:mod:`sink.trainer.reader.claims`): a receipt published twice is consumed once, across ranks. Delivery
 is at least once: :meth:`~RolloutReader.heartbeat` refreshes the rollouts a rank holds, and
 :meth:`~RolloutReader.pull` does so when the last refresh is older than ``claim_idle_ms / 8`` (a lease renewed
 well before it expires, without a round trip on every pull). A rank that calls neither for longer than
@@ -41,12 +41,12 @@ from sink.store.resource import AsyncResource, settings_or_fields
 from sink.store.sink import clear_staged
 from sink.store.source import AsyncRedisStagingSource
 from sink.store.streams import StreamEntry, default_consumer_name
-from sink.trainer.backlog import TRAINER_GROUP, ReceiptBacklog
-from sink.trainer.claims import RolloutClaims
-from sink.trainer.held import HeldRollouts
 from sink.trainer.pulled import PulledRollout, fetch_and_verify, parse_receipt_chains, parse_receipt_entry, with_group
-from sink.trainer.reader_guards import AckOutcome, foreign_row_skip, own_keys
-from sink.trainer.retention import expire_consumed
+from sink.trainer.reader.backlog import TRAINER_GROUP, ReceiptBacklog
+from sink.trainer.reader.claims import RolloutClaims
+from sink.trainer.reader.guards import AckOutcome, foreign_row_skip, own_keys
+from sink.trainer.reader.held import HeldRollouts
+from sink.trainer.reader.retention import expire_consumed
 from sink.trainer.staleness import stale_skip
 from sink.trainer.statistics import ReaderStatistics
 from sink.trainer.weights import checked_weight_version, publish_weight_version

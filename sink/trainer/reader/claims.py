@@ -1,6 +1,6 @@
 """The trainer reader's rollout claims: one owner per rollout across ranks, duplicates dropped (contract §8.5).
 
-Before consuming a rollout a :class:`~sink.trainer.reader.RolloutReader` claims it with
+Before consuming a rollout a :class:`~sink.trainer.reader.rollout_reader.RolloutReader` claims it with
 one script on the rollout's own slot: ``ns:{R}:claimed`` names the receipt
 entry and reader that own the rollout; another entry for the same rollout is
 acknowledged and dropped, across ranks too, and a retire fence (left by the ledger's ``retire``) marks a
@@ -22,13 +22,13 @@ from sink.store.connection import Topology
 from sink.store.scripts import CLAIM_SCRIPT, RELEASE_SCRIPT, ClaimStatus
 from sink.store.sink import clear_staged
 from sink.store.streams import GroupConsumer, StreamEntry
-from sink.trainer.held import HeldRollouts, claim_rounds
-from sink.trainer.held import entry_token as _token
-from sink.trainer.reader_guards import own_keys
+from sink.trainer.reader.guards import own_keys
+from sink.trainer.reader.held import HeldRollouts, claim_rounds
+from sink.trainer.reader.held import entry_token as _token
 
 __all__ = ("RolloutClaims",)
 
-logger = logging.getLogger("sink.trainer.reader")
+logger = logging.getLogger("sink.trainer.reader.rollout_reader")
 
 
 class RolloutClaims:

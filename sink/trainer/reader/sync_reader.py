@@ -1,6 +1,6 @@
 """The synchronous trainer reader: :class:`RolloutReader`'s semantics for loops that are not async.
 
-:class:`SyncRolloutReader` runs a :class:`~sink.trainer.reader.RolloutReader` on a
+:class:`SyncRolloutReader` runs a :class:`~sink.trainer.reader.rollout_reader.RolloutReader` on a
 private event-loop thread (the :class:`~sink.store.resource.PortalOwner`
 facade, like :class:`~sink.store.sink.RedisStagingSink`). Every method is
 thread-safe: calls from several threads are serialized on the loop, one at a
@@ -32,8 +32,8 @@ from sink.settings import ReaderSettings
 from sink.store.resource import PortalOwner
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.pulled import PulledRollout
-from sink.trainer.reader import RolloutReader
-from sink.trainer.reader_guards import AckOutcome
+from sink.trainer.reader.guards import AckOutcome
+from sink.trainer.reader.rollout_reader import RolloutReader
 from sink.trainer.statistics import ReaderStatistics
 
 __all__ = ("RENEWALS_PER_IDLE", "STOPPED", "Answer", "Request", "SyncRolloutReader", "WorkerAcks", "give_back")
@@ -43,7 +43,7 @@ _log = logging.getLogger(__name__)
 _POLL_S = 0.25  # how soon a WorkerAcks thread notices that its worker stops
 
 RENEWALS_PER_IDLE = 8
-"""Leases are renewed every ``claim_idle_ms`` / this, as :meth:`~sink.trainer.reader.RolloutReader.pull` does."""
+"""Leases are renewed every ``claim_idle_ms`` / this, as :meth:`~sink.trainer.reader.rollout_reader.RolloutReader.pull` does."""
 STOPPED = -1
 """In a :class:`WorkerAcks` answer, in place of a request number: the worker's pass over the dataset stopped."""
 Request = tuple[str, int, list[str]]
@@ -73,7 +73,7 @@ class _TurnLock:
 
 
 class SyncRolloutReader(PortalOwner[RolloutReader]):
-    """Synchronous, thread-safe :class:`~sink.trainer.reader.RolloutReader`: ``pull``, ``heartbeat``, ``ack``,
+    """Synchronous, thread-safe :class:`~sink.trainer.reader.rollout_reader.RolloutReader`: ``pull``, ``heartbeat``, ``ack``,
     ``statistics``, and :meth:`pull_groups` (GRPO groups, see :mod:`sink.trainer.groups`).
 
     Open with :meth:`from_url`; close with :meth:`close` or a ``with`` block.

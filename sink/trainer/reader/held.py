@@ -2,7 +2,7 @@
 
 A held rollout keeps its receipt entry pending under the reader's consumer
 name; the entry's *token* (``<stream>#<entry id>``) is what the rollout's
-claim key names. :meth:`sink.trainer.reader.RolloutReader.heartbeat` refreshes the
+claim key names. :meth:`sink.trainer.reader.rollout_reader.RolloutReader.heartbeat` refreshes the
 entries' idle time (the lease) and drops the ones another rank took over.
 """
 
