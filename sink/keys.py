@@ -172,7 +172,7 @@ def group_keys(namespace: str, group_id: str) -> tuple[str, str]:
 
 
 class GymKeys(NamedTuple):
-    """The NeMo Gym transport's keys of one rollout (:mod:`sink.store.gym_scripts`), in the script's order.
+    """The NeMo Gym transport's keys of one rollout (:mod:`sink.store.scripts.gym`), in the script's order.
 
     The sink (``gym_sink``) writes the first four while the rollout is open; the source (``gym_source``) owns
     the last three. A freeze moves the entries into ``snapshot``, out of the sink's reach.

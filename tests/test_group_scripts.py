@@ -2,7 +2,7 @@
 it leaves, driven through the script runner as two ranks would (``rank-0``, ``rank-1``), and through
 :class:`~sink.trainer.groups.GroupReader` where a reader shows it.
 
-The contract (sink.store.consumer_scripts): a member recorded in a group a live rank owns gets ``TAKEN`` and that
+The contract (sink.store.scripts.consumer): a member recorded in a group a live rank owns gets ``TAKEN`` and that
 owner, the owner itself ``OWNED``; an owner idle past ``claim_idle_ms`` loses a whole group to the next rank that
 gathers or checks it (``COMPLETE``, ``deliveries`` counting the owners it had); a closed group is ``GONE`` to a
 check and ``LATE`` to a new member, even when its record expired before the close; both records expire.

@@ -1,5 +1,5 @@
 """Outcomes are types, checked on the source: a Lua script's status is compared through its IntEnum
-(:mod:`sink.store.script_status`), never as a bare number, and a skip code is a :class:`SkipCode` member, never a
+(:mod:`sink.store.scripts.status`), never as a bare number, and a skip code is a :class:`SkipCode` member, never a
 bare string, anywhere in ``sink`` or ``worker``.
 
 Each rule is a function over a source root, so the tests also run it on a small broken tree and check it fails.

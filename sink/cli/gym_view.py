@@ -16,7 +16,7 @@ from rich.table import Table
 
 from sink.keys import gym_key_prefix, gym_keys
 from sink.store.connection import Topology, reply_text
-from sink.store.gym_scripts import TOMBSTONE_PREFIX
+from sink.store.scripts.gym import TOMBSTONE_PREFIX
 
 __all__ = ("gym_rollout_ids", "gym_rollout_state", "gym_totals", "render_gym_state")
 

@@ -35,7 +35,7 @@ from sink.store.durability import (
     not_durable,
     queue_confirmation,
 )
-from sink.store.script_runner import EVAL_MODE, LibraryNotLoadedError, ScriptMode, ServerScript
+from sink.store.scripts.runner import EVAL_MODE, LibraryNotLoadedError, ScriptMode, ServerScript
 
 __all__ = ("BatchCall", "raise_first_error", "run_batch")
 

@@ -27,8 +27,8 @@ from sink.settings import SinkSettings
 from sink.store.connection import Topology, describe_redis_error, is_topology_reply
 from sink.store.durability import REQUIRED_CONFIG, DurabilityMonitor, config_problem, node_address, waitaof_problem
 from sink.store.pipeline_counters import StageOutcome
-from sink.store.script_runner import ScriptMode, ServerScript
 from sink.store.scripts import LIBRARY, STAGE_SCRIPT
+from sink.store.scripts.runner import ScriptMode, ServerScript
 
 __all__ = ("STAGE_BATCH", "BatchScript", "Committable", "GroupCommitWriter", "PendingStage", "Settle")
 

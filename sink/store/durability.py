@@ -34,7 +34,7 @@ from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from sink.errors import NotDurableError
 from sink.settings import SinkSettings
 from sink.store.connection import Topology, describe_redis_error, reply_text
-from sink.store.script_runner import LibraryNotLoadedError, ScriptMode, ServerScript
+from sink.store.scripts.runner import LibraryNotLoadedError, ScriptMode, ServerScript
 
 __all__ = (
     "REQUIRED_CONFIG",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Final
 
-from sink.store.script_runner import ScriptLibrary, ServerScript
+from sink.store.scripts.runner import ScriptLibrary, ServerScript
 
 __all__ = (
     "LIBRARY",
@@ -91,7 +91,7 @@ class GroupStatus(IntEnum):
 
 
 class GymStatus(IntEnum):
-    """The Gym transport's script (:mod:`sink.store.gym_scripts`): one status per operation of a batch."""
+    """The Gym transport's script (:mod:`sink.store.scripts.gym`): one status per operation of a batch."""
 
     OK = 0
     SAME = 1
@@ -120,7 +120,7 @@ STATUS_CODES: Final[dict[str, int]] = {
 
 
 LIBRARY: Final = ScriptLibrary("staging_sink")
-"""Every script of :mod:`sink.store.scripts`, as one function library (see :mod:`sink.store.script_runner`)."""
+"""Every script of :mod:`sink.store.scripts`, as one function library (see :mod:`sink.store.scripts.runner`)."""
 
 
 def library_script(name: str, template: str, **extra: str) -> ServerScript:

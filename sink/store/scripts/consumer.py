@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from sink.store.script_status import library_script
+from sink.store.scripts.status import library_script
 
 __all__ = (
     "CLAIM_SCRIPT",

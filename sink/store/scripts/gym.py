@@ -1,5 +1,5 @@
 """The NeMo Gym transport's one Lua script, ``GYM_SCRIPT`` (its status codes are
-:class:`~sink.store.script_status.GymStatus`; re-exported by :mod:`sink.store.scripts`, whose import registers
+:class:`~sink.store.scripts.status.GymStatus`; re-exported by :mod:`sink.store.scripts`, whose import registers
 every script in the one library).
 
 The script runs a batch of operations, each on the keys of one rollout, all of one cluster slot (the
@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from sink.store.script_status import library_script
+from sink.store.scripts.status import library_script
 
 __all__ = (
     "GYM_KEYS_PER_OP",

@@ -11,14 +11,21 @@ Lua text gets the numbers from the enums (``$NAME`` placeholders), so
 Python and Lua cannot disagree.
 
 Running: every script is a function of :data:`LIBRARY` (``FCALL`` on Redis >= 7.0 and Valkey, after
-``staging-sink setup``), or ``EVALSHA`` on Redis 6.2; :mod:`sink.store.script_runner` decides per server.
+``staging-sink setup``), or ``EVALSHA`` on Redis 6.2; :mod:`sink.store.scripts.runner` decides per server.
 A caller that pipelines (the sink's group commit) queues with :meth:`ServerScript.queue` and, on a
 :meth:`ServerScript.missing` reply, calls :meth:`ServerScript.recover` and sends the pipeline again.
+
+One module per role: :mod:`~sink.store.scripts.status` (the status codes and :data:`LIBRARY`),
+:mod:`~sink.store.scripts.runner` (loading and running), and the scripts by family:
+:mod:`~sink.store.scripts.staging` (staged records and ledgers), :mod:`~sink.store.scripts.consumer` (consumer
+groups, claims, GRPO groups) and :mod:`~sink.store.scripts.gym` (NeMo Gym's transport). This package imports every
+family, so importing any of its modules registers every script in :data:`LIBRARY` before the library is first
+loaded.
 """
 
 from __future__ import annotations
 
-from sink.store.consumer_scripts import (
+from sink.store.scripts.consumer import (
     CLAIM_SCRIPT,
     GIVE_BACK_SCRIPT,
     GROUP_CHECK_SCRIPT,
@@ -28,12 +35,22 @@ from sink.store.consumer_scripts import (
     RETIRE_CONSUMER_SCRIPT,
     TOUCH_SCRIPT,
 )
-from sink.store.gym_scripts import GYM_SCRIPT
-from sink.store.script_runner import ServerScript
+from sink.store.scripts.gym import GYM_SCRIPT
+from sink.store.scripts.runner import ServerScript
+from sink.store.scripts.staging import (
+    APPEND_SCRIPT,
+    CALLS_ENTRY_FIELDS,
+    CLEAR_SCRIPT,
+    HAS_ROWS_SCRIPT,
+    LEDGER_DELETE_SCRIPT,
+    LEDGER_RETIRE_SCRIPT,
+    READ_SCRIPT,
+    STAGE_SCRIPT,
+)
 
 # The status codes and the library live in script_status; the scripts in staging_scripts and consumer_scripts
 # (re-exported here: import scripts from this module, which registers every one of them in LIBRARY).
-from sink.store.script_status import (
+from sink.store.scripts.status import (
     LIBRARY,
     AppendStatus,
     ClaimStatus,
@@ -43,16 +60,6 @@ from sink.store.script_status import (
     RemovalStatus,
     ScriptDone,
     StageStatus,
-)
-from sink.store.staging_scripts import (
-    APPEND_SCRIPT,
-    CALLS_ENTRY_FIELDS,
-    CLEAR_SCRIPT,
-    HAS_ROWS_SCRIPT,
-    LEDGER_DELETE_SCRIPT,
-    LEDGER_RETIRE_SCRIPT,
-    READ_SCRIPT,
-    STAGE_SCRIPT,
 )
 
 __all__ = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Final
 
 from sink.contract import record_schema
-from sink.store.script_status import library_script
+from sink.store.scripts.status import library_script
 
 __all__ = (
     "APPEND_SCRIPT",
