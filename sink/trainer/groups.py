@@ -28,14 +28,19 @@ one has no reward variance) but acknowledged and recorded on ``ns:dead:groups`` 
 members disagreeing on ``group_size`` make the group wait for the largest size announced (``complete=True`` only
 with that many; else sealed at the timeout), with a ``group_size_mismatch`` warning. Both are counted in
 :class:`GroupStatistics`. Acknowledge a delivered group with :meth:`GroupReader.ack_groups` after the optimizer step.
+
+The feature in one module: the reader (:class:`GroupReader`), what it delivers (:class:`RolloutGroup`, with the
+reward statistics over its members) and its counters (:class:`GroupStatistics`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections.abc import Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -45,9 +50,8 @@ from sink.rollout.done_event import GroupTag
 from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import reply_text
 from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
-from sink.trainer.pulled import PulledRollout, RolloutGroup, SkippedRollout
+from sink.trainer.pulled import PulledRollout, SkippedRollout
 from sink.trainer.reader.rollout_reader import RolloutReader
-from sink.trainer.statistics import GroupStatistics
 
 __all__ = ("GROUP_SIZE_MISMATCH", "LATE_MEMBER", "GroupReader", "GroupStatistics", "RolloutGroup")
 
@@ -59,6 +63,59 @@ GROUP_SIZE_MISMATCH = "group_size_mismatch"
 """Warning code: the members of a group announced different ``group_size`` s (the largest is used)."""
 GROUP_TIMEOUT = "group_timeout"
 """``dead_code`` on ``ns:dead:groups``: incomplete at ``group_timeout_s`` under ``group_timeout_policy="dead_letter"``."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RolloutGroup:
+    """One delivered group: its trainable ``members`` (by rollout id), the ``failed`` ones, and reward statistics
+    over the members (``NaN`` when no member has a reward). ``complete``: every member arrived."""
+
+    group_id: str | None
+    group_size: int
+    members: tuple[PulledRollout, ...]
+    failed: tuple[SkippedRollout, ...]
+    complete: bool
+    reward_mean: float = field(init=False)
+    reward_std: float = field(init=False)
+    reward_min: float = field(init=False)
+    reward_max: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        rewards = [m.receipt.reward for m in self.members if m.receipt.reward is not None]
+        mean = math.fsum(rewards) / len(rewards) if rewards else math.nan
+        std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else math.nan
+        object.__setattr__(self, "reward_mean", mean)
+        object.__setattr__(self, "reward_std", std)
+        object.__setattr__(self, "reward_min", min(rewards) if rewards else math.nan)
+        object.__setattr__(self, "reward_max", max(rewards) if rewards else math.nan)
+
+    @property
+    def rollout_ids(self) -> tuple[str, ...]:
+        """The trainable members' ids (acknowledge them with :meth:`GroupReader.ack_groups`)."""
+        return tuple(m.rollout_id for m in self.members)
+
+    def __repr__(self) -> str:
+        return (
+            f"<RolloutGroup {self.group_id!r} members={len(self.members)}/{self.group_size} "
+            f"failed={len(self.failed)} complete={self.complete} reward_mean={self.reward_mean:.4g}>"
+        )
+
+
+class GroupStatistics(NamedTuple):
+    """Counters of one :class:`GroupReader`: groups delivered (``partial``: sealed at the
+    timeout), dropped by ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups
+    this rank holds members of, not complete; ``late``: members after their group went out
+    (:data:`LATE_MEMBER`); ``size_mismatches``: groups whose members disagreed on
+    ``group_size``."""
+
+    delivered: int
+    partial: int
+    dropped: int
+    dead_lettered: int
+    handed_over: int
+    waiting: int
+    late: int = 0
+    size_mismatches: int = 0
 
 
 class GroupReader:

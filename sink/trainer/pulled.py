@@ -8,15 +8,13 @@ silently: every failure becomes a skipped :class:`PulledRollout` with a code.
 A multi-chain rollout (its receipts entry carries a chain record, contract §14) is verified chain by chain,
 each chain against its own tree's rows exactly as one rollout is (every digest and link), and delivers one
 row per healthy chain in :attr:`PulledRollout.rows`; a poisoned chain is a :class:`ChainSkip` beside them.
-A GRPO group of pulled rollouts, as :class:`~sink.trainer.groups.GroupReader` delivers it, is a
-:class:`RolloutGroup`.
+A GRPO group of pulled rollouts is a :class:`~sink.trainer.groups.RolloutGroup`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from pydantic import ValidationError
@@ -35,7 +33,6 @@ from sink.trainer.verify import LinearizedRow, verify_decoded_and_linearize
 __all__ = (
     "ChainSkip",
     "PulledRollout",
-    "RolloutGroup",
     "SkippedRollout",
     "chain_receipt",
     "fetch_and_verify",
@@ -256,39 +253,3 @@ async def _fetch_chains(
             receipt, skip_code=first.skip_code, skip_reason=reason, chains=chains, chain_skips=tuple(skips)
         )
     return PulledRollout(receipt, chains=chains, chain_rows=tuple(rows), chain_skips=tuple(skips))
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class RolloutGroup:
-    """One delivered group: its trainable ``members`` (by rollout id), the ``failed`` ones, and reward statistics
-    over the members (``NaN`` when no member has a reward). ``complete``: every member arrived."""
-
-    group_id: str | None
-    group_size: int
-    members: tuple[PulledRollout, ...]
-    failed: tuple[SkippedRollout, ...]
-    complete: bool
-    reward_mean: float = field(init=False)
-    reward_std: float = field(init=False)
-    reward_min: float = field(init=False)
-    reward_max: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        rewards = [m.receipt.reward for m in self.members if m.receipt.reward is not None]
-        mean = math.fsum(rewards) / len(rewards) if rewards else math.nan
-        std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else math.nan
-        object.__setattr__(self, "reward_mean", mean)
-        object.__setattr__(self, "reward_std", std)
-        object.__setattr__(self, "reward_min", min(rewards) if rewards else math.nan)
-        object.__setattr__(self, "reward_max", max(rewards) if rewards else math.nan)
-
-    @property
-    def rollout_ids(self) -> tuple[str, ...]:
-        """The trainable members' ids (acknowledge them with :meth:`~sink.trainer.groups.GroupReader.ack_groups`)."""
-        return tuple(m.rollout_id for m in self.members)
-
-    def __repr__(self) -> str:
-        return (
-            f"<RolloutGroup {self.group_id!r} members={len(self.members)}/{self.group_size} "
-            f"failed={len(self.failed)} complete={self.complete} reward_mean={self.reward_mean:.4g}>"
-        )

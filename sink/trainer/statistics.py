@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ("GroupStatistics", "MismatchReport", "MismatchStats", "ReaderStatistics", "mismatch_report")
+__all__ = ("MismatchReport", "MismatchStats", "ReaderStatistics", "mismatch_report")
 
 
 class ReaderStatistics(NamedTuple):
@@ -40,23 +40,6 @@ class ReaderStatistics(NamedTuple):
     double_deliveries: int = 0
     """Rollouts this reader claimed from an entry delivered before (another rank, or this one before a
     restart, may have trained them too)."""
-
-
-class GroupStatistics(NamedTuple):
-    """Counters of one :class:`~sink.trainer.groups.GroupReader`: groups delivered (``partial``: sealed at the
-    timeout), dropped by ``drop_group``, dead-lettered at the timeout, handed to another rank; ``waiting``: groups
-    this rank holds members of, not complete; ``late``: members after their group went out
-    (:data:`~sink.trainer.groups.LATE_MEMBER`); ``size_mismatches``: groups whose members disagreed on
-    ``group_size``."""
-
-    delivered: int
-    partial: int
-    dropped: int
-    dead_lettered: int
-    handed_over: int
-    waiting: int
-    late: int = 0
-    size_mismatches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
