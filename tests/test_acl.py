@@ -1,4 +1,4 @@
-"""The least-privilege ACL users (sink.ops.acl) loaded by real servers: each role can do its job, not the others'."""
+"""The least-privilege ACL users (sink.ops.access.render) loaded by real servers: each role can do its job, not the others'."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from sink.keys import (
     receipts_stream,
     record_key,
 )
-from sink.ops.acl import (
+from sink.ops.access.render import (
     ADMIN_ROLE,
     PLACEHOLDER_HASH,
     ROLE_NAMES,
@@ -35,7 +35,7 @@ from sink.ops.acl import (
     render_acl_example,
     render_acl_file,
 )
-from sink.ops.metrics import collect_redis_gauges
+from sink.ops.metrics.exporter import collect_redis_gauges
 from sink.store.scripts import STAGE_SCRIPT, StageStatus
 from tests.helpers.acl import ACL_DENIAL, AclServer, is_acl_denial, start_acl_server
 from tests.helpers.servers import import_or_skip, skip_or_fail

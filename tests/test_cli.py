@@ -22,7 +22,7 @@ from sink.cli.common import EXIT_FAILURE, EXIT_UNREACHABLE, EXIT_USAGE, mask_url
 from sink.cli.main import ENV_REDIS_URL, build_parser, main
 from sink.cli.services import benchmarks
 from sink.keys import record_key
-from sink.ops.acl import ADMIN_ROLE, ROLE_NAMES
+from sink.ops.access.render import ADMIN_ROLE, ROLE_NAMES
 from sink.rollout.assembler import finished
 from sink.server import DurableServer, free_port
 from sink.store.sink import AsyncRedisStagingSink

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from sink.cli.main import main
-from sink.ops.acl import ADMIN_ROLE, ROLE_NAMES, password_env_var, render_acl_example
+from sink.ops.access.render import ADMIN_ROLE, ROLE_NAMES, password_env_var, render_acl_example
 from sink.store.durability import REQUIRED_CONFIG, verify_durability
 from tests.helpers.acl import AclServer
 from tests.helpers.servers import require_binary, skip_or_fail

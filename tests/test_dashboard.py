@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sink.ops.metrics import EXPORTED_METRICS
+from sink.ops.metrics.exporter import EXPORTED_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "staging-sink.json"

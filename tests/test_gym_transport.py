@@ -35,7 +35,7 @@ from sink.errors import (
 )
 from sink.gym import LocalTokenCaptureSnapshot, LocalTokenEntry, RedisTokenSink, RedisTokenSource, entry_types
 from sink.keys import gym_keys
-from sink.ops.acl import ADMIN_ROLE
+from sink.ops.access.render import ADMIN_ROLE
 from sink.server import DurableServer
 from sink.store.pipeline_counters import pipeline_counters
 from tests.helpers.acl import AclServer, start_acl_server

@@ -18,7 +18,7 @@ import redis
 
 from sink.cli.main import main as cli_main
 from sink.keys import record_key
-from sink.ops.acl import ROLE_NAMES
+from sink.ops.access.render import ROLE_NAMES
 from sink.store.scripts import LIBRARY
 from sink.store.sink import AsyncRedisStagingSink
 from tests.helpers.acl import AclServer, start_acl_server

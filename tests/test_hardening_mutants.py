@@ -21,7 +21,7 @@ from sink.contract.codec import decode_packed_record, encode_record
 from sink.contract.records import CaptureLedgerCommit, StagedCallRecord, StagedCallSnapshot
 from sink.errors import StagingKeyOwnershipError
 from sink.ledger.redis import RedisCaptureLedger
-from sink.ops.acl import PLACEHOLDER_HASH, ROLE_POLICIES, KeyPattern, render_acl_example, write_private_file
+from sink.ops.access.render import PLACEHOLDER_HASH, ROLE_POLICIES, KeyPattern, render_acl_example, write_private_file
 from sink.server import DurableServer
 from sink.settings import SinkSettings
 from sink.store.durability import supports_waitaof

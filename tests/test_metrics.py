@@ -1,4 +1,4 @@
-"""Prometheus metrics (sink.ops.metrics, sink.store.pipeline_counters): counters, exposition, the HTTP exporter, and the
+"""Prometheus metrics (sink.ops.metrics.exporter, sink.store.pipeline_counters): counters, exposition, the HTTP exporter, and the
 Redis gauges."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 
 from sink.errors import MetricsExtraMissingError, StagingError
-from sink.ops.metrics import EXPORTED_METRICS, STAGE_RESULTS, Metrics, collect_redis_gauges, serve_metrics
+from sink.ops.metrics.exporter import EXPORTED_METRICS, STAGE_RESULTS, Metrics, collect_redis_gauges, serve_metrics
 from sink.store.pipeline_counters import (
     PipelineCounters,
     StageOutcome,
@@ -257,7 +257,7 @@ async def test_a_failed_collection_is_up_0_and_counted() -> None:
 
 
 def test_a_service_metrics_port_serves_the_process_counters() -> None:
-    from sink.ops.metrics import serve_process_metrics
+    from sink.ops.metrics.exporter import serve_process_metrics
 
     with serve_process_metrics(None) as nothing:
         assert nothing is None

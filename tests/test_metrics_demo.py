@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sink.cli.main import main
-from sink.ops.metrics import EXPORTED_METRICS, Metrics, serve_metrics
+from sink.ops.metrics.exporter import EXPORTED_METRICS, Metrics, serve_metrics
 
 pytestmark = pytest.mark.redis
 

@@ -189,7 +189,7 @@ def _proxy_series() -> set[str]:
 
 
 def test_every_metric_series_is_documented_in_docs() -> None:
-    from sink.ops.metrics import EXPORTED_METRICS
+    from sink.ops.metrics.exporter import EXPORTED_METRICS
 
     series = {re.sub(r"_(bucket|count|sum)$", "", name) for name in EXPORTED_METRICS} | _proxy_series()
     assert "staging_proxy_calls_total" in series and "staging_sink_stages_total" in series
@@ -213,7 +213,7 @@ def test_every_exit_code_is_documented_in_docs() -> None:
 
 
 def test_every_acl_role_has_a_row_in_the_trust_model() -> None:
-    from sink.ops.acl_policy import ROLE_NAMES
+    from sink.ops.access.policy import ROLE_NAMES
 
     trust = (ROOT / "docs" / "trust-model.md").read_text()
     rows = set(re.findall(r"^\| `([a-z_]+)`", trust, flags=re.MULTILINE))

@@ -32,7 +32,7 @@ from sink.cli.common import (
 from sink.cli.plugin import plugin_benchmarks
 from sink.cli.stats import shared_stream_names
 from sink.errors import MetricsExtraMissingError, StagingRefusedError
-from sink.ops.acl import (
+from sink.ops.access.render import (
     ADMIN_ROLE,
     ROLE_NAMES,
     env_file_text,
@@ -41,7 +41,7 @@ from sink.ops.acl import (
     render_acl_file,
     write_private_file,
 )
-from sink.ops.metrics import Metrics, serve_metrics, serve_process_metrics
+from sink.ops.metrics.exporter import Metrics, serve_metrics, serve_process_metrics
 from sink.rollout.assembler import run_assembler
 from sink.service import OutagePolicy
 from sink.settings import AssemblerSettings, ReaderSettings

@@ -1,7 +1,7 @@
 """``staging-sink stats``: the command, and one snapshot of a namespace's health as a dict and a rich table.
 
 The snapshot holds the verified durability settings of every node, memory, rollouts in flight (a capture ledger
-and no receipt yet: :func:`sink.ops.metrics_collect.count_rollouts`, what the exporter's gauge shows) and
+and no receipt yet: :func:`sink.ops.metrics.collect.count_rollouts`, what the exporter's gauge shows) and
 receipts stored, the NeMo Gym transport's rollouts (held, frozen, incomplete, entries), the staging rate (calls entries of the last window, read from their stream ids), the
 length of every ``done``/``receipts``/``dead`` stream with its consumer groups' pending count and lag, and
 every consumer's pending count and idle time, and the trainer's published weight version (or the last one
@@ -40,8 +40,8 @@ from sink.cli.common import (
 )
 from sink.cli.gym_view import gym_totals
 from sink.cli.health import OPERATORS_GROUP, check_notes, check_problems, unacknowledged_dead_letters
-from sink.ops.metrics import STREAM_KINDS, collect_redis_gauges
-from sink.ops.metrics_collect import count_rollouts
+from sink.ops.metrics.collect import count_rollouts
+from sink.ops.metrics.exporter import STREAM_KINDS, collect_redis_gauges
 from sink.store.connection import Topology, map_redis_errors, reply_text
 from sink.store.durability import REQUIRED_CONFIG, verify_durability
 from sink.trainer.weights import WeightVersionKeyError, read_published_state

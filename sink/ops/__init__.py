@@ -1,3 +1,4 @@
-"""Operations: pruning, metrics, cluster setup and ACL roles."""
+"""Operations: pruning (`prune`), metrics (`metrics/`), access control (`access/`), the local cluster and the report
+page."""
 
 __all__ = ()

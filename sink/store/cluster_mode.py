@@ -1,7 +1,7 @@
 """Cluster mode, read from the server instead of trusted from a flag.
 
 The server says whether it is a cluster node: ``INFO cluster`` reports ``cluster_enabled:0|1``. A role whose
-ACL denies ``INFO`` can still run ``CLUSTER INFO`` (every role may, :data:`sink.ops.acl.CONNECTION_COMMANDS`),
+ACL denies ``INFO`` can still run ``CLUSTER INFO`` (every role may, :data:`sink.ops.access.render.CONNECTION_COMMANDS`),
 which a standalone server refuses with "cluster support disabled".
 
 :func:`resolve_cluster_mode` turns a requested mode (``True``, ``False`` or ``None`` = detect) and the

@@ -11,7 +11,7 @@ Every long-running component counts into one process-wide :class:`PipelineCounte
   also counted as verification failures).
 
 This module needs nothing beyond the standard library, costs a lock and a dict update per event, and never
-raises on the hot path. :mod:`sink.ops.metrics` exports the counters to Prometheus (at scrape time, so no
+raises on the hot path. :mod:`sink.ops.metrics.exporter` exports the counters to Prometheus (at scrape time, so no
 ``_created`` series); :meth:`PipelineCounters.snapshot` and :meth:`PipelineCounters.merge` carry them across
 processes (the demo's worker processes report theirs to the parent, which exports the sum).
 """

@@ -10,7 +10,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from sink.ops.acl import ADMIN_ROLE, ROLE_NAMES, generate_passwords, render_acl_file
+from sink.ops.access.render import ADMIN_ROLE, ROLE_NAMES, generate_passwords, render_acl_file
 from sink.server import DurableServer
 from sink.store.scripts import LIBRARY
 

@@ -53,7 +53,7 @@ class ProxyMetrics:
             prometheus = importlib.import_module("prometheus_client")
         except ImportError:
             return
-        prometheus.disable_created_metrics()  # as sink.ops.metrics: no `_created` twin of any series
+        prometheus.disable_created_metrics()  # as sink.ops.metrics.exporter: no `_created` twin of any series
         registry = prometheus.CollectorRegistry()
         self._prom = {
             "module": prometheus,

@@ -20,7 +20,7 @@ key                          type    holds
 ===========================  ======  ===========================================================================
 
 The first four belong to the sink, the last three to the source, and the ACL roles follow that split
-(:mod:`sink.ops.acl_policy`): the server checks every command a script runs against the calling user, so a
+(:mod:`sink.ops.access.policy`): the server checks every command a script runs against the calling user, so a
 role may run the same commands directly, and the layout is what keeps the invariants. A frozen rollout's
 entries and identity live in keys the sink cannot write, so no raw write of the sink changes what a snapshot
 identity covers; what it may still write (its state, a detached ``entries`` hash) only ever makes the next

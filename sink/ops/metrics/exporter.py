@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 
 from sink.errors import MetricsExtraMissingError
 from sink.keys import DEFAULT_NAMESPACE
-from sink.ops.metrics_collect import (
+from sink.ops.metrics.collect import (
     STREAM_KINDS,
     GroupGauges,
     ServerGauges,

@@ -3,7 +3,7 @@
 :data:`ROLE_POLICIES` is the single table of what each role may run on which keys; :func:`render_acl_file`
 turns it into an ``aclfile`` (``user <name> on #<sha256> ...``) that stores only SHA-256 password hashes.
 
-The table itself (:data:`ROLE_POLICIES`, its :class:`Grant` s and key patterns) is in :mod:`sink.ops.acl_policy`.
+The table itself (:data:`ROLE_POLICIES`, its :class:`Grant` s and key patterns) is in :mod:`sink.ops.access.policy`.
 
 No role may run code of its own: on Redis >= 7.0 and Valkey the roles get ``FCALL``/``FCALL_RO`` of the
 function library an admin loads with ``staging-sink setup``, never ``EVAL``, ``EVALSHA`` or ``SCRIPT``
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from sink.keys import DEFAULT_NAMESPACE
-from sink.ops.acl_policy import (
+from sink.ops.access.policy import (
     ADMIN_ROLE,
     CONNECTION_COMMANDS,
     ROLE_NAMES,

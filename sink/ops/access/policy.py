@@ -1,6 +1,6 @@
 """The least-privilege policy of the staging roles: what each role may run on which keys (keys: contract §11.1).
 
-:data:`ROLE_POLICIES` is the single table :mod:`sink.ops.acl` renders into an ``aclfile``.
+:data:`ROLE_POLICIES` is the single table :mod:`sink.ops.access.render` renders into an ``aclfile``.
 
 Each role is a list of :class:`Grant` s: a set of commands and the key patterns they may touch. On servers
 with ACL selectors (Redis 7.0+, every Valkey) the first grant becomes the user's root permissions and each
