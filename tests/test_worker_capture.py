@@ -170,11 +170,11 @@ def test_explicit_weight_version_is_stamped_once() -> None:
 
 def test_constructor_type_checks() -> None:
     with pytest.raises(TypeError):
-        RolloutTokenCapture(sink=object(), weight_version_fn=lambda: 1)
+        RolloutTokenCapture(sink=object(), weight_version_fn=lambda: 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         RolloutTokenCapture(sink=MemoryStagingStore(), weight_version_fn=7)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        RolloutTokenCapture(sink=MemoryStagingStore(), weight_version_fn=lambda: 1, source=object())
+        RolloutTokenCapture(sink=MemoryStagingStore(), weight_version_fn=lambda: 1, source=object())  # type: ignore[arg-type]
 
 
 # --- completion discipline -----------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sink.contract.digest import is_token_id_list
 from sink.contract.digest_encoding import is_u64
 from sink.contract.packed import PackedSnapshot
+from sink.contract.protocols import AsyncStagingSink, AsyncStagingSource, StagingSink, StagingSource
 from sink.contract.records import (
     CaptureAdmission,
     CommitCoords,
@@ -106,9 +107,9 @@ class RolloutTokenCapture:
     def __init__(
         self,
         *,
-        sink: Any,
+        sink: StagingSink | AsyncStagingSink,
         weight_version_fn: Callable[[], int],
-        source: Any = None,
+        source: StagingSource | AsyncStagingSource | None = None,
         adapter: CaptureAdapter | None = None,
         sequence_cache_rollouts: int = 64,
     ) -> None:
