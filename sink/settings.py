@@ -25,6 +25,7 @@ __all__ = (
     "ProxySettings",
     "PruneSettings",
     "ReaderSettings",
+    "RecordLimit",
     "ServiceSettings",
     "SinkSettings",
     "SourceSettings",
@@ -69,13 +70,23 @@ class ConnectionSettings(BaseModel):
         return self.command_timeout_s
 
 
+class RecordLimit(BaseModel):
+    """The one size limit of a staged record, for every component that writes or reads one."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
+    """Encoded records (NeMo Gym entries) larger than this are refused: before any write by a sink, before any
+    decode by a source or the trainer's reader."""
+
+
 class LedgerSettings(ConnectionSettings):
     """Settings of :class:`sink.ledger.redis.RedisCaptureLedger` (the connection settings; ``namespace``
     is all a ledger on a borrowed client uses)."""
 
 
-class SinkSettings(ConnectionSettings):
-    """Settings of :class:`sink.redis_sink.AsyncRedisStagingSink`."""
+class SinkSettings(ConnectionSettings, RecordLimit):
+    """Settings of :class:`sink.store.sink.AsyncRedisStagingSink`."""
 
     min_replicas: int = Field(default=0, ge=0)
     """Replicas that must acknowledge each write (``WAIT``) before ``ok=True``."""
@@ -84,8 +95,6 @@ class SinkSettings(ConnectionSettings):
     writer_connections: int = Field(default=4, ge=1, le=64)
     """Connections used for group commit; each carries one batch at a time."""
     max_batch_records: int = Field(default=256, ge=1)
-    max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
-    """Encoded records larger than this are refused before any write."""
     durability_check_interval_s: float = Field(default=30.0, gt=0)
     """How often the server's persistence configuration is re-verified."""
 
@@ -97,10 +106,8 @@ class SinkSettings(ConnectionSettings):
         return self.command_timeout_s + (self.confirm_timeout_s if self.min_replicas > 0 else 0.0)
 
 
-class SourceSettings(ConnectionSettings):
-    """Settings of :class:`sink.source.AsyncRedisStagingSource`."""
-
-    max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
+class SourceSettings(ConnectionSettings, RecordLimit):
+    """Settings of :class:`sink.store.source.AsyncRedisStagingSource`."""
 
 
 _CONSUMER_NAME = r"^[A-Za-z0-9._-]+$"
@@ -164,7 +171,7 @@ class AssemblerSettings(ServiceSettings):
         return self
 
 
-class ReaderSettings(ServiceSettings):
+class ReaderSettings(ServiceSettings, RecordLimit):
     """Settings of :class:`sink.trainer.RolloutReader` (consumer group ``trainers``)."""
 
     receipt_shards: int = Field(default=DEFAULT_SHARDS, ge=1)
@@ -174,8 +181,6 @@ class ReaderSettings(ServiceSettings):
     it must exceed the time between ``pull`` and ``ack`` (``pull``/``heartbeat`` reset it)."""
     fetch_concurrency: int = Field(default=8, ge=1)
     """Rollouts fetched and verified concurrently within one ``pull``."""
-    max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
-    """Staged records larger than this are refused by the source."""
     max_weight_lag: int | None = Field(default=None, ge=0)
     """Staleness bound in weight versions: once the trainer tells the reader its current weight version
     (``set_weight_version``), a rollout whose oldest generating call is more than this many versions older
@@ -267,8 +272,6 @@ class GymTransportSettings(SinkSettings):
     tombstone_retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
     """How long a dropped rollout's tombstone (its fence) keeps late ``put``/``freeze``/``mark_incomplete``/
     ``begin_call`` failing; afterwards the rollout id is free again."""
-    max_record_bytes: int = Field(default=64 * _MIB, ge=1024)
-    """Encoded entries larger than this are refused before any write."""
     writer_connections: int = Field(default=2, ge=1, le=64)
     """Batches in flight at once (each writes to every cluster node it touches at once). Two: while one batch
     waits for its fsync the next one is on its way; more only splits the waiting operations into smaller batches
