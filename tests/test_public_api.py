@@ -60,6 +60,31 @@ def test_module_all_is_a_complete_tuple(module_name: str) -> None:
     assert not unlisted, f"{module_name} defines public names missing from __all__: {unlisted}"
 
 
+_OUTSIDE_THE_ROOT = {
+    # A redis-py error on purpose: the connection layer translates it like any refusal of the server.
+    "sink.store.scripts.runner.LibraryNotLoadedError",
+}
+"""Public exception classes of the packages that do not descend from :class:`sink.errors.StagingError`."""
+
+
+def test_every_public_exception_descends_from_the_one_root() -> None:
+    outside = set()
+    for module_name in MODULE_NAMES:
+        if module_name.startswith("worker.simulated"):  # a tool: its errors become HTTP answers, never raised out
+            continue
+        module = importlib.import_module(module_name)
+        for name, value in vars(module).items():
+            if (
+                inspect.isclass(value)
+                and issubclass(value, BaseException)
+                and value.__module__ == module_name
+                and not name.startswith("_")
+                and not issubclass(value, sink.StagingError)
+            ):
+                outside.add(f"{module_name}.{name}")
+    assert outside == _OUTSIDE_THE_ROOT
+
+
 # --- seed API of nemo_gym.token_id_capture.staging.records ---------------------------
 
 SEED_CLASSES = (

@@ -10,9 +10,10 @@ from typing import Any
 
 import orjson
 
+from worker.errors import BodyTooLargeError
+
 __all__ = (
     "ASGIApp",
-    "BodyTooLargeError",
     "Message",
     "Receive",
     "Scope",
@@ -30,10 +31,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-class BodyTooLargeError(Exception):
-    """A request body exceeded the configured limit (answered with HTTP 413)."""
 
 
 async def read_body(receive: Receive, limit_bytes: int | None = None) -> bytes:

@@ -10,11 +10,13 @@ from __future__ import annotations
 from sink.errors import StagingError
 
 __all__ = (
+    "BodyTooLargeError",
     "CaptureError",
     "ContextChangedError",
     "EnginePayloadError",
     "GenerationCutError",
     "PrefixResolutionError",
+    "ServerStartError",
     "SpliceError",
     "StagingModeError",
     "StreamingUnsupportedError",
@@ -75,3 +77,11 @@ class ContextChangedError(SpliceError):
     (system or developer messages, earlier turns, tools, template arguments) renders differently than it did for the
     parent: splicing would send the engine the parent's old context. The call is no continuation of that parent: a
     new chain where the rollout allows one, else a capture failure naming this cause."""
+
+
+class BodyTooLargeError(StagingError):
+    """A request body exceeded the configured limit (answered with HTTP 413)."""
+
+
+class ServerStartError(StagingError):
+    """uvicorn did not start (or its app's lifespan startup failed) within the deadline."""

@@ -28,7 +28,6 @@ from sink.settings import ProxySettings
 from sink.trainer.weights import WeightVersionKeyError
 from worker.asgi import (
     ASGIApp,
-    BodyTooLargeError,
     Receive,
     Scope,
     Send,
@@ -40,6 +39,7 @@ from worker.asgi import (
     send_json,
 )
 from worker.capture import RolloutTokenCapture
+from worker.errors import BodyTooLargeError
 from worker.proxy.call_timing import call_clock
 from worker.proxy.captured_call import CapturedCall
 from worker.proxy.exact.completions import ExactCompletions

@@ -11,12 +11,9 @@ from typing import Any
 import uvicorn
 
 from worker.asgi import ASGIApp
+from worker.errors import ServerStartError
 
-__all__ = ("ServerStartError", "running_server")
-
-
-class ServerStartError(RuntimeError):
-    """uvicorn did not start (or its app's lifespan startup failed) within the deadline."""
+__all__ = ("running_server",)
 
 
 @contextlib.contextmanager
