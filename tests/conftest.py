@@ -16,7 +16,8 @@ The real-vLLM tier's fixtures (``vllm_chatml``, ``vllm_reasoning``, ``vllm_tools
 variant) live in :mod:`tests.helpers.vllm_fixtures`; their tests get the ``vllm`` marker.
 
 A missing binary skips the test locally and fails it when the ``CI`` environment variable is set. Tests
-using these fixtures get the ``redis`` marker (and ``cluster`` for the cluster) automatically.
+using these fixtures get the ``redis`` marker (and ``cluster`` for the cluster) automatically. Without the
+``torch`` extra, the PyTorch tests are not collected (the header says so); in CI they are, and fail.
 """
 
 from __future__ import annotations
@@ -29,10 +30,18 @@ from hypothesis import settings
 
 from sink import server as sink_server
 from sink.ops import cluster as sink_cluster
-from tests.helpers.servers import require_binary, reset_durable_server, skip_or_fail
+from tests.helpers.servers import extra_missing, require_binary, reset_durable_server, skip_or_fail
 from tests.helpers.vllm_server import VLLM_FIXTURES, VLLM_TIMEOUT_S, deselect_without_vllm
 
 pytest_plugins = ["tests.helpers.vllm_fixtures"]
+
+collect_ignore = ["test_torch_data.py"] if extra_missing("torch") else []
+
+
+def pytest_report_header() -> str | None:
+    if extra_missing("torch"):
+        return "torch is not installed: tests/test_torch_data.py is not collected (pip install -e '.[dev,torch]')"
+    return None
 
 # Hypothesis fails an example that ran longer than its deadline (200 ms by default): on a busy machine that
 # measures the load, not the code. No default deadline (pytest-timeout bounds every test); a test may set its own.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +16,11 @@ from sink import server as sink_server
 def running_in_ci() -> bool:
     """Whether the ``CI`` environment variable asks for no skipped server tests."""
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def extra_missing(module: str) -> bool:
+    """Whether *module*, an optional extra's, is not installed and CI does not require it."""
+    return importlib.util.find_spec(module) is None and not running_in_ci()
 
 
 def skip_or_fail(reason: str) -> NoReturn:
