@@ -349,7 +349,7 @@ def test_private_files_are_written_owner_only(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_a_script_error_reply_is_reported_with_its_cause(redis_url: str) -> None:
     """A refused write names its cause. (The mutant ``explain_refusal(...) or describe_redis_error(reply)``
-    -> ``and`` is killed by ``test_hardening_functions.py::test_roles_stage_only_after_setup...``.)"""
+    -> ``and`` is killed by ``test_acl_no_user_code.py::test_roles_stage_only_after_setup...``.)"""
     async with AsyncRedisStagingSink.from_url(redis_url) as sink, aioredis.Redis.from_url(redis_url) as client:
         await client.config_set("maxmemory", 1)
         try:
