@@ -48,8 +48,7 @@ from sink.store.scripts.staging import (
     STAGE_SCRIPT,
 )
 
-# The status codes and the library live in script_status; the scripts in staging_scripts and consumer_scripts
-# (re-exported here: import scripts from this module, which registers every one of them in LIBRARY).
+# The status codes and the library live in .status; the scripts in .staging, .consumer and .gym (re-exported here).
 from sink.store.scripts.status import (
     LIBRARY,
     AppendStatus,
