@@ -18,11 +18,9 @@ from typing import Self
 
 __all__ = (
     "BatchInputError",
-    "BenchmarkNamespaceInUseError",
     "CaptureWriteError",
     "ClusterModeMismatchError",
     "CodecError",
-    "CommandError",
     "ExtraMissingError",
     "FingerprintInputError",
     "GymInputError",
@@ -218,26 +216,11 @@ class SamplingProvenanceError(StagingError, ValueError):
     (:class:`sink.contract.sampling.SamplingProvenance`); the message names the field."""
 
 
-class BenchmarkNamespaceInUseError(StagingError):
-    """Raised when a benchmark is pointed at a server that already holds keys in the benchmark's namespace:
-    a benchmark works only in a namespace it has to itself, so it can delete everything it wrote and nothing
-    else. Nothing is written or deleted. The message names the namespace and one key found."""
-
-
 class FingerprintInputError(StagingError, ValueError):
     """Raised when a conversation item or content block has a shape the
     fingerprint contract does not define (a non-dict item, a content block
     without a type, a non-string id, an unserializable value). It is a
     ``ValueError``, as the contract requires."""
-
-
-class CommandError(StagingError):
-    """Raised by a ``staging-sink`` command to end with a one-line message (no traceback) and ``exit_code``
-    (1, failed, unless the command says otherwise)."""
-
-    def __init__(self, message: str, *, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class ClusterModeMismatchError(StagingError):

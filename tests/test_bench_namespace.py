@@ -10,11 +10,11 @@ import anyio
 import pytest
 import redis
 
-from sink.bench import DEFAULT_BENCH_NAMESPACE, Target, bench_namespace, format_targets
+from sink.bench import DEFAULT_BENCH_NAMESPACE, BenchmarkNamespaceInUseError, Target, bench_namespace, format_targets
 from sink.bench import assembly as assembly_bench
 from sink.bench import codec as codec_bench
 from sink.bench import stage as stage_bench
-from sink.errors import BenchmarkNamespaceInUseError, StagingError
+from sink.errors import StagingError
 from worker import bench as worker_bench
 
 pytestmark = pytest.mark.redis

@@ -6,7 +6,7 @@ so the CLI and tests can use them directly.
 Benchmarks never destroy data. Without ``--redis-url`` each starts a private durable server. With
 ``--redis-url`` a benchmark works only in its own namespace (``--namespace``, default
 :data:`DEFAULT_BENCH_NAMESPACE`): :func:`bench_namespace` refuses a server that already has a key in it
-(:class:`~sink.errors.BenchmarkNamespaceInUseError`), and deletes only the keys under ``<namespace>:``
+(:class:`BenchmarkNamespaceInUseError`), and deletes only the keys under ``<namespace>:``
 (``SCAN MATCH <namespace>:*`` + ``UNLINK``) between configurations and at the end, even on failure. No
 benchmark sends ``FLUSHALL``/``FLUSHDB``.
 
@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 import redis.asyncio as aioredis
 
-from sink.errors import BenchmarkNamespaceInUseError, StagingError
+from sink.errors import StagingError
 from sink.server import DurableServer
 from sink.store.connection import reply_text
 
@@ -39,6 +39,7 @@ __all__ = (
     "DEFAULT_REPEATS",
     "BenchHelpFormatter",
     "BenchNamespace",
+    "BenchmarkNamespaceInUseError",
     "Target",
     "add_common_arguments",
     "bench_namespace",
@@ -49,6 +50,12 @@ __all__ = (
     "progress",
     "report_on_server",
 )
+
+
+class BenchmarkNamespaceInUseError(StagingError):
+    """Raised when a benchmark is pointed at a server that already holds keys in the benchmark's namespace:
+    a benchmark works only in a namespace it has to itself, so it can delete everything it wrote and nothing
+    else. Nothing is written or deleted. The message names the namespace and one key found."""
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ import redis.exceptions as redis_errors
 from anyio.abc import TaskStatus
 from rich.console import Console
 
-from sink.errors import CommandError, StagingError, StagingUnavailableError
+from sink.errors import StagingError, StagingUnavailableError
 from sink.keys import DEFAULT_NAMESPACE
 from sink.service import OutagePolicy
 from sink.settings import ConnectionSettings, OutageSettings
@@ -54,6 +54,16 @@ __all__ = (
     "stdout_console",
     "write_json",
 )
+
+
+class CommandError(StagingError):
+    """Raised by a ``staging-sink`` command to end with a one-line message (no traceback) and ``exit_code``
+    (1, failed, unless the command says otherwise)."""
+
+    def __init__(self, message: str, *, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

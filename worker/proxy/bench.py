@@ -38,9 +38,8 @@ import anyio
 import httpx
 import orjson
 
-from sink.bench import BenchHelpFormatter, BenchNamespace, report_on_server
+from sink.bench import BenchHelpFormatter, BenchmarkNamespaceInUseError, BenchNamespace, report_on_server
 from sink.contract.records import CaptureAdmission
-from sink.errors import BenchmarkNamespaceInUseError
 from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from worker.capture import RolloutTokenCapture
