@@ -37,6 +37,7 @@ from sink.service import OutagePolicy
 from sink.settings import ConnectionSettings, ReaderSettings
 from sink.store.connection import Topology, translate_redis_error
 from sink.store.healing import SelfHealingGroupConsumer
+from sink.store.source import AsyncRedisStagingSource
 from sink.store.streams import StreamEntry
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.reader.rollout_reader import RolloutReader
@@ -274,3 +275,20 @@ def test_a_plain_server_replica_refusing_a_write_is_an_outage_too(tmp_path: Path
         redis.Redis(host=replica.host, port=replica.port) as client,
     ):
         _unavailable(_caught(redis_errors.ReadOnlyError, lambda: client.set("k", "v")), "READONLY")
+
+
+async def test_a_cluster_fetch_that_fails_on_one_node_raises_one_typed_error(cluster: LocalCluster) -> None:
+    # A fetch reads each slot with its own MGET, concurrently. One node paused past the command timeout: the caller
+    # gets one StagingUnavailableError, as from a single server, not an ExceptionGroup of redis-py errors.
+    await anyio.to_thread.run_sync(cluster.heal)
+    answering, paused = cluster.primaries()[:2]
+    keys = [f"{rollout_id}/c1" for rollout_id in rollout_ids_on(cluster, answering, "fetch-ok", 1)]
+    keys += [f"{rollout_id}/c1" for rollout_id in rollout_ids_on(cluster, paused, "fetch-paused", 1)]
+    async with AsyncRedisStagingSource.from_url(cluster.url, cluster=True, command_timeout_s=0.5) as source:
+        paused.pause()
+        try:
+            with pytest.raises(StagingUnavailableError) as caught:
+                await source.fetch(keys)
+        finally:
+            paused.resume()
+    assert "Timeout reading from" in str(caught.value), caught.value

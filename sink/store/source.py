@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Self, TypeVar
 
-import anyio
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.codec import decode_packed_record, decode_record
@@ -24,6 +24,7 @@ from sink.keys import record_key
 from sink.settings import SourceSettings
 from sink.store.connection import Topology, map_redis_errors
 from sink.store.resource import AsyncResource, PortalOwner, settings_or_fields
+from sink.tasks import task_group
 
 __all__ = ("AsyncRedisStagingSource", "RedisStagingSource", "check_snapshot_key")
 
@@ -96,7 +97,7 @@ class AsyncRedisStagingSource(AsyncResource):
             if len(groups) == 1:
                 await fetch_group(next(iter(groups.values())))
             else:
-                async with anyio.create_task_group() as group:
+                async with task_group((redis_errors.RedisError, OSError)) as group:  # one error, then translated
                     for indices in groups.values():
                         group.start_soon(fetch_group, indices)
         return blobs

@@ -33,7 +33,7 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from sink.errors import CodecError, StagingError
+from sink.errors import CodecError
 from sink.keys import dead_letter_stream
 from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import Topology, reply_text
@@ -41,6 +41,7 @@ from sink.store.dead_letters import UndecodableEntry, dead_letter_record
 from sink.store.durability import Durability, execute_durably
 from sink.store.pipeline_counters import count_dead_letter
 from sink.store.scripts import RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT, RemovalStatus
+from sink.tasks import task_group
 
 __all__ = ("GroupConsumer", "StreamEntry", "default_consumer_name")
 
@@ -53,21 +54,6 @@ def default_consumer_name() -> str:
     """A consumer name unique to this process: ``<host>-<pid>-<random>``."""
     host = _NAME_JUNK.sub("-", socket.gethostname()).strip("-") or "host"
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def _first_staging_error(exc: BaseException) -> StagingError | None:
-    """The first error of a failed concurrent read when every error in it is a :class:`StagingError`, else ``None``
-    (a cancellation, or a bug, propagates as it is)."""
-    if not isinstance(exc, BaseExceptionGroup):
-        return None
-    matched, rest = exc.split(StagingError)
-    if matched is None or rest is not None:
-        return None
-    first: BaseException = matched
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    assert isinstance(first, StagingError)
-    return first
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,16 +230,13 @@ class GroupConsumer:
                 scope.cancel()  # the first shard that delivers ends the wait
 
         try:
-            async with anyio.create_task_group() as group:
+            async with task_group() as group:  # a failure is one typed error, as a single server's read raises
                 for shard in shards:
                     group.start_soon(read_one, shard, group.cancel_scope)
-        except BaseException as exc:
+        except BaseException:
             # What the shards that answered delivered goes with the failure: pending for us, read again later.
             self._suspect.update(shards)
-            first = _first_staging_error(exc)
-            if first is None:
-                raise
-            raise first from exc  # one typed error, as a single server's read raises; the group says which shards
+            raise
         self._suspect |= unfinished
         return entries
 

@@ -50,6 +50,7 @@ from sink.rollout.done_event import GroupTag
 from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.connection import reply_text
 from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
+from sink.tasks import task_group
 from sink.trainer.pulled import PulledRollout, SkippedRollout
 from sink.trainer.reader.rollout_reader import RolloutReader
 
@@ -270,7 +271,7 @@ class GroupReader:
                     self._reader.client, group_keys(self._ns, group_id), arguments
                 )
 
-        async with anyio.create_task_group() as checks:
+        async with task_group() as checks:
             for index, (group_id, _tag) in enumerate(watched):
                 checks.start_soon(check, index, group_id)
         if any(GroupStatus(int(reply[0])) in (GroupStatus.COMPLETE, GroupStatus.SEALED) for reply in replies):

@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-import anyio
-
 from sink.contract.records import RolloutReceipt
 from sink.keys import claim_key, fence_key
 from sink.store.batch import BatchCall, raise_first_error, run_batch
@@ -22,6 +20,7 @@ from sink.store.connection import Topology
 from sink.store.scripts import CLAIM_SCRIPT, RELEASE_SCRIPT, ClaimStatus
 from sink.store.sink import clear_staged
 from sink.store.streams import GroupConsumer, StreamEntry
+from sink.tasks import task_group
 from sink.trainer.reader.guards import own_keys
 from sink.trainer.reader.held import HeldRollouts, claim_rounds
 from sink.trainer.reader.held import entry_token as _token
@@ -62,7 +61,7 @@ class RolloutClaims:
             entry, receipt = parsed[index]
             won[index] = await self.claim(entry, receipt)
 
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:
             for index in firsts:
                 group.start_soon(claim, index)
         for index in later:

@@ -41,6 +41,7 @@ from sink.store.resource import AsyncResource, settings_or_fields
 from sink.store.sink import clear_staged
 from sink.store.source import AsyncRedisStagingSource
 from sink.store.streams import StreamEntry, default_consumer_name
+from sink.tasks import task_group
 from sink.trainer.pulled import PulledRollout, fetch_and_verify, parse_receipt_chains, parse_receipt_entry, with_group
 from sink.trainer.reader.backlog import TRAINER_GROUP, ReceiptBacklog
 from sink.trainer.reader.claims import RolloutClaims
@@ -284,7 +285,7 @@ class RolloutReader(AsyncResource):
                 skip = foreign_row_skip(receipt)
                 results[index] = skip or await fetch_and_verify(self._source, receipt, record, whole_rollout=whole)
 
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:
             for index, (entry, receipt) in enumerate(claimed):
                 group.start_soon(build, index, entry, receipt)
         pulled: list[PulledRollout] = []
