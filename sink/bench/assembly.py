@@ -163,6 +163,9 @@ async def _await_receipts(client: aioredis.Redis, namespace: str, count: int) ->
     return arrived
 
 
+_START_TIMEOUT_S = 60.0
+
+
 def _start(url: str, processes: int, settings: AssemblerSettings) -> list[SpawnProcess]:
     context = multiprocessing.get_context("spawn")
     started = [
@@ -175,9 +178,14 @@ def _start(url: str, processes: int, settings: AssemblerSettings) -> list[SpawnP
 
 
 async def _wait_ready(client: aioredis.Redis, namespace: str, processes: int) -> None:
-    for _ in range(processes):
-        if await client.blpop([_ready_key(namespace)], timeout=60) is None:
-            raise RuntimeError("an assembler process did not start within 60 s")
+    # Short blocking pops under any socket timeout the URL sets (a busy machine starts a process slowly).
+    deadline = anyio.current_time() + _START_TIMEOUT_S
+    ready = 0
+    while ready < processes:
+        if await client.blpop([_ready_key(namespace)], timeout=0.5) is not None:
+            ready += 1
+        elif anyio.current_time() > deadline:
+            raise RuntimeError(f"an assembler process did not start within {_START_TIMEOUT_S:.0f} s")
 
 
 def _stop(started: list[SpawnProcess]) -> None:
