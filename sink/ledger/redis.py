@@ -34,7 +34,7 @@ from sink.ledger.ledger import AppendOutcome, CaptureLedger
 from sink.ledger.ownership import keys_owned_by
 from sink.settings import ConnectionSettings, LedgerSettings
 from sink.store.batch import BatchCall, run_batch
-from sink.store.connection import Topology, reply_text, translate_redis_error
+from sink.store.connection import Topology, connect, reply_text, translate_redis_error
 from sink.store.durability import run_script_durably
 from sink.store.resource import settings_or_fields
 from sink.store.scripts import (
@@ -110,9 +110,23 @@ class RedisCaptureLedger(CaptureLedger):
     cannot be reached or refuses the command.
     """
 
-    def __init__(self, client: aioredis.Redis | RedisCluster, settings: ConnectionSettings | None = None) -> None:
-        parsed = settings or LedgerSettings()
-        self._init(Topology.borrow(client, parsed), parsed)
+    def __init__(
+        self,
+        client: aioredis.Redis | RedisCluster,
+        settings: ConnectionSettings | None = None,
+        *,
+        owns_client: bool = False,
+    ) -> None:
+        """*owns_client*: :meth:`aclose` closes *client* (by default the caller keeps it open)."""
+        settings = settings or LedgerSettings()
+        topology = Topology(client, settings, owned=owns_client)
+        self._topology = topology
+        self._ns = settings.namespace
+        self._durability = settings.durability
+        self._confirm_timeout_s = settings.command_timeout_s / 2  # WAITAOF's deadline, inside the socket's
+        self._redirect_budget_s = settings.command_timeout_s  # how long a redirected script is sent again
+        client = topology.client
+        self._in_flight = anyio.CapacityLimiter(_in_flight_limit(client))
 
     @classmethod
     def from_url(cls, url: str, settings: LedgerSettings | None = None, **fields: Any) -> Self:
@@ -123,18 +137,7 @@ class RedisCaptureLedger(CaptureLedger):
         :raises pydantic.ValidationError: an unknown or invalid setting.
         """
         parsed = settings_or_fields(LedgerSettings, settings, fields)
-        ledger = cls.__new__(cls)
-        ledger._init(Topology.from_url(url, parsed), parsed)  # noqa: SLF001 (its own class's initializer)
-        return ledger
-
-    def _init(self, topology: Topology, settings: ConnectionSettings) -> None:
-        self._topology = topology
-        self._ns = settings.namespace
-        self._durability = settings.durability
-        self._confirm_timeout_s = settings.command_timeout_s / 2  # WAITAOF's deadline, inside the socket's
-        self._redirect_budget_s = settings.command_timeout_s  # how long a redirected script is sent again
-        client = topology.client
-        self._in_flight = anyio.CapacityLimiter(_in_flight_limit(client))
+        return cls(connect(url, parsed), parsed, owns_client=True)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

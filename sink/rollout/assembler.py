@@ -39,7 +39,7 @@ from sink.rollout.done_event import DoneEvent, GroupTag, finished, group_fields,
 from sink.rollout.receipt import build_receipt
 from sink.service import OutagePolicy, ReclaimSchedule
 from sink.settings import AssemblerSettings
-from sink.store.connection import Topology, reply_text
+from sink.store.connection import Topology, connect, reply_text
 from sink.store.durability import execute_durably
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_receipt_published
@@ -97,32 +97,11 @@ class Assembler(AsyncResource):
         *,
         before_ack: BeforeAck | None = None,
         outage: OutagePolicy | None = None,
+        owns_client: bool = False,
     ) -> None:
-        parsed = settings or AssemblerSettings()
-        self._init(Topology.borrow(client, parsed), parsed, before_ack, outage)
-
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        settings: AssemblerSettings | None = None,
-        *,
-        before_ack: BeforeAck | None = None,
-        outage: OutagePolicy | None = None,
-        **fields: Any,
-    ) -> Self:
-        """Create an assembler that owns its client; pass *settings* or :class:`AssemblerSettings` fields.
-
-        :raises pydantic.ValidationError: an unknown or invalid setting.
-        """
-        parsed = settings_or_fields(AssemblerSettings, settings, fields)
-        self = cls.__new__(cls)
-        self._init(Topology.from_url(url, parsed), parsed, before_ack, outage)
-        return self
-
-    def _init(
-        self, topology: Topology, settings: AssemblerSettings, before_ack: BeforeAck | None, outage: OutagePolicy | None
-    ) -> None:
+        """*owns_client*: :meth:`aclose` closes *client* (by default the caller keeps it open)."""
+        settings = settings or AssemblerSettings()
+        topology = Topology(client, settings, owned=owns_client)
         self._settings = settings
         self._topology = topology
         self._ns = self._settings.namespace
@@ -146,6 +125,23 @@ class Assembler(AsyncResource):
         self._read_scopes: set[anyio.CancelScope] = set()
         self._stop_requested = anyio.Event()
         self._counts = {"events": 0, "created": 0, "reused": 0, "published": 0, "failures": 0, "in_flight": 0}
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        settings: AssemblerSettings | None = None,
+        *,
+        before_ack: BeforeAck | None = None,
+        outage: OutagePolicy | None = None,
+        **fields: Any,
+    ) -> Self:
+        """Create an assembler that owns its client; pass *settings* or :class:`AssemblerSettings` fields.
+
+        :raises pydantic.ValidationError: an unknown or invalid setting.
+        """
+        parsed = settings_or_fields(AssemblerSettings, settings, fields)
+        return cls(connect(url, parsed), parsed, before_ack=before_ack, outage=outage, owns_client=True)
 
     @property
     def consumer_name(self) -> str:

@@ -35,6 +35,7 @@ from sink.settings import ConnectionSettings
 __all__ = (
     "TOPOLOGY_REPLIES",
     "Topology",
+    "connect",
     "describe_redis_error",
     "is_topology_reply",
     "map_redis_errors",
@@ -179,6 +180,17 @@ def _timeouts(settings: ConnectionSettings) -> dict[str, Any]:
     }
 
 
+def connect(url: str, settings: ConnectionSettings) -> aioredis.Redis | RedisCluster:
+    """A new client for *url* with *settings*' pool size and timeouts (a cluster client when ``settings.cluster``)."""
+    if settings.cluster:
+        return RedisCluster.from_url(url, max_connections=settings.max_connections, **_timeouts(settings))
+    # A blocking pool makes callers beyond max_connections wait instead of failing.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=settings.max_connections, timeout=settings.connect_timeout_s, **_timeouts(settings)
+    )
+    return aioredis.Redis.from_pool(pool)
+
+
 class Topology:
     """Routes keys to per-primary clients, for one server or a cluster.
 
@@ -187,6 +199,12 @@ class Topology:
     """
 
     def __init__(self, client: aioredis.Redis | RedisCluster, settings: ConnectionSettings, *, owned: bool) -> None:
+        """*owned*: :meth:`aclose` closes *client* (else it leaves it open for its owner).
+
+        :raises TypeError: *client* is not a ``redis.asyncio`` client.
+        """
+        if not isinstance(client, aioredis.Redis | RedisCluster):
+            raise TypeError(f"expected a redis.asyncio client, got {type(client).__name__}")
         self._settings = settings
         self._owned = owned
         self._cluster: RedisCluster | None = client if isinstance(client, RedisCluster) else None
@@ -196,23 +214,12 @@ class Topology:
 
     @classmethod
     def from_url(cls, url: str, settings: ConnectionSettings) -> Topology:
-        """Create clients for *url*; :meth:`aclose` closes them."""
-        client: aioredis.Redis | RedisCluster
-        if settings.cluster:
-            client = RedisCluster.from_url(url, max_connections=settings.max_connections, **_timeouts(settings))
-        else:
-            # A blocking pool makes callers beyond max_connections wait instead of failing.
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url, max_connections=settings.max_connections, timeout=settings.connect_timeout_s, **_timeouts(settings)
-            )
-            client = aioredis.Redis.from_pool(pool)
-        return cls(client, settings, owned=True)
+        """Create clients for *url* (:func:`connect`); :meth:`aclose` closes them."""
+        return cls(connect(url, settings), settings, owned=True)
 
     @classmethod
     def borrow(cls, client: aioredis.Redis | RedisCluster, settings: ConnectionSettings) -> Topology:
         """Use a caller's client; :meth:`aclose` leaves it open."""
-        if not isinstance(client, aioredis.Redis | RedisCluster):
-            raise TypeError(f"expected a redis.asyncio client, got {type(client).__name__}")
         return cls(client, settings, owned=False)
 
     @property

@@ -37,7 +37,7 @@ from sink.keys import calls_stream, check_call_id, fence_key, record_key, rollou
 from sink.settings import SinkSettings
 from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.commit import STAGE_BATCH, GroupCommitWriter, PendingStage
-from sink.store.connection import Topology, describe_redis_error
+from sink.store.connection import Topology, connect, describe_redis_error
 from sink.store.durability import DurabilityMonitor
 from sink.store.pipeline_counters import StageOutcome, count_stage, count_staged_bytes
 from sink.store.resource import AsyncResource, PortalOwner, settings_or_fields
@@ -160,9 +160,19 @@ class AsyncRedisStagingSink(AsyncResource):
     ``from_url`` owns its clients; passing a client to the constructor borrows it.
     """
 
-    def __init__(self, client: aioredis.Redis | RedisCluster, settings: SinkSettings | None = None) -> None:
+    def __init__(
+        self, client: aioredis.Redis | RedisCluster, settings: SinkSettings | None = None, *, owns_client: bool = False
+    ) -> None:
+        """*owns_client*: :meth:`aclose` closes *client* (by default the caller keeps it open)."""
         settings = settings or SinkSettings()
-        self._bind(settings, Topology.borrow(client, settings))
+        topology = Topology(client, settings, owned=owns_client)
+        self._settings = settings
+        self._topology = topology
+        self._send: MemoryObjectSendStream[PendingStage] | None = None
+        self._task_group: TaskGroup | None = None
+        self._durability = DurabilityMonitor(topology, settings)
+        self._writer = GroupCommitWriter(topology, settings, self._durability, self._settle, STAGE_BATCH)
+        self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0, "repaired": 0}
 
     @classmethod
     def from_url(cls, url: str, settings: SinkSettings | None = None, **fields: Any) -> Self:
@@ -171,19 +181,7 @@ class AsyncRedisStagingSink(AsyncResource):
         :raises pydantic.ValidationError: an unknown or invalid setting.
         """
         parsed = settings_or_fields(SinkSettings, settings, fields)
-        self = cls.__new__(cls)
-        self._bind(parsed, Topology.from_url(url, parsed))
-        return self
-
-    def _bind(self, settings: SinkSettings, topology: Topology) -> None:
-        """The one initialisation both constructors share."""
-        self._settings = settings
-        self._topology = topology
-        self._send: MemoryObjectSendStream[PendingStage] | None = None
-        self._task_group: TaskGroup | None = None
-        self._durability = DurabilityMonitor(topology, settings)
-        self._writer = GroupCommitWriter(topology, settings, self._durability, self._settle, STAGE_BATCH)
-        self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0, "repaired": 0}
+        return cls(connect(url, parsed), parsed, owns_client=True)
 
     @property
     def settings(self) -> SinkSettings:

@@ -22,7 +22,7 @@ from sink.contract.records import StagedCallSnapshot
 from sink.errors import CodecError
 from sink.keys import record_key
 from sink.settings import SourceSettings
-from sink.store.connection import Topology, map_redis_errors
+from sink.store.connection import Topology, connect, map_redis_errors
 from sink.store.resource import AsyncResource, PortalOwner, settings_or_fields
 from sink.tasks import task_group
 
@@ -49,9 +49,12 @@ class AsyncRedisStagingSource(AsyncResource):
     Use as an async context manager (entry loads the cluster topology).
     """
 
-    def __init__(self, client: aioredis.Redis | RedisCluster, settings: SourceSettings | None = None) -> None:
+    def __init__(
+        self, client: aioredis.Redis | RedisCluster, settings: SourceSettings | None = None, *, owns_client: bool = False
+    ) -> None:
+        """*owns_client*: :meth:`aclose` closes *client* (by default the caller keeps it open)."""
         self._settings = settings or SourceSettings()
-        self._topology = Topology.borrow(client, self._settings)
+        self._topology = Topology(client, self._settings, owned=owns_client)
 
     @classmethod
     def from_url(cls, url: str, settings: SourceSettings | None = None, **fields: Any) -> Self:
@@ -60,10 +63,7 @@ class AsyncRedisStagingSource(AsyncResource):
         :raises pydantic.ValidationError: an unknown or invalid setting.
         """
         parsed = settings_or_fields(SourceSettings, settings, fields)
-        self = cls.__new__(cls)
-        self._settings = parsed
-        self._topology = Topology.from_url(url, parsed)
-        return self
+        return cls(connect(url, parsed), parsed, owns_client=True)
 
     async def _open(self) -> None:
         with map_redis_errors("load the cluster topology"):

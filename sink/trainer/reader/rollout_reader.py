@@ -34,7 +34,7 @@ from sink.keys import receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.done_event import GroupTag, parse_group_fields
 from sink.settings import ReaderSettings, SourceSettings
-from sink.store.connection import Topology
+from sink.store.connection import Topology, connect
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_pulled
 from sink.store.resource import AsyncResource, settings_or_fields
@@ -71,22 +71,12 @@ class RolloutReader(AsyncResource):
     To ride out outages, use :class:`sink.service.OutagePolicy` as ``staging-sink trainer`` does.
     """
 
-    def __init__(self, client: aioredis.Redis | RedisCluster, settings: ReaderSettings | None = None) -> None:
-        parsed = settings or ReaderSettings()
-        self._init(Topology.borrow(client, parsed), parsed)
-
-    @classmethod
-    def from_url(cls, url: str, settings: ReaderSettings | None = None, **fields: Any) -> Self:
-        """Create a reader that owns its client; pass *settings* or :class:`ReaderSettings` fields.
-
-        :raises pydantic.ValidationError: an unknown or invalid setting.
-        """
-        parsed = settings_or_fields(ReaderSettings, settings, fields)
-        self = cls.__new__(cls)
-        self._init(Topology.from_url(url, parsed), parsed)
-        return self
-
-    def _init(self, topology: Topology, settings: ReaderSettings) -> None:
+    def __init__(
+        self, client: aioredis.Redis | RedisCluster, settings: ReaderSettings | None = None, *, owns_client: bool = False
+    ) -> None:
+        """*owns_client*: :meth:`aclose` closes *client* (by default the caller keeps it open)."""
+        settings = settings or ReaderSettings()
+        topology = Topology(client, settings, owned=owns_client)
         self._settings = settings
         self._topology = topology
         self._ns = settings.namespace
@@ -122,6 +112,15 @@ class RolloutReader(AsyncResource):
         self._weight_version: int | None = None
         # Rollouts this reader acknowledged itself (stale): a later ack() of them is a no-op.
         self._self_acked: dict[str, None] = {}
+
+    @classmethod
+    def from_url(cls, url: str, settings: ReaderSettings | None = None, **fields: Any) -> Self:
+        """Create a reader that owns its client; pass *settings* or :class:`ReaderSettings` fields.
+
+        :raises pydantic.ValidationError: an unknown or invalid setting.
+        """
+        parsed = settings_or_fields(ReaderSettings, settings, fields)
+        return cls(connect(url, parsed), parsed, owns_client=True)
 
     @property
     def weight_version(self) -> int | None:
