@@ -66,7 +66,7 @@ IO_LIBRARIES = ("redis", "anyio", "hiredis")
 # Remove an entry with its handler (a stale entry fails the test too).
 BLIND_EXCEPT_BOUNDARIES: dict[str, str] = {
     "sink/cli/main.py:main": "the CLI top: an expected failure is one stderr line + exit code",
-    "sink/store/commit.py:_write_node": "group commit: a bug must not strand waiting callers; logged",
+    "sink/store/commit.py:write_batch": "group commit: a bug must not strand waiting callers; logged",
     "sink/store/resource.py:_close_forgotten": "finalizer of an unclosed resource: best effort, logged, never raises",
     "sink/store/resource.py:run": "loop thread: a startup failure goes to the waiting constructor",
     "sink/trainer/verify.py:_verify_snapshot": "a failed digest recompute becomes a typed error, chained",

@@ -8,7 +8,7 @@ so it is atomic per rollout, runs on one cluster slot, and its effect is
 visible to every process once the script returned. Durability is the
 server's (``appendfsync always``, contract §11.2), and a writing script is
 acknowledged only once its own round trip confirmed it durable
-(:func:`~sink.store.durability.run_script_durably`: ``WAITAOF`` and the
+(:func:`~sink.store.batch.write_durably`: ``WAITAOF`` and the
 persistence settings read back; :class:`~sink.errors.NotDurableError`
 otherwise). The orchestration
 (validation, rows, conflicts, manifests, resolution) is the front class's,
@@ -33,9 +33,8 @@ from sink.keys import calls_stream, claim_key, fence_key, ledger_ids_key, ledger
 from sink.ledger.ledger import AppendOutcome, CaptureLedger
 from sink.ledger.ownership import keys_owned_by
 from sink.settings import ConnectionSettings, LedgerSettings
-from sink.store.batch import BatchCall, run_batch
+from sink.store.batch import BatchCall, run_batch, write_durably
 from sink.store.connection import Topology, connect, reply_text, translate_redis_error
-from sink.store.durability import run_script_durably
 from sink.store.resource import settings_or_fields
 from sink.store.scripts import (
     APPEND_SCRIPT,
@@ -177,21 +176,15 @@ class RedisCaptureLedger(CaptureLedger):
         ``command_timeout_s``; any other outage reloads the map before it is raised.
         """
         self._check_open()
-
-        async def attempt() -> Any:
-            return await run_script_durably(
-                self._topology.node_for_key(keys[0]),  # after a reload: the slot's owner now
-                script,
-                keys,
-                args,
+        async with self._in_flight, self._topology.translated(action):
+            return await write_durably(
+                self._topology,
+                BatchCall(keys, args, script),
                 durability=self._durability,
                 timeout_s=self._confirm_timeout_s,
                 action=action,
+                redirect_budget_s=self._redirect_budget_s,
             )
-
-        async with self._in_flight, self._topology.translated(action):
-            await self._topology.initialize()  # a borrowed cluster client may not know its slots yet
-            return await self._topology.retry_redirected(attempt, budget_s=self._redirect_budget_s)
 
     async def _append(
         self, rollout_id: str, id_field: str, id_value: str, entry: dict[str, str]

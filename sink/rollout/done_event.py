@@ -14,14 +14,15 @@ from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.cluster import RedisCluster
 
 from sink.canonical import canonical_json
 from sink.errors import CodecError
 from sink.keys import DEFAULT_NAMESPACE, done_stream, shard_of, validate_rollout_id
-from sink.settings import DEFAULT_SHARDS
-from sink.store.connection import map_redis_errors, reply_text
-from sink.store.durability import Durability, execute_durably
+from sink.settings import DEFAULT_SHARDS, ConnectionSettings
+from sink.store.batch import BatchCall, write_durably
+from sink.store.connection import Topology, reply_text
+from sink.store.durability import Durability
 
 __all__ = ("DoneEvent", "GroupTag", "finished", "group_fields", "parse_done_event", "parse_group_fields")
 
@@ -135,15 +136,24 @@ async def finished(
     stream = done_stream(namespace, shard_of(rollout_id, shards))
     action = f"announce that rollout {rollout_id!r} finished"
 
-    def queue(pipe: Pipeline | ClusterPipeline) -> None:
+    def queue(pipe: Pipeline) -> None:
         pipe.xadd(stream, fields)  # type: ignore[arg-type]
 
-    with map_redis_errors(action):
-        (entry_id,) = await execute_durably(
-            client, queue, durability=durability, timeout_s=confirm_timeout_s, action=action, route_key=stream
-        )
-        if isinstance(entry_id, BaseException):
-            raise entry_id
+    # The caller's client, borrowed; in a cluster the write goes to the stream's primary through a client of
+    # that node, closed with the topology.
+    settings = ConnectionSettings(cluster=isinstance(client, RedisCluster))
+    topology = Topology.borrow(client, settings)
+    try:
+        async with topology.translated(action):
+            entry_id = await write_durably(
+                topology,
+                BatchCall([stream], commands=queue),
+                durability=durability,
+                timeout_s=confirm_timeout_s,
+                action=action,
+            )
+    finally:
+        await topology.aclose()
     return reply_text(entry_id, "done entry id")
 
 

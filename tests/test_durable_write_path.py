@@ -1,0 +1,142 @@
+"""The one durable write path (:mod:`sink.store.batch`) and its confirmation (:class:`Confirmation`).
+
+Every acknowledged write goes through :func:`send_calls`: the group commit, the batched acknowledgements and the
+single durable writes. The confirmation's verdicts are pure; the path is exercised on a real server.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+
+from sink.settings import ConnectionSettings
+from sink.store.batch import BatchCall, run_batch, send_calls, write_durably
+from sink.store.connection import Topology
+from sink.store.durability import REQUIRED_CONFIG, Confirmation
+from sink.store.scripts import CLEAR_SCRIPT
+
+ROOT = Path(__file__).resolve().parents[1]
+DURABLE = [{name: value} for name, value in REQUIRED_CONFIG.items()]
+
+# --- the confirmation's verdict (pure) ----------------------------------------------------------------------------
+
+
+def test_a_durable_node_confirms() -> None:
+    confirmation = Confirmation(timeout_s=1.0, replicas=1)
+    assert confirmation.judge("n:1", [1, [1, 0], *DURABLE]).problem is None
+
+
+def test_too_few_replicas_is_the_problem() -> None:
+    verdict = Confirmation(timeout_s=0.5, replicas=2).judge("n:1", [1, [1, 0], *DURABLE])
+    assert verdict.problem == "only 1 of 2 required replicas acknowledged within confirm_timeout_s=0.5"
+    assert not verdict.config_problem
+
+
+def test_an_unconfirmed_fsync_is_the_problem() -> None:
+    verdict = Confirmation(timeout_s=1.0).judge("n:1", [[0, 0], *DURABLE])
+    assert verdict.problem is not None and "WAITAOF numlocal=0" in verdict.problem
+
+
+def test_a_server_without_waitaof_is_judged_by_its_settings() -> None:
+    unknown = redis_errors.ResponseError("unknown command 'WAITAOF'")
+    assert Confirmation(timeout_s=1.0).judge("n:1", [unknown, *DURABLE]).problem is None
+
+
+def test_settings_that_are_not_durable_are_a_config_problem_that_wins() -> None:
+    settings = [*DURABLE[:1], {"appendfsync": "everysec"}, *DURABLE[2:]]
+    verdict = Confirmation(timeout_s=1.0, replicas=1).judge("n:1", [0, [0, 0], *settings])
+    assert verdict.config_problem
+    assert verdict.problem == "server n:1 is not durable: appendfsync='everysec' (need 'always')"
+
+
+@pytest.mark.parametrize(
+    ("confirmation", "replies"),
+    [
+        (Confirmation(timeout_s=1.0, waitaof=False, config=False), 0),
+        (Confirmation(timeout_s=1.0, waitaof=False, config=False, replicas=1), 1),
+        (Confirmation(timeout_s=1.0, config=False), 1),
+        (Confirmation(timeout_s=1.0), 1 + len(REQUIRED_CONFIG)),
+    ],
+)
+def test_the_confirmation_queues_what_it_judges(confirmation: Confirmation, replies: int) -> None:
+    pipe = aioredis.Redis().pipeline(transaction=False)
+    assert confirmation.queue(pipe) == replies == len(pipe)
+    assert confirmation.empty is (replies == 0)
+
+
+# --- one path -----------------------------------------------------------------------------------------------------
+
+
+def _modules_naming(name: str) -> set[str]:
+    found = set()
+    for path in [*(ROOT / "sink").rglob("*.py"), *(ROOT / "worker").rglob("*.py")]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(isinstance(node, ast.Name) and node.id == name for node in ast.walk(tree)):
+            found.add(path.relative_to(ROOT).as_posix())
+        if any(isinstance(node, ast.Constant) and node.value == name for node in ast.walk(tree)):
+            found.add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_the_durable_confirmation_is_sent_from_one_module() -> None:
+    assert _modules_naming("WAITAOF") == {"sink/store/durability.py"}
+    assert _modules_naming("send_calls") == {"sink/store/batch.py", "sink/store/commit.py"}
+    assert _modules_naming("Confirmation") == {
+        "sink/store/durability.py",
+        "sink/store/batch.py",
+        "sink/store/commit.py",
+    }
+
+
+# --- on a real server ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_batch_recovers_a_flushed_script_and_sends_only_what_did_not_run(redis_url: str) -> None:
+    async with aioredis.Redis.from_url(redis_url) as client:
+        topology = Topology.borrow(client, ConnectionSettings())
+        calls = [
+            BatchCall(["{r}:a"], ("SET", "{r}:a", "1")),
+            BatchCall(["ns:{r}:calls", "ns:{r}:rec"], ["r/c"], CLEAR_SCRIPT),
+            BatchCall(["{r}:a"], ("INCR", "{r}:a")),
+        ]
+        with redis.Redis.from_url(redis_url) as admin:
+            admin.script_flush()
+            admin.function_flush()
+        sent = await send_calls(topology, calls, confirmation=Confirmation(timeout_s=1.0), redirect_budget_s=1.0)
+        assert [result.unconfirmed for result in sent] == [None, None, None]
+        assert sent[0].reply is True and sent[2].reply == 2  # the plain commands ran once
+        assert not isinstance(sent[1].reply, BaseException)  # the script ran after its recovery
+        assert await client.get("{r}:a") == b"2"
+
+
+@pytest.mark.anyio
+async def test_a_refused_write_is_raised_by_write_durably_and_returned_by_run_batch(redis_url: str) -> None:
+    async with aioredis.Redis.from_url(redis_url) as client:
+        topology = Topology.borrow(client, ConnectionSettings())
+        await client.set("text", "not a number")
+        call = BatchCall(["text"], ("INCR", "text"))
+        (reply,) = await run_batch(topology, [call], durability="fsync", timeout_s=1.0)
+        assert isinstance(reply, redis_errors.ResponseError)
+        with pytest.raises(redis_errors.ResponseError, match="not an integer"):
+            await write_durably(topology, call, durability="fsync", timeout_s=1.0, action="increment")
+
+
+@pytest.mark.anyio
+async def test_an_atomic_call_replies_with_its_transaction(redis_url: str) -> None:
+    async with aioredis.Redis.from_url(redis_url) as client:
+        topology = Topology.borrow(client, ConnectionSettings())
+
+        def queue(pipe: aioredis.client.Pipeline) -> None:
+            pipe.set("k", "v")
+            pipe.get("k")
+
+        reply = await write_durably(
+            topology, BatchCall(["k"], commands=queue, atomic=True), durability="fsync", timeout_s=1.0, action="set"
+        )
+        assert reply == [b"OK", b"v"]
