@@ -48,6 +48,10 @@ def pytest_report_header() -> str | None:
 settings.register_profile("staging-sink", deadline=None)
 settings.load_profile("staging-sink")
 
+# pytest-timeout: 30 s a test (pyproject.toml, the fast tier: the slowest takes about 12 s); a test of the slow tier
+# (``slow``) without its own ``timeout`` marker gets this, a vLLM-tier test VLLM_TIMEOUT_S.
+SLOW_TIMEOUT_S = 240.0
+
 SERVER_FIXTURES = frozenset(
     {
         "server_binary",
@@ -79,6 +83,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
         if item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))  # the first test waits for the servers' start
+        elif item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
     items[:] = deselect_without_vllm(config, items)
 
 
