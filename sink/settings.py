@@ -1,7 +1,7 @@
 """Settings models, one per component (pydantic, frozen, ``extra="forbid"``).
 
 Units are in the field names. The library never reads environment variables;
-only :mod:`sink.cli` does.
+only :mod:`sink_cli` does.
 """
 
 from __future__ import annotations

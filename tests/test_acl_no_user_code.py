@@ -16,11 +16,11 @@ import anyio
 import pytest
 import redis
 
-from sink.cli.main import main as cli_main
 from sink.keys import record_key
 from sink.ops.access.render import ROLE_NAMES
 from sink.store.scripts import LIBRARY
 from sink.store.sink import AsyncRedisStagingSink
+from sink_cli.main import main as cli_main
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.staging import make_record
 

@@ -18,12 +18,12 @@ import anyio
 import pytest
 import redis
 
-from sink.cli.main import main as cli_main
 from sink.errors import StagingConnectionError
 from sink.keys import fence_key, ledger_ids_key, ledger_stream
 from sink.ledger.redis import RedisCaptureLedger
 from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
+from sink_cli.main import main as cli_main
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.e2e import stage_rollout
 from tests.helpers.staging import make_record

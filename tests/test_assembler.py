@@ -31,13 +31,13 @@ from sink.keys import (
     shard_of,
 )
 from sink.ledger.redis import RedisCaptureLedger
-from sink.ops.cluster import LocalCluster
 from sink.rollout.assembler import ASSEMBLER_GROUP, Assembler, finished
 from sink.rollout.done_event import parse_done_event
 from sink.server import DurableServer
 from sink.settings import AssemblerSettings
 from sink.store.streams import StreamEntry
 from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
+from sink_tools.cluster import LocalCluster
 from tests.helpers.e2e import EventCounter, pull_until, running_assembler, stage_rollouts
 from tests.helpers.processes import until
 from tests.helpers.replies import raw_entries, text_entries, text_read

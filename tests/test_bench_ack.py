@@ -12,16 +12,16 @@ import redis
 import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
-from sink.bench.ack import AckFigures, count_round_trips, format_report, run_ack_benchmark
-from sink.cli.main import main
 from sink.errors import NotDurableError
 from sink.keys import ledger_stream
-from sink.ops.cluster import LocalCluster
 from sink.rollout.done_event import finished
 from sink.settings import DEFAULT_SHARDS, ConnectionSettings
 from sink.store.batch import BatchCall, run_batch
 from sink.store.connection import Topology
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_cli.main import main
+from sink_tools.bench.ack import AckFigures, count_round_trips, format_report, run_ack_benchmark
+from sink_tools.cluster import LocalCluster
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 
 # The steps of one ack that go through the batch runner: lease touch, ledger retire, clear staged, claim

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from sink.bench import gym as gym_bench
-from sink.cli.main import main as cli_main
+from sink_cli.main import main as cli_main
+from sink_tools.bench import gym as gym_bench
 
 OTHERS = {"stg:{rollout-1}:gym": b"theirs", "team-b:{x}:gym:entries": b"theirs", "plain-key": b"value"}
 

@@ -10,12 +10,18 @@ import anyio
 import pytest
 import redis
 
-from sink.bench import DEFAULT_BENCH_NAMESPACE, BenchmarkNamespaceInUseError, Target, bench_namespace, format_targets
-from sink.bench import assembly as assembly_bench
-from sink.bench import codec as codec_bench
-from sink.bench import stage as stage_bench
 from sink.errors import StagingError
-from worker import bench as worker_bench
+from sink_tools.bench import (
+    DEFAULT_BENCH_NAMESPACE,
+    BenchmarkNamespaceInUseError,
+    Target,
+    bench_namespace,
+    format_targets,
+)
+from sink_tools.bench import assembly as assembly_bench
+from sink_tools.bench import codec as codec_bench
+from sink_tools.bench import stage as stage_bench
+from sink_tools.bench import worker as worker_bench
 
 pytestmark = pytest.mark.redis
 
@@ -158,7 +164,7 @@ def test_target_lines() -> None:
 
 
 def test_trainer_bench_leaves_other_namespaces_intact(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from sink.bench import trainer as trainer_bench
+    from sink_tools.bench import trainer as trainer_bench
 
     before = _seed(redis_url)
     argv = ["--redis-url", redis_url, "--rollouts", "3", "--calls", "3", "--tokens", "512", "--repeats", "2"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sink.bench.trainer import TrainerFigures, format_report
-from sink.cli.main import main
+from sink_cli.main import main
+from sink_tools.bench.trainer import TrainerFigures, format_report
 
 
 def test_bench_trainer_reports_collate_and_pack_columns(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:

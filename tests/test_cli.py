@@ -18,14 +18,14 @@ import pytest
 import redis
 import yaml
 
-from sink.cli.common import EXIT_FAILURE, EXIT_UNREACHABLE, EXIT_USAGE, mask_url
-from sink.cli.main import ENV_REDIS_URL, build_parser, main
-from sink.cli.services import benchmarks
 from sink.keys import record_key
 from sink.ops.access.render import ADMIN_ROLE, ROLE_NAMES
 from sink.rollout.assembler import finished
 from sink.server import DurableServer, free_port
 from sink.store.sink import AsyncRedisStagingSink
+from sink_cli.common import EXIT_FAILURE, EXIT_UNREACHABLE, EXIT_USAGE, mask_url
+from sink_cli.main import ENV_REDIS_URL, build_parser, main
+from sink_cli.services import BENCHMARKS
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import stage_rollouts
@@ -53,7 +53,7 @@ SUBCOMMANDS = (
 
 
 def sink_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sink", *args]
+    return [sys.executable, "-m", "sink_cli", *args]
 
 
 @pytest.fixture
@@ -347,14 +347,15 @@ def test_acl_generates_missing_passwords_into_an_env_file(tmp_path: Path, capsys
     assert "user worker on #" in out and not any(password in out for password in lines.values())
 
 
-def test_the_worker_registers_its_commands_and_benchmarks_through_entry_points() -> None:
+def test_the_command_line_has_the_worker_commands_and_every_benchmark_of_the_tools() -> None:
     parser = build_parser({})
     for argv in (["demo"], ["proxy", "--upstream", "http://x"], ["engine"]):
         assert callable(parser.parse_args(argv).handler), argv
-    assert {"worker", "proxy"} <= set(benchmarks())
+    with_main = {p.stem for p in (ROOT / "sink_tools" / "bench").glob("*.py") if "\ndef main(" in p.read_text()}
+    assert set(BENCHMARKS) == with_main
 
 
-@pytest.mark.parametrize("name", benchmarks())
+@pytest.mark.parametrize("name", BENCHMARKS)
 def test_bench_dispatches_to_the_module(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["bench", name, "--help"])

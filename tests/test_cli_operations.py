@@ -18,13 +18,13 @@ import anyio
 import pytest
 import redis
 
-from sink.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from sink.cli.main import build_parser, main
 from sink.keys import dead_letter_stream, fence_key, ledger_stream, receipt_key
-from sink.ops.cluster import LocalCluster
 from sink.rollout.assembler import finished
 from sink.server import DurableServer
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from sink_cli.main import build_parser, main
+from sink_tools.cluster import LocalCluster
 from tests.helpers.commands import staging_sink
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 
@@ -32,7 +32,7 @@ STATES = ("staging", "finished", "receipt_waiting", "claimed", "poisoned", "dead
 
 
 def sink_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sink", *args]
+    return [sys.executable, "-m", "sink_cli", *args]
 
 
 @pytest.fixture

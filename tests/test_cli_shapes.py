@@ -13,14 +13,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sink.cli.common import EXIT_CANNOT_LISTEN, EXIT_UNREACHABLE
-from sink.cli.main import main
+from sink_cli.common import EXIT_CANNOT_LISTEN, EXIT_UNREACHABLE
+from sink_cli.main import main
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.e2e import stage_rollouts
 from tests.helpers.trainer import publish
 
 # Runs the CLI with pyarrow unimportable (as in an install without the parquet extra).
-NO_PYARROW = "import sys; sys.modules['pyarrow'] = None; from sink.cli.main import main; sys.exit(main(sys.argv[1:]))"
+NO_PYARROW = "import sys; sys.modules['pyarrow'] = None; from sink_cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -76,7 +76,7 @@ def test_a_proxy_that_cannot_bind_its_port_exits_with_its_own_code(busy_port: in
         [
             sys.executable,
             "-m",
-            "sink",
+            "sink_cli",
             "proxy",
             "--no-capture",
             "--upstream",
@@ -98,7 +98,7 @@ def test_a_proxy_that_cannot_bind_its_port_exits_with_its_own_code(busy_port: in
 
 def test_engine_that_cannot_bind_its_port_exits_with_the_same_code(busy_port: int) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "sink", "engine", "--port", str(busy_port)],
+        [sys.executable, "-m", "sink_cli", "engine", "--port", str(busy_port)],
         capture_output=True,
         text=True,
         timeout=60,

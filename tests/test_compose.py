@@ -15,9 +15,9 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from sink.cli.main import main
 from sink.ops.access.render import ADMIN_ROLE, ROLE_NAMES, password_env_var, render_acl_example
 from sink.store.durability import REQUIRED_CONFIG, verify_durability
+from sink_cli.main import main
 from tests.helpers.acl import AclServer
 from tests.helpers.servers import require_binary, skip_or_fail
 
@@ -178,7 +178,7 @@ def test_setup_and_prune_run_as_admin_and_every_service_waits_for_setup() -> Non
 
 
 def test_the_cli_reads_the_urls_compose_sets() -> None:
-    from sink.cli.main import ENV_GATE_REDIS_URL, ENV_REDIS_URL, build_parser
+    from sink_cli.main import ENV_GATE_REDIS_URL, ENV_REDIS_URL, build_parser
 
     env = {ENV_REDIS_URL: "redis://worker:pw@valkey:6379", ENV_GATE_REDIS_URL: "redis://gate:pw@valkey:6379"}
     demo = build_parser(env).parse_args(command_words(compose()["services"]["demo-worker"])[1:])

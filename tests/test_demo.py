@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import redis
 
-from sink.cli.common import EXIT_FAILURE
-from sink.cli.main import main
-from sink.ops.cluster import LocalCluster
+from sink_cli.common import EXIT_FAILURE
+from sink_cli.demo_run import DemoOptions, make_plans
+from sink_cli.main import main
+from sink_tools.cluster import LocalCluster
+from sink_tools.demo.report import EXPECTED_SKIP, DemoTally, percentile
 from tests.helpers.acl import start_acl_server
-from worker.demo.main import DemoOptions, make_plans
-from worker.demo.report import EXPECTED_SKIP, DemoTally, percentile
 
 SMALL = ["--rollouts", "6", "--turns", "3", "--tokens", "16", "--workers", "2", "--inject-failures", "2"]
 
@@ -31,7 +31,7 @@ def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
 
 def demo_subprocess(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "sink", "demo", *args],
+        [sys.executable, "-m", "sink_cli", "demo", *args],
         capture_output=True,
         text=True,
         timeout=110,
@@ -158,7 +158,7 @@ def test_demo_worker_role_behind_acl_users(
         code, summary = run_json([*worker, "--gate-redis-url", server.role_url("gate")], capsys)
         assert code == 0, summary["problems"]
         assert summary["role"] == "worker" and summary["rollouts_finished"] == 3 and summary["staged"] > 0
-        assembler = [sys.executable, "-m", "sink", "assembler", "--redis-url", server.role_url("assembler")]
+        assembler = [sys.executable, "-m", "sink_cli", "assembler", "--redis-url", server.role_url("assembler")]
         with subprocess.Popen(assembler, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
             try:
                 trainer = ["trainer", "--redis-url", server.role_url("trainer"), "--max-rollouts", "3"]

@@ -31,6 +31,8 @@ from typing import Any
 import httpx
 import pytest
 
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.scale_out import (
     ScaleOutEngine,
     engine_call,
@@ -45,8 +47,6 @@ from tests.helpers.vllm_shapes import TOOL_CALL, TOOLS
 from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body, send_json
 from worker.proxy.exact.probe import probe_exact_prefix
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
 MAX_MODEL_LEN = 1024

@@ -16,6 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sink.trainer.pulled import PulledRollout
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.engine_truth import Generated, assert_row_is_exact, generations
 from tests.helpers.logging_hop import Exchange, running_hop
 from tests.helpers.proxy import client_for, close_clients, finish, manifest, proxy_config, pull
@@ -23,8 +25,6 @@ from tests.helpers.vllm_server import VllmServer
 from worker.proxy.app import ProxyApp
 from worker.proxy.exact.text import ExactText, index_entry, match_parent, prompt_text, spell_ids
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 ENGINES = ["simulated", pytest.param("vllm", marks=pytest.mark.vllm)]
 STOPS = ["e", "t", "a", "o"]

@@ -11,13 +11,13 @@ import anyio
 import pytest
 
 from sink.settings import ProxySettings
+from sink_tools.simulated.http_app import DRIFT_SPACE_ID, EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.proxy import close_clients, expected_ids, finish, pull, run_agent
 from worker.errors import StagingModeError
 from worker.proxy.app import ProxyApp
 from worker.proxy.in_process import EnvCaptureMiddleware, config_from_environment
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp
-from worker.simulated.options import EngineOptions
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,8 @@ import orjson
 import pytest
 
 from sink.trainer.pulled import PulledRollout
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.engine_truth import Generated, assert_row_is_exact, generations
 from tests.helpers.logging_hop import Exchange, running_hop
 from tests.helpers.proxy import close_clients, finish, proxy_config, pull, run_agent
@@ -27,8 +29,6 @@ from tests.helpers.tier_engine import TierEngine, tier_engine
 from worker.errors import StagingModeError
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 TOOLS = [
     {

@@ -11,11 +11,11 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.cli.main import main
 from sink.errors import BatchInputError, RowUnavailableError, StagingError
 from sink.trainer.export import ExportFormat, export_record, export_rollouts, read_export, write_export
 from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_cli.main import main
 from tests.helpers.e2e import pull_until
 from tests.helpers.rows import skipped_pulled, verified_pulled
 from tests.helpers.trainer import publish

@@ -14,7 +14,6 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.cli.main import main as cli_main
 from sink.contract.chains import ChainPolicy
 from sink.contract.records import StagedCallRecord
 from sink.errors import RowUnavailableError
@@ -24,6 +23,7 @@ from sink.rollout.done_event import finished
 from sink.trainer.export import export_rollouts, write_export
 from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_cli.main import main as cli_main
 from tests.helpers.chains import stage_two_trees
 from tests.helpers.e2e import pull_until, running_assembler
 

@@ -11,9 +11,9 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.cli.main import main
 from sink.errors import RowUnavailableError
 from sink.trainer.export import export_rollouts, read_export
+from sink_cli.main import main
 from tests.helpers.trainer import publish
 
 NS = "exp-ns"

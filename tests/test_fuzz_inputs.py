@@ -25,7 +25,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from sink.cli import main as cli
 from sink.contract.codec import decode_packed_record, decode_record, encode_record
 from sink.contract.records import (
     CallRecord,
@@ -39,6 +38,7 @@ from sink.errors import CodecError
 from sink.server import free_port
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
+from sink_cli import main as cli
 from tests.helpers.reliability import audit_keyspace, record_measurement
 from tests.helpers.staging import make_chain, make_record
 

@@ -18,8 +18,6 @@ import anyio
 import pytest
 import redis
 
-from sink.cli.common import EXIT_OK
-from sink.cli.main import main
 from sink.errors import CaptureWriteError, RolloutRetiredError
 from sink.gym import RedisTokenSink, RedisTokenSource
 from sink.keys import (
@@ -41,6 +39,8 @@ from sink.keys import (
 from sink.ledger.redis import RedisCaptureLedger
 from sink.store.scripts import GYM_SCRIPT
 from sink.store.sink import AsyncRedisStagingSink
+from sink_cli.common import EXIT_OK
+from sink_cli.main import main
 from tests.helpers.acl import AclServer, is_acl_denial, start_acl_server
 from tests.helpers.gym import make_entry
 from tests.helpers.staging import make_record

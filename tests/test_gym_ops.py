@@ -8,15 +8,15 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.cli.common import EXIT_OK
-from sink.cli.listing import collect_rollouts
-from sink.cli.main import main
 from sink.errors import RolloutRetiredError
 from sink.gym import RedisTokenSink, RedisTokenSource
 from sink.keys import fence_key, gym_keys
 from sink.ops.prune import prune_namespace
 from sink.settings import PruneSettings
 from sink.store.connection import Topology
+from sink_cli.common import EXIT_OK
+from sink_cli.listing import collect_rollouts
+from sink_cli.main import main
 from tests.helpers.gym import make_entry
 
 pytestmark = pytest.mark.anyio

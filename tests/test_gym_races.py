@@ -15,8 +15,8 @@ import redis
 from sink.errors import RolloutFrozenError, RolloutRetiredError
 from sink.gym import LocalTokenEntry, RedisTokenSink, RedisTokenSource
 from sink.keys import gym_keys
-from sink.ops.cluster import LocalCluster
 from sink.server import DurableServer
+from sink_tools.cluster import LocalCluster
 from tests.helpers.gym import make_entry
 
 pytestmark = pytest.mark.anyio

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from sink.cli.main import main
-from worker.proxy.bench import PathResult, format_report
+from sink_cli.main import main
+from sink_tools.bench.proxy import PathResult, format_report
 
 
 def test_report_checks_both_targets() -> None:

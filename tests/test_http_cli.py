@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sink.cli.main import main
+from sink_cli.main import main
 from tests.helpers.commands import staging_sink
 from tests.helpers.processes import free_port, service
 from tests.helpers.proxy import close_clients, finish, manifest, pull, run_agent
@@ -65,7 +65,7 @@ def test_the_cli_works_without_the_proxy_extra() -> None:
     script = (
         "import sys\n"
         "for name in ('orjson', 'httpx', 'uvicorn', 'openai'): sys.modules[name] = None\n"
-        "from sink.cli.main import main\n"
+        "from sink_cli.main import main\n"
         "sys.exit(main(['engine']))\n"
     )
     done = subprocess.run(
@@ -109,7 +109,7 @@ def test_exact_mode_refuses_an_engine_without_the_routes(redis_url: str) -> None
             [
                 sys.executable,
                 "-m",
-                "sink",
+                "sink_cli",
                 "proxy",
                 "--upstream",
                 engine,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sink.cli.main import main
+from sink_cli.main import main
 
 
 def test_demo_over_http(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,13 +11,13 @@ import openai
 import pytest
 
 from sink.contract.records import UNCOMMITTED_CALL_REASON
+from sink_tools.simulated.engine import BYTE_OFFSET, IM_END
+from sink_tools.simulated.http_app import DRIFT_SPACE_ID, EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, expected_ids, finish, manifest, pull, run_agent
 from worker.asgi import Receive, Scope, Send
 from worker.proxy.in_process import EnvCaptureMiddleware, config_from_environment
 from worker.proxy.serve import running_server
-from worker.simulated.engine import BYTE_OFFSET, IM_END
-from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp
-from worker.simulated.options import EngineOptions
 
 MESSAGES: Any = [SYSTEM, {"role": "user", "content": "count to three"}]
 

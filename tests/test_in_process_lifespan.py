@@ -13,10 +13,10 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from worker.asgi import Message
 from worker.proxy.in_process import EnvCaptureMiddleware
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 pytestmark = pytest.mark.anyio
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("sink", "worker")
+PACKAGES = ("sink", "worker", "sink_tools", "sink_cli")
+LIBRARY = ("sink", "worker")  # what inference workers and trainers import; never the tools or the command line
 
 # Folders from the lowest layer to the highest. A module may import modules of its own folder and of lower ones.
 # Sub-folders not listed (for example sink.contract._packed) belong to the layer of their parent folder.
@@ -34,21 +35,19 @@ LAYERS: tuple[str, ...] = (
     "sink.ledger",  # the per-rollout ledger and the commit gate
     "sink.rollout",  # done event, assembler, terminal selection, receipt
     "sink.trainer",  # the reader and everything the trainer pulls
-    "sink.ops",  # prune, metrics, cluster, ACL
-    "sink.bench",  # benchmarks
-    "sink.cli",  # the command line
+    "sink.ops",  # prune, metrics, ACL
     "worker",  # capture core
-    "worker.simulated",  # the simulated engine
     "worker.proxy",  # the OpenAI-compatible capture proxy
-    "worker.demo",  # the demo
+    "sink_tools",  # the repository's tools: local cluster, HTML report
+    "sink_tools.bench",  # benchmarks
+    "sink_tools.simulated",  # the simulated engine
+    "sink_tools.demo",  # the demo's worker processes and progress
+    "sink_cli",  # the command line, on top of everything
 )
-# Facades: they re-export (sink/__init__) or run (sink/__main__) the package; they may import anything in sink and
-# nothing in sink imports them.
-FACADES = frozenset({"sink", "sink.__main__"})
+# Facade: sink/__init__ re-exports the package; it may import anything in sink and nothing in sink imports it.
+FACADES = frozenset({"sink"})
 # Thin re-exports at import paths the seed documents; only code outside the source tree imports them.
 SHIMS = frozenset({"sink.records", "sink.digest", "sink.protocols"})
-# What other packages may import from the command line: its public plugin API (the rest of sink.cli is private).
-CLI_PUBLIC = frozenset({"sink.cli.plugin"})
 # The wire contract: pure code, no Redis client, no event loop.
 CONTRACT_MODULES = (
     "sink.canonical",
@@ -65,14 +64,14 @@ IO_LIBRARIES = ("redis", "anyio", "hiredis")
 # function. A handler that only cleans up and re-raises (its last statement a bare ``raise``) is not blind.
 # Remove an entry with its handler (a stale entry fails the test too).
 BLIND_EXCEPT_BOUNDARIES: dict[str, str] = {
-    "sink/cli/main.py:main": "the CLI top: an expected failure is one stderr line + exit code",
+    "sink_cli/main.py:main": "the CLI top: an expected failure is one stderr line + exit code",
     "sink/store/commit.py:write_batch": "group commit: a bug must not strand waiting callers; logged",
     "sink/store/resource.py:_close_forgotten": "finalizer of an unclosed resource: best effort, logged, never raises",
     "sink/store/resource.py:run": "loop thread: a startup failure goes to the waiting constructor",
     "sink/trainer/verify.py:_verify_snapshot": "a failed digest recompute becomes a typed error, chained",
     "sink/trainer/reader/sync_reader.py:_answer": "a DataLoader worker's acknowledgement: its error goes to the loading "
     "process, whose ack() raises it",
-    "worker/demo/worker_process.py:worker_process_main": "demo worker process: failure sent to the parent",
+    "sink_tools/demo/worker_process.py:worker_process_main": "demo worker process: failure sent to the parent",
     "worker/proxy/app.py:__call__": "ASGI lifespan startup: the failure is reported to the server, which exits",
     "worker/proxy/captured_call.py:run": "per captured call: a bug is logged with its traceback, the call recorded "
     "failed, then fail-open serves the stripped reply, fail-closed answers 503",
@@ -227,40 +226,50 @@ def facade_and_shim_imports(tree: Tree) -> list[str]:
                 found.append(f"{tree.relative(module)}:{imp.line}: imports the shim {imp.target}")
             elif imp.target in FACADES and module.split(".")[0] == "sink" and module not in FACADES | SHIMS:
                 found.append(f"{tree.relative(module)}:{imp.line}: imports the facade {imp.target}")
-            if module in FACADES | SHIMS and not imp.target.startswith("sink"):
+            if module in FACADES | SHIMS and imp.target.split(".")[0] != "sink":
                 found.append(f"{tree.relative(module)}:{imp.line}: facade/shim imports {imp.target}")
     return found
 
 
-_WORKER_NAME = re.compile(r"^worker(\.[A-Za-z_][A-Za-z0-9_.]*)?(:[A-Za-z_]\w*)?$")
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_][A-Za-z0-9_.]*)?(:[A-Za-z_]\w*)?$")
 
 
-def sink_to_worker(tree: Tree) -> list[str]:
-    """``sink`` never imports ``worker``: not at the top, not in a function, not by name (``import_module``)."""
+def _reaches(tree: Tree, sources: tuple[str, ...], targets: tuple[str, ...], what: str) -> list[str]:
+    """Modules of the *sources* packages that import one of *targets*: at the top, in a function, or by name
+    (a string such as ``import_module``'s)."""
     found: list[str] = []
     for module, parsed in tree.trees.items():
-        if module.split(".")[0] != "sink":
+        if module.split(".")[0] not in sources:
             continue
         for node in ast.walk(parsed):
             if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
+                names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                targets = [node.module or ""] if node.level == 0 else []
+                names = [node.module or ""] if node.level == 0 else []
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
-                targets = [node.value] if _WORKER_NAME.match(node.value) else []
+                names = [node.value] if _MODULE_NAME.match(node.value) else []
             else:
                 continue
             found.extend(
-                f"{tree.relative(module)}:{node.lineno}: sink reaches worker ({t})"
-                for t in targets
-                if t == "worker" or t.startswith("worker.")
+                f"{tree.relative(module)}:{node.lineno}: {what} ({name})"
+                for name in names
+                if name.split(".")[0].split(":")[0] in targets
             )
     return found
 
 
+def sink_to_worker(tree: Tree) -> list[str]:
+    """``sink`` never imports ``worker``: not at the top, not in a function, not by name (``import_module``)."""
+    return _reaches(tree, ("sink",), ("worker",), "sink reaches worker")
+
+
+def library_to_tools(tree: Tree) -> list[str]:
+    """The library (``sink``, ``worker``) never imports the tools or the command line, not even by name."""
+    return _reaches(tree, LIBRARY, ("sink_tools", "sink_cli"), "the library reaches the tools or the command line")
+
+
 def private_imports(tree: Tree) -> list[str]:
-    """No module or name starting with ``_`` imported from another package; the CLI's modules are private to it
-    except its public plugin API."""
+    """No module or name starting with ``_`` imported from another package."""
     found = []
     for module in tree.paths:
         package = tree.package_of(module)
@@ -278,10 +287,6 @@ def private_imports(tree: Tree) -> list[str]:
                 for name in imp.names
                 if _is_private(name) and owner_package != package
             )
-            inside_cli = module == "sink.cli" or module.startswith("sink.cli.")
-            outside = not inside_cli and module not in FACADES
-            if imp.target.startswith("sink.cli.") and outside and imp.target not in CLI_PUBLIC:
-                found.append(f"{where}:{imp.line}: imports {imp.target}, private to the command line")
     return found
 
 
@@ -354,6 +359,7 @@ RULES = {
     "layer order": layer_violations,
     "facades and shims": facade_and_shim_imports,
     "sink never imports worker": sink_to_worker,
+    "the library never imports the tools or the command line": library_to_tools,
     "private imports": private_imports,
     "blind except": blind_except_violations,
     "contract does no io": contract_io,
@@ -367,7 +373,7 @@ def test_the_module_list_covers_the_tree() -> None:
 
 def test_every_folder_has_a_layer() -> None:
     assert all(layer_of(module) >= 0 for module in TREE.paths)
-    assert layer_of("sink.errors") < layer_of("sink.contract.records") < layer_of("sink.cli.main")
+    assert layer_of("sink.errors") < layer_of("sink.contract.records") < layer_of("sink_cli.main")
     assert layer_of("sink.contract._packed.rows") == layer_of("sink.contract.packed")
 
 
@@ -382,7 +388,11 @@ BREAKS: dict[str, tuple[str, str]] = {  # rule -> (module file to edit, text app
     "import circles": ("sink/errors.py", "\ndef _late() -> None:\n    from sink.store import connection  # noqa\n"),
     "layer order": ("sink/store/connection.py", "\nif False:\n    from sink.trainer import reader\n"),
     "facades and shims": ("sink/store/connection.py", "\nfrom sink.records import StagedCall  # noqa\n"),
-    "sink never imports worker": ("sink/ops/prune.py", "\nMODULE = 'worker.bench'\n"),
+    "sink never imports worker": ("sink/ops/prune.py", "\nMODULE = 'worker.capture'\n"),
+    "the library never imports the tools or the command line": (
+        "worker/proxy/app.py",
+        "\ndef _late() -> None:\n    import sink_cli.main  # noqa\n",
+    ),
     "private imports": ("sink/trainer/row.py", "\nfrom sink.store.connection import _hidden  # noqa\n"),
     "blind except": (
         "sink/keys.py",

@@ -24,8 +24,8 @@ from sink.ledger.lineage import LineageMatch, LineageResolution, LineageStatus
 from sink.ledger.memory import MemoryCaptureLedger
 from sink.ledger.redis import RedisCaptureLedger
 from sink.ledger.rows import custody_row
-from sink.ops.cluster import LocalCluster
 from sink.server import DurableServer, free_port
+from sink_tools.cluster import LocalCluster
 from tests.helpers.ledger import CHILD_REQUEST, R, child_commit, hexdigest, root_commit
 
 # --- pure pieces --------------------------------------------------------------

@@ -23,7 +23,7 @@ def _piped(*args: str, columns: str | None = None) -> subprocess.CompletedProces
     if columns is not None:
         env["COLUMNS"] = columns
     return subprocess.run(
-        [sys.executable, "-m", "sink", *args],
+        [sys.executable, "-m", "sink_cli", *args],
         capture_output=True,  # stdout and stderr are pipes, not terminals
         text=True,
         timeout=60,

@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sink.cli.main import main
 from sink.ops.metrics.exporter import EXPORTED_METRICS, Metrics, serve_metrics
+from sink_cli.main import main
 
 pytestmark = pytest.mark.redis
 

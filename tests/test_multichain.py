@@ -11,8 +11,6 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.bench.chains import run_chain_benchmark
-from sink.cli.main import main as cli_main
 from sink.contract.chains import ChainEntry, ChainPolicy, RolloutChains
 from sink.contract.records import ManifestFailure, RolloutManifest, StagedCallRecord
 from sink.keys import DEFAULT_NAMESPACE
@@ -28,6 +26,8 @@ from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.packing import pack
 from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_cli.main import main as cli_main
+from sink_tools.bench.chains import run_chain_benchmark
 from tests.helpers.chains import chain_tree, stage_two_trees
 from tests.helpers.e2e import call_record_of, pull_until, running_assembler, stage_rollouts
 

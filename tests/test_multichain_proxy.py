@@ -14,11 +14,11 @@ import httpx
 import pytest
 
 from sink.trainer.pulled import PulledRollout
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, expected_ids, manifest, proxy_config, pull
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 Messages = list[dict[str, Any]]
 

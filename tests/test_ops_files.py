@@ -35,7 +35,7 @@ def test_the_acl_command_in_valkey_conf_writes_the_acl_and_env_files(tmp_path: P
     (tmp_path / "deploy").mkdir()
     with open(tmp_path / argv[redirect + 1], "w") if redirect else open(os.devnull, "w") as out:
         result = subprocess.run(
-            [sys.executable, "-m", "sink", *args], cwd=tmp_path, stdout=out, stderr=subprocess.PIPE, text=True, check=False
+            [sys.executable, "-m", "sink_cli", *args], cwd=tmp_path, stdout=out, stderr=subprocess.PIPE, text=True, check=False
         )
     assert result.returncode == 0, result.stderr
     acl = (tmp_path / "deploy" / "users.acl").read_text()

@@ -10,8 +10,10 @@ import pytest
 import redis
 
 from sink.keys import DEFAULT_NAMESPACE
-from sink.ops.cluster import LocalCluster
 from sink.settings import ProxySettings
+from sink_tools.cluster import LocalCluster
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.acl import start_acl_server
 from tests.helpers.proxy import (
     client_for,
@@ -25,8 +27,6 @@ from tests.helpers.proxy import (
 )
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 
 @pytest.fixture(autouse=True)

@@ -20,13 +20,13 @@ from sink.contract.records import UNCOMMITTED_CALL_REASON, WORKER_CAPTURE_FAILED
 from sink.ledger.gate import CaptureGate
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.e2e import running_assembler
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, manifest, proxy_config, run_agent, unset
 from worker.asgi import Receive, Scope, Send, read_body, send_body
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 MESSAGES: list[Any] = [SYSTEM, {"role": "user", "content": "go"}]
 

@@ -14,11 +14,11 @@ import pytest
 
 from sink.contract.records import WORKER_CAPTURE_FAILED_REASON, RolloutManifest
 from sink.server import DurableServer
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, fixed_upstream, manifest, proxy_config, unset
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 MESSAGES: list[Any] = [SYSTEM, {"role": "user", "content": "go"}]
 

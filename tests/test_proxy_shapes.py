@@ -11,6 +11,9 @@ import httpx
 import pytest
 
 from sink.contract.records import WORKER_CAPTURE_FAILED_REASON
+from sink_tools.simulated.engine import IM_END, IM_START
+from sink_tools.simulated.http_app import DRIFT_SPACE_ID, EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.proxy import (
     SYSTEM,
     client_for,
@@ -26,9 +29,6 @@ from tests.helpers.proxy import (
 from worker.asgi import Message, Receive, Scope, Send, header, send_body
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.engine import IM_END, IM_START
-from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp
-from worker.simulated.options import EngineOptions
 
 
 @pytest.fixture(autouse=True)

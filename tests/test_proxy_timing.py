@@ -7,13 +7,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from sink_tools.bench.proxy import server_timing
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.proxy import proxy_config
 from worker.proxy.app import ProxyApp
-from worker.proxy.bench import server_timing
 from worker.proxy.call_timing import CallClock, call_clock, current_call_clock, engine_span, timing_headers
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 
 def test_overlapping_engine_waits_count_once() -> None:

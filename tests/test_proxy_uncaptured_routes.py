@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.logging_hop import running_hop
 from tests.helpers.proxy import proxy_config
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 GENERATE = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "logprobs": 0}, "model": "simulated"}
 UNCAPTURED = [

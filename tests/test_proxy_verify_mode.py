@@ -28,6 +28,10 @@ from openai.types.chat import ChatCompletionChunk
 from sink.contract.records import UNRESOLVED_PARENT_REASON, WORKER_CAPTURE_FAILED_REASON
 from sink.store.source import RedisStagingSource
 from sink.trainer.pulled import PulledRollout
+from sink_tools.simulated.chat_extras import routed_experts_array
+from sink_tools.simulated.engine import IM_END
+from sink_tools.simulated.http_app import DRIFT_SPACE_ID, EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.engine_truth import Generated, assert_row_is_exact, generations
 from tests.helpers.logging_hop import running_hop
 from tests.helpers.processes import free_port, service
@@ -36,10 +40,6 @@ from tests.helpers.scenario_agent import run_scenario
 from tests.helpers.vllm_server import VllmServer
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.chat_extras import routed_experts_array
-from worker.simulated.engine import IM_END
-from worker.simulated.http_app import DRIFT_SPACE_ID, EngineApp
-from worker.simulated.options import EngineOptions
 
 MESSAGES: list[Any] = [SYSTEM, {"role": "user", "content": "go"}]
 TOOLS: Any = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]

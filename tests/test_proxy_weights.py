@@ -18,6 +18,8 @@ import redis.asyncio as aioredis
 
 from sink.keys import weight_version_key
 from sink.trainer.weights import publish_weight_version
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.proxy import (
     SYSTEM,
     RecordingEngine,
@@ -33,8 +35,6 @@ from tests.helpers.proxy import (
 from worker.errors import StagingModeError
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 BODY: dict[str, Any] = {"model": "simulated", "messages": [SYSTEM, {"role": "user", "content": "go"}], "max_tokens": 4}
 

@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from sink.contract.records import WORKER_CAPTURE_FAILED_REASON
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.proxy import SYSTEM, RecordingEngine, client_for, close_clients, manifest
 from worker.asgi import Receive, Scope, Send, read_body, replay_receive
 from worker.proxy.in_process import EnvCaptureMiddleware
 from worker.proxy.serve import running_server
 from worker.proxy.upstream import client_gone
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 MESSAGES: Any = [SYSTEM, {"role": "user", "content": "go"}]
 

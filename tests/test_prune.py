@@ -10,16 +10,16 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from sink.cli.common import EXIT_OK
-from sink.cli.main import main
 from sink.keys import calls_stream, dead_letter_stream, done_stream, fence_key, ledger_stream, receipt_key
-from sink.ops.cluster import LocalCluster
 from sink.ops.prune import prune_namespace
 from sink.rollout.assembler import finished
 from sink.settings import PruneSettings
 from sink.store.connection import Topology
 from sink.store.pipeline_counters import pipeline_counters
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_cli.common import EXIT_OK
+from sink_cli.main import main
+from sink_tools.cluster import LocalCluster
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.processes import until
 from tests.helpers.prune import next_millisecond

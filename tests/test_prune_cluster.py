@@ -8,10 +8,10 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from sink.keys import dead_letter_stream, done_stream, fence_key
-from sink.ops.cluster import LocalCluster
 from sink.ops.prune import prune_namespace
 from sink.settings import PruneSettings
 from sink.store.connection import Topology
+from sink_tools.cluster import LocalCluster
 from tests.helpers.prune import next_millisecond
 
 

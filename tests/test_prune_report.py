@@ -14,13 +14,13 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.cli.common import EXIT_OK
-from sink.cli.main import main
 from sink.errors import StagingRefusedError
 from sink.keys import calls_stream, dead_letter_stream, done_stream, fence_key
 from sink.ops.prune import prune_namespace
 from sink.settings import PruneSettings
 from sink.store.connection import Topology
+from sink_cli.common import EXIT_OK
+from sink_cli.main import main
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.e2e import stage_rollouts
 from tests.helpers.prune import key_state, newest_entry_ms, next_millisecond

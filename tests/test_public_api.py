@@ -73,7 +73,7 @@ _OUTSIDE_THE_ROOT = {
 def test_every_public_exception_descends_from_the_one_root() -> None:
     outside = set()
     for module_name in MODULE_NAMES:
-        if module_name.startswith("worker.simulated"):  # a tool: its errors become HTTP answers, never raised out
+        if module_name.startswith("sink_tools.simulated"):  # a tool: its errors become HTTP answers, never raised out
             continue
         module = importlib.import_module(module_name)
         for name, value in vars(module).items():

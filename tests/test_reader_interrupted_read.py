@@ -16,11 +16,11 @@ from redis.asyncio.cluster import RedisCluster
 
 from sink.errors import StagingError
 from sink.keys import DEFAULT_NAMESPACE, receipts_stream
-from sink.ops.cluster import LocalCluster
 from sink.settings import ServiceSettings
 from sink.store.connection import Topology
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_tools.cluster import LocalCluster
 from tests.helpers.group_members import publish_members
 from tests.helpers.topology import owner_of, slot_of
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sink.cli.main import build_parser, main
+from sink_cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -198,12 +198,12 @@ def test_every_metric_series_is_documented_in_docs() -> None:
 
 
 def test_every_exit_code_is_documented_in_docs() -> None:
-    import sink.cli.common
-    import sink.cli.failures
+    import sink_cli.common
+    import sink_cli.failures
 
     codes = {
         value
-        for module in (sink.cli.common, sink.cli.failures)
+        for module in (sink_cli.common, sink_cli.failures)
         for name, value in vars(module).items()
         if name.startswith("EXIT_") and isinstance(value, int)
     }

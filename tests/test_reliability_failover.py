@@ -25,11 +25,11 @@ import redis
 
 from sink.contract.records import StagedCallRecord
 from sink.keys import calls_stream, record_key
-from sink.ops.cluster import LocalCluster
 from sink.server import DurableServer, find_server_binary
 from sink.settings import SinkSettings
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
+from sink_tools.cluster import LocalCluster
 from tests.helpers.reliability import audit_keyspace, record_measurement
 from tests.helpers.staging import make_record
 

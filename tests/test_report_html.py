@@ -16,7 +16,7 @@ import redis
 from PIL import Image
 
 from sink.keys import record_key
-from sink.ops.report_html import sparkline_svg
+from sink_tools.report_html import sparkline_svg
 from tests.helpers.e2e import stage_rollouts
 from tests.helpers.trainer import publish
 
@@ -43,7 +43,7 @@ def _chromium() -> str:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "sink", *args], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-m", "sink_cli", *args], capture_output=True, text=True, timeout=60, check=False
     )
 
 

@@ -17,7 +17,6 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from sink.cli.main import main as cli_main
 from sink.contract.records import (
     INVALID_COMMIT_COORDS_REASON,
     CallRecord,
@@ -34,6 +33,7 @@ from sink.rollout.assembler import finished
 from sink.rollout.receipt import build_receipt
 from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_cli.main import main as cli_main
 from tests.helpers.e2e import call_record_of, pull_until, running_assembler, stage_rollouts
 from tests.helpers.staging import make_record
 

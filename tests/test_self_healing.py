@@ -14,15 +14,15 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
 
-from sink.cli.common import EXIT_OK, EXIT_USAGE
-from sink.cli.main import main
 from sink.errors import ClusterModeMismatchError, UnrecoverableServiceError
 from sink.keys import done_stream, receipt_key, receipts_stream
-from sink.ops.cluster import LocalCluster
 from sink.rollout.assembler import Assembler, finished
 from sink.store.cluster_mode import resolve_cluster_mode
 from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_cli.common import EXIT_OK, EXIT_USAGE
+from sink_cli.main import main
+from sink_tools.cluster import LocalCluster
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.processes import until
 
@@ -110,7 +110,7 @@ def test_assembler_command_exits_non_zero_with_one_line(redis_url: str) -> None:
 
     anyio.run(poison)
     result = subprocess.run(
-        [sys.executable, "-m", "sink", "assembler", "--redis-url", redis_url, "--shards", "1"],
+        [sys.executable, "-m", "sink_cli", "assembler", "--redis-url", redis_url, "--shards", "1"],
         capture_output=True,
         text=True,
         timeout=60,

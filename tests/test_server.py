@@ -15,7 +15,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from sink import server as sink_server
 from sink.errors import StagingError
-from sink.ops import cluster as sink_cluster
+from sink_tools import cluster as sink_cluster
 from tests.helpers.processes import Output
 
 pytestmark = pytest.mark.redis

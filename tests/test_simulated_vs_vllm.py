@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.vllm_server import VllmServer
 from tests.helpers.vllm_shapes import CASES, MAX_MODEL_LEN, RECORDING, Case, ShapeEngine, run_case
 from worker.proxy.serve import running_server
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 _RECORDED: dict[str, Any] = json.loads(RECORDING.read_text())["cases"]
 _SIMULATED = {

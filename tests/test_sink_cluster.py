@@ -7,9 +7,9 @@ import pytest
 import redis
 
 from sink.keys import calls_stream
-from sink.ops.cluster import LocalCluster
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
+from sink_tools.cluster import LocalCluster
 from tests.helpers.staging import make_chain
 
 pytestmark = pytest.mark.anyio

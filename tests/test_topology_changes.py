@@ -27,7 +27,7 @@ import pytest
 import redis
 
 from sink.keys import done_stream, receipts_stream
-from sink.ops.cluster import LocalCluster
+from sink_tools.cluster import LocalCluster
 from tests.helpers.topology import (
     RolloutFlow,
     Services,

@@ -30,7 +30,6 @@ import redis.exceptions as redis_errors
 from sink.errors import StagingRefusedError, StagingUnavailableError
 from sink.gym import RedisTokenSink, RedisTokenSource
 from sink.keys import group_keys, receipts_stream
-from sink.ops.cluster import LocalCluster
 from sink.rollout.done_event import finished
 from sink.server import DurableServer
 from sink.service import OutagePolicy
@@ -41,6 +40,7 @@ from sink.store.source import AsyncRedisStagingSource
 from sink.store.streams import StreamEntry
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_tools.cluster import LocalCluster
 from tests.helpers.e2e import pull_until, running_assembler
 from tests.helpers.gym import make_entry
 from tests.helpers.proxy import RecordingEngine, close_clients, finish, proxy_before, run_agent

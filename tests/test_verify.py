@@ -641,8 +641,8 @@ def test_random_chains_linearize_to_concatenated_deltas(data: st.DataObject, sha
 
 
 def _decoded_chain() -> tuple[RolloutReceipt, list[Any]]:
-    from sink.bench.workload import build_records
     from sink.contract.codec import decode_record, encode_record
+    from sink_tools.bench.workload import build_records
 
     records = build_records(1, 4, 300, tag="packed")
     snapshots = [decode_record(encode_record(r)) for r in records]

@@ -89,7 +89,7 @@ async def test_a_garbled_published_version_is_refused(redis_url: str) -> None:
 
 
 def test_the_weights_command_publishes_and_shows(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from sink.cli.main import main
+    from sink_cli.main import main
 
     assert main(["weights", "show", "--redis-url", redis_url]) == 1
     assert "no weight version published" in capsys.readouterr().out
@@ -103,8 +103,8 @@ def test_the_weights_command_publishes_and_shows(redis_url: str, capsys: pytest.
 
 
 def test_weights_set_refuses_what_the_record_cannot_carry(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from sink.cli.common import EXIT_USAGE
-    from sink.cli.main import main
+    from sink_cli.common import EXIT_USAGE
+    from sink_cli.main import main
 
     assert main(["weights", "set", str(U64_LIMIT - 1), "--redis-url", redis_url]) == 0  # the largest u64
     assert f"weight version {U64_LIMIT - 1}" in capsys.readouterr().out
@@ -148,8 +148,8 @@ def _state(published: int | None, deleted: int | None, unusable: str | None = No
 def test_stats_check_fails_while_a_published_version_is_deleted(
     redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from sink.cli.common import EXIT_FAILURE
-    from sink.cli.main import main
+    from sink_cli.common import EXIT_FAILURE
+    from sink_cli.main import main
 
     stats = ["stats", "--check", "--redis-url", redis_url]
     assert main([*stats, "--json"]) == 0  # never published: the documented fallback, not a problem

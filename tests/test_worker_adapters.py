@@ -11,10 +11,10 @@ import pytest
 
 from sink.contract.records import CaptureAdmission
 from sink.store.memory import MemoryStagingStore
+from sink_tools.simulated.engine import SimulatedEngine
 from worker import CaptureAdapter, MegatronAdapter, RolloutTokenCapture, VLLMChatAdapter, install_capture
 from worker.adapters import PREFIX_REQUEST_KEY, logprob_list, token_id_list
 from worker.errors import EnginePayloadError
-from worker.simulated.engine import SimulatedEngine
 
 
 def vllm_payload(**choice_updates: Any) -> dict[str, Any]:

@@ -10,8 +10,7 @@ import pytest
 
 from sink.contract.digest import compute_chain_hash, hash_token_ids
 from sink.store.memory import MemoryStagingStore
-from worker import RolloutTokenCapture, VLLMChatAdapter
-from worker.simulated.engine import (
+from sink_tools.simulated.engine import (
     BYTE_OFFSET,
     IM_END,
     IM_START,
@@ -20,6 +19,7 @@ from worker.simulated.engine import (
     SimulatedEngine,
     simulate_rollout,
 )
+from worker import RolloutTokenCapture, VLLMChatAdapter
 
 
 def test_tokenizer_round_trip_and_replacement_character() -> None:

@@ -22,6 +22,7 @@ from sink.contract.records import (
     StageResult,
 )
 from sink.store.memory import MemoryStagingStore
+from sink_tools.simulated.engine import BYTE_OFFSET, ByteTokenizer, Generation, SimulatedEngine
 from worker import CaptureError, GenerationCutError, RolloutTokenCapture, resolve_prefix
 from worker.generation_cut import (
     afetch_cut_prefix,
@@ -34,7 +35,6 @@ from worker.generation_cut import (
     plan_cut_continuation,
     rebuild_cut_prefix,
 )
-from worker.simulated.engine import BYTE_OFFSET, ByteTokenizer, Generation, SimulatedEngine
 
 CUT_AT, CHUNK_END, TOTAL = 16, 24, 40
 WEIGHTS = 7

@@ -3,7 +3,7 @@
 One module per role: :mod:`~sink.server.binary` finds the server and client binaries and their version,
 :mod:`~sink.server.loopback` picks free loopback ports and makes plain clients, :mod:`~sink.server.children`
 makes sure no child process outlives its owner, and :mod:`~sink.server.durable` runs one durable server
-process (:class:`DurableServer`). This package re-exports their public names; :mod:`sink.ops.cluster` builds a
+process (:class:`DurableServer`). This package re-exports their public names; :mod:`sink_tools.cluster` builds a
 local cluster of such servers.
 """
 

@@ -18,7 +18,7 @@ __all__ = ("Command", "staging_sink")
 
 
 class Command:
-    """A running ``python -m sink ...`` and the lines it printed so far."""
+    """A running ``python -m sink_cli ...`` and the lines it printed so far."""
 
     def __init__(self, process: subprocess.Popen[str]) -> None:
         self.process = process
@@ -43,8 +43,8 @@ class Command:
 
 @contextmanager
 def staging_sink(*args: str) -> Iterator[Command]:
-    """Run ``python -m sink ARGS``; killed on exit if it is still running."""
-    command: Sequence[str] = [sys.executable, "-m", "sink", *args]
+    """Run ``python -m sink_cli ARGS``; killed on exit if it is still running."""
+    command: Sequence[str] = [sys.executable, "-m", "sink_cli", *args]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as process:
         running = Command(process)
         try:

@@ -136,7 +136,7 @@ def stop(process: subprocess.Popen[str], *, timeout_s: float = 30) -> None:
 def service(*argv: str, health: str, module: bool = True) -> Iterator[Output]:
     """Run ``staging-sink ARGV`` (or *argv* itself with ``module=False``) until the block ends (SIGTERM), once
     *health* answers 200; yields its :class:`Output` (stderr only: stdout is discarded)."""
-    command = [sys.executable, "-m", "sink", *argv] if module else list(argv)
+    command = [sys.executable, "-m", "sink_cli", *argv] if module else list(argv)
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     output = Output(process)
     try:

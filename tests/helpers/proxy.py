@@ -16,13 +16,13 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import ProxySettings
 from sink.trainer.pulled import PulledRollout
 from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_tools.simulated.engine import IM_END
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.e2e import pull_until, running_assembler
 from worker.asgi import ASGIApp, Receive, Scope, Send, read_body, send_body
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
-from worker.simulated.engine import IM_END
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 __all__ = (
     "SYSTEM",

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import orjson
 
+from sink_tools.simulated.engine import IM_END, IM_START, ByteTokenizer
 from tests.helpers.vllm_server import VllmServer
-from worker.simulated.engine import IM_END, IM_START, ByteTokenizer
 
 __all__ = ("ScaleOutEngine", "engine_call", "engine_get", "post", "simulated_engine", "stream", "vllm_engine")
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from sink_tools.simulated.engine import IM_END
+from sink_tools.simulated.http_app import EngineApp
+from sink_tools.simulated.options import EngineOptions
 from tests.helpers.vllm_server import VllmServer
 from worker.proxy.serve import running_server
-from worker.simulated.engine import IM_END
-from worker.simulated.http_app import EngineApp
-from worker.simulated.options import EngineOptions
 
 __all__ = ("TierEngine", "tier_engine")
 

@@ -33,13 +33,13 @@ from sink.contract.records import CaptureLedgerCommit
 from sink.errors import StagingConnectionError
 from sink.keys import dead_letter_stream, done_stream, receipt_key, receipts_stream, shard_of
 from sink.ledger.redis import RedisCaptureLedger
-from sink.ops.cluster import LocalCluster
 from sink.rollout.assembler import ASSEMBLER_GROUP
 from sink.rollout.done_event import finished
 from sink.server import DurableServer
 from sink.settings import DEFAULT_SHARDS
 from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.reader.rollout_reader import TRAINER_GROUP
+from sink_tools.cluster import LocalCluster
 from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import call_record_of
 from tests.helpers.staging import make_chain

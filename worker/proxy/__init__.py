@@ -5,7 +5,7 @@ them, so ``staging-sink`` can register its commands without the extra): :mod:`.m
 (:class:`CaptureMiddleware`, per request), :mod:`.captured_call` (one captured call), :mod:`.app`
 (:class:`ProxyApp`, settings :class:`sink.settings.ProxySettings`), :mod:`.in_process` (vLLM ``--middleware``),
 :mod:`.serve`, :mod:`.cli` (the ``proxy`` and ``engine`` commands), :mod:`.bench`. The simulated HTTP engine is
-:mod:`worker.simulated.http_app`; ``demo --http`` is :mod:`worker.demo.http`.
+:mod:`sink_tools.simulated.http_app`; ``demo --http`` is :mod:`sink_tools.demo.http`.
 """
 
 from __future__ import annotations

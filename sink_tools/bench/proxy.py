@@ -1,0 +1,273 @@
+"""Benchmark: the capture proxy against the engine directly and a bare forwarding proxy (``staging-sink bench proxy``).
+
+One run, side by side, at 1, 16 and 64 concurrent clients, every call a 2,048-token chat completion (with
+``--turns N``, each client runs N-turn rollouts: every call continues the previous one's conversation):
+
+* ``direct``: client -> engine;
+* ``bare``: client -> ``staging-sink proxy --no-capture`` -> engine (same server stack, no capture);
+* ``capture``: client -> ``staging-sink proxy --prefix-mode verify`` -> engine, with durable staging before each
+  response (the engine re-templates history; drift is detected);
+* ``exact``: client -> ``staging-sink proxy --prefix-mode exact`` -> engine: render, generate from the spliced
+  token ids, derender, then the same staging.
+
+Every path talks to the same engine in the same run: by default the simulated one (``staging-sink engine
+--enable-scale-out``, one process); with ``--engine-url`` an engine already running there (a vLLM 0.32 started
+with ``--enable-scale-out``, say; ``--model`` names its served model). The report names the engine. Engine and
+proxies run as separate processes (no shared GIL with the load generator); the paths are interleaved in each of
+``--repeats`` repeats and every figure is the best repeat's. The capturing proxies add a ``Server-Timing`` header
+(``--server-timing``), so the report also gives the proxy's own share of each captured call (its time minus its
+wait for the engine). The report also measures the sink's own stage p50 for the same records, and checks the
+targets (:mod:`sink_tools.bench.proxy_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from functools import partial
+
+import anyio
+import httpx
+import orjson
+
+from sink.contract.records import CaptureAdmission
+from sink.server import DurableServer
+from sink.store.sink import AsyncRedisStagingSink
+from sink_tools.bench import BenchHelpFormatter, BenchmarkNamespaceInUseError, BenchNamespace, report_on_server
+from sink_tools.bench.proxy_report import PathResult, format_report
+from worker.capture import RolloutTokenCapture
+
+__all__ = ("PathResult", "format_report", "main", "server_timing")
+
+_PATHS = ("direct", "bare", "capture", "exact")
+_CAPTURED = frozenset({"capture", "exact"})
+
+
+def server_timing(value: str) -> tuple[float, float, float]:
+    """``(engine_s, capture_s, total_s)`` of a proxy's ``Server-Timing`` value (:mod:`worker.proxy.call_timing`).
+
+    :raises ValueError: the value lacks ``engine``, ``capture`` or ``total``.
+    """
+    durations = {}
+    for metric in value.split(","):
+        name, _, rest = metric.strip().partition(";")
+        if rest.startswith("dur="):
+            durations[name] = float(rest[4:]) / 1000
+    try:
+        return durations["engine"], durations["capture"], durations["total"]
+    except KeyError as exc:
+        raise ValueError(f"a Server-Timing header without {exc}: {value!r}") from exc
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _process(args: Sequence[str], health: str) -> Iterator[None]:
+    process = subprocess.Popen([sys.executable, "-m", "sink_cli", *args], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{args[0]} exited with {process.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(health, timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{args[0]} did not come up")
+            time.sleep(0.1)
+        yield
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+_JSON = {"content-type": "application/json"}
+
+
+async def _drive(
+    base: str, path: str, clients: int, calls: int, tokens: int, run: str, turns: int, model: str
+) -> PathResult:
+    latencies: list[float] = []
+    engine_s: list[float] = []
+    own_s: list[float] = []
+    capture_s: list[float] = []
+    errors = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async def client(index: int, http: httpx.AsyncClient) -> None:
+        nonlocal errors
+        messages: list[dict[str, str]] = []
+        rollout = ""
+        for call in range(calls // clients):
+            if call % turns == 0:
+                rollout = f"{run}-{path}-{clients}-{index}-{call}"
+                messages = [{"role": "user", "content": f"bench {index} {call}"}]
+            prefix = f"/r/{rollout}" if path in _CAPTURED else ""
+            body = {"model": model, "messages": messages, "max_tokens": tokens, "min_tokens": tokens}
+            started = time.perf_counter()
+            response = await http.post(f"{base}{prefix}/v1/chat/completions", content=orjson.dumps(body), headers=_JSON)
+            if response.status_code != 200:
+                errors += 1
+                continue
+            latencies.append(time.perf_counter() - started)
+            if path in _CAPTURED:
+                engine, capture, total = server_timing(response.headers.get("server-timing", ""))
+                engine_s.append(engine)
+                capture_s.append(capture)
+                own_s.append(total - engine)
+            answer = orjson.loads(response.content)
+            if answer.get("prompt_token_ids") is not None:  # vLLM answers null when the fields were not asked for
+                raise RuntimeError(f"{path}: token fields reached the client")
+            reply = answer["choices"][0]["message"]["content"] or ""
+            messages = [*messages, {"role": "assistant", "content": reply}, {"role": "tool", "content": "ok"}]
+
+    async with httpx.AsyncClient(limits=limits, timeout=120) as http:
+        warm = {"model": model, "messages": [{"role": "user", "content": "w"}], "max_tokens": 4}
+        await http.post(f"{base}/v1/chat/completions", json=warm)
+        started = time.perf_counter()
+        async with anyio.create_task_group() as group:
+            for index in range(clients):
+                group.start_soon(client, index, http)
+        seconds = time.perf_counter() - started
+    return PathResult(path, clients, len(latencies), seconds, latencies, errors, engine_s, own_s, capture_s)
+
+
+async def _stage_p50_ms(url: str, namespace: str, tokens: int, samples: int, tag: str = "") -> float:
+    """The sink's own stage latency p50 for one 2,048-token root record (sequential)."""
+    durations: list[float] = []
+    async with AsyncRedisStagingSink.from_url(url, namespace=namespace) as sink:
+        capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 0)
+        for index in range(samples):
+            admission = CaptureAdmission(rollout_id=f"stage{tag}-{index}", model_call_id="c", mode="text")
+            call = await capture.abegin_call(admission)
+            ids = list(range(16, 16 + tokens))
+            record_started = time.perf_counter()
+            coords = await capture.acomplete_call(
+                call, prompt_token_ids=[1, 2, 3], generated_token_ids=ids, generated_logprobs=[-0.5] * tokens
+            )
+            durations.append(time.perf_counter() - record_started)
+            if coords.disposition != "staged":
+                raise RuntimeError("stage failed: is the server durable?")
+    return 1000 * statistics.median(durations)
+
+
+def _engine_version(url: str) -> str:
+    """What the engine at *url* says it is (vLLM answers ``GET /version``), or ``""``."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        answer = httpx.get(f"{url}/version", timeout=5)
+        if answer.status_code == 200:
+            return f", version {answer.json().get('version')}"
+    return ""
+
+
+@contextlib.contextmanager
+def _engine(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """The engine every path uses: ``(base URL, description for the report)``."""
+    if args.engine_url:
+        url = args.engine_url.rstrip("/")
+        yield url, f"{url} (external, model {args.model!r}{_engine_version(url)})"
+        return
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with _process(["engine", "--port", str(port), "--enable-scale-out"], f"{url}/health"):
+        yield url, "the simulated engine (staging-sink engine --enable-scale-out: one process, one event loop)"
+
+
+def _run(url: str, namespace: str, args: argparse.Namespace) -> tuple[list[PathResult], str, float]:
+    """Every path at every concurrency, ``--repeats`` times; returns the results, the engine, the best stage p50."""
+    bare_port, capture_port, exact_port = _free_port(), _free_port(), _free_port()
+    results: list[PathResult] = []
+    stage_p50s: list[float] = []
+    run = uuid.uuid4().hex[:8]
+    with _engine(args) as (engine, described):
+        bases = {
+            "direct": engine,
+            "bare": f"http://127.0.0.1:{bare_port}",
+            "capture": f"http://127.0.0.1:{capture_port}",
+            "exact": f"http://127.0.0.1:{exact_port}",
+        }
+        proxy = ["proxy", "--upstream", engine, "--redis-url", url, "--namespace", namespace]
+        timed = [*proxy, "--server-timing"]
+        with (
+            _process([*proxy, "--no-capture", "--port", str(bare_port)], f"{bases['bare']}/health"),
+            _process([*timed, "--prefix-mode", "verify", "--port", str(capture_port)], f"{bases['capture']}/health"),
+            _process([*timed, "--prefix-mode", "exact", "--port", str(exact_port)], f"{bases['exact']}/health"),
+        ):
+            for repeat in range(args.repeats):  # interleaved: every path once per repeat, at every concurrency
+                stage = partial(_stage_p50_ms, url, namespace, args.tokens, args.stage_samples, f"-{repeat}")
+                stage_p50s.append(anyio.run(stage))  # the sink's own stage, in the same conditions
+                for clients in args.clients:
+                    calls = max(clients, args.calls_per_client * clients)
+                    drive = partial(
+                        _drive,
+                        clients=clients,
+                        calls=calls,
+                        tokens=args.tokens,
+                        run=f"{run}-{repeat}",
+                        turns=args.turns,
+                        model=args.model,
+                    )
+                    results.extend(anyio.run(partial(drive, bases[path], path)) for path in _PATHS)
+    return results, described, min(stage_p50s)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``staging-sink bench proxy [--clients 1 16 64] [--tokens 2048] [--calls-per-client N] [--turns N]
+    [--repeats N] [--engine-url URL --model NAME] [--redis-url URL]``."""
+    parser = argparse.ArgumentParser(
+        prog="staging-sink bench proxy",
+        description=__doc__,
+        formatter_class=BenchHelpFormatter,
+    )
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64], help="concurrent clients per run")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens generated per call")
+    parser.add_argument("--calls-per-client", type=int, default=8, help="calls each client makes")
+    parser.add_argument("--turns", type=int, default=1, help="calls per rollout (each continues the previous one)")
+    parser.add_argument("--stage-samples", type=int, default=50, help="stage() calls timed per repeat (best p50)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; every figure is the best one's")
+    parser.add_argument(
+        "--engine-url",
+        default=None,
+        help="an engine already running there (vLLM 0.32 with --enable-scale-out) instead of the simulated one",
+    )
+    parser.add_argument("--model", default="simulated", help="the model name sent in every request")
+    parser.add_argument("--redis-url", default=None, help="a durable server (default: a private one)")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+
+    def run(url: str, _server: DurableServer | None) -> tuple[list[PathResult], str, float]:
+        # Every key goes under a fresh namespace of the benchmark's own, deleted at the end (also after an
+        # error); a namespace that already has keys is refused, as for every benchmark (sink_tools.bench).
+        space = BenchNamespace(url=url, namespace=f"stg-bench-proxy-{uuid.uuid4().hex[:8]}")
+        if (found := anyio.run(space.first_key)) is not None:
+            raise BenchmarkNamespaceInUseError(f"benchmark namespace {space.namespace!r} has a key: {found!r}")
+        try:
+            return _run(url, space.namespace, args)
+        finally:
+            anyio.run(space.clear)
+
+    return report_on_server(
+        args.redis_url, run, lambda figures: format_report(figures[0], figures[2], args.tokens, figures[1])
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
