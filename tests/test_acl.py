@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import socket
+import stat
 from collections.abc import Iterator
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +28,25 @@ from sink.keys import (
     receipts_stream,
     record_key,
 )
+from sink.ledger.redis import RedisCaptureLedger
 from sink.ops.access.render import (
     ADMIN_ROLE,
     PLACEHOLDER_HASH,
     ROLE_NAMES,
     ROLE_POLICIES,
+    KeyPattern,
     generate_passwords,
     password_hash,
     render_acl_example,
     render_acl_file,
+    write_private_file,
 )
 from sink.ops.metrics.exporter import collect_redis_gauges
 from sink.store.scripts import STAGE_SCRIPT, StageStatus
+from sink.store.sink import AsyncRedisStagingSink
 from tests.helpers.acl import ACL_DENIAL, AclServer, is_acl_denial, start_acl_server
 from tests.helpers.servers import import_or_skip, skip_or_fail
+from tests.helpers.staging import make_chain
 
 NS = "stg"
 R = "r1"
@@ -338,7 +346,6 @@ def test_worker_runs_the_stage_script_and_nothing_else(seeded: AclServer) -> Non
 async def test_worker_stages_and_reads_through_the_sink_and_source(seeded: AclServer) -> None:
     redis_sink = import_or_skip("sink.store.sink")
     source_module = import_or_skip("sink.store.source")
-    from tests.helpers.staging import make_chain
 
     root, child = make_chain("r6", 2)
     url = seeded.role_url("worker")
@@ -378,7 +385,6 @@ async def test_trainer_reads_and_clears_what_the_worker_staged(seeded: AclServer
 @pytest.mark.anyio
 async def test_ledger_roles_gate_writes_assembler_reads_trainer_retires(seeded: AclServer) -> None:
     from sink.errors import RolloutRetiredError, StagingConnectionError
-    from sink.ledger.redis import RedisCaptureLedger
 
     async with RedisCaptureLedger.from_url(seeded.role_url("gate")) as gate:
         await gate.record_failure("r8", "c1", "engine_error")
@@ -542,9 +548,7 @@ async def test_the_trainer_role_delivers_and_acks_grpo_groups(acl_server: AclSer
 async def test_the_trainer_role_exports_by_id_a_rollout_the_pipeline_published(acl_server: AclServer) -> None:
     """``export_rollouts`` reads the receipt, the ledger (the chain record is built from it) and the records:
     all within the trainer's grants."""
-    from sink.ledger.redis import RedisCaptureLedger
     from sink.rollout.done_event import finished
-    from sink.store.sink import AsyncRedisStagingSink
     from sink.trainer.export import export_rollouts
     from tests.helpers.e2e import EventCounter, running_assembler, stage_rollout
 
@@ -587,3 +591,48 @@ async def test_the_trainer_publishes_the_weight_version_the_proxy_and_ops_read(s
         assert await read_published_state(gate, NS) == await read_published_state(ops, NS) == PublishedState(None, 4)
         with pytest.raises(StagingConnectionError, match="NoPermissionError"):
             await publish_weight_version(worker, NS, 5)
+
+
+# --- the ACL table ----------------------------------------------------------------------------------------
+
+
+def _worker_rules(server_version: str) -> set[str]:
+    text = render_acl_example(server_version=server_version)
+    [line] = [line for line in text.splitlines() if line.startswith("user worker ")]
+    return {word.strip("()") for word in line.split()}
+
+
+@pytest.mark.parametrize(
+    ("version", "present", "absent"),
+    [
+        ("6.2", {"+evalsha", "+eval", "+script|load"}, {"+fcall", "+fcall_ro", "+waitaof", "+cluster|shards"}),
+        ("7.0", {"+fcall", "+fcall_ro", "+cluster|shards"}, {"+evalsha", "+eval", "+script|load", "+waitaof"}),
+        ("7.1", {"+fcall"}, {"+waitaof", "+client|setinfo", "+eval"}),
+        ("7.2", {"+fcall", "+waitaof", "+client|setinfo"}, {"+eval", "+evalsha"}),
+        ("8.0", {"+fcall", "+waitaof", "+client|setinfo", "+cluster|shards"}, {"+eval", "+evalsha", "+script|load"}),
+    ],
+)
+def test_each_command_appears_exactly_from_its_first_version(version: str, present: set[str], absent: set[str]) -> None:
+    """Kills every mutant of ``COMMANDS_SINCE`` / ``COMMANDS_UNTIL`` (each boundary is one version)."""
+    rules = _worker_rules(version)
+    assert present <= rules, present - rules
+    assert not absent & rules, absent & rules
+
+
+def test_the_acl_building_blocks_are_immutable_and_the_placeholder_is_a_sha256() -> None:
+    """Kills ``frozen=True`` -> ``False`` on the table's dataclasses and ``"0" * 64`` -> ``65``."""
+    policy = ROLE_POLICIES["worker"]
+    with pytest.raises(FrozenInstanceError):
+        policy.purpose = "x"  # type: ignore[misc]
+    with pytest.raises(FrozenInstanceError):
+        policy.grants[0].commands = ()  # type: ignore[misc]
+    with pytest.raises(FrozenInstanceError):
+        KeyPattern("<ns>:x").access = "W"  # type: ignore[misc]
+    assert re.fullmatch("[0-9a-f]{64}", PLACEHOLDER_HASH)
+
+
+def test_private_files_are_written_owner_only(tmp_path: Path) -> None:
+    """Kills ``mode=0o600`` -> ``0o601``."""
+    path = tmp_path / "secret.env"
+    write_private_file(path, "STG_X=1\n")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == "STG_X=1\n"

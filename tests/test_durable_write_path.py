@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import anyio
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -17,8 +18,10 @@ import redis.exceptions as redis_errors
 from sink.settings import ConnectionSettings
 from sink.store.batch import BatchCall, run_batch, send_calls, write_durably
 from sink.store.connection import Topology
-from sink.store.durability import REQUIRED_CONFIG, Confirmation
+from sink.store.durability import REQUIRED_CONFIG, Confirmation, supports_waitaof
 from sink.store.scripts import CLEAR_SCRIPT
+from sink.store.sink import AsyncRedisStagingSink
+from tests.helpers.staging import make_chain, make_record
 
 ROOT = Path(__file__).resolve().parents[1]
 DURABLE = [{name: value} for name, value in REQUIRED_CONFIG.items()]
@@ -140,3 +143,45 @@ async def test_an_atomic_call_replies_with_its_transaction(redis_url: str) -> No
             topology, BatchCall(["k"], commands=queue, atomic=True), durability="fsync", timeout_s=1.0, action="set"
         )
         assert reply == [b"OK", b"v"]
+
+
+# --- durability re-checks and confirmation replies (real servers) --------------------------------------
+
+
+def _calls(stats: dict[str, object], command: str) -> int:
+    entry = stats.get(f"cmdstat_{command}")
+    return int(entry["calls"]) if isinstance(entry, dict) else 0
+
+
+@pytest.mark.anyio
+async def test_the_sink_verifies_at_open_and_confirms_each_batch_without_reverifying(redis_url: str) -> None:
+    """Kills ``report(force=False)`` -> ``True`` and the cache condition's ``is None`` -> ``is not None``
+    (a full re-verification on every stage), ``supports_waitaof = True`` -> ``False`` /
+    ``durability == "fsync"`` -> ``!=`` (no ``WAITAOF`` where the server has it), and ``WAITAOF 1 0`` ->
+    ``WAITAOF 1 1`` (every batch waiting confirm_timeout_s for a replica that does not exist)."""
+    async with aioredis.Redis.from_url(redis_url) as client:
+        server = await client.info("server")
+        has_waitaof = supports_waitaof(server)
+        before = await client.info("commandstats")
+        async with AsyncRedisStagingSink.from_url(redis_url) as sink:
+            # Well under confirm_timeout_s (5 s): WAITAOF waits for the local fsync only, never a replica.
+            with anyio.fail_after(3.0):
+                for record in make_chain("counted", 6):
+                    assert (await sink.stage(record)).ok
+        after = await client.info("commandstats")
+    info_calls = _calls(after, "info") - _calls(before, "info") - 1  # minus our own first INFO
+    assert info_calls == 1, f"the sink ran INFO {info_calls} times for 6 stages (once at open expected)"
+    waitaof_calls = _calls(after, "waitaof") - _calls(before, "waitaof")
+    assert (waitaof_calls >= 6) if has_waitaof else (waitaof_calls == 0), (has_waitaof, waitaof_calls)
+    # Every batch read the four persistence settings back; the open check read them once more.
+    assert _calls(after, "config|get") - _calls(before, "config|get") == 4 * 6 + 4
+
+
+@pytest.mark.anyio
+async def test_min_replicas_without_a_replica_fails_on_the_wait_reply(redis_url: str) -> None:
+    """Kills ``report.problem is not None or not replicas`` -> ``and`` (a standalone primary without
+    replicas must fail on ``WAIT``, not on an empty replica check)."""
+    async with AsyncRedisStagingSink.from_url(redis_url, min_replicas=1, confirm_timeout_s=0.2) as sink:
+        result = await sink.stage(make_record("lonely", "c0"))
+    assert not result.ok and result.error is not None
+    assert "only 0 of 1 required replicas acknowledged" in result.error, result.error

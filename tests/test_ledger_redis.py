@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 
 from sink.canonical import canonical_json
 from sink.contract.fingerprint import FINGERPRINT_VERSION
-from sink.contract.records import UNRESOLVED_PARENT_REASON
-from sink.errors import LedgerConflictError, RolloutRetiredError, StagingConnectionError
+from sink.contract.records import UNRESOLVED_PARENT_REASON, CaptureLedgerCommit
+from sink.errors import LedgerConflictError, RolloutRetiredError, StagingConnectionError, StagingKeyOwnershipError
 from sink.keys import fence_key, ledger_ids_key, ledger_stream
 from sink.ledger.lineage import LineageMatch, LineageResolution, LineageStatus
 from sink.ledger.memory import MemoryCaptureLedger
@@ -26,7 +26,9 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.ledger.rows import custody_row
 from sink.server import DurableServer, free_port
 from sink_tools.cluster import LocalCluster
+from tests.helpers.e2e import call_record_of
 from tests.helpers.ledger import CHILD_REQUEST, R, child_commit, hexdigest, root_commit
+from tests.helpers.staging import make_record
 
 # --- pure pieces --------------------------------------------------------------
 
@@ -156,3 +158,25 @@ async def test_more_concurrent_calls_than_pool_connections_queue_instead_of_fail
             assert len((await ledger.manifest(R)).records) == 150
     finally:
         await client.aclose()
+
+
+# --- key ownership (real servers) -----------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("staging_key", "chain_extra"),
+    [("ra/c1", None), ("ra/c0/cut/ck/x", None), ("ra/c0", "rb/c0"), ("ra/c0", "nokey"), ("ra/c0", "ra/")],
+)
+async def test_the_ledger_refuses_another_calls_key_and_foreign_chains(
+    redis_url: str, staging_key: str, chain_extra: str | None
+) -> None:
+    """Kills ``problem is None and not is_call_staging_key`` -> ``is not None`` and the chain check's ``or``,
+    and ``not sep or not rest`` -> ``and`` (a key ``ra/`` with nothing after the slash)."""
+    row = call_record_of(make_record("ra", "c0"), admitted_at=1.0).model_copy(update={"staging_key": staging_key})
+    chain = (*([chain_extra] if chain_extra else []), staging_key)
+    commit = CaptureLedgerCommit(rollout_id="ra", record=row, staging_chain=chain, request_items=[], response_items=[])
+    async with RedisCaptureLedger.from_url(redis_url) as ledger:
+        with pytest.raises(StagingKeyOwnershipError):
+            await ledger.record(commit)
+        assert not await ledger.has_rows("ra")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from sink.contract.packed import PackedSnapshot
 from sink.contract.records import StagedCallRecord
@@ -393,11 +395,7 @@ def test_every_script_has_its_status_codes_filled_in() -> None:
     # ... and every Lua script of the package lives in the store's scripts folder (re-exported by its package).
     home = Path(scripts.__file__).resolve().parent
     assert home.parts[-2:] == ("store", "scripts")
-    elsewhere = [
-        p
-        for p in home.parents[1].rglob("*.py")
-        if p.parent != home and "redis.call(" in p.read_text()
-    ]
+    elsewhere = [p for p in home.parents[1].rglob("*.py") if p.parent != home and "redis.call(" in p.read_text()]
     assert elsewhere == []
     assert f"status[i] = {scripts.StageStatus.WRONG_TYPE}" in scripts.STAGE_SCRIPT.source
 
@@ -429,3 +427,70 @@ async def test_a_positive_generation_log_prob_is_staged_and_read_back_exactly(re
         (fetched,) = await source.fetch([result.staging_key])
     assert fetched.generation_log_probs_delta == record.generation_log_probs_delta
     assert fetched.generation_log_probs_delta[1] > 0 and fetched.digest == record.digest
+
+
+# --- the staging script (real servers) ------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_an_identical_restage_writes_nothing_without_replicas(redis_url: str) -> None:
+    """Kills ``rewrite_present = ARGV[2] == '1'`` -> ``~=`` (a rewrite on every retry with ``min_replicas=0``)."""
+    root, child = make_chain("quiet", 2)
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink, aioredis.Redis.from_url(redis_url) as client:
+        assert all([(await sink.stage(root)).ok, (await sink.stage(child)).ok])
+        before = int((await client.info("persistence"))["rdb_changes_since_last_save"])
+        with anyio.fail_after(10):
+            assert (await sink.stage(child)).ok
+        after = int((await client.info("persistence"))["rdb_changes_since_last_save"])
+        assert after == before, "an identical re-stage wrote the record again"
+        assert sink.statistics().already_present == 1
+
+
+@pytest.mark.anyio
+async def test_a_script_error_reply_is_reported_with_its_cause(redis_url: str) -> None:
+    """A refused write names its cause. (The mutant ``explain_refusal(...) or describe_redis_error(reply)``
+    -> ``and`` is killed by ``test_acl_no_user_code.py::test_roles_stage_only_after_setup...``.)"""
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink, aioredis.Redis.from_url(redis_url) as client:
+        await client.config_set("maxmemory", 1)
+        try:
+            result = await sink.stage(make_record("full", "c0", n_tokens=512))
+        finally:
+            await client.config_set("maxmemory", 0)
+    assert not result.ok and result.error is not None
+    assert "OutOfMemoryError" in result.error or "OOM" in result.error, result.error
+
+
+@pytest.mark.anyio
+async def test_a_retry_while_the_replica_is_frozen_is_not_acknowledged(server_binary: Path, tmp_path: Path) -> None:
+    """Kills ``"1" if min_replicas > 0`` -> ``> 1`` (no rewrite of a present record with ``min_replicas=1``).
+
+    The retrying sink opens (and verifies the replica) before the freeze, so only the rewrite makes its
+    ``WAIT`` cover the record: without it the connection has written nothing and ``WAIT`` answers 1 at once.
+    """
+    fast = {"repl-diskless-sync-delay": "0"}
+    with (
+        DurableServer(binary=server_binary, data_dir=tmp_path / "p", extra_config=fast) as primary,
+        DurableServer(
+            binary=server_binary, data_dir=tmp_path / "r", replica_of=(primary.host, primary.port)
+        ) as replica,
+    ):
+        with primary.client() as admin:
+            deadline = time.monotonic() + 15
+            admin.set("probe", "1")  # WAIT counts replicas up to this connection's last write
+            while int(admin.execute_command("WAIT", 1, 200)) < 1:
+                assert time.monotonic() < deadline, "the replica never acknowledged"
+        record = make_record("frozen", "c1")
+        settings = SinkSettings(min_replicas=1, confirm_timeout_s=1.0)
+        async with (
+            AsyncRedisStagingSink.from_url(primary.url, settings) as first,
+            AsyncRedisStagingSink.from_url(primary.url, settings) as retrying,
+        ):
+            assert (await first.stage(make_record("frozen", "c0"))).ok
+            assert (await retrying.stage(make_record("other", "c0"))).ok
+            replica.pause()
+            try:
+                assert not (await first.stage(record)).ok  # written, not confirmed
+                retried = await retrying.stage(record)
+            finally:
+                replica.resume()
+    assert not retried.ok and retried.error is not None and "replicas" in retried.error, retried

@@ -14,8 +14,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sink.contract.codec import decode_packed_record, encode_record
 from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, compute_extras_digest, hash_token_ids
-from sink.contract.records import CallRecord, CaptureMode, RolloutReceipt, StagedCallBaseSnapshot, StagedCallSnapshot
+from sink.contract.records import (
+    CallRecord,
+    CaptureMode,
+    RolloutReceipt,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    StagedCallSnapshot,
+)
 from sink.errors import RebuildError, ReceiptVerificationError, StagingError
 from sink.trainer.verify import (
     ExtrasCommitment,
@@ -700,3 +708,30 @@ def test_a_replaced_column_is_not_vouched_for_by_the_cache() -> None:
     with pytest.raises(ReceiptVerificationError) as caught:
         _verify_and_linearize(receipt, snapshots, use_cached_columns=True)
     assert caught.value.code == "corrupt_digest"
+
+
+# --- verification -------------------------------------------------------------------------------------
+
+
+def test_verify_names_a_string_passed_as_snapshots() -> None:
+    """Kills ``not isinstance(snapshots, Sequence) or isinstance(snapshots, str...)`` -> ``and``."""
+    receipt, _snapshots = example_case()
+    with pytest.raises(TypeError, match="snapshots must be a sequence"):
+        verify_and_linearize(receipt, "not snapshots")  # type: ignore[arg-type]
+
+
+def test_verify_refuses_packed_snapshots_it_did_not_decode() -> None:
+    """Kills ``own_decode and isinstance(snapshot, PackedSnapshot)`` -> ``or``."""
+    receipt, snapshots = example_case()
+    packed = [decode_packed_record(encode_record(StagedCallRecord.model_validate(s.model_dump()))) for s in snapshots]
+    with pytest.raises(TypeError, match="not a StagedCallBaseSnapshot"):
+        verify_and_linearize(receipt, packed)  # type: ignore[arg-type]
+
+
+def test_linearize_checks_both_id_types() -> None:
+    """Kills ``type(rollout_id) is not str or type(terminal_hint) is not str`` -> ``and``."""
+    receipt, snapshots = example_case()
+    with pytest.raises(TypeError, match="must be str"):
+        linearize(5, snapshots, receipt.manifest, terminal_hint="main")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be str"):
+        linearize("r1", snapshots, receipt.manifest, terminal_hint=7)  # type: ignore[arg-type]

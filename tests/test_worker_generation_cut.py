@@ -8,7 +8,7 @@ only the rest, and stages a record that equals an uninterrupted generation.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass
 from typing import Any
 
 import pytest
@@ -24,7 +24,9 @@ from sink.contract.records import (
 from sink.store.memory import MemoryStagingStore
 from sink_tools.simulated.engine import BYTE_OFFSET, ByteTokenizer, Generation, SimulatedEngine
 from worker import CaptureError, GenerationCutError, RolloutTokenCapture, resolve_prefix
+from worker.call import ActiveCall
 from worker.generation_cut import (
+    CUT_DECODE_WINDOW,
     afetch_cut_prefix,
     build_cut_continuation,
     build_generation_chunk_record,
@@ -420,3 +422,143 @@ async def test_async_fetch_of_a_cut_prefix() -> None:
     del ck.store.cut_rows[ck.continuation.staging_keys[0]]
     with pytest.raises(GenerationCutError, match="missing"):
         await afetch_cut_prefix(admission, AsyncSource(), current_weight_version=WEIGHTS)
+
+
+# --- generation cuts ----------------------------------------------------------------------------------
+
+
+def test_the_cut_refusal_decodes_exactly_the_last_eight_tokens() -> None:
+    """Kills ``CUT_DECODE_WINDOW = 8 -> 9`` (contract §9.2: decoding the last <= 8 tokens)."""
+    seen: list[list[int]] = []
+
+    def decode(ids: list[int]) -> str:
+        seen.append(ids)
+        return "ok"
+
+    generated = list(range(100, 120))
+    assert cut_refusal_reason(generated_token_ids=generated, decode=decode, effective_output_limit=64) is None
+    assert CUT_DECODE_WINDOW == 8 and seen == [generated[-8:]]
+
+
+def _cut_call(ck: Checkpointed, *, current: int = WEIGHTS) -> ActiveCall:
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=current)
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: current)
+    return capture.begin_call(
+        admission, generation_cut=snapshot, generation_cut_staging_keys=ck.continuation.staging_keys
+    )
+
+
+def test_a_plan_needs_both_the_cut_admission_and_its_snapshot() -> None:
+    """Kills ``cut is None or snapshot is None`` -> ``and``."""
+    call = _cut_call(checkpoint())
+    without_snapshot = ActiveCall(call.admission, call.weight_version, call.prefix_token_ids, None)
+    with pytest.raises(CaptureError, match="generation cut"):
+        plan_cut_continuation(without_snapshot)
+
+
+def test_terminal_and_boundary_budgets() -> None:
+    """Kills the ``0`` constants of the terminal plan and ``remaining <= 0`` -> ``<= 1``; the plan is frozen."""
+    ck = checkpoint()
+    terminal = ck.continuation.model_copy(update={"terminal_finish_reason": "length"})
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, terminal)
+    snapshot = fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+    capture = RolloutTokenCapture(sink=ck.store, weight_version_fn=lambda: WEIGHTS)
+    call = capture.begin_call(admission, generation_cut=snapshot, generation_cut_staging_keys=terminal.staging_keys)
+    plan = plan_cut_continuation(call, min_tokens=50)
+    assert (plan.max_tokens, plan.min_tokens, plan.finished) == (0, 0, True)
+    with pytest.raises(FrozenInstanceError):
+        plan.max_tokens = 3  # type: ignore[misc]
+    one_left = plan_cut_continuation(_cut_call(checkpoint(limit=CHUNK_END + 1)), min_tokens=CHUNK_END + 1)
+    assert (one_left.finished, one_left.max_tokens, one_left.min_tokens) == (False, 1, 1)
+
+
+def test_a_cut_from_newer_weights_names_the_newest_chunk_version() -> None:
+    """Kills ``versions[-1] -> versions[-2]`` in the message."""
+    ck = checkpoint(chunk_weight=WEIGHTS + 3)
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    with pytest.raises(GenerationCutError, match=rf"newer weights \({WEIGHTS + 3} > current {WEIGHTS}\)"):
+        fetch_cut_prefix(admission, ck.store, current_weight_version=WEIGHTS)
+
+
+def test_generated_tokens_inside_the_first_chunk_must_not_return_to_prompt_carry() -> None:
+    """Kills ``1.0 in masks`` -> ``not in`` (masks ``0... 1 0 1...`` accepted)."""
+    ck = checkpoint()
+    first = ck.records[0]
+    masks, logprobs = list(first.token_mask_delta), list(first.generation_log_probs_delta)
+    flipped = masks.index(1.0) + 1
+    masks[flipped], logprobs[flipped] = 0.0, 0.0
+    forged = StagedCallRecord.from_components(
+        rollout_id=first.rollout_id,
+        model_call_id=first.model_call_id,
+        parent_call_id=first.parent_call_id,
+        mode=first.mode,
+        prev_len=first.prev_len,
+        delta_len=first.delta_len,
+        cum_len=first.cum_len,
+        weight_version=first.weight_version,
+        token_ids_delta=list(first.token_ids_delta),
+        token_mask_delta=masks,
+        generation_log_probs_delta=logprobs,
+        extras=None,
+        extras_digest=first.extras_digest,
+        chain_hash=first.chain_hash,
+        cumulative_hash=first.cumulative_hash,
+    )
+    snapshots = [StagedCallSnapshot.model_validate(r.model_dump()) for r in (forged, ck.records[1])]
+    admission = child_admission("r1-a1", "c2b", ck.root, ck.root_full, ck.continuation)
+    with pytest.raises(GenerationCutError, match="zeros followed by ones"):
+        rebuild_cut_prefix(admission, snapshots, current_weight_version=WEIGHTS)
+
+
+def test_a_cut_of_three_chunks_with_rising_weights_continues_exactly() -> None:
+    """A prefix and two chunks, the last from newer weights: the rebuilt prefix keeps the oldest version,
+    a current version below the newest chunk is refused, and the continuation equals an uninterrupted run."""
+    base = checkpoint()
+    store = base.store
+    capture = RolloutTokenCapture(sink=store, weight_version_fn=lambda: WEIGHTS)
+    call = capture.begin_call(child_admission("r1", "c2", base.root, base.root_full))
+    ids, lps = base.generation.token_ids, base.generation.logprobs
+    middle = (CUT_AT + CHUNK_END) // 2
+    rows = [
+        build_prefix_record(
+            call, prompt_token_ids=base.prompt, generated_token_ids=ids[:CUT_AT], generated_logprobs=lps[:CUT_AT]
+        ),
+        build_generation_chunk_record(call, chunk_token_ids=ids[CUT_AT:middle], chunk_logprobs=lps[CUT_AT:middle]),
+    ]
+    rows.append(
+        build_generation_chunk_record(
+            call,
+            chunk_token_ids=ids[middle:CHUNK_END],
+            chunk_logprobs=lps[middle:CHUNK_END],
+            weight_version=WEIGHTS + 1,
+        )
+    )
+    keys = []
+    for sequence, row in enumerate(rows):
+        result = store.stage_generation_prefix(row, checkpoint_id="ck3", chunk_sequence=sequence)
+        assert result.ok and result.staging_key is not None
+        keys.append(result.staging_key)
+    continuation = build_cut_continuation(call, rows, keys, effective_output_limit=TOTAL)
+    assert continuation.prefix_token_count == CHUNK_END and len(continuation.staging_keys) == 3
+    admission = child_admission("r1-a1", "c2b", base.root, base.root_full, continuation)
+    with pytest.raises(GenerationCutError, match="newer weights"):
+        fetch_cut_prefix(admission, store, current_weight_version=WEIGHTS)
+    snapshot = fetch_cut_prefix(admission, store, current_weight_version=WEIGHTS + 1)
+    assert (
+        snapshot.weight_version == WEIGHTS and snapshot.delta_len == len(rows[0].token_ids_delta) + CHUNK_END - CUT_AT
+    )
+    resumed = RolloutTokenCapture(sink=store, weight_version_fn=lambda: WEIGHTS + 1)
+    live = resumed.begin_call(admission, generation_cut=snapshot, generation_cut_staging_keys=continuation.staging_keys)
+    plan = plan_cut_continuation(live)
+    assert plan.prompt_token_ids == base.prompt + ids[:CHUNK_END] and plan.max_tokens == TOTAL - CHUNK_END
+    coords = resumed.complete_call(
+        live,
+        prompt_token_ids=plan.prompt_token_ids,
+        generated_token_ids=ids[CHUNK_END:],
+        generated_logprobs=lps[CHUNK_END:],
+    )
+    assert coords.model_dump() == uninterrupted(base, WEIGHTS).model_dump()
+    # Swapping the last two chunks makes the versions decrease.
+    with pytest.raises(GenerationCutError, match="decrease"):
+        build_cut_continuation(call, [rows[0], rows[2], rows[1]], keys, effective_output_limit=TOTAL)
