@@ -93,7 +93,8 @@ async def test_the_assembler_stores_no_receipt_on_a_non_durable_server(redis_url
     async with aioredis.Redis.from_url(redis_url) as client:
         await finished(client, staged.rollout_id, reward=1.0)
         await _break_durability(redis_url, name, value)
-        async with running_assembler(redis_url) as assembler:
+        # A short shutdown grace: on leaving the block the event is still retrying its refused write.
+        async with running_assembler(redis_url, shutdown_grace_s=0.2) as assembler:
             with anyio.fail_after(20):
                 while True:  # waiting for a condition (the failed attempt), not for time
                     if assembler.statistics().failures >= 1:
