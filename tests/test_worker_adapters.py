@@ -8,12 +8,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sink.contract.records import CaptureAdmission
 from sink.store.memory import MemoryStagingStore
 from sink_tools.simulated.engine import SimulatedEngine
 from worker import CaptureAdapter, MegatronAdapter, RolloutTokenCapture, VLLMChatAdapter, install_capture
-from worker.adapters import PREFIX_REQUEST_KEY, logprob_list, token_id_list
+from worker.adapters import PREFIX_REQUEST_KEY, cross_checked, logprob_list, token_id_list
 from worker.errors import EnginePayloadError
 
 
@@ -252,3 +254,36 @@ def test_install_capture() -> None:
             SimpleNamespace(install_token_capture=3), sink=MemoryStagingStore(), weight_version_fn=lambda: 1
         )
     assert len(layer.installed) == 1
+
+
+def _reference_cross_check(ids: list[int], tokens: Any) -> bool:
+    """The reading of contract §5.1 without shortcuts: ``True`` when *ids* stand, ``False`` when they disagree."""
+    if not isinstance(tokens, list) or not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        return True
+    parsed: list[int] = []
+    for token in tokens:
+        digits = token.removeprefix("token_id:")
+        if not (digits.isdecimal() and digits.isascii()):
+            return False  # cross_checked raises EnginePayloadError (malformed) for these: neither is trusted
+        parsed.append(int(digits))
+    return not tokens or parsed == ids
+
+
+_TOKEN_STRINGS = st.one_of(
+    st.integers(0, 2**40).map("token_id:{}".format),
+    st.sampled_from(["token_id:007", "token_id:-1", "token_id: 5", "token_id:\uff15", "token_id:", "Hello", "7"]),
+    st.integers(0, 9),
+)
+
+
+@given(ids=st.lists(st.integers(0, 2**40), max_size=6), tokens=st.lists(_TOKEN_STRINGS, max_size=6), same=st.booleans())
+def test_cross_checked_agrees_with_the_per_token_reading(ids: list[int], tokens: list[Any], same: bool) -> None:
+    # The whole-list comparison with vLLM's own strings is a shortcut: it must accept and refuse what the
+    # per-token reading accepts and refuses (leading zeros still read as the same id; a sign never does).
+    if same:
+        tokens = ["token_id:" + str(i) for i in ids]
+    if _reference_cross_check(ids, tokens):
+        assert cross_checked(ids, tokens, "t") is ids
+    else:
+        with pytest.raises(EnginePayloadError):
+            cross_checked(ids, tokens, "t")

@@ -42,6 +42,7 @@ PREFIX_REQUEST_KEY = "required_prefix_token_ids"
 """Request key under which both adapters hand the exact prefix to the engine."""
 
 _TOKEN_ID_PREFIX = "token_id:"
+_TOKEN_ID_FORMAT = _TOKEN_ID_PREFIX + "{:d}"
 _MISSING = object()
 
 
@@ -104,6 +105,11 @@ def logprob_list(value: Any, what: str = "log-probabilities") -> list[float]:
     return list(map(float, values))
 
 
+def _token_strings(ids: list[int]) -> list[str]:
+    """The ``token_id:<n>`` strings vLLM writes for *ids* (decimal, no sign, no leading zero)."""
+    return list(map(_TOKEN_ID_FORMAT.format, ids))
+
+
 def ids_from_token_strings(tokens: Any, what: str) -> list[int]:
     """Ids from ``"token_id:<n>"`` strings (vLLM's ``return_tokens_as_token_ids``); exact ints pass through.
 
@@ -131,6 +137,8 @@ def cross_checked(ids: list[int], tokens: Any, what: str) -> list[int]:
 
     :raises EnginePayloadError: the two disagree (the payload contradicts itself: neither is trusted).
     """
+    if tokens == _token_strings(ids):  # vLLM's own strings for exactly these ids
+        return ids
     if not isinstance(tokens, list) or not all(isinstance(t, str) and t.startswith(_TOKEN_ID_PREFIX) for t in tokens):
         return ids
     if tokens and ids_from_token_strings(tokens, what) != ids:
