@@ -255,7 +255,8 @@ class ServerScript:
         )
 
     async def recover(self, client: aioredis.Redis, mode: ScriptMode) -> None:
-        """After a :meth:`missing` reply: load the script (``eval``) or probe the library again (``function``)."""
+        """After a :meth:`missing` reply: load the script (``eval``) or the library again (``function``, see
+        :meth:`ScriptLibrary.reload`)."""
         if mode == FUNCTION_MODE and self.library is not None:
             await self.library.reload(client)
         else:
