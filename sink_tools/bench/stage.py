@@ -8,13 +8,16 @@ concurrent stagers it measures, side by side in one run:
 * the baseline: the same records encoded with ``encode_record`` and written
   with plain pipelined ``SET``s over the same number of connections;
 * the server ceiling: ``redis-benchmark -t set -P 16`` with the same payload size;
+* the server's own cost per record, sink and baseline: its main thread's CPU time (``INFO cpu``) over the run,
+  divided by the records (what every stager queues behind on the server's single thread);
 * chain fetch: ``fetch`` and ``fetch_packed`` of a 50-call chain with full verification against
   the hash-and-fetch floor (a raw ``MGET`` plus ``sha256`` over the bytes the
   digest covers).
 
 Each configuration runs ``--repeats`` times (the run with the highest throughput is kept) and chain fetch
 keeps the best of its repeats. With ``--redis-url`` the benchmark writes only under ``--namespace`` (see
-:mod:`sink_tools.bench`) and skips the server ceiling (``redis-benchmark`` writes keys of its own).
+:mod:`sink_tools.bench`) and skips the server ceiling (``redis-benchmark`` writes keys of its own) and the server's
+cost per record (other clients' work would count too).
 Targets: sink throughput at least :data:`MIN_THROUGHPUT_RATIO` of the baseline's in every configuration;
 ``fetch_packed`` of the chain at most :data:`MAX_FETCH_PACKED_RATIO` times the floor.
 """
@@ -28,7 +31,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import anyio
@@ -83,6 +86,29 @@ class StageFigures:
     mb_per_s: float
     p50_ms: float
     p99_ms: float
+    server_cpu_us: float | None = None
+    """The server main thread's CPU time per record (user + system, ``INFO cpu``); measured on a private server."""
+
+
+async def _server_cpu_s(url: str) -> float:
+    """The server main thread's CPU seconds so far (``used_cpu_user_main_thread`` + ``used_cpu_sys_main_thread``)."""
+    async with aioredis.Redis.from_url(url) as client:
+        info = await client.info("cpu")
+    return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+
+
+async def _compact_aof(url: str) -> None:
+    """Rewrite the private server's append-only file now, between runs, and wait for it: its automatic rewrites
+    are off (a rewrite's fork inside one run would land in that run's server CPU), so the file stays small."""
+    async with aioredis.Redis.from_url(url) as client:
+        await client.config_set("auto-aof-rewrite-percentage", 0)
+        await client.bgrewriteaof()
+        with anyio.fail_after(120):
+            while True:
+                info = await client.info("persistence")
+                if not int(info["aof_rewrite_in_progress"]) and not int(info["aof_rewrite_scheduled"]):
+                    return
+                await anyio.sleep(0.05)
 
 
 def _figures(system: str, tokens: int, concurrency: int, nbytes: int, elapsed: float, lat: list[float]) -> StageFigures:
@@ -221,7 +247,8 @@ async def run_stage_benchmark(
     """Run every configuration *repeats* times on the server at *url*, in *namespace* only (its keys are
     cleared between runs and at the end; a namespace that already has keys is refused).
 
-    *port* (a private server's) also measures the server ceiling with ``redis-benchmark``.
+    *port* (a private server's) also measures the server ceiling with ``redis-benchmark`` and the server's CPU per
+    record (with the server's automatic AOF rewrites off, the file rewritten between runs instead).
 
     :raises BenchmarkNamespaceInUseError: *namespace* already has keys on that server.
     """
@@ -240,7 +267,14 @@ async def run_stage_benchmark(
                         progress(f"stage: {tokens} tokens x{concurrency} {system}, repeat {repeat + 1}/{repeats}")
                         await space.clear()
                         records = build_records(count // 8, 8, tokens, tag=f"b{tokens}-{concurrency}")
-                        runs.append(await bench(url, namespace, records, concurrency, connections))
+                        if port is not None:
+                            await _compact_aof(url)
+                        cpu_before = await _server_cpu_s(url) if port is not None else 0.0
+                        figures = await bench(url, namespace, records, concurrency, connections)
+                        if port is not None:
+                            cpu_us = (await _server_cpu_s(url) - cpu_before) / len(records) * 1e6
+                            figures = replace(figures, server_cpu_us=cpu_us)
+                        runs.append(figures)
                     results.append(max(runs, key=lambda figures: figures.records_per_s))
             if port is not None:
                 progress(f"stage: server ceiling (redis-benchmark) at {tokens} tokens")
@@ -306,6 +340,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"{sink['records_per_s'] / base['records_per_s']:.2f}, p99 sink/baseline "
             f"{sink['p99_ms'] / base['p99_ms']:.2f}{ceiling_text}"
         )
+    for base, sink in zip(rows[0::2], rows[1::2], strict=True):
+        if sink.get("server_cpu_us") is not None and base.get("server_cpu_us") is not None:
+            lines.append(
+                f"{sink['tokens']:>6} tokens x{sink['concurrency']:<3} server CPU per record: sink "
+                f"{sink['server_cpu_us']:.1f} us, plain SET {base['server_cpu_us']:.1f} us"
+            )
     for tokens, ceiling in report["ceiling_set_per_s"].items():
         lines.append(f"server ceiling (redis-benchmark -t set -P 16), {tokens} tokens: {ceiling} SET/s")
     chain = report["chain_fetch"]
