@@ -60,7 +60,7 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("codec", "stage", "assembly", "trainer", "gym", "ack", "proxy", "worker")
+BENCHMARKS = ("codec", "stage", "assembly", "trainer", "gym", "ack", "groups", "proxy", "worker")
 """The benchmarks: ``staging-sink bench NAME`` runs ``sink_tools.bench.NAME.main(argv)``."""
 _PULL_BLOCK_MS = 1000
 

@@ -81,8 +81,11 @@ def _digest_payload_bytes(record: StagedCallRecord) -> int:
     return 3 + texts + 9 + len(record.parent_call_id or "") + 32 + columns + 32 + 33 + 33
 
 
-async def stage_and_assemble(url: str, ns: str, records: list[StagedCallRecord], calls: int) -> None:
-    """Stage *records* (rollouts of *calls* calls each), record their ledgers, finish them and assemble receipts."""
+async def stage_and_assemble(
+    url: str, ns: str, records: list[StagedCallRecord], calls: int, *, group_size: int | None = None
+) -> None:
+    """Stage *records* (rollouts of *calls* calls each), record their ledgers, finish them and assemble receipts
+    (*group_size*: as GRPO groups, see :func:`~sink_tools.bench.workload.assemble_receipts`)."""
     limiter = anyio.CapacityLimiter(64)
     async with (
         AsyncRedisStagingSink.from_url(url, namespace=ns) as sink,
@@ -116,7 +119,7 @@ async def stage_and_assemble(url: str, ns: str, records: list[StagedCallRecord],
         for start in range(0, len(records), calls):
             group.start_soon(stage_rollout, records[start : start + calls])
     rollout_ids = list(dict.fromkeys(record.rollout_id for record in records))
-    await assemble_receipts(url, ns, rollout_ids)
+    await assemble_receipts(url, ns, rollout_ids, group_size=group_size)
 
 
 def _columns_as_lists(row: LinearizedRow) -> tuple[list[int], list[float], list[float]]:

@@ -49,8 +49,11 @@ def build_records(rollouts: int, calls: int, tokens: int, *, tag: str) -> list[S
     return records
 
 
-async def assemble_receipts(url: str, ns: str, rollout_ids: Sequence[str]) -> None:
-    """Finish every rollout of *rollout_ids* (reward 1.0) and run an assembler until each receipt is published."""
+async def assemble_receipts(url: str, ns: str, rollout_ids: Sequence[str], *, group_size: int | None = None) -> None:
+    """Finish every rollout of *rollout_ids* (reward 1.0) and run an assembler until each receipt is published.
+
+    *group_size*: finish them as GRPO groups, each run of *group_size* consecutive rollouts one group (its id: the
+    first member's id + ``-group``; the last group may be smaller than announced)."""
     published = anyio.Event()
     seen: list[StreamEntry] = []
 
@@ -60,8 +63,12 @@ async def assemble_receipts(url: str, ns: str, rollout_ids: Sequence[str]) -> No
             published.set()
 
     async with aioredis.Redis.from_url(url) as client:
-        for rollout_id in rollout_ids:
-            await finished(client, rollout_id, reward=1.0, namespace=ns)
+        for index, rollout_id in enumerate(rollout_ids):
+            if group_size is None:
+                await finished(client, rollout_id, reward=1.0, namespace=ns)
+            else:
+                group_id = f"{rollout_ids[index - index % group_size]}-group"
+                await finished(client, rollout_id, reward=1.0, namespace=ns, group_id=group_id, group_size=group_size)
     async with (
         Assembler.from_url(url, before_ack=count, block_ms=100, namespace=ns) as assembler,
         anyio.create_task_group() as group,
