@@ -38,7 +38,8 @@ class ActiveCall:
 
     ``_prefix_proof``, when set by ``begin_call``, is a proof that holds
     ``prefix_token_ids`` (then the capture's own snapshot of the caller's
-    list): see :mod:`worker.sequence_cache`.
+    list): see :mod:`worker.sequence_cache`. It is fixed at construction and
+    read through :attr:`prefix_proof`.
     """
 
     admission: CaptureAdmission
@@ -58,7 +59,19 @@ class ActiveCall:
         """Whether ``begin_call`` already knew this call cannot be captured."""
         return self.capture_failure is not None
 
-    def _claim(self) -> None:
+    @property
+    def prefix_proof(self) -> ProvenSequence | None:
+        """The proof ``begin_call`` proved ``prefix_token_ids`` with (it holds exactly them), or ``None``."""
+        return self._prefix_proof
+
+    def claim(self) -> None:
+        """Mark the call completed, once: the claim every completion path of the capture takes first.
+
+        :class:`~worker.capture.RolloutTokenCapture` claims a call when it completes or fails it; a host
+        does that through the capture and never claims a call itself.
+
+        :raises CaptureError: the call was already completed (a second completion is refused).
+        """
         with self._lock:
             if self.completed:
                 raise CaptureError(f"call {self.admission.model_call_id!r} already completed")
@@ -143,7 +156,7 @@ def build_call_record(
     head = prompt[:prev_len]  # a private slice: a proof reads it, or it is compared with the prefix
     parent = None if sequence_cache is None else _proof_of_head(call, head, sequence_cache)
     # A head held by the proof that begin_call proved the prefix with equals the prefix, item by item.
-    if (parent is None or parent is not call._prefix_proof) and head != call.prefix_token_ids:  # noqa: SLF001 (ActiveCall's proof, inside worker)
+    if (parent is None or parent is not call.prefix_proof) and head != call.prefix_token_ids:
         raise ValueError(_drift(head, call.prefix_token_ids))
     cut = call.generation_cut
     proved: TrustedColumns | None = None
@@ -203,7 +216,7 @@ def _proof_of_head(call: ActiveCall, head: list[int], cache: SequenceHashCache) 
     Tries the proof ``begin_call`` proved the prefix with, else the parent's remembered sequence.
     """
     admission = call.admission
-    proof = call._prefix_proof  # noqa: SLF001 (ActiveCall's proof, inside worker)
+    proof = call.prefix_proof
     if proof is None:
         proof = cache.lookup(admission.rollout_id, admission.parent_call_id)
     return proof if proof is not None and proof.holds(head) else None

@@ -277,7 +277,7 @@ class RolloutTokenCapture:
         """§5.5: claim the call, build its record, stage it, turn the sink's answer into coords."""
         if not isinstance(call, ActiveCall):
             raise TypeError(f"expected an ActiveCall, got {type(call).__name__}")
-        call._claim()  # noqa: SLF001 (ActiveCall's claim, inside worker)
+        call.claim()
         if call.capture_failure is not None:
             return self._failed(call, call.capture_failure)
         try:
@@ -352,7 +352,7 @@ class RolloutTokenCapture:
             generated, logprobs = adapter.extract_generation(response_payload)
             extras = adapter.extract_extras(response_payload)
         except EnginePayloadError as exc:  # the payload cannot be read: the call is recorded failed (§5.6)
-            call._claim()  # noqa: SLF001 (ActiveCall's claim, inside worker)
+            call.claim()
             return self._failed(call, f"malformed engine payload: {exc}")
         return _Completion(prompt, generated, logprobs, extras)
 
@@ -387,7 +387,7 @@ class RolloutTokenCapture:
         """
         if not isinstance(call, ActiveCall):
             raise TypeError(f"expected an ActiveCall, got {type(call).__name__}")
-        call._claim()  # noqa: SLF001 (ActiveCall's claim, inside worker)
+        call.claim()
         return self._failed(call, f"host failed the call: {reason}")
 
     def fail_admission(self, admission: CaptureAdmission, *, reason: str) -> CommitCoords:
