@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sink.contract.record_form as record_form_module
 import sink.contract.records as R
 import sink.contract.staged_records as staged_module
 from sink.contract._packed import columns as _columns
@@ -18,6 +19,7 @@ from sink.contract._packed import record_columns as _record_columns
 from sink.contract.codec import CODEC_VERSION, DIGEST_HEAD_BYTES, decode_record, encode_record
 from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest
 from sink.contract.records import StagedCallBaseSnapshot, StagedCallRecord, StagedCallSnapshot
+from sink.contract.staged_records import record_from_trusted_columns
 from sink.errors import CodecError
 from tests.helpers.codec import (
     CHAIN_ROOT,
@@ -205,7 +207,7 @@ def test_fast_path_accepts_exactly_what_the_reference_path_accepts(
 
     fast = (_outcome(validate), _outcome(from_components))
     with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(staged_module, "pack_validated_columns", lambda *args: None)
+        patched.setattr(record_form_module, "pack_validated_columns", lambda *args: None)
         patched.setattr(staged_module, "trusted_components", lambda *args: None)
         reference = (_outcome(validate), _outcome(from_components))
     assert fast == reference
@@ -437,7 +439,7 @@ def test_the_workers_delta_build_agrees_with_build_staging_delta_and_from_compon
     proved = _record_columns.staging_delta_columns(list(tail), list(generated), list(log_probs))
     if proved is None or proved.token_ids is None:
         return  # not proved: the worker takes the reference path itself
-    fast = _outcome(lambda: StagedCallRecord._from_trusted(proved, **scalars))
+    fast = _outcome(lambda: record_from_trusted_columns(proved, **scalars))
     assert fast == _outcome(reference)
     assert fast[0] == "ok"
 
@@ -447,7 +449,7 @@ def test_ordinary_engine_output_takes_the_proved_delta_build() -> None:
     assert proved is not None and proved.token_ids == [5, 6, 7, 8, 9]
     assert proved.token_mask == [0.0, 0.0, 1.0, 1.0, 1.0]
     assert proved.log_probs == [0.0, 0.0, -0.5, -0.25, -1 / 3]
-    record = StagedCallRecord._from_trusted(
+    record = record_from_trusted_columns(
         proved, **{**components(), "extras": None, "extras_digest": EMPTY_EXTRAS_DIGEST, "delta_len": None}
     )
     assert record.delta_len == 5 and record.cum_len == 8

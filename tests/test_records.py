@@ -601,7 +601,7 @@ def digest_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         calls.append(dict(fields))
         return packed(fields, *columns)
 
-    monkeypatch.setattr("sink.contract.staged_records.staging_digest_from_packed", counting_packed)
+    monkeypatch.setattr("sink.contract.record_form.staging_digest_from_packed", counting_packed)
     return calls
 
 

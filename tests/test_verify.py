@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from sink.contract.codec import decode_packed_record, encode_record
 from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, compute_extras_digest, hash_token_ids
+from sink.contract.record_form import unchanged_since_validation
 from sink.contract.records import (
     CallRecord,
     CaptureMode,
@@ -426,7 +427,7 @@ def test_mutation_table_through_the_trainers_packed_path(name: str) -> None:
     models = [p.to_snapshot() if isinstance(p, PackedSnapshot) else p for p in packed]
     expected = _verdict(lambda: verify_and_linearize(receipt, models))
     assert _verdict(lambda: _verify_and_linearize(receipt, packed, use_cached_columns=True)) == expected
-    if all(s._unchanged_since_validation() for s in snapshots if isinstance(s, StagedCallSnapshot)):
+    if all(unchanged_since_validation(s) for s in snapshots if isinstance(s, StagedCallSnapshot)):
         assert expected == code  # nothing was normalized: the table's own code
 
 

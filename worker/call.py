@@ -19,8 +19,9 @@ from sink.contract.digest import (
     compute_extras_digest,
     hash_token_ids,
 )
-from sink.contract.packed import TrustedColumns, record_from_trusted_columns, staging_delta_columns
+from sink.contract.packed import TrustedColumns, staging_delta_columns
 from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord
+from sink.contract.staged_records import record_from_trusted_columns
 from worker.errors import CaptureError
 from worker.sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 

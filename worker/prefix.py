@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from sink.contract.digest import chain_hash_of_packed, compute_chain_hash, hash_packed_token_ids, hash_token_ids
-from sink.contract.packed import PackedSnapshot, cached_packed_columns, ids_u64be, unpack_list
+from sink.contract.packed import PackedSnapshot, ids_u64be, unpack_list
+from sink.contract.record_form import cached_packed_columns
 from sink.contract.records import CaptureAdmission, StagedCallBaseSnapshot
 from worker.errors import PrefixResolutionError
 

@@ -46,6 +46,7 @@ from sink.contract._packed import (
     unpack_list,
 )
 from sink.contract.packed import PackedSnapshot, verified_packed_snapshot
+from sink.contract.record_form import cached_packed_columns
 from sink.contract.record_schema import STORED_SCALAR_FIELDS, unsupported_version
 from sink.contract.staged_records import TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot
 from sink.errors import CodecError
@@ -76,7 +77,7 @@ _KEYS: Final = frozenset(("v", "digest", *STORED_SCALAR_FIELDS, *_COLUMN_KEYS, "
 
 def _packed_columns(record: StagedCallRecord) -> PackedColumns:
     """The columns packed during validation, or packed again if the record's lists were replaced."""
-    packed = record._cached_packed_columns() or pack_validated_columns(  # noqa: SLF001 (the records' packed cache, inside sink)
+    packed = cached_packed_columns(record) or pack_validated_columns(
         record.token_ids_delta, record.token_mask_delta, record.generation_log_probs_delta
     )
     if packed is None:

@@ -36,8 +36,9 @@ from sink.contract._packed import (
 )
 from sink.contract.digest import compute_extras_digest, staging_digest_from_packed
 from sink.contract.record_base import DigestWireModel, staging_key
+from sink.contract.record_form import cached_packed_columns, unchanged_since_validation
 from sink.contract.record_schema import SCALAR_FIELDS
-from sink.contract.staged_records import StagedCallBaseSnapshot, StagedCallRecord, StagedCallSnapshot
+from sink.contract.staged_records import StagedCallBaseSnapshot, StagedCallSnapshot
 from sink.errors import CodecError
 
 # The packed-column API the worker and the Gym transport build on (sink.contract._packed stays private).
@@ -46,10 +47,8 @@ __all__ = (
     "PackedColumns",
     "PackedSnapshot",
     "TrustedColumns",
-    "cached_packed_columns",
     "ids_u64be",
     "pack_ids",
-    "record_from_trusted_columns",
     "staging_delta_columns",
     "unpack_list",
     "verified_packed_snapshot",
@@ -143,7 +142,7 @@ class PackedSnapshot(NamedTuple):
 
         :raises CodecError: it is not a valid record (built unvalidated, or mutated after validation).
         """
-        if not snapshot._unchanged_since_validation():  # noqa: SLF001 (the records' validation state, inside sink)
+        if not unchanged_since_validation(snapshot):
             try:
                 snapshot = StagedCallSnapshot.model_validate(snapshot.model_dump())
             except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
@@ -200,21 +199,3 @@ def verified_packed_snapshot(
     except (ValidationError, ValueError, TypeError):  # the reference decode reports it precisely
         return None
     return PackedSnapshot(**scalars, extras=extras, columns=columns, ids_u64be=ids_be)
-
-
-def cached_packed_columns(snapshot: StagedCallBaseSnapshot) -> PackedColumns | None:
-    """The packed columns *snapshot*'s validation proved, if they still describe its column lists.
-
-    Only for a record the caller owns fresh from validation or decoding (element assignment after validation is
-    not detected; records are values: do not mutate them).
-    """
-    return snapshot._cached_packed_columns()  # noqa: SLF001 (the records' packed cache, inside sink)
-
-
-def record_from_trusted_columns(columns: TrustedColumns, **scalars: Any) -> StagedCallRecord:
-    """:meth:`StagedCallRecord.from_components` for *columns* built and proved by :func:`staging_delta_columns`.
-
-    *scalars* are the other components except the lengths, which are derived; each is validated as usual and the
-    digest computed once. The columns' lists become the record's: the caller must not reuse them.
-    """
-    return StagedCallRecord._from_trusted(columns, **scalars)  # noqa: SLF001 (the records' trusted build, inside sink)

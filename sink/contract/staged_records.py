@@ -1,13 +1,15 @@
 """The staged-call records: one token delta with its digest, as staged (contract §3.3-§3.4).
 
 Every digest-bearing record recomputes its digest on validation; only
-:meth:`StagedCallRecord.from_components` computes it instead (once). The
-fields' digest roles come from the table in :mod:`sink.contract.record_schema`.
+:meth:`StagedCallRecord.from_components` (and the worker's
+:func:`record_from_trusted_columns`) computes it instead (once). The
+fields' digest roles come from the table in :mod:`sink.contract.record_schema`;
+what validation proved about the packed columns is kept and read by
+:mod:`sink.contract.record_form`.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Final, Self
 
 from pydantic import (
@@ -20,23 +22,15 @@ from pydantic import (
     model_validator,
 )
 
-from sink.contract._packed import (
-    Buffers,
-    ColumnCache,
-    PackedColumns,
-    TrustedColumns,
-    pack_ids,
-    pack_validated_columns,
-    trusted_components,
-)
+from sink.contract._packed import TrustedColumns, trusted_components
 from sink.contract.digest import (
     EMPTY_EXTRAS_DIGEST,
     check_mask_values,
     compute_extras_digest,
     compute_staging_digest,
-    staging_digest_from_packed,
 )
 from sink.contract.record_base import CaptureMode, DigestHex, DigestWireModel, Identifier, NonNegativeInt, staging_key
+from sink.contract.record_form import ColumnCache, packed_digest, prove_columns
 from sink.contract.record_schema import COLUMN_FIELDS, DIGEST_SCALAR_FIELDS, RECORD_FIELDS, lineage_problem
 
 __all__ = (
@@ -45,6 +39,7 @@ __all__ = (
     "StagedCallBaseSnapshot",
     "StagedCallRecord",
     "StagedCallSnapshot",
+    "record_from_trusted_columns",
 )
 
 # In-process marker that switches rule 9 from "compare" to "compute" (§3.4).
@@ -54,9 +49,6 @@ BUILD_STAGING_DIGEST: Final = object()
 #: package built itself (copies in from_components, lists decoded by sink.contract.codec)
 #: with their packed bytes. Like the sentinel, it only exists in-process.
 TRUSTED_COLUMNS_KEY: Final = "columns"
-
-# A record's scalar digest inputs and its digest, as one tuple (see ColumnCache).
-_scalar_digest_inputs: Final = operator.attrgetter(*DIGEST_SCALAR_FIELDS, "digest")
 
 
 def _trusted_columns(context: object) -> TrustedColumns | None:
@@ -102,9 +94,17 @@ class StagedCallBaseSnapshot(DigestWireModel):
         """Recompute the call digest from the fields (raises ``ValueError`` on a pre-check failure)."""
         return compute_staging_digest(**{name: getattr(self, name) for name in DIGEST_SCALAR_FIELDS + COLUMN_FIELDS})
 
-    # Packed columns proved during validation; sink.contract.codec reuses them. Not part
-    # of the record's value (see ColumnCache).
+    # Packed columns proved during validation (sink.contract.record_form). Not part of the
+    # record's value (see ColumnCache).
     _columns: ColumnCache | None = PrivateAttr(default=None)
+
+    @property
+    def packed_form(self) -> ColumnCache | None:
+        """What validation proved about the token columns (packed), or ``None``; not part of the record's value.
+
+        Read through :mod:`sink.contract.record_form`, which knows when it still describes the record.
+        """
+        return self._columns
 
     @field_validator(*COLUMN_FIELDS, mode="wrap")
     @classmethod
@@ -115,52 +115,6 @@ class StagedCallBaseSnapshot(DigestWireModel):
         if trusted is not None and trusted.vouches_for(info.field_name, value):
             return value
         return handler(value)
-
-    def _pack_columns(self, trusted: TrustedColumns | None) -> PackedColumns | None:
-        """Packed columns with rules 6-8 proved, or ``None`` (then the reference path decides)."""
-        ids, mask, log_probs = self.token_ids_delta, self.token_mask_delta, self.generation_log_probs_delta
-        n = len(ids)
-        if n != self.delta_len or len(mask) != n or len(log_probs) != n:
-            return None
-        if trusted is None or mask is not trusted.token_mask or log_probs is not trusted.log_probs:
-            return pack_validated_columns(ids, mask, log_probs)
-        if ids is trusted.token_ids:
-            return trusted.packed
-        packed_ids = pack_ids(ids)
-        return None if packed_ids is None else trusted.packed.with_ids(*packed_ids)
-
-    def _cached_packed_columns(self) -> PackedColumns | None:
-        """The packed columns proved at validation, if they still describe this record's column lists.
-
-        Replaced or resized columns are detected; element assignment after
-        validation is not, so only code that owns a freshly validated record
-        (the trainer reader, right after decoding) may rely on this.
-        """
-        cache = self._columns
-        if cache is None or not cache.describes(
-            self.token_ids_delta, self.token_mask_delta, self.generation_log_probs_delta
-        ):
-            return None
-        return cache.packed
-
-    def _unchanged_since_validation(self) -> bool:
-        """Whether the columns (by identity and length) and every scalar digest input are as validated.
-
-        O(1), with the limits of :meth:`_cached_packed_columns` (records are values: do not mutate them).
-        """
-        cache = self._columns
-        return (
-            cache is not None
-            and cache.digest_inputs == _scalar_digest_inputs(self)
-            and self._cached_packed_columns() is not None
-        )
-
-    def _packed_digest(self, digest_forms: tuple[Buffers, Buffers, Buffers]) -> str | None:
-        """The call digest over ``PackedColumns.digest_forms()`` of proved columns, or ``None`` if a pre-check fails."""
-        try:
-            return staging_digest_from_packed(self.__dict__, *digest_forms)  # the field values, by name
-        except (ValueError, TypeError, KeyError):
-            return None
 
     def _reference_digest(self) -> str:
         """Rules 6-8 and the §4.3 digest with every pre-check, raising the precise error."""
@@ -181,8 +135,8 @@ class StagedCallBaseSnapshot(DigestWireModel):
         # Fast path: whole-buffer packing proves rules 6-8 and hashes the packed
         # columns. Anything it cannot prove goes to the reference path, which
         # raises exactly the error the contract names.
-        packed = self._pack_columns(_trusted_columns(info.context))
-        computed = None if packed is None else self._packed_digest(packed.digest_forms())
+        packed = prove_columns(self, _trusted_columns(info.context))
+        computed = None if packed is None else packed_digest(self, packed.digest_forms())
         if computed is None:
             packed = None
             computed = self._reference_digest()
@@ -190,17 +144,7 @@ class StagedCallBaseSnapshot(DigestWireModel):
             self.digest = computed
         elif computed != self.digest:
             raise ValueError("digest does not match staged call contents")
-        self._columns = (
-            None
-            if packed is None
-            else ColumnCache(
-                packed,
-                self.token_ids_delta,
-                self.token_mask_delta,
-                self.generation_log_probs_delta,
-                _scalar_digest_inputs(self),
-            )
-        )
+        self._columns = None if packed is None else ColumnCache.of(self, packed)
         return self
 
 
@@ -285,35 +229,37 @@ class StagedCallRecord(StagedCallBaseSnapshot):
             context=context,
         )
 
-    @classmethod
-    def _from_trusted(cls, columns: TrustedColumns, **scalars: Any) -> Self:
-        """:meth:`from_components` for columns that :mod:`sink.contract._packed` built and proved itself.
-
-        For the worker, with :func:`sink.contract.packed.staging_delta_columns`. *scalars* are the other
-        components except the lengths, which are derived; every one is validated as usual and the
-        digest computed once. The columns' lists become the record's: the caller must not reuse them.
-
-        :raises TypeError: *columns* vouches for no ids (build through ``from_components`` then).
-        :raises pydantic.ValidationError: a component fails validation.
-        """
-        if type(columns) is not TrustedColumns or columns.token_ids is None:
-            raise TypeError("_from_trusted takes TrustedColumns that vouch for their ids")
-        length = columns.packed.length
-        prev_len = scalars.get("prev_len")
-        fields = {
-            **scalars,
-            "delta_len": length,
-            "cum_len": prev_len + length if type(prev_len) is int else None,  # None: prev_len fails validation
-            "digest": _PLACEHOLDER_DIGEST,
-            "token_ids_delta": columns.token_ids,
-            "token_mask_delta": columns.token_mask,
-            "generation_log_probs_delta": columns.log_probs,
-        }
-        return cls.model_validate(fields, context={"build": BUILD_STAGING_DIGEST, TRUSTED_COLUMNS_KEY: columns})
-
 
 _PLACEHOLDER_DIGEST = "0" * 64
 
 
 class StagedCallSnapshot(StagedCallRecord):
     """The exact staged record returned by a framework-owned source."""
+
+
+def record_from_trusted_columns(columns: TrustedColumns, **scalars: Any) -> StagedCallRecord:
+    """:meth:`StagedCallRecord.from_components` for columns that :mod:`sink.contract._packed` built and proved itself.
+
+    For the worker, with :func:`sink.contract.packed.staging_delta_columns`. *scalars* are the other
+    components except the lengths, which are derived; every one is validated as usual and the
+    digest computed once. The columns' lists become the record's: the caller must not reuse them.
+
+    :raises TypeError: *columns* vouches for no ids (build through ``from_components`` then).
+    :raises pydantic.ValidationError: a component fails validation.
+    """
+    if type(columns) is not TrustedColumns or columns.token_ids is None:
+        raise TypeError("record_from_trusted_columns takes TrustedColumns that vouch for their ids")
+    length = columns.packed.length
+    prev_len = scalars.get("prev_len")
+    fields = {
+        **scalars,
+        "delta_len": length,
+        "cum_len": prev_len + length if type(prev_len) is int else None,  # None: prev_len fails validation
+        "digest": _PLACEHOLDER_DIGEST,
+        "token_ids_delta": columns.token_ids,
+        "token_mask_delta": columns.token_mask,
+        "generation_log_probs_delta": columns.log_probs,
+    }
+    return StagedCallRecord.model_validate(
+        fields, context={"build": BUILD_STAGING_DIGEST, TRUSTED_COLUMNS_KEY: columns}
+    )

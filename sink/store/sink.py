@@ -31,6 +31,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.codec import encode_record
 from sink.contract.digest import compute_extras_digest
+from sink.contract.record_form import unchanged_since_validation
 from sink.contract.record_schema import calls_entry
 from sink.contract.records import StagedCallRecord, StageResult
 from sink.errors import CodecError
@@ -102,7 +103,7 @@ def verified_record(record: StagedCallRecord) -> StagedCallRecord:
     :raises ValueError: the record is invalid (``pydantic.ValidationError`` is a ``ValueError``).
     :raises TypeError: an extras value is unsupported.
     """
-    if record._unchanged_since_validation() and (  # noqa: SLF001 (the records' validation state, inside sink)
+    if unchanged_since_validation(record) and (
         record.extras is None or compute_extras_digest(record.extras) == record.extras_digest
     ):
         return record

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from sink.contract.packed import PackedColumns, PackedSnapshot
+from sink.contract.packed import PackedSnapshot
+from sink.contract.record_form import cached_packed_columns, packed_digest
 from sink.contract.record_schema import IDENTITY_FIELDS, SUPPORTED_VERSIONS, unsupported_version
 from sink.contract.records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
 from sink.contract.skip_codes import SkipCode
@@ -141,7 +142,7 @@ def _verify_snapshot(
         # exactly these (immutable) bytes and compared.
         return PackedCall(snapshot.columns, snapshot.ids_u64be)
     packed_call = None
-    packed = _cached_columns(snapshot) if own_decode else None
+    packed = cached_packed_columns(snapshot) if own_decode else None
     try:
         # With packed columns proved at decode time the digest is hashed from
         # them; the result is the same digest, only the packing is skipped.
@@ -149,7 +150,7 @@ def _verify_snapshot(
         if packed is not None:
             forms = packed.digest_forms()
             packed_call = PackedCall(packed, b"".join(forms[0]))
-            recomputed = snapshot._packed_digest(forms)  # noqa: SLF001 (the records' packed digest, inside sink)
+            recomputed = packed_digest(snapshot, forms)
         recomputed = recomputed or snapshot.recompute_digest()
     except Exception as exc:  # any failure to recompute is reported, typed, with its cause chained
         raise ReceiptVerificationError("invalid_snapshot", f"{where}: cannot recompute the call digest: {exc}") from exc
@@ -218,11 +219,6 @@ def _verify_and_linearize(
     verify_lineage(manifest, index_by_id)
     chain = chain_positions(receipt, index_by_id)
     return linearize_chain(receipt, snapshots, chain, packed_calls)
-
-
-def _cached_columns(snapshot: object) -> PackedColumns | None:
-    getter = getattr(snapshot, "_cached_packed_columns", None)
-    return getter() if getter is not None else None
 
 
 def linearize(

@@ -6,7 +6,7 @@ package's modules are its own business.
 
 from __future__ import annotations
 
-from sink.contract._packed.columns import ColumnCache, PackedColumns, TrustedColumns
+from sink.contract._packed.columns import PackedColumns, TrustedColumns
 from sink.contract._packed.floats import (
     MASK_CODES,
     carry_log_probs_zero_plain,
@@ -28,7 +28,6 @@ __all__ = (
     "ID_TYPECODES",
     "MASK_CODES",
     "Buffers",
-    "ColumnCache",
     "PackedColumns",
     "TrustedColumns",
     "carry_log_probs_zero_plain",

@@ -24,7 +24,7 @@ from sink.contract._packed.floats import mask_f32be, mask_values_from_codes
 from sink.contract._packed.ids import ID_TYPECODES, ids_u64be
 from sink.contract._packed.lanes import Buffers, unpack_list
 
-__all__ = ("ColumnCache", "PackedColumns", "TrustedColumns")
+__all__ = ("PackedColumns", "TrustedColumns")
 
 
 class PackedColumns:
@@ -127,50 +127,3 @@ class TrustedColumns:
         if field_name == "generation_log_probs_delta":
             return value is self.log_probs
         return field_name == "token_ids_delta" and self.token_ids is not None and value is self.token_ids
-
-
-class ColumnCache:
-    """Storage forms of a validated record's columns plus the list objects they describe.
-
-    A private attribute of the record, not part of its value: it compares
-    equal to any other cache and to ``None``, so pydantic's ``==`` (which
-    compares private attributes) is unaffected.
-    """
-
-    __slots__ = ("digest_inputs", "log_probs", "packed", "token_ids", "token_mask")
-
-    def __init__(
-        self,
-        packed: PackedColumns,
-        token_ids: list[int],
-        token_mask: list[float],
-        log_probs: list[float],
-        digest_inputs: tuple[object, ...],
-    ) -> None:
-        self.packed = packed
-        self.token_ids = token_ids
-        self.token_mask = token_mask
-        self.log_probs = log_probs
-        # The record's scalar digest inputs (and digest) when it was validated.
-        self.digest_inputs = digest_inputs
-
-    def __eq__(self, other: object) -> bool:
-        return other is None or isinstance(other, ColumnCache)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def describes(self, token_ids: object, token_mask: object, log_probs: object) -> bool:
-        """Whether the cache still describes these columns (same list objects, same lengths).
-
-        Replacing or resizing a column is detected; assigning elements in place
-        after validation is not (records are values: do not mutate them).
-        """
-        n = self.packed.length
-        return (
-            token_ids is self.token_ids
-            and token_mask is self.token_mask
-            and log_probs is self.log_probs
-            and len(self.token_ids) == n
-            and len(self.token_mask) == n
-            and len(self.log_probs) == n
-        )
