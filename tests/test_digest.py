@@ -17,12 +17,14 @@ from hypothesis import strategies as st
 from sink.contract.digest import (
     EMPTY_EXTRAS_DIGEST,
     build_staging_delta,
+    chain_hash_of_packed,
     check_mask_values,
     compute_chain_hash,
     compute_extras_digest,
     compute_staging_digest,
     encode_f32s,
     encode_token_ids,
+    hash_packed_token_ids,
     hash_token_ids,
     is_digest_hex,
     is_token_id_list,
@@ -615,3 +617,17 @@ def test_encode_token_ids_fast_path_matches_the_reference(values: list[Any]) -> 
         with pytest.raises(ValueError):
             encode_token_ids(values)
         assert not is_token_id_list(values)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parent=st.one_of(st.none(), st.binary(min_size=32, max_size=32).map(bytes.hex)),
+    pieces=st.lists(st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=12), max_size=4),
+)
+def test_packed_chain_and_cumulative_hashes_are_the_list_hashes(parent: str | None, pieces: list[list[int]]) -> None:
+    """The chain and cumulative hashes have one definition (contract §4.4-§4.5): the packed entry points the
+    worker, the prefix resolver and the verifier use on u64 big-endian ids equal the list ones, piece by piece."""
+    ids = [token_id for piece in pieces for token_id in piece]
+    parts = [b"".join(struct.pack(">Q", token_id) for token_id in piece) for piece in pieces]
+    assert hash_packed_token_ids(parts, len(ids)) == hash_token_ids(ids)
+    assert chain_hash_of_packed(parent, b"".join(parts)) == compute_chain_hash(parent, ids)
