@@ -18,6 +18,7 @@ import redis
 
 from sink.keys import record_key
 from sink.ops.access.render import ROLE_NAMES
+from sink.store.commit import INCOMING_EXPIRY_MS
 from sink.store.scripts import LIBRARY
 from sink.store.sink import AsyncRedisStagingSink
 from sink_cli.main import main as cli_main
@@ -74,6 +75,29 @@ def test_roles_stage_only_after_setup_which_is_idempotent_and_admin_only(
         assert LIBRARY.name in capsys.readouterr().out
     assert _libraries(unset) == [LIBRARY.name]
     assert _stage_as_worker(unset, "c1") == (True, None)
+
+
+def test_a_stage_whose_script_is_gone_leaves_only_an_expiring_blob(unset: AclServer) -> None:
+    """The function library flushed under an open worker (which may not load it again): the stage fails naming
+    ``staging-sink setup``, its transaction's incoming blob (written before the script was found missing) is the
+    only key left, and it expires."""
+    with unset.client() as admin:
+        admin.function_load(LIBRARY.source, replace=True)
+
+    async def stage_twice() -> tuple[bool, str | None]:
+        async with AsyncRedisStagingSink.from_url(unset.role_url("worker")) as sink:
+            assert (await sink.stage(make_record("gone", "c0"))).ok
+            with unset.client() as admin:
+                admin.function_flush()
+            result = await sink.stage(make_record("gone", "c1"))
+            return result.ok, result.error
+
+    ok, error = anyio.run(stage_twice)
+    assert not ok and error is not None and "staging-sink setup" in error, error
+    with unset.client() as admin:
+        [left] = list(admin.scan_iter(match="stg:{gone}:incoming:*"))
+        assert 0 < admin.pttl(left) <= INCOMING_EXPIRY_MS
+        assert admin.exists(record_key("stg", "gone/c0")) and not admin.exists(record_key("stg", "gone/c1"))
 
 
 @pytest.mark.parametrize("role", ROLE_NAMES)
