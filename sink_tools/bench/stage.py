@@ -97,11 +97,17 @@ async def _server_cpu_s(url: str) -> float:
     return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
 
 
-async def _compact_aof(url: str) -> None:
-    """Rewrite the private server's append-only file now, between runs, and wait for it: its automatic rewrites
-    are off (a rewrite's fork inside one run would land in that run's server CPU), so the file stays small."""
+async def _stop_automatic_aof_rewrites(url: str) -> None:
+    """On the private server: a rewrite's fork inside one run would land in that run's server CPU
+    (:func:`_compact_aof` rewrites the file between runs instead)."""
     async with aioredis.Redis.from_url(url) as client:
         await client.config_set("auto-aof-rewrite-percentage", 0)
+
+
+async def _compact_aof(url: str) -> None:
+    """Rewrite the private server's append-only file now, between runs, and wait for it, so the file stays small
+    with automatic rewrites off."""
+    async with aioredis.Redis.from_url(url) as client:
         await client.bgrewriteaof()
         with anyio.fail_after(120):
             while True:
@@ -256,6 +262,8 @@ async def run_stage_benchmark(
         raise ValueError("repeats must be at least 1")
     results: list[StageFigures] = []
     ceilings: dict[int, float | None] = {}
+    if port is not None:
+        await _stop_automatic_aof_rewrites(url)
     async with bench_namespace(url, namespace) as space:
         for tokens in token_sizes:
             count = records_per_run if tokens <= 4096 else max(32, records_per_run // 4)
