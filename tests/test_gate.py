@@ -142,6 +142,36 @@ async def test_commit_failures_are_recorded_with_their_reasons(ledger: Any) -> N
     assert manifest.records == []
 
 
+async def test_the_planned_commit_is_the_row_commit_records_and_writes_nothing(ledger: Any) -> None:
+    """:meth:`CaptureGate.planned_commit` (the row a proxy sends behind its stage) is what :meth:`commit` records;
+    coordinates that :meth:`commit` would record as a failure plan nothing; planning writes nothing."""
+    gate = CaptureGate(ledger)
+    capture = RolloutTokenCapture(sink=MemoryStagingStore(), weight_version_fn=lambda: 0)
+    admission = await gate.admit("g9", [SYSTEM, USER])
+    assert admission is not None
+    call = await capture.abegin_call(admission)
+    coords = await capture.acomplete_call(
+        call, prompt_token_ids=[1, 2, 3], generated_token_ids=[7, 8], generated_logprobs=[-0.5, -0.25]
+    )
+    common: dict[str, Any] = {
+        "response_id": "resp-g9",
+        "request_items": [SYSTEM, USER],
+        "response_items": [_assistant("ok")],
+        "admitted_at": 1.0,
+    }
+    planned = gate.planned_commit(admission, coords, **common)
+    assert planned is not None and planned.staging_chain == (coords.staging_key,)
+    assert (await ledger.manifest("g9")).records == []
+    assert await gate.commit(admission, coords, **common) == planned.record
+    assert (await ledger.manifest("g9")).records[0].digest == planned.record.digest
+    failed = coords.model_copy(update={"disposition": "capture_failed", "staging_key": None})
+    assert gate.planned_commit(admission, failed, **common) is None
+    elsewhere = coords.model_copy(update={"model_call_id": "someone-else"})
+    assert gate.planned_commit(admission, elsewhere, **common) is None
+    assert gate.planned_commit(admission, coords, **{**common, "response_id": ""}) is None
+    assert (await ledger.manifest("g9")).failures == []
+
+
 async def test_retired_rollouts_are_not_admitted(ledger: Any) -> None:
     await ledger.retire(["g5"])
     gate = CaptureGate(ledger)

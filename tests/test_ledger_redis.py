@@ -18,17 +18,19 @@ import redis.cluster
 
 from sink.canonical import canonical_json
 from sink.contract.fingerprint import FINGERPRINT_VERSION
-from sink.contract.records import UNRESOLVED_PARENT_REASON, CaptureLedgerCommit
+from sink.contract.records import UNRESOLVED_PARENT_REASON, CaptureLedgerCommit, StagedCallRecord
 from sink.errors import LedgerConflictError, RolloutRetiredError, StagingConnectionError, StagingKeyOwnershipError
-from sink.keys import fence_key, ledger_ids_key, ledger_stream
+from sink.keys import DEFAULT_NAMESPACE, fence_key, ledger_ids_key, ledger_stream
 from sink.ledger.lineage import LineageMatch, LineageResolution, LineageStatus
 from sink.ledger.memory import MemoryCaptureLedger
 from sink.ledger.redis import RedisCaptureLedger
 from sink.ledger.rows import custody_row
 from sink.server import DurableServer, free_port
+from sink.store.scripts import AppendStatus
+from sink.store.sink import AsyncRedisStagingSink
 from sink_tools.cluster import LocalCluster
 from tests.helpers.e2e import call_record_of
-from tests.helpers.ledger import CHILD_REQUEST, R, child_commit, hexdigest, root_commit
+from tests.helpers.ledger import ANSWER1, CHILD_REQUEST, ROOT_REQUEST, R, child_commit, hexdigest, root_commit
 from tests.helpers.staging import make_record
 
 # --- pure pieces --------------------------------------------------------------
@@ -198,3 +200,135 @@ async def test_the_ledger_refuses_another_calls_key_and_foreign_chains(
         with pytest.raises(StagingKeyOwnershipError):
             await ledger.record(commit)
         assert not await ledger.has_rows("ra")
+
+
+# --- a row behind its stage: one durable round per captured call (contract §6.6) ------------------------
+
+
+def _staged_commit(record: StagedCallRecord, *, response_id: str | None = None) -> CaptureLedgerCommit:
+    """The custody commit of a staged root *record* (the gate's row, fingerprints left out)."""
+    row = call_record_of(record, admitted_at=1700000000.5)
+    if response_id is not None:
+        row = row.model_copy(update={"response_id": response_id})
+    return CaptureLedgerCommit(
+        rollout_id=record.rollout_id,
+        record=row,
+        staging_chain=(record.staging_key,),
+        request_items=list(ROOT_REQUEST),
+        response_items=[ANSWER1],
+    )
+
+
+def _config_gets(stats: dict[str, object]) -> int:
+    entry = stats.get("cmdstat_config|get")
+    return int(entry["calls"]) if isinstance(entry, dict) else 0
+
+
+@pytest.mark.anyio
+async def test_a_row_behind_its_stage_is_appended_in_the_stage_round(redis_url: str) -> None:
+    record = make_record("rb-1", "c1")
+    async with (
+        aioredis.Redis.from_url(redis_url) as client,
+        AsyncRedisStagingSink.from_url(redis_url) as sink,
+        RedisCaptureLedger.from_url(redis_url) as ledger,
+    ):
+        commit = _staged_commit(record)
+        follow_up = ledger.row_after_stage(commit)
+        before = _config_gets(await client.info("commandstats"))
+        result = await sink.stage(record, then=follow_up)
+        after = _config_gets(await client.info("commandstats"))
+        assert result.ok and follow_up.sent and ledger.appended_after_stage(follow_up)
+        assert after - before == 4, "the stage and its row are confirmed by one read-back of the four settings"
+        shown = await ledger.manifest("rb-1")
+        again = ledger.row_after_stage(commit)  # a retry of the same call: the row is found, not appended twice
+        assert (await sink.stage(record, then=again)).ok and ledger.appended_after_stage(again)
+        assert again.reply[0] == AppendStatus.DUPLICATE
+        assert await client.xlen(ledger_stream(DEFAULT_NAMESPACE, "rb-1")) == 1
+    assert [row.model_call_id for row in shown.records] == ["c1"] and not shown.failures
+    assert shown.records[0].digest == record.digest and shown.records[0].staging_key == record.staging_key
+
+
+@pytest.mark.anyio
+async def test_a_row_behind_a_stage_that_did_not_write_its_record_leaves_the_ledger_unchanged(
+    redis_url: str,
+) -> None:
+    """A conflicting record under the key (the stage refuses): the row is not appended, nothing is written; the
+    gate then commits as without the shared round."""
+    stored, other = make_record("rb-2", "c1", seed=1), make_record("rb-2", "c1", seed=2)
+    assert stored.digest != other.digest
+    async with (
+        aioredis.Redis.from_url(redis_url) as client,
+        AsyncRedisStagingSink.from_url(redis_url) as sink,
+        RedisCaptureLedger.from_url(redis_url) as ledger,
+    ):
+        assert (await sink.stage(stored)).ok
+        follow_up = ledger.row_after_stage(_staged_commit(other))
+        result = await sink.stage(other, then=follow_up)
+        assert not result.ok and result.error is not None and "conflict" in result.error.lower(), result
+        assert follow_up.sent and follow_up.reply == [AppendStatus.NOT_STAGED]
+        assert not ledger.appended_after_stage(follow_up)
+        assert await client.exists(ledger_stream(DEFAULT_NAMESPACE, "rb-2"), ledger_ids_key(DEFAULT_NAMESPACE, "rb-2")) == 0
+
+
+@pytest.mark.anyio
+async def test_a_row_behind_a_retired_rollouts_stage_is_discarded(redis_url: str) -> None:
+    record = make_record("rb-3", "c1")
+    async with (
+        AsyncRedisStagingSink.from_url(redis_url) as sink,
+        RedisCaptureLedger.from_url(redis_url) as ledger,
+    ):
+        await ledger.retire(["rb-3"])
+        follow_up = ledger.row_after_stage(_staged_commit(record))
+        result = await sink.stage(record, then=follow_up)
+        assert not result.ok and follow_up.reply == [AppendStatus.FENCED]
+        assert not ledger.appended_after_stage(follow_up)
+        with pytest.raises(RolloutRetiredError):
+            await ledger.manifest("rb-3")
+
+
+@pytest.mark.anyio
+async def test_a_row_behind_its_stage_that_conflicts_with_the_ledger_is_not_appended(redis_url: str) -> None:
+    """Another row of the same call is in the ledger: the row is refused as a conflict (nothing written), the stage
+    still succeeds, and the gate's own commit then meets the same conflict (a failure row)."""
+    record = make_record("rb-4", "c1")
+    async with (
+        AsyncRedisStagingSink.from_url(redis_url) as sink,
+        RedisCaptureLedger.from_url(redis_url) as ledger,
+    ):
+        await ledger.record(_staged_commit(record, response_id="resp-other"))
+        follow_up = ledger.row_after_stage(_staged_commit(record))
+        assert (await sink.stage(record, then=follow_up)).ok
+        assert follow_up.reply[0] == AppendStatus.CONFLICT and not ledger.appended_after_stage(follow_up)
+        with pytest.raises(LedgerConflictError):
+            await ledger.record(_staged_commit(record))
+        shown = await ledger.manifest("rb-4")
+    assert [row.response_id for row in shown.records] == ["resp-other"]
+
+
+@pytest.mark.anyio
+async def test_a_row_behind_an_unconfirmed_stage_is_not_acknowledged(redis_url: str) -> None:
+    """The round is not confirmed (a replica required, none there): neither the stage nor the row is acknowledged."""
+    record = make_record("rb-5", "c1")
+    async with (
+        AsyncRedisStagingSink.from_url(redis_url, min_replicas=1, confirm_timeout_s=0.2) as sink,
+        RedisCaptureLedger.from_url(redis_url) as ledger,
+    ):
+        follow_up = ledger.row_after_stage(_staged_commit(record))
+        result = await sink.stage(record, then=follow_up)
+        assert not result.ok and follow_up.sent and follow_up.unconfirmed is not None
+        assert not ledger.appended_after_stage(follow_up)
+
+
+@pytest.mark.anyio
+async def test_a_row_behind_a_stage_refused_before_it_is_sent_is_never_sent(redis_url: str) -> None:
+    record = make_record("rb-6", "c1", n_tokens=2048)
+    async with (
+        AsyncRedisStagingSink.from_url(redis_url, max_record_bytes=1024) as sink,
+        RedisCaptureLedger.from_url(redis_url) as ledger,
+    ):
+        follow_up = ledger.row_after_stage(_staged_commit(record))
+        result = await sink.stage(record, then=follow_up)
+        assert not result.ok and "max_record_bytes" in (result.error or "")
+        assert not follow_up.sent and not ledger.appended_after_stage(follow_up)
+        shown = await ledger.manifest("rb-6")
+    assert not shown.records and not shown.failures

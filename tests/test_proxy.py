@@ -156,3 +156,30 @@ def test_latency_and_bytes_metrics(proxy: str) -> None:
     assert float(samples["staging_proxy_stage_seconds_count"]) == 2.0
     assert float(samples["staging_proxy_stage_seconds_sum"]) > 0
     assert float(samples["staging_proxy_response_bytes_total"]) > 100
+
+
+def _config_gets(redis_url: str) -> int:
+    """``CONFIG GET`` calls the server has run: every durable confirmation reads the four persistence settings back."""
+    with redis.Redis.from_url(redis_url) as client:
+        entry = client.info("commandstats").get("cmdstat_config|get")
+    return int(entry["calls"]) if isinstance(entry, dict) else 0
+
+
+@pytest.mark.parametrize("scale_out", [False, True], ids=["verify", "exact"])
+def test_a_captured_call_stages_and_commits_in_one_durable_round(redis_url: str, scale_out: bool) -> None:
+    """The stage and the ledger row share one round trip and one confirmation: per captured call the server reads
+    the persistence settings back once (four ``CONFIG GET``), not once for the stage and again for the commit."""
+    with (
+        running_server(EngineApp(EngineOptions(seed=4, scale_out=scale_out))) as upstream,
+        running_server(ProxyApp(proxy_config(redis_url, upstream))) as url,
+    ):
+        run_agent([url], "one-round-warm", turns=1)  # the sink's and the ledger's first checks are behind us
+        before = _config_gets(redis_url)
+        _, last_id = run_agent([url], "one-round", turns=3)
+        confirmations = (_config_gets(redis_url) - before) / 4
+        finish(url, "one-round", 1.0, last_id)
+    shown = manifest(redis_url, "one-round")
+    assert len(shown.records) == 3 and not shown.failures
+    assert confirmations == 3, f"{confirmations} durable confirmations for 3 captured calls"
+    [pulled] = pull(redis_url, 1)  # the rows are the same as ever: the rollout verifies end to end
+    assert pulled.rollout_id == "one-round" and pulled.row is not None, pulled.skip_reason

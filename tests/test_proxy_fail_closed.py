@@ -248,6 +248,9 @@ class CommitBug(CaptureGate):
     async def commit(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug in the gate's commit")
 
+    def planned_commit(self, *args: Any, **kwargs: Any) -> Any:  # the row sent behind the stage
+        raise RuntimeError("a bug in the gate's commit")
+
 
 @pytest.mark.parametrize("fail_closed", [False, True], ids=["fail-open", "fail-closed"])
 def test_a_bug_in_the_commit_reaches_the_boundary(

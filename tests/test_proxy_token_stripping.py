@@ -4,9 +4,20 @@ coordinates always), what it asked for stays; and the route a bare ``/r/{id}`` f
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-from worker.proxy.routes import ClientAsked, Target, parse_target, strip_token_fields
+import pytest
+
+from worker.proxy.routes import (
+    ClientAsked,
+    RouteKind,
+    Target,
+    parse_target,
+    response_items,
+    served_items,
+    strip_token_fields,
+)
 
 NOTHING = ClientAsked(token_ids=False, logprobs=False)
 EVERYTHING = ClientAsked(token_ids=True, logprobs=True)
@@ -67,6 +78,25 @@ def test_responses_items_keep_their_token_fields_only_when_asked() -> None:
     assert strip_token_fields("responses", answer(), NOTHING) == {"output": [{"type": "message", "content": []}, "odd"]}
     kept = strip_token_fields("responses", answer(), ClientAsked(token_ids=True, logprobs=False))
     assert kept == {"output": [{"type": "message", "content": [], **TOKEN_FIELDS}, "odd"]}
+
+
+@pytest.mark.parametrize("asked", [NOTHING, EVERYTHING, ClientAsked(token_ids=False, logprobs=True)], ids=str)
+@pytest.mark.parametrize("route", ["chat", "completions", "responses"])
+def test_the_served_items_are_known_before_the_answer_is_stripped(route: RouteKind, asked: ClientAsked) -> None:
+    """The gate's row, sent behind the stage before the answer is stripped, fingerprints the items as served."""
+    chat = _chat()
+    chat["choices"] = chat["choices"][1:]  # the first choice is the one the gate reads
+    payloads: dict[str, dict[str, Any]] = {
+        "chat": chat,
+        "completions": {"choices": [{"text": "x", "token_ids": [3], "logprobs": {"tokens": ["x"]}}]},
+        "responses": {"output": [{"type": "message", "role": "assistant", "content": [], **TOKEN_FIELDS}, "odd"]},
+    }
+    payload = payloads[route]
+    before = copy.deepcopy(payload)
+    served = served_items(route, payload, asked)
+    assert payload == before, "served_items changed the answer"
+    assert served == response_items(route, strip_token_fields(route, copy.deepcopy(payload), asked))
+    assert served  # every route serves one item here
 
 
 def test_a_bare_rollout_prefix_forwards_to_the_root() -> None:

@@ -16,7 +16,8 @@ import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sink.contract.digest import is_token_id_list
 from sink.contract.digest_encoding import is_u64
@@ -30,6 +31,7 @@ from sink.contract.records import (
     StageResult,
 )
 from sink.errors import StagingError
+from sink.store.commit import FollowUp
 from worker.call import ActiveCall, build_call_record, failed_coords, staged_coords
 from worker.errors import CaptureError, EnginePayloadError, PrefixResolutionError, StreamingUnsupportedError
 from worker.generation_cut import check_cut_snapshot
@@ -40,7 +42,7 @@ from worker.sequence_cache import ProvenSequence, SequenceHashCache
 if TYPE_CHECKING:
     from worker.capture_adapter import CaptureAdapter
 
-__all__ = ("RolloutTokenCapture",)
+__all__ = ("RolloutTokenCapture", "StageFollowUp")
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,12 @@ _FETCH_ERRORS = (StagingError, KeyError)  # unreachable, refused or corrupt; a m
 
 
 _ASYNC_SOURCE = "the configured source is asynchronous: use abegin_call"
+class _FollowUpSink(Protocol):
+    async def stage(self, record: StagedCallRecord, *, then: FollowUp | None = None) -> StageResult: ...
+
+
+StageFollowUp = Callable[[CommitCoords], FollowUp | None]
+"""Given the coordinates a call has once staged, the write to send behind its stage (or ``None``)."""
 _ASYNC_SINK = "the configured sink is asynchronous: use acomplete_call"
 
 
@@ -273,7 +281,9 @@ class RolloutTokenCapture:
         )
         return failed_coords(admission, weight_version=call.weight_version)
 
-    def _completion_steps(self, call: ActiveCall, completion: _Completion) -> Steps[CommitCoords]:
+    def _completion_steps(
+        self, call: ActiveCall, completion: _Completion, then: StageFollowUp | None = None
+    ) -> Steps[CommitCoords]:
         """§5.5: claim the call, build its record, stage it, turn the sink's answer into coords."""
         if not isinstance(call, ActiveCall):
             raise TypeError(f"expected an ActiveCall, got {type(call).__name__}")
@@ -291,8 +301,12 @@ class RolloutTokenCapture:
             )
         except (TypeError, ValueError, OverflowError) as exc:
             return self._failed(call, f"record build failed: {exc}")
+        stage: Callable[[Any], Any] = self._sink.stage
+        follow_up = None if then is None else then(staged_coords(record, record.staging_key))
+        if follow_up is not None:  # the caller gave *then* for a sink whose stage takes it (the Redis sink)
+            stage = partial(cast(_FollowUpSink, self._sink).stage, then=follow_up)
         try:
-            result = yield IoRequest(self._sink.stage, record, self._sink_is_async)
+            result = yield IoRequest(stage, record, self._sink_is_async)
         except StagingError as exc:  # the sink could not stage (unreachable, refused): the call is recorded failed
             return self._failed(call, f"sink raised {exc!r}")
         if not isinstance(result, StageResult):
@@ -369,16 +383,25 @@ class RolloutTokenCapture:
         return self._complete_blocking(call, extracted)
 
     async def acomplete_call_from_response(
-        self, call: ActiveCall, response_payload: object, *, adapter: CaptureAdapter | None = None
+        self,
+        call: ActiveCall,
+        response_payload: object,
+        *,
+        adapter: CaptureAdapter | None = None,
+        then: StageFollowUp | None = None,
     ) -> CommitCoords:
         """Async twin of :meth:`complete_call_from_response`.
+
+        *then*: given the coordinates the call has once its record is staged, a write to send behind the stage in
+        its round trip (the sink's ``stage(record, then=...)``: an :class:`~sink.store.sink.AsyncRedisStagingSink`),
+        or ``None`` to stage alone; the capture proxy sends the call's ledger row this way (contract §6.6).
 
         :raises CaptureError: no adapter, or a second completion.
         """
         extracted = self._extract(call, response_payload, adapter)
         if isinstance(extracted, CommitCoords):
             return extracted
-        return await run_async(self._completion_steps(call, extracted))
+        return await run_async(self._completion_steps(call, extracted, then))
 
     def fail_call(self, call: ActiveCall, *, reason: str) -> CommitCoords:
         """Claim the call and acknowledge it as not captured (§5.6); *reason* is only logged.

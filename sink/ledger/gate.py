@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -63,6 +64,16 @@ class CaptureLedgerProtocol(Protocol):
     ) -> None: ...
 
     async def record_chain_policy(self, rollout_id: str, policy: ChainPolicy) -> ChainPolicy | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """Coordinates the gate records as a failure row: the reason, and what to log (nothing for the worker's own
+    failure reports)."""
+
+    reason: str
+    verb: str = ""
+    cause: Exception | None = None
 
 
 def new_model_call_id() -> str:
@@ -191,46 +202,14 @@ class CaptureGate:
         """
         rollout_id, call_id = admission.rollout_id, admission.model_call_id
         parent, root = admission.parent_call_id, admission.mode == "text"
-        if coords is None:
-            await self._ledger.record_failure(
-                rollout_id, call_id, WORKER_MISSING_COMMIT_COORDS_REASON, parent_call_id=parent, root=root
-            )
+        planned = self._planned(admission, coords, response_id, request_items, response_items, admitted_at)
+        if isinstance(planned, _Refused):
+            if planned.cause is not None:
+                logger.warning("%s %s/%s: %s", planned.verb, rollout_id, call_id, planned.cause)
+            await self._ledger.record_failure(rollout_id, call_id, planned.reason, parent_call_id=parent, root=root)
             return None
         try:
-            parsed = coords if isinstance(coords, CommitCoords) else CommitCoords.model_validate(coords)
-            if (parsed.rollout_id, parsed.model_call_id) != (rollout_id, call_id):
-                raise ValueError("coordinates name another call")
-            if parsed.staging_key is not None and not is_call_staging_key(parsed.staging_key, rollout_id, call_id):
-                raise ValueError(f"coordinates name staging key {parsed.staging_key!r}, not a key of this call")
-        except (ValidationError, ValueError, TypeError) as exc:
-            logger.warning("invalid commit coordinates for %s/%s: %s", rollout_id, call_id, exc)
-            await self._ledger.record_failure(
-                rollout_id, call_id, INVALID_COMMIT_COORDS_REASON, parent_call_id=parent, root=root
-            )
-            return None
-        if parsed.disposition == "capture_failed":
-            await self._ledger.record_failure(
-                rollout_id, call_id, WORKER_CAPTURE_FAILED_REASON, parent_call_id=parent, root=root
-            )
-            return None
-        try:
-            row = self._call_record(admission, parsed, response_id, request_items, response_items, admitted_at)
-        except (ValidationError, ValueError, TypeError) as exc:
-            logger.warning("cannot commit %s/%s: %s", rollout_id, call_id, exc)
-            await self._ledger.record_failure(
-                rollout_id, call_id, INVALID_COMMIT_COORDS_REASON, parent_call_id=parent, root=root
-            )
-            return None
-        assert parsed.staging_key is not None
-        commit = CaptureLedgerCommit(
-            rollout_id=rollout_id,
-            record=row,
-            staging_chain=(*admission.staging_chain, parsed.staging_key),
-            request_items=list(request_items),
-            response_items=list(response_items),
-        )
-        try:
-            await self._ledger.record(commit)
+            await self._ledger.record(planned)
         except ValueError as exc:
             # Step 10 failed without a connection problem: items the ledger cannot
             # fingerprint, or a conflicting row. Poison the rollout; never fail the call (INV-4).
@@ -239,7 +218,62 @@ class CaptureGate:
                 rollout_id, call_id, INVALID_COMMIT_COORDS_REASON, parent_call_id=parent, root=root
             )
             return None
-        return row
+        return planned.record
+
+    def planned_commit(
+        self,
+        admission: CaptureAdmission,
+        coords: CommitCoords,
+        *,
+        response_id: str,
+        request_items: Sequence[dict[str, Any]],
+        response_items: Sequence[dict[str, Any]],
+        admitted_at: float | None = None,
+    ) -> CaptureLedgerCommit | None:
+        """The ledger commit :meth:`commit` would record for *coords* (the same arguments), or ``None`` when it would
+        record a failure row instead; nothing is written or logged. A caller that sends the row itself (behind the
+        call's stage, in one round trip: contract §6.6) still calls :meth:`commit` whenever that row was not
+        confirmed appended: a row already appended is a no-op there.
+        """
+        planned = self._planned(admission, coords, response_id, request_items, response_items, admitted_at)
+        return None if isinstance(planned, _Refused) else planned
+
+    def _planned(
+        self,
+        admission: CaptureAdmission,
+        coords: CommitCoords | Mapping[str, Any] | None,
+        response_id: str,
+        request_items: Sequence[dict[str, Any]],
+        response_items: Sequence[dict[str, Any]],
+        admitted_at: float | None,
+    ) -> CaptureLedgerCommit | _Refused:
+        """Steps 3-9: the custody commit of *coords*, or the failure to record instead (and what to log)."""
+        if coords is None:
+            return _Refused(WORKER_MISSING_COMMIT_COORDS_REASON)
+        try:
+            parsed = coords if isinstance(coords, CommitCoords) else CommitCoords.model_validate(coords)
+            if (parsed.rollout_id, parsed.model_call_id) != (admission.rollout_id, admission.model_call_id):
+                raise ValueError("coordinates name another call")
+            if parsed.staging_key is not None and not is_call_staging_key(
+                parsed.staging_key, admission.rollout_id, admission.model_call_id
+            ):
+                raise ValueError(f"coordinates name staging key {parsed.staging_key!r}, not a key of this call")
+        except (ValidationError, ValueError, TypeError) as exc:
+            return _Refused(INVALID_COMMIT_COORDS_REASON, "invalid commit coordinates for", exc)
+        if parsed.disposition == "capture_failed":
+            return _Refused(WORKER_CAPTURE_FAILED_REASON)
+        try:
+            row = self._call_record(admission, parsed, response_id, request_items, response_items, admitted_at)
+        except (ValidationError, ValueError, TypeError) as exc:
+            return _Refused(INVALID_COMMIT_COORDS_REASON, "cannot commit", exc)
+        assert parsed.staging_key is not None
+        return CaptureLedgerCommit(
+            rollout_id=admission.rollout_id,
+            record=row,
+            staging_chain=(*admission.staging_chain, parsed.staging_key),
+            request_items=list(request_items),
+            response_items=list(response_items),
+        )
 
     async def fail_unadmitted(self, rollout_id: str, cause: str) -> str:
         """Record a call of *rollout_id* that could not even be admitted (a request body the gate cannot read, served

@@ -137,17 +137,22 @@ class CaptureLedger(AsyncResource):
             rollout's (a ``ValueError``; nothing changed).
         :raises LedgerConflictError: a different row exists for the same ``model_call_id`` (nothing changed).
         """
-        rollout_id = commit_rollout_id(commit)
-        check_row_ownership(rollout_id, commit.record)
-        check_chain_ownership(rollout_id, commit.staging_chain)
-        text = canonical_json(custody_row(commit))  # sorted keys, no whitespace
-        call_id = commit.record.model_call_id
-        outcome, stored = await self._append_counted(rollout_id, custody_id_field(call_id), text, custody_entry(text))
+        rollout_id, id_field, text, entry = self._custody(commit)
+        outcome, stored = await self._append_counted(rollout_id, id_field, text, entry)
         if outcome is AppendOutcome.FENCED:
             warn_discarded_call(rollout_id, commit)
         elif outcome is AppendOutcome.CONFLICT:
             assert stored is not None
-            raise LedgerConflictError(rollout_id, call_id, differing_fields(stored, text))
+            raise LedgerConflictError(rollout_id, commit.record.model_call_id, differing_fields(stored, text))
+
+    def _custody(self, commit: CaptureLedgerCommit) -> tuple[str, str, str, dict[str, str]]:
+        """*commit*'s rollout id, idempotency field, row text and stream entry, its ownership checked (see
+        :meth:`record` for what it raises)."""
+        rollout_id = commit_rollout_id(commit)
+        check_row_ownership(rollout_id, commit.record)
+        check_chain_ownership(rollout_id, commit.staging_chain)
+        text = canonical_json(custody_row(commit))  # sorted keys, no whitespace
+        return rollout_id, custody_id_field(commit.record.model_call_id), text, custody_entry(text)
 
     async def record_failure(
         self, rollout_id: str, model_call_id: str, reason: str, *, parent_call_id: str | None = None, root: bool = False

@@ -27,16 +27,19 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
-from sink.contract.records import RolloutRemoval
+from sink.contract.codec import DIGEST_HEAD_BYTES
+from sink.contract.records import CaptureLedgerCommit, RolloutRemoval
 from sink.errors import CodecError, StagingConnectionError, StagingUnavailableError
 from sink.keys import calls_stream, claim_key, fence_key, ledger_ids_key, ledger_stream, receipt_key, record_key
 from sink.ledger.ledger import AppendOutcome, CaptureLedger
 from sink.ledger.ownership import keys_owned_by
 from sink.settings import ConnectionSettings, LedgerSettings
 from sink.store.batch import BatchCall, run_batch, write_durably
+from sink.store.commit import FollowUp
 from sink.store.connection import Topology, connect, reply_text, translate_redis_error
 from sink.store.resource import settings_or_fields
 from sink.store.scripts import (
+    APPEND_AFTER_STAGE_SCRIPT,
     APPEND_SCRIPT,
     HAS_ROWS_SCRIPT,
     LEDGER_DELETE_SCRIPT,
@@ -195,6 +198,40 @@ class RedisCaptureLedger(CaptureLedger):
         )
         outcome = _OUTCOMES[reply[0]]
         return outcome, reply_text(reply[1], "ledger entry") if outcome is AppendOutcome.CONFLICT else None
+
+    # --- the row behind its stage (one durable round per captured call, contract §6.6) ---------------
+
+    def row_after_stage(self, commit: CaptureLedgerCommit) -> FollowUp:
+        """*commit*'s custody row as a write to send right behind its record's stage, in the same round trip and under
+        the same durable confirmation (an :class:`~sink.store.sink.AsyncRedisStagingSink` of this namespace, on a
+        connection allowed both writes: ``stage(record, then=...)``). The row is appended only when the record it
+        names is stored with its digest; read the outcome with :meth:`appended_after_stage`.
+
+        :raises TypeError, ValueError: as :meth:`record` (nothing is sent).
+        """
+        self._check_open()
+        rollout_id, id_field, text, entry = self._custody(commit)
+        keys = [*self._keys(rollout_id), record_key(self._ns, commit.record.staging_key)]
+        flat = [part for pair in entry.items() for part in pair]
+        args = [DIGEST_HEAD_BYTES, commit.record.digest, id_field, text, *flat]
+        return FollowUp(BatchCall(keys, args, APPEND_AFTER_STAGE_SCRIPT))
+
+    def appended_after_stage(self, follow_up: FollowUp) -> bool:
+        """Whether the row of :meth:`row_after_stage` is in the ledger, confirmed durable (appended now, or found
+        identical). ``False`` (not sent, refused, not staged, fenced, conflicting, unconfirmed, an error): the caller
+        records the commit as without the shared round (:meth:`record`, through the gate), which sees the same
+        ledger and answers for it; an appended but unconfirmed row makes that a no-op, confirmed by its own round.
+        """
+        reply = follow_up.reply
+        if not follow_up.sent or follow_up.unconfirmed is not None or not isinstance(reply, list) or not reply:
+            return False
+        if reply[0] == AppendStatus.APPENDED:
+            self._appended += 1
+            return True
+        if reply[0] == AppendStatus.DUPLICATE:
+            self._duplicates += 1
+            return True
+        return False
 
     async def _read_entries(self, rollout_id: str) -> list[dict[str, str]] | None:
         stream, _ids, fence = self._keys(rollout_id)

@@ -33,12 +33,32 @@ __all__ = (
     "STAGE_BATCH",
     "BatchScript",
     "Committable",
+    "FollowUp",
     "GroupCommitWriter",
     "PendingStage",
     "Settle",
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FollowUp:
+    """A write sent right behind one stage: in its round trip, on its node (its keys share the record's slot), after
+    its slot's script call and before the node's durable confirmation, which therefore covers both. The writer sets
+    ``reply`` and ``unconfirmed`` before the stage's result; a follow-up whose stage was never sent keeps ``sent``
+    ``False``. Its outcome is its owner's to read: it never changes the stage's result.
+
+    The capture ledger's custody row rides on its call's stage this way (contract §6.6: one durable round per captured
+    call); the row's script appends only when the record is stored, so a failed stage leaves no row behind.
+    """
+
+    call: BatchCall
+    sent: bool = False
+    reply: Any = None
+    """The call's reply, or the exception it met (a refusal, an unreachable node)."""
+    unconfirmed: str | None = None
+    """Why the node did not confirm the round durable (the call ran, but is not acknowledged)."""
 
 
 @dataclass(slots=True)
@@ -53,6 +73,7 @@ class PendingStage:
     digest: str
     blob: bytes
     entry: tuple[str, ...]
+    then: FollowUp | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
     result: StageResult | None = None
     outcome: StageOutcome | None = None
@@ -94,6 +115,9 @@ class BatchScript(Generic[_Item]):
     ``values`` (optional): the large values an item writes, as ``(key, value)`` pairs. Each goes with a plain
     ``SET`` (expiring after :data:`INCOMING_EXPIRY_MS`) ahead of its slot's script call, in one ``MULTI``/``EXEC``
     with it, so a value never passes through the script: the script moves it into place (``RENAME``) or deletes it.
+
+    ``then`` (optional): an item's :class:`FollowUp`, sent after its slot's script call (and reads) in the same round
+    trip, under the same confirmation.
     """
 
     script: ServerScript
@@ -101,6 +125,7 @@ class BatchScript(Generic[_Item]):
     item: Callable[[_Item], tuple[Sequence[str], Sequence[Any]]]
     reads: Callable[[_Item], Sequence[Sequence[Any]]] | None = None
     values: Callable[[_Item], Sequence[tuple[str, bytes]]] | None = None
+    then: Callable[[_Item], FollowUp | None] | None = None
 
 
 def _stage_head(settings: SinkSettings) -> list[Any]:
@@ -115,7 +140,13 @@ def _stage_values(p: PendingStage) -> Sequence[tuple[str, bytes]]:
     return ((p.incoming_key, p.blob),)
 
 
-STAGE_BATCH: BatchScript[PendingStage] = BatchScript(STAGE_SCRIPT, _stage_head, _stage_item, values=_stage_values)
+def _stage_then(p: PendingStage) -> FollowUp | None:
+    return p.then
+
+
+STAGE_BATCH: BatchScript[PendingStage] = BatchScript(
+    STAGE_SCRIPT, _stage_head, _stage_item, values=_stage_values, then=_stage_then
+)
 """The staging sink's batch: :data:`STAGE_SCRIPT` over :class:`PendingStage` s, each blob sent as a plain value."""
 
 INCOMING_EXPIRY_MS = 600_000
@@ -183,6 +214,7 @@ class GroupCommitWriter(Generic[_Item]):
         # One call per slot (every item's keys and arguments after the head), each followed by its items' reads.
         calls: list[BatchCall] = []
         slots: list[tuple[int, list[_Item], list[int]]] = []  # (its call's index, its items, reads per item)
+        follow_ups: list[tuple[int, FollowUp]] = []  # (its call's index, the follow-up)
         for indices in self._topology.group_by_slot([item.route_key for item in batch]).values():
             chunk = [batch[i] for i in indices]
             keys: list[str] = []
@@ -202,6 +234,11 @@ class GroupCommitWriter(Generic[_Item]):
                 reads = batch_script.reads(item) if batch_script.reads is not None else ()
                 slots[-1][2].append(len(reads))
                 calls += [BatchCall([keys[0]], command) for command in reads]
+            for item in chunk:
+                then = batch_script.then(item) if batch_script.then is not None else None
+                if then is not None:
+                    follow_ups.append((len(calls), then))
+                    calls.append(then.call)
         confirmation = Confirmation(
             timeout_s=settings.confirm_timeout_s,
             waitaof=self._durability.supports_waitaof,
@@ -216,6 +253,8 @@ class GroupCommitWriter(Generic[_Item]):
             confirmation=None if confirmation.empty else confirmation,
             redirect_budget_s=settings.command_timeout_s,
         )
+        for position, then in follow_ups:  # before the stages settle: a stage's waiter reads its follow-up
+            then.sent, then.reply, then.unconfirmed = True, sent[position].reply, sent[position].unconfirmed
         for position, chunk, read_counts in slots:
             self._settle_slot(chunk, sent[position], sent[position + 1 : position + 1 + sum(read_counts)], read_counts)
 

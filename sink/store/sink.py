@@ -46,7 +46,7 @@ from sink.keys import (
 )
 from sink.settings import SinkSettings
 from sink.store.batch import BatchCall, raise_first_error, run_batch
-from sink.store.commit import STAGE_BATCH, GroupCommitWriter, PendingStage
+from sink.store.commit import STAGE_BATCH, FollowUp, GroupCommitWriter, PendingStage
 from sink.store.connection import Topology, connect, describe_redis_error
 from sink.store.durability import DurabilityMonitor
 from sink.store.pipeline_counters import StageOutcome, count_stage, count_staged_bytes
@@ -252,8 +252,13 @@ class AsyncRedisStagingSink(AsyncResource):
 
     # --- staging ----------------------------------------------------------------
 
-    async def stage(self, record: StagedCallRecord) -> StageResult:
+    async def stage(self, record: StagedCallRecord, *, then: FollowUp | None = None) -> StageResult:
         """Stage *record* under its default key ``rollout_id/model_call_id``.
+
+        *then*: a write of the record's slot to send right behind the stage, in its round trip and under its durable
+        confirmation (:class:`~sink.store.commit.FollowUp`: the capture ledger's row of the call); its outcome is set
+        on it before this returns, and never changes the stage's result. A stage refused before it is sent (an
+        invalid record, a durability problem, a closing sink) leaves it unsent.
 
         :returns: ``ok=True`` only once the write is durable (and replicated,
             if required); ``ok=False`` with a precise error otherwise.
@@ -263,7 +268,7 @@ class AsyncRedisStagingSink(AsyncResource):
         if not isinstance(record, StagedCallRecord):
             raise TypeError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
         started = time.perf_counter()
-        return self._counted(*await self._stage(record, ""), started)
+        return self._counted(*await self._stage(record, "", then), started)
 
     async def stage_generation_prefix(
         self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int
@@ -284,7 +289,9 @@ class AsyncRedisStagingSink(AsyncResource):
         count_stage(self._settings.namespace, outcome, time.perf_counter() - started)  # stage counters and latency
         return result
 
-    async def _stage(self, record: StagedCallRecord, key_suffix: str) -> tuple[StageResult, StageOutcome]:
+    async def _stage(
+        self, record: StagedCallRecord, key_suffix: str, then: FollowUp | None = None
+    ) -> tuple[StageResult, StageOutcome]:
         send = self._send  # set to None once closed; a stage already past this point fails as closing
         if send is None:
             raise RuntimeError("the staging sink is not open: use 'async with sink:'")
@@ -313,6 +320,7 @@ class AsyncRedisStagingSink(AsyncResource):
             digest=record.digest,
             blob=blob,
             entry=calls_entry(staging_key, record, len(blob)),
+            then=then,
         )
         try:
             await send.send(pending)

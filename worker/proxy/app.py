@@ -94,6 +94,8 @@ class ProxyApp:
             metrics=self.metrics,
         )
         self.middleware.exact_completions = ExactCompletions(client, config.namespace, ttl_s=config.exact_text_ttl_s)
+        if gate_url == config.redis_url:  # one connection user may write both: the row rides behind its stage
+            self.middleware.rows_behind_stages = ledger
         if config.weight_source == "published":
             self.middleware.published = PublishedWeightVersion(
                 client, config.namespace, max_staleness_s=config.weight_staleness_s

@@ -20,10 +20,12 @@ from sink.contract.records import CaptureAdmission, CommitCoords
 from sink.contract.sampling import SAMPLING_EXTRAS_KEY
 from sink.errors import StagingError
 from sink.ledger.gate import CaptureGate
+from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import ProxySettings
+from sink.store.commit import FollowUp
 from worker.asgi import ASGIApp, Message, Receive, Scope, Send, error_body, send_body
 from worker.call import ActiveCall
-from worker.capture import RolloutTokenCapture
+from worker.capture import RolloutTokenCapture, StageFollowUp
 from worker.capture_adapter import ExtrasAdded
 from worker.errors import ContextChangedError, EnginePayloadError
 from worker.proxy.call_timing import engine_span, note_capture, timing_headers
@@ -39,6 +41,7 @@ from worker.proxy.routes import (
     adapter_for,
     chains_of,
     response_items,
+    served_items,
     strip_token_fields,
     upstream_request,
 )
@@ -63,6 +66,9 @@ class CallOwner(Protocol):
     """Whether chat calls go in exact-prefix mode."""
     exact_completions: ExactCompletions | None
     """The exact-text index of ``/v1/completions`` calls (exact-prefix mode)."""
+    rows_behind_stages: RedisCaptureLedger | None
+    """The gate's ledger when its rows ride behind their stages (one durable round per call: the sink and the
+    ledger share a connection user); ``None``: the row is committed in its own round after the stage."""
 
     async def refuse(self, send: Send, reason: str) -> None:
         """Answer 503 for a call that could not be captured (``fail_closed``)."""
@@ -109,6 +115,8 @@ class CapturedCall:
         parameters and the rendered context)."""
         self.failure: str | None = None
         """Why a call served with an engine answer must not be staged (its context changed under ``single``)."""
+        self.row_behind: FollowUp | None = None
+        """The ledger row sent behind the stage, with its outcome (one durable round)."""
 
     # --- admission ------------------------------------------------------------
 
@@ -155,6 +163,11 @@ class CapturedCall:
                     if active is None or active.completed
                     else capture.fail_call(active, reason="the call ended without a completion")
                 )
+            ledger, behind = self.owner.rows_behind_stages, self.row_behind
+            staged = coords.disposition == "staged"
+            if staged and ledger is not None and behind is not None and ledger.appended_after_stage(behind):
+                self.captured = self.settled = True  # committed in the stage's round
+                return
             try:
                 row = await self.owner.gate.commit(
                     admission,
@@ -233,10 +246,39 @@ class CapturedCall:
             return capture.fail_call(active, reason="oversized response")
         with anyio.CancelScope(shield=True):  # the stage completes or the call is recorded failed, never half
             adapter = ExtrasAdded(adapter_for(self.route), self.extras)
-            coords = await capture.acomplete_call_from_response(active, payload, adapter=adapter)
+            then = self._row_behind_stage(payload)
+            coords = await capture.acomplete_call_from_response(active, payload, adapter=adapter, then=then)
         if coords.disposition != "staged":
             logger.warning("%s: not staged (prefix drift, store refusal or invalid ids: see above)", self.ids)
         return coords
+
+    def _row_behind_stage(self, payload: dict[str, Any]) -> StageFollowUp | None:
+        """The ledger row to send behind the call's stage, in its round trip (contract §6.6), or ``None``: the row is
+        committed after the stage (:meth:`_settle`), as it is whenever the row sent here was not confirmed."""
+        ledger, admission, answer = self.owner.rows_behind_stages, self.admission, self.answer
+        if ledger is None or admission is None or answer is None:
+            return None
+        asked = answer[2]
+
+        def then(coords: CommitCoords) -> FollowUp | None:
+            planned = self.owner.gate.planned_commit(
+                admission,
+                coords,
+                response_id=str(payload.get("id") or ""),
+                request_items=self.items,
+                response_items=served_items(self.route, payload, asked),
+                admitted_at=self.admitted_at,
+            )
+            if planned is None:
+                return None
+            try:
+                follow_up = ledger.row_after_stage(planned)
+            except (TypeError, ValueError):  # the commit that follows records the failure
+                return None
+            self.row_behind = follow_up
+            return follow_up
+
+        return then
 
     # --- the whole call ---------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import orjson
 
 from sink.errors import StagingError
 from sink.ledger.gate import CaptureGate
+from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import ProxySettings
 from sink.trainer.weights import WeightVersionKeyError
 from worker.asgi import (
@@ -96,6 +97,9 @@ class CaptureMiddleware:
         """Verify mode, unless the proxy sets the outcome of its start-up probe (exact-prefix chat calls)."""
         self.exact_completions: ExactCompletions | None = None
         """The exact-text index of ``/v1/completions`` calls, set by the proxy (exact-prefix completions)."""
+        self.rows_behind_stages: RedisCaptureLedger | None = None
+        """Set by the proxy when the gate's ledger and the sink share a connection user: each call's ledger row is
+        sent behind its stage, in the same round trip (one durable round per captured call, contract §6.6)."""
         self.published: PublishedWeightVersion | None = None
         """The trainer's published weight version, when calls are stamped with it (``weight_source="published"``)."""
 

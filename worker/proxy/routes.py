@@ -38,6 +38,7 @@ __all__ = (
     "parse_target",
     "request_items",
     "response_items",
+    "served_items",
     "strip_token_fields",
     "upstream_request",
 )
@@ -223,6 +224,15 @@ def strip_token_fields(route: RouteKind, payload: dict[str, Any], asked: ClientA
         if not asked.logprobs and "logprobs" in choice:
             choice["logprobs"] = None
     return payload
+
+
+def served_items(route: RouteKind, payload: dict[str, Any], asked: ClientAsked) -> list[dict[str, Any]]:
+    """:func:`response_items` of *payload* once :func:`strip_token_fields` (*asked*) has run, *payload* unchanged: the
+    items of the response as it will be served, known before the token fields are stripped."""
+    items = response_items(route, payload)
+    if route == "responses" and not asked.token_ids:
+        items = [{key: value for key, value in item.items() if key not in _MESSAGE_TOKEN_FIELDS} for item in items]
+    return items
 
 
 def response_items(route: RouteKind, payload: dict[str, Any]) -> list[dict[str, Any]]:

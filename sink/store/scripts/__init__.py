@@ -38,6 +38,7 @@ from sink.store.scripts.consumer import (
 from sink.store.scripts.gym import GYM_SCRIPT
 from sink.store.scripts.runner import ServerScript
 from sink.store.scripts.staging import (
+    APPEND_AFTER_STAGE_SCRIPT,
     APPEND_SCRIPT,
     CALLS_ENTRY_FIELDS,
     CLEAR_SCRIPT,
@@ -62,6 +63,7 @@ from sink.store.scripts.status import (
 )
 
 __all__ = (
+    "APPEND_AFTER_STAGE_SCRIPT",
     "APPEND_SCRIPT",
     "CALLS_ENTRY_FIELDS",
     "CLAIM_SCRIPT",

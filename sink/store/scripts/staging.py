@@ -8,6 +8,7 @@ from sink.contract import record_schema
 from sink.store.scripts.status import library_script
 
 __all__ = (
+    "APPEND_AFTER_STAGE_SCRIPT",
     "APPEND_SCRIPT",
     "CALLS_ENTRY_FIELDS",
     "CLEAR_SCRIPT",
@@ -148,27 +149,53 @@ return {$DONE, removed}
 # ns:{R}:ledger:ids, ns:{R}:fence), all sharing the hash tag {R}: nothing can
 # land between the fence check and the write, or between fencing and removal.
 
+# The append of one row, after the fence check: ARGV[first] is the idempotency field, then its value, then the
+# stream entry's field/value pairs.
+def _append_body(first: int) -> str:
+    field, value, entry = first, first + 1, first + 2
+    return f"""
+local stored = redis.call('HGET', KEYS[2], ARGV[{field}])
+if stored then
+  if stored == ARGV[{value}] then
+    return {{$APPEND_DUPLICATE}}
+  end
+  return {{$APPEND_CONFLICT, stored}}
+end
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, {entry}))
+redis.call('HSET', KEYS[2], ARGV[{field}], ARGV[{value}])
+return {{$APPEND_APPENDED}}
+"""
+
+
+_FENCE_CHECK = """
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {$APPEND_FENCED}
+end
+"""
+
 # KEYS: ledger stream, ids hash, fence.
 # ARGV: idempotency field, its value, then the stream entry's field/value pairs.
 # Returns {APPEND_APPENDED}, {APPEND_DUPLICATE} (identical row), {APPEND_FENCED}
 # (discarded) or {APPEND_CONFLICT, stored_value} (nothing written).
-APPEND_SCRIPT: Final = library_script(
-    "append",
-    """
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  return {$APPEND_FENCED}
+APPEND_SCRIPT: Final = library_script("append", _FENCE_CHECK + _append_body(1))
+
+# The custody row of a call sent right behind its stage, in the same round trip (contract §6.6, one durable round):
+# appended only when the record it names is stored under its key with its digest, which the stage just wrote (or
+# found already there); a stage that did not write it (a conflicting record, a refusal, an error) leaves the ledger
+# unchanged, and the gate then commits as it would have without the shared round.
+# KEYS: ledger stream, ids hash, fence, the row's record key.
+# ARGV: head_bytes, the row's digest, then APPEND_SCRIPT's ARGV.
+# Returns APPEND_SCRIPT's replies, or {APPEND_NOT_STAGED} (nothing written).
+APPEND_AFTER_STAGE_SCRIPT: Final = library_script(
+    "append_after_stage",
+    _FENCE_CHECK
+    + """
+if redis.call('TYPE', KEYS[4])['ok'] ~= 'string'
+    or not string.find(redis.call('GETRANGE', KEYS[4], 0, tonumber(ARGV[1]) - 1), ARGV[2], 1, true) then
+  return {$APPEND_NOT_STAGED}
 end
-local stored = redis.call('HGET', KEYS[2], ARGV[1])
-if stored then
-  if stored == ARGV[2] then
-    return {$APPEND_DUPLICATE}
-  end
-  return {$APPEND_CONFLICT, stored}
-end
-redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return {$APPEND_APPENDED}
-""",
+"""
+    + _append_body(3),
 )
 
 # KEYS: ledger stream, fence. Returns {LEDGER_FENCED} or {LEDGER_OPEN, XRANGE - +}.

@@ -58,6 +58,9 @@ class AppendStatus(IntEnum):
     DUPLICATE = 1
     FENCED = 2
     CONFLICT = 3
+    NOT_STAGED = 4
+    """The append-after-stage script's refusal: the record the row names is not stored under its key with its digest
+    (its stage did not write it): nothing written."""
 
 
 class LedgerStatus(IntEnum):
