@@ -178,7 +178,7 @@ def test_setup_and_prune_run_as_admin_and_every_service_waits_for_setup() -> Non
 
 
 def test_the_cli_reads_the_urls_compose_sets() -> None:
-    from sink_cli.main import ENV_GATE_REDIS_URL, ENV_REDIS_URL, build_parser
+    from sink_cli.dispatch import ENV_GATE_REDIS_URL, ENV_REDIS_URL, build_parser
 
     env = {ENV_REDIS_URL: "redis://worker:pw@valkey:6379", ENV_GATE_REDIS_URL: "redis://gate:pw@valkey:6379"}
     demo = build_parser(env).parse_args(command_words(compose()["services"]["demo-worker"])[1:])

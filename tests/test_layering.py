@@ -63,7 +63,7 @@ IO_LIBRARIES = ("redis", "anyio", "hiredis")
 # function. A handler that only cleans up and re-raises (its last statement a bare ``raise``) is not blind.
 # Remove an entry with its handler (a stale entry fails the test too).
 BLIND_EXCEPT_BOUNDARIES: dict[str, str] = {
-    "sink_cli/main.py:main": "the CLI top: an expected failure is one stderr line + exit code",
+    "sink_cli/dispatch.py:run": "the CLI top: an expected failure is one stderr line + exit code",
     "sink/store/commit.py:write_batch": "group commit: a bug must not strand waiting callers; logged",
     "sink/store/resource.py:_close_forgotten": "finalizer of an unclosed resource: best effort, logged, never raises",
     "sink/store/resource.py:run": "loop thread: a startup failure goes to the waiting constructor",
