@@ -8,7 +8,9 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY sink ./sink
 COPY worker ./worker
-RUN pip install ".[metrics,proxy,parquet]" \
+COPY sink_tools ./sink_tools
+COPY sink_cli ./sink_cli
+RUN pip install ".[cli,metrics,proxy,parquet]" \
     && useradd --system --uid 10001 --no-create-home staging
 USER staging
 CMD ["staging-sink", "--help"]

@@ -1,6 +1,7 @@
 """The ``staging-sink`` command line, one module per kind of command.
 
-The rule: :mod:`~sink_cli.main` only parses arguments and dispatches (:mod:`~sink_cli.failures` turns expected
+The rule: :mod:`~sink_cli.main` is the entry point (it checks the ``cli`` extra, rich, before anything imports
+it); :mod:`~sink_cli.dispatch` only parses arguments and dispatches (:mod:`~sink_cli.failures` turns expected
 failures into exit codes); each command lives in the module for its kind:
 
 * :mod:`~sink_cli.rollouts`: commands that read single rollouts (``inspect``, ``verify``, ``tail``);

@@ -1,7 +1,7 @@
 """How the command line turns an expected failure into one ``staging-sink: error: ...`` line and an exit code.
 
 Exit codes: 0 success; 1 an operation failed; 2 bad arguments, a malformed URL or rollout id; 3 the server could
-not be reached; 130 interrupted (see :mod:`sink_cli.main`).
+not be reached; 130 interrupted (see :mod:`sink_cli.dispatch`).
 """
 
 from __future__ import annotations

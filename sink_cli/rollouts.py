@@ -1,6 +1,6 @@
 """Operator commands that read single rollouts: ``inspect``, ``verify`` and ``tail``.
 
-Each command is an async function returning its exit code; :mod:`sink_cli.main` parses the arguments and
+Each command is an async function returning its exit code; :mod:`sink_cli.dispatch` parses the arguments and
 runs it.
 """
 

@@ -24,7 +24,8 @@ from sink.rollout.assembler import finished
 from sink.server import DurableServer, free_port
 from sink.store.sink import AsyncRedisStagingSink
 from sink_cli.common import EXIT_FAILURE, EXIT_UNREACHABLE, EXIT_USAGE, mask_url
-from sink_cli.main import ENV_REDIS_URL, build_parser, main
+from sink_cli.dispatch import ENV_REDIS_URL, build_parser
+from sink_cli.main import main
 from sink_cli.services import BENCHMARKS
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.commands import Command, staging_sink

@@ -23,7 +23,8 @@ from sink.rollout.assembler import finished
 from sink.server import DurableServer
 from sink.trainer.reader.rollout_reader import RolloutReader
 from sink_cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from sink_cli.main import build_parser, main
+from sink_cli.dispatch import build_parser
+from sink_cli.main import main
 from sink_tools.cluster import LocalCluster
 from tests.helpers.commands import staging_sink
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts

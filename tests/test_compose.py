@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import stat
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,9 @@ def test_the_dockerignore_keeps_secrets_and_clutter_out_of_the_image() -> None:
     assert {".git", ".env", "deploy/users.acl", ".venv", "**/__pycache__", "tests"} <= ignored
     copied = re.findall(r"^COPY (.+) \S+$", DOCKERFILE.read_text(), flags=re.MULTILINE)
     sources = {word for line in copied for word in line.split()}
-    assert sources == {"pyproject.toml", "README.md", "sink", "worker"} and not sources & ignored
+    # Every package of the wheel: without sink_cli the image's `staging-sink` script cannot import its entry point.
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    assert sources == {"pyproject.toml", "README.md", *packages["packages"]} and not sources & ignored
 
 
 def test_valkey_runs_the_durable_config_with_a_healthcheck() -> None:
@@ -178,7 +181,7 @@ def test_setup_and_prune_run_as_admin_and_every_service_waits_for_setup() -> Non
 
 
 def test_the_cli_reads_the_urls_compose_sets() -> None:
-    from sink_cli.main import ENV_GATE_REDIS_URL, ENV_REDIS_URL, build_parser
+    from sink_cli.dispatch import ENV_GATE_REDIS_URL, ENV_REDIS_URL, build_parser
 
     env = {ENV_REDIS_URL: "redis://worker:pw@valkey:6379", ENV_GATE_REDIS_URL: "redis://gate:pw@valkey:6379"}
     demo = build_parser(env).parse_args(command_words(compose()["services"]["demo-worker"])[1:])
@@ -191,7 +194,7 @@ def test_the_cli_reads_the_urls_compose_sets() -> None:
 def test_the_dockerfile_installs_the_metrics_extra() -> None:
     text = DOCKERFILE.read_text()
     assert text.startswith("#") and "FROM python:3.11." in text
-    assert 'pip install ".[metrics,proxy,parquet]"' in text and "USER " in text
+    assert 'pip install ".[cli,metrics,proxy,parquet]"' in text and "USER " in text
 
 
 def test_the_acl_example_is_rendered_from_the_role_table() -> None:

@@ -38,7 +38,8 @@ from sink.errors import CodecError
 from sink.server import free_port
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
-from sink_cli import main as cli
+from sink_cli import dispatch as cli
+from sink_cli.main import main as cli_main
 from tests.helpers.reliability import audit_keyspace, record_measurement
 from tests.helpers.staging import make_chain, make_record
 
@@ -404,7 +405,7 @@ def test_cli_commands_on_bad_input_exit_with_documented_codes(monkeypatch: pytes
         argv = [command, *(["--redis-url", url] if url is not None else []), *(["--json"] if as_json else [])]
         with redirect_stdout(StringIO()), redirect_stderr(StringIO()):
             try:
-                code = cli.main([*argv, "--", *ids])
+                code = cli_main([*argv, "--", *ids])
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else -1
         assert code in (0, 1, 2, 3), (argv, ids, code)

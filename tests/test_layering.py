@@ -1,7 +1,8 @@
 """The architecture rules of the tree, checked on the source.
 
 No import circles (type-only and function-level imports included), folders in a strict layer order (a module imports only its own folder and lower ones),
-``sink`` never importing ``worker`` (lazily or by name), no private module or name imported across packages,
+``sink`` never importing ``worker`` (lazily or by name), the library never importing the tools, the command line or
+the command line's rich (the ``cli`` extra), no private module or name imported across packages,
 the documented re-export shims used only from outside the source tree, a pure wire-contract layer, and blind
 ``except Exception`` only at the documented boundaries listed below.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,13 +59,15 @@ CONTRACT_MODULES = (
     "sink.contract.records",
 )
 IO_LIBRARIES = ("redis", "anyio", "hiredis")
+# The command line's presentation libraries: the ``cli`` extra (pyproject.toml), not a dependency of the library.
+CLI_LIBRARIES = ("rich",)
 
 # Blind handlers (``except Exception``, ``except BaseException``, bare ``except:``) allowed only here, one line why.
 # Key: "path:function" (the innermost enclosing function, or "<module>"); one entry covers every blind handler of that
 # function. A handler that only cleans up and re-raises (its last statement a bare ``raise``) is not blind.
 # Remove an entry with its handler (a stale entry fails the test too).
 BLIND_EXCEPT_BOUNDARIES: dict[str, str] = {
-    "sink_cli/main.py:main": "the CLI top: an expected failure is one stderr line + exit code",
+    "sink_cli/dispatch.py:run": "the CLI top: an expected failure is one stderr line + exit code",
     "sink/store/commit.py:write_batch": "group commit: a bug must not strand waiting callers; logged",
     "sink/store/resource.py:_close_forgotten": "finalizer of an unclosed resource: best effort, logged, never raises",
     "sink/store/resource.py:run": "loop thread: a startup failure goes to the waiting constructor",
@@ -267,6 +271,12 @@ def library_to_tools(tree: Tree) -> list[str]:
     return _reaches(tree, LIBRARY, ("sink_tools", "sink_cli"), "the library reaches the tools or the command line")
 
 
+def library_to_cli_libraries(tree: Tree) -> list[str]:
+    """The library never imports the command line's presentation libraries (rich: the ``cli`` extra), not even by
+    name: an install without the extra is a working library."""
+    return _reaches(tree, LIBRARY, CLI_LIBRARIES, "the library reaches a library of the cli extra")
+
+
 def private_imports(tree: Tree) -> list[str]:
     """No module or name starting with ``_`` imported from another package."""
     found = []
@@ -359,6 +369,7 @@ RULES = {
     "facades and shims": facade_and_shim_imports,
     "sink never imports worker": sink_to_worker,
     "the library never imports the tools or the command line": library_to_tools,
+    "the library never imports the cli extra": library_to_cli_libraries,
     "private imports": private_imports,
     "blind except": blind_except_violations,
     "contract does no io": contract_io,
@@ -382,6 +393,22 @@ def test_the_tree_obeys(rule: str) -> None:
     assert not problems, f"{rule}:\n  " + "\n  ".join(problems)
 
 
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\s<>=!~\[;]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+
+
+def test_rich_is_the_cli_extra_not_a_dependency_of_the_library() -> None:
+    """pyproject.toml: the library's dependencies leave rich out; the extras that run ``staging-sink`` bring it
+    (``cli``; ``proxy``, whose ``staging-sink proxy`` goes through the command line; ``dev``, whose tests run it)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras: dict[str, list[str]] = project["optional-dependencies"]
+    assert not _names(project["dependencies"]) & set(CLI_LIBRARIES), project["dependencies"]
+    assert _names(extras["cli"]) == set(CLI_LIBRARIES), extras["cli"]
+    for extra in ("proxy", "dev"):
+        assert set(extras["cli"]) <= set(extras[extra]), (extra, extras[extra])
+    assert project["scripts"]["staging-sink"] == "sink_cli.main:main"  # the module that checks for the extra
+
+
 # Each rule fails on a deliberately broken copy of the tree.
 BREAKS: dict[str, tuple[str, str]] = {  # rule -> (module file to edit, text appended to it)
     "import circles": ("sink/errors.py", "\ndef _late() -> None:\n    from sink.store import connection  # noqa\n"),
@@ -391,6 +418,10 @@ BREAKS: dict[str, tuple[str, str]] = {  # rule -> (module file to edit, text app
     "the library never imports the tools or the command line": (
         "worker/proxy/app.py",
         "\ndef _late() -> None:\n    import sink_cli.main  # noqa\n",
+    ),
+    "the library never imports the cli extra": (
+        "sink/trainer/batch.py",
+        "\ndef _late() -> None:\n    from rich.table import Table  # noqa\n",
     ),
     "private imports": ("sink/trainer/row.py", "\nfrom sink.store.connection import _hidden  # noqa\n"),
     "blind except": (

@@ -49,4 +49,4 @@ def test_the_image_installs_the_extras_of_its_documented_commands() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     match = re.search(r'pip install "\.\[([a-z,]+)\]"', dockerfile)
     assert match, dockerfile
-    assert {"metrics", "proxy", "parquet"} <= set(match.group(1).split(","))
+    assert {"cli", "metrics", "proxy", "parquet"} <= set(match.group(1).split(","))  # cli: every service's command

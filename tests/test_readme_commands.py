@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sink_cli.main import build_parser, main
+from sink_cli.dispatch import build_parser
+from sink_cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
