@@ -21,13 +21,17 @@ def _snapshot(url: str) -> dict[bytes, bytes | None]:
 
 
 def test_bench_gym_reports_both_systems_and_leaves_nothing_behind(
-    redis_url: str, capsys: pytest.CaptureFixture[str]
+    redis_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     with redis.Redis.from_url(redis_url) as client:
         for key, value in OTHERS.items():
             client.set(key, value)
     before = _snapshot(redis_url)
+    # This test's own temporary directory: another test running the benchmark at the same time (another xdist
+    # worker) makes and removes its files elsewhere.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     floor_dirs = set(Path(tempfile.gettempdir()).glob("stg-bench-gym-*"))
+    assert floor_dirs == set()
     assert cli_main(["bench", "gym", "--redis-url", redis_url, "--puts", "8", "--repeats", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [(r["system"], r["tasks"]) for r in report["put"][:4]] == [
