@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from sink.contract.records import RolloutReceipt
 from sink.keys import claim_key, fence_key
@@ -20,7 +21,6 @@ from sink.store.connection import Topology
 from sink.store.scripts import CLAIM_SCRIPT, RELEASE_SCRIPT, ClaimStatus
 from sink.store.sink import clear_staged
 from sink.store.streams import GroupConsumer, StreamEntry
-from sink.tasks import task_group
 from sink.trainer.reader.guards import own_keys
 from sink.trainer.reader.held import HeldRollouts, claim_rounds
 from sink.trainer.reader.held import entry_token as _token
@@ -50,22 +50,20 @@ class RolloutClaims:
     ) -> list[tuple[StreamEntry, RolloutReceipt]]:
         """Claim every parsed entry's rollout; return the claimed ones in delivery order.
 
-        The first entry of each rollout claims concurrently with the other rollouts' (one round
-        trip for all); a later entry of the same rollout in this pull claims after them, so the
-        first entry in delivery order wins.
+        The first entry of each rollout claims with the other rollouts' in one pipeline per node (one round trip
+        for all); a later entry of the same rollout in this pull claims after them, so the first entry in
+        delivery order wins.
         """
         firsts, later = claim_rounds([receipt.rollout_id for _entry, receipt in parsed])
         won = [False] * len(parsed)
-
-        async def claim(index: int) -> None:
-            entry, receipt = parsed[index]
-            won[index] = await self.claim(entry, receipt)
-
-        async with task_group() as group:
-            for index in firsts:
-                group.start_soon(claim, index)
+        fresh = [index for index in firsts if not self._held.holds(parsed[index][0])]  # held: in hand already
+        calls = [self._claim_call(*parsed[index]) for index in fresh]
+        async with self._topology.translated(f"claim {len(calls)} rollouts"):
+            replies = raise_first_error(await run_batch(self._topology, calls)) if calls else []
+        for index, reply in zip(fresh, replies, strict=True):
+            won[index] = await self._claimed(*parsed[index], reply)
         for index in later:
-            await claim(index)
+            won[index] = await self.claim(*parsed[index])
         claimed = []
         for (entry, receipt), ours in zip(parsed, won, strict=True):
             if ours:
@@ -76,18 +74,26 @@ class RolloutClaims:
 
     async def claim(self, entry: StreamEntry, receipt: RolloutReceipt) -> bool:
         """Claim *receipt*'s rollout for this entry; acknowledge and drop the entry if it is a duplicate."""
-        rollout_id = receipt.rollout_id
         if self._held.holds(entry):
             return False  # already in hand from an earlier pull
+        call = self._claim_call(entry, receipt)
+        async with self._topology.translated(f"claim rollout {receipt.rollout_id!r}"):
+            reply = await CLAIM_SCRIPT.run(self._topology.client, call.keys, call.args)
+        return await self._claimed(entry, receipt, reply)
+
+    def _claim_call(self, entry: StreamEntry, receipt: RolloutReceipt) -> BatchCall:
+        """The claim script's call for *entry*."""
         # A state-3 receipt (no attribution ran: the ledger was unreadable or
         # already retired at assembly) is always reported; for any other
         # receipt a retire fence means the rollout was consumed already.
         check_fence = "1" if receipt.terminal_selection is not None else "0"
-        keys = [claim_key(self._ns, rollout_id), fence_key(self._ns, rollout_id)]
-        async with self._topology.translated(f"claim rollout {rollout_id!r}"):
-            reply = await CLAIM_SCRIPT.run(
-                self._topology.client, keys, [_token(entry), self._consumer.consumer, check_fence]
-            )
+        keys = [claim_key(self._ns, receipt.rollout_id), fence_key(self._ns, receipt.rollout_id)]
+        return BatchCall(keys, [_token(entry), self._consumer.consumer, check_fence], CLAIM_SCRIPT)
+
+    async def _claimed(self, entry: StreamEntry, receipt: RolloutReceipt, reply: Any) -> bool:
+        """Whether the claim script's *reply* made the rollout this entry's; a duplicate is acknowledged and
+        dropped (a retired rollout's cleanup finished first)."""
+        rollout_id = receipt.rollout_id
         if reply[0] == ClaimStatus.CLAIMED:
             if entry.deliveries > 1 and self.defer_grouped and entry.fields.get("group_id"):
                 self.redelivered_grouped.add(rollout_id)
