@@ -1,11 +1,18 @@
-"""``staging-sink bench proxy``: the report's arithmetic, and one tiny real run (engine and proxies as processes)."""
+"""``staging-sink bench proxy``: the report's arithmetic, the optional gateway paths, and one tiny real run (engine
+and proxies as processes)."""
 
 from __future__ import annotations
+
+import argparse
+import sys
+import types
+from collections.abc import Sequence
 
 import pytest
 import redis
 
 from sink_cli.main import main
+from sink_tools.bench import proxy
 from sink_tools.bench.proxy import PathResult, format_report
 
 
@@ -64,6 +71,67 @@ def test_report_of_paths_that_only_failed() -> None:
     assert "calls/s at 16 clients" not in report  # no ratio over a path without one successful call
 
 
+def test_report_checks_ours_against_the_gateway() -> None:
+    results = [
+        PathResult("direct", 1, 10, 1.0, [0.010] * 10),
+        PathResult("capture", 1, 10, 1.0, [0.013] * 10),
+        PathResult("exact", 1, 10, 1.0, [0.016] * 10),
+        PathResult("gateway", 1, 10, 1.0, [0.014] * 10),
+        PathResult("gateway-sync", 1, 10, 1.0, [0.015] * 10),
+        PathResult("capture", 16, 90, 1.0, [0.02] * 90),
+        PathResult("exact", 16, 60, 1.0, [0.03] * 60),
+        PathResult("gateway", 16, 80, 1.0, [0.02] * 80),
+        PathResult("gateway-sync", 16, 75, 1.0, [0.02] * 75),
+    ]
+    report = format_report(results, stage_p50_ms=1.0, tokens=64, notes=["a note"])
+    assert (
+        "verify vs gateway, added p50 over direct at 1 client: 3.00 vs 4.00 ms (target verify <= gateway: ok)" in report
+    )
+    assert (
+        "exact vs gateway-sync, added p50 over direct at 1 client: 6.00 vs 5.00 ms "
+        "(target exact <= gateway-sync: MISSED)"
+    ) in report
+    assert "capture/gateway calls/s at 16 clients: 1.12 (target >= 1: ok)" in report
+    assert "capture/gateway-sync calls/s at 16 clients: 1.20 (target >= 1: ok)" in report
+    assert "exact/gateway calls/s at 16 clients: 0.75 (target >= 1: MISSED)" in report
+    assert "exact/gateway-sync calls/s at 16 clients: 0.80 (target >= 1: MISSED)" in report
+    lines = report.splitlines()
+    assert lines[1] == "a note" and lines[2].split()[1] == "path"
+    assert "      1 gateway-sync     10      0      10.0    15.00    15.00" in lines  # the path column widened
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_bench_runs_the_gateway_paths_only_with_the_package(
+    installed: bool, redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # None in sys.modules: ``import rllm_model_gateway`` fails as if it were not installed; a stand-in module
+    # makes it importable without the real package (whether or not it is installed here).
+    monkeypatch.setitem(
+        sys.modules, "rllm_model_gateway", types.ModuleType("rllm_model_gateway") if installed else None
+    )
+    asked: list[Sequence[str]] = []
+
+    def run(
+        url: str, namespace: str, args: argparse.Namespace, paths: Sequence[str]
+    ) -> tuple[list[PathResult], str, float, list[str]]:
+        asked.append(paths)
+        return [PathResult(path, 1, 2, 1.0, [0.01, 0.01]) for path in paths], "a stand-in engine", 1.0, []
+
+    monkeypatch.setattr(proxy, "_run", run)
+    assert main(["bench", "proxy", "--clients", "1", "--repeats", "1", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    skipped = [line for line in out.splitlines() if "gateway paths skipped" in line]
+    rows = [line.split()[1] for line in out.splitlines() if line.split() and line.split()[0] == "1"]
+    if installed:
+        assert asked == [("direct", "bare", "capture", "exact", "gateway", "gateway-sync")] and not skipped
+        assert rows == ["direct", "bare", "capture", "exact", "gateway", "gateway-sync"]
+    else:
+        assert asked == [("direct", "bare", "capture", "exact")] and rows == ["direct", "bare", "capture", "exact"]
+        assert len(skipped) == 1  # one line, with the reason and the remedy
+        assert skipped[0].startswith("gateway paths skipped: rllm_model_gateway is not importable (")
+        assert skipped[0].endswith("); pip install rllm-model-gateway to include them")
+
+
 @pytest.mark.slow
 def test_tiny_benchmark_run(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
@@ -95,5 +163,13 @@ def test_tiny_benchmark_run(redis_url: str, capsys: pytest.CaptureFixture[str]) 
     assert "best of 2 interleaved repeat(s)" in out and "engine: the simulated engine" in out
     assert "proxy's own share, capture at 2 clients: p50" in out and "proxy's own share, exact at 1 clients" in out
     rows = [line.split()[1] for line in out.splitlines() if line.split() and line.split()[0] in ("1", "2")]
-    assert sorted(rows) == sorted(["direct", "bare", "capture", "exact"] * 2)
+    gateway = proxy.gateway_skipped() is None  # an optional install: its paths run only where it is importable
+    paths = ["direct", "bare", "capture", "exact", *(["gateway", "gateway-sync"] if gateway else [])]
+    assert sorted(rows) == sorted(paths * 2)
     assert "added over direct at 2 clients: verify p50" in out
+    if gateway:  # 2 repeats of 1 x 2 + 2 x 2 calls each: one trace per call, each with its token ids
+        counted = "gateway 12 for 12 calls (12 with token ids), gateway-sync 12 for 12 calls (12 with token ids)"
+        assert f"gateway traces in SQLite: {counted} (one per call: ok)" in out
+        assert "verify vs gateway, added p50 over direct at 1 client: " in out
+    else:
+        assert "gateway paths skipped: " in out

@@ -1,4 +1,5 @@
-"""Benchmark: the capture proxy against the engine directly and a bare forwarding proxy (``staging-sink bench proxy``).
+"""Benchmark: the capture proxy against the engine directly, a bare forwarding proxy and rLLM's model gateway
+(``staging-sink bench proxy``).
 
 One run, side by side, at 1, 16 and 64 concurrent clients, every call a 2,048-token chat completion (with
 ``--turns N``, each client runs N-turn rollouts: every call continues the previous one's conversation):
@@ -8,7 +9,16 @@ One run, side by side, at 1, 16 and 64 concurrent clients, every call a 2,048-to
 * ``capture``: client -> ``staging-sink proxy --prefix-mode verify`` -> engine, with durable staging before each
   response (the engine re-templates history; drift is detected);
 * ``exact``: client -> ``staging-sink proxy --prefix-mode exact`` -> engine: render, generate from the spliced
-  token ids, derender, then the same staging.
+  token ids, derender, then the same staging;
+* ``gateway``: client -> rLLM's model gateway (``python -m rllm_model_gateway``, PyPI ``rllm-model-gateway``, an
+  optional install) -> engine, each call's trace (its token ids and log-probs) written to SQLite after the reply
+  (the gateway's default);
+* ``gateway-sync``: the same with the gateway's ``sync_traces`` (set in its YAML ``--config``): the trace is
+  written before the reply.
+
+The gateway's calls go to its ``/sessions/{rollout}/v1/...`` URLs, so it records a trace of every call, and the
+report counts them in its SQLite stores (a temporary directory) once the gateways have stopped. Without the
+package, one line says the gateway paths were skipped and the others run as before.
 
 Every path talks to the same engine in the same run: by default the simulated one (``staging-sink engine
 --enable-scale-out``, one process); with ``--engine-url`` an engine already running there (a vLLM 0.32 started
@@ -24,15 +34,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import signal
 import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from functools import partial
+from pathlib import Path
 
 import anyio
 import httpx
@@ -42,13 +56,27 @@ from sink.contract.records import CaptureAdmission
 from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from sink_tools.bench import BenchHelpFormatter, BenchmarkNamespaceInUseError, BenchNamespace, report_on_server
-from sink_tools.bench.proxy_report import PathResult, format_report
+from sink_tools.bench.proxy_report import GATEWAY_PATHS, PathResult, format_report
 from worker.capture import RolloutTokenCapture
 
-__all__ = ("PathResult", "format_report", "main", "server_timing")
+__all__ = ("PathResult", "format_report", "gateway_skipped", "main", "server_timing")
 
 _PATHS = ("direct", "bare", "capture", "exact")
 _CAPTURED = frozenset({"capture", "exact"})
+_GATEWAYS = frozenset(GATEWAY_PATHS)
+
+
+def gateway_skipped() -> str | None:
+    """The one line saying why the gateway paths are skipped (``rllm_model_gateway`` is not importable here, so
+    ``python -m rllm_model_gateway`` would not start), or ``None`` when they run."""
+    try:
+        importlib.import_module("rllm_model_gateway")
+    except ImportError as exc:
+        return (
+            f"gateway paths skipped: rllm_model_gateway is not importable ({exc}); "
+            "pip install rllm-model-gateway to include them"
+        )
+    return None
 
 
 def server_timing(value: str) -> tuple[float, float, float]:
@@ -75,18 +103,19 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _process(args: Sequence[str], health: str) -> Iterator[None]:
-    process = subprocess.Popen([sys.executable, "-m", "sink_cli", *args], stdout=subprocess.DEVNULL)
+def _process(args: Sequence[str], health: str, module: str = "sink_cli") -> Iterator[None]:
+    process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL)
+    name = args[0] if module == "sink_cli" else module
     try:
         deadline = time.monotonic() + 30
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited with {process.returncode}")
+                raise RuntimeError(f"{name} exited with {process.returncode}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(health, timeout=1).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{args[0]} did not come up")
+                raise RuntimeError(f"{name} did not come up")
             time.sleep(0.1)
         yield
     finally:
@@ -119,7 +148,7 @@ async def _drive(
             if call % turns == 0:
                 rollout = f"{run}-{path}-{clients}-{index}-{call}"
                 messages = [{"role": "user", "content": f"bench {index} {call}"}]
-            prefix = f"/r/{rollout}" if path in _CAPTURED else ""
+            prefix = f"/r/{rollout}" if path in _CAPTURED else f"/sessions/{rollout}" if path in _GATEWAYS else ""
             body = {"model": model, "messages": messages, "max_tokens": tokens, "min_tokens": tokens}
             started = time.perf_counter()
             response = await http.post(f"{base}{prefix}/v1/chat/completions", content=orjson.dumps(body), headers=_JSON)
@@ -190,26 +219,67 @@ def _engine(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         yield url, "the simulated engine (staging-sink engine --enable-scale-out: one process, one event loop)"
 
 
-def _run(url: str, namespace: str, args: argparse.Namespace) -> tuple[list[PathResult], str, float]:
-    """Every path at every concurrency, ``--repeats`` times; returns the results, the engine, the best stage p50."""
-    bare_port, capture_port, exact_port = _free_port(), _free_port(), _free_port()
+def _gateway_args(path: str, engine: str, port: int, store: Path) -> list[str]:
+    """``rllm-model-gateway``'s arguments for *path*: one worker (the engine), its SQLite file in *store*; logging
+    at ``warning`` (no access lines), as our proxies'."""
+    args = ["--host", "127.0.0.1", "--port", str(port), "--worker", f"{engine}/v1", "--log-level", "warning"]
+    args += ["--db-path", str(store / f"{path}.db")]
+    if path == "gateway-sync":  # no flag or environment variable sets sync_traces: only the YAML config
+        config = store / f"{path}.yaml"
+        config.write_text("sync_traces: true\n")
+        args += ["--config", str(config)]
+    return args
+
+
+def _gateway_traces(database: Path) -> tuple[int, int]:
+    """``(traces, traces with completion token ids)`` in a gateway's SQLite file (none before its first trace)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as connection:
+            query = "SELECT COUNT(*), SUM(json_array_length(data, '$.completion_token_ids') > 0) FROM traces"
+            traces, with_ids = connection.execute(query).fetchone()
+    except sqlite3.OperationalError:  # no file, or no table yet
+        return 0, 0
+    return traces, with_ids or 0
+
+
+def _traces_note(results: Sequence[PathResult], store: Path) -> str:
+    """The gateways' traces against their successful calls (after the gateways stopped: pending writes drained)."""
+    counted, ok = [], True
+    for path in GATEWAY_PATHS:
+        calls = sum(result.calls for result in results if result.path == path)
+        traces, with_ids = _gateway_traces(store / f"{path}.db")
+        ok = ok and traces == calls == with_ids
+        counted.append(f"{path} {traces} for {calls} calls ({with_ids} with token ids)")
+    return f"gateway traces in SQLite: {', '.join(counted)} (one per call: {'ok' if ok else 'MISMATCH'})"
+
+
+def _run(
+    url: str, namespace: str, args: argparse.Namespace, paths: Sequence[str] = _PATHS
+) -> tuple[list[PathResult], str, float, list[str]]:
+    """Every path at every concurrency, ``--repeats`` times; returns the results, the engine, the best stage p50
+    and the report's notes (the gateways' traces counted)."""
+    ports = {path: _free_port() for path in paths if path != "direct"}
     results: list[PathResult] = []
     stage_p50s: list[float] = []
+    notes: list[str] = []
     run = uuid.uuid4().hex[:8]
-    with _engine(args) as (engine, described):
-        bases = {
-            "direct": engine,
-            "bare": f"http://127.0.0.1:{bare_port}",
-            "capture": f"http://127.0.0.1:{capture_port}",
-            "exact": f"http://127.0.0.1:{exact_port}",
-        }
+    with _engine(args) as (engine, described), tempfile.TemporaryDirectory(prefix="stg-bench-gateway-") as store:
+        bases = {"direct": engine, **{path: f"http://127.0.0.1:{port}" for path, port in ports.items()}}
         proxy = ["proxy", "--upstream", engine, "--redis-url", url, "--namespace", namespace]
         timed = [*proxy, "--server-timing"]
-        with (
-            _process([*proxy, "--no-capture", "--port", str(bare_port)], f"{bases['bare']}/health"),
-            _process([*timed, "--prefix-mode", "verify", "--port", str(capture_port)], f"{bases['capture']}/health"),
-            _process([*timed, "--prefix-mode", "exact", "--port", str(exact_port)], f"{bases['exact']}/health"),
-        ):
+        proxies = {
+            "bare": [*proxy, "--no-capture"],
+            "capture": [*timed, "--prefix-mode", "verify"],
+            "exact": [*timed, "--prefix-mode", "exact"],
+        }
+        with contextlib.ExitStack() as processes:
+            for path, port in ports.items():
+                health = f"{bases[path]}/health"
+                if path in _GATEWAYS:
+                    gateway = _gateway_args(path, engine, port, Path(store))
+                    processes.enter_context(_process(gateway, health, module="rllm_model_gateway"))
+                else:
+                    processes.enter_context(_process([*proxies[path], "--port", str(port)], health))
             for repeat in range(args.repeats):  # interleaved: every path once per repeat, at every concurrency
                 stage = partial(_stage_p50_ms, url, namespace, args.tokens, args.stage_samples, f"-{repeat}")
                 stage_p50s.append(anyio.run(stage))  # the sink's own stage, in the same conditions
@@ -224,8 +294,10 @@ def _run(url: str, namespace: str, args: argparse.Namespace) -> tuple[list[PathR
                         turns=args.turns,
                         model=args.model,
                     )
-                    results.extend(anyio.run(partial(drive, bases[path], path)) for path in _PATHS)
-    return results, described, min(stage_p50s)
+                    results.extend(anyio.run(partial(drive, bases[path], path)) for path in paths)
+        if _GATEWAYS <= set(paths):
+            notes.append(_traces_note(results, Path(store)))
+    return results, described, min(stage_p50s), notes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -252,21 +324,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    skipped = gateway_skipped()
+    paths = _PATHS if skipped else (*_PATHS, *GATEWAY_PATHS)
 
-    def run(url: str, _server: DurableServer | None) -> tuple[list[PathResult], str, float]:
+    def run(url: str, _server: DurableServer | None) -> tuple[list[PathResult], str, float, list[str]]:
         # Every key goes under a fresh namespace of the benchmark's own, deleted at the end (also after an
         # error); a namespace that already has keys is refused, as for every benchmark (sink_tools.bench).
         space = BenchNamespace(url=url, namespace=f"stg-bench-proxy-{uuid.uuid4().hex[:8]}")
         if (found := anyio.run(space.first_key)) is not None:
             raise BenchmarkNamespaceInUseError(f"benchmark namespace {space.namespace!r} has a key: {found!r}")
         try:
-            return _run(url, space.namespace, args)
+            return _run(url, space.namespace, args, paths)
         finally:
             anyio.run(space.clear)
 
-    return report_on_server(
-        args.redis_url, run, lambda figures: format_report(figures[0], figures[2], args.tokens, figures[1])
-    )
+    def render(figures: tuple[list[PathResult], str, float, list[str]]) -> str:
+        notes = [skipped, *figures[3]] if skipped else figures[3]
+        return format_report(figures[0], figures[2], args.tokens, figures[1], notes=notes)
+
+    return report_on_server(args.redis_url, run, render)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ lowest p50, throughput the highest calls/s. The proxy's own share of a captured 
 (its ``Server-Timing`` header, :mod:`worker.proxy.call_timing`): the call's time in the proxy minus the wall time
 spent waiting for engine answers, so it holds the admission, the stage, the ledger commit, the JSON work and any
 wait for the proxy's event loop, and never the engine's cost of generating or computing log-probs.
+
+With rLLM's model gateway installed, its two modes are peer paths (``gateway``: traces written to SQLite after
+the reply; ``gateway-sync``: its ``sync_traces``, written before it), and the report checks ours against them:
+verify mode's added p50 over direct at 1 client at most the gateway's, exact mode's at most ``gateway-sync``'s,
+and both capturing proxies' calls/s at 16 clients at least each gateway mode's.
 """
 
 from __future__ import annotations
@@ -12,7 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ("MAX_EXACT_TO_VERIFY", "MIN_CAPTURE_TO_BARE", "OWN_SHARE_OVER_STAGE_MS", "PathResult", "format_report")
+__all__ = (
+    "GATEWAY_PATHS",
+    "MAX_EXACT_TO_VERIFY",
+    "MIN_CAPTURE_TO_BARE",
+    "MIN_CAPTURE_TO_GATEWAY",
+    "OWN_SHARE_OVER_STAGE_MS",
+    "PathResult",
+    "format_report",
+)
 
 MIN_CAPTURE_TO_BARE = 0.5
 """Target: a capturing proxy's calls/s at 16 clients at least this fraction of bare forwarding's."""
@@ -20,6 +33,12 @@ MAX_EXACT_TO_VERIFY = 1.5
 """Target: exact-prefix mode's added p50 over calling the engine directly at most this many times verify mode's."""
 OWN_SHARE_OVER_STAGE_MS = 2.0
 """Target: the proxy's own share of a captured call (p50) at most the sink's stage p50 plus this many ms."""
+MIN_CAPTURE_TO_GATEWAY = 1.0
+"""Target: a capturing proxy's calls/s at 16 clients at least this fraction of each rLLM gateway mode's."""
+GATEWAY_PATHS = ("gateway", "gateway-sync")
+"""rLLM's model gateway: traces persisted after the reply (its default), and before it (``sync_traces``)."""
+_PEERS = (("verify", "capture", "gateway"), ("exact", "exact", "gateway-sync"))
+"""(our mode, its path, the gateway path it is held against) for the added-latency targets."""
 
 
 def _percentile_ms(values: Sequence[float], q: float) -> float:
@@ -101,22 +120,50 @@ def _own_lines(best: dict[tuple[str, int], _Best], stage_p50_ms: float) -> list[
     return lines
 
 
-def format_report(results: list[PathResult], stage_p50_ms: float, tokens: int, engine: str = "") -> str:
-    """The side-by-side table (best of the repeats) and the target checks."""
+def _gateway_lines(best: dict[tuple[str, int], _Best]) -> list[str]:
+    """Ours against rLLM's gateway: added p50 over direct at 1 client, calls/s at 16 clients."""
+    lines = []
+    for mode, path, peer in _PEERS:
+        keys = [("direct", 1), (path, 1), (peer, 1)]
+        if all(key in best for key in keys):
+            direct, ours, theirs = (best[key].latency.percentile_ms(50) for key in keys)
+            added, peer_added = ours - direct, theirs - direct
+            lines.append(
+                f"{mode} vs {peer}, added p50 over direct at 1 client: {added:.2f} vs {peer_added:.2f} ms "
+                f"(target {mode} <= {peer}: {_verdict(added <= peer_added)})"
+            )
+    for path in ("capture", "exact"):
+        for peer in GATEWAY_PATHS:
+            if (path, 16) in best and (peer, 16) in best and best[(peer, 16)].calls_per_s > 0:
+                ratio = best[(path, 16)].calls_per_s / best[(peer, 16)].calls_per_s
+                verdict = _verdict(ratio >= MIN_CAPTURE_TO_GATEWAY)
+                lines.append(
+                    f"{path}/{peer} calls/s at 16 clients: {ratio:.2f} (target >= {MIN_CAPTURE_TO_GATEWAY:g}: {verdict})"
+                )
+    return lines
+
+
+def format_report(
+    results: list[PathResult], stage_p50_ms: float, tokens: int, engine: str = "", notes: Sequence[str] = ()
+) -> str:
+    """The side-by-side table (best of the repeats) and the target checks; *notes* are lines after the engine's
+    (the gateway paths skipped, or their traces counted)."""
     best = _best(results)
     repeats = max((entry.repeats for entry in best.values()), default=0)
+    width = max([8, *(len(path) for path, _ in best)])  # "gateway-sync" widens the path column
     title = f"proxy benchmark: {tokens}-token chat completions; sink stage p50 {stage_p50_ms:.2f} ms"
-    heading = f"{'clients':>7} {'path':>8} {'calls':>6} {'errors':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}"
+    heading = f"{'clients':>7} {'path':>{width}} {'calls':>6} {'errors':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}"
     lines = [
         f"{title}; best of {repeats} interleaved repeat(s)",
         *([f"engine: {engine}"] if engine else []),
+        *notes,
         f"{heading} {'own p50':>8} {'own p99':>8}",
     ]
     for (path, clients), entry in best.items():
         run = entry.latency
         own = f" {run.own_ms(50):>8.2f} {run.own_ms(99):>8.2f}" if run.own_s else ""
         lines.append(
-            f"{clients:>7} {path:>8} {run.calls:>6} {run.errors:>6} {entry.calls_per_s:>9.1f} "
+            f"{clients:>7} {path:>{width}} {run.calls:>6} {run.errors:>6} {entry.calls_per_s:>9.1f} "
             f"{run.percentile_ms(50):>8.2f} {run.percentile_ms(99):>8.2f}{own}"
         )
     for path in ("capture", "exact"):
@@ -142,4 +189,5 @@ def format_report(results: list[PathResult], stage_p50_ms: float, tokens: int, e
                 f"exact p50 {exact_p50:.2f} / p99 {exact_p99:.2f} ms; exact/verify p50 {ratio:.2f} "
                 f"(target <= {MAX_EXACT_TO_VERIFY}: {_verdict(ratio <= MAX_EXACT_TO_VERIFY)})"
             )
+    lines.extend(_gateway_lines(best))
     return "\n".join(lines)
