@@ -75,21 +75,25 @@ def test_the_confirmation_queues_what_it_judges(confirmation: Confirmation, repl
 # --- one path -----------------------------------------------------------------------------------------------------
 
 
-def _modules_naming(name: str) -> set[str]:
-    found = set()
+def _modules_naming(*names: str) -> dict[str, set[str]]:
+    """For each of *names*, the modules of ``sink`` and ``worker`` that use it as a name or a string constant (each
+    module parsed once for all of them)."""
+    found: dict[str, set[str]] = {name: set() for name in names}
     for path in [*(ROOT / "sink").rglob("*.py"), *(ROOT / "worker").rglob("*.py")]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        if any(isinstance(node, ast.Name) and node.id == name for node in ast.walk(tree)):
-            found.add(path.relative_to(ROOT).as_posix())
-        if any(isinstance(node, ast.Constant) and node.value == name for node in ast.walk(tree)):
-            found.add(path.relative_to(ROOT).as_posix())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id in found:
+                found[node.id].add(path.relative_to(ROOT).as_posix())
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in found:
+                found[node.value].add(path.relative_to(ROOT).as_posix())
     return found
 
 
 def test_the_durable_confirmation_is_sent_from_one_module() -> None:
-    assert _modules_naming("WAITAOF") == {"sink/store/durability.py"}
-    assert _modules_naming("send_calls") == {"sink/store/batch.py", "sink/store/commit.py"}
-    assert _modules_naming("Confirmation") == {
+    naming = _modules_naming("WAITAOF", "send_calls", "Confirmation")
+    assert naming["WAITAOF"] == {"sink/store/durability.py"}
+    assert naming["send_calls"] == {"sink/store/batch.py", "sink/store/commit.py"}
+    assert naming["Confirmation"] == {
         "sink/store/durability.py",
         "sink/store/batch.py",
         "sink/store/commit.py",

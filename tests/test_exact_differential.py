@@ -29,6 +29,7 @@ import pytest
 from tests.helpers.logging_hop import LoggingHop, running_hop
 from tests.helpers.proxy import client_for, close_clients, proxy_config
 from tests.helpers.tier_engine import TierEngine, tier_engine
+from tests.helpers.tls import tls
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 
@@ -249,7 +250,10 @@ def _generate_requests(hop: LoggingHop) -> list[dict[str, Any]]:
 def _rendered(engine: TierEngine, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
     body = {k: v for k, v in options.items() if k not in ("stream", "stream_options")}
     answer = httpx.post(
-        f"{engine.url}/v1/chat/completions/render", json={"model": engine.model, "messages": messages, **body}, timeout=60
+        f"{engine.url}/v1/chat/completions/render",
+        json={"model": engine.model, "messages": messages, **body},
+        timeout=60,
+        verify=tls(),
     )
     assert answer.status_code == 200, answer.text
     ids: list[int] = answer.json()["token_ids"]

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import argparse
+import functools
 from contextlib import redirect_stderr, redirect_stdout
 from datetime import timedelta
 from io import StringIO
@@ -364,13 +366,19 @@ _TOKENS = st.sampled_from(_OPTIONS) | st.text(max_size=12) | st.integers(-5, 10*
 _ARGV = st.tuples(st.sampled_from(_COMMANDS), st.lists(_TOKENS, max_size=6)).map(lambda t: [t[0], *t[1]])
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """The command line's parser, built once for every example (parsing leaves an argparse parser as it was)."""
+    return cli.build_parser(env={})
+
+
 @PURE
 @given(_ARGV)
 def test_cli_argument_parsing_exits_cleanly(argv: list[str]) -> None:
     """Parsing alone (no command runs): a namespace, or a clean exit 0 (help) / 2 (usage)."""
     with redirect_stdout(StringIO()), redirect_stderr(StringIO()):
         try:
-            cli.build_parser(env={}).parse_args(argv)
+            _parser().parse_args(argv)
         except SystemExit as exc:
             assert exc.code in (0, 2), exc.code
 

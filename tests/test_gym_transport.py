@@ -513,6 +513,8 @@ def test_a_transport_belongs_to_the_loop_of_its_first_call(urls: Urls) -> None:
 
 
 async def test_min_replicas_puts_reach_the_replica_and_a_paused_one_fails_them(fresh_server: DurableServer) -> None:
+    with fresh_server.client() as admin:
+        admin.config_set("repl-diskless-sync-delay", "0")  # the replica's first sync starts at once, not after 5 s
     with DurableServer(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
         async with transport(Urls.single(fresh_server.url), min_replicas=1, confirm_timeout_s=0.5) as (sink, _source):
             for _attempt in range(100):  # a loaded machine may take a few windows for the first sync

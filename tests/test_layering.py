@@ -374,22 +374,25 @@ RULES = {
     "blind except": blind_except_violations,
     "contract does no io": contract_io,
 }
-TREE = Tree.load(ROOT)
+@pytest.fixture(scope="module")
+def tree() -> Tree:
+    """The parsed tree, once per worker that runs these tests (not at import: every worker imports this module)."""
+    return Tree.load(ROOT)
 
 
-def test_the_module_list_covers_the_tree() -> None:
-    assert {"sink", "sink.contract.records", "sink.contract.digest", "worker", "worker.capture"} <= set(TREE.paths)
+def test_the_module_list_covers_the_tree(tree: Tree) -> None:
+    assert {"sink", "sink.contract.records", "sink.contract.digest", "worker", "worker.capture"} <= set(tree.paths)
 
 
-def test_every_folder_has_a_layer() -> None:
-    assert all(layer_of(module) >= 0 for module in TREE.paths)
+def test_every_folder_has_a_layer(tree: Tree) -> None:
+    assert all(layer_of(module) >= 0 for module in tree.paths)
     assert layer_of("sink.errors") < layer_of("sink.contract.records") < layer_of("sink_cli.main")
     assert layer_of("sink.contract._packed.rows") == layer_of("sink.contract.packed")
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_the_tree_obeys(rule: str) -> None:
-    problems = RULES[rule](TREE)
+def test_the_tree_obeys(rule: str, tree: Tree) -> None:
+    problems = RULES[rule](tree)
     assert not problems, f"{rule}:\n  " + "\n  ".join(problems)
 
 
@@ -433,12 +436,12 @@ BREAKS: dict[str, tuple[str, str]] = {  # rule -> (module file to edit, text app
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_the_rule_fails_on_a_broken_tree(rule: str) -> None:
+def test_the_rule_fails_on_a_broken_tree(rule: str, tree: Tree) -> None:
     """The real tree with one module's source broken (parsed again with the text appended; the rules read only
     the parsed trees)."""
     relative, text = BREAKS[rule]
     module = _module_name(Path(relative))
-    broken = Tree(TREE.root, dict(TREE.paths), dict(TREE.trees))
-    broken.trees[module] = ast.parse(TREE.paths[module].read_text() + text, filename=relative)
-    assert not RULES[rule](TREE), "the real tree must obey the rule first"
+    broken = Tree(tree.root, dict(tree.paths), dict(tree.trees))
+    broken.trees[module] = ast.parse(tree.paths[module].read_text() + text, filename=relative)
+    assert not RULES[rule](tree), "the real tree must obey the rule first"
     assert RULES[rule](broken), f"{rule!r} did not notice the break"

@@ -17,6 +17,7 @@ from sink.trainer.pulled import PulledRollout
 from sink_tools.simulated.http_app import EngineApp
 from sink_tools.simulated.options import EngineOptions
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, expected_ids, manifest, proxy_config, pull
+from tests.helpers.tls import tls
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 
@@ -58,7 +59,8 @@ def _tool(messages: Messages, text: str) -> Messages:
 
 
 def _finish(base: str, rollout_id: str, response_id: str) -> None:
-    answer = httpx.post(f"{base}/r/{rollout_id}/finished", json={"reward": 0.75, "declared_response_id": response_id})
+    body = {"reward": 0.75, "declared_response_id": response_id}
+    answer = httpx.post(f"{base}/r/{rollout_id}/finished", json=body, verify=tls())
     assert answer.status_code == 200, answer.text
 
 

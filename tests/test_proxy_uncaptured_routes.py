@@ -13,6 +13,7 @@ from sink_tools.simulated.http_app import EngineApp
 from sink_tools.simulated.options import EngineOptions
 from tests.helpers.logging_hop import running_hop
 from tests.helpers.proxy import proxy_config
+from tests.helpers.tls import tls
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
 
@@ -39,8 +40,10 @@ def test_fail_closed_refuses_rollout_calls_to_uncaptured_routes(redis_url: str, 
     with running_hop(engine_url) as (hop, hop_url):
         app = ProxyApp(proxy_config(redis_url, hop_url, fail_closed=True, prefix_mode="verify"))
         with running_server(app) as url:
-            tagged = httpx.post(f"{url}/r/gen-1{path}", json=GENERATE, timeout=20)
-            header = httpx.post(f"{url}{path}", json=GENERATE, headers={"X-Staging-Rollout-Id": "gen-2"}, timeout=20)
+            tagged = httpx.post(f"{url}/r/gen-1{path}", json=GENERATE, timeout=20, verify=tls())
+            header = httpx.post(
+                f"{url}{path}", json=GENERATE, headers={"X-Staging-Rollout-Id": "gen-2"}, timeout=20, verify=tls()
+            )
             seen = [exchange.path for exchange in hop.exchanges]
     for answer in (tagged, header):
         assert answer.status_code == 503, answer.text

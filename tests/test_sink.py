@@ -133,6 +133,8 @@ async def test_missing_replicas_fail_within_the_confirm_timeout(redis_url: str) 
 
 
 async def test_a_paused_replica_fails_stages_until_it_resumes(fresh_server: DurableServer, tmp_path: Path) -> None:
+    with fresh_server.client() as admin:
+        admin.config_set("repl-diskless-sync-delay", "0")  # the replica's first sync starts at once, not after 5 s
     with DurableServer(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
         with _client(replica.url) as client:
             for _ in range(100):

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import orjson
 
+from tests.helpers.tls import tls
 from worker.asgi import Receive, Scope, Send, read_body
 from worker.proxy.serve import running_server
 
@@ -80,7 +81,7 @@ class LoggingHop:
             while True:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
-                    self._client = httpx.AsyncClient(timeout=httpx.Timeout(300.0))
+                    self._client = httpx.AsyncClient(timeout=httpx.Timeout(300.0), verify=tls())
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     if self._client is not None:

@@ -24,6 +24,8 @@ from typing import IO, Literal
 import anyio
 import httpx
 
+from tests.helpers.tls import tls
+
 __all__ = ("Output", "Stream", "free_port", "healthy", "service", "stop", "until", "wait_for")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +40,7 @@ def free_port() -> int:
 
 def healthy(url: str) -> bool:
     with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url, timeout=1).status_code == 200
+        return httpx.get(url, timeout=1, verify=tls()).status_code == 200
     return False
 
 

@@ -20,6 +20,7 @@ from sink_tools.simulated.engine import IM_END
 from sink_tools.simulated.http_app import EngineApp
 from sink_tools.simulated.options import EngineOptions
 from tests.helpers.e2e import pull_until, running_assembler
+from tests.helpers.tls import openai_client, tls
 from worker.asgi import ASGIApp, Receive, Scope, Send, read_body, send_body
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
@@ -98,7 +99,7 @@ _OPEN_CLIENTS: list[openai.OpenAI] = []
 def client_for(base: str, rollout_id: str | None = None) -> openai.OpenAI:
     """An openai client on *base* (the rollout's route when given); :func:`close_clients` closes it."""
     path = f"/r/{rollout_id}/v1" if rollout_id else "/v1"
-    client = openai.OpenAI(base_url=base + path, api_key="unused", max_retries=0, timeout=20)
+    client = openai_client(base + path, api_key="unused", max_retries=0, timeout=20)
     _OPEN_CLIENTS.append(client)
     return client
 
@@ -137,7 +138,11 @@ def run_agent(
 
 
 def finish(base: str, rollout_id: str, reward: float, response_id: str) -> None:
-    answer = httpx.post(f"{base}/r/{rollout_id}/finished", json={"reward": reward, "declared_response_id": response_id})
+    answer = httpx.post(
+        f"{base}/r/{rollout_id}/finished",
+        json={"reward": reward, "declared_response_id": response_id},
+        verify=tls(),
+    )
     assert answer.status_code == 200, answer.text
     assert answer.json()["rollout_id"] == rollout_id
 

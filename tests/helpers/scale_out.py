@@ -15,6 +15,7 @@ import httpx
 import orjson
 
 from sink_tools.simulated.engine import IM_END, IM_START, ByteTokenizer
+from tests.helpers.tls import tls
 from tests.helpers.vllm_server import VllmServer
 
 __all__ = ("ScaleOutEngine", "engine_call", "engine_get", "post", "simulated_engine", "stream", "vllm_engine")
@@ -59,7 +60,11 @@ def vllm_engine(server: VllmServer) -> ScaleOutEngine:
 def post(engine: ScaleOutEngine, path: str, body: dict[str, Any]) -> httpx.Response:
     """POST *body* as JSON to *path* of *engine*."""
     return httpx.post(
-        engine.url + path, content=orjson.dumps(body), timeout=_TIMEOUT, headers={"content-type": "application/json"}
+        engine.url + path,
+        content=orjson.dumps(body),
+        timeout=_TIMEOUT,
+        headers={"content-type": "application/json"},
+        verify=tls(),
     )
 
 
