@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from sink.contract.digest import hash_token_ids
 from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
+from sink.store.memory import MemoryStagingStore
+from tests.helpers.capture import make_capture
 from worker import CaptureError, RolloutTokenCapture
 from worker.sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 
@@ -332,3 +334,115 @@ def test_an_engine_echoing_fresh_prompt_objects_keeps_the_proof_and_the_hashes()
     assert proof is not None and proof.holds(list(rollout.full[child.model_call_id]))  # the next call hits
     bad = rollout.call(root, carry=[403], generated=[404], prompt_head=[400, 401, _Sub(402)])
     assert bad.disposition == "capture_failed"
+
+
+# --- by reference: a parent this capture built needs only its own record ------------------------------
+
+
+class _CountingSource:
+    """The memory store as a source, recording the keys of every fetch (the store answers)."""
+
+    def __init__(self, store: MemoryStagingStore) -> None:
+        self.store = store
+        self.fetches: list[list[str]] = []
+
+    def fetch(self, keys: list[str]) -> list[Any]:
+        self.fetches.append(list(keys))
+        return self.store.fetch(keys)
+
+
+def _by_reference_rollout(capture: RolloutTokenCapture, turns: int) -> list[CommitCoords]:
+    """*turns* calls, each continuing the previous one by reference (its staging chain so far)."""
+    coords: list[CommitCoords] = []
+    sequence: list[int] = []
+    for turn in range(turns):
+        carry, generated = [1000 + 10 * turn, 1001 + 10 * turn], [1002 + 10 * turn]
+        if not coords:
+            admission = CaptureAdmission(rollout_id="r", model_call_id="c0", mode="text")
+        else:
+            parent = coords[-1]
+            admission = CaptureAdmission(
+                rollout_id="r",
+                model_call_id=f"c{turn}",
+                parent_call_id=parent.model_call_id,
+                prev_len=parent.cum_len,
+                mode="token_in",
+                staging_chain=[c.staging_key for c in coords if c.staging_key is not None],
+                parent_chain_hash=parent.chain_hash,
+            )
+        active = capture.begin_call(admission)
+        assert active.prefix_token_ids == sequence
+        prompt = _fresh(sequence) + carry  # the engine echoes the prompt as new objects
+        coords.append(
+            capture.complete_call(
+                active, prompt_token_ids=prompt, generated_token_ids=generated, generated_logprobs=[-0.5]
+            )
+        )
+        sequence = prompt + generated
+    return coords
+
+
+def test_a_by_reference_child_of_a_parent_the_capture_built_fetches_only_that_parent() -> None:
+    store = MemoryStagingStore()
+    source = _CountingSource(store)
+    cached = _by_reference_rollout(make_capture(store, source, sequence_cache_rollouts=64), 5)
+    reference_store = MemoryStagingStore()
+    reference = _by_reference_rollout(make_capture(reference_store, reference_store, sequence_cache_rollouts=0), 5)
+    assert [c.disposition for c in cached] == ["staged"] * 5
+    assert cached == reference  # byte for byte the coordinates of the reference path
+    assert source.fetches == [["r/c0"], ["r/c1"], ["r/c2"], ["r/c3"]]  # not the whole chain
+
+
+def test_a_parent_record_that_is_not_the_one_the_capture_built_checks_the_whole_chain() -> None:
+    """The source holds another c0 than the one the capture built (and the admission names): the short path
+    refuses it, the whole chain is fetched and checked, and the call fails exactly as without the cache."""
+    theirs = MemoryStagingStore()
+    _by_reference_rollout(make_capture(theirs, sequence_cache_rollouts=0), 1)
+    outcomes = []
+    for cached_rollouts in (64, 0):
+        source = _CountingSource(theirs)
+        capture = make_capture(MemoryStagingStore(), source, sequence_cache_rollouts=cached_rollouts)
+        root = capture.complete_call(
+            capture.begin_call(CaptureAdmission(rollout_id="r", model_call_id="c0", mode="text")),
+            prompt_token_ids=[7, 8],
+            generated_token_ids=[9],
+            generated_logprobs=[-0.5],
+        )
+        admission = CaptureAdmission(
+            rollout_id="r",
+            model_call_id="c1",
+            parent_call_id="c0",
+            prev_len=root.cum_len,
+            mode="token_in",
+            staging_chain=["r/c0"],
+            parent_chain_hash=root.chain_hash,
+        )
+        call = capture.begin_call(admission)
+        outcomes.append((call.capture_failure, call.prefix_token_ids))
+        expected = [["r/c0"], ["r/c0"]] if cached_rollouts else [["r/c0"]]  # the parent alone, then the chain
+        assert source.fetches == expected
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] is not None and "parent_chain_hash" in outcomes[0][0]
+
+
+def test_a_missing_parent_record_fails_the_call_as_without_the_cache() -> None:
+    outcomes = []
+    for cached_rollouts in (64, 0):
+        store = MemoryStagingStore()
+        source = _CountingSource(store)
+        capture = make_capture(store, source, sequence_cache_rollouts=cached_rollouts)
+        coords = _by_reference_rollout(capture, 2)
+        assert store.clear(["r/c1"]) == 1
+        admission = CaptureAdmission(
+            rollout_id="r",
+            model_call_id="c2",
+            parent_call_id="c1",
+            prev_len=coords[1].cum_len,
+            mode="token_in",
+            staging_chain=["r/c0", "r/c1"],
+            parent_chain_hash=coords[1].chain_hash,
+        )
+        call = capture.begin_call(admission)
+        outcomes.append(call.capture_failure)
+        expected = [["r/c1"], ["r/c0", "r/c1"]] if cached_rollouts else [["r/c0", "r/c1"]]
+        assert source.fetches[-len(expected) :] == expected  # the parent, then the whole chain as before
+    assert outcomes[0] == outcomes[1] and outcomes[0] is not None and "staging chain fetch failed" in outcomes[0]

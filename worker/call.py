@@ -39,13 +39,16 @@ class ActiveCall:
 
     ``_prefix_proof``, when set by ``begin_call``, is a proof that holds
     ``prefix_token_ids`` (then the capture's own snapshot of the caller's
-    list): see :mod:`worker.sequence_cache`. It is fixed at construction and
-    read through :attr:`prefix_proof`.
+    list, or, for a by-reference child of a parent the capture built, the
+    remembered sequence itself, unpacked only if read): see
+    :mod:`worker.sequence_cache`. It is fixed at construction and read
+    through :attr:`prefix_proof`.
     """
 
     admission: CaptureAdmission
     weight_version: int
-    prefix_token_ids: list[int]
+    _prefix: list[int] | None
+    """The prefix ids; ``None`` only with ``_prefix_proof`` set (then built from the proof when first read)."""
     generation_cut: StagedCallBaseSnapshot | None = None
     completed: bool = False
     capture_failure: str | None = None
@@ -59,6 +62,19 @@ class ActiveCall:
     def capture_failed(self) -> bool:
         """Whether ``begin_call`` already knew this call cannot be captured."""
         return self.capture_failure is not None
+
+    def __post_init__(self) -> None:
+        if self._prefix is None and self._prefix_proof is None:
+            raise ValueError("an ActiveCall needs its prefix ids or a proof of them")
+
+    @property
+    def prefix_token_ids(self) -> list[int]:
+        """The authorized prefix: the ids the engine prompt must begin with (the parent's whole sequence)."""
+        prefix = self._prefix
+        if prefix is None:  # known by its proof (see the class docstring): the same ids, built on first read
+            assert self._prefix_proof is not None  # __post_init__
+            prefix = self._prefix = self._prefix_proof.ids()
+        return prefix
 
     @property
     def prefix_proof(self) -> ProvenSequence | None:
@@ -247,8 +263,11 @@ def _cached_hashes(
         chain_hash = chain_hash_of_packed(admission.parent_chain_hash, proof.packed[-1])
     else:
         chain_hash = _chain_hash(admission, ids, proved)
-    cache.remember(admission.rollout_id, admission.model_call_id, proof)
-    return chain_hash, proof.cumulative_hash()
+    cumulative_hash = proof.cumulative_hash()
+    cache.remember(
+        admission.rollout_id, admission.model_call_id, proof, chain_hash=chain_hash, cumulative_hash=cumulative_hash
+    )
+    return chain_hash, cumulative_hash
 
 
 def _chain_hash(admission: CaptureAdmission, ids: list[int], proved: TrustedColumns | None) -> str:

@@ -37,7 +37,7 @@ from worker.errors import CaptureError, EnginePayloadError, PrefixResolutionErro
 from worker.generation_cut import check_cut_snapshot
 from worker.io_steps import IoRequest, Steps, run_async, run_blocking
 from worker.prefix import fetch_operation, verify_staging_chain
-from worker.sequence_cache import ProvenSequence, SequenceHashCache
+from worker.sequence_cache import ProvenSequence, RememberedCall, SequenceHashCache
 
 if TYPE_CHECKING:
     from worker.capture_adapter import CaptureAdapter
@@ -51,6 +51,8 @@ _FETCH_ERRORS = (StagingError, KeyError)  # unreachable, refused or corrupt; a m
 
 
 _ASYNC_SOURCE = "the configured source is asynchronous: use abegin_call"
+
+
 class _FollowUpSink(Protocol):
     async def stage(self, record: StagedCallRecord, *, then: FollowUp | None = None) -> StageResult: ...
 
@@ -76,6 +78,11 @@ def _uncaptured(
     """A call served without capture because its prefix did not resolve (completing it returns failed coords)."""
     logger.warning("capture disabled for rollout %s call %s: %s", admission.rollout_id, admission.model_call_id, reason)
     return ActiveCall(admission, weight_version, [], cut, capture_failure=reason)
+
+
+def _snapshot_extras(snapshot: object) -> dict[str, Any] | None:
+    """The extras of a fetched parent record (a model snapshot without them: ``None``)."""
+    return snapshot.extras if isinstance(snapshot, PackedSnapshot | StagedCallRecord) else None
 
 
 def _validated_weight_version(value: object) -> int:
@@ -198,6 +205,17 @@ class RolloutTokenCapture:
             fetch = self._fetch
             if fetch is None:  # ruled out above: a by-reference admission without a source raises
                 raise CaptureError("by-reference admission: the caller must pass the resolved prefix")
+            remembered = self._remembered_parent(admission)
+            if remembered is not None:  # a parent this capture built: its own record is enough (§5.9)
+                try:
+                    parents = yield IoRequest(fetch, admission.staging_chain[-1:], self._source_is_async, _FETCH_ERRORS)
+                except _FETCH_ERRORS:  # the whole chain is fetched below, and its failure reported as before
+                    parents = None
+                if parents is not None and len(parents) == 1 and remembered.is_parent_record(admission, parents[0]):
+                    extras = _snapshot_extras(parents[0])
+                    return ActiveCall(
+                        admission, stamped, None, cut, parent_extras=extras, _prefix_proof=remembered.proof
+                    )
             try:
                 snapshots = yield IoRequest(fetch, list(admission.staging_chain), self._source_is_async, _FETCH_ERRORS)
             except _FETCH_ERRORS as exc:  # the source failed: capture of this call is disabled (§5.2)
@@ -206,9 +224,18 @@ class RolloutTokenCapture:
                 prefix = verify_staging_chain(admission, snapshots)
             except PrefixResolutionError as exc:
                 return _uncaptured(admission, stamped, cut, str(exc))
-            last = snapshots[-1]
-            parent_extras = last.extras if isinstance(last, PackedSnapshot | StagedCallRecord) else None
+            parent_extras = _snapshot_extras(snapshots[-1])
         return ActiveCall(admission, stamped, prefix, cut, parent_extras=parent_extras, _prefix_proof=proof)
+
+    def _remembered_parent(self, admission: CaptureAdmission) -> RememberedCall | None:
+        """The parent of a by-reference *admission*, when this capture built it and remembers its sequence."""
+        sequences = self._sequences
+        if sequences is None or admission.generation_cut is not None:
+            return None
+        remembered = sequences.remembered(admission.rollout_id, admission.parent_call_id)
+        if remembered is None or remembered.proof.length != admission.prev_len:
+            return None
+        return remembered if remembered.chain_hash == admission.parent_chain_hash else None
 
     def _explicit_prefix(
         self, admission: CaptureAdmission, prefix_token_ids: object

@@ -1,8 +1,8 @@
-"""Capture steps that make one I/O request, and the two drivers that perform it (blocking or awaited).
+"""Capture steps that make I/O requests, and the two drivers that perform them (blocking or awaited).
 
 :class:`~worker.capture.RolloutTokenCapture` writes each step of a call once,
-as a generator that yields at most one :class:`IoRequest` (``source.fetch`` or
-``sink.stage``) and receives its result, or the exception thrown in when the
+as a generator that yields :class:`IoRequest` objects (``source.fetch`` or
+``sink.stage``), one at a time, and receives each one's result, or the exception thrown in when the
 operation raised one the step handles (:attr:`IoRequest.handles`: the store's
 typed errors); any other exception is a bug and propagates to the host's
 boundary. :func:`run_blocking` performs the request in the calling thread,
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import anyio.to_thread
 
@@ -38,56 +38,61 @@ class IoRequest:
 
 
 Steps = Generator[IoRequest, Any, _T]
-"""Pure capture steps that yield at most one :class:`IoRequest` and receive its result (or its exception)."""
+"""Pure capture steps that yield :class:`IoRequest` objects one at a time and receive each one's result (or its
+exception)."""
 
 
-def _resume(steps: Steps[_T], *, result: object = None, error: Exception | None = None) -> _T:
+@dataclass(frozen=True, slots=True)
+class _Done(Generic[_T]):
+    """What a step returned when it finished."""
+
+    value: _T
+
+
+def _advance(steps: Steps[_T], result: object, error: Exception | None) -> IoRequest | _Done[_T]:
+    """Send *result* (or throw *error*) into *steps*: its next request, or its return value."""
     try:
-        if error is None:
-            steps.send(result)
-        else:
-            steps.throw(error)
+        return steps.send(result) if error is None else steps.throw(error)
     except StopIteration as done:
-        return cast(_T, done.value)
-    raise AssertionError("a capture step makes at most one I/O request")
+        return _Done(cast(_T, done.value))
 
 
 def run_blocking(steps: Steps[_T], async_misuse: str) -> _T:
     """Drive *steps*, performing their I/O in this thread.
 
-    :raises CaptureError: *async_misuse*, when the step asks for an asynchronous operation.
+    :raises CaptureError: *async_misuse*, when a step asks for an asynchronous operation.
     """
-    try:
-        io = next(steps)
-    except StopIteration as done:
-        return cast(_T, done.value)
-    if io.is_async:
-        steps.close()
-        raise CaptureError(async_misuse)
-    try:
-        result = io.operation(io.argument)
-    except io.handles as exc:
-        return _resume(steps, error=exc)
-    except BaseException:
-        steps.close()
-        raise
-    return _resume(steps, result=result)
+    result: object = None
+    error: Exception | None = None
+    while not isinstance(io := _advance(steps, result, error), _Done):
+        result, error = None, None
+        if io.is_async:
+            steps.close()
+            raise CaptureError(async_misuse)
+        try:
+            result = io.operation(io.argument)
+        except io.handles as exc:
+            error = exc
+        except BaseException:
+            steps.close()
+            raise
+    return io.value
 
 
 async def run_async(steps: Steps[_T]) -> _T:
     """Drive *steps*, awaiting an async operation or running a blocking one in a worker thread."""
-    try:
-        io = next(steps)
-    except StopIteration as done:
-        return cast(_T, done.value)
-    try:
-        if io.is_async:
-            result = await io.operation(io.argument)
-        else:
-            result = await anyio.to_thread.run_sync(io.operation, io.argument)
-    except io.handles as exc:  # cancellation is a BaseException and propagates
-        return _resume(steps, error=exc)
-    except BaseException:
-        steps.close()
-        raise
-    return _resume(steps, result=result)
+    result: object = None
+    error: Exception | None = None
+    while not isinstance(io := _advance(steps, result, error), _Done):
+        result, error = None, None
+        try:
+            if io.is_async:
+                result = await io.operation(io.argument)
+            else:
+                result = await anyio.to_thread.run_sync(io.operation, io.argument)
+        except io.handles as exc:  # cancellation is a BaseException and propagates
+            error = exc
+        except BaseException:
+            steps.close()
+            raise
+    return io.value

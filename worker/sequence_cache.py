@@ -40,6 +40,16 @@ Soundness argument (why a key match is a proof):
 :class:`SequenceHashCache` keeps, per rollout, the proofs of its most recent
 calls (LRU over rollouts, thread-safe). A child's proof shares its parent's
 pieces, so a branch costs only its own new ids.
+
+A call's proof is remembered with the ``chain_hash`` and ``cumulative_hash``
+of the record built from it (:class:`RememberedCall`). A by-reference child
+(contract §5.9) whose parent this capture built then needs only its parent's
+staged record, not the whole chain: when that record's chain hash is the
+admission's ``parent_chain_hash`` and its cumulative hash is the remembered
+one, the remembered ids are the parent's sequence (SHA-256 is collision
+resistant, and the cumulative hash covers every id), so the prefix is known
+without fetching, hashing or unpacking the ancestors
+(:meth:`worker.capture.RolloutTokenCapture.begin_call`).
 """
 
 from __future__ import annotations
@@ -50,10 +60,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from sink.contract.digest import encode_token_ids, hash_packed_token_ids
-from sink.contract.packed import TrustedColumns
-from sink.contract.records import CaptureAdmission
+from sink.contract.packed import PackedSnapshot, TrustedColumns, unpack_list
+from sink.contract.records import CaptureAdmission, StagedCallBaseSnapshot
 
-__all__ = ("EMPTY_SEQUENCE", "ProvenSequence", "SequenceHashCache")
+__all__ = ("EMPTY_SEQUENCE", "ProvenSequence", "RememberedCall", "SequenceHashCache")
 
 _COUNT_BYTES = 8  # encode_token_ids() starts with the u64 count
 _MARSHAL_VERSION = 2  # the last version without back-references (see the module docstring)
@@ -120,9 +130,40 @@ class ProvenSequence:
         """``hash_token_ids`` of the proved sequence, hashed piece by piece (nothing is concatenated)."""
         return hash_packed_token_ids(self.packed, self.length)
 
+    def ids(self) -> list[int]:
+        """The proved ids, as a new list."""
+        return unpack_list(self.packed, "Q", big_endian=True)
+
 
 EMPTY_SEQUENCE = ProvenSequence(0, (), ())
 """The empty sequence (a text root's prefix): every proof starts here."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RememberedCall:
+    """A call's full sequence, proved, with the chain and cumulative hashes of the record built from it."""
+
+    proof: ProvenSequence
+    chain_hash: str | None = None
+    cumulative_hash: str | None = None
+
+    def is_parent_record(self, admission: CaptureAdmission, snapshot: object) -> bool:
+        """Whether *snapshot*, fetched as *admission*'s parent record, is the record this call was built into.
+
+        Its rollout, call id, length, chain hash (also the admission's ``parent_chain_hash``) and cumulative hash
+        must all be the remembered ones (``False``: fetch and check the whole chain, §5.9).
+        """
+        if not isinstance(snapshot, PackedSnapshot | StagedCallBaseSnapshot):
+            return False
+        return (
+            self.chain_hash is not None
+            and self.cumulative_hash is not None
+            and snapshot.rollout_id == admission.rollout_id
+            and snapshot.model_call_id == admission.parent_call_id
+            and snapshot.cum_len == self.proof.length == admission.prev_len
+            and snapshot.chain_hash == self.chain_hash == admission.parent_chain_hash
+            and snapshot.cumulative_hash == self.cumulative_hash
+        )
 
 
 class SequenceHashCache:
@@ -139,7 +180,7 @@ class SequenceHashCache:
         self._max_rollouts = max_rollouts
         self._calls_per_rollout = calls_per_rollout
         self._lock = threading.Lock()
-        self._rollouts: OrderedDict[str, OrderedDict[str, ProvenSequence]] = OrderedDict()
+        self._rollouts: OrderedDict[str, OrderedDict[str, RememberedCall]] = OrderedDict()
 
     def __len__(self) -> int:
         """Rollouts currently remembered."""
@@ -150,6 +191,13 @@ class SequenceHashCache:
         """The proof remembered for *model_call_id*'s full sequence, if any (a candidate, checked by the caller)."""
         if model_call_id is None:
             return EMPTY_SEQUENCE
+        remembered = self.remembered(rollout_id, model_call_id)
+        return None if remembered is None else remembered.proof
+
+    def remembered(self, rollout_id: str, model_call_id: str | None) -> RememberedCall | None:
+        """What is remembered of *model_call_id* (its proof and its record's hashes), if anything."""
+        if model_call_id is None:
+            return None
         with self._lock:
             calls = self._rollouts.get(rollout_id)
             return None if calls is None else calls.get(model_call_id)
@@ -167,8 +215,21 @@ class SequenceHashCache:
         snapshot: list[int] = values[:]  # private: nobody can change it while it is read
         return (snapshot, proof) if proof.holds(snapshot) else None
 
-    def remember(self, rollout_id: str, model_call_id: str, proof: ProvenSequence) -> None:
-        """Remember *proof* as *model_call_id*'s full sequence, evicting the least recently used entries."""
+    def remember(
+        self,
+        rollout_id: str,
+        model_call_id: str,
+        proof: ProvenSequence,
+        *,
+        chain_hash: str | None = None,
+        cumulative_hash: str | None = None,
+    ) -> None:
+        """Remember *proof* as *model_call_id*'s full sequence, evicting the least recently used entries.
+
+        *chain_hash* and *cumulative_hash* are those of the record built from it (both needed for
+        :meth:`RememberedCall.is_parent_record`).
+        """
+        remembered = RememberedCall(proof, chain_hash, cumulative_hash)
         evicted: list[object] = []
         with self._lock:
             calls = self._rollouts.get(rollout_id)
@@ -176,7 +237,7 @@ class SequenceHashCache:
                 calls = self._rollouts[rollout_id] = OrderedDict()
             self._rollouts.move_to_end(rollout_id)
             evicted.append(calls.get(model_call_id))
-            calls[model_call_id] = proof
+            calls[model_call_id] = remembered
             calls.move_to_end(model_call_id)
             while len(calls) > self._calls_per_rollout:
                 evicted.append(calls.popitem(last=False))
