@@ -97,6 +97,77 @@ def test_report_checks_the_proxys_own_share() -> None:
     assert "p50 <= stage p50 + 1 = 3.50 ms: MISSED" in format_report([own], stage_p50_ms=2.5, tokens=64)  # + 2: ok
 
 
+def _turns(path: str, clients: int, shares_ms: dict[int, list[float]]) -> PathResult:
+    """A captured path's run whose calls' own shares are *shares_ms* by turn (the rest of the figures fixed)."""
+    own_turns = [turn for turn, shares in shares_ms.items() for _ in shares]
+    own_s = [share / 1000 for shares in shares_ms.values() for share in shares]
+    calls = len(own_s)
+    return PathResult(path, clients, calls, 1.0, [0.02] * calls, own_s=own_s, own_turns=own_turns)
+
+
+def test_report_compares_the_last_turn_with_the_first() -> None:
+    results = [
+        _turns("capture", 1, {1: [4.0, 4.2], 2: [5.0, 5.0], 3: [4.4, 4.4], 4: [4.8, 4.8]}),
+        _turns("exact", 1, {1: [5.0], 2: [6.0], 3: [6.0], 4: [6.5]}),
+    ]
+    report = format_report(results, stage_p50_ms=1.0, tokens=64, turns=4)
+    lines = report.splitlines()
+    assert (
+        "proxy's own share p50 by turn, capture at 1 clients: turn 1 (root) 4.20 ms (2 calls), "
+        "turn 2 (continuation) 5.00 ms (2 calls), turn 4 4.80 ms (2 calls)"
+    ) in lines
+    assert "capture own p50 at turn 4 / turn 1 at 1 clients: 1.14 (target own p50 at turn 4 <= 1.2x turn 1's: ok)" in (
+        lines
+    )
+    assert (
+        "proxy's own share p50 by turn, exact at 1 clients: turn 1 (root) 5.00 ms (1 call), "
+        "turn 2 (continuation) 6.00 ms (1 call), turn 4 6.50 ms (1 call)"
+    ) in lines
+    assert (
+        "exact own p50 at turn 4 / turn 1 at 1 clients: 1.30 (target own p50 at turn 4 <= 1.2x turn 1's: MISSED)"
+        in lines
+    )
+
+
+def test_report_of_two_turn_rollouts_shows_turn_2_once() -> None:
+    report = format_report([_turns("capture", 1, {1: [4.0], 2: [4.6]})], stage_p50_ms=1.0, tokens=64, turns=2)
+    assert (
+        "proxy's own share p50 by turn, capture at 1 clients: turn 1 (root) 4.00 ms (1 call), "
+        "turn 2 (continuation) 4.60 ms (1 call)"
+    ) in report.splitlines()
+    assert "capture own p50 at turn 2 / turn 1 at 1 clients: 1.15 (target own p50 at turn 2 <= 1.2x turn 1's: ok)" in (
+        report
+    )
+
+
+def test_report_of_turns_at_the_lowest_client_count_each_turn_its_best_repeat() -> None:
+    results = [
+        _turns("capture", 16, {1: [1.0], 2: [9.0], 3: [9.0]}),  # not the lowest client count: not reported by turn
+        _turns("capture", 4, {1: [6.0], 2: [9.0], 3: [5.0]}),  # repeat 1
+        _turns("capture", 4, {1: [4.0], 2: [8.0], 3: [7.0]}),  # repeat 2: each turn takes the lower p50
+    ]
+    report = format_report(results, stage_p50_ms=1.0, tokens=64, turns=3)
+    assert "proxy's own share p50 by turn, capture at 4 clients: turn 1 (root) 4.00 ms (1 call)" in report
+    assert "turn 2 (continuation) 8.00 ms (1 call), turn 3 5.00 ms (1 call)" in report
+    assert (
+        "capture own p50 at turn 3 / turn 1 at 4 clients: 1.25 (target own p50 at turn 3 <= 1.2x turn 1's: MISSED)"
+        in report
+    )
+    assert "at 16 clients: turn" not in report and "exact own p50" not in report  # no exact path was run
+
+
+def test_report_without_turns_or_a_turn_reached_says_so() -> None:
+    results = [_turns("capture", 1, {1: [4.0], 2: [4.0], 3: [4.0]})]
+    assert "by turn" not in format_report(results, stage_p50_ms=1.0, tokens=64)  # --turns 1: nothing new
+    assert "by turn" not in format_report([PathResult("capture", 1, 1, 1.0, [0.01], own_s=[0.004])], 1.0, 64, turns=3)
+    report = format_report(results, stage_p50_ms=1.0, tokens=64, turns=5)  # no call reached turn 5
+    assert "turn 5 nan ms (0 calls)" in report
+    assert (
+        "capture own p50 at turn 5 / turn 1 at 1 clients: nan (target own p50 at turn 5 <= 1.2x turn 1's: MISSED)"
+        in report
+    )
+
+
 def test_report_of_paths_that_only_failed() -> None:
     results = [PathResult("bare", 16, 0, 1.0, [], errors=16), PathResult("capture", 16, 0, 1.0, [], errors=16)]
     report = format_report(results, stage_p50_ms=1.0, tokens=64)
@@ -165,6 +236,14 @@ def test_bench_runs_the_gateway_paths_only_with_the_package(
         assert skipped[0].endswith("); pip install rllm-model-gateway to include them")
 
 
+@pytest.mark.parametrize("turns", ["0", "3"])
+def test_bench_refuses_turns_its_clients_never_reach(turns: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        proxy.main(["--calls-per-client", "2", "--turns", turns])
+    assert exited.value.code == 2
+    assert "--turns must be at least 1 and at most --calls-per-client" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_tiny_benchmark_run(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
@@ -200,6 +279,12 @@ def test_tiny_benchmark_run(redis_url: str, capsys: pytest.CaptureFixture[str]) 
     paths = ["direct", "bare", "capture", "exact", *(["gateway", "gateway-sync"] if gateway else [])]
     assert sorted(rows) == sorted(paths * 2)
     assert "added over direct at 2 clients: verify p50" in out
+    for path in ("capture", "exact"):  # --turns 2: each captured path by turn, at the lowest client count (1)
+        by_turn = [line for line in out.splitlines() if line.startswith(f"proxy's own share p50 by turn, {path} at 1 ")]
+        assert len(by_turn) == 1 and "nan" not in by_turn[0]  # one call at each turn of the one rollout per repeat
+        assert " clients: turn 1 (root) " in by_turn[0] and by_turn[0].count(" ms (1 call)") == 2
+        assert f"{path} own p50 at turn 2 / turn 1 at 1 clients: " in out
+        assert "(target own p50 at turn 2 <= 1.2x turn 1's: " in out
     if gateway:  # 2 repeats of 1 x 2 + 2 x 2 calls each: one trace per call, each with its token ids
         counted = "gateway 12 for 12 calls (12 with token ids), gateway-sync 12 for 12 calls (12 with token ids)"
         assert f"gateway traces in SQLite: {counted} (one per call: ok)" in out
