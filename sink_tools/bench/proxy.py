@@ -27,7 +27,9 @@ proxies run as separate processes (no shared GIL with the load generator); the p
 ``--repeats`` repeats and every figure is the best repeat's. The capturing proxies add a ``Server-Timing`` header
 (``--server-timing``), so the report also gives the proxy's own share of each captured call (its time minus its
 wait for the engine). The report also measures the sink's own stage p50 for the same records, and checks the
-targets (:mod:`sink_tools.bench.proxy_report`).
+targets (:mod:`sink_tools.bench.proxy_report`). With ``--turns N`` (N >= 2, at most ``--calls-per-client``) each
+captured call's own share is also recorded under its turn, and the report compares turn N's own p50 with turn 1's
+(the root call) at the lowest client count, turn 2 (the first continuation) shown beside them.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ async def _drive(
     engine_s: list[float] = []
     own_s: list[float] = []
     capture_s: list[float] = []
+    own_turns: list[int] = []
     errors = 0
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
@@ -161,6 +164,7 @@ async def _drive(
                 engine_s.append(engine)
                 capture_s.append(capture)
                 own_s.append(total - engine)
+                own_turns.append(call % turns + 1)  # 1: the rollout's root call; later turns continue it
             answer = orjson.loads(response.content)
             if answer.get("prompt_token_ids") is not None:  # vLLM answers null when the fields were not asked for
                 raise RuntimeError(f"{path}: token fields reached the client")
@@ -175,7 +179,7 @@ async def _drive(
             for index in range(clients):
                 group.start_soon(client, index, http)
         seconds = time.perf_counter() - started
-    return PathResult(path, clients, len(latencies), seconds, latencies, errors, engine_s, own_s, capture_s)
+    return PathResult(path, clients, len(latencies), seconds, latencies, errors, engine_s, own_s, capture_s, own_turns)
 
 
 async def _stage_p50_ms(url: str, namespace: str, tokens: int, samples: int, tag: str = "") -> float:
@@ -311,7 +315,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64], help="concurrent clients per run")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens generated per call")
     parser.add_argument("--calls-per-client", type=int, default=8, help="calls each client makes")
-    parser.add_argument("--turns", type=int, default=1, help="calls per rollout (each continues the previous one)")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="calls per rollout (each continues the previous one); from 2, the report adds the proxy's own share by turn",
+    )
     parser.add_argument("--stage-samples", type=int, default=50, help="stage() calls timed per repeat (best p50)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; every figure is the best one's")
     parser.add_argument(
@@ -324,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if not 1 <= args.turns <= max(1, args.calls_per_client):  # every client reaches the rollouts' last turn
+        parser.error("--turns must be at least 1 and at most --calls-per-client")
     skipped = gateway_skipped()
     paths = _PATHS if skipped else (*_PATHS, *GATEWAY_PATHS)
 
@@ -340,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def render(figures: tuple[list[PathResult], str, float, list[str]]) -> str:
         notes = [skipped, *figures[3]] if skipped else figures[3]
-        return format_report(figures[0], figures[2], args.tokens, figures[1], notes=notes)
+        return format_report(figures[0], figures[2], args.tokens, figures[1], notes=notes, turns=args.turns)
 
     return report_on_server(args.redis_url, run, render)
 

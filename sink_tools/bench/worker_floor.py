@@ -17,7 +17,7 @@ from sink.contract.digest import (
 )
 from sink.contract.records import CommitCoords
 
-__all__ = ("call_hash_inputs", "digest_bytes_per_record", "hash_inputs", "hash_seconds")
+__all__ = ("call_hash_inputs", "call_hash_seconds", "digest_bytes_per_record", "hash_inputs", "hash_seconds")
 
 _U64 = struct.Struct(">Q")
 
@@ -97,6 +97,17 @@ def hash_seconds(inputs: list[tuple[bytes, bytes, bytes]]) -> float:
         for data in parts:
             hashlib.sha256(data).digest()
     return time.perf_counter() - start
+
+
+def call_hash_seconds(inputs: list[tuple[bytes, bytes, bytes]]) -> list[float]:
+    """Per call, the seconds to sha256 its inputs once: the hashing floor of each turn."""
+    seconds = []
+    for parts in inputs:
+        start = time.perf_counter()
+        for data in parts:
+            hashlib.sha256(data).digest()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def digest_bytes_per_record(tokens: int) -> int:
