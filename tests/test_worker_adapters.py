@@ -183,6 +183,31 @@ def test_conversion_helpers() -> None:
         token_id_list([np.int64(3)])  # a bare numpy scalar is not an exact int
 
 
+class _IntSubclass(int):
+    """Equal to an int, yet not an exact int."""
+
+
+_ODD_ITEMS = st.sampled_from([True, False, 1.0, -1, -(2**31), 2**31, 2**64, _IntSubclass(5), "7", None])
+
+
+@given(
+    ids=st.lists(st.integers(min_value=0, max_value=2**40), max_size=40),
+    odd=st.one_of(st.none(), st.tuples(_ODD_ITEMS, st.integers(min_value=0, max_value=40))),
+)
+def test_token_id_list_accepts_exactly_the_non_negative_exact_ints(ids: list[int], odd: Any) -> None:
+    """The one-pass fast path (ids below 2**31) and the general path agree with the rule itself."""
+    values: list[Any] = list(ids)
+    if odd is not None:
+        item, position = odd
+        values.insert(position % (len(values) + 1), item)
+    valid = all(type(v) is int and v >= 0 for v in values)
+    if valid:
+        assert token_id_list(values) == values
+    else:
+        with pytest.raises(EnginePayloadError):
+            token_id_list(values)
+
+
 def test_complete_call_from_response_matches_complete_call() -> None:
     engine = SimulatedEngine(3)
     prompt = engine.tokenizer.render_chat([{"role": "user", "content": "hello"}])

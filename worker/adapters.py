@@ -18,6 +18,7 @@ import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sink.contract.digest import is_token_id_list
 from sink.contract.protocols import StagingSink
 from worker.capture import RolloutTokenCapture
 from worker.capture_adapter import CaptureAdapter
@@ -83,6 +84,8 @@ def token_id_list(value: Any, what: str = "token ids") -> list[int]:
     :raises EnginePayloadError: not a list, an element that is not an ``int`` (bools included), a negative id.
     """
     ids = _as_list(value, what)
+    if is_token_id_list(ids):  # one marshal pass proves the usual case (exact ints in [0, 2**31))
+        return ids
     if not set(map(type, ids)) <= {int}:
         raise EnginePayloadError(f"{what} must be ints (bools and floats are rejected)")
     if ids and min(ids) < 0:
