@@ -5,7 +5,7 @@ merges consecutive tool turns), parents that stopped on end-of-turn, on a stop s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import pytest
@@ -13,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.errors import SpliceError
+from worker.proxy.exact.chat import context_digest
 from worker.proxy.exact.splice import (
     count_end_of_turn,
+    end_of_turn_positions,
     history_eot_count_by_messages,
     last_assistant_index,
     splice_exact_prompt,
@@ -165,3 +167,54 @@ def test_refusals_name_the_check() -> None:
     with pytest.raises(SpliceError, match="no assistant"):
         history_eot_count_by_messages([{"role": "user", "content": "a"}])
     assert last_assistant_index([{"role": "assistant"}, {"role": "tool"}]) == 0
+
+
+# --- the end-of-turn scans: C scans that agree with the per-token definitions ------------------------------------
+
+
+def _positions_by_definition(ids: Sequence[int], eot_ids: Collection[int]) -> list[int]:
+    return [position for position, token in enumerate(ids) if token in eot_ids]
+
+
+_SCAN_IDS = st.lists(st.integers(min_value=0, max_value=6), max_size=60)
+_EOT_SETS = st.lists(st.integers(min_value=0, max_value=6), min_size=1, max_size=3)
+
+
+@given(ids=_SCAN_IDS, eot_ids=_EOT_SETS)
+def test_end_of_turn_scans_agree_with_their_definitions(ids: list[int], eot_ids: list[int]) -> None:
+    """Positions and counts from ``list.index``/``list.count`` equal a per-token scan (repeated ids in the end-of-turn
+    collection counted once)."""
+    expected = _positions_by_definition(ids, eot_ids)
+    assert end_of_turn_positions(ids, eot_ids) == expected
+    assert end_of_turn_positions(tuple(ids), eot_ids) == expected
+    assert count_end_of_turn(ids, eot_ids) == len(expected)
+
+
+@given(ids=_SCAN_IDS, eot_ids=_EOT_SETS, turns=st.integers(min_value=0, max_value=8))
+def test_the_context_digest_covers_the_ids_through_the_nth_end_of_turn(
+    ids: list[int], eot_ids: list[int], turns: int
+) -> None:
+    positions = _positions_by_definition(ids, eot_ids)
+    if len(positions) < turns:
+        with pytest.raises(SpliceError, match=f"holds {len(positions)} end-of-turn ids"):
+            context_digest(ids, eot_ids, turns)
+        return
+    end = positions[turns - 1] + 1 if turns else 0
+    assert context_digest(ids, eot_ids, turns) == context_digest(ids[:end], eot_ids, count_end_of_turn(ids[:end], eot_ids))
+
+
+@given(ids=_SCAN_IDS, eot_ids=_EOT_SETS, count=st.integers(min_value=1, max_value=8))
+def test_the_splice_boundary_is_the_nth_end_of_turn(ids: list[int], eot_ids: list[int], count: int) -> None:
+    positions = _positions_by_definition(ids, eot_ids)
+    parent = [9, 9]
+    if len(positions) < count:
+        with pytest.raises(SpliceError, match=f"holds {len(positions)} end-of-turn ids"):
+            splice_exact_prompt(ids, history_eot_count=count, eot_ids=eot_ids, parent_ids=parent)
+        return
+    boundary = positions[count - 1]
+    if boundary == len(ids) - 1:
+        with pytest.raises(SpliceError, match="nothing is rendered"):
+            splice_exact_prompt(ids, history_eot_count=count, eot_ids=eot_ids, parent_ids=parent)
+        return
+    spliced = splice_exact_prompt(ids, history_eot_count=count, eot_ids=eot_ids, parent_ids=parent)
+    assert spliced == [*parent, ids[boundary], *ids[boundary + 1 :]]

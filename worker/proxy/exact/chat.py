@@ -35,9 +35,14 @@ from typing import Any
 
 import anyio
 
-from sink.contract.digest import encode_token_ids
+from sink.contract.digest import encode_token_ids, is_token_id_list
 from worker.errors import ContextChangedError, EnginePayloadError, SpliceError
-from worker.proxy.exact.splice import count_end_of_turn, last_assistant_index, splice_exact_prompt
+from worker.proxy.exact.splice import (
+    count_end_of_turn,
+    end_of_turn_positions,
+    last_assistant_index,
+    splice_exact_prompt,
+)
 from worker.sampling import sampling_from_engine
 
 __all__ = (
@@ -108,16 +113,10 @@ def context_digest(token_ids: Sequence[int], eot_ids: Collection[int], turns: in
 
     :raises SpliceError: fewer than *turns* end-of-turn ids.
     """
-    end = 0
-    seen = 0
-    for position, token in enumerate(token_ids):
-        if seen == turns:
-            break
-        if token in eot_ids:
-            seen += 1
-            end = position + 1
-    if seen < turns:
-        raise SpliceError(f"the rendering holds {seen} end-of-turn ids, fewer than {turns}")
+    positions = end_of_turn_positions(token_ids, eot_ids) if turns > 0 else []
+    if len(positions) < turns:
+        raise SpliceError(f"the rendering holds {len(positions)} end-of-turn ids, fewer than {turns}")
+    end = positions[turns - 1] + 1 if turns > 0 else 0
     return hashlib.sha256(_CONTEXT_DOMAIN + encode_token_ids(list(token_ids[:end]))).hexdigest()
 
 
@@ -175,7 +174,7 @@ async def render_chat(call: EngineCall, request: dict[str, Any], eot_ids: Collec
 
 def _token_ids(answer: Any, route: str) -> list[int]:
     ids = answer.get("token_ids") if isinstance(answer, dict) else None
-    if not isinstance(ids, list) or not all(type(token) is int for token in ids):
+    if not isinstance(ids, list) or not (is_token_id_list(ids) or all(type(token) is int for token in ids)):
         raise EnginePayloadError(f"the {route} answer has no list of token ids")
     return ids
 
