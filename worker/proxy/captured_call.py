@@ -217,6 +217,8 @@ class CapturedCall:
         if upstream.status != 200:
             logger.warning("%s: upstream answered %d; capture failed", self.ids, upstream.status)
             return None
+        if upstream.payload is not None:  # built by the proxy itself (exact mode)
+            return upstream.payload
         try:
             payload = orjson.loads(upstream.body)
         except ValueError as exc:

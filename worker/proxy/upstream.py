@@ -4,6 +4,7 @@ engine's error message, a client already gone."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import orjson
@@ -21,6 +22,9 @@ class UpstreamAnswer:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     oversized: bool
+    payload: dict[str, Any] | None = None
+    """*body* already parsed, when the proxy built the answer itself from this object (exact mode): the capture
+    reads it instead of parsing *body* again."""
 
 
 async def call_inner(app: ASGIApp, scope: Scope, body: bytes, receive: Receive, limit_bytes: int) -> UpstreamAnswer:

@@ -103,4 +103,6 @@ async def exact_chat_answer(
                 active.weight_version = version
         choice.pop("weight_versions", None)
     body = orjson.dumps(payload)
-    return ExactOutcome(UpstreamAnswer(answer.status, JSON_HEADERS, body, len(body) > max_response_bytes), extras)
+    parsed = payload if isinstance(payload, dict) else None  # what parsing *body* gives: not parsed again
+    oversized = len(body) > max_response_bytes
+    return ExactOutcome(UpstreamAnswer(answer.status, JSON_HEADERS, body, oversized, parsed), extras)
