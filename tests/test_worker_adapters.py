@@ -312,3 +312,44 @@ def test_cross_checked_agrees_with_the_per_token_reading(ids: list[int], tokens:
     else:
         with pytest.raises(EnginePayloadError):
             cross_checked(ids, tokens, "t")
+
+
+def _vllm_chat(ids: list[int], logprobs: list[float], tokens: list[Any], text: str) -> dict[str, Any]:
+    content = [
+        {"token": token, "logprob": lp, "bytes": None, "top_logprobs": []}
+        for token, lp in zip(tokens, logprobs, strict=True)
+    ]
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "token_ids": ids, "logprobs": {"content": content}}
+    return {"id": "x", "prompt_token_ids": [1, 2], "choices": [choice]}
+
+
+@given(
+    ids=st.lists(st.integers(min_value=0, max_value=2**33), max_size=8),
+    logprob=st.sampled_from([-0.5, -1, 0.0]),
+    spelling=st.sampled_from(["ids", "text", "other ids", "bool"]),
+    text=st.sampled_from(["", "hi"]),
+)
+def test_vllm_chat_read_directly_agrees_with_the_general_reading(
+    ids: list[int], logprob: float, spelling: str, text: str
+) -> None:
+    """``VLLMChatAdapter.extract_generation`` reads vLLM's usual JSON directly; a payload whose ids are a tuple takes
+    the general path. Both give the same ids and log-probs, or both refuse."""
+    spellings: dict[str, list[Any]] = {
+        "ids": [f"token_id:{t}" for t in ids],
+        "text": ["x"] * len(ids),
+        "other ids": [f"token_id:{t + 1}" for t in ids],
+        "bool": [True] * len(ids),
+    }
+    tokens = spellings[spelling]
+    logprobs = [logprob] * len(ids)
+    outcomes: list[tuple[list[int], list[float]] | None] = []
+    for container in (list, tuple):
+        payload = _vllm_chat(container(ids), logprobs, tokens, text)  # type: ignore[arg-type]
+        try:
+            outcomes.append(VLLMChatAdapter().extract_generation(payload))
+        except EnginePayloadError:
+            outcomes.append(None)
+    assert outcomes[0] == outcomes[1]
+    if outcomes[0] is not None:
+        assert outcomes[0] == (ids, [float(v) for v in logprobs])

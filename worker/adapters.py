@@ -188,6 +188,27 @@ def message_text(message: Any) -> list[Any]:
     return [value for value in found if value not in (_MISSING, None, "", [])]
 
 
+def _vllm_fast_path(response: Any) -> tuple[list[int], list[float]] | None:
+    """vLLM's usual JSON (``choices[0].token_ids`` and ``logprobs.content``) read directly, or ``None`` to let the
+    general path report the precise error."""
+    try:
+        [choice] = response["choices"]
+        content = choice["logprobs"]["content"]
+        logprobs = [entry["logprob"] for entry in content]
+        tokens = [entry.get("token") for entry in content]
+        ids = choice["token_ids"]
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        return None
+    if type(ids) is not list or type(logprobs) is not list:
+        return None
+    generated, values = _same_length(
+        token_id_list(ids, "choices[0].token_ids"), logprob_list(logprobs, "logprobs.content[*].logprob"), "choices[0]"
+    )
+    cross_checked(generated, tokens, "logprobs.content")
+    check_generated_text(generated, message_text(choice.get("message")), "choices[0]")
+    return generated, values
+
+
 class VLLMChatAdapter:
     """vLLM OpenAI chat-completion responses (``n == 1``).
 
@@ -223,6 +244,9 @@ class VLLMChatAdapter:
         :raises EnginePayloadError: missing fields, a malformed ``token_id:`` string, ids that disagree with
             ``token_ids``, non-int ids, non-numeric log-probs, a length mismatch, or text without a generated id.
         """
+        fast = _vllm_fast_path(response)
+        if fast is not None:
+            return fast
         choice = self._choice(response)
         logprobs_block = _required(choice, "logprobs")
         if logprobs_block is None:

@@ -176,27 +176,6 @@ class NemoGymResponsesAdapter:
         return _experts(self._item(response))
 
 
-def _vllm_fast_path(response: Any) -> tuple[list[int], list[float]] | None:
-    """vLLM's usual JSON (``choices[0].token_ids`` and ``logprobs.content``) read directly, or ``None`` to let the
-    general path report the precise error."""
-    try:
-        [choice] = response["choices"]
-        content = choice["logprobs"]["content"]
-        logprobs = [entry["logprob"] for entry in content]
-        tokens = [entry.get("token") for entry in content]
-        ids = choice["token_ids"]
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
-        return None
-    if type(ids) is not list or type(logprobs) is not list:
-        return None
-    generated, values = _same_length(
-        token_id_list(ids, "choices[0].token_ids"), logprob_list(logprobs, "logprobs.content[*].logprob"), "choices[0]"
-    )
-    cross_checked(generated, tokens, "logprobs.content")
-    check_generated_text(generated, message_text(choice.get("message")), "choices[0]")
-    return generated, values
-
-
 class OpenAIChatAdapter:
     """Chat completions in vLLM's shape or NeMo Gym's message-level shape (the latter wins when present)."""
 
@@ -225,9 +204,6 @@ class OpenAIChatAdapter:
         """Generated ids and log-probs of either shape. :raises EnginePayloadError: as above."""
         if self._message_level(response):
             return self._gym.extract_generation(response)
-        fast = _vllm_fast_path(response)
-        if fast is not None:
-            return fast
         return self._vllm.extract_generation(response)
 
     def extract_extras(self, response: Any) -> dict[str, Any] | None:
