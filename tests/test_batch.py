@@ -199,3 +199,15 @@ async def test_collate_and_pack_pulled_rows_from_a_real_server(redis_url: str) -
         assert np.array_equal(batch.generation_logprobs[index, :n], fresh.logprobs)
         with pytest.raises(ValueError, match="1-D targets"):
             row.write_numpy(fresh.token_ids[:-1], fresh.token_mask, fresh.logprobs)
+
+
+@pytest.mark.parametrize("build", [collate, lambda items: pack(items, max_tokens=16)], ids=["collate", "pack"])
+def test_a_weight_version_beyond_int64_is_a_precise_typed_error(build: Any) -> None:
+    """The contract allows any u64 weight version; the batch's ``weight_versions`` column is int64 (what torch
+    tensors take). A version from 2**63 up cannot be held: a typed error naming the rollout and the value, never a
+    bare numpy overflow and never a wrapped negative version."""
+    fits = verified_pulled("fits", lengths=(3,), weight_versions=(2**63 - 1,), reward=0.5)
+    assert build([fits]).weight_versions.tolist() == [[2**63 - 1, 2**63 - 1]]
+    huge = verified_pulled("huge", lengths=(3, 2), weight_versions=(5, 2**63), reward=0.5)
+    with pytest.raises(BatchInputError, match=r"rollout 'huge'.*9223372036854775808.*int64"):
+        build([fits, huge])

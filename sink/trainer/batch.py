@@ -44,6 +44,8 @@ __all__ = (
     "select_rows",
 )
 
+_INT64_MAX = 2**63 - 1
+
 
 class OverlongRow(NamedTuple):
     """A trainable rollout left out of a batch because its row is longer than ``max_tokens``."""
@@ -116,7 +118,13 @@ def row_metadata(
     versions = np.zeros((len(items), 2), dtype=np.int64)
     for index, row in enumerate(rows):
         weights = row.weight_versions
-        versions[index] = (min(weights), max(weights))
+        newest = max(weights)
+        if newest > _INT64_MAX:  # the contract allows any u64; the column is int64 (what torch tensors take)
+            raise BatchInputError(
+                f"rollout {items[index].rollout_id!r}: weight version {newest} does not fit the batch's int64 "
+                "weight_versions column (at most 2**63 - 1)"
+            )
+        versions[index] = (min(weights), newest)
     return rewards, versions, np.array([row.provenance_known for row in rows], dtype=np.bool_)
 
 
@@ -221,8 +229,9 @@ def collate(
     than *max_tokens* go to ``overlong`` (never truncated); rollouts that are
     not trainable go to ``skipped``.
 
-    :raises BatchInputError: an option is out of range, an item is not a :class:`PulledRollout`, or a rollout
-        id appears twice (nothing was built).
+    :raises BatchInputError: an option is out of range, an item is not a :class:`PulledRollout`, a rollout
+        id appears twice, or a row's weight version does not fit the int64 ``weight_versions`` column (from
+        ``2**63`` up; the contract allows any u64) (nothing was built).
     """
     _check_int("pad_token_id", pad_token_id, 0)
     _check_int("pad_to_multiple_of", pad_to_multiple_of, 1)

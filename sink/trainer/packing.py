@@ -104,8 +104,9 @@ class PackedBatch:
 def pack(pulled: Sequence[PulledRollout], *, max_tokens: int, pad_token_id: int = 0) -> PackedBatch:
     """Pack the trainable rollouts of *pulled* into bins of *max_tokens* positions (first-fit decreasing).
 
-    :raises BatchInputError: an option is out of range, an item is not a :class:`PulledRollout`, or a rollout
-        id appears twice (nothing was built).
+    :raises BatchInputError: an option is out of range, an item is not a :class:`PulledRollout`, a rollout
+        id appears twice, or a row's weight version does not fit the int64 ``weight_versions`` column (from
+        ``2**63`` up; the contract allows any u64) (nothing was built).
     """
     _check_int("max_tokens", max_tokens, 1)
     _check_int("pad_token_id", pad_token_id, 0)
