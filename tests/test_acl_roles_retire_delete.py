@@ -26,6 +26,7 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink_cli.main import main as cli_main
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.e2e import stage_rollout
+from tests.helpers.processes import wait_for
 from tests.helpers.staging import make_record
 
 
@@ -123,13 +124,17 @@ def test_the_replica_role_is_a_working_masteruser_and_nothing_else(
             admin.set("stg:{rep}:receipt", b"copied")
         deadline = time.monotonic() + 15
         with replica.client() as reader:
-            while reader.get("stg:{rep}:receipt") != b"copied":
-                assert time.monotonic() < deadline, replica.log_tail()
-                time.sleep(0.05)
+            wait_for(lambda: reader.get("stg:{rep}:receipt") == b"copied", replica.log_tail, timeout_s=15)
             # After a full sync the replica rewrites its AOF and refuses to shut down until it is written.
-            while any(int(reader.info("persistence")[k]) for k in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")):
-                assert time.monotonic() < deadline, replica.log_tail()
-                time.sleep(0.05)
+            wait_for(
+                lambda: (
+                    not any(
+                        int(reader.info("persistence")[k]) for k in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")
+                    )
+                ),
+                replica.log_tail,
+                timeout_s=max(deadline - time.monotonic(), 0.0),
+            )
     with fresh_roles.role_client("replica") as link_user:
         for command in (("GET", "stg:{rep}:receipt"), ("SET", "stg:{rep}:receipt", "x"), ("CONFIG", "GET", "*")):
             with pytest.raises(redis.exceptions.NoPermissionError):

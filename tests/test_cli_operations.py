@@ -10,7 +10,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from functools import partial
 
@@ -28,6 +27,7 @@ from sink_cli.main import main
 from sink_tools.cluster import LocalCluster
 from tests.helpers.commands import staging_sink
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
+from tests.helpers.processes import until, wait_for
 
 STATES = ("staging", "finished", "receipt_waiting", "claimed", "poisoned", "dead_lettered", "consumed")
 
@@ -45,11 +45,11 @@ def staged(redis_url: str) -> str:
 async def _wait_for_receipts(url: str, rollout_ids: list[str]) -> None:
     keys = [receipt_key("stg", rid) for rid in rollout_ids]
     async with redis.asyncio.Redis.from_url(url) as client:
-        for _attempt in range(600):
-            if await client.exists(*keys) == len(keys):
-                return
-            await anyio.sleep(0.05)
-    raise AssertionError(f"no receipts for {rollout_ids} after 30 s")
+
+        async def stored() -> bool:
+            return bool(await client.exists(*keys) == len(keys))
+
+        await until(stored, f"no receipts for {rollout_ids} after 30 s", timeout_s=30)
 
 
 async def _lifecycle(url: str) -> None:
@@ -180,14 +180,15 @@ def test_stats_watch_json_is_one_object_per_line(staged: str) -> None:
 
 def _exported(url: str, series: str) -> float:
     """*series* from the exporter at *url*, once its first collection is in (a generous deadline)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    lines: list[str] = []
+
+    def collected() -> bool:
         with urllib.request.urlopen(url, timeout=10) as response:
-            lines = response.read().decode().splitlines()
-        if 'staging_sink_collection_up{namespace="stg"} 1.0' in lines:
-            return float(next(line.split()[-1] for line in lines if line.startswith(series + " ")))
-        time.sleep(0.1)
-    raise AssertionError(f"the exporter at {url} collected nothing in 60 s")
+            lines[:] = response.read().decode().splitlines()
+        return 'staging_sink_collection_up{namespace="stg"} 1.0' in lines
+
+    wait_for(collected, f"the exporter at {url} collected nothing in 60 s", timeout_s=60)
+    return float(next(line.split()[-1] for line in lines if line.startswith(series + " ")))
 
 
 def test_stats_and_the_exporter_count_the_same_rollouts_in_flight(

@@ -24,6 +24,7 @@ from sink.rollout.assembler import Assembler, finished
 from sink.rollout.receipt import build_receipt
 from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
+from tests.helpers.processes import until
 from tests.helpers.replies import raw_entries, xadd_fields
 
 DONE = done_stream("stg", 0)
@@ -48,9 +49,10 @@ async def _dead(client: aioredis.Redis, stream: str) -> list[dict[bytes, bytes]]
 
 
 async def _wait_drained(client: aioredis.Redis, stream: str, timeout_s: float = 20.0) -> None:
-    with anyio.fail_after(timeout_s):
-        while await client.xlen(stream):  # noqa: ASYNC110 (polling the server, not a local flag)
-            await anyio.sleep(0.02)
+    async def drained() -> bool:
+        return not await client.xlen(stream)
+
+    await until(drained, lambda: f"{stream} still holds entries after {timeout_s} s", timeout_s=timeout_s)
 
 
 # --- the assembler (done streams) ---------------------------------------------------------------

@@ -18,6 +18,7 @@ import redis
 
 from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
+from tests.helpers.processes import wait_for
 from tests.helpers.staging import make_record
 
 CHANGES = [
@@ -36,13 +37,12 @@ REQUIRED = {
 
 def _wait_no_aof_rewrite(admin: redis.Redis, timeout_s: float = 10.0) -> None:
     """``appendonly yes`` starts an AOF rewrite; Redis 6.2 refuses to shut down until it is written."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def rewritten() -> bool:
         info = admin.info("persistence")
-        if not int(info["aof_rewrite_in_progress"]) and not int(info["aof_rewrite_scheduled"]):
-            return
-        assert time.monotonic() < deadline, "the AOF rewrite did not finish"
-        time.sleep(0.02)
+        return not int(info["aof_rewrite_in_progress"]) and not int(info["aof_rewrite_scheduled"])
+
+    wait_for(rewritten, "the AOF rewrite did not finish", timeout_s=timeout_s)
 
 
 async def _config_change_fails_the_next_stage(server: DurableServer, name: str, value: str) -> None:

@@ -25,6 +25,7 @@ from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
 from tests.helpers.ledger import root_commit
+from tests.helpers.processes import until
 
 pytestmark = pytest.mark.anyio
 
@@ -45,12 +46,12 @@ async def _restore_durability(url: str, name: str) -> None:
     shut down while it writes its first AOF)."""
     async with aioredis.Redis.from_url(url) as client:
         await client.config_set(name, "always" if name == "appendfsync" else "yes")
-        with anyio.fail_after(30):
-            while True:
-                info = await client.info("persistence")
-                if not info.get("aof_rewrite_in_progress") and not info.get("aof_rewrite_scheduled"):
-                    break
-                await anyio.sleep(0.05)  # waiting for a condition (the rewrite's end), not for time
+
+        async def rewritten() -> bool:
+            info = await client.info("persistence")
+            return not info.get("aof_rewrite_in_progress") and not info.get("aof_rewrite_scheduled")
+
+        await until(rewritten, f"the AOF rewrite after turning {name} back on did not end within 30 s", timeout_s=30)
 
 
 async def _receipt_entries(client: aioredis.Redis) -> int:
@@ -95,11 +96,11 @@ async def test_the_assembler_stores_no_receipt_on_a_non_durable_server(redis_url
         await _break_durability(redis_url, name, value)
         # A short shutdown grace: on leaving the block the event is still retrying its refused write.
         async with running_assembler(redis_url, shutdown_grace_s=0.2) as assembler:
-            with anyio.fail_after(20):
-                while True:  # waiting for a condition (the failed attempt), not for time
-                    if assembler.statistics().failures >= 1:
-                        break
-                    await anyio.sleep(0.02)
+            await until(
+                lambda: assembler.statistics().failures >= 1,
+                "the assembler never failed a write on the non-durable server",
+                timeout_s=20,
+            )
         assert await _receipt_entries(client) == 0  # nothing published
         stream = done_stream(NS, shard_of(staged.rollout_id, DEFAULT_SHARDS))
         pending = await client.xpending(stream, ASSEMBLER_GROUP)

@@ -26,6 +26,7 @@ from sink.trainer.reader.rollout_reader import RolloutReader
 from sink_cli.main import main as cli_main
 from tests.helpers.chains import stage_two_trees
 from tests.helpers.e2e import pull_until, running_assembler
+from tests.helpers.processes import until
 
 
 async def _publish_two_trees(
@@ -36,9 +37,11 @@ async def _publish_two_trees(
     async with aioredis.Redis.from_url(url) as client:
         await finished(client, rollout_id, reward=0.5, declared_response_id=f"resp-{rollout_id}-b2", namespace=namespace)
         async with running_assembler(url, block_ms=50, namespace=namespace):
-            with anyio.fail_after(30):
-                while not await client.exists(receipt_key(namespace, rollout_id)):  # noqa: ASYNC110
-                    await anyio.sleep(0.01)  # until the assembler stored the receipt
+
+            async def stored() -> bool:
+                return bool(await client.exists(receipt_key(namespace, rollout_id)))
+
+            await until(stored, f"the assembler stored no receipt for {rollout_id} within 30 s", timeout_s=30)
     return trees
 
 

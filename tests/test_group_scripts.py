@@ -20,6 +20,7 @@ from sink.keys import group_keys
 from sink.store.scripts import GROUP_CHECK_SCRIPT, GROUP_CLOSE_SCRIPT, GROUP_GATHER_SCRIPT, GroupStatus
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.reader.rollout_reader import RolloutReader
+from tests.helpers.processes import until
 from tests.helpers.trainer import publish
 
 pytestmark = pytest.mark.anyio
@@ -168,11 +169,11 @@ async def test_a_member_after_a_close_is_late_even_when_the_group_record_expired
     async with aioredis.Redis.from_url(redis_url) as client:
         assert await _gather(client, "g", "m0", "rank-0", 3, ttl_ms=100) == [GroupStatus.WAIT]
         assert await _gather(client, "g", "m1", "rank-0", 3, ttl_ms=100) == [GroupStatus.WAIT]
-        with anyio.fail_after(10):  # expired: a real TTL, waited for
-            while True:
-                if not await client.exists(meta_key, members_key):
-                    break
-                await anyio.sleep(0.01)
+
+        async def expired() -> bool:  # a real TTL, waited for
+            return not await client.exists(meta_key, members_key)
+
+        await until(expired, "the group records did not expire within 10 s of their 100 ms TTL", timeout_s=10)
         await _close(client, "g")
         assert await _gather(client, "g", "m2", "rank-0", 3) == [GroupStatus.LATE]
         assert not await client.exists(members_key)  # nothing recorded for the late member

@@ -21,6 +21,7 @@ from sink.keys import group_keys, receipts_stream, record_key
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.group_members import publish_members
+from tests.helpers.processes import until
 
 pytestmark = pytest.mark.anyio
 
@@ -224,12 +225,13 @@ async def test_a_group_whose_owner_died_is_delivered_complete_by_a_rank_waiting_
 async def _idle_at_least(url: str, rollout_stream: str, ms: int) -> None:
     """Wait until every pending receipt entry has been idle at least *ms* (its rank stopped refreshing it)."""
     async with aioredis.Redis.from_url(url) as client:
-        with anyio.fail_after(20):
-            while True:
-                pending = await client.xpending_range(rollout_stream, "trainers", min="-", max="+", count=100)
-                if pending and all(int(p["time_since_delivered"]) >= ms for p in pending):
-                    return
-                await anyio.sleep(0.05)
+        pending: list[dict[str, Any]] = []
+
+        async def idle() -> bool:
+            pending[:] = await client.xpending_range(rollout_stream, "trainers", min="-", max="+", count=100)
+            return bool(pending) and all(int(p["time_since_delivered"]) >= ms for p in pending)
+
+        await until(idle, lambda: f"the pending entries were not all idle {ms} ms within 20 s: {pending}", timeout_s=20)
 
 
 async def test_a_parked_member_lost_to_another_rank_is_taken_back_by_the_completing_rank(redis_url: str) -> None:

@@ -40,6 +40,7 @@ from sink.server import DurableServer
 from sink.store.pipeline_counters import pipeline_counters
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.gym import make_entry
+from tests.helpers.processes import until
 from tests.helpers.servers import reset_durable_server
 
 pytestmark = pytest.mark.anyio
@@ -517,14 +518,15 @@ async def test_min_replicas_puts_reach_the_replica_and_a_paused_one_fails_them(f
         admin.config_set("repl-diskless-sync-delay", "0")  # the replica's first sync starts at once, not after 5 s
     with DurableServer(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
         async with transport(Urls.single(fresh_server.url), min_replicas=1, confirm_timeout_s=0.5) as (sink, _source):
-            for _attempt in range(100):  # a loaded machine may take a few windows for the first sync
+
+            async def confirmed() -> bool:  # a loaded machine may take a few windows for the first sync
                 try:
                     await sink.put(make_entry("t-24", "c1"))
-                    break
                 except CaptureWriteError:
-                    await anyio.sleep(0.1)
-            else:
-                pytest.fail("the healthy replica never confirmed a put")
+                    return False
+                return True
+
+            await until(confirmed, "the healthy replica never confirmed a put")
             await sink.put(make_entry("t-24", "c2"))
             with replica.client() as client:  # WAIT returned: the replica has it already
                 assert client.hexists(gym_keys(NS, "t-24")[1], "c2")

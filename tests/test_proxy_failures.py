@@ -4,7 +4,6 @@ upstream responses, each with its log line."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +15,7 @@ from sink.contract.records import WORKER_CAPTURE_FAILED_REASON, RolloutManifest
 from sink.server import DurableServer
 from sink_tools.simulated.http_app import EngineApp
 from sink_tools.simulated.options import EngineOptions
+from tests.helpers.processes import wait_for
 from tests.helpers.proxy import SYSTEM, client_for, close_clients, fixed_upstream, manifest, proxy_config, unset
 from worker.proxy.app import ProxyApp
 from worker.proxy.serve import running_server
@@ -109,12 +109,15 @@ def test_upstream_timeout(redis_url: str, caplog: pytest.LogCaptureFixture) -> N
 
 
 def _settled(redis_url: str, rollout_id: str, timeout_s: float = 10.0) -> RolloutManifest:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        shown = manifest(redis_url, rollout_id)
-        if shown.records or shown.failures or time.monotonic() > deadline:
-            return shown
-        time.sleep(0.05)
+    """*rollout_id*'s manifest once it shows a record or a failure (fails the test after *timeout_s*)."""
+    shown: list[RolloutManifest] = []
+
+    def settled() -> bool:
+        shown[:] = [manifest(redis_url, rollout_id)]
+        return bool(shown[0].records or shown[0].failures)
+
+    wait_for(settled, f"{rollout_id} shows neither a record nor a failure after {timeout_s} s", timeout_s=timeout_s)
+    return shown[0]
 
 
 def test_client_disconnect_mid_call_never_half_writes(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -129,9 +132,7 @@ def test_client_disconnect_mid_call_never_half_writes(redis_url: str, caplog: py
                 timeout=0.2,
             )
         shown = _settled(redis_url, "gone-1")
-        deadline = time.monotonic() + 5
-        while "client disconnected mid-call" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: "client disconnected mid-call" in caplog.text, "the proxy logged no disconnect", timeout_s=5)
     assert len(shown.records) + len(shown.failures) == 1  # committed, or recorded failed: never neither
     assert "client disconnected mid-call" in caplog.text
 

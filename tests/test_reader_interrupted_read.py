@@ -9,6 +9,8 @@ read again from this consumer's own pending entries before anything new.
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import redis.asyncio as aioredis
@@ -19,6 +21,7 @@ from sink.keys import DEFAULT_NAMESPACE, receipts_stream
 from sink.settings import ServiceSettings
 from sink.store.connection import Topology
 from sink.store.healing import SelfHealingGroupConsumer
+from sink.store.streams import StreamEntry
 from sink.trainer.reader.rollout_reader import RolloutReader
 from sink_tools.cluster import LocalCluster
 from tests.helpers.group_members import publish_members
@@ -99,7 +102,9 @@ def _namespace_across_two_nodes(cluster: LocalCluster) -> str:
     raise AssertionError("no namespace puts shards 0 and 1 on two nodes")
 
 
-async def test_a_cluster_read_that_failed_leaves_every_shard_it_read_suspect(cluster: LocalCluster) -> None:
+async def test_a_cluster_read_that_failed_leaves_every_shard_it_read_suspect(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # In a cluster each shard is read with its own command, concurrently. Shard 0's read is answered first (its
     # entry delivered and taken in); shard 1's node is paused meanwhile, then answers WRONGTYPE. The entry of shard
     # 0 went with the error: it is pending for this consumer only, so both shards must be suspect and shard 0's own
@@ -113,6 +118,17 @@ async def test_a_cluster_read_that_failed_leaves_every_shard_it_read_suspect(clu
         consumer = _consumer(topology, namespace, streams)
         try:
             await consumer.prepare()
+            # Shard 0's reply taken in: the consumer parses a reply that delivered the entry (observed, not awaited).
+            taken_in = anyio.Event()
+            parse_read = consumer._parse_read
+
+            def observed_parse(reply: Any, deliveries: int) -> tuple[list[StreamEntry], list[str]]:
+                parsed = parse_read(reply, deliveries)
+                if any(entry.stream == streams[0] for entry in parsed[0]):
+                    taken_in.set()
+                return parsed
+
+            monkeypatch.setattr(consumer, "_parse_read", observed_parse)
             entry_id = await client.xadd(streams[0], {"rollout_id": "r-0"})
             await client.delete(streams[1])
             await client.set(streams[1], "not a stream")
@@ -128,10 +144,10 @@ async def test_a_cluster_read_that_failed_leaves_every_shard_it_read_suspect(clu
             try:
                 async with anyio.create_task_group() as group:
                     group.start_soon(read)
+                    # Shard 0's read was served and its reply taken in, while shard 1's node is still paused.
                     with anyio.fail_after(20):
-                        while not (await client.xpending(streams[0], "g"))["pending"]:  # noqa: ASYNC110 (the server's)
-                            await anyio.sleep(0.01)  # shard 0's read was served
-                    await anyio.sleep(0.5)  # and its reply taken in, while shard 1's node is still paused
+                        await taken_in.wait()
+                    assert (await client.xpending(streams[0], "g"))["pending"] == 1
                     slow.resume()
             finally:
                 if slow.paused:

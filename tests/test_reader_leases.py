@@ -19,6 +19,7 @@ from sink.server import DurableServer
 from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
 from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollouts
+from tests.helpers.processes import until
 
 
 async def _prepared(url: str, ids: Sequence[str]) -> list[StagedRollout]:
@@ -27,9 +28,11 @@ async def _prepared(url: str, ids: Sequence[str]) -> list[StagedRollout]:
         for rollout_id in ids:
             await finished(client, rollout_id, reward=1.0, shards=1)
         async with running_assembler(url, block_ms=20, done_shards=1, receipt_shards=1):
-            with anyio.fail_after(20):
-                while await client.xlen("stg:done:0"):  # noqa: ASYNC110 (polling the server)
-                    await anyio.sleep(0.02)
+
+            async def drained() -> bool:
+                return not await client.xlen("stg:done:0")
+
+            await until(drained, "the assembler did not take in the done events within 20 s", timeout_s=20)
     return staged
 
 
@@ -53,9 +56,11 @@ async def test_an_ack_after_a_lost_lease_reports_it_and_the_new_owner_counts_a_d
         assert first.trainable
         # The slow rank stalls past claim_idle_ms (no pull, no heartbeat): wait until the server says so.
         async with aioredis.Redis.from_url(redis_url) as client:
-            with anyio.fail_after(30):
-                while not await _idle_past(client, slow.entry_token("leased"), fast["claim_idle_ms"]):  # noqa: ASYNC110
-                    await anyio.sleep(0.02)
+            await until(
+                lambda: _idle_past(client, slow.entry_token("leased"), fast["claim_idle_ms"]),
+                "the server never saw the slow rank's entry idle past claim_idle_ms",
+                timeout_s=30,
+            )
         [second] = await pull_until(fast_rank, 1)
         assert second.rollout_id == "leased" and second.trainable
         assert fast_rank.statistics().double_deliveries == 1

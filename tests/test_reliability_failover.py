@@ -30,6 +30,7 @@ from sink.settings import SinkSettings
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from sink_tools.cluster import LocalCluster
+from tests.helpers.processes import wait_for
 from tests.helpers.reliability import audit_keyspace, record_measurement
 from tests.helpers.staging import make_record
 
@@ -47,17 +48,20 @@ def _wait_link_up(primary: DurableServer, replica: DurableServer, timeout_s: flo
     """Wait until the replica is linked *and* acknowledges writes (``WAIT 1`` answers 1)."""
     deadline = time.monotonic() + timeout_s
     with replica.client() as client:
-        while client.info("replication").get("master_link_status") != "up":
-            assert time.monotonic() < deadline, "the replica did not connect to its primary"
-            time.sleep(0.05)
+        wait_for(
+            lambda: client.info("replication").get("master_link_status") == "up",
+            lambda: f"the replica did not connect to its primary: {replica.log_tail()}",
+            timeout_s=timeout_s,
+        )
     with primary.client() as client:
-        while True:
+
+        def acknowledged() -> bool:  # WAIT itself blocks up to 500 ms for the replica's acknowledgement
             client.set("replication-probe", "1")
             acked = int(client.execute_command("WAIT", 1, 500))
             client.delete("replication-probe")
-            if acked >= 1:
-                return
-            assert time.monotonic() < deadline, "the replica does not acknowledge writes"
+            return acked >= 1
+
+        wait_for(acknowledged, "the replica does not acknowledge writes", timeout_s=max(deadline - time.monotonic(), 0))
 
 
 @pytest.fixture(params=["valkey-server", "redis-server"], ids=["valkey", "redis"])
@@ -259,10 +263,7 @@ class FailoverRun:
 
 
 def _wait_for_promotion(cluster: LocalCluster) -> None:
-    deadline = time.monotonic() + RECOVERY_BOUND_S
-    while len(cluster.primaries()) < 3:
-        assert time.monotonic() < deadline, "no replica was promoted"
-        time.sleep(0.2)
+    wait_for(lambda: len(cluster.primaries()) >= 3, "no replica was promoted", timeout_s=RECOVERY_BOUND_S)
 
 
 def _prepare_cluster(cluster: LocalCluster) -> None:

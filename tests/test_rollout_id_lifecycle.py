@@ -19,6 +19,7 @@ from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import StagedRollout, pull_until, running_assembler, stage_rollout
+from tests.helpers.processes import until
 from tests.helpers.staging import make_record
 
 
@@ -36,9 +37,11 @@ async def _train(url: str, rollout_id: str) -> tuple[int, ...] | None:
     async with aioredis.Redis.from_url(url) as client:
         await finished(client, rollout_id, reward=1.0, shards=1)
         async with running_assembler(url, block_ms=20, done_shards=1, receipt_shards=1):
-            with anyio.fail_after(20):
-                while await client.xlen("stg:done:0"):  # noqa: ASYNC110 (polling the server)
-                    await anyio.sleep(0.02)
+
+            async def drained() -> bool:
+                return not await client.xlen("stg:done:0")
+
+            await until(drained, "the assembler did not take in the done events within 20 s", timeout_s=20)
     async with RolloutReader.from_url(url, receipt_shards=1) as reader:
         [pulled] = await pull_until(reader, 1)
         await reader.ack([rollout_id])

@@ -35,6 +35,7 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.reader.rollout_reader import RolloutReader
 from sink_cli.main import main as cli_main
 from tests.helpers.e2e import call_record_of, pull_until, running_assembler, stage_rollouts
+from tests.helpers.processes import until
 from tests.helpers.staging import make_record
 
 RECEIPTS = receipts_stream("stg", 0)
@@ -161,9 +162,11 @@ async def _finish_and_assemble(url: str, rollout_ids: Sequence[str]) -> None:
         for rollout_id in rollout_ids:
             await finished(client, rollout_id, reward=1.0, shards=1)
         async with running_assembler(url, block_ms=20, done_shards=1, receipt_shards=1):
-            with anyio.fail_after(20):
-                while await client.xlen("stg:done:0"):  # noqa: ASYNC110 (polling the server)
-                    await anyio.sleep(0.02)
+
+            async def drained() -> bool:
+                return not await client.xlen("stg:done:0")
+
+            await until(drained, "the assembler did not take in the done events within 20 s", timeout_s=20)
 
 
 def _row(record: StagedCallRecord, **update: object) -> CallRecord:

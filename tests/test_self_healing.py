@@ -32,11 +32,10 @@ HEALED = "was missing on"
 
 
 async def _wait_for_receipt(client: aioredis.Redis, rollout_id: str, *, timeout_s: float = 20.0) -> None:
-    for _attempt in range(int(timeout_s / 0.05)):
-        if await client.exists(receipt_key("stg", rollout_id)):
-            return
-        await anyio.sleep(0.05)
-    raise AssertionError(f"no receipt for {rollout_id} after {timeout_s} s")
+    async def stored() -> bool:
+        return bool(await client.exists(receipt_key("stg", rollout_id)))
+
+    await until(stored, f"no receipt for {rollout_id} after {timeout_s} s", timeout_s=timeout_s)
 
 
 async def _drop_groups(client: aioredis.Redis, streams: list[str]) -> None:

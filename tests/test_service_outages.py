@@ -26,6 +26,7 @@ from sink.server import DurableServer
 from sink.settings import AssemblerSettings
 from sink.store.connection import map_redis_errors
 from tests.helpers.commands import staging_sink
+from tests.helpers.processes import until
 from tests.helpers.trainer import publish
 
 READY = r"^trainer \S+ on .*Ctrl-C stops it"
@@ -130,8 +131,9 @@ async def test_the_assembler_rides_out_an_outage_while_it_opens(
                     await assembler.run()
 
             group.start_soon(open_and_stop)
-            while not _records_matching(caplog, "unreachable while opening"):  # noqa: ASYNC110 (a log record)
-                await anyio.sleep(0.01)
+            await until(
+                lambda: bool(_records_matching(caplog, "unreachable while opening")), "no outage logged while opening"
+            )
             assert not opened.is_set()
             fresh_server.restart()
     assert opened.is_set()
@@ -151,14 +153,21 @@ async def test_the_assembler_rides_out_an_outage_while_it_closes(
             async with anyio.create_task_group() as group:
                 group.start_soon(assembler.run)
                 async with aioredis.Redis.from_url(fresh_server.url) as client:
-                    while not await client.xinfo_consumers(stream, ASSEMBLER_GROUP):  # noqa: ASYNC110
-                        await anyio.sleep(0.01)  # until the shard loop has read once (its consumer exists)
+
+                    async def read_once() -> bool:  # the shard loop has read once: its consumer exists
+                        return bool(await client.xinfo_consumers(stream, ASSEMBLER_GROUP))
+
+                    await until(read_once, "the assembler's shard loop never read")
                 fresh_server.kill()
-                while not _records_matching(caplog, "unreachable while running"):  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+                await until(
+                    lambda: bool(_records_matching(caplog, "unreachable while running")),
+                    "no outage logged while running",
+                )
                 assembler.stop()  # closing now: retiring the consumer name needs the server
-                while not _records_matching(caplog, "unreachable while closing"):  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+                await until(
+                    lambda: bool(_records_matching(caplog, "unreachable while closing")),
+                    "no outage logged while closing",
+                )
                 fresh_server.restart()
     async with aioredis.Redis.from_url(fresh_server.url) as client:
         assert await client.xinfo_consumers(stream, ASSEMBLER_GROUP) == []  # retired once the server was back

@@ -25,6 +25,7 @@ from sink.store import scripts
 from sink.store.memory import MemoryStagingStore
 from sink.store.sink import CONFLICT_ERROR, AsyncRedisStagingSink, RedisStagingSink
 from sink.store.source import AsyncRedisStagingSource, RedisStagingSource
+from tests.helpers.processes import until
 from tests.helpers.staging import make_chain, make_record
 
 pytestmark = pytest.mark.anyio
@@ -137,18 +138,18 @@ async def test_a_paused_replica_fails_stages_until_it_resumes(fresh_server: Dura
         admin.config_set("repl-diskless-sync-delay", "0")  # the replica's first sync starts at once, not after 5 s
     with DurableServer(binary=fresh_server.binary, replica_of=("127.0.0.1", fresh_server.port)) as replica:
         with _client(replica.url) as client:
-            for _ in range(100):
-                if client.info("replication").get("master_link_status") == "up":
-                    break
-                await anyio.sleep(0.05)
+            await until(
+                lambda: client.info("replication").get("master_link_status") == "up",
+                lambda: f"the replica did not link to its primary: {replica.log_tail()}",
+                timeout_s=20,
+            )
         async with AsyncRedisStagingSink.from_url(fresh_server.url, min_replicas=1, confirm_timeout_s=0.5) as sink:
             # A healthy replica confirms (on a loaded machine its first sync may take a few 0.5 s windows).
-            for _ in range(100):
-                if (await sink.stage(make_record("r8", "c1"))).ok:
-                    break
-                await anyio.sleep(0.1)
-            else:
-                pytest.fail("the healthy replica never confirmed a stage")
+
+            async def confirmed() -> bool:
+                return (await sink.stage(make_record("r8", "c1"))).ok
+
+            await until(confirmed, "the healthy replica never confirmed a stage")
             replica.pause()
             try:
                 with anyio.fail_after(5):

@@ -21,6 +21,7 @@ from sink.store.sink import AsyncRedisStagingSink
 from sink.trainer.reader.retention import consumed_keys, expire_consumed
 from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import running_assembler, stage_rollout
+from tests.helpers.processes import until
 
 ROLLOUTS = 5_000
 ABANDONED_SHARE = 10  # every 10th rollout never finishes
@@ -102,10 +103,13 @@ async def _soak(url: str) -> dict[str, tuple[int, int]]:
         report = await prune_namespace(topology, settings, now_s=time.time() + 2 * settings.abandon_after_s)
         await topology.aclose()
         assert len(report.abandoned) == ROLLOUTS - len(finishing)
-        for _attempt in range(240):  # retention passes; active expiry removes the keys
-            if await client.dbsize() <= FIXED_KEYS:
-                break
-            await anyio.sleep(0.25)
+        left: list[int] = []
+
+        async def expired() -> bool:  # retention passes; active expiry removes the keys
+            left[:] = [int(await client.dbsize())]
+            return left[0] <= FIXED_KEYS
+
+        await until(expired, lambda: f"{left} keys left 60 s after retention, not {FIXED_KEYS}", timeout_s=60)
         figures["after"] = await _figures(client)
     return figures
 

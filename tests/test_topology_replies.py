@@ -43,6 +43,7 @@ from sink.trainer.reader.rollout_reader import RolloutReader
 from sink_tools.cluster import LocalCluster
 from tests.helpers.e2e import pull_until, running_assembler
 from tests.helpers.gym import make_entry
+from tests.helpers.processes import until
 from tests.helpers.proxy import RecordingEngine, close_clients, finish, proxy_before, run_agent
 from tests.helpers.topology import (
     RolloutFlow,
@@ -110,14 +111,21 @@ async def test_each_topology_reply_is_an_outage_with_its_reply_code(cluster: Loc
 
 
 async def _read_when_redirects_settle(consumer: SelfHealingGroupConsumer) -> list[StreamEntry]:
-    with anyio.fail_after(30):
-        while True:
-            try:
-                return await consumer.read_new([0], count=10, block_ms=None)
-            except StagingUnavailableError as exc:
-                if exc.code != "MOVED":
-                    raise
-            await anyio.sleep(0.1)
+    entries: list[StreamEntry] = []
+    redirects: list[str] = []
+
+    async def served() -> bool:
+        try:
+            entries[:] = await consumer.read_new([0], count=10, block_ms=None)
+        except StagingUnavailableError as exc:
+            if exc.code != "MOVED":
+                raise
+            redirects.append(str(exc))
+            return False
+        return True
+
+    await until(served, lambda: f"the read was still redirected after 30 s: {redirects[-1:]}", timeout_s=30)
+    return entries
 
 
 async def test_a_read_blocked_on_a_primary_that_steps_down_is_an_outage_not_a_lost_group(
@@ -151,9 +159,12 @@ async def test_a_read_blocked_on_a_primary_that_steps_down_is_an_outage_not_a_lo
 
         async with anyio.create_task_group() as group:
             group.start_soon(blocked_read)
-            with victim.client() as client, anyio.fail_after(60):
-                while int(client.info("clients")["blocked_clients"]) < 1:  # noqa: ASYNC110 (a server's state)
-                    await anyio.sleep(0.02)
+            with victim.client() as client:
+                await until(
+                    lambda: int(client.info("clients")["blocked_clients"]) >= 1,
+                    "the read never blocked on the victim",
+                    timeout_s=60,
+                )
             await anyio.to_thread.run_sync(fail_over, cluster, victim)
         assert len(failure) == 1 and type(failure[0]) is StagingUnavailableError, failure
         assert failure[0].code in ("UNBLOCKED", "MOVED"), failure[0]
