@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -82,7 +83,7 @@ def test_stage_bench_leaves_other_namespaces_intact(redis_url: str, capsys: pyte
     assert _keys_after(redis_url) == before  # nothing of theirs touched, nothing of ours left
     assert "repeat 2/2" in err and "bench: stage:" in err  # progress on stderr, not in the report
     assert "best of 2 runs" in out
-    assert out.count("PASS ") + out.count("MISS ") == 3  # two configurations + chain fetch
+    assert out.count("PASS ") + out.count("MISS ") == 4  # two configurations, the largest one's p99, chain fetch
     assert "(a)" not in out
 
 
@@ -178,3 +179,32 @@ def test_trainer_bench_leaves_other_namespaces_intact(redis_url: str, capsys: py
         client.close()
     assert trainer_bench.main(argv) == 1
     assert "already has keys in the benchmark namespace" in capsys.readouterr().err
+
+
+def _stage_row(system: str, tokens: int, concurrency: int, records_per_s: float, p99_ms: float) -> dict[str, Any]:
+    return {
+        "system": system,
+        "tokens": tokens,
+        "concurrency": concurrency,
+        "records_per_s": records_per_s,
+        "p99_ms": p99_ms,
+    }
+
+
+def test_stage_targets_are_the_issues_throughput_and_the_largest_configurations_p99() -> None:
+    """Every configuration's sink/SET throughput against 1.0x; the p99 ratio of the most tokens at the most stagers
+    only (here 131,072 x 16, listed before a smaller one to show the choice is by size, not by position)."""
+    rows = [
+        _stage_row("plain-set", 131072, 16, 180.0, 100.0),
+        _stage_row("sink", 131072, 16, 180.0, 96.0),
+        _stage_row("plain-set", 2048, 16, 1000.0, 10.0),
+        _stage_row("sink", 2048, 16, 900.0, 30.0),
+    ]
+    report = {"stage": rows, "chain_fetch": {"packed_ratio": 2.3}}
+    lines = [target.line() for target in stage_bench.stage_targets(report)]
+    assert lines == [
+        "PASS sink/baseline throughput, 131072 tokens x16: 1.00x (target >= 1x)",
+        "MISS sink/baseline throughput, 2048 tokens x16: 0.90x (target >= 1x)",
+        "PASS sink/baseline p99, 131072 tokens x16: 0.96x (target <= 1x)",
+        "PASS fetch_packed/floor, 50-call chain: 2.30x (target <= 4x)",
+    ]
