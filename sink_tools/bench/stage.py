@@ -18,7 +18,7 @@ Each configuration runs ``--repeats`` times (the run with the highest throughput
 keeps the best of its repeats. With ``--redis-url`` the benchmark writes only under ``--namespace`` (see
 :mod:`sink_tools.bench`) and skips the server ceiling (``redis-benchmark`` writes keys of its own) and the server's
 cost per record (other clients' work would count too).
-Targets (issue 33's): sink throughput at least :data:`MIN_THROUGHPUT_RATIO` of the baseline's in every configuration;
+Targets: sink throughput at least :data:`MIN_THROUGHPUT_RATIO` of the baseline's in every configuration;
 its p99 in the largest configuration (most tokens, most stagers) at most :data:`MAX_LARGEST_P99_RATIO` times the
 baseline's; ``fetch_packed`` of the chain at most :data:`MAX_FETCH_PACKED_RATIO` times the floor.
 """
