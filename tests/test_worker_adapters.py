@@ -314,6 +314,25 @@ def test_cross_checked_agrees_with_the_per_token_reading(ids: list[int], tokens:
             cross_checked(ids, tokens, "t")
 
 
+@given(
+    ids=st.lists(st.integers(0, 2**40), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(0, 200), max_size=8),
+)
+def test_cross_checked_judges_any_split_of_the_joined_spelling_as_the_per_token_reading(
+    ids: list[int], cuts: list[int]
+) -> None:
+    """The shortcut compares joined strings: tokens that re-split vLLM's joined spelling elsewhere (one token holding
+    two ids and an empty one, a prefix cut in half) are judged exactly as the per-token reading judges them."""
+    joined = "".join(f"token_id:{i}" for i in ids)
+    points = sorted({cut % (len(joined) + 1) for cut in cuts})
+    tokens = [joined[a:b] for a, b in zip([0, *points], [*points, len(joined)], strict=True)]
+    if _reference_cross_check(ids, tokens):
+        assert cross_checked(ids, tokens, "t") is ids
+    else:
+        with pytest.raises(EnginePayloadError):
+            cross_checked(ids, tokens, "t")
+
+
 def _vllm_chat(ids: list[int], logprobs: list[float], tokens: list[Any], text: str) -> dict[str, Any]:
     content = [
         {"token": token, "logprob": lp, "bytes": None, "top_logprobs": []}

@@ -43,7 +43,6 @@ PREFIX_REQUEST_KEY = "required_prefix_token_ids"
 """Request key under which both adapters hand the exact prefix to the engine."""
 
 _TOKEN_ID_PREFIX = "token_id:"
-_TOKEN_ID_FORMAT = _TOKEN_ID_PREFIX + "{:d}"
 _MISSING = object()
 
 
@@ -108,9 +107,23 @@ def logprob_list(value: Any, what: str = "log-probabilities") -> list[float]:
     return list(map(float, values))
 
 
-def _token_strings(ids: list[int]) -> list[str]:
-    """The ``token_id:<n>`` strings vLLM writes for *ids* (decimal, no sign, no leading zero)."""
-    return list(map(_TOKEN_ID_FORMAT.format, ids))
+def _spelled_as_ids(tokens: Any, ids: list[int]) -> bool:
+    """Whether *tokens*, as many as *ids*, join into the ``token_id:<n>`` strings vLLM writes for *ids* (decimal, no
+    sign, no leading zero), joined: one string compared, no string object per id.
+
+    Then *ids* stand (:func:`cross_checked`): if every token starts with ``token_id:``, each holds exactly one (the
+    joined strings hold ``len(ids)``, and digits never spell one), so they are vLLM's strings for *ids*; if one does
+    not, the tokens are not all id strings, and such tokens check nothing.
+    """
+    if type(tokens) is not list or len(tokens) != len(ids):
+        return False
+    if not ids:
+        return True
+    try:
+        joined = "".join(tokens)
+    except TypeError:  # an element that is not a str
+        return False
+    return joined == _TOKEN_ID_PREFIX + _TOKEN_ID_PREFIX.join(map(str, ids))
 
 
 def ids_from_token_strings(tokens: Any, what: str) -> list[int]:
@@ -140,7 +153,7 @@ def cross_checked(ids: list[int], tokens: Any, what: str) -> list[int]:
 
     :raises EnginePayloadError: the two disagree (the payload contradicts itself: neither is trusted).
     """
-    if tokens == _token_strings(ids):  # vLLM's own strings for exactly these ids
+    if _spelled_as_ids(tokens, ids):  # vLLM's own strings for exactly these ids (the shortcut)
         return ids
     if not isinstance(tokens, list) or not all(isinstance(t, str) and t.startswith(_TOKEN_ID_PREFIX) for t in tokens):
         return ids
