@@ -88,6 +88,9 @@ def test_a_proof_applies_the_reference_type_gate(bad: Any) -> None:
         EMPTY_SEQUENCE.extended([1, bad])
 
 
+_HASHES = {"chain_hash": "c" * 64, "cumulative_hash": "d" * 64}  # the record's hashes (not read by these tests)
+
+
 # --- SequenceHashCache ---------------------------------------------------------------------------------
 
 
@@ -98,12 +101,12 @@ def _proof(*ids: int) -> ProvenSequence:
 def test_the_cache_is_an_lru_over_rollouts_and_over_calls() -> None:
     cache = SequenceHashCache(max_rollouts=2, calls_per_rollout=2)
     a, b, c = _proof(1), _proof(2), _proof(3)
-    cache.remember("r1", "c1", a)
-    cache.remember("r1", "c2", b)
-    cache.remember("r1", "c3", c)  # evicts r1/c1
+    cache.remember("r1", "c1", a, **_HASHES)
+    cache.remember("r1", "c2", b, **_HASHES)
+    cache.remember("r1", "c3", c, **_HASHES)  # evicts r1/c1
     assert cache.lookup("r1", "c1") is None and cache.lookup("r1", "c2") is b and cache.lookup("r1", "c3") is c
-    cache.remember("r2", "c1", a)
-    cache.remember("r3", "c1", b)  # evicts r1, the least recently remembered rollout
+    cache.remember("r2", "c1", a, **_HASHES)
+    cache.remember("r3", "c1", b, **_HASHES)  # evicts r1, the least recently remembered rollout
     assert len(cache) == 2 and cache.lookup("r1", "c3") is None and cache.lookup("r3", "c1") is b
     assert cache.lookup("r2", None) is EMPTY_SEQUENCE  # a root's prefix is the empty sequence
     with pytest.raises(ValueError):
@@ -118,7 +121,7 @@ def test_the_cache_is_thread_safe() -> None:
     def worker(offset: int) -> None:
         try:
             for n in range(2000):
-                cache.remember(f"r{(n + offset) % 12}", f"c{n % 5}", proofs[n % 16])
+                cache.remember(f"r{(n + offset) % 12}", f"c{n % 5}", proofs[n % 16], **_HASHES)
                 found = cache.lookup(f"r{n % 12}", f"c{n % 5}")
                 assert found is None or isinstance(found, ProvenSequence)
         except BaseException as exc:  # noqa: BLE001 -- surfaced by the assertion below

@@ -211,7 +211,7 @@ class RolloutTokenCapture:
                     parents = yield IoRequest(fetch, admission.staging_chain[-1:], self._source_is_async, _FETCH_ERRORS)
                 except _FETCH_ERRORS:  # the whole chain is fetched below, and its failure reported as before
                     parents = None
-                if parents is not None and len(parents) == 1 and remembered.is_parent_record(admission, parents[0]):
+                if parents is not None and len(parents) == 1 and remembered.is_record(parents[0]):
                     extras = _snapshot_extras(parents[0])
                     return ActiveCall(
                         admission, stamped, None, cut, parent_extras=extras, _prefix_proof=remembered.proof
@@ -232,10 +232,7 @@ class RolloutTokenCapture:
         sequences = self._sequences
         if sequences is None or admission.generation_cut is not None:
             return None
-        remembered = sequences.remembered(admission.rollout_id, admission.parent_call_id)
-        if remembered is None or remembered.proof.length != admission.prev_len:
-            return None
-        return remembered if remembered.chain_hash == admission.parent_chain_hash else None
+        return sequences.parent_of(admission)
 
     def _explicit_prefix(
         self, admission: CaptureAdmission, prefix_token_ids: object

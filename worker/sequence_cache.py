@@ -143,25 +143,22 @@ EMPTY_SEQUENCE = ProvenSequence(0, (), ())
 class RememberedCall:
     """A call's full sequence, proved, with the chain and cumulative hashes of the record built from it."""
 
+    rollout_id: str
+    model_call_id: str
     proof: ProvenSequence
-    chain_hash: str | None = None
-    cumulative_hash: str | None = None
+    chain_hash: str
+    cumulative_hash: str
 
-    def is_parent_record(self, admission: CaptureAdmission, snapshot: object) -> bool:
-        """Whether *snapshot*, fetched as *admission*'s parent record, is the record this call was built into.
-
-        Its rollout, call id, length, chain hash (also the admission's ``parent_chain_hash``) and cumulative hash
-        must all be the remembered ones (``False``: fetch and check the whole chain, §5.9).
-        """
+    def is_record(self, snapshot: object) -> bool:
+        """Whether the fetched *snapshot* is the record this call was built into: its rollout, call id, length,
+        chain hash and cumulative hash are the remembered ones (``False``: fetch and check the whole chain, §5.9)."""
         if not isinstance(snapshot, PackedSnapshot | StagedCallBaseSnapshot):
             return False
         return (
-            self.chain_hash is not None
-            and self.cumulative_hash is not None
-            and snapshot.rollout_id == admission.rollout_id
-            and snapshot.model_call_id == admission.parent_call_id
-            and snapshot.cum_len == self.proof.length == admission.prev_len
-            and snapshot.chain_hash == self.chain_hash == admission.parent_chain_hash
+            snapshot.rollout_id == self.rollout_id
+            and snapshot.model_call_id == self.model_call_id
+            and snapshot.cum_len == self.proof.length
+            and snapshot.chain_hash == self.chain_hash
             and snapshot.cumulative_hash == self.cumulative_hash
         )
 
@@ -191,13 +188,21 @@ class SequenceHashCache:
         """The proof remembered for *model_call_id*'s full sequence, if any (a candidate, checked by the caller)."""
         if model_call_id is None:
             return EMPTY_SEQUENCE
-        remembered = self.remembered(rollout_id, model_call_id)
+        remembered = self._remembered(rollout_id, model_call_id)
         return None if remembered is None else remembered.proof
 
-    def remembered(self, rollout_id: str, model_call_id: str | None) -> RememberedCall | None:
-        """What is remembered of *model_call_id* (its proof and its record's hashes), if anything."""
-        if model_call_id is None:
+    def parent_of(self, admission: CaptureAdmission) -> RememberedCall | None:
+        """What is remembered of *admission*'s parent when it is the parent the admission names: its length is
+        ``prev_len`` and its record's chain hash the ``parent_chain_hash`` (a candidate: its record is still
+        checked, :meth:`RememberedCall.is_record`)."""
+        if admission.parent_call_id is None:
             return None
+        remembered = self._remembered(admission.rollout_id, admission.parent_call_id)
+        if remembered is None or remembered.proof.length != admission.prev_len:
+            return None
+        return remembered if remembered.chain_hash == admission.parent_chain_hash else None
+
+    def _remembered(self, rollout_id: str, model_call_id: str) -> RememberedCall | None:
         with self._lock:
             calls = self._rollouts.get(rollout_id)
             return None if calls is None else calls.get(model_call_id)
@@ -221,15 +226,12 @@ class SequenceHashCache:
         model_call_id: str,
         proof: ProvenSequence,
         *,
-        chain_hash: str | None = None,
-        cumulative_hash: str | None = None,
+        chain_hash: str,
+        cumulative_hash: str,
     ) -> None:
-        """Remember *proof* as *model_call_id*'s full sequence, evicting the least recently used entries.
-
-        *chain_hash* and *cumulative_hash* are those of the record built from it (both needed for
-        :meth:`RememberedCall.is_parent_record`).
-        """
-        remembered = RememberedCall(proof, chain_hash, cumulative_hash)
+        """Remember *proof* as *model_call_id*'s full sequence, with the *chain_hash* and *cumulative_hash* of the
+        record built from it, evicting the least recently used entries."""
+        remembered = RememberedCall(rollout_id, model_call_id, proof, chain_hash, cumulative_hash)
         evicted: list[object] = []
         with self._lock:
             calls = self._rollouts.get(rollout_id)

@@ -113,10 +113,12 @@ def context_digest(token_ids: Sequence[int], eot_ids: Collection[int], turns: in
 
     :raises SpliceError: fewer than *turns* end-of-turn ids.
     """
-    positions = end_of_turn_positions(token_ids, eot_ids) if turns > 0 else []
-    if len(positions) < turns:
-        raise SpliceError(f"the rendering holds {len(positions)} end-of-turn ids, fewer than {turns}")
-    end = positions[turns - 1] + 1 if turns > 0 else 0
+    end = 0
+    if turns > 0:
+        positions = end_of_turn_positions(token_ids, eot_ids)
+        if len(positions) < turns:
+            raise SpliceError(f"the rendering holds {len(positions)} end-of-turn ids, fewer than {turns}")
+        end = positions[turns - 1] + 1
     return hashlib.sha256(_CONTEXT_DOMAIN + encode_token_ids(list(token_ids[:end]))).hexdigest()
 
 
