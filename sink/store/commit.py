@@ -246,6 +246,8 @@ class GroupCommitWriter(Generic[_Item]):
             # changed since the last check fails this batch, not one durability_check_interval_s later.
             config=settings.durability == "fsync",
             replicas=settings.min_replicas,
+            # A server with WAITAOF (Redis >= 7.2, every Valkey) takes every name in one CONFIG GET (Redis >= 7.0).
+            config_in_one_get=self._durability.supports_waitaof,
         )
         sent = await send_calls(
             self._topology,

