@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -88,7 +88,12 @@ def test_a_proof_applies_the_reference_type_gate(bad: Any) -> None:
         EMPTY_SEQUENCE.extended([1, bad])
 
 
-_HASHES = {"chain_hash": "c" * 64, "cumulative_hash": "d" * 64}  # the record's hashes (not read by these tests)
+class _RecordHashes(TypedDict):
+    chain_hash: str
+    cumulative_hash: str
+
+
+_HASHES: _RecordHashes = {"chain_hash": "c" * 64, "cumulative_hash": "d" * 64}  # not read by these tests
 
 
 # --- SequenceHashCache ---------------------------------------------------------------------------------
@@ -449,3 +454,34 @@ def test_a_missing_parent_record_fails_the_call_as_without_the_cache() -> None:
         expected = [["r/c1"], ["r/c0", "r/c1"]] if cached_rollouts else [["r/c0", "r/c1"]]
         assert source.fetches[-len(expected) :] == expected  # the parent, then the whole chain as before
     assert outcomes[0] == outcomes[1] and outcomes[0] is not None and "staging chain fetch failed" in outcomes[0]
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [
+        ["r/c2"],  # the ancestors left out
+        ["r/c1", "r/c0", "r/c2"],  # out of order
+        ["r/c0", "r/c0", "r/c2"],  # an ancestor twice, another missing
+        ["r/absent", "r/c1", "r/c2"],  # a key with no record
+    ],
+)
+def test_a_staging_chain_the_whole_chain_check_refuses_fails_as_without_the_cache(chain: list[str]) -> None:
+    """The last key is the parent's own record, yet the keys before it are not the chain its prefix was checked
+    with: the short path must not accept what the whole-chain check refuses (§5.2, §5.9)."""
+    outcomes = []
+    for cached_rollouts in (64, 0):
+        store = MemoryStagingStore()
+        capture = make_capture(store, _CountingSource(store), sequence_cache_rollouts=cached_rollouts)
+        coords = _by_reference_rollout(capture, 3)
+        admission = CaptureAdmission(
+            rollout_id="r",
+            model_call_id="c3",
+            parent_call_id="c2",
+            prev_len=coords[2].cum_len,
+            mode="token_in",
+            staging_chain=chain,
+            parent_chain_hash=coords[2].chain_hash,
+        )
+        outcomes.append(capture.begin_call(admission).capture_failure)
+    assert outcomes[1] is not None  # the reference path refuses the chain
+    assert outcomes[0] == outcomes[1]

@@ -55,6 +55,9 @@ class ActiveCall:
     parent_extras: dict[str, Any] | None = None
     """The extras of the parent's staged record when ``begin_call`` fetched the staging chain (digest-checked by the
     source), else ``None``: exact-prefix mode reads the parent's rendered context from them."""
+    verified_chain: tuple[str, ...] | None = None
+    """The staging chain ``begin_call`` resolved and checked the prefix from (``()`` for a text root), else ``None``
+    (an inline or caller-given prefix): a by-reference child's chain must extend it by one key (§5.9)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _prefix_proof: ProvenSequence | None = field(default=None, repr=False)
 
@@ -265,7 +268,12 @@ def _cached_hashes(
         chain_hash = _chain_hash(admission, ids, proved)
     cumulative_hash = proof.cumulative_hash()
     cache.remember(
-        admission.rollout_id, admission.model_call_id, proof, chain_hash=chain_hash, cumulative_hash=cumulative_hash
+        admission.rollout_id,
+        admission.model_call_id,
+        proof,
+        chain_hash=chain_hash,
+        cumulative_hash=cumulative_hash,
+        staging_chain=call.verified_chain,
     )
     return chain_hash, cumulative_hash
 

@@ -201,6 +201,7 @@ class RolloutTokenCapture:
         elif generation_cut is not None or generation_cut_staging_keys is not None:
             raise CaptureError("a generation-cut snapshot needs an admission with generation_cut set")
         parent_extras: dict[str, Any] | None = None
+        verified: tuple[str, ...] | None = () if admission.mode == "text" else None
         if prefix is None:
             fetch = self._fetch
             if fetch is None:  # ruled out above: a by-reference admission without a source raises
@@ -213,8 +214,15 @@ class RolloutTokenCapture:
                     parents = None
                 if parents is not None and len(parents) == 1 and remembered.is_record(parents[0]):
                     extras = _snapshot_extras(parents[0])
+                    chain = tuple(admission.staging_chain)
                     return ActiveCall(
-                        admission, stamped, None, cut, parent_extras=extras, _prefix_proof=remembered.proof
+                        admission,
+                        stamped,
+                        None,
+                        cut,
+                        parent_extras=extras,
+                        verified_chain=chain,
+                        _prefix_proof=remembered.proof,
                     )
             try:
                 snapshots = yield IoRequest(fetch, list(admission.staging_chain), self._source_is_async, _FETCH_ERRORS)
@@ -225,7 +233,16 @@ class RolloutTokenCapture:
             except PrefixResolutionError as exc:
                 return _uncaptured(admission, stamped, cut, str(exc))
             parent_extras = _snapshot_extras(snapshots[-1])
-        return ActiveCall(admission, stamped, prefix, cut, parent_extras=parent_extras, _prefix_proof=proof)
+            verified = tuple(admission.staging_chain)
+        return ActiveCall(
+            admission,
+            stamped,
+            prefix,
+            cut,
+            parent_extras=parent_extras,
+            verified_chain=verified,
+            _prefix_proof=proof,
+        )
 
     def _remembered_parent(self, admission: CaptureAdmission) -> RememberedCall | None:
         """The parent of a by-reference *admission*, when this capture built it and remembers its sequence."""

@@ -44,9 +44,10 @@ pieces, so a branch costs only its own new ids.
 A call's proof is remembered with the ``chain_hash`` and ``cumulative_hash``
 of the record built from it (:class:`RememberedCall`). A by-reference child
 (contract §5.9) whose parent this capture built then needs only its parent's
-staged record, not the whole chain: when that record's chain hash is the
-admission's ``parent_chain_hash`` and its cumulative hash is the remembered
-one, the remembered ids are the parent's sequence (SHA-256 is collision
+staged record, not the whole chain: when the admission's ``staging_chain`` is
+the chain the parent's prefix was checked from plus that record's key, the
+record's chain hash is the admission's ``parent_chain_hash`` and its
+cumulative hash is the remembered one, the remembered ids are the parent's sequence (SHA-256 is collision
 resistant, and the cumulative hash covers every id), so the prefix is known
 without fetching, hashing or unpacking the ancestors
 (:meth:`worker.capture.RolloutTokenCapture.begin_call`).
@@ -148,6 +149,9 @@ class RememberedCall:
     proof: ProvenSequence
     chain_hash: str
     cumulative_hash: str
+    staging_chain: tuple[str, ...] | None = None
+    """The staging chain the call's prefix was resolved and checked from (``()``: a text root; ``None``: not
+    checked from a chain, so no child takes the short path)."""
 
     def is_record(self, snapshot: object) -> bool:
         """Whether the fetched *snapshot* is the record this call was built into: its rollout, call id, length,
@@ -193,14 +197,20 @@ class SequenceHashCache:
 
     def parent_of(self, admission: CaptureAdmission) -> RememberedCall | None:
         """What is remembered of *admission*'s parent when it is the parent the admission names: its length is
-        ``prev_len`` and its record's chain hash the ``parent_chain_hash`` (a candidate: its record is still
-        checked, :meth:`RememberedCall.is_record`)."""
+        ``prev_len``, its record's chain hash the ``parent_chain_hash``, and the ``staging_chain`` is the chain the
+        parent's prefix was checked from plus one key (a candidate: that last key's record is still checked,
+        :meth:`RememberedCall.is_record`)."""
         if admission.parent_call_id is None:
             return None
         remembered = self._remembered(admission.rollout_id, admission.parent_call_id)
         if remembered is None or remembered.proof.length != admission.prev_len:
             return None
-        return remembered if remembered.chain_hash == admission.parent_chain_hash else None
+        if remembered.chain_hash != admission.parent_chain_hash or remembered.staging_chain is None:
+            return None
+        chain = admission.staging_chain
+        if len(chain) != len(remembered.staging_chain) + 1 or tuple(chain[:-1]) != remembered.staging_chain:
+            return None  # not the chain the parent was checked with: the whole chain is fetched and checked
+        return remembered
 
     def _remembered(self, rollout_id: str, model_call_id: str) -> RememberedCall | None:
         with self._lock:
@@ -228,10 +238,12 @@ class SequenceHashCache:
         *,
         chain_hash: str,
         cumulative_hash: str,
+        staging_chain: tuple[str, ...] | None = None,
     ) -> None:
         """Remember *proof* as *model_call_id*'s full sequence, with the *chain_hash* and *cumulative_hash* of the
-        record built from it, evicting the least recently used entries."""
-        remembered = RememberedCall(rollout_id, model_call_id, proof, chain_hash, cumulative_hash)
+        record built from it and the *staging_chain* its prefix was checked from (``None``: none), evicting the
+        least recently used entries."""
+        remembered = RememberedCall(rollout_id, model_call_id, proof, chain_hash, cumulative_hash, staging_chain)
         evicted: list[object] = []
         with self._lock:
             calls = self._rollouts.get(rollout_id)
