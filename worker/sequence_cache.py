@@ -47,10 +47,10 @@ of the record built from it (:class:`RememberedCall`). A by-reference child
 staged record, not the whole chain: when the admission's ``staging_chain`` is
 the chain the parent's prefix was checked from plus that record's key, the
 record's chain hash is the admission's ``parent_chain_hash`` and its
-cumulative hash is the remembered one, the remembered ids are the parent's sequence (SHA-256 is collision
-resistant, and the cumulative hash covers every id), so the prefix is known
-without fetching, hashing or unpacking the ancestors
-(:meth:`worker.capture.RolloutTokenCapture.begin_call`).
+cumulative hash is the remembered one, the remembered ids are the parent's
+sequence (SHA-256 is collision resistant, and the cumulative hash covers
+every id), so the prefix is known without fetching, hashing or unpacking
+the ancestors (:meth:`worker.capture.RolloutTokenCapture.begin_call`).
 """
 
 from __future__ import annotations
