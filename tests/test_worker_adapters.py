@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -331,6 +332,32 @@ def test_cross_checked_judges_any_split_of_the_joined_spelling_as_the_per_token_
     else:
         with pytest.raises(EnginePayloadError):
             cross_checked(ids, tokens, "t")
+
+
+_TOO_MANY_DIGITS = "9" * (sys.get_int_max_str_digits() + 1)
+
+
+@pytest.mark.parametrize("explicit_ids", [None, [5]])
+def test_a_token_string_with_more_digits_than_int_reads_fails_the_call(explicit_ids: list[int] | None) -> None:
+    """A ``token_id:`` string too long for ``int()`` (its digit limit) is a malformed payload like any other: the
+    capture records the call failed, no ``ValueError`` from ``int()`` escapes with the call left open."""
+    payload = vllm_payload(logprobs={"content": [{"token": "token_id:" + _TOO_MANY_DIGITS, "logprob": -0.5}]})
+    if explicit_ids is not None:
+        payload["choices"][0]["token_ids"] = explicit_ids
+    with pytest.raises(EnginePayloadError, match="token"):
+        VLLMChatAdapter().extract_generation(payload)
+    sink = MemoryStagingStore()
+    capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 2, adapter=VLLMChatAdapter())
+    call = capture.begin_call(CaptureAdmission(rollout_id="r", model_call_id="c", mode="text"))
+    assert capture.complete_call_from_response(call, payload).disposition == "capture_failed"
+    assert call.completed and len(sink) == 0
+
+
+def test_cross_checked_refuses_ids_with_more_digits_than_str_writes() -> None:
+    huge = 10 ** len(_TOO_MANY_DIGITS) - 1  # what _TOO_MANY_DIGITS spells (int() refuses to read it)
+    with pytest.raises(EnginePayloadError):
+        cross_checked([huge], ["token_id:" + _TOO_MANY_DIGITS], "t")
+    assert cross_checked([huge], ["text"], "t") == [huge]  # text tokens check nothing (the record refuses the id)
 
 
 def _vllm_chat(ids: list[int], logprobs: list[float], tokens: list[Any], text: str) -> dict[str, Any]:

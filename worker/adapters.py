@@ -121,9 +121,12 @@ def _spelled_as_ids(tokens: Any, ids: list[int]) -> bool:
         return True
     try:
         joined = "".join(tokens)
+        spelled = _TOKEN_ID_PREFIX + _TOKEN_ID_PREFIX.join(map(str, ids))
     except TypeError:  # an element that is not a str
         return False
-    return joined == _TOKEN_ID_PREFIX + _TOKEN_ID_PREFIX.join(map(str, ids))
+    except ValueError:  # an id with more digits than str() writes (sys.get_int_max_str_digits): the general reading
+        return False
+    return joined == spelled
 
 
 def ids_from_token_strings(tokens: Any, what: str) -> list[int]:
@@ -143,7 +146,10 @@ def ids_from_token_strings(tokens: Any, what: str) -> list[int]:
         digits = token[len(_TOKEN_ID_PREFIX) :]
         if not (digits.isdecimal() and digits.isascii()):
             raise EnginePayloadError(f"malformed token string {token!r} in {what}")
-        ids.append(int(digits))
+        try:
+            ids.append(int(digits))
+        except ValueError:  # more digits than int() reads (sys.get_int_max_str_digits)
+            raise EnginePayloadError(f"token string of {len(digits)} digits in {what}: no token id") from None
     return ids
 
 
