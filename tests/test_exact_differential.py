@@ -318,13 +318,21 @@ def _assert_same_fields(direct: Answer, proxied: Answer, what: str) -> None:
 
 
 def _check_sampling_params(case: Case, engine: TierEngine, options: dict[str, Any], hop: LoggingHop) -> None:
-    """Every generate request carried the agent's ``max_tokens`` explicitly and its log-prob count."""
+    """Every generate request carried the agent's ``max_tokens`` explicitly and its log-prob count; every derender
+    request carried log-prob entries exactly when the agent asked for log-probs."""
     limit = options.get("max_completion_tokens", options.get("max_tokens"))
     for generate in _generate_requests(hop):
         params = generate["sampling_params"]
         assert params.get("max_tokens") == limit, f"generate got max_tokens {params.get('max_tokens')}, asked {limit}"
         wanted = options.get("top_logprobs") or 0 if options.get("logprobs") else 0
         assert params.get("logprobs") == wanted
+    asked = options.get("logprobs") not in (None, False)
+    derenders = [exchange.request_json() for exchange in hop.on("/v1/chat/completions/derender")]
+    for derender in (body for body in derenders if body):  # the start-up probe posts an empty body
+        # The log-prob entries go back to derender only for an agent that asked for them (their token strings are
+        # what it resolves); the stage reads the generate route's values either way.
+        [choice] = derender["generate_response"]["choices"]
+        assert (choice.get("logprobs") is not None) == asked, f"derender got log-prob entries: {asked=}"
 
 
 @pytest.mark.parametrize("kind", ENGINES)

@@ -29,7 +29,7 @@ from worker.capture import RolloutTokenCapture, StageFollowUp
 from worker.capture_adapter import ExtrasAdded
 from worker.errors import ContextChangedError, EnginePayloadError
 from worker.proxy.call_timing import engine_span, note_capture, timing_headers
-from worker.proxy.exact.answers import JSON_HEADERS, ExactOutcome, asked_by, exact_chat_answer, parent_of
+from worker.proxy.exact.answers import JSON_HEADERS, ExactOutcome, exact_chat_answer, parent_of
 from worker.proxy.exact.chat import Rendering
 from worker.proxy.exact.completions import ExactCompletions
 from worker.proxy.exact.mode import ExactMode, PrefixModeChoice
@@ -40,6 +40,7 @@ from worker.proxy.routes import (
     RouteKind,
     adapter_for,
     chains_of,
+    client_asked,
     response_items,
     served_items,
     strip_token_fields,
@@ -333,7 +334,7 @@ class CapturedCall:
             return await self._upstream(body, receive), asked
         if outcome.extras is not None:
             self.extras = outcome.extras
-        return outcome.upstream, asked_by(self.request)
+        return outcome.upstream, client_asked(self.request)
 
     async def _context_changed(self, exact: ExactMode, rendering: Rendering, exc: ContextChangedError) -> ExactOutcome:
         """A continuation whose context changed is no continuation of its parent: under a multi-chain policy it starts

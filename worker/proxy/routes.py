@@ -170,14 +170,19 @@ def request_items(route: RouteKind, request: dict[str, Any]) -> list[dict[str, A
     raise EnginePayloadError("prompt must be a string or a list of token ids")
 
 
+def client_asked(request: dict[str, Any]) -> ClientAsked:
+    """The token fields the client of *request* asked for itself."""
+    return ClientAsked(
+        token_ids=request.get("return_token_ids") is True,
+        logprobs=request.get("logprobs") not in (None, False),
+    )
+
+
 def upstream_request(
     route: RouteKind, request: dict[str, Any], kind: UpstreamKind, prefix_ids: list[int]
 ) -> tuple[dict[str, Any], ClientAsked]:
     """The request sent upstream (exact ids and log-probs asked for, never streamed) and what the client asked."""
-    asked = ClientAsked(
-        token_ids=request.get("return_token_ids") is True,
-        logprobs=request.get("logprobs") not in (None, False),
-    )
+    asked = client_asked(request)
     body = dict(request)
     body.pop("stream", None)
     body.pop("stream_options", None)

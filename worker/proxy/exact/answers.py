@@ -16,7 +16,6 @@ from worker.call import ActiveCall
 from worker.errors import ContextChangedError, EnginePayloadError, SpliceError
 from worker.proxy.exact.chat import Parent, Rendering
 from worker.proxy.exact.mode import ExactMode, without_spans
-from worker.proxy.routes import ClientAsked
 from worker.proxy.upstream import UpstreamAnswer
 from worker.weight_version import WeightVersionError
 
@@ -24,7 +23,6 @@ __all__ = (
     "CONTEXT_EXTRAS_KEY",
     "JSON_HEADERS",
     "ExactOutcome",
-    "asked_by",
     "exact_chat_answer",
     "parent_of",
 )
@@ -34,14 +32,6 @@ logger = logging.getLogger(__name__)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 CONTEXT_EXTRAS_KEY = "rendered_context"
 """The extras key of an exact-prefix call's :func:`worker.proxy.exact.chat.context_digest`: what its continuations check."""
-
-
-def asked_by(request: dict[str, Any]) -> ClientAsked:
-    """The token fields the client of *request* asked for itself."""
-    return ClientAsked(
-        token_ids=request.get("return_token_ids") is True,
-        logprobs=request.get("logprobs") not in (None, False),
-    )
 
 
 def parent_of(active: ActiveCall | None) -> Parent | None:

@@ -43,6 +43,7 @@ from worker.proxy.exact.splice import (
     last_assistant_index,
     splice_exact_prompt,
 )
+from worker.proxy.routes import client_asked
 from worker.sampling import sampling_from_engine
 
 __all__ = (
@@ -325,8 +326,15 @@ def _as_chat_route(
     if isinstance(choice_tool, dict) or choice_tool == "required":
         message["content"] = message.get("content") or ""
     [out] = completion["choices"]
-    shown = list(((out.get("logprobs") or {}).get("content")) or [])
-    shown += [{"token": f"token_id:{token}", "bytes": None, "top_logprobs": []} for token in ids[len(shown) :]]
+    if client_asked(request).logprobs:
+        shown = list(((out.get("logprobs") or {}).get("content")) or [])
+        shown += [{"token": f"token_id:{token}", "bytes": None, "top_logprobs": []} for token in ids[len(shown) :]]
+        content = _logprob_entries(shown, entries, request)
+    else:  # derender resolved none (see exact_chat); the entries the stage reads, never served
+        content = [
+            {"token": f"token_id:{entry['token_id']}", "logprob": entry["logprob"], "bytes": None, "top_logprobs": []}
+            for entry in entries
+        ]
     reasoning = _reasoning_tokens(ids, traits.think_ids)
     completion.update(
         id=rendered.get("request_id") or completion.get("id"),
@@ -342,7 +350,7 @@ def _as_chat_route(
     )
     out.update(
         message=message,
-        logprobs={"content": _logprob_entries(shown, entries, request)},
+        logprobs={"content": content},
         finish_reason=_finish_reason(request, message, choice.get("finish_reason")),
         stop_reason=choice.get("stop_reason"),
         token_ids=ids,
@@ -404,6 +412,8 @@ async def exact_chat(
     hidden = _hidden_last_token(choice, ids, eot_ids, request)
     empty = hidden and len(ids) == 1
     shown = {**choice, "token_ids": ids[:-1] if hidden and not empty else ids, "weight_versions": None}
+    if not client_asked(request).logprobs:  # nothing to resolve: the agent is served no entries, the stage reads generate's
+        shown["logprobs"] = None
     body = {
         "model": request.get("model"),
         "generate_response": {**generated, "choices": [shown]},
