@@ -17,7 +17,8 @@ for the forwarding proxy, a sub-request for the in-process middleware. The steps
    does for its prompt); ``logprobs`` is the agent's ``top_logprobs`` (0 when it did not ask: the stage needs them);
 4. ``POST /v1/chat/completions/derender`` turns the output back into a chat completion with the engine's own
    reasoning and tool-call parsers, then :func:`_as_chat_route` gives it what vLLM's chat route answers for the
-   same request and ids (see there).
+   same request and ids (see there). The log-prob entries go to derender (which resolves their token strings) only
+   when the agent asked for log-probs; otherwise it is served none, and the stage reads the generate route's values.
 
 The answer is a chat completion in vLLM's ``return_token_ids`` shape (top-level ``prompt_token_ids``: the spliced
 prompt; ``choices[0].token_ids``; ``logprobs.content[*].logprob``), plus ``choices[0].weight_versions`` (the
@@ -330,11 +331,8 @@ def _as_chat_route(
         shown = list(((out.get("logprobs") or {}).get("content")) or [])
         shown += [{"token": f"token_id:{token}", "bytes": None, "top_logprobs": []} for token in ids[len(shown) :]]
         content = _logprob_entries(shown, entries, request)
-    else:  # derender resolved none (see exact_chat); the entries the stage reads, never served
-        content = [
-            {"token": f"token_id:{entry['token_id']}", "logprob": entry["logprob"], "bytes": None, "top_logprobs": []}
-            for entry in entries
-        ]
+    else:  # derender resolved none (see exact_chat): the entries the stage reads, never served
+        content = [{"token": f"token_id:{entry['token_id']}", "logprob": entry["logprob"]} for entry in entries]
     reasoning = _reasoning_tokens(ids, traits.think_ids)
     completion.update(
         id=rendered.get("request_id") or completion.get("id"),
