@@ -34,6 +34,7 @@ __all__ = (
     "adapter_for",
     "canonical_path",
     "chains_of",
+    "client_asked",
     "disguised_capture_route",
     "parse_target",
     "request_items",
