@@ -141,8 +141,8 @@ def write_export(
     ``jsonl``); skipped rollouts are left out.
 
     :returns: how many rows were written.
-    :raises BatchInputError: an unknown format, an item that is not a :class:`PulledRollout`, or a Parquet
-        export to a stream.
+    :raises BatchInputError: an unknown format, an item that is not a :class:`PulledRollout`, a Parquet
+        export to a stream, or a token id a Parquet int64 column cannot hold (from 2**63; JSON Lines holds it).
     """
     fmt = _check_format(fmt)
     if isinstance(pulled, str | bytes) or any(not isinstance(p, PulledRollout) for p in pulled):
@@ -152,6 +152,7 @@ def write_export(
         if not isinstance(destination, str | Path):
             raise BatchInputError("a Parquet export needs a file path")
         pyarrow = _import_pyarrow()
+        _check_int64(records)
         # Parquet keeps the receipt as its JSON text (one string column); read_export turns it back into an object.
         columns = [{**record, "receipt": json.dumps(record["receipt"], sort_keys=True)} for record in records]
         pyarrow.parquet.write_table(pyarrow.Table.from_pylist(columns, schema=_parquet_schema(pyarrow)), destination)
@@ -160,6 +161,24 @@ def write_export(
         with open(destination, "w", encoding="utf-8") as out:
             return _write_jsonl(records, out)
     return _write_jsonl(records, destination)
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _check_int64(records: Sequence[dict[str, Any]]) -> None:
+    """Refuse what Parquet's int64 columns cannot hold: token ids are unsigned 64-bit (contract §4.2).
+
+    :raises BatchInputError: a token id or weight version above 2**63 - 1, naming the rollout (nothing written).
+    """
+    for record in records:
+        for column in ("token_ids", "weight_versions"):
+            values = record[column]
+            if values and max(values) > _INT64_MAX:
+                raise BatchInputError(
+                    f"rollout {record['rollout_id']!r} chain {record['chain_index']}: {column} holds "
+                    f"{max(values)}, beyond Parquet's int64 column; export it as fmt='jsonl' (nothing written)"
+                )
 
 
 def _parquet_schema(pa: Any) -> Any:
