@@ -298,6 +298,7 @@ def stop_token_ids(run: _Run) -> None:
     """``stop_token_ids`` on an id a ``logit_bias`` forces (``w``; its id asked of the engine): generation stops on it
     (``stop_reason`` the id, the id and its log-prob entry kept); the chat and completions routes leave its text out
     unless ``include_stop_str_in_output``, derender keeps it; ``min_tokens`` delays it; ``ignore_eos`` does not matter;
+    a stop string its text completes is its ``stop_reason`` only when the output includes that text;
     an end-of-turn id in ``stop_token_ids`` stops with ``stop_reason`` the id only under ``ignore_eos``. Render is not
     recorded (its ``sampling_params`` hold the engine's id)."""
     w = run.token_id("w")
@@ -322,6 +323,9 @@ def stop_token_ids(run: _Run) -> None:
     ids = delayed["choices"][0]["token_ids"]
     run.fact("chat min_tokens 3: ids, the stop id last", [len(ids), ids.index(w) if w in ids else None])
     run.chat("chat_ignore_eos", ignore_eos=True, **fields)
+    # The stop id's token also completes a stop string: the id wins, unless the output includes its text.
+    run.chat("chat_stop_string_too", stop=["w"], **fields)
+    run.chat("chat_stop_string_too_included", stop=["w"], include_stop_str_in_output=True, **fields)
     run.chat("chat_stream", stream=True, min_tokens=2, **fields)
     run.chat("chat_without_stop_token_ids", max_tokens=6, logit_bias=fields["logit_bias"], logprobs=True)
     eot = {"max_tokens": 4, "logit_bias": FORCE_EOT, "stop_token_ids": [int(EOT)]}
