@@ -7,7 +7,8 @@ fields null unless asked (``return_token_ids``: top-level ``prompt_token_ids`` a
 log-prob entries ``{token, logprob, bytes, top_logprobs}`` (the end-of-turn's token ``<|im_end|>``;
 ``return_tokens_as_token_ids``: ``"token_id:<n>"``), ``usage`` counting every generated id, ``system_fingerprint``,
 the reasoning and tool-call parsers' message (:mod:`sink_tools.simulated.parsers`; ``finish_reason: "tool_calls"`` for
-an auto tool call), ``stop`` strings cut from the text. :class:`EngineOptions` sets the rest: NeMo Gym's
+an auto tool call), ``stop`` strings cut from the text, and the text of a ``stop_token_ids`` id that ended the
+generation left out (both kept with ``include_stop_str_in_output``). :class:`EngineOptions` sets the rest: NeMo Gym's
 message-level shape, a NeMo RL server's ``required_prefix_token_ids``, ``drift`` (earlier assistant text
 re-tokenized differently, so the ``token_in`` check must fire), a reasoning model, generated tool calls and routed
 experts (:mod:`sink_tools.simulated.chat_extras`; an end-of-turn ``logit_bias >= 50`` forces an empty reply,
@@ -49,6 +50,9 @@ from sink_tools.simulated.scale_out import (
     BadScaleOutRequest,
     SamplingParams,
     ScaleOut,
+    StopReason,
+    forced_id,
+    stop_at_token_ids,
     stop_clean,
     top_logprobs,
 )
@@ -152,6 +156,9 @@ class EngineApp:
         self.calls += 1
         if forced_empty(request):
             return Generation([IM_END], [-0.015625], "stop")
+        forced = forced_id(request.get("logit_bias"))
+        if forced is not None:  # the model can write nothing else (nor end its turn)
+            return Generation([forced] * max_tokens, [-0.015625] * max_tokens, "length")
         min_tokens = min(min_tokens_of(request, min_tokens), max_tokens)
         temperature, seed = request.get("temperature"), request.get("seed")
         temperature = float(temperature) if isinstance(temperature, int | float) else 1.0
@@ -176,7 +183,7 @@ class EngineApp:
             "generation_log_probs": generation.logprobs,
         }
 
-    async def _sample(self, prompt: list[int], params: SamplingParams) -> tuple[Generation, str | None]:
+    async def _sample(self, prompt: list[int], params: SamplingParams) -> tuple[Generation, StopReason]:
         """The engine's generation, for the generate route and for the chat route after its render."""
         if self.options.delay_s:
             await anyio.sleep(self.options.delay_s)
@@ -196,14 +203,18 @@ class EngineApp:
         request: dict[str, Any],
         prompt: list[int],
         generation: Generation,
-        stop_reason: str | None = None,
+        stop_reason: StopReason = None,
         params: SamplingParams | None = None,
     ) -> dict[str, Any]:
         """vLLM 0.32's chat-completion payload (the parsers' message, log-probs with token strings, ``usage``)."""
         options = self.options
         reasoning = options.reasoning_field is not None
-        parsed = parse(generation.token_ids, request, reasoning=reasoning, keep_specials=False)
-        if isinstance(stop_reason, str) and request.get("include_stop_str_in_output") is not True:
+        include_stop = request.get("include_stop_str_in_output") is True
+        shown = generation.token_ids
+        if type(stop_reason) is int and not include_stop:  # the stop token's text is left out, its id and entry kept
+            shown = shown[:-1]
+        parsed = parse(shown, request, reasoning=reasoning, keep_specials=False)
+        if isinstance(stop_reason, str) and not include_stop:
             parsed = _cut_stop_string(parsed, stop_reason)
         message = message_of(parsed, reasoning_field=options.reasoning_field, chat_route=True)
         returned = request.get("return_token_ids") is True
@@ -251,23 +262,35 @@ class EngineApp:
         return payload
 
     def completion(self, request: dict[str, Any], prompt: list[int], generation: Generation) -> dict[str, Any]:
-        """A vLLM text-completion payload (token fields on the choice). ``stop`` strings as vLLM: the ids end with the
-        one that completed the string (kept), the text ends before the string (unless ``include_stop_str_in_output``)."""
-        text, stop_reason = self.engine.tokenizer.decode(generation.token_ids), None
+        """A vLLM text-completion payload (token fields on the choice). ``stop`` strings and ``stop_token_ids`` as
+        vLLM: the ids end with the one that completed the string or is the stop id (kept, with its log-prob), the text
+        ends before the string or the stop id's text (unless ``include_stop_str_in_output``)."""
+        include_stop = request.get("include_stop_str_in_output") is True
+        stop_ids = request.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list) or not all(type(t) is int for t in stop_ids):
+            raise _BadRequest("stop_token_ids must be a list of token ids")
+        min_tokens = request.get("min_tokens") or 0
+        generation, stop_id = stop_at_token_ids(
+            generation, stop_ids, min_tokens=min_tokens, ignore_eos=request.get("ignore_eos") is True
+        )
+        shown = generation.token_ids[:-1] if stop_id is not None and not include_stop else generation.token_ids
+        text = self.engine.tokenizer.decode(shown)
+        stop_reason: StopReason = stop_id
         stops = request.get("stop") or ()
-        for end in range(1, len(generation.token_ids) + 1) if stops else ():
-            text = self.engine.tokenizer.decode(generation.token_ids[:end])
-            stop_reason = next((stop for stop in ([stops] if isinstance(stops, str) else stops) if stop in text), None)
-            if stop_reason is not None:
+        for end in range(1, len(shown) + 1) if stops else ():
+            text = self.engine.tokenizer.decode(shown[:end])
+            hit = next((stop for stop in ([stops] if isinstance(stops, str) else stops) if stop in text), None)
+            if hit is not None:
+                stop_reason = hit
                 generation = Generation(generation.token_ids[:end], generation.logprobs[:end], "stop")
-                if request.get("include_stop_str_in_output") is not True:
-                    text = text[: text.index(stop_reason)]
+                if not include_stop:
+                    text = text[: text.index(hit)]
                 break
         choice: dict[str, Any] = {
             "index": 0,
             "text": text,
             "logprobs": None,
-            "finish_reason": "stop",
+            "finish_reason": generation.finish_reason,
             "stop_reason": stop_reason,
         }
         if request.get("logprobs") is not None:

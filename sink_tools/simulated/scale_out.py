@@ -20,8 +20,9 @@ the real vLLM 0.32, including what vLLM leaves out:
 Sampling (:meth:`ScaleOut.sample`) is the engine's one generation: the generate route runs it on the request's
 ``sampling_params``, and the chat route is render then the same sampling then the parsers, as in vLLM (so the same
 request gives the same ids on both routes). It honours ``max_tokens`` (capped to the context), ``min_tokens``,
-``stop`` strings (the ids keep the token that completed the string), ``ignore_eos`` (end-of-turn ids stay inside the
-output), a ``logit_bias`` on the end-of-turn id (``>= 50`` forces it, ``<= -50`` forbids it), ``structured_outputs``
+``stop`` strings (the ids keep the token that completed the string), ``stop_token_ids`` (:func:`stop_at_token_ids`),
+``ignore_eos`` (end-of-turn ids stay inside the output), a ``logit_bias`` on the end-of-turn id (``>= 50`` forces it,
+``<= -50`` forbids it) or on another id (``>= 50`` forces it at every position: :func:`forced_id`), ``structured_outputs``
 (:mod:`sink_tools.simulated.structured`) and, on a reasoning engine, the ``</think>`` marker
 (:func:`sink_tools.simulated.parsers.think`). The simulated model ends its turn on its last allowed id (``<im_end>``
 after valid UTF-8, ``finish_reason: "stop"``) unless the end-of-turn is ignored or forbidden or a constraint runs
@@ -50,7 +51,17 @@ from sink_tools.simulated.engine import (
 from sink_tools.simulated.parsers import THINK_END, think
 from sink_tools.simulated.structured import BadStructuredRequest, constraint_of_chat, forced_text
 
-__all__ = ("SCALE_OUT_DISABLED", "BadScaleOutRequest", "SamplingParams", "ScaleOut", "stop_clean", "top_logprobs")
+__all__ = (
+    "SCALE_OUT_DISABLED",
+    "BadScaleOutRequest",
+    "SamplingParams",
+    "ScaleOut",
+    "StopReason",
+    "forced_id",
+    "stop_at_token_ids",
+    "stop_clean",
+    "top_logprobs",
+)
 
 SCALE_OUT_DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 _FORCE_BIAS = 50.0
@@ -58,6 +69,9 @@ _NATURAL_LENGTH = 64
 """At most this many ids per free draw: a generation asked for the whole context still ends on its own, like a model."""
 _VLLM_DEFAULT_MAX_TOKENS = 16
 _SPACE_ID = BYTE_OFFSET + 0x20
+_FORCED_LOGPROB = -0.015625
+StopReason = str | int | None
+"""A generation's ``stop_reason``: the stop string, the stop token id, or ``None`` (end-of-turn or length)."""
 
 
 class BadScaleOutRequest(ValueError):
@@ -242,6 +256,35 @@ def stop_clean(generation: Generation) -> Generation:
     return Generation(ids, generation.logprobs, "stop")
 
 
+def forced_id(logit_bias: Any) -> int | None:
+    """The id a ``logit_bias >= 50`` forces at every position (the largest such bias), or ``None``."""
+    forced = [(bias, int(key)) for key, bias in _floats(logit_bias).items() if bias >= _FORCE_BIAS and key.isdigit()]
+    return max(forced)[1] if forced else None
+
+
+def stop_at_token_ids(
+    generation: Generation, stop_token_ids: Sequence[int], *, min_tokens: int, ignore_eos: bool
+) -> tuple[Generation, int | None]:
+    """*generation* under ``stop_token_ids``, as vLLM 0.32: and the stop id it ended on (``None``: none did).
+
+    Before *min_tokens* ids the stop ids cannot be sampled (there the simulated model writes the first printable
+    byte that is not one); the generation ends on the first stop id after that, ``finish_reason: "stop"``, the id
+    and its log-prob kept. The end-of-turn id stops with ``stop_reason`` ``None`` as always, so it counts as a stop
+    token id only under ``ignore_eos``. Log-probs are left as they were.
+    """
+    stops = set(stop_token_ids)
+    if not stops:
+        return generation, None
+    filler = next(token for token in range(_SPACE_ID, BYTE_OFFSET + 0x7F) if token not in stops)
+    ids = [filler if token in stops and index < min_tokens else token for index, token in enumerate(generation.token_ids)]
+    if not ignore_eos:
+        stops.discard(IM_END)
+    end = next((index for index, token in enumerate(ids) if token in stops), None)
+    if end is None:
+        return Generation(ids, generation.logprobs, generation.finish_reason), None
+    return Generation(ids[: end + 1], generation.logprobs[: end + 1], "stop"), ids[end]
+
+
 def top_logprobs(token: int, logprob: float, count: int) -> list[tuple[int, float, int]]:
     """``(id, log-prob, rank)`` of a position's top log-probs: the sampled token first, then made-up runners-up."""
     others = [(BYTE_OFFSET + 0x20 + rank, logprob - 0.25 * rank, rank) for rank in range(2, count + 1)]
@@ -333,9 +376,12 @@ class ScaleOut:
         return Generation(ids[:limit], logprobs[:limit], finish)
 
     def _free(self, params: SamplingParams, limit: int, rng: random.Random | None) -> Generation:
-        if params.eot_bias >= _FORCE_BIAS:
+        forced = forced_id(params.logit_bias)
+        if forced == IM_END:
             count = limit if params.ignore_eos else 1
-            return Generation([IM_END] * count, [-0.015625] * count, "length" if params.ignore_eos else "stop")
+            return Generation([IM_END] * count, [_FORCED_LOGPROB] * count, "length" if params.ignore_eos else "stop")
+        if forced is not None:  # the model can write nothing else (nor end its turn)
+            return Generation([forced] * limit, [_FORCED_LOGPROB] * limit, "length")
         ids: list[int] = []
         logprobs: list[float] = []
         while len(ids) < limit:
@@ -353,9 +399,10 @@ class ScaleOut:
         generation = Generation(ids, logprobs, finish)
         return think(generation, params.logit_bias) if self.reasoning else generation
 
-    def sample(self, prompt: Sequence[int], params: SamplingParams) -> tuple[Generation, str | None]:
+    def sample(self, prompt: Sequence[int], params: SamplingParams) -> tuple[Generation, StopReason]:
         """The engine's generation after *prompt* under *params* (the generate route's, and the chat route's after
-        its render); returns it and its ``stop_reason`` (the stop string, if any). See the module docstring.
+        its render); returns it and its ``stop_reason`` (the stop string or stop token id, if any). See the module
+        docstring.
 
         ``max_tokens`` absent or over the context: up to the context's end (``max_model_len - len(prompt)``), as
         vLLM's generate route. Greedy decoding or a ``seed``: the call's own generator, derived from the prompt.
@@ -365,18 +412,28 @@ class ScaleOut:
         rng = self.engine.call_rng(prompt, temperature=params.temperature, seed=params.seed)
         text = forced_text(params.structured)
         generation = self._free(params, limit, rng) if text is None else self._forced(text, limit, rng)
-        generation, stop_reason = self._stop_string(generation, params.stop)
+        generation, stop_id = stop_at_token_ids(
+            generation, params.stop_token_ids, min_tokens=params.min_tokens, ignore_eos=params.ignore_eos
+        )
+        # A stop id's own text is not searched for stop strings unless the output includes it (vLLM's detokenizer).
+        hidden = 1 if stop_id is not None and not params.include_stop_str_in_output else 0
+        generation, stop_string = self._stop_string(generation, params.stop, hidden=hidden)
+        stop_reason: StopReason = stop_string if stop_string is not None else stop_id
         if generation.finish_reason == "length" and stop_reason is None:
-            if params.ignore_eos or params.eot_bias <= -_FORCE_BIAS or params.structured is not None:
+            unending = params.ignore_eos or params.eot_bias <= -_FORCE_BIAS or forced_id(params.logit_bias) is not None
+            if unending or params.structured is not None:
                 generation = Generation(_valid_tail(generation.token_ids), generation.logprobs, "length")
             else:  # the model ends its turn on its last allowed id
                 generation = stop_clean(generation)
         return generation, stop_reason
 
-    def _stop_string(self, generation: Generation, stops: tuple[str, ...]) -> tuple[Generation, str | None]:
-        """*generation* cut after the id that completes the first of *stops* in its text, and that stop string."""
+    def _stop_string(
+        self, generation: Generation, stops: tuple[str, ...], *, hidden: int = 0
+    ) -> tuple[Generation, str | None]:
+        """*generation* cut after the id that completes the first of *stops* in its text (the last *hidden* ids'
+        text left out), and that stop string."""
         ids = generation.token_ids
-        for end in range(1, len(ids) + 1) if stops else ():  # none: no per-prefix decode (quadratic in the length)
+        for end in range(1, len(ids) + 1 - hidden) if stops else ():  # none: no per-prefix decode (quadratic)
             decoded = self.engine.tokenizer.decode(ids[:end])
             hit = next((stop for stop in stops if stop in decoded), None)
             if hit is not None:
@@ -384,7 +441,7 @@ class ScaleOut:
         return generation, None
 
     def choice(
-        self, generation: Generation, stop_reason: str | None, params: SamplingParams, *, final: bool = True
+        self, generation: Generation, stop_reason: StopReason, params: SamplingParams, *, final: bool = True
     ) -> dict[str, Any]:
         """A generate choice carrying *generation*'s ids (``weight_versions`` on the final one only)."""
         logprobs = None
@@ -432,7 +489,7 @@ class ScaleOut:
         request_id: str,
         model: str,
         prompt: list[int],
-        generated: tuple[Generation, str | None, SamplingParams],
+        generated: tuple[Generation, StopReason, SamplingParams],
     ) -> dict[str, Any]:
         """The non-streaming generate answer."""
         generation, stop_reason, params = generated
@@ -460,7 +517,7 @@ class ScaleOut:
         }
 
     def chunks(
-        self, request_id: str, generation: Generation, stop_reason: str | None, params: SamplingParams
+        self, request_id: str, generation: Generation, stop_reason: StopReason, params: SamplingParams
     ) -> list[dict[str, Any]]:
         """The streamed generate answer: one chunk per token, the last with the finish and the spans."""
         chunks = []

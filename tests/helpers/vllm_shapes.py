@@ -120,6 +120,14 @@ class _Run:
     def request(self, **fields: Any) -> dict[str, Any]:
         return {"model": self.engine.model, "messages": MESSAGES, **fields}
 
+    def token_id(self, character: str) -> int:
+        """The id the engine's tokenizer gives *character* (``/tokenize``: the engines' vocabularies differ)."""
+        body = {"model": self.engine.model, "prompt": character, "add_special_tokens": False}
+        status, answer, _ = self.call("/tokenize", body)
+        assert status == 200 and len(answer["tokens"]) == 1, answer
+        token: int = answer["tokens"][0]
+        return token
+
     def fact(self, name: str, value: Any) -> None:
         self.out.setdefault("facts", {})[name] = value
 
@@ -286,6 +294,53 @@ def stop_string(run: _Run) -> None:
     run.fact("chat content, stop string included", included["choices"][0]["message"]["content"])
 
 
+def stop_token_ids(run: _Run) -> None:
+    """``stop_token_ids`` on an id a ``logit_bias`` forces (``w``; its id asked of the engine): generation stops on it
+    (``stop_reason`` the id, the id and its log-prob entry kept); the chat and completions routes leave its text out
+    unless ``include_stop_str_in_output``, derender keeps it; ``min_tokens`` delays it; ``ignore_eos`` does not matter;
+    a stop string its text completes is its ``stop_reason`` only when the output includes that text;
+    an end-of-turn id in ``stop_token_ids`` stops with ``stop_reason`` the id only under ``ignore_eos``. Render is not
+    recorded (its ``sampling_params`` hold the engine's id)."""
+    w = run.token_id("w")
+    fields = {"max_tokens": 6, "logit_bias": {**HIDDEN, str(w): 100.0}, "stop_token_ids": [w], "logprobs": True}
+    status, rendered, _ = run.call("/v1/chat/completions/render", run.request(**fields))
+    assert status == 200, rendered
+    generated = run.generate("generate", rendered)
+    run.fact("generate: the stop id, kept", _ids(generated) == [w] and generated["choices"][0]["stop_reason"] == w)
+    derendered = run.derender("derender", generated, rendered)
+    run.fact("derender content", derendered["choices"][0]["message"]["content"])
+    status, rendered_stream, _ = run.call("/v1/chat/completions/render", run.request(stream=True, **fields))
+    assert status == 200, rendered_stream
+    streamed = run.generate("generate_stream", rendered_stream)
+    run.fact("generate stream: the stop id, kept", [i for c in streamed for i in c["choices"][0]["token_ids"]] == [w])
+    chat = run.chat("chat", return_token_ids=True, **fields)
+    choice = chat["choices"][0]
+    run.fact("chat content", choice["message"]["content"])
+    run.fact("chat: the stop id, kept", choice["token_ids"] == [w] and choice["stop_reason"] == w)
+    included = run.chat("chat_include_stop", include_stop_str_in_output=True, **fields)
+    run.fact("chat content, stop token included", included["choices"][0]["message"]["content"])
+    delayed = run.chat("chat_min_tokens", min_tokens=3, return_token_ids=True, **fields)
+    ids = delayed["choices"][0]["token_ids"]
+    run.fact("chat min_tokens 3: ids, the stop id last", [len(ids), ids.index(w) if w in ids else None])
+    run.chat("chat_ignore_eos", ignore_eos=True, **fields)
+    # The stop id's token also completes a stop string: the id wins, unless the output includes its text.
+    run.chat("chat_stop_string_too", stop=["w"], **fields)
+    run.chat("chat_stop_string_too_included", stop=["w"], include_stop_str_in_output=True, **fields)
+    run.chat("chat_stream", stream=True, min_tokens=2, **fields)
+    run.chat("chat_without_stop_token_ids", max_tokens=6, logit_bias=fields["logit_bias"], logprobs=True)
+    eot = {"max_tokens": 4, "logit_bias": FORCE_EOT, "stop_token_ids": [int(EOT)]}
+    run.chat("chat_end_of_turn", **eot)
+    run.chat("chat_end_of_turn_ignore_eos", ignore_eos=True, **eot)
+    completions = {"model": run.engine.model, "prompt": "Say hi.", "return_token_ids": True, **fields}
+    for name, extra in (("completions", {}), ("completions, stop token included", {"include_stop_str_in_output": True})):
+        status, answer, _ = run.call("/v1/completions", {**completions, "logprobs": 0, **extra})
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        run.fact(name, {"text": choice["text"], "finish_reason": choice["finish_reason"],
+                        "stop_reason is the id": choice["stop_reason"] == w, "token_ids": len(choice["token_ids"]),
+                        "log-prob entries": len(choice["logprobs"]["tokens"])})  # fmt: skip
+
+
 def streams(run: _Run) -> None:
     """Streamed generate (eight ids), its streamed derender (one request per chunk, the state carried), and the
     streamed chat route."""
@@ -378,7 +433,7 @@ CASES = tuple(
     Case(run.__name__, variant, run)
     for variant, runs in (
         ("chatml", (render_defaults, render_options, render_refusals, generate_fills_the_context,
-                    generate_and_derender, end_of_turn, stop_string, streams, chat_route)),
+                    generate_and_derender, end_of_turn, stop_string, stop_token_ids, streams, chat_route)),
         ("reasoning", (reasoning,)),
         ("tools", (tool_calls,)),
     )
