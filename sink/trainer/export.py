@@ -173,11 +173,11 @@ def _check_int64(records: Sequence[dict[str, Any]]) -> None:
     """
     for record in records:
         for column in ("token_ids", "weight_versions"):
-            values = record[column]
-            if values and max(values) > _INT64_MAX:
+            largest = max(record[column], default=0)
+            if largest > _INT64_MAX:
                 raise BatchInputError(
                     f"rollout {record['rollout_id']!r} chain {record['chain_index']}: {column} holds "
-                    f"{max(values)}, beyond Parquet's int64 column; export it as fmt='jsonl' (nothing written)"
+                    f"{largest}, beyond Parquet's int64 column; export it as fmt='jsonl' (nothing written)"
                 )
 
 

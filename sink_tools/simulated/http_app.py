@@ -46,6 +46,7 @@ from sink_tools.simulated.engine import BYTE_OFFSET, IM_END, IM_START, Generatio
 from sink_tools.simulated.options import EngineOptions
 from sink_tools.simulated.parsers import Parsed, message_of, parse
 from sink_tools.simulated.scale_out import (
+    FORCED_LOGPROB,
     SCALE_OUT_DISABLED,
     BadScaleOutRequest,
     SamplingParams,
@@ -155,10 +156,10 @@ class EngineApp:
             await anyio.sleep(self.options.delay_s)
         self.calls += 1
         if forced_empty(request):
-            return Generation([IM_END], [-0.015625], "stop")
+            return Generation([IM_END], [FORCED_LOGPROB], "stop")
         forced = forced_id(request.get("logit_bias"))
         if forced is not None:  # the model can write nothing else (nor end its turn)
-            return Generation([forced] * max_tokens, [-0.015625] * max_tokens, "length")
+            return Generation([forced] * max_tokens, [FORCED_LOGPROB] * max_tokens, "length")
         min_tokens = min(min_tokens_of(request, min_tokens), max_tokens)
         temperature, seed = request.get("temperature"), request.get("seed")
         temperature = float(temperature) if isinstance(temperature, int | float) else 1.0

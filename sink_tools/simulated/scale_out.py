@@ -52,6 +52,7 @@ from sink_tools.simulated.parsers import THINK_END, think
 from sink_tools.simulated.structured import BadStructuredRequest, constraint_of_chat, forced_text
 
 __all__ = (
+    "FORCED_LOGPROB",
     "SCALE_OUT_DISABLED",
     "BadScaleOutRequest",
     "SamplingParams",
@@ -69,7 +70,8 @@ _NATURAL_LENGTH = 64
 """At most this many ids per free draw: a generation asked for the whole context still ends on its own, like a model."""
 _VLLM_DEFAULT_MAX_TOKENS = 16
 _SPACE_ID = BYTE_OFFSET + 0x20
-_FORCED_LOGPROB = -0.015625
+FORCED_LOGPROB = -0.015625
+"""The log-prob of every id a ``logit_bias`` forces (binary32-exact)."""
 StopReason = str | int | None
 """A generation's ``stop_reason``: the stop string, the stop token id, or ``None`` (end-of-turn or length)."""
 
@@ -379,9 +381,9 @@ class ScaleOut:
         forced = forced_id(params.logit_bias)
         if forced == IM_END:
             count = limit if params.ignore_eos else 1
-            return Generation([IM_END] * count, [_FORCED_LOGPROB] * count, "length" if params.ignore_eos else "stop")
+            return Generation([IM_END] * count, [FORCED_LOGPROB] * count, "length" if params.ignore_eos else "stop")
         if forced is not None:  # the model can write nothing else (nor end its turn)
-            return Generation([forced] * limit, [_FORCED_LOGPROB] * limit, "length")
+            return Generation([forced] * limit, [FORCED_LOGPROB] * limit, "length")
         ids: list[int] = []
         logprobs: list[float] = []
         while len(ids) < limit:
