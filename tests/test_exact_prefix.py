@@ -5,6 +5,7 @@ merges consecutive tool turns), parents that stopped on end-of-turn, on a stop s
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -12,9 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sink.contract.digest import encode_token_ids
 from worker.errors import SpliceError
-from worker.proxy.exact.chat import context_digest
 from worker.proxy.exact.splice import (
+    ScannedIds,
+    context_digest,
     count_end_of_turn,
     end_of_turn_positions,
     history_eot_count_by_messages,
@@ -200,7 +203,9 @@ def test_the_context_digest_covers_the_ids_through_the_nth_end_of_turn(
             context_digest(ids, eot_ids, turns)
         return
     end = positions[turns - 1] + 1 if turns else 0
-    assert context_digest(ids, eot_ids, turns) == context_digest(ids[:end], eot_ids, count_end_of_turn(ids[:end], eot_ids))
+    assert context_digest(ids, eot_ids, turns) == context_digest(
+        ids[:end], eot_ids, count_end_of_turn(ids[:end], eot_ids)
+    )
 
 
 @given(ids=_SCAN_IDS, eot_ids=_EOT_SETS, count=st.integers(min_value=1, max_value=8))
@@ -218,3 +223,49 @@ def test_the_splice_boundary_is_the_nth_end_of_turn(ids: list[int], eot_ids: lis
         return
     spliced = splice_exact_prompt(ids, history_eot_count=count, eot_ids=eot_ids, parent_ids=parent)
     assert spliced == [*parent, ids[boundary], *ids[boundary + 1 :]]
+    scanned = ScannedIds.of(ids, eot_ids).eot_positions
+    assert (
+        splice_exact_prompt(ids, history_eot_count=count, eot_ids=eot_ids, parent_ids=parent, eot_positions=scanned)
+        == spliced
+    )
+
+
+_WIDE_IDS = st.lists(
+    st.one_of(
+        st.integers(min_value=0, max_value=6),
+        st.sampled_from([256, 512, 2 << 16, 2 << 24, 2**31 - 1]),  # bytes that spell a small id across two ids
+        st.integers(min_value=0, max_value=2**64 - 1),  # from 2**31: the reference path
+    ),
+    max_size=40,
+)
+
+
+@given(ids=_WIDE_IDS, eot_ids=_EOT_SETS, turns=st.integers(min_value=0, max_value=4))
+def test_a_scan_gives_the_positions_bytes_and_digests_of_their_definitions(
+    ids: list[int], eot_ids: list[int], turns: int
+) -> None:
+    """One scan of a rendering: the end-of-turn positions, the ids as ``encode_token_ids`` packs them, and the context
+    digest ``sha256(domain || encode_token_ids(ids[:end]))``, whether the ids take the one-pass proof or not."""
+    scanned = ScannedIds.of(ids, eot_ids)
+    positions = _positions_by_definition(ids, eot_ids)
+    assert scanned.ids == ids and scanned.eot_positions == positions
+    assert scanned.ids_u64be == encode_token_ids(ids)[8:]
+    if len(positions) < turns:
+        with pytest.raises(SpliceError, match=f"holds {len(positions)} end-of-turn ids"):
+            scanned.context_digest(turns)
+        return
+    end = positions[turns - 1] + 1 if turns else 0
+    expected = hashlib.sha256(b"staging-sink-rendered-context-v1" + encode_token_ids(ids[:end])).hexdigest()
+    assert scanned.context_digest(turns) == expected == context_digest(ids, eot_ids, turns)
+
+
+def test_an_end_of_turn_spelled_across_two_ids_is_not_one() -> None:
+    """512 then 256 are the bytes 00 02 00 00 00 01 00 00: id 2's little-endian bytes at offset 1, inside no id."""
+    assert ScannedIds.of([512, 256], {2}).eot_positions == []
+    assert ScannedIds.of([512, 2, 256, 2], {2}).eot_positions == [1, 3]
+
+
+@pytest.mark.parametrize("ids", [[1, -1], [1, True], [1, 1.0], [2**64], [1, "2"]])
+def test_a_scan_refuses_what_is_not_a_token_id(ids: list[Any]) -> None:
+    with pytest.raises(ValueError, match="token ids must be"):
+        ScannedIds.of(ids, {2})

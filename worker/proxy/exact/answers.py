@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 CONTEXT_EXTRAS_KEY = "rendered_context"
-"""The extras key of an exact-prefix call's :func:`worker.proxy.exact.chat.context_digest`: what its continuations check."""
+"""The extras key of an exact-prefix call's :func:`worker.proxy.exact.splice.context_digest`: what its continuations check."""
 
 
 def parent_of(active: ActiveCall | None) -> Parent | None:

@@ -29,21 +29,14 @@ refused).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from sink.contract.digest import encode_token_ids, is_token_id_list
 from worker.errors import ContextChangedError, EnginePayloadError, SpliceError
-from worker.proxy.exact.splice import (
-    count_end_of_turn,
-    end_of_turn_positions,
-    last_assistant_index,
-    splice_exact_prompt,
-)
+from worker.proxy.exact.splice import ScannedIds, last_assistant_index, splice_exact_prompt
 from worker.proxy.routes import client_asked
 from worker.sampling import sampling_from_engine
 
@@ -56,7 +49,6 @@ __all__ = (
     "ExactAnswer",
     "Parent",
     "Rendering",
-    "context_digest",
     "exact_chat",
     "render_chat",
 )
@@ -67,7 +59,6 @@ DERENDER_PATH = "/v1/chat/completions/derender"
 EngineCall = Callable[[str, dict[str, Any]], Awaitable[tuple[int, Any]]]
 """``(path, JSON body) -> (status, parsed JSON body)`` on the engine."""
 _STREAM_FIELDS = ("stream", "stream_options")
-_CONTEXT_DOMAIN = b"staging-sink-rendered-context-v1"
 
 
 @dataclass(frozen=True)
@@ -94,7 +85,7 @@ class Parent:
 
     ids: list[int]
     context: str | None
-    """:func:`context_digest` of the parent's rendered prompt (from its extras); ``None``: it recorded none."""
+    """:func:`~worker.proxy.exact.splice.context_digest` of the parent's rendered prompt (from its extras); ``None``: it recorded none."""
 
 
 @dataclass(frozen=True)
@@ -108,20 +99,6 @@ class ExactAnswer:
     """Whether the prompt was spliced onto a parent's exact sequence."""
     sampling: dict[str, Any] | None = None
     """The sampling provenance of the generation (:mod:`worker.sampling`; ``None``: nothing generated)."""
-
-
-def context_digest(token_ids: Sequence[int], eot_ids: Collection[int], turns: int) -> str:
-    """The digest of *token_ids* through their *turns*-th end-of-turn id (the empty prefix for 0 turns).
-
-    :raises SpliceError: fewer than *turns* end-of-turn ids.
-    """
-    end = 0
-    if turns > 0:
-        positions = end_of_turn_positions(token_ids, eot_ids)
-        if len(positions) < turns:
-            raise SpliceError(f"the rendering holds {len(positions)} end-of-turn ids, fewer than {turns}")
-        end = positions[turns - 1] + 1
-    return hashlib.sha256(_CONTEXT_DOMAIN + encode_token_ids(list(token_ids[:end]))).hexdigest()
 
 
 def _render_request(request: dict[str, Any]) -> dict[str, Any]:
@@ -138,11 +115,13 @@ class Rendering:
     history_eot_count: int | None
     """End-of-turn ids in the rendering of the messages through the last assistant one (``None``: no such message)."""
     history_context: str | None = None
-    """:func:`context_digest` of that history before its last assistant turn: what the parent was rendered from,
+    """:func:`~worker.proxy.exact.splice.context_digest` of that history before its last assistant turn: what the parent was rendered from,
     when nothing before the parent's reply changed (``None``: no assistant message)."""
     context: str | None = None
-    """:func:`context_digest` of this request's own rendering (everything before its generation prompt), staged in
+    """:func:`~worker.proxy.exact.splice.context_digest` of this request's own rendering (everything before its generation prompt), staged in
     its extras so that its continuations can check theirs."""
+    scanned: ScannedIds | None = None
+    """The ids of the request's rendering, proved, with their end-of-turn positions (status 200)."""
 
 
 async def render_chat(call: EngineCall, request: dict[str, Any], eot_ids: Collection[int]) -> Rendering:
@@ -163,24 +142,31 @@ async def render_chat(call: EngineCall, request: dict[str, Any], eot_ids: Collec
     status, answer = answers["full"]
     if status != 200:
         return Rendering(status, answer, None)
-    ids = _token_ids(answer, "render")
-    context = context_digest(ids, eot_ids, count_end_of_turn(ids, eot_ids))
+    scanned = _scanned(answer, eot_ids)
+    context = scanned.context_digest(len(scanned.eot_positions))
     if index is None:
-        return Rendering(200, answer, None, None, context)
+        return Rendering(200, answer, None, None, context, scanned)
     history_status, history_answer = answers["history"]
     if history_status != 200:
         return Rendering(history_status, history_answer, None)
-    history_ids = _token_ids(history_answer, "render")
-    counted = count_end_of_turn(history_ids, eot_ids)
-    history_context = context_digest(history_ids, eot_ids, counted - 1) if counted else None
-    return Rendering(200, answer, counted, history_context, context)
+    history_scan = _scanned(history_answer, eot_ids)
+    counted = len(history_scan.eot_positions)
+    history_context = history_scan.context_digest(counted - 1) if counted else None
+    return Rendering(200, answer, counted, history_context, context, scanned)
 
 
-def _token_ids(answer: Any, route: str) -> list[int]:
+def _scanned(answer: Any, eot_ids: Collection[int]) -> ScannedIds:
+    """The ids of a render answer, scanned once (:class:`ScannedIds`).
+
+    :raises EnginePayloadError: no list of exact ints in ``[0, 2**64)``.
+    """
     ids = answer.get("token_ids") if isinstance(answer, dict) else None
-    if not isinstance(ids, list) or not (is_token_id_list(ids) or all(type(token) is int for token in ids)):
-        raise EnginePayloadError(f"the {route} answer has no list of token ids")
-    return ids
+    if not isinstance(ids, list):
+        raise EnginePayloadError("the render answer has no list of token ids")
+    try:
+        return ScannedIds.of(ids, eot_ids)
+    except ValueError as exc:
+        raise EnginePayloadError(f"the render answer's token ids are not exact ints in [0, 2**64): {exc}") from exc
 
 
 def _generate_request(rendered: dict[str, Any], prompt: list[int], request: dict[str, Any]) -> dict[str, Any]:
@@ -235,7 +221,9 @@ def _drop_stop_string(message: dict[str, Any], stop_reason: Any, request: dict[s
             return
 
 
-def _hidden_last_token(choice: dict[str, Any], ids: list[int], eot_ids: Collection[int], request: dict[str, Any]) -> bool:
+def _hidden_last_token(
+    choice: dict[str, Any], ids: list[int], eot_ids: Collection[int], request: dict[str, Any]
+) -> bool:
     """Whether the chat route's text leaves out the last generated id: the end-of-turn that stopped the generation, or
     a ``stop_token_ids`` id (kept only with ``include_stop_str_in_output``)."""
     if choice.get("finish_reason") != "stop":
@@ -380,7 +368,8 @@ async def exact_chat(
     if rendering.status != 200:
         return ExactAnswer(rendering.status, rendering.answer, spliced=False)
     rendered = rendering.answer
-    prompt = _token_ids(rendered, "render")
+    scanned = rendering.scanned or _scanned(rendered, eot_ids)
+    prompt = scanned.ids
     spliced = False
     if parent is not None and parent.ids:
         counted = rendering.history_eot_count
@@ -393,7 +382,13 @@ async def exact_chat(
                 "the conversation before the parent's reply renders differently than it did for the parent (an "
                 "edited system or developer message, earlier turn, tools or template arguments)"
             )
-        prompt = splice_exact_prompt(prompt, history_eot_count=counted, eot_ids=eot_ids, parent_ids=parent.ids)
+        prompt = splice_exact_prompt(
+            prompt,
+            history_eot_count=counted,
+            eot_ids=eot_ids,
+            parent_ids=parent.ids,
+            eot_positions=scanned.eot_positions,
+        )
         spliced = True
     generate = _generate_request(rendered, prompt, request)
     sampling = sampling_from_engine(generate["sampling_params"], request)
@@ -410,7 +405,9 @@ async def exact_chat(
     hidden = _hidden_last_token(choice, ids, eot_ids, request)
     empty = hidden and len(ids) == 1
     shown = {**choice, "token_ids": ids[:-1] if hidden and not empty else ids, "weight_versions": None}
-    if not client_asked(request).logprobs:  # nothing to resolve: the agent is served no entries, the stage reads generate's
+    if not client_asked(
+        request
+    ).logprobs:  # nothing to resolve: the agent is served no entries, the stage reads generate's
         shown["logprobs"] = None
     body = {
         "model": request.get("model"),

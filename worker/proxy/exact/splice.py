@@ -25,12 +25,19 @@ never a generated one.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from sink.contract.digest_encoding import U64, encode_token_ids
+from sink.contract.packed import ids_from_marshal
 from worker.errors import SpliceError
 
 __all__ = (
+    "ScannedIds",
+    "context_digest",
     "count_end_of_turn",
     "end_of_turn_positions",
     "history_eot_count_by_messages",
@@ -61,6 +68,81 @@ def end_of_turn_positions(token_ids: Sequence[int], eot_ids: Collection[int]) ->
     return positions
 
 
+_CONTEXT_DOMAIN = b"staging-sink-rendered-context-v1"
+_U32_LE = struct.Struct("<I")
+_SMALL_ID_LIMIT = 1 << 31  # the ids the one-pass proof packs (ids_from_marshal); an id from here is not among them
+
+
+def _positions_in_u32le(ids_u32le: bytes, eot_ids: Collection[int]) -> list[int]:
+    """The positions of the end-of-turn ids in ids packed as u32 little-endian: their four bytes at a multiple of 4."""
+    positions: list[int] = []
+    for eot in {eot for eot in eot_ids if 0 <= eot < _SMALL_ID_LIMIT}:
+        needle = _U32_LE.pack(eot)
+        found = ids_u32le.find(needle)
+        while found >= 0:
+            if found % 4:  # the bytes straddle two ids: not this id
+                found = ids_u32le.find(needle, found + 1)
+            else:
+                positions.append(found // 4)
+                found = ids_u32le.find(needle, found + 4)
+    positions.sort()
+    return positions
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ScannedIds:
+    """A rendering's ids, proved exact ints in ``[0, 2**64)``, with their end-of-turn positions and their u64
+    big-endian bytes: everything the splice and the context digests read, from one pass over the ids.
+
+    Build one with :meth:`of`.
+    """
+
+    ids: list[int]
+    eot_positions: list[int]
+    """The positions of the end-of-turn ids in :attr:`ids`, ascending."""
+    ids_u64be: bytes
+    """:attr:`ids` as u64 big-endian, as :func:`sink.contract.digest.encode_token_ids` packs them (without the count)."""
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], eot_ids: Collection[int]) -> ScannedIds:
+        """Scan *token_ids* (a list of small ids: one ``marshal`` pass and a byte search; others: the reference checks).
+
+        :raises ValueError: an id is not an exact int in ``[0, 2**64)``.
+        """
+        packed = ids_from_marshal(token_ids) if type(token_ids) is list else None
+        if packed is None:
+            ids = list(token_ids)
+            return cls(ids, end_of_turn_positions(ids, eot_ids), encode_token_ids(ids)[U64.size :])
+        ids_u32le, ids_u64be = packed
+        return cls(list(token_ids), _positions_in_u32le(ids_u32le, eot_ids), bytes(ids_u64be))
+
+    def context_digest(self, turns: int) -> str:
+        """:func:`context_digest` of these ids through their *turns*-th end-of-turn id (the empty prefix for 0).
+
+        :raises SpliceError: fewer than *turns* end-of-turn ids.
+        """
+        end = 0
+        if turns > 0:
+            if len(self.eot_positions) < turns:
+                raise SpliceError(f"the rendering holds {len(self.eot_positions)} end-of-turn ids, fewer than {turns}")
+            end = self.eot_positions[turns - 1] + 1
+        digest = hashlib.sha256(_CONTEXT_DOMAIN + U64.pack(end))
+        digest.update(memoryview(self.ids_u64be)[: U64.size * end])
+        return digest.hexdigest()
+
+
+def context_digest(token_ids: Sequence[int], eot_ids: Collection[int], turns: int) -> str:
+    """The digest of *token_ids* through their *turns*-th end-of-turn id (the empty prefix for 0 turns): what a
+    rendered context is compared by (a continuation's history against its parent's own rendering).
+
+    It is ``sha256(b"staging-sink-rendered-context-v1" || encode_token_ids(ids[:end]))``.
+
+    :raises SpliceError: fewer than *turns* end-of-turn ids.
+    :raises ValueError: an id is not an exact int in ``[0, 2**64)``.
+    """
+    return ScannedIds.of(token_ids, eot_ids).context_digest(turns)
+
+
 def last_assistant_index(messages: Sequence[Any]) -> int | None:
     """The index of the last message whose role is ``assistant``, or ``None``."""
     for index in range(len(messages) - 1, -1, -1):
@@ -88,6 +170,7 @@ def splice_exact_prompt(
     history_eot_count: int,
     eot_ids: Collection[int],
     parent_ids: Sequence[int],
+    eot_positions: Sequence[int] | None = None,
 ) -> list[int]:
     """The exact prompt of a continuation: the parent's sequence, then the rendered suffix after the boundary.
 
@@ -95,6 +178,8 @@ def splice_exact_prompt(
     :param history_eot_count: end-of-turn ids in the rendering of the messages through the last assistant one.
     :param eot_ids: the template's end-of-turn id(s).
     :param parent_ids: the parent's exact staged sequence (prompt ids then generated ids).
+    :param eot_positions: the positions of the end-of-turn ids in *rendered_ids* when already known
+        (:class:`ScannedIds`); found here otherwise.
     :raises SpliceError: a count below 1, fewer end-of-turns in the rendering than the count, an empty parent, or
         nothing rendered after the boundary.
     """
@@ -104,7 +189,7 @@ def splice_exact_prompt(
         raise SpliceError("the parent's exact sequence is empty")
     if not eot_ids:
         raise SpliceError("no end-of-turn id given")
-    positions = end_of_turn_positions(rendered_ids, eot_ids)
+    positions = end_of_turn_positions(rendered_ids, eot_ids) if eot_positions is None else eot_positions
     if len(positions) < history_eot_count:
         raise SpliceError(
             f"the rendering holds {len(positions)} end-of-turn ids, fewer than the {history_eot_count} of the history"
