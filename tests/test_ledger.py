@@ -35,7 +35,7 @@ from sink.keys import ledger_ids_key, ledger_stream
 from sink.ledger.lineage import AMBIGUOUS_REASON, NO_MATCH_REASON, LineageMatch, LineageResolution, LineageStatus
 from sink.ledger.memory import MemoryCaptureLedger
 from sink.ledger.redis import RedisCaptureLedger
-from sink.ledger.rows import custody_entry, custody_row
+from sink.ledger.rows import custody_entry, custody_row, decode_row
 from tests.helpers.ledger import (
     ANSWER1,
     CHILD_REQUEST,
@@ -408,3 +408,10 @@ class TestLedgerContract:
             await env.ledger.manifest(R)
         with pytest.raises(RuntimeError, match="closed"):
             await env.ledger.retire([R])
+
+
+@pytest.mark.parametrize("text", ['{"record": NaN}', '{"a": 1', "[1]", '"row"', '{"n": 1e999999}', "\ud800"])
+def test_a_row_that_is_not_a_canonical_json_object_is_corrupt(text: str) -> None:
+    """Rows are canonical JSON objects (never NaN or infinities): anything else is a CodecError, never a parse."""
+    with pytest.raises(CodecError, match="corrupt ledger row"):
+        decode_row(text)

@@ -23,6 +23,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+import orjson
 from pydantic import ValidationError
 
 from sink.contract.chains import ChainPolicy
@@ -120,10 +121,10 @@ def custody_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
 def decode_row(text: str | None) -> dict[str, Any]:
     """Parse a stored custody row.
 
-    :raises CodecError: not JSON, or not an object.
+    :raises CodecError: not JSON (rows are canonical JSON, never NaN), or not an object.
     """
     try:
-        row = json.loads(text) if text is not None else None
+        row = orjson.loads(text) if text is not None else None
     except ValueError as exc:
         raise CodecError(f"corrupt ledger row: {exc}") from exc
     if not isinstance(row, dict):
