@@ -147,6 +147,66 @@ def test_one_turn_per_message_count_agrees_with_the_history_rendering(
     )
 
 
+def reasoning_after_last_user(messages: Sequence[Message], generation_prompt: bool) -> list[int]:
+    """Qwen3's rule: an assistant turn keeps its reasoning only after the last user message."""
+    last_user = max((index for index, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    ids: list[int] = []
+    for index, m in enumerate(messages):
+        kept = m["role"] != "assistant" or index > last_user
+        ids += turn(m["role"], m["content"] if kept else m["content"].split("</t>")[-1])
+    return ids + ([START, *text_ids("assistant"), NL] if generation_prompt else [])
+
+
+def _continuation(template: Template, reply: str) -> tuple[list[Message], list[Message]]:
+    history = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "r</t>a"},
+        {"role": "tool", "content": "x"},
+        {"role": "assistant", "content": reply},
+    ]
+    return history, [{"role": "user", "content": "n"}]
+
+
+def _parent_context(template: Template, history: list[Message]) -> tuple[list[int], int, str]:
+    prompt = template(history[:-1], True)
+    turns = count_end_of_turn(prompt, {EOT})
+    return prompt, turns, context_digest(prompt, {EOT}, turns)
+
+
+def test_a_template_that_rerenders_earlier_turns_is_proved_by_the_history_rendering() -> None:
+    """Why exact mode renders the history too: once a new user message follows, Qwen3's rule drops the reasoning of
+    earlier assistant turns, so the parent's context no longer opens the new rendering; the history's rendering
+    (without the new turns) still proves it, and the splice keeps the parent's ids."""
+    history, new = _continuation(reasoning_after_last_user, "b")
+    parent_prompt, parent_turns, parent_context = _parent_context(reasoning_after_last_user, history)
+    rendered = reasoning_after_last_user(history + new, True)
+    assert context_digest(rendered, {EOT}, parent_turns) != parent_context  # the parent's count alone would refuse
+    by_history = reasoning_after_last_user(history, False)
+    count = count_end_of_turn(by_history, {EOT})
+    assert context_digest(by_history, {EOT}, count - 1) == parent_context
+    parent_ids = [*parent_prompt, 40, EOT]
+    spliced = splice_exact_prompt(rendered, history_eot_count=count, eot_ids={EOT}, parent_ids=parent_ids)
+    assert spliced == [*parent_ids, NL, *reasoning_after_last_user(new, True)]
+
+
+def test_a_reply_that_spells_the_end_of_turn_is_refused_not_spliced_inside() -> None:
+    """A reply whose text spells the end-of-turn renders with two: the parent's count plus one would cut inside the
+    reply and splice its tail in as prompt (silently wrong); the history's rendering counts both, so its context
+    through all but the last no longer matches the parent's and the call is refused (a context change), never
+    spliced wrong."""
+    history, new = _continuation(chatml, "b<e>c")
+    parent_prompt, parent_turns, parent_context = _parent_context(chatml, history)
+    rendered = chatml(history + new, True)
+    parent_ids = [*parent_prompt, 40, EOT]
+    shortcut = splice_exact_prompt(rendered, history_eot_count=parent_turns + 1, eot_ids={EOT}, parent_ids=parent_ids)
+    assert context_digest(rendered, {EOT}, parent_turns) == parent_context
+    assert shortcut != [*parent_ids, NL, *chatml(new, True)]  # the reply's tail "c" ends up in the prompt
+    by_history = chatml(history, False)
+    count = count_end_of_turn(by_history, {EOT})
+    assert count == parent_turns + 2
+    assert context_digest(by_history, {EOT}, count - 1) != parent_context
+
+
 def test_ignore_eos_end_of_turns_in_the_parent_are_not_counted() -> None:
     history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     new = [{"role": "tool", "content": "c"}]
