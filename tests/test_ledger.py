@@ -410,7 +410,7 @@ class TestLedgerContract:
             await env.ledger.retire([R])
 
 
-@pytest.mark.parametrize("text", ['{"record": NaN}', '{"a": 1', "[1]", '"row"', '{"n": 1e999999}', "\ud800"])
+@pytest.mark.parametrize("text", ['{"record": NaN}', '{"r": -Infinity}', '{"a": 1', "[1]", '"row"', "\ud800"])
 def test_a_row_that_is_not_a_canonical_json_object_is_corrupt(text: str) -> None:
     """Rows are canonical JSON objects (never NaN or infinities): anything else is a CodecError, never a parse."""
     with pytest.raises(CodecError, match="corrupt ledger row"):

@@ -23,7 +23,6 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-import orjson
 from pydantic import ValidationError
 
 from sink.contract.chains import ChainPolicy
@@ -118,13 +117,17 @@ def custody_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
     }
 
 
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not canonical JSON")
+
+
 def decode_row(text: str | None) -> dict[str, Any]:
     """Parse a stored custody row.
 
     :raises CodecError: not JSON (rows are canonical JSON, never NaN), or not an object.
     """
     try:
-        row = orjson.loads(text) if text is not None else None
+        row = json.loads(text, parse_constant=_refuse_constant) if text is not None else None
     except ValueError as exc:
         raise CodecError(f"corrupt ledger row: {exc}") from exc
     if not isinstance(row, dict):
