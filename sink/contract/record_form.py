@@ -8,6 +8,7 @@ The codec, the sink, :class:`~sink.contract.packed.PackedSnapshot`, the worker a
 read it only through the functions here:
 
 * :func:`cached_packed_columns`: the proved packed columns, while they still describe the lists;
+* :func:`packed_columns`: those, or the lists packed (and proved) again;
 * :func:`unchanged_since_validation`: whether the record is provably as it was validated;
 * :func:`packed_digest`: the call digest over packed columns' digest forms.
 
@@ -27,6 +28,7 @@ from sink.contract.record_schema import DIGEST_SCALAR_FIELDS
 __all__ = (
     "ColumnCache",
     "cached_packed_columns",
+    "packed_columns",
     "packed_digest",
     "prove_columns",
     "unchanged_since_validation",
@@ -144,6 +146,16 @@ def cached_packed_columns(record: _Record) -> PackedColumns | None:
     ):
         return None
     return cache.packed
+
+
+def packed_columns(record: _Record) -> PackedColumns | None:
+    """*record*'s proved packed columns (:func:`cached_packed_columns`), else its lists packed and proved again.
+
+    ``None``: its lists do not satisfy rules 6-8 (a validated record's lists were mutated), or not provably.
+    """
+    return cached_packed_columns(record) or pack_validated_columns(
+        record.token_ids_delta, record.token_mask_delta, record.generation_log_probs_delta
+    )
 
 
 def unchanged_since_validation(record: _Record) -> bool:
