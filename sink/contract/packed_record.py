@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
 from sink.contract._packed import PackedColumns, TrustedColumns
-from sink.contract.digest import compute_extras_digest, staging_digest_from_packed
+from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest, staging_digest_from_packed
 from sink.contract.record_base import CaptureMode, staging_key
 from sink.contract.record_form import packed_columns, unchanged_since_validation
 from sink.contract.record_schema import COLUMN_FIELDS, RECORD_FIELDS
@@ -166,7 +166,7 @@ def _proved(columns: TrustedColumns, record_fields: dict[str, Any]) -> PackedCal
     if extras is not None and type(extras) is not dict:
         return None
     try:
-        if compute_extras_digest(extras) != values["extras_digest"]:
+        if (EMPTY_EXTRAS_DIGEST if extras is None else compute_extras_digest(extras)) != values["extras_digest"]:
             return None
         values["digest"] = staging_digest_from_packed(values, *columns.packed.digest_forms())
     except (ValueError, TypeError, KeyError):  # a pre-check failed: the model build reports it precisely
