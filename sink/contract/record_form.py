@@ -1,4 +1,4 @@
-"""A staged record's packed form: the columns its validation proved, and the one place sink reads them.
+"""A model record's packed columns: the columns its validation proved, and the one place sink reads them.
 
 Validating a :class:`~sink.contract.staged_records.StagedCallBaseSnapshot` packs its three
 token columns in C, proves record rules 6-8 on the packed bytes and hashes the call digest over
@@ -13,7 +13,8 @@ read it only through the functions here:
 * :func:`packed_digest`: the call digest over packed columns' digest forms.
 
 The cache notices replaced or resized columns and reassigned scalars, never element assignment
-inside a column after validation: records are values, do not mutate them.
+inside a column after validation: records are values, do not mutate them. The worker's records
+need no cache: they are built packed (:mod:`sink.contract.packed_record`).
 """
 
 from __future__ import annotations

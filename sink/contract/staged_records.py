@@ -44,7 +44,6 @@ from sink.contract.record_schema import (
 
 __all__ = (
     "BUILD_STAGING_DIGEST",
-    "PLACEHOLDER_DIGEST",
     "TRUSTED_COLUMNS_KEY",
     "StagedCallBaseSnapshot",
     "StagedCallRecord",
@@ -244,7 +243,7 @@ class StagedCallRecord(StagedCallBaseSnapshot):
                 "delta_len": delta_len,
                 "cum_len": cum_len,
                 "weight_version": weight_version,
-                "digest": PLACEHOLDER_DIGEST,
+                "digest": _PLACEHOLDER_DIGEST,
                 "token_ids_delta": token_ids_delta,
                 "token_mask_delta": token_mask_delta,
                 "generation_log_probs_delta": generation_log_probs_delta,
@@ -257,8 +256,7 @@ class StagedCallRecord(StagedCallBaseSnapshot):
         )
 
 
-#: The digest a record is built with before its own is computed (it is never kept).
-PLACEHOLDER_DIGEST: Final = "0" * 64
+_PLACEHOLDER_DIGEST = "0" * 64
 
 
 class StagedCallSnapshot(StagedCallRecord):
@@ -278,7 +276,7 @@ def trusted_record_fields(columns: TrustedColumns, scalars: dict[str, Any]) -> d
         **scalars,
         "delta_len": length,
         "cum_len": prev_len + length if type(prev_len) is int else None,  # None: prev_len fails validation
-        "digest": PLACEHOLDER_DIGEST,
+        "digest": _PLACEHOLDER_DIGEST,
         "token_ids_delta": columns.token_ids,
         "token_mask_delta": columns.token_mask,
         "generation_log_probs_delta": columns.log_probs,
