@@ -16,7 +16,8 @@ import pytest
 
 from sink.contract.digest import compute_chain_hash, compute_extras_digest, hash_token_ids
 from sink.contract.packed import PackedSnapshot
-from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StagedCallSnapshot, StageResult
+from sink.contract.packed_record import StageableRecord
+from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallSnapshot, StageResult
 from sink.errors import StagingConnectionError, StagingError
 from sink.store.memory import MemoryStagingStore
 from tests.helpers.capture import (
@@ -231,7 +232,7 @@ class BlockingSink:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def stage(self, record: StagedCallRecord) -> StageResult:
+    def stage(self, record: StageableRecord) -> StageResult:
         if record.model_call_id == "slow":
             self.entered.set()
             assert self.release.wait(timeout=10)
@@ -268,7 +269,7 @@ class AsyncStore:
         self.release = anyio.Event()
         self.fail_with: Exception | None = None
 
-    async def stage(self, record: StagedCallRecord) -> StageResult:
+    async def stage(self, record: StageableRecord) -> StageResult:
         if self.fail_with is not None:
             raise self.fail_with
         if record.model_call_id == "slow":

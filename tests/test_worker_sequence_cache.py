@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sink.contract.digest import hash_token_ids
-from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
+from sink.contract.packed_record import StageableRecord
+from sink.contract.records import CaptureAdmission, CommitCoords, StageResult
 from sink.store.memory import MemoryStagingStore
 from tests.helpers.capture import make_capture
 from worker import CaptureError, RolloutTokenCapture
@@ -34,7 +35,7 @@ def _fresh(values: list[int]) -> list[int]:
 
 
 class AcknowledgingSink:
-    def stage(self, record: StagedCallRecord) -> StageResult:
+    def stage(self, record: StageableRecord) -> StageResult:
         return StageResult(ok=True, staging_key=record.staging_key)
 
 

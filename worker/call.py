@@ -20,8 +20,8 @@ from sink.contract.digest import (
     hash_token_ids,
 )
 from sink.contract.packed import TrustedColumns, staging_delta_columns
+from sink.contract.packed_record import PackedCallRecord, StageableRecord
 from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallBaseSnapshot, StagedCallRecord
-from sink.contract.staged_records import record_from_trusted_columns
 from worker.errors import CaptureError
 from worker.sequence_cache import EMPTY_SEQUENCE, ProvenSequence, SequenceHashCache
 
@@ -112,8 +112,8 @@ def failed_coords(admission: CaptureAdmission, *, weight_version: int) -> Commit
     )
 
 
-def staged_coords(record: StagedCallRecord, staging_key: str) -> CommitCoords:
-    """The coordinates of a call the sink staged as *record* under *staging_key* (§5.5 step 4)."""
+def staged_coords(record: StageableRecord, staging_key: str) -> CommitCoords:
+    """The coordinates of a call the sink staged as *record* (either form) under *staging_key* (§5.5 step 4)."""
     return CommitCoords(
         rollout_id=record.rollout_id,
         model_call_id=record.model_call_id,
@@ -153,9 +153,13 @@ def build_call_record(
     generated_logprobs: Sequence[float],
     extras: dict[str, Any] | None = None,
     sequence_cache: SequenceHashCache | None = None,
-) -> StagedCallRecord:
-    """Build the staged record of *call* (contract §5.5 step 2, §9.4 final record).
+) -> PackedCallRecord:
+    """Build the staged record of *call* (contract §5.5 step 2, §9.4 final record), in its packed form.
 
+    The usual delta is built and proved in one pass and the record built from it without the pydantic
+    model (:meth:`~sink.contract.packed_record.PackedCallRecord.from_trusted_columns`); anything else
+    (a generation-cut call, ids this pass does not prove) is built the reference way through
+    ``StagedCallRecord.from_components`` and packed. Either way the record stages as the same blob.
     Does not claim the completion. For a generation-cut call the engine prompt
     must be the resolved prefix followed by the cut delta; the record keeps
     the cut's masks and log-probabilities and takes the older weight version.
@@ -219,8 +223,8 @@ def build_call_record(
         "cumulative_hash": cumulative_hash,
     }
     if proved is not None:
-        return record_from_trusted_columns(proved, **scalars)
-    return StagedCallRecord.from_components(
+        return PackedCallRecord.from_trusted_columns(proved, **scalars)
+    reference = StagedCallRecord.from_components(
         **scalars,
         delta_len=len(ids),
         cum_len=prev_len + len(ids),
@@ -228,6 +232,7 @@ def build_call_record(
         token_mask_delta=mask,
         generation_log_probs_delta=logprobs,
     )
+    return PackedCallRecord.of(reference)
 
 
 def _proof_of_head(call: ActiveCall, head: list[int], cache: SequenceHashCache) -> ProvenSequence | None:

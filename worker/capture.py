@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from sink.contract.digest import is_token_id_list
 from sink.contract.digest_encoding import is_u64
 from sink.contract.packed import PackedSnapshot
+from sink.contract.packed_record import StageableRecord
 from sink.contract.protocols import AsyncStagingSink, AsyncStagingSource, StagingSink, StagingSource
 from sink.contract.records import (
     CaptureAdmission,
@@ -54,7 +55,7 @@ _ASYNC_SOURCE = "the configured source is asynchronous: use abegin_call"
 
 
 class _FollowUpSink(Protocol):
-    async def stage(self, record: StagedCallRecord, *, then: FollowUp | None = None) -> StageResult: ...
+    async def stage(self, record: StageableRecord, *, then: FollowUp | None = None) -> StageResult: ...
 
 
 StageFollowUp = Callable[[CommitCoords], FollowUp | None]

@@ -63,7 +63,8 @@ def build_prefix_record(
 ) -> StagedCallRecord:
     """The first cut row of *call*: carry plus everything generated so far, no extras.
 
-    Built from the live call without claiming its completion.
+    Built from the live call without claiming its completion, as the seed's model (the host stages it and
+    passes it to :func:`build_cut_continuation`).
 
     :raises ValueError: as :func:`worker.call.build_call_record`.
     """
@@ -72,7 +73,7 @@ def build_prefix_record(
         prompt_token_ids=prompt_token_ids,
         generated_token_ids=generated_token_ids,
         generated_logprobs=generated_logprobs,
-    )
+    ).to_record()
 
 
 def build_generation_chunk_record(

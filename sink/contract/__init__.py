@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sink.contract.packed import PackedSnapshot
+from sink.contract.packed_record import PackedCallRecord
 from sink.contract.records import (
     CaptureAdmission,
     CommitCoords,
@@ -18,6 +19,7 @@ from sink.contract.records import (
 __all__ = (
     "CaptureAdmission",
     "CommitCoords",
+    "PackedCallRecord",
     "PackedSnapshot",
     "RolloutManifest",
     "RolloutReceipt",

@@ -42,11 +42,11 @@ from sink.contract._packed import (
     f32_exact,
     finite_lanes,
     mask_values_from_codes,
-    pack_validated_columns,
     unpack_list,
 )
 from sink.contract.packed import PackedSnapshot, verified_packed_snapshot
-from sink.contract.record_form import cached_packed_columns
+from sink.contract.packed_record import PackedCallRecord, StageableRecord
+from sink.contract.record_form import packed_columns
 from sink.contract.record_schema import STORED_SCALAR_FIELDS, unsupported_version
 from sink.contract.staged_records import TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot
 from sink.errors import CodecError
@@ -75,19 +75,6 @@ _KEYS: Final = frozenset(("v", "digest", *STORED_SCALAR_FIELDS, *_COLUMN_KEYS, "
 # --- encoding -----------------------------------------------------------------
 
 
-def _packed_columns(record: StagedCallRecord) -> PackedColumns:
-    """The columns packed during validation, or packed again if the record's lists were replaced."""
-    packed = cached_packed_columns(record) or pack_validated_columns(
-        record.token_ids_delta, record.token_mask_delta, record.generation_log_probs_delta
-    )
-    if packed is None:
-        raise CodecError(
-            "cannot encode record: its token columns do not satisfy the staging contract"
-            " (was it mutated after validation?)"
-        )
-    return packed
-
-
 def _log_prob_column(packed: PackedColumns, log_probs: list[float]) -> tuple[int, bytes]:
     exact = packed.lp_f32_exact
     if exact is None:
@@ -100,18 +87,28 @@ def _log_prob_column(packed: PackedColumns, log_probs: list[float]) -> tuple[int
     return 8, struct.pack(f"<{len(log_probs)}d", *log_probs)
 
 
-def encode_record(record: StagedCallRecord) -> bytes:
-    """Encode a validated staged call as a codec blob.
+def encode_record(record: StageableRecord) -> bytes:
+    """Encode a validated staged call, in either form, as a codec blob (the same blob for the same call).
 
-    Reuses the columns packed while the record was validated.
+    A :class:`~sink.contract.packed_record.PackedCallRecord` is written from its packed columns; a
+    ``StagedCallRecord`` from the columns packed while it was validated (packed again if its lists were
+    replaced). Neither is validated here (the sinks run :func:`~sink.contract.packed_record.verified_record`).
 
-    :raises TypeError: *record* is not a ``StagedCallRecord``.
+    :raises TypeError: *record* is neither a ``StagedCallRecord`` nor a ``PackedCallRecord``.
     :raises CodecError: the record cannot be encoded (its columns or extras
         were mutated into values the contract rejects).
     """
-    if not isinstance(record, StagedCallRecord):
-        raise TypeError(f"encode_record() takes a StagedCallRecord, got {type(record).__name__}")
-    packed = _packed_columns(record)
+    if isinstance(record, PackedCallRecord):
+        packed: PackedColumns | None = record.packed
+    elif isinstance(record, StagedCallRecord):
+        packed = packed_columns(record)
+    else:
+        raise TypeError(f"encode_record() takes a StagedCallRecord or a PackedCallRecord, got {type(record).__name__}")
+    if packed is None:
+        raise CodecError(
+            "cannot encode record: its token columns do not satisfy the staging contract"
+            " (was it mutated after validation?)"
+        )
     log_prob_width, log_probs = _log_prob_column(packed, record.generation_log_probs_delta)
     payload: dict[str, Any] = {"v": CODEC_VERSION, "digest": record.digest}
     for name in STORED_SCALAR_FIELDS:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Final, NamedTuple
 
-from pydantic import BaseModel, ValidationError, create_model
+from pydantic import ValidationError
 
 from sink.contract._packed import (
     ID_TYPECODES,
@@ -30,16 +30,15 @@ from sink.contract._packed import (
     ids_from_marshal,
     ids_u64be,
     pack_ids,
-    pack_validated_columns,
     prove_stored_columns,
     staging_delta_columns,
     unpack_list,
 )
 from sink.contract.digest import compute_extras_digest, staging_digest_from_packed
-from sink.contract.record_base import DigestWireModel, staging_key
-from sink.contract.record_form import cached_packed_columns, unchanged_since_validation
+from sink.contract.record_base import staging_key
+from sink.contract.record_form import packed_columns, unchanged_since_validation
 from sink.contract.record_schema import SCALAR_FIELDS
-from sink.contract.staged_records import StagedCallBaseSnapshot, StagedCallSnapshot
+from sink.contract.staged_records import StagedCallScalars, StagedCallSnapshot
 from sink.errors import CodecError
 
 # The packed-column API the worker and the Gym transport build on (sink.contract._packed stays private).
@@ -56,17 +55,6 @@ __all__ = (
     "verified_packed_snapshot",
 )
 
-# The scalar fields of a staged call (the table's SCALAR_FIELDS) with exactly the types and
-# constraints of StagedCallBaseSnapshot (taken from it, so the two cannot drift apart).
-_Scalars: Final[type[BaseModel]] = create_model(
-    "_StagedCallScalars",
-    __base__=DigestWireModel,
-    **{  # type: ignore[call-overload]
-        name: (StagedCallBaseSnapshot.model_fields[name].annotation, StagedCallBaseSnapshot.model_fields[name])
-        for name in SCALAR_FIELDS
-        if name not in DigestWireModel.model_fields
-    },
-)
 #: Scalar names read from a stored blob, versions included.
 SCALAR_NAMES: Final = SCALAR_FIELDS
 
@@ -149,9 +137,7 @@ class PackedSnapshot(NamedTuple):
                 snapshot = StagedCallSnapshot.model_validate(snapshot.model_dump())
             except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
                 raise CodecError(f"snapshot {snapshot.staging_key!r} does not verify: {exc}") from exc
-        columns = cached_packed_columns(snapshot) or pack_validated_columns(
-            snapshot.token_ids_delta, snapshot.token_mask_delta, snapshot.generation_log_probs_delta
-        )
+        columns = packed_columns(snapshot)
         if columns is None:
             raise CodecError(f"snapshot {snapshot.staging_key!r}: its token columns do not satisfy the contract")
         log_probs = snapshot.generation_log_probs_delta
@@ -190,7 +176,7 @@ def verified_packed_snapshot(
         return None
     extras = fields["extras"]
     try:
-        validated = _Scalars.model_validate({name: fields[name] for name in SCALAR_NAMES})
+        validated = StagedCallScalars.model_validate({name: fields[name] for name in SCALAR_NAMES})
         if extras is not None and type(extras) is not dict:
             return None
         scalars = dict(validated.__dict__)  # the validated field values (dict(model) is ~30x slower)

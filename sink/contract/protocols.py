@@ -9,16 +9,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from sink.contract.records import StagedCallRecord, StagedCallSnapshot, StageResult
+from sink.contract.packed_record import StageableRecord
+from sink.contract.records import StagedCallSnapshot, StageResult
 
 __all__ = ("AsyncStagingSink", "AsyncStagingSource", "StagingSink", "StagingSource")
 
 
 @runtime_checkable
 class StagingSink(Protocol):
-    """Synchronous, thread-safe sink: ``ok=True`` only once the record is durable and fetchable."""
+    """Synchronous, thread-safe sink: ``ok=True`` only once the record is durable and fetchable.
 
-    def stage(self, record: StagedCallRecord) -> StageResult: ...
+    ``stage`` takes either form of a staged call: the seed's ``StagedCallRecord`` or the
+    :class:`~sink.contract.packed_record.PackedCallRecord` the worker builds.
+    """
+
+    def stage(self, record: StageableRecord) -> StageResult: ...
 
 
 @runtime_checkable
@@ -32,7 +37,7 @@ class StagingSource(Protocol):
 class AsyncStagingSink(Protocol):
     """Async twin of :class:`StagingSink`."""
 
-    async def stage(self, record: StagedCallRecord) -> StageResult: ...
+    async def stage(self, record: StageableRecord) -> StageResult: ...
 
 
 @runtime_checkable

@@ -1,4 +1,4 @@
-"""A staged record's packed form: the columns its validation proved, and the one place sink reads them.
+"""A model record's packed columns: the columns its validation proved, and the one place sink reads them.
 
 Validating a :class:`~sink.contract.staged_records.StagedCallBaseSnapshot` packs its three
 token columns in C, proves record rules 6-8 on the packed bytes and hashes the call digest over
@@ -8,11 +8,13 @@ The codec, the sink, :class:`~sink.contract.packed.PackedSnapshot`, the worker a
 read it only through the functions here:
 
 * :func:`cached_packed_columns`: the proved packed columns, while they still describe the lists;
+* :func:`packed_columns`: those, or the lists packed (and proved) again;
 * :func:`unchanged_since_validation`: whether the record is provably as it was validated;
 * :func:`packed_digest`: the call digest over packed columns' digest forms.
 
 The cache notices replaced or resized columns and reassigned scalars, never element assignment
-inside a column after validation: records are values, do not mutate them.
+inside a column after validation: records are values, do not mutate them. The worker's records
+need no cache: they are built packed (:mod:`sink.contract.packed_record`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sink.contract.record_schema import DIGEST_SCALAR_FIELDS
 __all__ = (
     "ColumnCache",
     "cached_packed_columns",
+    "packed_columns",
     "packed_digest",
     "prove_columns",
     "unchanged_since_validation",
@@ -144,6 +147,16 @@ def cached_packed_columns(record: _Record) -> PackedColumns | None:
     ):
         return None
     return cache.packed
+
+
+def packed_columns(record: _Record) -> PackedColumns | None:
+    """*record*'s proved packed columns (:func:`cached_packed_columns`), else its lists packed and proved again.
+
+    ``None``: its lists do not satisfy rules 6-8 (a validated record's lists were mutated), or not provably.
+    """
+    return cached_packed_columns(record) or pack_validated_columns(
+        record.token_ids_delta, record.token_mask_delta, record.generation_log_probs_delta
+    )
 
 
 def unchanged_since_validation(record: _Record) -> bool:

@@ -1,11 +1,12 @@
 """The staged-call records: one token delta with its digest, as staged (contract §3.3-§3.4).
 
 Every digest-bearing record recomputes its digest on validation; only
-:meth:`StagedCallRecord.from_components` (and the worker's
-:func:`record_from_trusted_columns`) computes it instead (once). The
-fields' digest roles come from the table in :mod:`sink.contract.record_schema`;
-what validation proved about the packed columns is kept and read by
-:mod:`sink.contract.record_form`.
+:meth:`StagedCallRecord.from_components` (and :func:`record_from_trusted_columns`)
+computes it instead (once). The fields' digest roles come from the table in
+:mod:`sink.contract.record_schema`; what validation proved about the packed columns
+is kept and read by :mod:`sink.contract.record_form`. :data:`StagedCallScalars`
+validates a call's scalars exactly as the record does, for the forms that keep their
+columns packed (:mod:`sink.contract.packed`, :mod:`sink.contract.packed_record`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 from typing import Any, Final, Self
 
 from pydantic import (
+    BaseModel,
     PrivateAttr,
     StrictFloat,
     StrictInt,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -31,15 +34,24 @@ from sink.contract.digest import (
 )
 from sink.contract.record_base import CaptureMode, DigestHex, DigestWireModel, Identifier, NonNegativeInt, staging_key
 from sink.contract.record_form import ColumnCache, packed_digest, prove_columns
-from sink.contract.record_schema import COLUMN_FIELDS, DIGEST_SCALAR_FIELDS, RECORD_FIELDS, lineage_problem
+from sink.contract.record_schema import (
+    COLUMN_FIELDS,
+    DIGEST_SCALAR_FIELDS,
+    RECORD_FIELDS,
+    SCALAR_FIELDS,
+    lineage_problem,
+)
 
 __all__ = (
     "BUILD_STAGING_DIGEST",
     "TRUSTED_COLUMNS_KEY",
     "StagedCallBaseSnapshot",
     "StagedCallRecord",
+    "StagedCallScalars",
     "StagedCallSnapshot",
+    "check_trusted_columns",
     "record_from_trusted_columns",
+    "trusted_record_fields",
 )
 
 # In-process marker that switches rule 9 from "compare" to "compute" (§3.4).
@@ -154,6 +166,20 @@ assert tuple(StagedCallBaseSnapshot.model_fields) == tuple(field.name for field 
 )
 
 
+#: The scalar fields of a staged call (the table's ``SCALAR_FIELDS``) with exactly the types and constraints of
+#: :class:`StagedCallBaseSnapshot` (taken from it, so the two cannot drift apart). Field checks only: the record's
+#: integrity rules (lineage, lengths, digest, extras) are not part of it.
+StagedCallScalars: Final[type[BaseModel]] = create_model(
+    "StagedCallScalars",
+    __base__=DigestWireModel,
+    **{  # type: ignore[call-overload]
+        name: (StagedCallBaseSnapshot.model_fields[name].annotation, StagedCallBaseSnapshot.model_fields[name])
+        for name in SCALAR_FIELDS
+        if name not in DigestWireModel.model_fields
+    },
+)
+
+
 class StagedCallRecord(StagedCallBaseSnapshot):
     """One normalized token delta made durable by a framework staging sink."""
 
@@ -237,21 +263,16 @@ class StagedCallSnapshot(StagedCallRecord):
     """The exact staged record returned by a framework-owned source."""
 
 
-def record_from_trusted_columns(columns: TrustedColumns, **scalars: Any) -> StagedCallRecord:
-    """:meth:`StagedCallRecord.from_components` for columns that :mod:`sink.contract._packed` built and proved itself.
+def trusted_record_fields(columns: TrustedColumns, scalars: dict[str, Any]) -> dict[str, Any]:
+    """The record fields of *columns* and *scalars*: the lengths derived, the digest a placeholder.
 
-    For the worker, with :func:`sink.contract.packed.staging_delta_columns`. *scalars* are the other
-    components except the lengths, which are derived; every one is validated as usual and the
-    digest computed once. The columns' lists become the record's: the caller must not reuse them.
-
-    :raises TypeError: *columns* vouches for no ids (build through ``from_components`` then).
-    :raises pydantic.ValidationError: a component fails validation.
+    *scalars* are the other components except the lengths (a given ``delta_len`` or ``cum_len`` is
+    replaced). Shared by both builds from trusted columns (:func:`record_from_trusted_columns` and
+    :meth:`sink.contract.packed_record.PackedCallRecord.from_trusted_columns`).
     """
-    if type(columns) is not TrustedColumns or columns.token_ids is None:
-        raise TypeError("record_from_trusted_columns takes TrustedColumns that vouch for their ids")
     length = columns.packed.length
     prev_len = scalars.get("prev_len")
-    fields = {
+    return {
         **scalars,
         "delta_len": length,
         "cum_len": prev_len + length if type(prev_len) is int else None,  # None: prev_len fails validation
@@ -260,6 +281,29 @@ def record_from_trusted_columns(columns: TrustedColumns, **scalars: Any) -> Stag
         "token_mask_delta": columns.token_mask,
         "generation_log_probs_delta": columns.log_probs,
     }
+
+
+def check_trusted_columns(columns: object, builder: str) -> None:
+    """Refuse anything but :class:`~sink.contract._packed.TrustedColumns` that vouch for their ids.
+
+    :raises TypeError: *columns* is no such thing (build through ``from_components`` then).
+    """
+    if type(columns) is not TrustedColumns or columns.token_ids is None:
+        raise TypeError(f"{builder} takes TrustedColumns that vouch for their ids")
+
+
+def record_from_trusted_columns(columns: TrustedColumns, **scalars: Any) -> StagedCallRecord:
+    """:meth:`StagedCallRecord.from_components` for columns that :mod:`sink.contract._packed` built and proved itself.
+
+    The model form of :meth:`sink.contract.packed_record.PackedCallRecord.from_trusted_columns`
+    (the worker's build, which keeps the columns packed) and its reference: *scalars* are the other
+    components except the lengths, which are derived; every one is validated as usual and the
+    digest computed once. The columns' lists become the record's: the caller must not reuse them.
+
+    :raises TypeError: *columns* vouches for no ids (build through ``from_components`` then).
+    :raises pydantic.ValidationError: a component fails validation.
+    """
+    check_trusted_columns(columns, "record_from_trusted_columns")
     return StagedCallRecord.model_validate(
-        fields, context={"build": BUILD_STAGING_DIGEST, TRUSTED_COLUMNS_KEY: columns}
+        trusted_record_fields(columns, scalars), context={"build": BUILD_STAGING_DIGEST, TRUSTED_COLUMNS_KEY: columns}
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from sink.contract.packed_record import PackedCallRecord, StageableRecord
 from sink.contract.records import StagedCallRecord, StagedCallSnapshot, StageResult
 from sink.store.sink import CONFLICT_ERROR
 
@@ -23,10 +24,12 @@ class MemoryStagingStore:
         self._lock = threading.Lock()
         self._records: dict[str, StagedCallSnapshot] = {}
 
-    def stage(self, record: StagedCallRecord) -> StageResult:
-        """Store *record* under its default staging key (idempotent by digest)."""
-        if not isinstance(record, StagedCallRecord):
-            raise TypeError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
+    def stage(self, record: StageableRecord) -> StageResult:
+        """Store *record* (either form) under its default staging key (idempotent by digest)."""
+        if isinstance(record, PackedCallRecord):
+            record = record.to_record()
+        elif not isinstance(record, StagedCallRecord):
+            raise TypeError(f"stage() takes a StagedCallRecord or a PackedCallRecord, got {type(record).__name__}")
         key = record.staging_key
         snapshot = StagedCallSnapshot.model_validate(record.model_dump())
         with self._lock:

@@ -6,7 +6,9 @@ and, if ``min_replicas > 0``, after ``WAIT`` on the same connection counted
 enough replicas. Operational failures come back as ``ok=False`` with a precise
 error; only programming errors (a wrong argument type, a closed sink) raise.
 
-``stage`` calls queue their encoded record for the group commit
+``stage`` takes either form of a staged call (the model or the worker's
+:class:`~sink.contract.packed_record.PackedCallRecord`, which skips pydantic) and
+queues its encoded record for the group commit
 (:mod:`sink.store.commit`), which settles each one here. :func:`clear_staged`
 deletes what was staged once a rollout has been consumed.
 """
@@ -26,12 +28,10 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
-from pydantic_core import PydanticSerializationError
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.codec import encode_record
-from sink.contract.digest import compute_extras_digest
-from sink.contract.record_form import unchanged_since_validation
+from sink.contract.packed_record import PackedCallRecord, StageableRecord, verified_record
 from sink.contract.record_schema import calls_entry
 from sink.contract.records import StagedCallRecord, StageResult
 from sink.errors import CodecError
@@ -92,29 +92,7 @@ def generation_prefix_suffix(checkpoint_id: str, chunk_sequence: int) -> str:
     return f"/cut/{checkpoint_id}/{chunk_sequence}"
 
 
-def verified_record(record: StagedCallRecord) -> StagedCallRecord:
-    """*record* if it is unchanged since it was validated, else a freshly validated copy.
-
-    A record built by ``model_construct``, or whose fields were reassigned
-    after validation, is validated again, so the sink never stores a blob the
-    source would reject. (Element assignment inside a column after validation
-    is not detected: records are values, do not mutate them.)
-
-    :raises ValueError: the record is invalid (``pydantic.ValidationError`` is a ``ValueError``).
-    :raises TypeError: an extras value is unsupported.
-    """
-    if unchanged_since_validation(record) and (
-        record.extras is None or compute_extras_digest(record.extras) == record.extras_digest
-    ):
-        return record
-    try:
-        data = record.model_dump(warnings=False)
-    except PydanticSerializationError as exc:
-        raise ValueError(f"record cannot be serialized: {exc}") from exc
-    return StagedCallRecord.model_validate(data)
-
-
-def _key_or_none(record: StagedCallRecord, key_suffix: str) -> str | None:
+def _key_or_none(record: StageableRecord, key_suffix: str) -> str | None:
     try:
         return record.staging_key + key_suffix
     except (ValueError, TypeError):
@@ -160,7 +138,10 @@ async def clear_staged(topology: Topology, namespace: str, staging_keys: Sequenc
 
 
 class AsyncRedisStagingSink(AsyncResource):
-    """Durable, idempotent staging of :class:`StagedCallRecord` into Redis/Valkey.
+    """Durable, idempotent staging of staged calls into Redis/Valkey.
+
+    A call comes in either form (:data:`~sink.contract.packed_record.StageableRecord`): the seed's
+    ``StagedCallRecord`` or the worker's ``PackedCallRecord``; both are stored as the same blob.
 
     Use as an async context manager::
 
@@ -252,8 +233,8 @@ class AsyncRedisStagingSink(AsyncResource):
 
     # --- staging ----------------------------------------------------------------
 
-    async def stage(self, record: StagedCallRecord, *, then: FollowUp | None = None) -> StageResult:
-        """Stage *record* under its default key ``rollout_id/model_call_id``.
+    async def stage(self, record: StageableRecord, *, then: FollowUp | None = None) -> StageResult:
+        """Stage *record* (either form) under its default key ``rollout_id/model_call_id``.
 
         *then*: a write of the record's slot to send right behind the stage, in its round trip and under its durable
         confirmation (:class:`~sink.store.commit.FollowUp`: the capture ledger's row of the call); its outcome is set
@@ -262,24 +243,26 @@ class AsyncRedisStagingSink(AsyncResource):
 
         :returns: ``ok=True`` only once the write is durable (and replicated,
             if required); ``ok=False`` with a precise error otherwise.
-        :raises TypeError: *record* is not a :class:`StagedCallRecord`.
+        :raises TypeError: *record* is neither a :class:`StagedCallRecord` nor a ``PackedCallRecord``.
         :raises RuntimeError: the sink is not open.
         """
-        if not isinstance(record, StagedCallRecord):
-            raise TypeError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
+        if not isinstance(record, StagedCallRecord | PackedCallRecord):
+            raise TypeError(f"stage() takes a StagedCallRecord or a PackedCallRecord, got {type(record).__name__}")
         started = time.perf_counter()
         return self._counted(*await self._stage(record, "", then), started)
 
     async def stage_generation_prefix(
-        self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int
+        self, record: StageableRecord, *, checkpoint_id: str, chunk_sequence: int
     ) -> StageResult:
-        """Stage one generation-cut chunk under ``R/C/cut/<checkpoint_id>/<chunk_sequence>``.
+        """Stage one generation-cut chunk (either form) under ``R/C/cut/<checkpoint_id>/<chunk_sequence>``.
 
-        :raises TypeError: *record* is not a :class:`StagedCallRecord`.
+        :raises TypeError: *record* is neither a :class:`StagedCallRecord` nor a ``PackedCallRecord``.
         :raises ValueError: invalid *checkpoint_id* or *chunk_sequence*.
         """
-        if not isinstance(record, StagedCallRecord):
-            raise TypeError(f"stage_generation_prefix() takes a StagedCallRecord, got {type(record).__name__}")
+        if not isinstance(record, StagedCallRecord | PackedCallRecord):
+            raise TypeError(
+                f"stage_generation_prefix() takes a StagedCallRecord or a PackedCallRecord, got {type(record).__name__}"
+            )
         started = time.perf_counter()
         return self._counted(
             *await self._stage(record, generation_prefix_suffix(checkpoint_id, chunk_sequence)), started
@@ -290,7 +273,7 @@ class AsyncRedisStagingSink(AsyncResource):
         return result
 
     async def _stage(
-        self, record: StagedCallRecord, key_suffix: str, then: FollowUp | None = None
+        self, record: StageableRecord, key_suffix: str, then: FollowUp | None = None
     ) -> tuple[StageResult, StageOutcome]:
         send = self._send  # set to None once closed; a stage already past this point fails as closing
         if send is None:
@@ -382,12 +365,12 @@ class RedisStagingSink(PortalOwner[AsyncRedisStagingSink]):
         """Open a sink on *url*; the arguments are :meth:`AsyncRedisStagingSink.from_url`'s."""
         return cls(AsyncRedisStagingSink.from_url(url, settings, **fields))
 
-    def stage(self, record: StagedCallRecord) -> StageResult:
-        """Thread-safe :meth:`AsyncRedisStagingSink.stage`."""
+    def stage(self, record: StageableRecord) -> StageResult:
+        """Thread-safe :meth:`AsyncRedisStagingSink.stage` (either form of the record)."""
         return self._call(self._resource.stage, record)
 
     def stage_generation_prefix(
-        self, record: StagedCallRecord, *, checkpoint_id: str, chunk_sequence: int
+        self, record: StageableRecord, *, checkpoint_id: str, chunk_sequence: int
     ) -> StageResult:
         """Thread-safe :meth:`AsyncRedisStagingSink.stage_generation_prefix`."""
 

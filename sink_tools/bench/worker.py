@@ -33,6 +33,7 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 
+from sink.contract.packed_record import StageableRecord
 from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
 from sink.keys import record_key
 from sink.store.sink import AsyncRedisStagingSink
@@ -73,7 +74,7 @@ MAX_CHAIN_TO_FLOOR = 4.0
 class AcknowledgingSink:
     """A sink that acknowledges at once: isolates the worker's own CPU from storage."""
 
-    async def stage(self, record: StagedCallRecord) -> StageResult:
+    async def stage(self, record: StageableRecord) -> StageResult:
         return StageResult(ok=True, staging_key=record.staging_key)
 
 

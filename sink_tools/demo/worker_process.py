@@ -25,7 +25,8 @@ from typing import Any
 
 import anyio
 
-from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord, StageResult
+from sink.contract.packed_record import StageableRecord
+from sink.contract.records import CaptureAdmission, CommitCoords, StageResult
 from sink.ledger.gate import CaptureGate
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import finished
@@ -100,7 +101,7 @@ class _TimedSink:
         self._sink = sink
         self._counters = counters
 
-    async def stage(self, record: StagedCallRecord) -> StageResult:
+    async def stage(self, record: StageableRecord) -> StageResult:
         started = time.perf_counter()
         result = await self._sink.stage(record)
         self._counters.latencies_ms.append((time.perf_counter() - started) * 1000.0)

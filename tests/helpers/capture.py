@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sink.contract.records import CaptureAdmission, CommitCoords, StagedCallRecord
+from sink.contract.packed_record import StageableRecord
+from sink.contract.records import CaptureAdmission, CommitCoords
 from sink.store.memory import MemoryStagingStore
 from worker import RolloutTokenCapture
 
@@ -65,9 +66,9 @@ class RecordingSink:
         self.store = MemoryStagingStore()
         self.answer = answer
         self.error = error
-        self.records: list[StagedCallRecord] = []
+        self.records: list[StageableRecord] = []
 
-    def stage(self, record: StagedCallRecord) -> Any:
+    def stage(self, record: StageableRecord) -> Any:
         self.records.append(record)
         if self.error is not None:
             raise self.error

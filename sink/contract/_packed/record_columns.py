@@ -135,7 +135,7 @@ def staging_delta_columns(
 ) -> TrustedColumns | None:
     """A call's delta (contract §5.4) built and proved in one go, for the worker's trusted record build.
 
-    The build is :func:`sink.contract.staged_records.record_from_trusted_columns`. The delta's
+    The build is :meth:`sink.contract.packed_record.PackedCallRecord.from_trusted_columns`. The delta's
     ids ``prompt_tail + generated_ids``; masks ``0.0`` per carried id then ``1.0`` per generated one;
     log-probabilities ``0.0`` per carried id then *generated_log_probs*. The three lists are new and owned
     by the result. The masks and the carry zeros are exact by construction, so only the generated
