@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Any
 
 import msgpack
@@ -9,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sink.contract._packed.floats import MASK_CODES, mask_values_from_codes
 from sink.contract.codec import decode_packed_record, decode_record, encode_record
 from sink.contract.packed import PackedSnapshot
 from sink.contract.records import StagedCallRecord
@@ -153,3 +156,81 @@ def test_numpy_and_plain_id_widening_agree(width: int, length: int, rng: Any) ->
     ids_le = rng.randbytes(width * length)
     assert ids_u64be(ids_le, width, length) == ids_u64be_plain(ids_le, width, length)
     assert len(ids_u64be_plain(ids_le, width, length)) == 8 * length
+
+
+# --- the mask and float primitives equal their reference formulas ------------------------------
+
+mask_codes = st.lists(st.sampled_from(b"\x00\x80\x3f"), max_size=300).map(bytes)
+
+
+def _runs_of_codes() -> st.SearchStrategy[bytes]:
+    """Codes as runs (carry zeros, minus zeros, generated), the shapes the fast paths look for."""
+    run = st.tuples(st.sampled_from(b"\x00\x80\x3f"), st.integers(0, 5000))
+    return st.lists(run, max_size=4).map(lambda runs: b"".join(bytes([code]) * n for code, n in runs))
+
+
+def _reference_carry_prefix(codes: bytes) -> int | None:
+    carry = len(codes) - codes.count(0x3F)
+    return carry if carry == len(codes) or codes.find(0x3F) == carry else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(mask_codes, _runs_of_codes(), st.binary(max_size=64)))
+def test_carry_prefix_and_the_usual_shape_equal_the_counting_reference(codes: bytes) -> None:
+    from sink.contract._packed.floats import carry_prefix, mask_f32be, mask_pieces, usual_mask_carry
+    from sink.contract.packed import PackedColumns
+    from sink.trainer.rebuild import _mask_counts
+
+    carry = carry_prefix(codes)
+    assert carry == _reference_carry_prefix(codes)
+    usual = carry if carry is not None and codes.count(0) == carry else None
+    assert usual_mask_carry(codes) == usual
+    if not codes.translate(None, MASK_CODES):
+        assert b"".join(mask_pieces(codes, carry)) == mask_f32be(codes)
+        columns = PackedColumns(length=len(codes), mask_codes=codes, lp_f32be=bytes(4 * len(codes)), lp_f32_exact=True)
+        generated = codes.count(0x3F)
+        assert _mask_counts(columns) == (len(codes) - generated, generated, codes.find(0x3F))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.binary(min_size=4, max_size=4), st.floats(width=32).map(lambda v: struct.pack("<f", v)))))
+def test_finite_f32le_is_exactly_every_value_finite(values: list[bytes]) -> None:
+    from sink.contract._packed.floats import finite_f32le
+
+    buf = b"".join(values)
+    assert finite_f32le(buf) == all(math.isfinite(v) for v in struct.unpack(f"<{len(values)}f", buf))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(mask_codes, _runs_of_codes().map(lambda codes: codes[:700])), min_size=1, max_size=4))
+def test_packed_rows_write_the_masks_their_codes_name(parts_codes: list[bytes]) -> None:
+    np = pytest.importorskip("numpy")
+    from sink.contract.packed import PackedColumns
+    from sink.trainer.row import RowColumns
+
+    parts = [
+        PackedColumns(
+            length=len(codes),
+            ids_width=4,
+            ids_le=bytes(4 * len(codes)),
+            mask_codes=codes,
+            lp_f32be=bytes(4 * len(codes)),
+            lp_f32_exact=True,
+        )
+        for codes in parts_codes
+    ]
+    value_of_code = {0x00: 0.0, 0x80: -0.0, 0x3F: 1.0}
+    expected = [value_of_code[code] for codes in parts_codes for code in codes]
+    mask = RowColumns(parts=parts).as_numpy().token_mask
+    assert mask.tolist() == expected
+    assert np.signbit(mask).tolist() == [math.copysign(1.0, value) < 0 for value in expected]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(mask_codes, _runs_of_codes()))
+def test_mask_values_from_codes_reads_each_code(codes: bytes) -> None:
+    value_of_code = {0x00: 0.0, 0x80: -0.0, 0x3F: 1.0}
+    values = mask_values_from_codes(codes)
+    assert [(v, math.copysign(1.0, v)) for v in values] == [
+        (value_of_code[c], math.copysign(1.0, value_of_code[c])) for c in codes
+    ]

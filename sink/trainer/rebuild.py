@@ -87,12 +87,17 @@ def chain_positions(receipt: RolloutReceipt, index_by_id: dict[str, int]) -> lis
     return chain
 
 
-def _mask_counts(masks: Sequence[float] | bytes) -> tuple[int, int, int]:
-    """``(carry, generated, index of the first 1.0 or -1)`` of a mask column, or of its codes (``bytes``);
+def _mask_counts(masks: Sequence[float] | PackedColumns) -> tuple[int, int, int]:
+    """``(carry, generated, index of the first 1.0 or -1)`` of a mask column, or of packed columns' codes;
     masks are exactly 0.0/1.0 here (step 8h)."""
-    if isinstance(masks, bytes):
-        generated = masks.count(0x3F)
-        return len(masks) - generated, generated, masks.find(0x3F)
+    if isinstance(masks, PackedColumns):
+        carry = masks.carry_length()
+        if carry is not None:  # carry then generation: the counts follow from where it ends
+            generated = masks.length - carry
+            return carry, generated, carry if generated else -1
+        codes = masks.mask_codes
+        generated = codes.count(0x3F)
+        return len(codes) - generated, generated, codes.find(0x3F)
     generated = masks.count(1.0)
     return len(masks) - generated, generated, masks.index(1.0) if generated else -1
 
@@ -122,7 +127,7 @@ def linearize_chain(
             length = len(masks)
         else:
             running_chain_hash = chain_hash_of_packed(running_chain_hash, packed_call.ids_u64be)
-            carry, generated, first_one = _mask_counts(packed_call.packed.mask_codes)
+            carry, generated, first_one = _mask_counts(packed_call.packed)
             length = packed_call.packed.length
         if running_chain_hash != record.chain_hash:
             raise RebuildError(

@@ -269,7 +269,12 @@ def _packed_into(parts: Sequence[PackedColumns], out: NumpyColumns) -> None:
         if part.ids_width == 8 and stored.size and int(stored.max()) >= 1 << 63:
             raise OverflowError("a token id does not fit in int64")
         ids[start:end] = stored
-        np.take(mask_of_code, np.frombuffer(part.mask_codes, dtype=np.uint8), out=mask[start:end])
+        carry = part.usual_carry_length()
+        if carry is not None:  # the usual shape: +0.0 carry, then 1.0
+            mask[start : start + carry] = 0.0
+            mask[start + carry : end] = 1.0
+        else:
+            np.take(mask_of_code, np.frombuffer(part.mask_codes, dtype=np.uint8), out=mask[start:end])
         logprobs[start:end] = np.frombuffer(part.lp_f32be, dtype=">f4")
         start = end
 

@@ -20,7 +20,7 @@ cost speed, never accept a value the reference path rejects.
 
 from __future__ import annotations
 
-from sink.contract._packed.floats import mask_f32be, mask_values_from_codes
+from sink.contract._packed.floats import carry_prefix, mask_f32be, mask_values_from_codes, usual_mask_carry
 from sink.contract._packed.ids import ID_TYPECODES, ids_u64be
 from sink.contract._packed.lanes import Buffers, unpack_list
 
@@ -72,6 +72,15 @@ class PackedColumns:
             ids_le=ids_le,
             mask_f32be=self.mask_f32be,
         )
+
+    def carry_length(self) -> int | None:
+        """How many carry codes (mask 0.0 or -0.0) lead when every code after them is generated (1.0), else
+        ``None`` (the masks are not carry then generation)."""
+        return carry_prefix(self.mask_codes)
+
+    def usual_carry_length(self) -> int | None:
+        """:meth:`carry_length` when the carry is all ``+0.0`` (the usual shape), else ``None``."""
+        return usual_mask_carry(self.mask_codes)
 
     def token_ids_list(self) -> list[int]:
         """The ids as a new list of Python ints."""

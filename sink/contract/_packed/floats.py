@@ -33,6 +33,7 @@ __all__ = (
     "carry_prefix",
     "f32_exact",
     "f32_exact_from_marshal",
+    "finite_f32le",
     "finite_lanes",
     "lanes_zero",
     "mask_f32be",
@@ -40,12 +41,14 @@ __all__ = (
     "mask_pieces",
     "mask_values_from_codes",
     "pack_f32be",
+    "usual_mask_carry",
     "usual_mask_pieces",
 )
 
 #: One byte per mask value: the leading byte of its big-endian float32.
 MASK_CODES: Final = b"\x00\x80\x3f"
 _ONE_CODE: Final = 0x3F
+_ONE: Final = bytes((_ONE_CODE,))
 _ZERO_SIGNS: Final = b"\x00\x80"
 _F32BE_ONE: Final = b"\x3f\x80\x00\x00"
 
@@ -86,23 +89,33 @@ def mask_f32be(codes: bytes) -> bytes:
 def mask_pieces(codes: bytes, carry: int | None) -> Buffers:
     """:func:`mask_f32be` in pieces, given ``carry_prefix(codes)``; the usual shape (+0.0 carry, then 1.0)
     costs no copy."""
-    if carry is not None and codes.count(0) == carry:
+    if carry is not None and is_repeat(codes, 0, carry, b"\x00"):
         return usual_mask_pieces(carry, len(codes) - carry)
     return (mask_f32be(codes),)
 
 
 def carry_prefix(codes: bytes) -> int | None:
-    """Length of the carry (mask 0.0/-0.0) prefix when the generated tokens form the rest, else ``None``."""
-    carry = len(codes) - codes.count(_ONE_CODE)
-    if carry == len(codes) or codes.find(_ONE_CODE) == carry:
-        return carry
-    return None
+    """Length of the carry (mask 0.0/-0.0) prefix when the generated tokens form the rest, else ``None``.
+
+    The prefix ends at the first generated code and everything from there must be generated: one ``find``
+    and one comparison, no pass counting the codes.
+    """
+    carry = codes.find(_ONE_CODE)
+    if carry < 0:
+        return len(codes)
+    return carry if is_repeat(codes, carry, len(codes) - carry, _ONE) else None
+
+
+def usual_mask_carry(codes: bytes) -> int | None:
+    """The carry length when *codes* are the usual shape (``+0.0`` carry, then ``1.0``), else ``None``."""
+    carry = carry_prefix(codes)
+    return carry if carry is not None and is_repeat(codes, 0, carry, b"\x00") else None
 
 
 def mask_values_from_codes(codes: bytes) -> list[float]:
     """Mask floats (0.0, -0.0, 1.0) from codes that are all in :data:`MASK_CODES`."""
-    carry = carry_prefix(codes)
-    if carry is not None and codes.count(0) == carry:
+    carry = usual_mask_carry(codes)
+    if carry is not None:
         return [0.0] * carry + [1.0] * (len(codes) - carry)  # the usual shape
     f32 = array("f")
     f32.frombytes(mask_f32be(codes))
@@ -141,6 +154,14 @@ def pack_f32be(values: Sequence[float]) -> bytes | None:
         return struct.pack(f">{len(values)}f", *values)
     except (OverflowError, struct.error):  # beyond binary32 (contract §4.2) or not a float
         return None
+
+
+def finite_f32le(buf: bytes) -> bool:
+    """Whether every little-endian float32 of *buf* (a whole number of them) is finite: exact, in one C pass
+    (numpy, a dependency, imported on first use like the rest of this package's accelerators)."""
+    import numpy as np
+
+    return bool(np.isfinite(np.frombuffer(buf, dtype="<f4")).all())
 
 
 def finite_lanes(top_bytes: bytes) -> bool:

@@ -22,6 +22,7 @@ from sink.contract._packed.floats import (
     carry_log_probs_zero,
     carry_prefix,
     f32_exact_from_marshal,
+    finite_f32le,
     finite_lanes,
     lanes_zero,
     mask_from_marshal,
@@ -71,7 +72,7 @@ def prove_stored_columns(
     log-probability ``+0.0`` or ``-0.0``.
     """
     length = len(mask_codes)
-    if lp_width != 4 or not finite_lanes(lp_le[3::4]):
+    if lp_width != 4 or not finite_f32le(lp_le):
         return None
     carry = carry_prefix(mask_codes)
     if carry is None:
