@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from sink.contract._packed.floats import MASK_CODES, mask_values_from_codes
 from sink.contract.codec import decode_packed_record, decode_record, encode_record
-from sink.contract.packed import PackedSnapshot
+from sink.contract.packed import SCALAR_NAMES, PackedSnapshot
 from sink.contract.records import StagedCallRecord
 from sink.errors import CodecError
-from tests.helpers.codec import SETTINGS, exact, record_of, repack, small_blob, staged_records
+from tests.helpers.codec import HEX, SETTINGS, exact, record_of, repack, small_blob, staged_records
 
 
 def _decoded(decode: Any, blob: bytes) -> tuple[str, Any]:
@@ -234,3 +234,49 @@ def test_mask_values_from_codes_reads_each_code(codes: bytes) -> None:
     assert [(v, math.copysign(1.0, v)) for v in values] == [
         (value_of_code[c], math.copysign(1.0, value_of_code[c])) for c in codes
     ]
+
+
+# --- a scalar the record refuses is refused on the packed path too, even under a matching digest -------------
+
+scalar_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    HEX,
+    HEX.map(str.upper),
+    st.lists(st.integers(0, 3), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(0, 3), max_size=2),
+    st.sampled_from([0, 1, 2, 2.0, "2", "", "text", "token_in", "TEXT", 2**64 - 1, 2**63, "0" * 64 + "\n"]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(SCALAR_NAMES), scalar_values, st.booleans())
+def test_an_edited_scalar_gets_the_same_verdict_from_both_decoders(name: str, value: Any, parentless: bool) -> None:
+    from sink.contract._packed.floats import mask_f32be
+    from sink.contract.digest import staging_digest_from_packed
+
+    overrides: dict[str, Any] = (
+        {"parent_call_id": None, "prev_len": 0, "cum_len": 3, "mode": "text"} if parentless else {}
+    )
+    record = record_of([7, 8, 9], [0.0, 1.0, 1.0], [0.0, -0.5, -0.25], **overrides)
+    blob = encode_record(record)
+    packed = decode_packed_record(blob)
+    fields = {field: getattr(packed, field) for field in SCALAR_NAMES}
+    fields[name] = value
+    try:  # sign the edit, so that only the value itself can make the record invalid
+        fields["digest"] = staging_digest_from_packed(
+            fields, (packed.ids_u64be,), (mask_f32be(packed.columns.mask_codes),), (packed.columns.lp_f32be,)
+        )
+    except (ValueError, TypeError):
+        pass
+    if name == "digest":
+        fields["digest"] = value
+
+    def edit(obj: dict[str, Any]) -> None:
+        obj.update(fields)
+
+    assert_same_outcome(repack(blob, edit))

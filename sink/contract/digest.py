@@ -257,12 +257,14 @@ def staging_digest_from_packed(
 ) -> str:
     """Call digest from columns already packed in their digest form, each given in pieces.
 
-    *fields* maps every scalar digest input by name (a record's ``__dict__``
-    or a validated scalar dict). For record validators that have proved
-    rules 1-8 and the column pre-checks of contract §4.3 (exact types,
-    ranges, equal lengths, binary32 range) themselves; the scalar pre-checks
-    run here. The caller must fall back to :func:`compute_staging_digest` on
-    any exception, which raises the precise contract error.
+    *fields* maps every scalar digest input by name (a record's ``__dict__``,
+    or a stored blob's scalars as decoded: they need not be validated, since
+    the scalar pre-checks here and the encoders raise on every value the
+    record's scalar fields refuse). For callers that have proved rules 6-8
+    and the column pre-checks of contract §4.3 (exact types, ranges, equal
+    lengths, binary32 range) themselves. The caller must fall back to
+    :func:`compute_staging_digest` on any exception, which raises the precise
+    contract error.
 
     :raises ValueError: a scalar pre-check fails or a column has the wrong size.
     :raises TypeError: an id field is not a ``str``.

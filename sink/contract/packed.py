@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Final, NamedTuple
 
-from pydantic import ValidationError
-
 from sink.contract._packed import (
     ID_TYPECODES,
     PackedColumns,
@@ -38,7 +36,7 @@ from sink.contract.digest import compute_extras_digest, staging_digest_from_pack
 from sink.contract.record_base import staging_key
 from sink.contract.record_form import packed_columns, unchanged_since_validation
 from sink.contract.record_schema import SCALAR_FIELDS
-from sink.contract.staged_records import StagedCallScalars, StagedCallSnapshot
+from sink.contract.staged_records import StagedCallSnapshot
 from sink.errors import CodecError
 
 # The packed-column API the worker and the Gym transport build on (sink.contract._packed stays private).
@@ -175,15 +173,18 @@ def verified_packed_snapshot(
     if columns is None:
         return None
     extras = fields["extras"]
+    if extras is not None and type(extras) is not dict:
+        return None
+    # The scalars as stored, checked where they are hashed: the digest's pre-checks and encoders accept exactly
+    # the values the record's scalar fields do (the supported versions, non-empty exact strs, exact ints in the
+    # u64 range, canonical lowercase hex digests, the lineage rule) and raise on anything else, and the digest
+    # recomputed over them must equal the stored one, which is then a canonical digest too.
+    scalars = {name: fields[name] for name in SCALAR_NAMES}
     try:
-        validated = StagedCallScalars.model_validate({name: fields[name] for name in SCALAR_NAMES})
-        if extras is not None and type(extras) is not dict:
-            return None
-        scalars = dict(validated.__dict__)  # the validated field values (dict(model) is ~30x slower)
         ids_be = ids_u64be(ids_le, ids_width, columns.length)
         digest = staging_digest_from_packed(scalars, (ids_be,), columns.mask_f32be or (), (columns.lp_f32be,))
         if digest != scalars["digest"] or compute_extras_digest(extras) != scalars["extras_digest"]:
             return None
-    except (ValidationError, ValueError, TypeError):  # the reference decode reports it precisely
+    except (ValueError, TypeError):  # the reference decode reports it precisely
         return None
     return PackedSnapshot(**scalars, extras=extras, columns=columns, ids_u64be=ids_be)
