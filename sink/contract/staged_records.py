@@ -5,8 +5,9 @@ Every digest-bearing record recomputes its digest on validation; only
 computes it instead (once). The fields' digest roles come from the table in
 :mod:`sink.contract.record_schema`; what validation proved about the packed columns
 is kept and read by :mod:`sink.contract.record_form`. :data:`StagedCallScalars`
-validates a call's scalars exactly as the record does, for the forms that keep their
-columns packed (:mod:`sink.contract.packed`, :mod:`sink.contract.packed_record`).
+validates a call's scalars exactly as the record does, for the packed write form
+(:mod:`sink.contract.packed_record`); the packed read form checks them where the digest reads them
+(:func:`sink.contract.packed.verified_packed_snapshot`).
 """
 
 from __future__ import annotations
