@@ -45,10 +45,10 @@ from sink.contract._packed import (
     unpack_list,
 )
 from sink.contract.packed import PackedSnapshot, verified_packed_snapshot
-from sink.contract.packed_record import PackedCallRecord, StageableRecord
+from sink.contract.packed_record import PackedCallRecord, StageableRecord, require_stageable
 from sink.contract.record_form import packed_columns
 from sink.contract.record_schema import STORED_SCALAR_FIELDS, unsupported_version
-from sink.contract.staged_records import TRUSTED_COLUMNS_KEY, StagedCallRecord, StagedCallSnapshot
+from sink.contract.staged_records import TRUSTED_COLUMNS_KEY, StagedCallSnapshot
 from sink.errors import CodecError
 
 __all__ = (
@@ -98,12 +98,8 @@ def encode_record(record: StageableRecord) -> bytes:
     :raises CodecError: the record cannot be encoded (its columns or extras
         were mutated into values the contract rejects).
     """
-    if isinstance(record, PackedCallRecord):
-        packed: PackedColumns | None = record.packed
-    elif isinstance(record, StagedCallRecord):
-        packed = packed_columns(record)
-    else:
-        raise TypeError(f"encode_record() takes a StagedCallRecord or a PackedCallRecord, got {type(record).__name__}")
+    record = require_stageable(record, "encode_record()")
+    packed = record.packed if isinstance(record, PackedCallRecord) else packed_columns(record)
     if packed is None:
         raise CodecError(
             "cannot encode record: its token columns do not satisfy the staging contract"

@@ -38,7 +38,7 @@ from sink.contract.staged_records import (
     trusted_record_fields,
 )
 
-__all__ = ("PackedCallRecord", "StageableRecord", "verified_record")
+__all__ = ("PackedCallRecord", "StageableRecord", "require_stageable", "verified_record")
 
 # Held by this module's builders only: the constructor refuses any other caller (see PackedCallRecord).
 _BUILT: Final = object()
@@ -152,6 +152,16 @@ assert tuple(field.name for field in fields(PackedCallRecord))[: len(RECORD_FIEL
 
 StageableRecord: TypeAlias = StagedCallRecord | PackedCallRecord
 """Either form of a staged call, as every sink's ``stage()`` and :func:`~sink.contract.codec.encode_record` take it."""
+
+
+def require_stageable(record: object, caller: str) -> StageableRecord:
+    """*record*, if it is either form of a staged call (what *caller* takes).
+
+    :raises TypeError: *record* is neither a ``StagedCallRecord`` nor a ``PackedCallRecord``.
+    """
+    if not isinstance(record, StagedCallRecord | PackedCallRecord):
+        raise TypeError(f"{caller} takes a StagedCallRecord or a PackedCallRecord, got {type(record).__name__}")
+    return record
 
 
 def _proved(columns: TrustedColumns, record_fields: dict[str, Any]) -> PackedCallRecord | None:

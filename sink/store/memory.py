@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from sink.contract.packed_record import PackedCallRecord, StageableRecord
-from sink.contract.records import StagedCallRecord, StagedCallSnapshot, StageResult
+from sink.contract.packed_record import PackedCallRecord, StageableRecord, require_stageable
+from sink.contract.records import StagedCallSnapshot, StageResult
 from sink.store.sink import CONFLICT_ERROR
 
 __all__ = ("MemoryStagingStore",)
@@ -26,10 +26,9 @@ class MemoryStagingStore:
 
     def stage(self, record: StageableRecord) -> StageResult:
         """Store *record* (either form) under its default staging key (idempotent by digest)."""
+        record = require_stageable(record, "stage()")
         if isinstance(record, PackedCallRecord):
             record = record.to_record()
-        elif not isinstance(record, StagedCallRecord):
-            raise TypeError(f"stage() takes a StagedCallRecord or a PackedCallRecord, got {type(record).__name__}")
         key = record.staging_key
         snapshot = StagedCallSnapshot.model_validate(record.model_dump())
         with self._lock:

@@ -31,9 +31,9 @@ from anyio.streams.memory import MemoryObjectSendStream
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.codec import encode_record
-from sink.contract.packed_record import PackedCallRecord, StageableRecord, verified_record
+from sink.contract.packed_record import StageableRecord, require_stageable, verified_record
 from sink.contract.record_schema import calls_entry
-from sink.contract.records import StagedCallRecord, StageResult
+from sink.contract.records import StageResult
 from sink.errors import CodecError
 from sink.keys import (
     calls_stream,
@@ -246,8 +246,7 @@ class AsyncRedisStagingSink(AsyncResource):
         :raises TypeError: *record* is neither a :class:`StagedCallRecord` nor a ``PackedCallRecord``.
         :raises RuntimeError: the sink is not open.
         """
-        if not isinstance(record, StagedCallRecord | PackedCallRecord):
-            raise TypeError(f"stage() takes a StagedCallRecord or a PackedCallRecord, got {type(record).__name__}")
+        require_stageable(record, "stage()")
         started = time.perf_counter()
         return self._counted(*await self._stage(record, "", then), started)
 
@@ -259,10 +258,7 @@ class AsyncRedisStagingSink(AsyncResource):
         :raises TypeError: *record* is neither a :class:`StagedCallRecord` nor a ``PackedCallRecord``.
         :raises ValueError: invalid *checkpoint_id* or *chunk_sequence*.
         """
-        if not isinstance(record, StagedCallRecord | PackedCallRecord):
-            raise TypeError(
-                f"stage_generation_prefix() takes a StagedCallRecord or a PackedCallRecord, got {type(record).__name__}"
-            )
+        require_stageable(record, "stage_generation_prefix()")
         started = time.perf_counter()
         return self._counted(
             *await self._stage(record, generation_prefix_suffix(checkpoint_id, chunk_sequence)), started

@@ -292,6 +292,7 @@ def _as_chat_route(
     traits: EngineTraits,
     *,
     empty: bool,
+    asked_logprobs: bool,
 ) -> dict[str, Any]:
     """The chat completion vLLM's chat route answers for *request* with the ids *generated* on *prompt*.
 
@@ -315,7 +316,7 @@ def _as_chat_route(
     if isinstance(choice_tool, dict) or choice_tool == "required":
         message["content"] = message.get("content") or ""
     [out] = completion["choices"]
-    if client_asked(request).logprobs:
+    if asked_logprobs:  # derender resolved the entries' token strings
         shown = list(((out.get("logprobs") or {}).get("content")) or [])
         shown += [{"token": f"token_id:{token}", "bytes": None, "top_logprobs": []} for token in ids[len(shown) :]]
         content = _logprob_entries(shown, entries, request)
@@ -405,9 +406,8 @@ async def exact_chat(
     hidden = _hidden_last_token(choice, ids, eot_ids, request)
     empty = hidden and len(ids) == 1
     shown = {**choice, "token_ids": ids[:-1] if hidden and not empty else ids, "weight_versions": None}
-    if not client_asked(
-        request
-    ).logprobs:  # nothing to resolve: the agent is served no entries, the stage reads generate's
+    asked_logprobs = client_asked(request).logprobs
+    if not asked_logprobs:  # nothing to resolve: the agent is served no entries, the stage reads generate's
         shown["logprobs"] = None
     body = {
         "model": request.get("model"),
@@ -423,5 +423,7 @@ async def exact_chat(
         [_] = derendered["choices"]
     except (KeyError, TypeError, ValueError) as exc:
         raise EnginePayloadError(f"derender answer lacks one choice: {exc!r}") from exc
-    completion = _as_chat_route(request, rendered, prompt, generated, derendered, traits, empty=empty)
+    completion = _as_chat_route(
+        request, rendered, prompt, generated, derendered, traits, empty=empty, asked_logprobs=asked_logprobs
+    )
     return ExactAnswer(200, completion, spliced=spliced, sampling=sampling)

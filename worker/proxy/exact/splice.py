@@ -107,14 +107,15 @@ class ScannedIds:
     def of(cls, token_ids: Sequence[int], eot_ids: Collection[int]) -> ScannedIds:
         """Scan *token_ids* (a list of small ids: one ``marshal`` pass and a byte search; others: the reference checks).
 
+        A list is kept as :attr:`ids`, not copied (a render answer's, parsed for this call): do not change it.
+
         :raises ValueError: an id is not an exact int in ``[0, 2**64)``.
         """
-        packed = ids_from_marshal(token_ids) if type(token_ids) is list else None
-        if packed is None:
-            ids = list(token_ids)
-            return cls(ids, end_of_turn_positions(ids, eot_ids), encode_token_ids(ids)[U64.size :])
-        ids_u32le, ids_u64be = packed
-        return cls(list(token_ids), _positions_in_u32le(ids_u32le, eot_ids), bytes(ids_u64be))
+        if isinstance(token_ids, list) and (packed := ids_from_marshal(token_ids)) is not None:
+            ids_u32le, ids_u64be = packed  # (a list subclass is never proved here: marshal_list takes exact lists)
+            return cls(token_ids, _positions_in_u32le(ids_u32le, eot_ids), bytes(ids_u64be))
+        ids = list(token_ids)
+        return cls(ids, end_of_turn_positions(ids, eot_ids), encode_token_ids(ids)[U64.size :])
 
     def context_digest(self, turns: int) -> str:
         """:func:`context_digest` of these ids through their *turns*-th end-of-turn id (the empty prefix for 0).
