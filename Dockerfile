@@ -8,9 +8,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY sink ./sink
 COPY worker ./worker
-COPY sink_tools ./sink_tools
-COPY sink_cli ./sink_cli
-RUN pip install ".[cli,metrics,proxy,parquet]" \
+COPY tools ./tools
+RUN pip install ".[metrics,proxy,parquet]" ./tools \
     && useradd --system --uid 10001 --no-create-home staging
 USER staging
 CMD ["staging-sink", "--help"]

@@ -37,6 +37,15 @@ from tests.helpers.vllm_server import VLLM_FIXTURES, VLLM_TIMEOUT_S, deselect_wi
 
 pytest_plugins = ["tests.helpers.vllm_fixtures"]
 
+TREE = Path(__file__).resolve().parent.parent
+# Child processes (`python -m sink_cli`, the demo's workers, services) run this tree's code, as this process does
+# (pyproject's pytest `pythonpath`): the library from the root, the tools and the command line from tools/ (their own
+# distribution, which a dev venv of the library alone does not install).
+_paths = [str(TREE), str(TREE / "tools")]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [*_paths, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in _paths)]
+)
+
 collect_ignore = ["test_torch_data.py"] if extra_missing("torch") else []
 
 
@@ -68,6 +77,7 @@ def pytest_report_header() -> str | None:
     if extra_missing("torch"):
         return "torch is not installed: tests/test_torch_data.py is not collected (pip install -e '.[dev,torch]')"
     return None
+
 
 # Hypothesis fails an example that ran longer than its deadline (200 ms by default): on a busy machine that
 # measures the load, not the code. No default deadline (pytest-timeout bounds every test); a test may set its own.

@@ -352,7 +352,7 @@ def test_the_command_line_has_the_worker_commands_and_every_benchmark_of_the_too
     parser = build_parser({})
     for argv in (["demo"], ["proxy", "--upstream", "http://x"], ["engine"]):
         assert callable(parser.parse_args(argv).handler), argv
-    with_main = {p.stem for p in (ROOT / "sink_tools" / "bench").glob("*.py") if "\ndef main(" in p.read_text()}
+    with_main = {p.stem for p in (ROOT / "tools" / "sink_tools" / "bench").glob("*.py") if "\ndef main(" in p.read_text()}
     assert set(BENCHMARKS) == with_main
 
 

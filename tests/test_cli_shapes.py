@@ -1,4 +1,4 @@
-"""Errors and output shapes of the operator commands: one line naming a missing extra (``parquet``, ``cli``), JSON with real types, a
+"""Errors and output shapes of the operator commands: one line naming a missing extra (``parquet``), JSON with real types, a
 distinct exit code for a port that cannot be bound, the read-only ``ops`` role running ``prune --dry-run``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sink_cli.common import EXIT_CANNOT_LISTEN, EXIT_FAILURE, EXIT_UNREACHABLE
+from sink_cli.common import EXIT_CANNOT_LISTEN, EXIT_UNREACHABLE
 from sink_cli.main import main
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.e2e import stage_rollouts
@@ -22,8 +22,6 @@ from tests.helpers.trainer import publish
 ROOT = Path(__file__).resolve().parents[1]
 # Runs the CLI with pyarrow unimportable (as in an install without the parquet extra).
 NO_PYARROW = "import sys; sys.modules['pyarrow'] = None; from sink_cli.main import main; sys.exit(main(sys.argv[1:]))"
-# Runs the CLI as the `staging-sink` script does (sink_cli.main:main) with rich unimportable (no cli extra).
-NO_RICH = "import sys; sys.modules['rich'] = None; from sink_cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -31,19 +29,6 @@ def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
     )
-
-
-@pytest.mark.parametrize("argv", [["--help"], ["stats"], ["proxy", "--upstream", "http://127.0.0.1:1"]], ids=" ".join)
-def test_without_rich_the_command_line_prints_one_line_naming_the_cli_extra(argv: list[str]) -> None:
-    """An install without the ``cli`` extra: every command (``--help`` too) ends with one line saying what to
-    install and exit 1 (a missing extra, as ``export --format parquet`` without pyarrow), never a traceback."""
-    result = _run(NO_RICH, *argv)
-    assert result.returncode == EXIT_FAILURE, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert lines[0].startswith("staging-sink: error: ") and "rich" in lines[0], lines[0]
-    assert "pip install 'staging-sink[cli]'" in lines[0] and "pip install -e '.[cli]'" in lines[0], lines[0]
-    assert result.stdout == ""
 
 
 def test_parquet_export_without_pyarrow_prints_one_line_naming_the_extra(redis_url: str, tmp_path: Path) -> None:
@@ -131,7 +116,9 @@ def acl_server(server_binary: Path, tmp_path_factory: pytest.TempPathFactory) ->
         yield server
 
 
-def test_the_read_only_ops_role_can_run_prune_dry_run(acl_server: AclServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_read_only_ops_role_can_run_prune_dry_run(
+    acl_server: AclServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     admin_url = acl_server.role_url("admin")
     anyio.run(lambda: publish(admin_url, ["ops-0"], calls=2))
     anyio.run(lambda: stage_rollouts(admin_url, ["ops-live"], calls=1))

@@ -131,9 +131,9 @@ def test_the_dockerignore_keeps_secrets_and_clutter_out_of_the_image() -> None:
     assert {".git", ".env", "deploy/users.acl", ".venv", "**/__pycache__", "tests"} <= ignored
     copied = re.findall(r"^COPY (.+) \S+$", DOCKERFILE.read_text(), flags=re.MULTILINE)
     sources = {word for line in copied for word in line.split()}
-    # Every package of the wheel: without sink_cli the image's `staging-sink` script cannot import its entry point.
+    # Every package of the library's wheel, and tools/ (the distribution with the `staging-sink` script).
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
-    assert sources == {"pyproject.toml", "README.md", *packages["packages"]} and not sources & ignored
+    assert sources == {"pyproject.toml", "README.md", "tools", *packages["packages"]} and not sources & ignored
 
 
 def test_valkey_runs_the_durable_config_with_a_healthcheck() -> None:
@@ -194,7 +194,7 @@ def test_the_cli_reads_the_urls_compose_sets() -> None:
 def test_the_dockerfile_installs_the_metrics_extra() -> None:
     text = DOCKERFILE.read_text()
     assert text.startswith("#") and "FROM python:3.11." in text
-    assert 'pip install ".[cli,metrics,proxy,parquet]"' in text and "USER " in text
+    assert 'pip install ".[metrics,proxy,parquet]" ./tools' in text and "USER " in text
 
 
 def test_the_acl_example_is_rendered_from_the_role_table() -> None:

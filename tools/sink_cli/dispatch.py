@@ -348,8 +348,8 @@ def _version() -> str:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    """Run ``staging-sink`` with *argv* (default ``sys.argv[1:]``) and return the exit code (through
-    :func:`sink_cli.main.main`, which checks the ``cli`` extra first).
+    """Run ``staging-sink`` with *argv* (default ``sys.argv[1:]``) and return the exit code (the entry point,
+    :func:`sink_cli.main.main`).
 
     Operational failures print one ``staging-sink: error: ...`` line on stderr, never a traceback.
     """

@@ -1,7 +1,6 @@
 """The ``staging-sink`` command line, one module per kind of command.
 
-The rule: :mod:`~sink_cli.main` is the entry point (it checks the ``cli`` extra, rich, before anything imports
-it); :mod:`~sink_cli.dispatch` only parses arguments and dispatches (:mod:`~sink_cli.failures` turns expected
+The rule: :mod:`~sink_cli.main` is the entry point; :mod:`~sink_cli.dispatch` only parses arguments and dispatches (:mod:`~sink_cli.failures` turns expected
 failures into exit codes); each command lives in the module for its kind:
 
 * :mod:`~sink_cli.rollouts`: commands that read single rollouts (``inspect``, ``verify``, ``tail``);
@@ -19,7 +18,8 @@ failures into exit codes); each command lives in the module for its kind:
 * :mod:`~sink_cli.demo` and :mod:`~sink_cli.demo_run`: ``demo``; :mod:`~sink_cli.proxy`: ``proxy`` and ``engine``.
 
 It sits on top: it imports the library (``sink``, ``worker``) and the tools (``sink_tools``) directly; neither
-imports it.
+imports it. It ships with the tools, in their own distribution (``tools/pyproject.toml``: ``staging-sink-tools``, which
+depends on the library and on rich); the library's wheel holds neither.
 """
 
 from __future__ import annotations
