@@ -12,14 +12,10 @@ moves named entries of other ranks to this reader (GRPO groups, :mod:`sink.train
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-from sink.keys import receipts_stream
 from sink.service import ReclaimSchedule
 from sink.settings import ReaderSettings
 from sink.store.batch import BatchCall, raise_first_error, run_batch
-from sink.store.connection import Topology, reply_text
+from sink.store.connection import Topology
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.scripts import GIVE_BACK_SCRIPT
 from sink.store.streams import StreamEntry
@@ -30,10 +26,10 @@ __all__ = ("TRAINER_GROUP", "ReceiptBacklog")
 TRAINER_GROUP = "trainers"
 
 
-def _text_fields(fields: Any) -> dict[str, str]:
-    return {
-        reply_text(key, "receipts entry"): reply_text(value, "receipts entry") for key, value in dict(fields).items()
-    }
+def rollouts_of(entry: StreamEntry) -> int:
+    """How many rollouts *entry* delivers: a group entry's members, else one."""
+    members = entry.fields.get("group_members")
+    return members.count(",") + 1 if members else 1
 
 
 class ReceiptBacklog:
@@ -62,14 +58,18 @@ class ReceiptBacklog:
         in hand for the next take, or goes back with :meth:`give_back_unpulled`.
         """
         await self._refill(wanted)
-        if len(self._entries) < wanted:
+        if self._in_hand() < wanted:
             await self._read_new(wanted)
         if not self._entries and block_ms:
             await self._reclaim(wanted, full_pass=False)  # given back by another reader: at once, not after a lease
             if not self._entries:
                 shards = list(range(self._settings.receipt_shards))
                 self._keep(await self._consumer.read_new(shards, count=wanted, block_ms=block_ms))
-        entries, self._entries = self._entries[:wanted], self._entries[wanted:]
+        count = taken = 0
+        while count < len(self._entries) and taken < wanted:  # whole entries: a group entry may pass wanted
+            taken += rollouts_of(self._entries[count])
+            count += 1
+        entries, self._entries = self._entries[:count], self._entries[count:]
         return entries
 
     async def give_back_unpulled(self) -> int:
@@ -106,7 +106,9 @@ class ReceiptBacklog:
 
     def put_back(self, entries: list[StreamEntry], settled: set[tuple[str, str]]) -> None:
         """Keep *entries* not consumed (not in *settled*, not held) for the next :meth:`take`: still pending for us."""
-        self._entries[:0] = [e for e in entries if (e.stream, e.entry_id) not in settled and not self._held.holds(e)]
+        self._entries[:0] = [
+            e for e in entries if (e.stream, e.entry_id) not in settled and not self._held.holds_entry(e)
+        ]
 
     async def _refill(self, wanted: int) -> None:
         consumer = self._consumer
@@ -125,17 +127,21 @@ class ReceiptBacklog:
         first, self._first_shard = self._first_shard, (self._first_shard + 1) % shards  # no shard always read last
         for step in range(shards):
             shard = (first + step) % shards
-            self._keep(await self._consumer.read_new([shard], count=wanted - len(self._entries), block_ms=None))
-            if len(self._entries) >= wanted:
+            self._keep(await self._consumer.read_new([shard], count=wanted - self._in_hand(), block_ms=None))
+            if self._in_hand() >= wanted:
                 break
 
     async def _reclaim(self, wanted: int, *, full_pass: bool) -> None:
         """Reclaim entries idle past ``claim_idle_ms`` until *wanted* are in hand."""
         for shard in range(self._settings.receipt_shards):
-            missing = wanted - len(self._entries)
+            missing = wanted - self._in_hand()
             if missing <= 0:
                 break
             self._keep(await self._consumer.reclaim(shard, count=missing, full_pass=full_pass))
+
+    def _in_hand(self) -> int:
+        """Rollouts the entries in hand deliver."""
+        return sum(rollouts_of(entry) for entry in self._entries)
 
     def _keep(self, found: list[StreamEntry]) -> None:
         """Queue the entries of *found* neither queued nor held already."""
@@ -144,34 +150,3 @@ class ReceiptBacklog:
             if (entry.stream, entry.entry_id) not in known:
                 known.add((entry.stream, entry.entry_id))
                 self._entries.append(entry)
-
-    async def take_over(self, tokens: Sequence[str]) -> list[StreamEntry]:
-        """Move the receipt entries named by *tokens* (``<stream>#<entry id>``, pending under other ranks of the
-        ``trainers`` group) to this reader (``XCLAIM``); an entry that is gone (acknowledged meanwhile) or already
-        held is left out.
-
-        :raises ValueError: a token does not name one of this reader's receipts streams.
-        :raises StagingConnectionError: the server could not be reached.
-        """
-        ns = self._settings.namespace
-        shard_of_stream = {receipts_stream(ns, s): s for s in range(self._settings.receipt_shards)}
-        wanted: list[tuple[str, int, str]] = []
-        for token in tokens:
-            stream, _, entry_id = token.rpartition("#")
-            if stream not in shard_of_stream or not entry_id:
-                raise ValueError(f"not a receipt entry token of this reader: {token!r}")
-            wanted.append((stream, shard_of_stream[stream], entry_id))
-        entries: list[StreamEntry] = []
-        async with self._topology.translated("take over receipt entries"):
-            for stream, shard, entry_id in wanted:
-                client = self._topology.node_for_key(stream)
-                consumer = self._consumer.consumer
-                reply: list[Any] = await client.xclaim(stream, TRAINER_GROUP, consumer, 0, [entry_id])
-                for claimed_id, fields in reply or []:
-                    if fields:
-                        entries.append(
-                            StreamEntry(
-                                stream, shard, reply_text(claimed_id, "receipts entry"), _text_fields(fields), 1
-                            )
-                        )
-        return [e for e in entries if not self._held.holds(e)]

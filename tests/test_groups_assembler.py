@@ -1,0 +1,194 @@
+"""GRPO groups gathered at the rollout end (sink.rollout.assembler) on real servers: an assembler that crashes
+before acknowledging a member's event, several assemblers and several ranks, the timeout sweep, late members, and a
+cluster.
+
+The contract (docs/training.md#grpo-groups): the call that completes a group freezes its member set; the
+assembler publishes one entry for the group, marks the record published and only then acknowledges the event. A
+crash before the mark publishes the frozen set again and the ranks' claims drop the second entry; a crash after it
+publishes nothing again. Each group is delivered whole, exactly once, however many assemblers gather it and ranks
+read it.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from sink.errors import StagingError
+from sink.keys import group_keys, receipts_stream
+from sink.rollout.assembler import Assembler, finished
+from sink.store.streams import StreamEntry
+from sink.trainer.groups import GroupReader, RolloutGroup
+from sink.trainer.reader.rollout_reader import RolloutReader
+from sink_tools.cluster import LocalCluster
+from tests.helpers.e2e import EventCounter, running_assembler, stage_rollouts
+from tests.helpers.processes import until
+from tests.helpers.replies import raw_entries
+from tests.helpers.topology import fresh_namespace
+from tests.helpers.trainer import wait_published
+
+pytestmark = pytest.mark.anyio
+
+NS = "stg"
+ONE_SHARD: dict[str, Any] = {"receipt_shards": 1}
+
+
+async def _finish(url: str, members: dict[str, tuple[str, int]], *, namespace: str = NS, **client: Any) -> None:
+    async with aioredis.Redis.from_url(url, **client) as redis_client:
+        for rollout_id, (group_id, size) in members.items():
+            await finished(
+                redis_client, rollout_id, reward=1.0, group_id=group_id, group_size=size, namespace=namespace
+            )
+
+
+async def _group_entries(url: str, group_id: str) -> int:
+    async with aioredis.Redis.from_url(url) as client:
+        entries = raw_entries(await client.xrange(receipts_stream(NS, 0)))
+        return sum(1 for _id, fields in entries if fields.get(b"group_id") == group_id.encode())
+
+
+async def _pull_all(groups: GroupReader, rollouts: int) -> list[RolloutGroup]:
+    delivered: list[RolloutGroup] = []
+    with anyio.fail_after(20):
+        while groups.reader.statistics().pulled < rollouts:
+            delivered += await groups.pull_groups(8, block_ms=50)
+    return delivered
+
+
+@pytest.mark.parametrize("crash", ["before-the-mark", "after-the-mark"])
+async def test_an_assembler_crashing_before_the_acknowledgement_never_makes_two_groups(
+    redis_url: str, crash: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    members = {f"x-{i}": ("crashy", 3) for i in range(3)}
+    await stage_rollouts(redis_url, list(members), calls=1)
+    await _finish(redis_url, members)
+    meta = group_keys(NS, "crashy")[0]
+    crashed = anyio.Event()
+    acked = EventCounter(len(members))
+    lock = anyio.Lock()  # the events of one batch are handled concurrently: one crash only
+
+    async def crash_once(entry: StreamEntry) -> None:
+        async with lock, aioredis.Redis.from_url(redis_url) as client:
+            if not crashed.is_set() and await client.hexists(meta, "published"):
+                crashed.set()
+                if crash == "before-the-mark":
+                    await client.hdel(meta, "published")  # the crash came between the entry and the mark
+                raise StagingError("the assembler crashed before acknowledging the event")
+        await acked(entry)
+
+    async with running_assembler(redis_url, before_ack=crash_once, block_ms=50, claim_idle_ms=200, **ONE_SHARD):
+        with anyio.fail_after(20):
+            await acked.reached.wait()  # the crashed event too: reclaimed after claim_idle_ms, done again
+    assert crashed.is_set()
+    assert await _group_entries(redis_url, "crashy") == (2 if crash == "before-the-mark" else 1)
+    caplog.set_level(logging.INFO)
+    async with RolloutReader.from_url(redis_url, **ONE_SHARD) as reader:
+        groups = GroupReader(reader)
+        (group,) = await _pull_all(groups, 3)
+        assert group.rollout_ids == ("x-0", "x-1", "x-2") and group.complete
+        with anyio.fail_after(10):
+            while await reader.pending() > 1:  # the second entry (if any): every member a duplicate, acknowledged
+                assert await groups.pull_groups(8, block_ms=50) == []
+        duplicates = 3 if crash == "before-the-mark" else 0
+        assert reader.statistics().duplicates_dropped == duplicates
+        await groups.ack_groups([group])
+        assert await reader.pending() == 0 and reader.statistics().double_deliveries == 0
+
+
+async def test_several_assemblers_and_ranks_deliver_each_group_whole_exactly_once(redis_url: str) -> None:
+    groups_of = {f"many-{g}": [f"n{g}-{m}" for m in range(4)] for g in range(8)}
+    members = {rollout_id: (group_id, 4) for group_id, ids in groups_of.items() for rollout_id in ids}
+    await stage_rollouts(redis_url, list(members), calls=1)
+    await _finish(redis_url, members)
+    acked = EventCounter(len(members))
+    async with AsyncExitStack() as stack:
+        assemblers: list[Assembler] = [
+            await stack.enter_async_context(
+                running_assembler(redis_url, before_ack=acked, block_ms=50, batch_events=3, consumer_name=f"asm-{i}")
+            )
+            for i in range(3)
+        ]
+        with anyio.fail_after(20):
+            await acked.reached.wait()
+        complete = sum(a.statistics().groups_complete for a in assemblers)
+        assert complete == len(groups_of) and sum(a.statistics().events for a in assemblers) == len(members)
+    async with AsyncExitStack() as stack:
+        readers = [
+            await stack.enter_async_context(RolloutReader.from_url(redis_url, consumer_name=f"rank-{i}"))
+            for i in range(3)
+        ]
+        ranks = [GroupReader(reader) for reader in readers]
+        delivered: list[RolloutGroup] = []
+        with anyio.fail_after(20):
+            while len(delivered) < len(groups_of):
+                for rank in ranks:
+                    got = await rank.pull_groups(4, block_ms=20)
+                    await rank.ack_groups(got)
+                    delivered += got
+        assert sorted((g.group_id, g.rollout_ids) for g in delivered) == [
+            (group_id, tuple(sorted(ids))) for group_id, ids in sorted(groups_of.items())
+        ]
+        assert all(g.complete for g in delivered)
+        for reader in readers:
+            stats = reader.statistics()
+            assert (stats.duplicates_dropped, stats.double_deliveries, stats.held) == (0, 0, 0)
+        assert await readers[0].pending() == 0
+
+
+async def test_the_sweep_seals_a_group_and_the_assemblers_count_what_waits(redis_url: str) -> None:
+    await stage_rollouts(redis_url, ["w-0", "late-0"], calls=1)
+    await _finish(redis_url, {"w-0": ("waits", 2)})
+    acked = EventCounter(1)
+    async with running_assembler(redis_url, before_ack=acked, block_ms=50, group_timeout_s=600.0) as assembler:
+        with anyio.fail_after(20):
+            await acked.reached.wait()
+        await until(lambda: assembler.statistics().groups_waiting == 1, "not counted waiting")  # next sweep
+    assert await _group_entries(redis_url, "waits") == 0
+    async with running_assembler(redis_url, block_ms=50, group_timeout_s=0.2) as assembler:
+        await wait_published(redis_url, ["waits"])
+        await until(lambda: assembler.statistics().groups_waiting == 0, "still counted waiting")
+        assert assembler.statistics().groups_sealed == 1
+    # A member after the group was sealed is published alone, marked late.
+    late = EventCounter(1)
+    await _finish(redis_url, {"late-0": ("waits", 2)})
+    async with running_assembler(redis_url, before_ack=late, block_ms=50) as assembler:
+        with anyio.fail_after(20):
+            await late.reached.wait()
+        assert assembler.statistics().late_members == 1
+
+
+async def test_groups_are_gathered_and_delivered_across_cluster_slots(cluster: LocalCluster) -> None:
+    namespace = "grp-cluster"
+    groups_of = {f"cg-{g}": [f"cg{g}-{m}" for m in range(3)] for g in range(4)}
+    members = {rollout_id: (group_id, 3) for group_id, ids in groups_of.items() for rollout_id in ids}
+    members["cg-short-0"] = ("cg-short", 2)  # sealed at the timeout
+    fields: dict[str, Any] = {"cluster": True, "namespace": namespace}
+    async with fresh_namespace(cluster, namespace):
+        await stage_rollouts(cluster.url, list(members), calls=1, **fields)
+        client = RedisCluster.from_url(cluster.url)
+        try:
+            for rollout_id, (group_id, size) in members.items():
+                await finished(client, rollout_id, reward=1.0, group_id=group_id, group_size=size, namespace=namespace)
+            acked = EventCounter(len(members))
+            async with running_assembler(cluster.url, before_ack=acked, block_ms=50, group_timeout_s=0.3, **fields):
+                with anyio.fail_after(20):
+                    await acked.reached.wait()
+                meta = group_keys(namespace, "cg-short")[0]
+                await until(lambda: client.hexists(meta, "published"), "cg-short never sealed", timeout_s=20)
+        finally:
+            await client.aclose()
+        async with RolloutReader.from_url(cluster.url, **fields) as reader:
+            groups = GroupReader(reader)
+            delivered = await _pull_all(groups, len(members))
+            assert sorted((g.group_id, g.rollout_ids, g.complete) for g in delivered) == [
+                *((group_id, tuple(ids), True) for group_id, ids in sorted(groups_of.items())),
+                ("cg-short", ("cg-short-0",), False),
+            ]
+            await groups.ack_groups(delivered)
+            assert await reader.pending() == 0
