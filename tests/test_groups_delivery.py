@@ -21,7 +21,7 @@ from sink.contract.skip_codes import SkipCode
 from sink.keys import group_keys
 from sink.trainer.groups import GroupReader
 from sink.trainer.reader.rollout_reader import RolloutReader
-from tests.helpers.group_members import lose_root_records, pull_until_settled
+from tests.helpers.group_members import lose_root_records, publish_members, pull_until_settled
 from tests.helpers.trainer import publish, publish_groups
 
 pytestmark = pytest.mark.anyio
@@ -107,7 +107,8 @@ TOMBSTONES: dict[str, tuple[dict[str, Any], float | None, int]] = {
 @pytest.mark.parametrize("bound", list(TOMBSTONES))
 async def test_a_closed_groups_tombstone_lasts_its_longest_bound(redis_url: str, bound: str) -> None:
     settings, group_timeout_s, ttl_ms = TOMBSTONES[bound]
-    await publish_groups(redis_url, {"kept": ["k-0"]}, group_timeout_s=group_timeout_s, **ONE_SHARD)
+    # The assembler that records the group stamps its tombstone bound (4 x its group_timeout_s).
+    await publish_members(redis_url, {"k-0": ("kept", 1)}, recorded_with_timeout_s=group_timeout_s)
     async with RolloutReader.from_url(redis_url, **settings, **ONE_SHARD) as reader:
         groups = GroupReader(reader)
         delivered = await pull_until_settled(groups, 1)

@@ -26,12 +26,14 @@ async def publish_members(
     failures: Mapping[str, str] | None = None,
     calls: int = 2,
     group_timeout_s: float | None = None,
+    recorded_with_timeout_s: float | None = None,
 ) -> None:
     """Stage *members* (rollout id -> ``(group_id, group_size)`` or ``None`` for no group), record *failures*
     (rollout id -> reason) on their ledgers, finish each with its reward (default 1.0) and publish the receipts on
     one receipts stream (``receipt_shards=1``). The assembler may publish them in any order: to order receipts on
     the stream, publish them in separate calls. With *group_timeout_s* (the assembler's), also wait until every
-    group is published (sealed when incomplete)."""
+    group is published (sealed when incomplete, after every member was recorded); *recorded_with_timeout_s*: the
+    ``group_timeout_s`` of the assembler that records them (default 600)."""
     staged = await stage_rollouts(url, list(members), calls=calls)
     if failures:
         async with RedisCaptureLedger.from_url(url) as ledger:
@@ -47,7 +49,8 @@ async def publish_members(
                 group_id=group[0] if group else None,
                 group_size=group[1] if group else None,
             )
-    async with running_assembler(url, before_ack=published, block_ms=50, receipt_shards=1):
+    recording = {} if recorded_with_timeout_s is None else {"group_timeout_s": recorded_with_timeout_s}
+    async with running_assembler(url, before_ack=published, block_ms=50, receipt_shards=1, **recording):
         with anyio.fail_after(30):
             await published.reached.wait()
     if group_timeout_s is not None:

@@ -21,7 +21,7 @@ from sink.store.scripts import GIVE_BACK_SCRIPT
 from sink.store.streams import StreamEntry
 from sink.trainer.reader.held import HeldRollouts
 
-__all__ = ("TRAINER_GROUP", "ReceiptBacklog")
+__all__ = ("TRAINER_GROUP", "ReceiptBacklog", "rollouts_of")
 
 TRAINER_GROUP = "trainers"
 
