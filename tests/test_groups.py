@@ -230,3 +230,23 @@ def test_the_sync_reader_delivers_groups(redis_url: str) -> None:
         assert group.rollout_ids == ("sg-0", "sg-1") and group.complete
         reader.ack_groups([group])
         assert reader.pending() == 0
+
+
+@pytest.mark.anyio
+async def test_a_pull_reads_no_more_group_entries_than_it_returns(redis_url: str) -> None:
+    """Found by ``staging-sink bench groups``: a pull of n rollouts read up to n group entries (n whole groups),
+    returned the first ones and kept the rest in hand, where no other rank could take them."""
+    await publish_groups(redis_url, {f"few-{g}": [f"f{g}-0", f"f{g}-1"] for g in range(3)}, receipt_shards=1)
+    options: dict[str, Any] = {"receipt_shards": 1}
+    async with (
+        RolloutReader.from_url(redis_url, consumer_name="rank-0", **options) as rank0,
+        RolloutReader.from_url(redis_url, consumer_name="rank-1", **options) as rank1,
+    ):
+        first, second = GroupReader(rank0), GroupReader(rank1)
+        (mine,) = await first.pull_groups(2)
+        theirs = await second.pull_groups(2)
+        theirs += await second.pull_groups(2)  # both other groups: none waits in the first rank's hand
+        assert sorted(g.group_id or "" for g in [mine, *theirs]) == ["few-0", "few-1", "few-2"]
+        await first.ack_groups([mine])
+        await second.ack_groups(theirs)
+        assert await rank0.pending() == 0

@@ -12,6 +12,8 @@ moves named entries of other ranks to this reader (GRPO groups, :mod:`sink.train
 
 from __future__ import annotations
 
+import math
+
 from sink.service import ReclaimSchedule
 from sink.settings import ReaderSettings
 from sink.store.batch import BatchCall, raise_first_error, run_batch
@@ -50,6 +52,7 @@ class ReceiptBacklog:
         self._recovered = False
         self._reclaims = ReclaimSchedule(settings)
         self._first_shard = 0  # where the next read of new receipts starts (one further each time)
+        self._per_entry: float | None = None  # rollouts per entry, as the last entries read held (None: none read)
 
     async def take(self, wanted: int, *, block_ms: int) -> list[StreamEntry]:
         """Up to *wanted* entries, waiting up to *block_ms* for new receipts when there is nothing else.
@@ -64,7 +67,8 @@ class ReceiptBacklog:
             await self._reclaim(wanted, full_pass=False)  # given back by another reader: at once, not after a lease
             if not self._entries:
                 shards = list(range(self._settings.receipt_shards))
-                self._keep(await self._consumer.read_new(shards, count=wanted, block_ms=block_ms))
+                count = self._entries_for(wanted)
+                self._keep(await self._consumer.read_new(shards, count=count, block_ms=block_ms))
         count = taken = 0
         while count < len(self._entries) and taken < wanted:  # whole entries: a group entry may pass wanted
             taken += rollouts_of(self._entries[count])
@@ -127,7 +131,12 @@ class ReceiptBacklog:
         first, self._first_shard = self._first_shard, (self._first_shard + 1) % shards  # no shard always read last
         for step in range(shards):
             shard = (first + step) % shards
-            self._keep(await self._consumer.read_new([shard], count=wanted - self._in_hand(), block_ms=None))
+            while self._in_hand() < wanted:
+                count = self._entries_for(wanted - self._in_hand(), probe=True)
+                found = await self._consumer.read_new([shard], count=count, block_ms=None)
+                self._keep(found)
+                if len(found) < count:
+                    break  # the shard has no more
             if self._in_hand() >= wanted:
                 break
 
@@ -137,14 +146,24 @@ class ReceiptBacklog:
             missing = wanted - self._in_hand()
             if missing <= 0:
                 break
-            self._keep(await self._consumer.reclaim(shard, count=missing, full_pass=full_pass))
+            self._keep(await self._consumer.reclaim(shard, count=self._entries_for(missing), full_pass=full_pass))
 
     def _in_hand(self) -> int:
         """Rollouts the entries in hand deliver."""
         return sum(rollouts_of(entry) for entry in self._entries)
 
+    def _entries_for(self, missing: int, *, probe: bool = False) -> int:
+        """How many entries to read for *missing* rollouts, so a read takes no more than a take returns: as many
+        as the last entries read suggest (a group entry holds its members). While none was read: one to *probe*
+        (a read of new receipts goes on once it knows), else one entry per rollout."""
+        if self._per_entry is None:
+            return 1 if probe else missing
+        return max(1, math.ceil(missing / self._per_entry))
+
     def _keep(self, found: list[StreamEntry]) -> None:
         """Queue the entries of *found* neither queued nor held already."""
+        if found:
+            self._per_entry = sum(rollouts_of(entry) for entry in found) / len(found)
         known = {(e.stream, e.entry_id) for e in self._entries} | self._held.entry_ids()
         for entry in found:
             if (entry.stream, entry.entry_id) not in known:
