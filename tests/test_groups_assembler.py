@@ -148,7 +148,7 @@ async def test_the_sweep_seals_a_group_and_the_assemblers_count_what_waits(redis
     async with running_assembler(redis_url, before_ack=acked, block_ms=50, group_timeout_s=600.0) as assembler:
         with anyio.fail_after(20):
             await acked.reached.wait()
-        await until(lambda: assembler.statistics().groups_waiting == 1, "not counted waiting")  # next sweep
+        await until(lambda: assembler.statistics().groups_waiting == 1, "not counted waiting")
     assert await _group_entries(redis_url, "waits") == 0
     async with running_assembler(redis_url, block_ms=50, group_timeout_s=0.2) as assembler:
         await wait_published(redis_url, ["waits"])

@@ -86,7 +86,8 @@ class AssemblerStatistics(NamedTuple):
     groups_sealed: int = 0
     """GRPO groups this assembler sealed at ``group_timeout_s`` and published partial."""
     groups_waiting: int = 0
-    """Open GRPO groups (every assembler's) in the indexes of the done shards, as of this assembler's last sweeps."""
+    """Open GRPO groups (every assembler's) in the indexes of the done shards, as of this assembler's last sweeps,
+    with the groups it indexed or published since."""
     late_members: int = 0
     """Members published alone, late: their group's member set was frozen before they arrived."""
     size_mismatches: int = 0
@@ -460,22 +461,26 @@ class Assembler(AsyncResource):
                 group.group_id,
             )
         elif status == GroupStatus.OPEN:
-            index = open_groups_key(self._ns, self._index_shard(group.group_id))
             first_at = int(reply_text(reply[1], "group first_at"))
-            await self._write_plain(
+            shard = self._index_shard(group.group_id)
+            index = open_groups_key(self._ns, shard)
+            added = await self._write_plain(
                 index, lambda pipe: pipe.zadd(index, {group.group_id: first_at}, nx=True), "index an open group"
             )
+            self._waiting[shard] = self._waiting.get(shard, 0) + int(added)  # until the next sweep counts them
         elif status in (GroupStatus.COMPLETE, GroupStatus.SEALED):
             await self._publish_group(group.group_id, status, reply)
 
     def _index_shard(self, group_id: str) -> int:
         return shard_of(group_id, self._settings.done_shards)
 
-    async def _write_plain(self, key: str, queue: Callable[[Pipeline], object], action: str) -> None:
+    async def _write_plain(self, key: str, queue: Callable[[Pipeline], object], action: str) -> Any:
+        """:meth:`_write`, a refusal raised: the command's reply."""
         async with self._topology.translated(action):
             reply = await self._write(key, queue, action)
             if isinstance(reply, BaseException):
                 raise reply
+        return reply
 
     async def _publish_group(self, group_id: str, status: GroupStatus, reply: list[Any]) -> None:
         """Publish a frozen group's entry, mark its record published, drop it from its open index (each step safe
@@ -497,8 +502,10 @@ class Assembler(AsyncResource):
             logger.info(text, "group_size_mismatch", group_id, size)  # the receiving rank warns
 
     async def _unindex(self, group_id: str) -> None:
-        index = open_groups_key(self._ns, self._index_shard(group_id))
-        await self._write_plain(index, lambda pipe: pipe.zrem(index, group_id), f"unindex group {group_id!r}")
+        shard = self._index_shard(group_id)
+        index = open_groups_key(self._ns, shard)
+        removed = await self._write_plain(index, lambda pipe: pipe.zrem(index, group_id), f"unindex group {group_id!r}")
+        self._waiting[shard] = max(0, self._waiting.get(shard, 0) - int(removed))
 
     async def _sweep(self, shard: int) -> None:
         """Seal and publish the groups of *shard*'s open index past ``group_timeout_s`` (every step safe to redo;
