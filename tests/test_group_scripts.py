@@ -5,8 +5,9 @@ The contract (sink.store.scripts.consumer): the first member opens the group (``
 it to its size freezes its member set (``COMPLETE`` with every member); a member after the set was frozen is
 ``LATE`` and not recorded; a redo of a frozen member returns the set again until the group is marked published,
 then ``PUBLISHED``; sizes that disagree keep the largest and flag a mismatch; a seal freezes an open group past the
-timeout (``SEALED``); the due script lists open groups past the timeout; a close makes both keys expire, for at
-least the ``tombstone_ms`` the assembler stamped.
+timeout (``SEALED``); the due script lists open groups past the timeout; a take gives a group to the first entry
+that claims it (another entry of it is a duplicate, a closed or missing record retired) and reads its members; a
+close makes both keys expire, for at least the ``tombstone_ms`` the assembler stamped.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from sink.store.scripts import (
     GROUP_DUE_SCRIPT,
     GROUP_RECORD_SCRIPT,
     GROUP_SEAL_SCRIPT,
+    GROUP_TAKE_SCRIPT,
+    ClaimStatus,
     GroupStatus,
 )
 from tests.helpers.processes import until
@@ -119,3 +122,19 @@ async def test_a_close_keeps_the_record_as_a_tombstone_for_the_longer_bound(redi
         assert TOMBSTONE_MS - 60_000 < await client.pttl(members) <= TOMBSTONE_MS
         assert await client.hget(meta, "closed") == b"1"
         assert await _record(client, "c", "m1", 1) == [GroupStatus.LATE]
+
+
+async def test_a_take_gives_a_group_to_one_entry_and_reads_its_members(redis_url: str) -> None:
+    async with aioredis.Redis.from_url(redis_url) as client:
+        await _record(client, "k", "m0", 2)
+        await _record(client, "k", "m1", 2)
+        keys = group_keys(NS, "k")
+        taken = list(await GROUP_TAKE_SCRIPT.run(client, keys, ["s#1-0", "m0", "m1", "gone"]))
+        assert taken == [ClaimStatus.CLAIMED, b'{"rollout_id":"m0"}', b'{"rollout_id":"m1"}', None]
+        assert list(await GROUP_TAKE_SCRIPT.run(client, keys, ["s#2-0", "m0"])) == [ClaimStatus.DUPLICATE]
+        assert (await GROUP_TAKE_SCRIPT.run(client, keys, ["s#1-0", "m0"]))[0] == ClaimStatus.CLAIMED  # redelivered
+        assert list(await GROUP_CLOSE_SCRIPT.run(client, keys, [1_000])) == [0]
+        assert list(await GROUP_TAKE_SCRIPT.run(client, keys, ["s#1-0", "m0"])) == [ClaimStatus.RETIRED]
+        assert list(await GROUP_TAKE_SCRIPT.run(client, group_keys(NS, "none"), ["s#3-0", "m0"])) == [
+            ClaimStatus.RETIRED
+        ]

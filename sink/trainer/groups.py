@@ -182,7 +182,10 @@ class GroupReader:
         members = sorted((item for item in items if item.trainable), key=lambda item: item.rollout_id)
         failed = [item.skipped() for item in items if not item.trainable]
         await self._ack_held([f.rollout_id for f in failed])  # listed with their codes; nothing to train on
-        complete, settings = entry.state == "complete", self._settings
+        # complete: every member announced arrived, and every one is here (an entry delivered again after some of its
+        # members were acknowledged brings back the others only).
+        whole = {item.rollout_id for item in items} == set(entry.members)
+        complete, settings = entry.state == "complete" and whole, self._settings
         group = RolloutGroup(entry.group_id, entry.group_size, tuple(members), tuple(failed), complete)
         delivered: list[RolloutGroup] = []
         if not members:
@@ -192,7 +195,7 @@ class GroupReader:
             await self._ack_held([m.rollout_id for m in members])
             logger.warning("dropped group %r: failed members %s", entry.group_id, [f.skip_code for f in failed])
             self._counts["dropped"] += 1
-        elif not complete and settings.group_timeout_policy == "dead_letter":
+        elif entry.state == "sealed" and settings.group_timeout_policy == "dead_letter":
             reason = f"sealed at group_timeout_s with {len(entry.members)} of {entry.group_size} members"
             await self._record_dead(entry, [m.rollout_id for m in members], failed, GROUP_TIMEOUT, reason)
             await self._ack_held([m.rollout_id for m in members])

@@ -208,8 +208,9 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
         "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); read a ledger for an export by id (script: "
         "EXISTS, XRANGE); delete rollouts so their ids are reusable "
         "(``staging-sink delete``: DEL of every key under the rollout's hash tag, one key per DEL); dead-letter "
-        "poison entries; GRPO groups: read a group entry's members (HMGET members, HEXISTS meta), close a "
-        "consumed group (script: HGET, HSET, PEXPIRE); publish its weight version (SET weight_version, weight_version:last); "
+        "poison entries; GRPO groups: claim a group entry's group and read its members (script: EXISTS, HGET, "
+        "HSET meta, HMGET members), close a consumed group (script: HGET, HSET, PEXPIRE); publish its weight "
+        "version (SET weight_version, weight_version:last); "
         "ledger retirement, acknowledgements and dead letters confirmed durable in their round trip (WAITAOF, "
         "CONFIG GET)",
         (
@@ -232,7 +233,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                     )
                 ),
             ),
-            Grant(("hget", "hset", "hexists", "hmget", "pexpire"), (_rw(_GROUP_META), _rw(_GROUP_MEMBERS))),
+            Grant(("exists", "hget", "hset", "hmget", "pexpire"), (_rw(_GROUP_META), _rw(_GROUP_MEMBERS))),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
             Grant(("get", "del", "exists"), (_rw(_RECEIPT),)),
             Grant(("expire",), (_rw(_RECEIPT), _rw(_FENCE))),  # retention after ack (sink.trainer.reader.retention)

@@ -13,6 +13,7 @@ __all__ = (
     "GROUP_DUE_SCRIPT",
     "GROUP_RECORD_SCRIPT",
     "GROUP_SEAL_SCRIPT",
+    "GROUP_TAKE_SCRIPT",
     "RELEASE_SCRIPT",
     "RETIRE_CONSUMER_SCRIPT",
     "TOUCH_SCRIPT",
@@ -180,6 +181,22 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), 'LIMIT', 0, tonumber(ARGV[2]))
 return {redis.call('ZCARD', KEYS[1]), unpack(due)}
+""",
+)
+
+# KEYS: meta, members. ARGV: the group entry's token (stream#entry id), then the member ids it names. A reader's
+# claim of a whole group for one of its entries (a group published twice has two), before it claims the members:
+# {CLAIM_DUPLICATE} when another entry claimed the group; {CLAIM_RETIRED} when the group was consumed (closed) or
+# its record is gone; else the group is this entry's (new, or taken over with the entry) and the reply is
+# {CLAIM_CLAIMED, each member's fields or false...}.
+GROUP_TAKE_SCRIPT: Final = library_script(
+    "group_take",
+    """
+local owner = redis.call('HGET', KEYS[1], 'claimed')
+if owner and owner ~= ARGV[1] then return {$CLAIM_DUPLICATE} end
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'closed') then return {$CLAIM_RETIRED} end
+redis.call('HSET', KEYS[1], 'claimed', ARGV[1])
+return {$CLAIM_CLAIMED, unpack(redis.call('HMGET', KEYS[2], unpack(ARGV, 2)))}
 """,
 )
 

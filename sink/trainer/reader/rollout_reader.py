@@ -17,8 +17,8 @@ Staleness (:mod:`sink.trainer.staleness`): with ``max_weight_lag`` set and the t
 (``stale_weights``).
 
 GRPO groups: an assembler publishes a whole group as one receipts entry (:mod:`sink.rollout.group_entry`) that names
-its members; their receipt fields are in the group's record (``ns:{grp:<id>}:members``, read with one call per
-group). A pull turns a group entry into its members' pulled rollouts, each claimed with the entry's token, fetched
+its members; their receipt fields are in the group's record (``ns:{grp:<id>}:members``). One script per group
+claims the group for the entry (a group published twice goes whole to one of its entries) and reads the fields. A pull turns a group entry into its members' pulled rollouts, each claimed with the entry's token, fetched
 and verified, and carrying the entry (:attr:`~sink.trainer.pulled.PulledRollout.group_entry`); a pull returns whole
 entries, so it may return more than ``max_rollouts``. The entry stays pending until its last member is
 acknowledged; then the group's record is closed (a tombstone) and the entry acknowledged. Without a
@@ -31,12 +31,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Self
 
 import anyio
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.chains import RolloutChains
@@ -51,7 +50,7 @@ from sink.store.connection import Topology, connect, reply_text
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_pulled
 from sink.store.resource import AsyncResource, settings_or_fields
-from sink.store.scripts import GROUP_CLOSE_SCRIPT
+from sink.store.scripts import GROUP_CLOSE_SCRIPT, GROUP_TAKE_SCRIPT, ClaimStatus
 from sink.store.sink import clear_staged
 from sink.store.source import AsyncRedisStagingSource
 from sink.store.streams import StreamEntry, default_consumer_name
@@ -60,7 +59,7 @@ from sink.trainer.pulled import PulledRollout, fetch_and_verify, parse_receipt_c
 from sink.trainer.reader.backlog import TRAINER_GROUP, ReceiptBacklog
 from sink.trainer.reader.claims import RolloutClaims, is_group_entry
 from sink.trainer.reader.guards import AckOutcome, foreign_row_skip, own_keys
-from sink.trainer.reader.held import HeldRollouts
+from sink.trainer.reader.held import HeldRollouts, entry_token
 from sink.trainer.reader.retention import expire_consumed
 from sink.trainer.staleness import stale_skip
 from sink.trainer.statistics import ReaderStatistics
@@ -295,7 +294,7 @@ class RolloutReader(AsyncResource):
                 continue
             parsed.append((entry, receipt))
             extras[entry.stream, entry.entry_id, receipt.rollout_id] = (tag, chains, delivery)
-        for entry, delivery, members in await self._read_groups(grouped, settled):
+        for entry, delivery, members in await self._take_groups(grouped, settled):
             for receipt, tag, chains in members:
                 parsed.append((entry, receipt))
                 extras[entry.stream, entry.entry_id, receipt.rollout_id] = (tag, chains, delivery)
@@ -341,42 +340,30 @@ class RolloutReader(AsyncResource):
                 del self._self_acked[next(iter(self._self_acked))]
         return pulled
 
-    async def _read_groups(
+    async def _take_groups(
         self, grouped: list[tuple[StreamEntry, GroupEntry]], settled: set[tuple[str, str]]
     ) -> list[tuple[StreamEntry, GroupEntry, list[tuple[RolloutReceipt, GroupTag | None, RolloutChains | None]]]]:
-        """The members of each group entry, read from the group records (one call per group, one pipeline per
-        node). Members missing from a closed record were consumed before (dropped as duplicates); an entry whose
-        open record lacks a member, or holds a malformed one, is dead-lettered (added to *settled*)."""
+        """Claim each group entry's group and read its members from the group's record (one script per group, one
+        pipeline per node). An entry whose group another entry claimed (a group published twice), or whose group
+        was consumed, is acknowledged and dropped; one whose record lacks a member or holds a malformed one is
+        dead-lettered (both added to *settled*)."""
         if not grouped:
             return []
-        calls = []
-        for _entry, delivery in grouped:
-            members_key = group_keys(self._ns, delivery.group_id)[1]
-            names = list(delivery.members)
-            calls.append(BatchCall([members_key], commands=_hmget(members_key, names)))
-        async with self._topology.translated(f"read {len(calls)} group records"):
+        calls = [
+            BatchCall(list(group_keys(self._ns, d.group_id)), [entry_token(e), *d.members], GROUP_TAKE_SCRIPT)
+            for e, d in grouped
+        ]
+        async with self._topology.translated(f"claim {len(calls)} groups"):
             replies = raise_first_error(await run_batch(self._topology, calls))
         found = []
-        for (entry, delivery), values in zip(grouped, replies, strict=True):
-            members = []
+        for (entry, delivery), reply in zip(grouped, replies, strict=True):
+            if reply[0] != ClaimStatus.CLAIMED:
+                await self._drop_group_entry(entry, delivery, retired=reply[0] == ClaimStatus.RETIRED)
+                settled.add((entry.stream, entry.entry_id))
+                continue
             try:
-                missing = [name for name, value in zip(delivery.members, values, strict=True) if value is None]
-                if missing and not await self._group_closed(delivery.group_id):
-                    raise ValueError(f"the record of group {delivery.group_id!r} lacks members {missing}")
-                for name, value in zip(delivery.members, values, strict=True):
-                    if value is None:
-                        logger.info(
-                            "reader %s: member %r of group %r consumed before",
-                            self.consumer_name,
-                            name,
-                            delivery.group_id,
-                        )
-                        self.claims.duplicates += 1
-                        continue
-                    member = _parse_member(_json_fields(reply_text(value, "group member")))
-                    if member[0].rollout_id != name:
-                        raise ValueError(f"the record of group {delivery.group_id!r} holds another rollout as {name!r}")
-                    members.append(member)
+                values = zip(delivery.members, reply[1:], strict=True)
+                members = [self._member_of(delivery, name, value) for name, value in values]
             except ValueError as exc:
                 await self._consumer.dead_letter(entry, f"malformed group entry: {exc}")
                 settled.add((entry.stream, entry.entry_id))
@@ -384,9 +371,31 @@ class RolloutReader(AsyncResource):
             found.append((entry, delivery, members))
         return found
 
-    async def _group_closed(self, group_id: str) -> bool:
-        async with self._topology.translated(f"read group {group_id!r}"):
-            return bool(await self._topology.client.hexists(group_keys(self._ns, group_id)[0], "closed"))
+    @staticmethod
+    def _member_of(
+        delivery: GroupEntry, name: str, value: object
+    ) -> tuple[RolloutReceipt, GroupTag | None, RolloutChains | None]:
+        """A member's receipt, group and chain record from its fields in the group's record; :raises ValueError:
+        missing or malformed."""
+        if value is None:
+            raise ValueError(f"the record of group {delivery.group_id!r} lacks member {name!r}")
+        member = _parse_member(_json_fields(reply_text(value, "group member")))
+        if member[0].rollout_id != name:
+            raise ValueError(f"the record of group {delivery.group_id!r} holds another rollout as {name!r}")
+        return member
+
+    async def _drop_group_entry(self, entry: StreamEntry, delivery: GroupEntry, *, retired: bool) -> None:
+        """Acknowledge a group entry whose group another entry claimed, or that was consumed before."""
+        if retired:
+            logger.warning(
+                "reader %s skipped group %r: it was consumed before (its record is closed or gone)",
+                self.consumer_name,
+                delivery.group_id,
+            )
+        else:
+            logger.info("reader %s dropped a duplicate entry of group %r", self.consumer_name, delivery.group_id)
+        self.claims.duplicates += 1
+        await self._consumer.ack([entry])
 
     async def _settle_group_entries(
         self,
@@ -512,10 +521,3 @@ def _json_fields(text: str) -> dict[str, str]:
 
 def _distinct(entries: list[StreamEntry]) -> list[StreamEntry]:
     return list({(entry.stream, entry.entry_id): entry for entry in entries}.values())
-
-
-def _hmget(key: str, names: list[str]) -> Callable[[Pipeline], object]:
-    def queue(pipe: Pipeline) -> object:
-        return pipe.hmget(key, names)
-
-    return queue
