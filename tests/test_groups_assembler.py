@@ -119,6 +119,7 @@ async def test_several_assemblers_and_ranks_deliver_each_group_whole_exactly_onc
             await acked.reached.wait()
         complete = sum(a.statistics().groups_complete for a in assemblers)
         assert complete == len(groups_of) and sum(a.statistics().events for a in assemblers) == len(members)
+        assert sum(a.statistics().published for a in assemblers) == len(members)  # a group entry: its receipts
     async with AsyncExitStack() as stack:
         readers = [
             await stack.enter_async_context(RolloutReader.from_url(redis_url, consumer_name=f"rank-{i}"))

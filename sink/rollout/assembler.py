@@ -75,6 +75,7 @@ class AssemblerStatistics(NamedTuple):
     receipts_created: int
     receipts_reused: int
     published: int
+    """Receipts published (a GRPO group's entry counts its members; an entry published again counts again)."""
     acked: int
     reclaimed: int
     dead_lettered: int
@@ -115,7 +116,8 @@ class Assembler(AsyncResource):
     owns its client; the constructor borrows one.
 
     :param before_ack: instrumentation/test hook awaited after an event's
-        receipt is published and before the event is acknowledged.
+        receipt is published (a GRPO group member's: recorded in its group, the group published if the member
+        completed it) and before the event is acknowledged.
     :param outage: the outage policy to wait under (:mod:`sink.service`); default a new one from *settings*.
         Opening, each shard loop and closing ride out an outage up to ``max_outage_s``; a refusal stops it.
     """
@@ -411,16 +413,16 @@ class Assembler(AsyncResource):
             shard_of(rollout_id, self._settings.receipt_shards), fields, f"the receipt of {rollout_id!r}"
         )
 
-    async def _add_entry(self, shard: int, fields: dict[str, str], what: str) -> None:
-        """``XADD`` *fields* to ``ns:receipts:<shard>``, durably."""
+    async def _add_entry(self, shard: int, fields: dict[str, str], what: str, *, receipts: int = 1) -> None:
+        """``XADD`` *fields* to ``ns:receipts:<shard>``, durably: an entry carrying *receipts* receipts."""
         stream = receipts_stream(self._ns, shard)
         action = f"publish {what}"
         async with self._topology.translated(action):
             reply = await self._write(stream, lambda pipe: pipe.xadd(stream, fields), action)  # type: ignore[arg-type]
             if isinstance(reply, BaseException):
                 raise reply
-        self._counts["published"] += 1
-        count_receipt_published(self._ns, shard)  # metrics
+        self._counts["published"] += receipts
+        count_receipt_published(self._ns, shard, receipts)  # metrics
 
     # --- GRPO groups ----------------------------------------------------------------
 
@@ -489,7 +491,8 @@ class Assembler(AsyncResource):
         members = [reply_text(member, "group member") for member in reply[4:]]
         state: Literal["complete", "sealed"] = "complete" if status == GroupStatus.COMPLETE else "sealed"
         fields = group_entry_fields(group_id, size, state, members, mismatch=mismatch)
-        await self._add_entry(shard_of(group_id, self._settings.receipt_shards), fields, f"group {group_id!r}")
+        shard = shard_of(group_id, self._settings.receipt_shards)
+        await self._add_entry(shard, fields, f"group {group_id!r}", receipts=len(members))
         meta = group_keys(self._ns, group_id)[0]
         await self._write_plain(
             meta, lambda pipe: pipe.hset(meta, "published", "1"), f"mark group {group_id!r} published"
