@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from sink.errors import StagingError
-from sink.keys import claim_key, group_keys, receipts_stream
+from sink.keys import claim_key, dead_letter_stream, group_keys, receipts_stream
 from sink.rollout.assembler import Assembler, finished
 from sink.store.connection import reply_text
 from sink.store.streams import StreamEntry
@@ -218,3 +218,15 @@ async def test_a_group_published_twice_goes_whole_to_the_entry_that_claimed_it_f
         assert group.rollout_ids == ("t-0", "t-1", "t-2") and group.complete
         await groups.ack_groups([group])
         assert await reader.pending() == 0
+
+
+async def test_a_group_entry_whose_record_lacks_a_member_is_dead_lettered_whole(redis_url: str) -> None:
+    await publish_groups(redis_url, {"holed": ["h-0", "h-1"]}, receipt_shards=1)
+    async with aioredis.Redis.from_url(redis_url) as client:
+        assert await client.hdel(group_keys(NS, "holed")[1], "h-1") == 1  # the record lost a member
+    async with RolloutReader.from_url(redis_url, **ONE_SHARD) as reader:
+        assert await GroupReader(reader).pull_groups(4) == []
+        assert reader.statistics().dead_lettered == 1 and await reader.pending() == 0 and reader.held_rollouts == ()
+    async with aioredis.Redis.from_url(redis_url, decode_responses=True) as client:
+        ((_id, fields),) = text_entries(await client.xrange(dead_letter_stream(NS, "receipts-0")))
+        assert fields["group_id"] == "holed" and "lacks member 'h-1'" in fields["dead_reason"]
