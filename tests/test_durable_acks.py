@@ -24,8 +24,10 @@ from sink.settings import DEFAULT_SHARDS
 from sink.trainer.groups import GroupReader, RolloutGroup
 from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
+from tests.helpers.group_members import publish_members
 from tests.helpers.ledger import root_commit
 from tests.helpers.processes import until
+from tests.helpers.trainer import wait_published
 
 pytestmark = pytest.mark.anyio
 
@@ -105,6 +107,19 @@ async def test_the_assembler_stores_no_receipt_on_a_non_durable_server(redis_url
         stream = done_stream(NS, shard_of(staged.rollout_id, DEFAULT_SHARDS))
         pending = await client.xpending(stream, ASSEMBLER_GROUP)
         assert pending["pending"] == 1  # the done event is not acknowledged: retried once durable
+
+
+@NOT_DURABLE
+async def test_a_refused_sweep_of_open_groups_leaves_the_assembler_running_and_the_next_sweep_seals(
+    redis_url: str, name: str, value: str
+) -> None:
+    await publish_members(redis_url, {"sw-0": ("swept", 2)})  # an open group: its second member never comes
+    await _break_durability(redis_url, name, value)
+    async with running_assembler(redis_url, block_ms=50, group_timeout_s=0.1, shutdown_grace_s=0.2) as assembler:
+        await until(lambda: assembler.statistics().failures >= 1, "the seal was never refused", timeout_s=20)
+        await _restore_durability(redis_url, name)  # the assembler runs on: its next sweep seals the group
+        await wait_published(redis_url, ["swept"])
+        assert assembler.statistics().groups_sealed == 1
 
 
 @asynccontextmanager

@@ -21,8 +21,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from sink.errors import StagingError
-from sink.keys import claim_key, dead_letter_stream, group_keys, receipts_stream
+from sink.keys import claim_key, dead_letter_stream, group_keys, open_groups_key, receipts_stream
 from sink.rollout.assembler import Assembler, finished
+from sink.settings import DEFAULT_SHARDS
 from sink.store.connection import reply_text
 from sink.store.streams import StreamEntry
 from sink.trainer.groups import GroupReader, RolloutGroup
@@ -230,3 +231,21 @@ async def test_a_group_entry_whose_record_lacks_a_member_is_dead_lettered_whole(
     async with aioredis.Redis.from_url(redis_url, decode_responses=True) as client:
         ((_id, fields),) = text_entries(await client.xrange(dead_letter_stream(NS, "receipts-0")))
         assert fields["group_id"] == "holed" and "lacks member 'h-1'" in fields["dead_reason"]
+
+
+async def test_a_group_the_sweep_cannot_seal_is_set_aside_and_the_others_are_sealed(redis_url: str) -> None:
+    """A refusal sealing one group (a record of the wrong type) is logged and counted, as a refused event is: it
+    neither stops the assembler nor keeps the sweep from the other groups."""
+    await stage_rollouts(redis_url, ["ok-0"], calls=1)
+    await _finish(redis_url, {"ok-0": ("fine", 2)})
+    async with aioredis.Redis.from_url(redis_url) as client:
+        await client.set(group_keys(NS, "broken")[0], "not a hash")
+        for shard in range(DEFAULT_SHARDS):  # the broken group first in every index
+            await client.zadd(open_groups_key(NS, shard), {"broken": 0})
+    acked = EventCounter(1)
+    async with running_assembler(redis_url, before_ack=acked, block_ms=50, group_timeout_s=0.2) as assembler:
+        with anyio.fail_after(20):
+            await acked.reached.wait()
+        await wait_published(redis_url, ["fine"])
+        await until(lambda: assembler.statistics().failures >= 1, "the broken group was never refused")
+        assert assembler.statistics().groups_sealed == 1

@@ -511,31 +511,38 @@ class Assembler(AsyncResource):
         self._waiting[shard] = max(0, self._waiting.get(shard, 0) - int(removed))
 
     async def _sweep(self, shard: int) -> None:
-        """Seal and publish the groups of *shard*'s open index past ``group_timeout_s`` (every step safe to redo;
-        a refusal is logged and the next sweep tries again)."""
+        """Seal and publish the groups of *shard*'s open index past ``group_timeout_s``, each step safe to redo. An
+        outage is waited out; a group whose sealing is refused is set aside (logged, counted in ``failures``) as a
+        refused event is, and tried again by the next sweep."""
         index = open_groups_key(self._ns, shard)
         timeout_ms = int(self._settings.group_timeout_s * 1000)
-        try:
+
+        async def due() -> Any:
             async with self._topology.translated(f"sweep open groups of shard {shard}"):
-                reply = await GROUP_DUE_SCRIPT.run(
+                return await GROUP_DUE_SCRIPT.run(
                     self._topology.client, [index], [timeout_ms, self._settings.batch_events]
                 )
-            self._waiting[shard] = int(reply[0])
-            for raw in reply[1:]:
-                group_id = reply_text(raw, "open group")
-                sealed = await self._script(
-                    GROUP_SEAL_SCRIPT, list(group_keys(self._ns, group_id)), [timeout_ms], f"seal group {group_id!r}"
-                )
-                status = GroupStatus(int(sealed[0]))
-                if status in (GroupStatus.COMPLETE, GroupStatus.SEALED):
-                    await self._publish_group(group_id, status, sealed)
-                elif status in (GroupStatus.PUBLISHED, GroupStatus.GONE):
-                    await self._unindex(group_id)
-        except StagingConnectionError:
-            raise
-        except StagingError as exc:
-            self._counts["failures"] += 1
-            logger.warning("assembler %s: sweeping open groups of shard %d failed: %s", self.consumer_name, shard, exc)
+
+        reply = await self._outage.ride_out(due, "running")
+        self._waiting[shard] = int(reply[0])
+        for raw in reply[1:]:
+            group_id = reply_text(raw, "open group")
+            try:
+                await self._outage.ride_out(partial(self._seal, group_id, timeout_ms), "running")
+            except StagingError as exc:
+                self._counts["failures"] += 1
+                logger.warning("assembler %s: sealing group %r failed: %s", self.consumer_name, group_id, exc)
+
+    async def _seal(self, group_id: str, timeout_ms: int) -> None:
+        """Freeze *group_id* if it is open past *timeout_ms* and publish it if it is frozen and unpublished; drop
+        it from its index once published."""
+        keys = list(group_keys(self._ns, group_id))
+        sealed = await self._script(GROUP_SEAL_SCRIPT, keys, [timeout_ms], f"seal group {group_id!r}")
+        status = GroupStatus(int(sealed[0]))
+        if status in (GroupStatus.COMPLETE, GroupStatus.SEALED):
+            await self._publish_group(group_id, status, sealed)
+        elif status in (GroupStatus.PUBLISHED, GroupStatus.GONE):
+            await self._unindex(group_id)
 
 
 async def run_assembler(
