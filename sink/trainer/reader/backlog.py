@@ -6,8 +6,10 @@ receipts, read shard after shard and no more than wanted, so a pull reads no mor
 waits in one reader's hand while another has nothing. With nothing in hand and nothing new, a reader about to
 wait reclaims first: entries another reader gave back (:meth:`ReceiptBacklog.give_back_unpulled`,
 :meth:`ReceiptBacklog.give_back_held`: left pending, idle ``claim_idle_ms`` already) are taken then, not after a
-lease. Entries the reader already holds or has queued are never queued twice. :meth:`ReceiptBacklog.take_over`
-moves named entries of other ranks to this reader (GRPO groups, :mod:`sink.trainer.groups`).
+lease. Entries the reader already holds or has queued are never queued twice. A GRPO group entry counts as many
+rollouts as it names members, and a take returns whole entries (so it may return more rollouts than wanted); a
+read asks for as many entries as the entries read last suggest (a reader's first read of new receipts probes with
+one), so it reads no group entry it will not return.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class ReceiptBacklog:
         self._per_entry: float | None = None  # rollouts per entry, as the last entries read held (None: none read)
 
     async def take(self, wanted: int, *, block_ms: int) -> list[StreamEntry]:
-        """Up to *wanted* entries, waiting up to *block_ms* for new receipts when there is nothing else.
+        """Entries of up to *wanted* rollouts (whole entries: a group entry may pass it), waiting up to *block_ms*
+        for new receipts when there is nothing else.
 
         Only the wait may read more than *wanted* (receipts arriving on several shards at once): the rest stays
         in hand for the next take, or goes back with :meth:`give_back_unpulled`.
