@@ -497,8 +497,8 @@ class Assembler(AsyncResource):
         await self._write_plain(
             meta, lambda pipe: pipe.hset(meta, "published", "1"), f"mark group {group_id!r} published"
         )
-        await self._unindex(group_id)
         self._groups[state] += 1
+        await self._unindex(group_id)
         if mismatch:
             self._groups["mismatch"] += 1
             text = "%s: members of group %r announced different group_size values; using the largest, %d"
