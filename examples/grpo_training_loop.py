@@ -11,10 +11,11 @@ when it happens, what it sets aside; nothing is discarded:
 
 * a group with a row longer than ``--max-tokens`` is not trained (its advantage needs every member): one line
   names the group, the row and its length; it stays unacknowledged: raise ``--max-tokens`` and run again;
-* a group still waiting for members (fewer finished than its ``group_size``) is held back: when a pull brings
-  nothing, one line says how many of how many arrived; it is delivered when the rest arrive, or partial after ``group_timeout_s`` (600 s; a
-  partial group is trained on the members that arrived, and said so);
-* when the loop ends, groups pulled but not trained, overlong and still incomplete are listed; they stay
+* a group still waiting for members (fewer finished than its ``group_size``) is held by the assemblers, not by
+  this rank: it is published when the rest arrive, or partial after the assemblers' ``group_timeout_s`` (600 s;
+  a partial group is trained on the members that arrived, and said so; ``AssemblerStatistics.groups_waiting``
+  counts the groups waiting);
+* when the loop ends, groups pulled but not trained and overlong ones are listed; they stay
   unacknowledged: the next run with the same consumer name (``grpo-rank-0``) gets them back at once, another
   rank after ``claim_idle_ms``.
 
@@ -140,7 +141,6 @@ def train(
     with SyncRolloutReader.from_url(url, settings) as reader:
         pending: list[RolloutGroup] = []
         overlong: list[RolloutGroup] = []
-        reported: set[str] = set()  # incomplete groups said once
         step, last_group_at = 0, time.monotonic()
         while step < max_steps:
             if len(pending) < groups_per_step:
@@ -159,16 +159,10 @@ def train(
                         )
                         continue
                     if not group.complete:
-                        say(f"group {group.group_id!r} came incomplete after group_timeout_s: {arrived}; training those")
-                    pending.append(group)
-                held_up = {} if pulled else reader.waiting_groups()  # said once, when the loop is held up
-                for group_id, (held, size) in held_up.items():
-                    if group_id not in reported:
-                        reported.add(group_id)
                         say(
-                            f"waiting for group {group_id!r}: {held} of {size} members so far; held back until the "
-                            f"rest arrive, or partial after group_timeout_s={settings.group_timeout_s:g} s"
+                            f"group {group.group_id!r} came incomplete after group_timeout_s: {arrived}; training those"
                         )
+                    pending.append(group)
                 if len(pending) < groups_per_step:
                     if time.monotonic() - last_group_at >= idle_timeout_s:
                         say(f"no new group for {idle_timeout_s:g} s: stopping after {step} of {max_steps} steps")
@@ -184,11 +178,9 @@ def train(
                 f"mean|adv|={advantage:.3f} loss={loss:.4f}"
             )
             step += 1
-        waiting = reader.waiting_groups()
         left = (
             ("pulled", len(pending), sum(len(g.members) for g in pending)),
             (f"overlong (a row > --max-tokens {max_tokens})", len(overlong), sum(len(g.members) for g in overlong)),
-            ("incomplete", len(waiting), sum(held for held, _size in waiting.values())),
         )
         for what, groups, rollouts in left:
             if groups:

@@ -37,6 +37,7 @@ __all__ = (
     "ledger_ids_key",
     "ledger_stream",
     "ledger_text_key",
+    "open_groups_key",
     "receipt_key",
     "receipts_stream",
     "record_key",
@@ -180,6 +181,12 @@ def shard_of(rollout_id: str, shards: int) -> int:
 def group_keys(namespace: str, group_id: str) -> tuple[str, str]:
     """``(meta, members)`` keys of a group's server-side record (one slot: ``{grp:<id>}``)."""
     return f"{namespace}:{{grp:{group_id}}}:meta", f"{namespace}:{{grp:{group_id}}}:members"
+
+
+def open_groups_key(namespace: str, shard: int) -> str:
+    """The index of one ``done`` shard's open GRPO groups (a sorted set: group id by its first member's time),
+    swept by every assembler for groups past ``group_timeout_s``."""
+    return f"{namespace}:groups:open:{shard}"
 
 
 class GymKeys(NamedTuple):

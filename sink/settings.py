@@ -163,6 +163,9 @@ class AssemblerSettings(ServiceSettings):
     """Events read per ``XREADGROUP`` (``COUNT``) and processed concurrently per shard."""
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     """After :meth:`~sink.rollout.assembler.Assembler.stop`, how long in-flight events may finish before cancellation."""
+    group_timeout_s: float = Field(default=600.0, gt=0)
+    """GRPO groups: a group still incomplete this long after its first member was assembled is sealed (its member
+    set frozen) and published partial; the reader's ``group_timeout_policy`` says what a rank does with it."""
 
     @model_validator(mode="after")
     def _check_block_fits_timeout(self) -> AssemblerSettings:
@@ -185,12 +188,9 @@ class ReaderSettings(ServiceSettings, RecordLimit):
     """Staleness bound in weight versions: once the trainer tells the reader its current weight version
     (``set_weight_version``), a rollout whose oldest generating call is more than this many versions older
     is acknowledged by the reader and reported skipped with code ``stale_weights``; ``None``: no bound."""
-    group_timeout_s: float = Field(default=600.0, gt=0)
-    """GRPO group mode: a group still incomplete this long after its first member arrived is delivered
-    partial or dead-lettered (``group_timeout_policy``), never held forever."""
     group_timeout_policy: Literal["partial", "dead_letter"] = "partial"
-    """What happens to a group at ``group_timeout_s``: delivered with the members that arrived, or its members
-    acknowledged and the group recorded on ``ns:dead:groups``."""
+    """What the receiving rank does with a group the assemblers sealed at their ``group_timeout_s``: delivered with
+    the members that arrived, or its members acknowledged and the group recorded on ``ns:dead:groups``."""
     group_failure_policy: Literal["deliver_rest", "drop_group"] = "deliver_rest"
     """A group with a failed, poisoned or stale member: deliver the trainable rest (``failed`` lists the others)
     or acknowledge every member and deliver nothing (counted as dropped)."""

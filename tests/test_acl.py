@@ -541,27 +541,44 @@ async def test_the_whole_pipeline_runs_with_each_component_as_its_own_user(seede
 
 
 @pytest.mark.anyio
-async def test_the_trainer_role_delivers_and_acks_grpo_groups(acl_server: AclServer) -> None:
-    """Group mode's scripts and keys (``ns:{grp:<id>}:meta``/``:members``) are within the trainer's grants."""
+async def test_the_assembler_and_trainer_roles_gather_deliver_and_ack_grpo_groups(acl_server: AclServer) -> None:
+    """Group mode's scripts and keys (``ns:{grp:<id>}:meta``/``:members``, ``ns:groups:open:<k>``) are within the
+    assembler's grants (record, freeze, publish, index, sweep and seal) and the trainer's (read, close)."""
+    import redis.asyncio as aioredis
+
     from sink.keys import group_keys
+    from sink.rollout.done_event import finished
     from sink.trainer.groups import GroupReader, RolloutGroup
     from sink.trainer.reader.rollout_reader import RolloutReader
-    from tests.helpers.trainer import publish_groups
+    from tests.helpers.e2e import EventCounter, running_assembler, stage_rollouts
+    from tests.helpers.trainer import seal_groups
 
-    groups = {"acl-grp": ["acl-m0", "acl-m1"]}
-    await publish_groups(acl_server.role_url(ADMIN_ROLE), groups, receipt_shards=1)
+    members = {"acl-m0": ("acl-grp", 2), "acl-m1": ("acl-grp", 2), "acl-s0": ("acl-short", 2)}
+    admin_url, assembler_url = acl_server.role_url(ADMIN_ROLE), acl_server.role_url("assembler")
+    await stage_rollouts(admin_url, list(members))
+    async with aioredis.Redis.from_url(admin_url) as client:
+        for rollout_id, (group_id, size) in members.items():
+            await finished(client, rollout_id, reward=1.0, group_id=group_id, group_size=size)
+    acked = EventCounter(len(members))
+    async with running_assembler(assembler_url, before_ack=acked, block_ms=50, receipt_shards=1):
+        with anyio.fail_after(20):
+            await acked.reached.wait()
+    await seal_groups(assembler_url, ["acl-grp", "acl-short"], 0.2, receipt_shards=1)  # acl-short: sealed
     async with RolloutReader.from_url(acl_server.role_url("trainer"), receipt_shards=1) as reader:
         group_reader = GroupReader(reader)
         delivered: list[RolloutGroup] = []
         with anyio.fail_after(20):
-            while not delivered:
-                delivered = await group_reader.pull_groups(2, block_ms=20)
-        [group] = delivered
-        assert group.complete and group.rollout_ids == ("acl-m0", "acl-m1")
-        await group_reader.ack_groups([group])
+            while len(delivered) < 2:
+                delivered += await group_reader.pull_groups(2, block_ms=20)
+        assert sorted((g.group_id, g.rollout_ids, g.complete) for g in delivered) == [
+            ("acl-grp", ("acl-m0", "acl-m1"), True),
+            ("acl-short", ("acl-s0",), False),
+        ]
+        await group_reader.ack_groups(delivered)
+        assert await reader.pending() == 0
     with acl_server.client() as admin:
-        meta, members = group_keys(NS, "acl-grp")
-        assert admin.exists(members) == 0 and admin.hget(meta, "closed") == b"1"  # closed: a tombstone stays
+        meta, members_key = group_keys(NS, "acl-grp")
+        assert admin.pttl(members_key) > 0 and admin.hget(meta, "closed") == b"1"  # closed: a tombstone stays
 
 
 @pytest.mark.anyio

@@ -22,10 +22,12 @@ from sink.rollout.assembler import ASSEMBLER_GROUP
 from sink.rollout.done_event import finished
 from sink.settings import DEFAULT_SHARDS
 from sink.trainer.groups import GroupReader, RolloutGroup
-from sink.trainer.reader.rollout_reader import TRAINER_GROUP, RolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.e2e import pull_until, running_assembler, stage_rollouts
+from tests.helpers.group_members import publish_members
 from tests.helpers.ledger import root_commit
 from tests.helpers.processes import until
+from tests.helpers.trainer import wait_published
 
 pytestmark = pytest.mark.anyio
 
@@ -107,6 +109,19 @@ async def test_the_assembler_stores_no_receipt_on_a_non_durable_server(redis_url
         assert pending["pending"] == 1  # the done event is not acknowledged: retried once durable
 
 
+@NOT_DURABLE
+async def test_a_refused_sweep_of_open_groups_leaves_the_assembler_running_and_the_next_sweep_seals(
+    redis_url: str, name: str, value: str
+) -> None:
+    await publish_members(redis_url, {"sw-0": ("swept", 2)})  # an open group: its second member never comes
+    await _break_durability(redis_url, name, value)
+    async with running_assembler(redis_url, block_ms=50, group_timeout_s=0.1, shutdown_grace_s=0.2) as assembler:
+        await until(lambda: assembler.statistics().failures >= 1, "the seal was never refused", timeout_s=20)
+        await _restore_durability(redis_url, name)  # the assembler runs on: its next sweep seals the group
+        await wait_published(redis_url, ["swept"])
+        await until(lambda: assembler.statistics().groups_waiting == 0, "the sealed group is still indexed")
+
+
 @asynccontextmanager
 async def _pulled(url: str) -> AsyncIterator[tuple[RolloutReader, str]]:
     (staged,) = await stage_rollouts(url, ["r-ack"])
@@ -132,7 +147,7 @@ async def test_the_trainers_ack_on_a_non_durable_server_is_refused_and_safe_to_r
 
 
 @NOT_DURABLE
-async def test_closing_a_delivered_group_on_a_non_durable_server_is_refused_and_safe_to_retry(
+async def test_acknowledging_a_delivered_group_on_a_non_durable_server_is_refused_and_safe_to_retry(
     redis_url: str, name: str, value: str
 ) -> None:
     (staged,) = await stage_rollouts(redis_url, ["r-grp"])
@@ -144,14 +159,13 @@ async def test_closing_a_delivered_group_on_a_non_durable_server_is_refused_and_
             with anyio.fail_after(20):
                 while not delivered:
                     delivered = await groups.pull_groups(1, block_ms=100)
-            # Another rank took the member over: the rollout's ack has nothing of its own to write, so the close
-            # of the group record is the one write ack_groups makes.
-            stream, entry_id = reader.entry_token(staged.rollout_id).split("#")
-            await client.xclaim(stream, TRAINER_GROUP, "rank-other", 0, [entry_id], justid=True)
+            # The group's close goes with its last member's acknowledgement: refused with it, and retried with it.
             meta, _members = group_keys(NS, "g-ack")
             await _break_durability(redis_url, name, value)
-            with pytest.raises(NotDurableError, match="close 1 group records durably: .*not durable"):
+            with pytest.raises(NotDurableError, match="durably: .*not durable"):
                 await groups.ack_groups(delivered)
+            assert await reader.pending() == 1 and reader.holds(staged.rollout_id)
             await _restore_durability(redis_url, name)
             await groups.ack_groups(delivered)  # retrying once durable closes it
+            assert await reader.pending() == 0
             assert await client.hget(meta, "closed") == b"1"

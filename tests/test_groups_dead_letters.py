@@ -1,7 +1,7 @@
 """What a GroupReader records on ``ns:dead:groups`` (real servers): every field of the operator-facing record.
 
-A group still incomplete at ``group_timeout_s`` under ``group_timeout_policy="dead_letter"`` and a member that
-arrives after its group went out are each recorded with one durable entry: ``group_id``, ``group_size`` (the
+A group sealed incomplete at the assemblers' ``group_timeout_s``, received under
+``group_timeout_policy="dead_letter"``, and a member that arrives after its group went out are each recorded with one durable entry: ``group_id``, ``group_size`` (the
 size announced), ``members`` (the trainable rollout ids, comma-separated), ``failed`` (``<rollout id>:<skip
 code>`` of the members that could not be trained, comma-separated), ``dead_code`` (``group_timeout`` /
 ``late_member``), ``dead_reason`` and ``dead_consumer`` (the rank that recorded it). The write is confirmed durable
@@ -27,7 +27,8 @@ from tests.helpers.trainer import publish, publish_groups
 pytestmark = pytest.mark.anyio
 
 NS = "stg"
-DEAD_LETTER: dict[str, Any] = {"group_timeout_s": 0.3, "group_timeout_policy": "dead_letter", "receipt_shards": 1}
+DEAD_LETTER: dict[str, Any] = {"group_timeout_policy": "dead_letter", "receipt_shards": 1}
+TIMEOUT_S = 0.3  # the assemblers' group_timeout_s
 
 
 async def _dead_groups(url: str) -> list[dict[str, str]]:
@@ -38,8 +39,9 @@ async def _dead_groups(url: str) -> list[dict[str, str]]:
 
 async def test_a_timed_out_group_is_recorded_with_every_field_and_its_members_acknowledged(redis_url: str) -> None:
     # "hurt" announces 5 members; 4 arrive, 2 of them untrainable. "short" announces 2; 1 arrives.
-    await publish_groups(redis_url, {"hurt": ["d-0", "d-1", "d-2", "d-3"]}, size=5, receipt_shards=1)
-    await publish_groups(redis_url, {"short": ["e-0"]}, size=2, receipt_shards=1)
+    hurt_members = ["d-0", "d-1", "d-2", "d-3"]
+    await publish_groups(redis_url, {"hurt": hurt_members}, size=5, receipt_shards=1, group_timeout_s=TIMEOUT_S)
+    await publish_groups(redis_url, {"short": ["e-0"]}, size=2, receipt_shards=1, group_timeout_s=TIMEOUT_S)
     await lose_root_records(redis_url, ["d-1", "d-3"])
     async with RolloutReader.from_url(redis_url, consumer_name="rank-dl", **DEAD_LETTER) as reader:
         groups = GroupReader(reader)
@@ -52,13 +54,12 @@ async def test_a_timed_out_group_is_recorded_with_every_field_and_its_members_ac
     hurt = by_group["hurt"]
     failed = hurt.pop("failed")
     assert sorted(failed.split(",")) == [f"d-1:{SkipCode.MISSING_RECORD}", f"d-3:{SkipCode.MISSING_RECORD}"]
-    reason = "incomplete after group_timeout_s=0.3"
     assert hurt == {
         "group_id": "hurt",
         "group_size": "5",
         "members": "d-0,d-2",
         "dead_code": "group_timeout",
-        "dead_reason": reason,
+        "dead_reason": "sealed at group_timeout_s with 4 of 5 members",
         "dead_consumer": "rank-dl",
     }
     assert by_group["short"] == {
@@ -67,7 +68,7 @@ async def test_a_timed_out_group_is_recorded_with_every_field_and_its_members_ac
         "members": "e-0",
         "failed": "",
         "dead_code": "group_timeout",
-        "dead_reason": reason,
+        "dead_reason": "sealed at group_timeout_s with 1 of 2 members",
         "dead_consumer": "rank-dl",
     }
     async with aioredis.Redis.from_url(redis_url) as client:
@@ -124,15 +125,11 @@ async def _restore_durability(url: str) -> None:
 
 
 async def test_a_refused_dead_letter_acknowledges_nothing_and_the_next_pull_finishes_it(redis_url: str) -> None:
-    await publish_groups(redis_url, {"nd": ["n-0"]}, size=2, receipt_shards=1)
+    await publish_groups(redis_url, {"nd": ["n-0"]}, size=2, receipt_shards=1, group_timeout_s=TIMEOUT_S)
     async with RolloutReader.from_url(redis_url, consumer_name="rank-nd", **DEAD_LETTER) as reader:
         groups = GroupReader(reader)
-        with anyio.fail_after(20):
-            while reader.statistics().pulled < 1:
-                assert await groups.pull_groups(4, block_ms=50) == []
-        assert groups.statistics().waiting == 1
         await _break_durability(redis_url)
-        refused = await _pull_until_refused(groups)  # at the timeout: the dead letter's write is refused
+        refused = await _pull_until_refused(groups)  # the sealed group's dead letter: its write is refused
         assert "dead-letter group 'nd' durably" in str(refused) and "not durable" in str(refused)
         assert await reader.pending() == 1 and groups.statistics().dead_lettered == 0  # nothing acknowledged
         # Retrying is safe: once the server is durable again, the next pull records the group and acknowledges
@@ -146,22 +143,18 @@ async def test_a_refused_dead_letter_acknowledges_nothing_and_the_next_pull_fini
 
 
 async def test_a_refused_close_of_a_group_with_nothing_to_train_is_finished_by_the_next_pull(redis_url: str) -> None:
-    await publish_groups(redis_url, {"gone": ["g-0"]}, size=2, receipt_shards=1)
+    await publish_groups(redis_url, {"gone": ["g-0"]}, size=2, receipt_shards=1, group_timeout_s=TIMEOUT_S)
     await lose_root_records(redis_url, ["g-0"])
     options = {**DEAD_LETTER, "group_timeout_policy": "partial"}
     async with RolloutReader.from_url(redis_url, consumer_name="rank-gone", **options) as reader:
         groups = GroupReader(reader)
-        with anyio.fail_after(20):
-            while reader.statistics().pulled < 1:
-                assert await groups.pull_groups(4, block_ms=50) == []
-        assert await reader.pending() == 0  # the untrainable member is acknowledged where it arrived
         await _break_durability(redis_url)
-        refused = await _pull_until_refused(groups)  # sealed with nothing to train: the close is refused
-        assert "close 1 group records durably" in str(refused) and "not durable" in str(refused)
-        assert groups.statistics().dropped == 0
+        refused = await _pull_until_refused(groups)  # sealed with nothing to train: its acknowledgement is refused
+        assert "durably" in str(refused) and "not durable" in str(refused)
+        assert groups.statistics().dropped == 0 and await reader.pending() == 1
         await _restore_durability(redis_url)
-        assert await groups.pull_groups(4) == []  # the next pull closes it
-        assert groups.statistics().dropped == 1
+        assert await groups.pull_groups(4) == []  # the next pull acknowledges the member and closes the group
+        assert groups.statistics().dropped == 1 and await reader.pending() == 0
     async with aioredis.Redis.from_url(redis_url) as client:
         meta = group_keys(NS, "gone")[0]
         assert await client.hget(meta, "closed") == b"1" and await client.pttl(meta) > 0

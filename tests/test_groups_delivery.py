@@ -5,8 +5,9 @@ Policy (sink.trainer.groups, docs/training.md#grpo-groups): a rollout without a 
 skipped one is acknowledged at once and listed in ``failed``. A group with no trainable member is never
 delivered: counted as dropped and closed. ``drop_group`` drops a group with a failed member; a group sealed at
 ``group_timeout_s`` under ``partial`` is delivered ``complete=False``. :class:`GroupStatistics` counts each group
-once. A closed group's ``:meta`` stays as a tombstone for the longest of ``retention_s``, 4 x ``group_timeout_s``
-and 4 x ``claim_idle_ms`` (it outlives the members record, so a member arriving later is always seen late).
+once. A closed group's record (``:meta`` and ``:members``) stays as a tombstone for the longest of the reader's
+``retention_s``, 4 x the assemblers' ``group_timeout_s`` and 4 x ``claim_idle_ms`` (so a member arriving later is
+always seen late).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sink.contract.skip_codes import SkipCode
 from sink.keys import group_keys
 from sink.trainer.groups import GroupReader
 from sink.trainer.reader.rollout_reader import RolloutReader
-from tests.helpers.group_members import lose_root_records, pull_until_settled
+from tests.helpers.group_members import lose_root_records, publish_members, pull_until_settled
 from tests.helpers.trainer import publish, publish_groups
 
 pytestmark = pytest.mark.anyio
@@ -81,8 +82,9 @@ async def test_drop_group_counts_every_dropped_group(redis_url: str) -> None:
 
 
 async def test_partial_groups_are_each_counted(redis_url: str) -> None:
-    await publish_groups(redis_url, {"part-a": ["pa-0", "pa-1"], "part-b": ["pb-0", "pb-1"]}, size=3, **ONE_SHARD)
-    async with RolloutReader.from_url(redis_url, group_timeout_s=0.3, **ONE_SHARD) as reader:
+    parts = {"part-a": ["pa-0", "pa-1"], "part-b": ["pb-0", "pb-1"]}
+    await publish_groups(redis_url, parts, size=3, group_timeout_s=0.3, **ONE_SHARD)
+    async with RolloutReader.from_url(redis_url, **ONE_SHARD) as reader:
         groups = GroupReader(reader)
         delivered = await pull_until_settled(groups, 4)
         assert sorted((g.group_id, g.rollout_ids, g.complete) for g in delivered) == [
@@ -94,18 +96,19 @@ async def test_partial_groups_are_each_counted(redis_url: str) -> None:
         assert await reader.pending() == 0
 
 
-TOMBSTONES: dict[str, tuple[dict[str, Any], int]] = {
-    # settings -> the tombstone's lifetime, ms: the longest of the three bounds wins
-    "retention": ({"retention_s": 100_000.0}, 100_000_000),
-    "group-timeout": ({"retention_s": 1.0, "group_timeout_s": 100_000.0}, 400_000_000),
-    "claim-idle": ({"retention_s": 1.0, "claim_idle_ms": 100_000_000}, 400_000_000),
+TOMBSTONES: dict[str, tuple[dict[str, Any], float | None, int]] = {
+    # reader settings, the assemblers' group_timeout_s -> the tombstone's lifetime, ms: the longest bound wins
+    "retention": ({"retention_s": 100_000.0}, None, 100_000_000),
+    "group-timeout": ({"retention_s": 1.0}, 100_000.0, 400_000_000),
+    "claim-idle": ({"retention_s": 1.0, "claim_idle_ms": 100_000_000}, None, 400_000_000),
 }
 
 
 @pytest.mark.parametrize("bound", list(TOMBSTONES))
 async def test_a_closed_groups_tombstone_lasts_its_longest_bound(redis_url: str, bound: str) -> None:
-    settings, ttl_ms = TOMBSTONES[bound]
-    await publish_groups(redis_url, {"kept": ["k-0"]}, **ONE_SHARD)
+    settings, group_timeout_s, ttl_ms = TOMBSTONES[bound]
+    # The assembler that records the group stamps its tombstone bound (4 x its group_timeout_s).
+    await publish_members(redis_url, {"k-0": ("kept", 1)}, recorded_with_timeout_s=group_timeout_s)
     async with RolloutReader.from_url(redis_url, **settings, **ONE_SHARD) as reader:
         groups = GroupReader(reader)
         delivered = await pull_until_settled(groups, 1)
@@ -113,6 +116,7 @@ async def test_a_closed_groups_tombstone_lasts_its_longest_bound(redis_url: str,
         async with aioredis.Redis.from_url(redis_url) as client:
             meta, members = group_keys(NS, "kept")
             remaining_ms = int(await client.pttl(meta))
-            assert not await client.exists(members) and await client.hget(meta, "closed") == b"1"
+            members_ms = int(await client.pttl(members))  # kept as long: a redelivered entry still reads it
+            assert await client.hget(meta, "closed") == b"1"
     # A minute of slack for a slow machine between the close and the read; far below every bound's difference.
-    assert ttl_ms - 60_000 < remaining_ms <= ttl_ms
+    assert ttl_ms - 60_000 < remaining_ms <= ttl_ms and ttl_ms - 60_000 < members_ms <= ttl_ms

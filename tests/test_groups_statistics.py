@@ -19,7 +19,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from sink.contract.skip_codes import SkipCode
-from sink.keys import group_keys, record_key
+from sink.keys import group_keys, open_groups_key, record_key, shard_of
+from sink.settings import DEFAULT_SHARDS
 from sink.trainer.groups import GROUP_SIZE_MISMATCH, GroupReader, RolloutGroup
 from sink.trainer.reader.rollout_reader import RolloutReader
 from tests.helpers.group_members import publish_members
@@ -31,11 +32,11 @@ ONE_SHARD: dict[str, Any] = {"receipt_shards": 1}
 
 
 async def _pull_all(groups: GroupReader, rollouts: int, *, timeout_s: float = 20.0) -> list[RolloutGroup]:
-    """pull_groups until *rollouts* rollouts were pulled and no group is waiting."""
+    """pull_groups until *rollouts* rollouts were pulled (whole group entries)."""
     delivered: list[RolloutGroup] = []
     reader = groups.reader
     with anyio.fail_after(timeout_s):
-        while reader.statistics().pulled < rollouts or groups.statistics().waiting:
+        while reader.statistics().pulled < rollouts:
             delivered += await groups.pull_groups(4, block_ms=50)
     return delivered
 
@@ -142,27 +143,15 @@ async def test_every_group_whose_members_disagree_on_the_size_is_counted_and_nam
     assert any("'sizes-a'" in w for w in warnings) and any("'sizes-b'" in w for w in warnings)
 
 
-@pytest.mark.parametrize(
-    ("group_timeout_s", "claim_idle_ms"),
-    [(100.0, 1_000), (1.0, 100_000)],
-    ids=["timeout-longest", "lease-longest"],
-)
-async def test_an_open_group_record_outlives_its_timeout_and_an_owner_lease(
-    redis_url: str, group_timeout_s: float, claim_idle_ms: int
-) -> None:
-    # A record gone before the timeout (or before a crashed owner's lease ran out) would strand its members.
+async def test_an_open_group_record_never_expires_and_is_indexed_until_published(redis_url: str) -> None:
+    # The members' receipts live only in the record until the group's entry is consumed: an expiry would lose them.
     await publish_members(redis_url, {"open-0": ("open", 2)})
-    settings: dict[str, Any] = {**ONE_SHARD, "group_timeout_s": group_timeout_s, "claim_idle_ms": claim_idle_ms}
-    async with RolloutReader.from_url(redis_url, **settings) as reader:
-        groups = GroupReader(reader)
-        with anyio.fail_after(20):
-            while reader.statistics().pulled < 1:
-                assert await groups.pull_groups(4, block_ms=50) == []
-        assert groups.statistics().waiting == 1
-        floor_ms = max(group_timeout_s * 1000, claim_idle_ms)
-        async with aioredis.Redis.from_url(redis_url) as client:
-            for key in group_keys(NS, "open"):
-                assert await client.pttl(key) > floor_ms, key
+    async with RolloutReader.from_url(redis_url, **ONE_SHARD) as reader:
+        assert await GroupReader(reader).pull_groups(4, block_ms=50) == []  # nothing published yet
+    async with aioredis.Redis.from_url(redis_url) as client:
+        for key in group_keys(NS, "open"):
+            assert await client.pttl(key) == -1, key
+        assert await client.zscore(open_groups_key(NS, shard_of("open", DEFAULT_SHARDS)), "open") is not None
 
 
 async def test_a_failed_members_reason_travels_whole_to_the_delivering_rank(redis_url: str) -> None:

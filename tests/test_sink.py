@@ -394,7 +394,7 @@ async def test_from_url_takes_settings_or_setting_fields(redis_url: str) -> None
 
 def test_every_script_has_its_status_codes_filled_in() -> None:
     sources = [value.source for value in vars(scripts).values() if isinstance(value, scripts.ServerScript)]
-    assert len(sources) == 17  # append_after_stage joined the ledger scripts
+    assert len(sources) == 19  # the GRPO group scripts: record, seal, due, take and close (gather and check removed)
     assert all("$" not in source for source in sources)
     # ... and every Lua script of the package lives in the store's scripts folder (re-exported by its package).
     home = Path(scripts.__file__).resolve().parent

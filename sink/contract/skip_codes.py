@@ -31,8 +31,6 @@ class SkipCode(StrEnum):
     """A manifest row's ``capture_key`` names another rollout (not an attempt of this one)."""
     STALE_WEIGHTS = "stale_weights"
     """The rollout's oldest generating call is more than ``max_weight_lag`` versions old."""
-    MEMBER_UNAVAILABLE = "member_unavailable"
-    """A failed member of a GRPO group: its receipt entry was gone when the group's owner took it over."""
 
 
 UPSTREAM_SKIP_CODES: Final = frozenset({SkipCode.ROLLOUT_FAILED, SkipCode.CAPTURE_POISONED})

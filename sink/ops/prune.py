@@ -12,7 +12,8 @@ key                                       removed by
                                           a consumed rollout's keys left without a TTL get one here
 ``ns:gym:{R}``, ``ns:gym:{R}:*``          the NeMo Gym transport's ``drop`` (its tombstone expires); else
                                           abandonment here
-``ns:{grp:G}:*``                          the reader (``PEXPIRE``, GRPO group mode)
+``ns:{grp:G}:*``                          the reader that consumed the group (``PEXPIRE``, GRPO groups)
+``ns:groups:open:<k>``                    the assemblers (a group leaves it once published)
 ``ns:done:<k>``, ``ns:receipts:<k>``      fixed count; entries ``XACK`` + ``XDEL`` once processed;
                                           consumer names idle ``consumer_idle_max_s`` with nothing
                                           pending are deleted here

@@ -8,6 +8,16 @@ the immutable :class:`~sink.contract.records.RolloutReceipt`, stores it with ``S
 publishes it to ``ns:receipts:<shard>`` (with a multi-chain rollout's chain record beside it, §14.3) and only
 then acknowledges the event.
 
+A GRPO group member (``finished(group_id=..., group_size=...)``) is not published alone: one script on the group's
+slot records its receipts-entry fields in the group's record (``ns:{grp:<id>}:members``), and the call that
+completes the group freezes its member set; the assembler then publishes one group entry
+(:mod:`sink.rollout.group_entry`) on ``ns:receipts:<shard of the group id>``, marks the record published, and only
+then acknowledges the event. Open groups are indexed by their first member's time per done shard
+(``ns:groups:open:<k>``, the shard of the group id); every assembler sweeps the index and seals (freezes and
+publishes) a group still incomplete ``group_timeout_s`` after its first member. A member arriving after its
+group's member set was frozen is published alone, marked late. Every step is safe to redo: a redelivered event
+whose group is frozen and not yet marked published publishes it again (the trainer's claims drop the duplicate).
+
 Delivery guarantee: every finished rollout gets exactly one stored receipt, published **at least once** (a
 reclaimed event republishes the same stored receipt; the trainer reader drops the duplicate).
 
@@ -18,11 +28,12 @@ after ``max_deliveries``. A retired or unparsable ledger yields a poisoned ``man
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, NamedTuple, Self
+from typing import Any, Literal, NamedTuple, Self
 
 import anyio
 import redis.asyncio as aioredis
@@ -33,10 +44,11 @@ from redis.asyncio.cluster import RedisCluster
 
 from sink.contract.records import RolloutManifest, RolloutReceipt
 from sink.errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
-from sink.keys import done_stream, receipt_key, receipts_stream, shard_of
+from sink.keys import done_stream, group_keys, open_groups_key, receipt_key, receipts_stream, shard_of
 from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.chains import LedgerRead, chain_fields
 from sink.rollout.done_event import DoneEvent, GroupTag, finished, group_fields, parse_done_event
+from sink.rollout.group_entry import group_entry_fields
 from sink.rollout.receipt import build_receipt
 from sink.service import OutagePolicy, ReclaimSchedule
 from sink.settings import AssemblerSettings
@@ -45,6 +57,7 @@ from sink.store.connection import Topology, connect, reply_text
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.pipeline_counters import count_receipt_published
 from sink.store.resource import AsyncResource, settings_or_fields
+from sink.store.scripts import GROUP_DUE_SCRIPT, GROUP_RECORD_SCRIPT, GROUP_SEAL_SCRIPT, GroupStatus, ServerScript
 from sink.store.streams import StreamEntry, default_consumer_name
 
 __all__ = ("ASSEMBLER_GROUP", "Assembler", "AssemblerStatistics", "finished", "run_assembler")
@@ -62,12 +75,29 @@ class AssemblerStatistics(NamedTuple):
     receipts_created: int
     receipts_reused: int
     published: int
+    """Receipts published (a GRPO group's entry counts its members; an entry published again counts again)."""
     acked: int
     reclaimed: int
     dead_lettered: int
     failures: int
     """Failed attempts: events refused (left pending), and every attempt an outage made fail (ridden out)."""
     in_flight: int
+    groups_complete: int = 0
+    """GRPO groups this assembler published complete."""
+    groups_sealed: int = 0
+    """GRPO groups this assembler sealed at ``group_timeout_s`` and published partial."""
+    groups_waiting: int = 0
+    """Open GRPO groups (every assembler's) in the indexes of the done shards, as of this assembler's last sweeps,
+    with the groups it indexed or published since."""
+    late_members: int = 0
+    """Members published alone, late: their group's member set was frozen before they arrived."""
+    size_mismatches: int = 0
+    """Groups this assembler published whose members announced different ``group_size`` values."""
+
+
+# How often each shard's open-groups index is swept, at most (a fraction of group_timeout_s, bounded).
+_SWEEPS_PER_TIMEOUT = 8
+_MAX_SWEEP_INTERVAL_S = 5.0
 
 
 class Assembler(AsyncResource):
@@ -86,7 +116,8 @@ class Assembler(AsyncResource):
     owns its client; the constructor borrows one.
 
     :param before_ack: instrumentation/test hook awaited after an event's
-        receipt is published and before the event is acknowledged.
+        receipt is published (a GRPO group member's: recorded in its group, the group published if the member
+        completed it) and before the event is acknowledged.
     :param outage: the outage policy to wait under (:mod:`sink.service`); default a new one from *settings*.
         Opening, each shard loop and closing ride out an outage up to ``max_outage_s``; a refusal stops it.
     """
@@ -126,6 +157,10 @@ class Assembler(AsyncResource):
         self._read_scopes: set[anyio.CancelScope] = set()
         self._stop_requested = anyio.Event()
         self._counts = {"events": 0, "created": 0, "reused": 0, "published": 0, "failures": 0, "in_flight": 0}
+        self._groups = dict.fromkeys(("complete", "sealed", "late", "mismatch"), 0)
+        self._waiting: dict[int, int] = {}  # open groups per done shard, as of its last sweep
+        interval = settings.group_timeout_s / _SWEEPS_PER_TIMEOUT
+        self._sweep_interval_s = min(interval, _MAX_SWEEP_INTERVAL_S)
 
     @classmethod
     def from_url(
@@ -162,6 +197,11 @@ class Assembler(AsyncResource):
             dead_lettered=consumer.dead_lettered,
             failures=c["failures"] + self._outage.retries,
             in_flight=c["in_flight"],
+            groups_complete=self._groups["complete"],
+            groups_sealed=self._groups["sealed"],
+            groups_waiting=sum(self._waiting.values()),
+            late_members=self._groups["late"],
+            size_mismatches=self._groups["mismatch"],
         )
 
     def __repr__(self) -> str:
@@ -224,8 +264,12 @@ class Assembler(AsyncResource):
         settings, consumer = self._settings, self._consumer
         recovered = False
         reclaims = ReclaimSchedule(settings)
+        swept_at = -float("inf")
         while not self._stopping:
             try:
+                if anyio.current_time() - swept_at >= self._sweep_interval_s:
+                    swept_at = anyio.current_time()
+                    await self._sweep(shard)
                 if not recovered or shard in consumer.suspect_shards():
                     # A restart under a stable consumer name, or a read that failed after the server may have
                     # served it: our own pending entries first.
@@ -282,7 +326,11 @@ class Assembler(AsyncResource):
                 return
             text = await self._outage.ride_out(partial(self._store_receipt, receipt), "running")
             chains = chain_fields(text, read)
-            await self._outage.ride_out(partial(self._publish, event.rollout_id, text, event.group, chains), "running")
+            if event.group is None:
+                publish = partial(self._publish, event.rollout_id, text, None, chains)
+            else:
+                publish = partial(self._gather, event.rollout_id, text, event.group, chains)
+            await self._outage.ride_out(publish, "running")
             if self._before_ack is not None:
                 await self._before_ack(entry)
             settled.append(entry)
@@ -353,21 +401,148 @@ class Assembler(AsyncResource):
         return reply
 
     async def _publish(
-        self, rollout_id: str, receipt_text: str, group: GroupTag | None, chains: dict[str, str]
+        self, rollout_id: str, receipt_text: str, group: GroupTag | None, chains: dict[str, str], *, late: bool = False
     ) -> None:
-        shard = shard_of(rollout_id, self._settings.receipt_shards)
-        stream = receipts_stream(self._ns, shard)
         # The GRPO group and the chain record (§14.3) ride beside the receipt (the receipt forbids extra fields).
         fields = {"rollout_id": rollout_id, "receipt": receipt_text, **chains}
         if group is not None:
             fields.update(group_fields(group))
-        action = f"publish the receipt of {rollout_id!r}"
+        if late:
+            fields["group_late"] = "1"
+        await self._add_entry(
+            shard_of(rollout_id, self._settings.receipt_shards), fields, f"the receipt of {rollout_id!r}"
+        )
+
+    async def _add_entry(self, shard: int, fields: dict[str, str], what: str, *, receipts: int = 1) -> None:
+        """``XADD`` *fields* to ``ns:receipts:<shard>``, durably: an entry carrying *receipts* receipts."""
+        stream = receipts_stream(self._ns, shard)
+        action = f"publish {what}"
         async with self._topology.translated(action):
             reply = await self._write(stream, lambda pipe: pipe.xadd(stream, fields), action)  # type: ignore[arg-type]
             if isinstance(reply, BaseException):
                 raise reply
-        self._counts["published"] += 1
-        count_receipt_published(self._ns, shard)  # metrics
+        self._counts["published"] += receipts
+        count_receipt_published(self._ns, shard, receipts)  # metrics
+
+    # --- GRPO groups ----------------------------------------------------------------
+
+    async def _script(self, script: ServerScript, keys: list[str], args: list[Any], action: str) -> Any:
+        """*script* on *keys*, its writes confirmed durable (:func:`~sink.store.batch.run_batch`)."""
+        settings = self._settings
+        async with self._topology.translated(action):
+            (reply,) = await run_batch(
+                self._topology,
+                [BatchCall(keys, args, script)],
+                durability=settings.durability,
+                timeout_s=settings.command_timeout_s / 2,
+                action=action,
+            )
+            if isinstance(reply, BaseException):
+                raise reply
+        return reply
+
+    async def _gather(self, rollout_id: str, receipt_text: str, group: GroupTag, chains: dict[str, str]) -> None:
+        """Record a member in its group's record; publish the group if this completed it (or a redo found it frozen
+        and unpublished), or the member alone if it is late. Safe to redo."""
+        fields = {"rollout_id": rollout_id, "receipt": receipt_text, **chains, **group_fields(group)}
+        tombstone_ms = int(self._settings.group_timeout_s * 4 * 1000)
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        keys = list(group_keys(self._ns, group.group_id))
+        args = [rollout_id, text, group.group_size, tombstone_ms]
+        reply = await self._script(
+            GROUP_RECORD_SCRIPT, keys, args, f"record member {rollout_id!r} of {group.group_id!r}"
+        )
+        status = GroupStatus(int(reply[0]))
+        if status == GroupStatus.LATE:
+            await self._publish(rollout_id, receipt_text, group, chains, late=True)
+            self._groups["late"] += 1
+            logger.warning(
+                "%s: member %r of group %r arrived after its group was frozen",
+                "late_member",
+                rollout_id,
+                group.group_id,
+            )
+        elif status == GroupStatus.OPEN:
+            first_at = int(reply_text(reply[1], "group first_at"))
+            shard = self._index_shard(group.group_id)
+            index = open_groups_key(self._ns, shard)
+            added = await self._write_plain(
+                index, lambda pipe: pipe.zadd(index, {group.group_id: first_at}, nx=True), "index an open group"
+            )
+            self._waiting[shard] = self._waiting.get(shard, 0) + int(added)  # until the next sweep counts them
+        elif status in (GroupStatus.COMPLETE, GroupStatus.SEALED):
+            await self._publish_group(group.group_id, status, reply)
+
+    def _index_shard(self, group_id: str) -> int:
+        return shard_of(group_id, self._settings.done_shards)
+
+    async def _write_plain(self, key: str, queue: Callable[[Pipeline], object], action: str) -> Any:
+        """:meth:`_write`, a refusal raised: the command's reply."""
+        async with self._topology.translated(action):
+            reply = await self._write(key, queue, action)
+            if isinstance(reply, BaseException):
+                raise reply
+        return reply
+
+    async def _publish_group(self, group_id: str, status: GroupStatus, reply: list[Any]) -> None:
+        """Publish a frozen group's entry, mark its record published, drop it from its open index (each step safe
+        to redo; a crash before the mark publishes it again)."""
+        size, mismatch = int(reply_text(reply[1], "group size")), reply_text(reply[2], "group mismatch") == "1"
+        members = [reply_text(member, "group member") for member in reply[4:]]
+        state: Literal["complete", "sealed"] = "complete" if status == GroupStatus.COMPLETE else "sealed"
+        fields = group_entry_fields(group_id, size, state, members, mismatch=mismatch)
+        shard = shard_of(group_id, self._settings.receipt_shards)
+        await self._add_entry(shard, fields, f"group {group_id!r}", receipts=len(members))
+        meta = group_keys(self._ns, group_id)[0]
+        await self._write_plain(
+            meta, lambda pipe: pipe.hset(meta, "published", "1"), f"mark group {group_id!r} published"
+        )
+        self._groups[state] += 1
+        await self._unindex(group_id)
+        if mismatch:
+            self._groups["mismatch"] += 1
+            text = "%s: members of group %r announced different group_size values; using the largest, %d"
+            logger.info(text, "group_size_mismatch", group_id, size)  # the receiving rank warns
+
+    async def _unindex(self, group_id: str) -> None:
+        shard = self._index_shard(group_id)
+        index = open_groups_key(self._ns, shard)
+        removed = await self._write_plain(index, lambda pipe: pipe.zrem(index, group_id), f"unindex group {group_id!r}")
+        self._waiting[shard] = max(0, self._waiting.get(shard, 0) - int(removed))
+
+    async def _sweep(self, shard: int) -> None:
+        """Seal and publish the groups of *shard*'s open index past ``group_timeout_s``, each step safe to redo. An
+        outage is waited out; a group whose sealing is refused is set aside (logged, counted in ``failures``) as a
+        refused event is, and tried again by the next sweep."""
+        index = open_groups_key(self._ns, shard)
+        timeout_ms = int(self._settings.group_timeout_s * 1000)
+
+        async def due() -> Any:
+            async with self._topology.translated(f"sweep open groups of shard {shard}"):
+                return await GROUP_DUE_SCRIPT.run(
+                    self._topology.client, [index], [timeout_ms, self._settings.batch_events]
+                )
+
+        reply = await self._outage.ride_out(due, "running")
+        self._waiting[shard] = int(reply[0])
+        for raw in reply[1:]:
+            group_id = reply_text(raw, "open group")
+            try:
+                await self._outage.ride_out(partial(self._seal, group_id, timeout_ms), "running")
+            except StagingError as exc:
+                self._counts["failures"] += 1
+                logger.warning("assembler %s: sealing group %r failed: %s", self.consumer_name, group_id, exc)
+
+    async def _seal(self, group_id: str, timeout_ms: int) -> None:
+        """Freeze *group_id* if it is open past *timeout_ms* and publish it if it is frozen and unpublished; drop
+        it from its index once published."""
+        keys = list(group_keys(self._ns, group_id))
+        sealed = await self._script(GROUP_SEAL_SCRIPT, keys, [timeout_ms], f"seal group {group_id!r}")
+        status = GroupStatus(int(sealed[0]))
+        if status in (GroupStatus.COMPLETE, GroupStatus.SEALED):
+            await self._publish_group(group_id, status, sealed)
+        elif status in (GroupStatus.PUBLISHED, GroupStatus.GONE):
+            await self._unindex(group_id)
 
 
 async def run_assembler(

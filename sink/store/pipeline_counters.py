@@ -205,9 +205,9 @@ def count_staged_bytes(namespace: str, nbytes: int) -> None:
     _PROCESS_COUNTERS.add("staging_sink_staged_bytes", float(nbytes), namespace=namespace)
 
 
-def count_receipt_published(namespace: str, shard: int) -> None:
-    """One receipt published on receipts shard *shard*."""
-    _PROCESS_COUNTERS.add("staging_sink_receipts_published", namespace=namespace, shard=str(shard))
+def count_receipt_published(namespace: str, shard: int, receipts: int = 1) -> None:
+    """*receipts* published on receipts shard *shard* (one entry: a rollout's, or a GRPO group's members)."""
+    _PROCESS_COUNTERS.add("staging_sink_receipts_published", float(receipts), namespace=namespace, shard=str(shard))
 
 
 def count_dead_letter(namespace: str, role: str, shard: int) -> None:

@@ -27,6 +27,7 @@ from sink.errors import CodecError, ReceiptVerificationError
 from sink.keys import validate_rollout_id
 from sink.rollout.chains import CHAINS_FIELD
 from sink.rollout.done_event import GroupTag
+from sink.rollout.group_entry import GroupEntry
 from sink.store.source import AsyncRedisStagingSource
 from sink.trainer.verify import LinearizedRow, verify_decoded_and_linearize
 
@@ -66,7 +67,8 @@ class PulledRollout:
     ``row``: a single-chain rollout's row. A multi-chain rollout (``chains`` set) has ``row=None`` and its
     rows in ``chain_rows`` (one per healthy chain, each with its ``chain_index``) and its poisoned chains in
     ``chain_skips``; when no chain trains, ``skip_code`` is the first chain's. ``rows`` covers both cases.
-    ``group``: the GRPO group given to :func:`~sink.rollout.done_event.finished`, or ``None``.
+    ``group``: the GRPO group given to :func:`~sink.rollout.done_event.finished`, or ``None``; ``group_entry``: how
+    a grouped rollout was published (the entry of its whole group, or alone as a late member), or ``None``.
     """
 
     receipt: RolloutReceipt
@@ -77,6 +79,7 @@ class PulledRollout:
     chains: RolloutChains | None = None
     chain_rows: tuple[LinearizedRow, ...] = ()
     chain_skips: tuple[ChainSkip, ...] = ()
+    group_entry: GroupEntry | None = None
 
     @property
     def rollout_id(self) -> str:
@@ -133,9 +136,9 @@ def parse_receipt_chains(fields: Mapping[str, str], receipt: RolloutReceipt) -> 
     return chains
 
 
-def with_group(pulled: PulledRollout, group: GroupTag | None) -> PulledRollout:
-    """*pulled* carrying *group*."""
-    return pulled if group is None else replace(pulled, group=group)
+def with_group(pulled: PulledRollout, group: GroupTag | None, entry: GroupEntry | None = None) -> PulledRollout:
+    """*pulled* carrying *group* and the *entry* it was delivered in."""
+    return pulled if group is None and entry is None else replace(pulled, group=group, group_entry=entry)
 
 
 def _skip(receipt: RolloutReceipt, code: str, reason: str) -> PulledRollout:
@@ -223,7 +226,9 @@ async def _fetch_chains(
     source: AsyncRedisStagingSource, receipt: RolloutReceipt, chains: RolloutChains, whole_rollout: bool
 ) -> PulledRollout:
     if chains.failure_reason is not None:
-        return PulledRollout(receipt, skip_code=SkipCode.ROLLOUT_FAILED, skip_reason=chains.failure_reason, chains=chains)
+        return PulledRollout(
+            receipt, skip_code=SkipCode.ROLLOUT_FAILED, skip_reason=chains.failure_reason, chains=chains
+        )
     healthy = [chain for chain in chains.chains if chain.failure_reason is None]
     # One fetch for the whole rollout (one MGET: a rollout lives in one slot); tree by tree only when it fails,
     # so a missing or corrupt record poisons only the chains whose tree holds it.

@@ -13,6 +13,7 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.rollout.assembler import finished
 from sink.trainer.groups import GroupReader, RolloutGroup
 from tests.helpers.e2e import EventCounter, running_assembler, stage_rollouts
+from tests.helpers.trainer import seal_groups
 
 __all__ = ("lose_root_records", "publish_members", "pull_until_settled")
 
@@ -24,11 +25,15 @@ async def publish_members(
     rewards: Mapping[str, float | None] | None = None,
     failures: Mapping[str, str] | None = None,
     calls: int = 2,
+    group_timeout_s: float | None = None,
+    recorded_with_timeout_s: float | None = None,
 ) -> None:
     """Stage *members* (rollout id -> ``(group_id, group_size)`` or ``None`` for no group), record *failures*
     (rollout id -> reason) on their ledgers, finish each with its reward (default 1.0) and publish the receipts on
     one receipts stream (``receipt_shards=1``). The assembler may publish them in any order: to order receipts on
-    the stream, publish them in separate calls."""
+    the stream, publish them in separate calls. With *group_timeout_s* (the assembler's), also wait until every
+    group is published (sealed when incomplete, after every member was recorded); *recorded_with_timeout_s*: the
+    ``group_timeout_s`` of the assembler that records them (default 600)."""
     staged = await stage_rollouts(url, list(members), calls=calls)
     if failures:
         async with RedisCaptureLedger.from_url(url) as ledger:
@@ -44,9 +49,12 @@ async def publish_members(
                 group_id=group[0] if group else None,
                 group_size=group[1] if group else None,
             )
-    async with running_assembler(url, before_ack=published, block_ms=50, receipt_shards=1):
+    recording = {} if recorded_with_timeout_s is None else {"group_timeout_s": recorded_with_timeout_s}
+    async with running_assembler(url, before_ack=published, block_ms=50, receipt_shards=1, **recording):
         with anyio.fail_after(30):
             await published.reached.wait()
+    if group_timeout_s is not None:
+        await seal_groups(url, {group[0] for group in members.values() if group}, group_timeout_s, receipt_shards=1)
 
 
 async def lose_root_records(url: str, rollout_ids: list[str]) -> None:
@@ -57,9 +65,9 @@ async def lose_root_records(url: str, rollout_ids: list[str]) -> None:
 
 
 async def pull_until_settled(groups: GroupReader, pulled: int, *, timeout_s: float = 20.0) -> list[RolloutGroup]:
-    """Pull until *pulled* rollouts came in and no group waits any more."""
+    """Pull until *pulled* rollouts came in (whole group entries: every group they belong to is settled)."""
     delivered: list[RolloutGroup] = []
     with anyio.fail_after(timeout_s):
-        while groups.reader.statistics().pulled < pulled or groups.statistics().waiting:
+        while groups.reader.statistics().pulled < pulled:
             delivered += await groups.pull_groups(4, block_ms=50)
     return delivered

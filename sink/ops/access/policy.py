@@ -99,6 +99,7 @@ _RECEIPTS = "<ns>:receipts:*"
 _DEAD = "<ns>:dead:*"
 _GROUP_META = "<ns>:{grp:*}:meta"
 _GROUP_MEMBERS = "<ns>:{grp:*}:members"
+_OPEN_GROUPS = "<ns>:groups:open:*"
 _WEIGHTS = ("<ns>:weight_version", "<ns>:weight_version:last")  # the published version and its last-published record
 
 CONNECTION_COMMANDS: tuple[str, ...] = (
@@ -180,15 +181,25 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
     ),
     "assembler": RolePolicy(
         "assembler: consume done events, read ledgers (script: EXISTS, XRANGE), store the receipt once "
-        "(SET NX GET), publish to receipts, dead-letter what cannot be processed; every write confirmed durable "
-        "in its round trip (WAITAOF, CONFIG GET)",
+        "(SET NX GET), publish to receipts, dead-letter what cannot be processed; GRPO groups: record members "
+        "and freeze or seal groups (script: TIME, EXISTS, HGET, HSETNX, HSET, HEXISTS, HLEN, HMGET, HKEYS), mark "
+        "them published (HSET), index open groups and sweep the index (ZADD, ZREM; script: TIME, ZRANGEBYSCORE, "
+        "ZCARD); every write confirmed durable in its round trip (WAITAOF, CONFIG GET)",
         (
-            Grant((*CONNECTION_COMMANDS, "script|load", *_TRANSACTIONS, *_DURABLE_ACK)),
-            Grant(_SCRIPTS, (_rw(_LEDGER), _rw(_FENCE), _rw(_DONE))),
+            Grant((*CONNECTION_COMMANDS, "script|load", "time", *_TRANSACTIONS, *_DURABLE_ACK)),
+            Grant(
+                _SCRIPTS,
+                (_rw(_LEDGER), _rw(_FENCE), _rw(_DONE), _rw(_GROUP_META), _rw(_GROUP_MEMBERS), _rw(_OPEN_GROUPS)),
+            ),
             Grant(("exists", "xrange"), (_ro(_LEDGER), _ro(_FENCE))),
             Grant(_CONSUMER, (_rw(_DONE),)),
             Grant(("set", "get"), (_rw(_RECEIPT),)),
             Grant(("xadd",), (_wo(_RECEIPTS), _wo(_DEAD))),
+            Grant(
+                ("exists", "hget", "hsetnx", "hset", "hexists", "hlen", "hmget", "hkeys"),
+                (_rw(_GROUP_META), _rw(_GROUP_MEMBERS)),
+            ),
+            Grant(("zadd", "zrem", "zrangebyscore", "zcard"), (_rw(_OPEN_GROUPS),)),
         ),
     ),
     "trainer": RolePolicy(
@@ -197,8 +208,9 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
         "XLEN) and retire the ledger (script: EXISTS, SET fence, DEL); read a ledger for an export by id (script: "
         "EXISTS, XRANGE); delete rollouts so their ids are reusable "
         "(``staging-sink delete``: DEL of every key under the rollout's hash tag, one key per DEL); dead-letter "
-        "poison entries; GRPO group mode: gather and own groups (script: TIME, HSETNX, HSET, HGET, HLEN, HGETALL, "
-        "PEXPIRE, EXISTS), DEL them on ack; publish its weight version (SET weight_version, weight_version:last); "
+        "poison entries; GRPO groups: claim a group entry's group and read its members (script: EXISTS, HGET, "
+        "HSET meta, HMGET members), close a consumed group (script: HGET, HSET, PEXPIRE); publish its weight "
+        "version (SET weight_version, weight_version:last); "
         "ledger retirement, acknowledgements and dead letters confirmed durable in their round trip (WAITAOF, "
         "CONFIG GET)",
         (
@@ -221,10 +233,7 @@ ROLE_POLICIES: Mapping[str, RolePolicy] = {
                     )
                 ),
             ),
-            Grant(
-                ("hsetnx", "hset", "hget", "hincrby", "hlen", "hgetall", "pexpire", "exists", "del"),
-                (_rw(_GROUP_META), _rw(_GROUP_MEMBERS)),
-            ),
+            Grant(("exists", "hget", "hset", "hmget", "pexpire"), (_rw(_GROUP_META), _rw(_GROUP_MEMBERS))),
             Grant(_CONSUMER, (_rw(_RECEIPTS),)),
             Grant(("get", "del", "exists"), (_rw(_RECEIPT),)),
             Grant(("expire",), (_rw(_RECEIPT), _rw(_FENCE))),  # retention after ack (sink.trainer.reader.retention)

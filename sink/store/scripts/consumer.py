@@ -9,9 +9,11 @@ from sink.store.scripts.status import library_script
 __all__ = (
     "CLAIM_SCRIPT",
     "GIVE_BACK_SCRIPT",
-    "GROUP_CHECK_SCRIPT",
     "GROUP_CLOSE_SCRIPT",
-    "GROUP_GATHER_SCRIPT",
+    "GROUP_DUE_SCRIPT",
+    "GROUP_RECORD_SCRIPT",
+    "GROUP_SEAL_SCRIPT",
+    "GROUP_TAKE_SCRIPT",
     "RELEASE_SCRIPT",
     "RETIRE_CONSUMER_SCRIPT",
     "TOUCH_SCRIPT",
@@ -104,84 +106,113 @@ return {$NOT_REMOVED}
 )
 
 
-# --- GRPO groups (sink.trainer.groups) ------------------------------------------------------------
+# --- GRPO groups (sink.rollout.assembler gathers them; sink.trainer reads them) ----------------------------------
 
-# KEYS: meta, members. ARGV: member id, member record, owner (the caller), size, claim_idle_ms, ttl_ms.
-# {GROUP_LATE} (nothing recorded) when the group went out already: closed (acknowledged, dropped, dead-lettered)
-# or owned, and this member is not one of it. Else records the member; sizes that disagree keep the largest and
-# set 'mismatch'. Then: {GROUP_COMPLETE, size, mismatch, members...} when this call completes the group (or finds
-# it complete with no live owner) and makes the caller its owner (meta 'deliveries' counts the owners it had:
-# above 1, the group was delivered before); {GROUP_OWNED} when the caller owns it already;
-# {GROUP_TAKEN, owner} when a live rank owns it; {GROUP_WAIT} otherwise.
-GROUP_GATHER_SCRIPT: Final = library_script(
-    "group_gather",
+# The group record (one slot, {grp:<id>}): meta (size, first_at, mismatch, tombstone_ms, then state once frozen:
+# 'complete' or 'sealed', published once its entry is on a receipts stream, closed once a rank consumed it) and
+# members (rollout id -> the member's receipts entry fields). A frozen group's members hash is its member set.
+# A frozen or published reply is {state, size, mismatch, first_at, member ids...}.
+
+# KEYS: meta, members. ARGV: member id, member fields, size announced, tombstone_ms. Records a member.
+# {GROUP_LATE} (nothing recorded): the group was frozen without it. {GROUP_PUBLISHED}: the member is in a frozen set
+# already published (a redo). {GROUP_OPEN, first_at}: recorded, not complete. {GROUP_COMPLETE, ...} / {GROUP_SEALED,
+# ...}: this call completed the group (its member set now frozen), or a redo found it frozen and not yet published.
+# Sizes that disagree keep the largest and set 'mismatch'.
+GROUP_RECORD_SCRIPT: Final = library_script(
+    "group_record",
     """
-if redis.call('HGET', KEYS[1], 'closed') then return {$GROUP_LATE} end
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return {$GROUP_LATE} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if redis.call('HSETNX', KEYS[1], 'size', ARGV[4]) == 1 then
-  redis.call('HSET', KEYS[1], 'first_at', now)
-elseif tonumber(redis.call('HGET', KEYS[1], 'size')) ~= tonumber(ARGV[4]) then
-  redis.call('HSET', KEYS[1], 'mismatch', '1')
-  if tonumber(ARGV[4]) > tonumber(redis.call('HGET', KEYS[1], 'size')) then redis.call('HSET', KEYS[1], 'size', ARGV[4]) end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state then
+  if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return {$GROUP_LATE} end
+  if redis.call('HGET', KEYS[1], 'published') then return {$GROUP_PUBLISHED} end
+else
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if redis.call('HSETNX', KEYS[1], 'size', ARGV[3]) == 1 then
+    redis.call('HSET', KEYS[1], 'first_at', now, 'mismatch', '0', 'tombstone_ms', ARGV[4])
+  elseif tonumber(redis.call('HGET', KEYS[1], 'size')) ~= tonumber(ARGV[3]) then
+    redis.call('HSET', KEYS[1], 'mismatch', '1')
+    if tonumber(ARGV[3]) > tonumber(redis.call('HGET', KEYS[1], 'size')) then redis.call('HSET', KEYS[1], 'size', ARGV[3]) end
+  end
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  if redis.call('HLEN', KEYS[2]) < tonumber(redis.call('HGET', KEYS[1], 'size')) then
+    return {$GROUP_OPEN, redis.call('HGET', KEYS[1], 'first_at')}
+  end
+  state = 'complete'
+  redis.call('HSET', KEYS[1], 'state', state)
 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[6])
-redis.call('PEXPIRE', KEYS[2], ARGV[6])
-if owner == ARGV[3] then return {$GROUP_OWNED} end
-if owner and now - tonumber(redis.call('HGET', KEYS[1], 'owner_at')) < tonumber(ARGV[5]) then
-  return {$GROUP_TAKEN, owner}
-end
-local size = redis.call('HGET', KEYS[1], 'size')
-if redis.call('HLEN', KEYS[2]) < tonumber(size) then return {$GROUP_WAIT} end
-redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'owner_at', now)
-local mismatch = redis.call('HGET', KEYS[1], 'mismatch') or '0'
-redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
-return {$GROUP_COMPLETE, size, mismatch, unpack(redis.call('HGETALL', KEYS[2]))}
+local meta = redis.call('HMGET', KEYS[1], 'size', 'mismatch', 'first_at')
+local code = $GROUP_SEALED
+if state == 'complete' then code = $GROUP_COMPLETE end
+return {code, meta[1], meta[2], meta[3], unpack(redis.call('HKEYS', KEYS[2]))}
 """,
 )
 
-# KEYS: meta, members. ARGV: ttl_ms. Closes a group that went out (acknowledged, dropped, dead-lettered): its
-# members record is deleted and the meta kept ttl_ms as a tombstone, so a member arriving later is late
-# (GROUP_LATE), never a second group of the same id. Returns {DONE}.
+# KEYS: meta, members. ARGV: timeout_ms. A timeout sweep's step for one open group: {GROUP_GONE} (no record),
+# {GROUP_PUBLISHED}, {GROUP_OPEN, first_at} (not due yet), or {GROUP_COMPLETE | GROUP_SEALED, ...}: frozen and not
+# yet published (frozen here as sealed when it was open past timeout_ms).
+GROUP_SEAL_SCRIPT: Final = library_script(
+    "group_seal",
+    """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {$GROUP_GONE} end
+if redis.call('HGET', KEYS[1], 'published') then return {$GROUP_PUBLISHED} end
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local first_at = redis.call('HGET', KEYS[1], 'first_at')
+  if now - tonumber(first_at) < tonumber(ARGV[1]) then return {$GROUP_OPEN, first_at} end
+  state = 'sealed'
+  redis.call('HSET', KEYS[1], 'state', state)
+end
+local meta = redis.call('HMGET', KEYS[1], 'size', 'mismatch', 'first_at')
+local code = $GROUP_SEALED
+if state == 'complete' then code = $GROUP_COMPLETE end
+return {code, meta[1], meta[2], meta[3], unpack(redis.call('HKEYS', KEYS[2]))}
+""",
+)
+
+# KEYS: the open-groups index of one done shard (zset: group id by first_at). ARGV: timeout_ms, count.
+# Returns {open groups in the index, ids of up to count groups opened timeout_ms ago or earlier...}.
+GROUP_DUE_SCRIPT: Final = library_script(
+    "group_due",
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), 'LIMIT', 0, tonumber(ARGV[2]))
+return {redis.call('ZCARD', KEYS[1]), unpack(due)}
+""",
+)
+
+# KEYS: meta, members. ARGV: the group entry's token (stream#entry id), then the member ids it names. A reader's
+# claim of a whole group for one of its entries (a group published twice has two), before it claims the members:
+# {CLAIM_DUPLICATE} when another entry claimed the group; {CLAIM_RETIRED} when the group was consumed (closed) or
+# its record is gone; else the group is this entry's (new, or taken over with the entry) and the reply is
+# {CLAIM_CLAIMED, each member's fields or false...}.
+GROUP_TAKE_SCRIPT: Final = library_script(
+    "group_take",
+    """
+local owner = redis.call('HGET', KEYS[1], 'claimed')
+if owner and owner ~= ARGV[1] then return {$CLAIM_DUPLICATE} end
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'closed') then return {$CLAIM_RETIRED} end
+redis.call('HSET', KEYS[1], 'claimed', ARGV[1])
+return {$CLAIM_CLAIMED, unpack(redis.call('HMGET', KEYS[2], unpack(ARGV, 2)))}
+""",
+)
+
+# KEYS: meta, members. ARGV: ttl_ms. Closes a group a rank consumed (its entry's last member acknowledged): both keys
+# expire after the longer of ttl_ms and the tombstone_ms the assembler stamped, the meta a tombstone (frozen: a
+# member arriving later is late, never a second group of the same id). Returns {DONE}.
 GROUP_CLOSE_SCRIPT: Final = library_script(
     "group_close",
     """
-redis.call('DEL', KEYS[2])
+local ttl = tonumber(ARGV[1])
+local own = tonumber(redis.call('HGET', KEYS[1], 'tombstone_ms') or '0')
+if own > ttl then ttl = own end
 redis.call('HSET', KEYS[1], 'closed', '1')
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if not redis.call('HGET', KEYS[1], 'state') then redis.call('HSET', KEYS[1], 'state', 'sealed') end
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('PEXPIRE', KEYS[2], ttl)
 return {$DONE}
-""",
-)
-
-# KEYS: meta, members. ARGV: owner (the caller: consumer name / reader token), timeout_ms. A watched group's state:
-# {GROUP_OWNED} / {GROUP_TAKEN, owner} (any other owner, idle or not: a dead owner's members come back through their
-# idle receipt entries, to the gather) / {GROUP_WAIT} / {GROUP_GONE} (expired or closed), or
-# {GROUP_COMPLETE | GROUP_SEALED, size, mismatch, members...} making the caller the owner: complete, or timed out.
-GROUP_CHECK_SCRIPT: Final = library_script(
-    "group_check",
-    """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'closed') then return {$GROUP_GONE} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'owner_at', now)
-  return {$GROUP_OWNED}
-end
-if owner then
-  return {$GROUP_TAKEN, owner}
-end
-local state = $GROUP_COMPLETE
-local size = redis.call('HGET', KEYS[1], 'size')
-if redis.call('HLEN', KEYS[2]) < tonumber(size) then
-  if now - tonumber(redis.call('HGET', KEYS[1], 'first_at')) < tonumber(ARGV[2]) then return {$GROUP_WAIT} end
-  state = $GROUP_SEALED
-end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_at', now)
-redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
-return {state, size, redis.call('HGET', KEYS[1], 'mismatch') or '0', unpack(redis.call('HGETALL', KEYS[2]))}
 """,
 )

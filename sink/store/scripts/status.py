@@ -79,18 +79,17 @@ class ClaimStatus(IntEnum):
 
 
 class GroupStatus(IntEnum):
-    """GRPO group scripts: members missing; the caller owns it; a live rank owns it (payload: owner); complete and
-    now the caller's (payload: size, mismatch, members); timed out and now the caller's (payload: size, mismatch,
-    members); expired or acknowledged; the member came after its group went out (not recorded).
+    """GRPO group record scripts (:mod:`sink.rollout.assembler`): open (payload: first_at); complete or sealed, its
+    member set frozen and not yet published (payload: size, mismatch, first_at, members); published already; no
+    record; the member came after its group's member set was frozen (not recorded).
     """
 
-    WAIT = 0
-    OWNED = 1
-    TAKEN = 2
-    COMPLETE = 3
-    SEALED = 4
-    GONE = 5
-    LATE = 6
+    OPEN = 0
+    COMPLETE = 1
+    SEALED = 2
+    PUBLISHED = 3
+    GONE = 4
+    LATE = 5
 
 
 class GymStatus(IntEnum):

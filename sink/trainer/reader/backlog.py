@@ -6,34 +6,34 @@ receipts, read shard after shard and no more than wanted, so a pull reads no mor
 waits in one reader's hand while another has nothing. With nothing in hand and nothing new, a reader about to
 wait reclaims first: entries another reader gave back (:meth:`ReceiptBacklog.give_back_unpulled`,
 :meth:`ReceiptBacklog.give_back_held`: left pending, idle ``claim_idle_ms`` already) are taken then, not after a
-lease. Entries the reader already holds or has queued are never queued twice. :meth:`ReceiptBacklog.take_over`
-moves named entries of other ranks to this reader (GRPO groups, :mod:`sink.trainer.groups`).
+lease. Entries the reader already holds or has queued are never queued twice. A GRPO group entry counts as many
+rollouts as it names members, and a take returns whole entries (so it may return more rollouts than wanted); a
+read asks for as many entries as the entries read last suggest (a reader's first read of new receipts probes with
+one), so it reads no group entry it will not return.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import math
 
-from sink.keys import receipts_stream
 from sink.service import ReclaimSchedule
 from sink.settings import ReaderSettings
 from sink.store.batch import BatchCall, raise_first_error, run_batch
-from sink.store.connection import Topology, reply_text
+from sink.store.connection import Topology
 from sink.store.healing import SelfHealingGroupConsumer
 from sink.store.scripts import GIVE_BACK_SCRIPT
 from sink.store.streams import StreamEntry
 from sink.trainer.reader.held import HeldRollouts
 
-__all__ = ("TRAINER_GROUP", "ReceiptBacklog")
+__all__ = ("TRAINER_GROUP", "ReceiptBacklog", "rollouts_of")
 
 TRAINER_GROUP = "trainers"
 
 
-def _text_fields(fields: Any) -> dict[str, str]:
-    return {
-        reply_text(key, "receipts entry"): reply_text(value, "receipts entry") for key, value in dict(fields).items()
-    }
+def rollouts_of(entry: StreamEntry) -> int:
+    """How many rollouts *entry* delivers: a group entry's members, else one."""
+    members = entry.fields.get("group_members")
+    return members.count(",") + 1 if members else 1
 
 
 class ReceiptBacklog:
@@ -54,22 +54,29 @@ class ReceiptBacklog:
         self._recovered = False
         self._reclaims = ReclaimSchedule(settings)
         self._first_shard = 0  # where the next read of new receipts starts (one further each time)
+        self._per_entry: float | None = None  # rollouts per entry, as the last entries read held (None: none read)
 
     async def take(self, wanted: int, *, block_ms: int) -> list[StreamEntry]:
-        """Up to *wanted* entries, waiting up to *block_ms* for new receipts when there is nothing else.
+        """Entries of up to *wanted* rollouts (whole entries: a group entry may pass it), waiting up to *block_ms*
+        for new receipts when there is nothing else.
 
         Only the wait may read more than *wanted* (receipts arriving on several shards at once): the rest stays
         in hand for the next take, or goes back with :meth:`give_back_unpulled`.
         """
         await self._refill(wanted)
-        if len(self._entries) < wanted:
+        if self._in_hand() < wanted:
             await self._read_new(wanted)
         if not self._entries and block_ms:
             await self._reclaim(wanted, full_pass=False)  # given back by another reader: at once, not after a lease
             if not self._entries:
                 shards = list(range(self._settings.receipt_shards))
-                self._keep(await self._consumer.read_new(shards, count=wanted, block_ms=block_ms))
-        entries, self._entries = self._entries[:wanted], self._entries[wanted:]
+                count = self._entries_for(wanted)
+                self._keep(await self._consumer.read_new(shards, count=count, block_ms=block_ms))
+        count = taken = 0
+        while count < len(self._entries) and taken < wanted:  # whole entries: a group entry may pass wanted
+            taken += rollouts_of(self._entries[count])
+            count += 1
+        entries, self._entries = self._entries[:count], self._entries[count:]
         return entries
 
     async def give_back_unpulled(self) -> int:
@@ -106,7 +113,9 @@ class ReceiptBacklog:
 
     def put_back(self, entries: list[StreamEntry], settled: set[tuple[str, str]]) -> None:
         """Keep *entries* not consumed (not in *settled*, not held) for the next :meth:`take`: still pending for us."""
-        self._entries[:0] = [e for e in entries if (e.stream, e.entry_id) not in settled and not self._held.holds(e)]
+        self._entries[:0] = [
+            e for e in entries if (e.stream, e.entry_id) not in settled and not self._held.holds_entry(e)
+        ]
 
     async def _refill(self, wanted: int) -> None:
         consumer = self._consumer
@@ -125,53 +134,41 @@ class ReceiptBacklog:
         first, self._first_shard = self._first_shard, (self._first_shard + 1) % shards  # no shard always read last
         for step in range(shards):
             shard = (first + step) % shards
-            self._keep(await self._consumer.read_new([shard], count=wanted - len(self._entries), block_ms=None))
-            if len(self._entries) >= wanted:
+            while self._in_hand() < wanted:
+                count = self._entries_for(wanted - self._in_hand(), probe=True)
+                found = await self._consumer.read_new([shard], count=count, block_ms=None)
+                self._keep(found)
+                if len(found) < count:
+                    break  # the shard has no more
+            if self._in_hand() >= wanted:
                 break
 
     async def _reclaim(self, wanted: int, *, full_pass: bool) -> None:
         """Reclaim entries idle past ``claim_idle_ms`` until *wanted* are in hand."""
         for shard in range(self._settings.receipt_shards):
-            missing = wanted - len(self._entries)
+            missing = wanted - self._in_hand()
             if missing <= 0:
                 break
-            self._keep(await self._consumer.reclaim(shard, count=missing, full_pass=full_pass))
+            self._keep(await self._consumer.reclaim(shard, count=self._entries_for(missing), full_pass=full_pass))
+
+    def _in_hand(self) -> int:
+        """Rollouts the entries in hand deliver."""
+        return sum(rollouts_of(entry) for entry in self._entries)
+
+    def _entries_for(self, missing: int, *, probe: bool = False) -> int:
+        """How many entries to read for *missing* rollouts, so a read takes no more than a take returns: as many
+        as the last entries read suggest (a group entry holds its members). While none was read: one to *probe*
+        (a read of new receipts goes on once it knows), else one entry per rollout."""
+        if self._per_entry is None:
+            return 1 if probe else missing
+        return max(1, math.ceil(missing / self._per_entry))
 
     def _keep(self, found: list[StreamEntry]) -> None:
         """Queue the entries of *found* neither queued nor held already."""
+        if found:
+            self._per_entry = sum(rollouts_of(entry) for entry in found) / len(found)
         known = {(e.stream, e.entry_id) for e in self._entries} | self._held.entry_ids()
         for entry in found:
             if (entry.stream, entry.entry_id) not in known:
                 known.add((entry.stream, entry.entry_id))
                 self._entries.append(entry)
-
-    async def take_over(self, tokens: Sequence[str]) -> list[StreamEntry]:
-        """Move the receipt entries named by *tokens* (``<stream>#<entry id>``, pending under other ranks of the
-        ``trainers`` group) to this reader (``XCLAIM``); an entry that is gone (acknowledged meanwhile) or already
-        held is left out.
-
-        :raises ValueError: a token does not name one of this reader's receipts streams.
-        :raises StagingConnectionError: the server could not be reached.
-        """
-        ns = self._settings.namespace
-        shard_of_stream = {receipts_stream(ns, s): s for s in range(self._settings.receipt_shards)}
-        wanted: list[tuple[str, int, str]] = []
-        for token in tokens:
-            stream, _, entry_id = token.rpartition("#")
-            if stream not in shard_of_stream or not entry_id:
-                raise ValueError(f"not a receipt entry token of this reader: {token!r}")
-            wanted.append((stream, shard_of_stream[stream], entry_id))
-        entries: list[StreamEntry] = []
-        async with self._topology.translated("take over receipt entries"):
-            for stream, shard, entry_id in wanted:
-                client = self._topology.node_for_key(stream)
-                consumer = self._consumer.consumer
-                reply: list[Any] = await client.xclaim(stream, TRAINER_GROUP, consumer, 0, [entry_id])
-                for claimed_id, fields in reply or []:
-                    if fields:
-                        entries.append(
-                            StreamEntry(
-                                stream, shard, reply_text(claimed_id, "receipts entry"), _text_fields(fields), 1
-                            )
-                        )
-        return [e for e in entries if not self._held.holds(e)]

@@ -11,7 +11,7 @@ acknowledgement); the same entry redelivered after a reader crash (``XAUTOCLAIM`
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from sink.contract.records import RolloutReceipt
@@ -25,9 +25,18 @@ from sink.trainer.reader.guards import own_keys
 from sink.trainer.reader.held import HeldRollouts, claim_rounds
 from sink.trainer.reader.held import entry_token as _token
 
-__all__ = ("RolloutClaims",)
+__all__ = ("RolloutClaims", "is_group_entry")
 
 logger = logging.getLogger("sink.trainer.reader.rollout_reader")
+
+
+def is_group_entry(entry: StreamEntry) -> bool:
+    """Whether *entry* is a GRPO group's entry (its members claimed with its token)."""
+    return "group_members" in entry.fields
+
+
+def _member(parsed: tuple[StreamEntry, RolloutReceipt]) -> tuple[StreamEntry, str]:
+    return parsed[0], parsed[1].rollout_id
 
 
 class RolloutClaims:
@@ -40,10 +49,6 @@ class RolloutClaims:
         self._held = held
         self.duplicates = 0
         self.double_deliveries = 0
-        # Set by a GroupReader: a grouped rollout read again may only have been parked (its group incomplete),
-        # never given to a trainer; the group reader counts it when it delivers a group delivered before.
-        self.defer_grouped = False
-        self.redelivered_grouped: set[str] = set()
 
     async def claim_all(
         self, parsed: list[tuple[StreamEntry, RolloutReceipt]], settled: set[tuple[str, str]]
@@ -56,7 +61,7 @@ class RolloutClaims:
         """
         firsts, later = claim_rounds([receipt.rollout_id for _entry, receipt in parsed])
         won = [False] * len(parsed)
-        fresh = [index for index in firsts if not self._held.holds(parsed[index][0])]  # held: in hand already
+        fresh = [index for index in firsts if not self._held.holds(*_member(parsed[index]))]  # in hand already
         calls = [self._claim_call(*parsed[index]) for index in fresh]
         async with self._topology.translated(f"claim {len(calls)} rollouts"):
             replies = raise_first_error(await run_batch(self._topology, calls)) if calls else []
@@ -68,13 +73,13 @@ class RolloutClaims:
         for (entry, receipt), ours in zip(parsed, won, strict=True):
             if ours:
                 claimed.append((entry, receipt))
-            else:
+            elif not is_group_entry(entry):  # a group entry is settled by the reader, with its members
                 settled.add((entry.stream, entry.entry_id))
         return claimed
 
     async def claim(self, entry: StreamEntry, receipt: RolloutReceipt) -> bool:
         """Claim *receipt*'s rollout for this entry; acknowledge and drop the entry if it is a duplicate."""
-        if self._held.holds(entry):
+        if self._held.holds(entry, receipt.rollout_id):
             return False  # already in hand from an earlier pull
         call = self._claim_call(entry, receipt)
         async with self._topology.translated(f"claim rollout {receipt.rollout_id!r}"):
@@ -91,14 +96,14 @@ class RolloutClaims:
         return BatchCall(keys, [_token(entry), self._consumer.consumer, check_fence], CLAIM_SCRIPT)
 
     async def _claimed(self, entry: StreamEntry, receipt: RolloutReceipt, reply: Any) -> bool:
-        """Whether the claim script's *reply* made the rollout this entry's; a duplicate is acknowledged and
-        dropped (a retired rollout's cleanup finished first)."""
+        """Whether the claim script's *reply* made the rollout this entry's; a duplicate is dropped, its entry
+        acknowledged unless it is a group entry (a retired rollout's cleanup finished first). A group entry's
+        double delivery is counted once, by the reader."""
         rollout_id = receipt.rollout_id
+        grouped = is_group_entry(entry)
         if reply[0] == ClaimStatus.CLAIMED:
-            if entry.deliveries > 1 and self.defer_grouped and entry.fields.get("group_id"):
-                self.redelivered_grouped.add(rollout_id)
-            elif entry.deliveries > 1:
-                self.count_double_delivery(rollout_id, f"an entry delivered {entry.deliveries} times")
+            if entry.deliveries > 1 and not grouped:
+                self.count_double_delivery(repr(rollout_id), f"an entry delivered {entry.deliveries} times")
             return True
         retired = reply[0] == ClaimStatus.RETIRED
         if retired:
@@ -115,21 +120,16 @@ class RolloutClaims:
         else:
             logger.info("reader %s dropped a duplicate receipt of %r", self._consumer.consumer, rollout_id)
         self.duplicates += 1
-        await self._consumer.ack([entry])
+        if not grouped:
+            await self._consumer.ack([entry])
         return False
 
-    def take_redelivered(self, rollout_ids: Iterable[str]) -> bool:
-        """Whether any of *rollout_ids* was read again while deferred (see ``defer_grouped``); stop tracking them."""
-        ids = set(rollout_ids)
-        found = bool(ids & self.redelivered_grouped)
-        self.redelivered_grouped.difference_update(ids)
-        return found
-
-    def count_double_delivery(self, rollout_id: str, why: str) -> None:
-        """Count and log a rollout delivered to a trainer again (it may have been trained before)."""
+    def count_double_delivery(self, what: str, why: str) -> None:
+        """Count and log a rollout (or a whole group) delivered to a trainer again (it may have been trained
+        before)."""
         self.double_deliveries += 1
         logger.warning(
-            "reader %s claimed %r from %s: it may have been trained before", self._consumer.consumer, rollout_id, why
+            "reader %s claimed %s from %s: it may have been trained before", self._consumer.consumer, what, why
         )
 
     async def release(self, claims: Sequence[tuple[str, str]]) -> None:

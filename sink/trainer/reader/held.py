@@ -2,7 +2,8 @@
 
 A held rollout keeps its receipt entry pending under the reader's consumer
 name; the entry's *token* (``<stream>#<entry id>``) is what the rollout's
-claim key names. :meth:`sink.trainer.reader.rollout_reader.RolloutReader.heartbeat` refreshes the
+claim key names. The members of a GRPO group share their group's entry: it stays pending until its last member
+is acknowledged. :meth:`sink.trainer.reader.rollout_reader.RolloutReader.heartbeat` refreshes the
 entries' idle time (the lease) and drops the ones another rank took over.
 """
 
@@ -51,7 +52,7 @@ class HeldRollout:
 
 
 class HeldRollouts:
-    """The rollouts one reader holds, by rollout id, in pull order."""
+    """The rollouts one reader holds, by rollout id, in pull order (several share a group entry)."""
 
     def __init__(self) -> None:
         self._held: dict[str, HeldRollout] = {}
@@ -70,26 +71,42 @@ class HeldRollouts:
         return tuple(self._held)
 
     def entries(self) -> list[StreamEntry]:
-        return [held.entry for held in self._held.values()]
+        """Every held entry, once."""
+        distinct = {(held.entry.stream, held.entry.entry_id): held.entry for held in self._held.values()}
+        return list(distinct.values())
 
     def entry_ids(self) -> set[tuple[str, str]]:
         """``(stream, entry id)`` of every held entry."""
         return {(held.entry.stream, held.entry.entry_id) for held in self._held.values()}
 
-    def holds(self, entry: StreamEntry) -> bool:
-        """Whether *entry* itself (not just its rollout) is held."""
-        held = self._held.get(entry.fields.get("rollout_id", ""))
+    def holds(self, entry: StreamEntry, rollout_id: str) -> bool:
+        """Whether *rollout_id* is held through *entry* itself (not through another entry of it)."""
+        held = self._held.get(rollout_id)
         return held is not None and held.entry.entry_id == entry.entry_id and held.entry.stream == entry.stream
+
+    def holds_entry(self, entry: StreamEntry) -> bool:
+        """Whether any rollout is held through *entry*."""
+        return (entry.stream, entry.entry_id) in self.entry_ids()
 
     def add(self, entry: StreamEntry, receipt: RolloutReceipt) -> None:
         self._held[receipt.rollout_id] = HeldRollout(entry, receipt)
 
     def drop_lost(self, lost: Iterable[StreamEntry]) -> list[str]:
-        """Forget entries another rank took over; return their rollout ids."""
-        rollout_ids = [entry.fields.get("rollout_id", "") for entry in lost]
+        """Forget the rollouts of entries another rank took over; return their rollout ids."""
+        keys = {(entry.stream, entry.entry_id) for entry in lost}
+        rollout_ids = [i for i, held in self._held.items() if (held.entry.stream, held.entry.entry_id) in keys]
         for rollout_id in rollout_ids:
-            self._held.pop(rollout_id, None)
+            del self._held[rollout_id]
         return rollout_ids
+
+    def finished_entries(self, rollout_ids: Iterable[str]) -> list[StreamEntry]:
+        """The entries of held *rollout_ids* that hold nothing else: acknowledging those rollouts finishes them."""
+        ids = set(rollout_ids)
+        entries = {(h.entry.stream, h.entry.entry_id): h.entry for i, h in self._held.items() if i in ids}
+        for rollout_id, held in self._held.items():
+            if rollout_id not in ids:
+                entries.pop((held.entry.stream, held.entry.entry_id), None)
+        return list(entries.values())
 
     def select(self, rollout_ids: list[str], consumer_name: str) -> list[HeldRollout]:
         """The held rollouts named by *rollout_ids* (distinct), in that order.

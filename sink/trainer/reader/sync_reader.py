@@ -131,11 +131,6 @@ class SyncRolloutReader(PortalOwner[RolloutReader]):
                 self._groups = GroupReader(self._resource)
             self._call(self._groups.ack_groups, delivered)
 
-    def waiting_groups(self) -> dict[str, tuple[int, int]]:
-        """Thread-safe :meth:`sink.trainer.groups.GroupReader.waiting_groups` (empty before :meth:`pull_groups`)."""
-        with self._serial:
-            return {} if self._groups is None else self._groups.waiting_groups()
-
     def heartbeat(self) -> int:
         """Thread-safe :meth:`RolloutReader.heartbeat`."""
         return self._serialized(self._resource.heartbeat)

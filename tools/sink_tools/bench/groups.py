@@ -1,19 +1,23 @@
 """``staging-sink bench groups``: what delivering GRPO groups costs the trainer, against plain pulls.
 
 Stages ``--groups`` groups of ``--group-size`` rollouts (``--calls`` calls of ``--tokens`` tokens each, linear
-chains), finishes every member with its ``group_id`` and runs an assembler until every receipt is published. Then,
-once per mode and best of ``--repeats`` (the staging is redone before every timed run, outside the timing):
+chains), finishes every member (with its ``group_id``, except in ``pull`` mode) and runs an assembler until every
+receipt (or group entry) is published. Then, once per mode and best of ``--repeats`` (the staging is redone before
+every timed run, outside the timing):
 
-* ``pull``: one :class:`~sink.trainer.reader.rollout_reader.RolloutReader` pulls every rollout (``--pull`` at a
-  time) and acknowledges each pull: the cost of the same rollouts delivered one by one, the floor of any group
-  delivery (a whole group handed to one rank as one entry still claims, fetches and verifies every member);
+* ``pull``: the same rollouts without groups; one :class:`~sink.trainer.reader.rollout_reader.RolloutReader` pulls
+  every rollout (``--pull`` at a time) and acknowledges each pull: the floor of any group delivery (a whole group
+  published as one entry still claims, fetches and verifies every member);
 * ``groups``: one :class:`~sink.trainer.groups.GroupReader` (``pull_groups`` then ``ack_groups``) until every
-  group is delivered: the group record written per member and closed per group, no other rank;
-* ``groups-<R>``: R ranks (R readers, R consumer names) taking turns, each ``pull_groups(--pull)``: the
-  members of a group land on several, and the rank that completes a group takes the others' members over.
+  group is delivered: one group entry per group, its members read from the group's record, the record closed;
+* ``groups-<R>``: R ranks (R readers, R consumer names) taking turns, each ``pull_groups(--pull)``: each group
+  entry goes to one rank, whole.
 
-Reported per mode: ms per group, round trips per group (the sends of every redis connection, a pipeline is one
-send), and rollouts consumed (claimed, fetched and verified) per rollout staged: 1.0 when no member is taken over.
+Reported per mode: the trainer's ms per group and round trips per group (the sends of every redis connection, a
+pipeline is one send), rollouts consumed (claimed, fetched and verified) per rollout staged (1.0: every member
+once), the assembler's round trips per group (the ``finished`` events and the assembly, outside the trainer's
+timing: the group record costs the assembler a script per member and a few writes per group) and the mean
+receipts entry (a member's receipt entry in ``pull`` mode, a group entry otherwise).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ from sink_tools.bench import (
     report_on_server,
 )
 from sink_tools.bench.ack import count_round_trips
-from sink_tools.bench.trainer import stage_and_assemble
-from sink_tools.bench.workload import build_records
+from sink_tools.bench.trainer import stage_records
+from sink_tools.bench.workload import assemble_receipts, build_records
 
 __all__ = ("GroupFigures", "ModeFigures", "format_report", "main", "run_groups_benchmark")
 
@@ -66,14 +70,17 @@ def _ranks(mode: str) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class ModeFigures:
-    """One delivery mode, its best run: ms and round trips per group, rollouts consumed per rollout staged, and
-    ``taken_over``: the members consumed a second time (taken over by the rank that completed their group)."""
+    """One delivery mode, its best run: the trainer's ms and round trips per group, rollouts consumed per rollout
+    staged, ``consumed_again``: the members consumed more than once (0 when each group goes to one rank, whole),
+    the assembler's round trips per group and the mean receipts entry's bytes."""
 
     mode: str
     ms_per_group: float
     round_trips_per_group: float
     consumed_per_rollout: float
-    taken_over: int
+    consumed_again: int
+    assembly_round_trips_per_group: float
+    entry_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +92,6 @@ class GroupFigures:
     calls: int
     tokens: int
     pull: int
-    entry_bytes: int
-    """The mean receipts entry of one member (receipt, group and chain fields): a group published as one entry
-    carrying its members inline would be ``group_size`` times this."""
     modes: tuple[ModeFigures, ...]
 
 
@@ -152,6 +156,7 @@ class _Run(NamedTuple):
     seconds: float
     sends: int
     consumed: int
+    assembly_sends: int
     entry_bytes: float
 
 
@@ -159,14 +164,19 @@ async def _one_run(url: str, namespace: str, mode: str, options: dict[str, int],
     groups, size, calls = options["groups"], options["group_size"], options["calls"]
     tag = f"{mode.replace('-', '')}r{run}"
     records = build_records(groups * size, calls, options["tokens"], tag=tag)
-    await stage_and_assemble(url, namespace, records, calls, group_size=size)
+    await stage_records(url, namespace, records, calls)
+    rollout_ids = list(dict.fromkeys(record.rollout_id for record in records))
+    with count_round_trips() as assembly:
+        await assemble_receipts(url, namespace, rollout_ids, group_size=None if mode == "pull" else size)
     entry_bytes = await _entry_bytes(url, namespace, DEFAULT_SHARDS)
     if mode == "pull":
-        return _Run(*await _deliver_pull(url, namespace, groups * size, options["pull"], tag), entry_bytes)
+        delivered = await _deliver_pull(url, namespace, groups * size, options["pull"], tag)
+        return _Run(*delivered, assembly.count, entry_bytes)
     ranks = _ranks(mode)
     if ranks is None:
         raise ValueError(f"unknown mode {mode!r}")
-    return _Run(*await _deliver_groups(url, namespace, groups, options["pull"], ranks, tag), entry_bytes)
+    delivered = await _deliver_groups(url, namespace, groups, options["pull"], ranks, tag)
+    return _Run(*delivered, assembly.count, entry_bytes)
 
 
 async def run_groups_benchmark(
@@ -184,7 +194,6 @@ async def run_groups_benchmark(
     """Measure on *url*, in *namespace* only (its keys deleted at the end; refused when it already has keys)."""
     options = {"groups": groups, "group_size": group_size, "calls": calls, "tokens": tokens, "pull": pull}
     figures: list[ModeFigures] = []
-    entry_bytes = 0.0
     async with bench_namespace(url, namespace):
         for mode in modes:
             runs = []
@@ -192,29 +201,31 @@ async def run_groups_benchmark(
                 progress(f"{mode}, run {run + 1} of {repeats}")
                 runs.append(await _one_run(url, namespace, mode, options, run))
             best = min(runs, key=lambda one: one.seconds)
-            entry_bytes = best.entry_bytes
             figures.append(
                 ModeFigures(
                     mode=mode,
                     ms_per_group=best.seconds * 1e3 / groups,
                     round_trips_per_group=best.sends / groups,
                     consumed_per_rollout=best.consumed / (groups * group_size),
-                    taken_over=best.consumed - groups * group_size,
+                    consumed_again=best.consumed - groups * group_size,
+                    assembly_round_trips_per_group=best.assembly_sends / groups,
+                    entry_bytes=round(best.entry_bytes),
                 )
             )
-    return GroupFigures(groups, group_size, calls, tokens, pull, round(entry_bytes), tuple(figures))
+    return GroupFigures(groups, group_size, calls, tokens, pull, tuple(figures))
 
 
 def format_report(figures: GroupFigures) -> str:
     f = figures
-    head = (
-        f"{f.groups} groups of {f.group_size} rollouts ({f.calls} calls x {f.tokens} tokens), pulls of {f.pull}; "
-        f"a member's receipts entry {f.entry_bytes:,} bytes ({f.group_size} inline: {f.entry_bytes * f.group_size:,})"
+    head = f"{f.groups} groups of {f.group_size} rollouts ({f.calls} calls x {f.tokens} tokens), pulls of {f.pull}"
+    columns = (
+        f"{'mode':<10} {'ms/group':>9} {'round trips/group':>18} {'consumed/rollout':>17} {'again':>6} "
+        f"{'assembler trips/group':>22} {'entry bytes':>12}"
     )
-    columns = f"{'mode':<10} {'ms/group':>9} {'round trips/group':>18} {'consumed/rollout':>17} {'taken over':>11}"
     rows = [
         f"{m.mode:<10} {m.ms_per_group:>9.2f} {m.round_trips_per_group:>18.1f} "
-        f"{m.consumed_per_rollout:>17.2f} {m.taken_over:>11}"
+        f"{m.consumed_per_rollout:>17.2f} {m.consumed_again:>6} {m.assembly_round_trips_per_group:>22.1f} "
+        f"{m.entry_bytes:>12,}"
         for m in f.modes
     ]
     return "\n".join([head, "best run per mode:", columns, *rows])

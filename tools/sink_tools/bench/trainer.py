@@ -86,6 +86,13 @@ async def stage_and_assemble(
 ) -> None:
     """Stage *records* (rollouts of *calls* calls each), record their ledgers, finish them and assemble receipts
     (*group_size*: as GRPO groups, see :func:`~sink_tools.bench.workload.assemble_receipts`)."""
+    await stage_records(url, ns, records, calls)
+    rollout_ids = list(dict.fromkeys(record.rollout_id for record in records))
+    await assemble_receipts(url, ns, rollout_ids, group_size=group_size)
+
+
+async def stage_records(url: str, ns: str, records: list[StagedCallRecord], calls: int) -> None:
+    """Stage *records* (rollouts of *calls* calls each) and record their ledgers, as the workers do."""
     limiter = anyio.CapacityLimiter(64)
     async with (
         AsyncRedisStagingSink.from_url(url, namespace=ns) as sink,
@@ -118,8 +125,6 @@ async def stage_and_assemble(
 
         for start in range(0, len(records), calls):
             group.start_soon(stage_rollout, records[start : start + calls])
-    rollout_ids = list(dict.fromkeys(record.rollout_id for record in records))
-    await assemble_receipts(url, ns, rollout_ids, group_size=group_size)
 
 
 def _columns_as_lists(row: LinearizedRow) -> tuple[list[int], list[float], list[float]]:
