@@ -19,6 +19,7 @@ builds Python tuples only when a column is read (see :mod:`sink.trainer.row`).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Final
 
@@ -93,6 +94,20 @@ def _index_manifest(manifest: Sequence[CallRecord]) -> dict[str, int]:
     return index_by_id
 
 
+_IDENTITY_OF: Final = operator.attrgetter(*IDENTITY_FIELDS)
+
+
+def _same_identity(snapshot: object, record: CallRecord) -> bool:
+    """Step 8f in one pass: ``!=`` compares every identity field pair in order, exactly as the loop of
+    :func:`_verify_snapshot` does (no identity shortcut); ``False`` sends it to that loop, which names the first
+    mismatch (a snapshot lacking a field included)."""
+    try:
+        staged, recorded = _IDENTITY_OF(snapshot), _IDENTITY_OF(record)
+    except AttributeError:
+        return False
+    return not any(map(operator.ne, staged, recorded))
+
+
 def _verify_snapshot(
     position: int,
     snapshot: object,
@@ -125,12 +140,13 @@ def _verify_snapshot(
         raise ReceiptVerificationError(
             "wrong_rollout", f"{where}: snapshot staged under {staged_owner!r}, expected {owner!r}"
         )
-    for name in IDENTITY_FIELDS:  # step 8f: first mismatch wins
-        staged, recorded = getattr(snapshot, name, _MISSING), getattr(record, name)
-        if staged != recorded:
-            raise ReceiptVerificationError(
-                f"wrong_{name}", f"{where}: snapshot {name} {staged!r} != manifest {recorded!r}"
-            )
+    if not _same_identity(snapshot, record):
+        for name in IDENTITY_FIELDS:  # step 8f: first mismatch wins
+            staged, recorded = getattr(snapshot, name, _MISSING), getattr(record, name)
+            if staged != recorded:
+                raise ReceiptVerificationError(
+                    f"wrong_{name}", f"{where}: snapshot {name} {staged!r} != manifest {recorded!r}"
+                )
     for name in SUPPORTED_VERSIONS:  # step 8g: equal on snapshot, manifest row and receipt
         values = (getattr(snapshot, name, _MISSING), getattr(record, name), getattr(receipt, name))
         if not values[0] == values[1] == values[2]:
