@@ -183,9 +183,11 @@ def verified_packed_snapshot(
     # u64 range, canonical lowercase hex digests, the lineage rule) and raise on anything else, and the digest
     # recomputed over them must equal the stored one, which is then a canonical digest too. The digest reads
     # them by name straight from *fields* (which hold the columns too, under names it does not read).
+    mask_be = columns.mask_f32be or ()
+    columns.mask_f32be = None  # a transient digest form (PackedColumns): not kept by the snapshot
     try:
         ids_be = ids_u64be(ids_le, ids_width, columns.length)
-        digest = staging_digest_from_packed(fields, (ids_be,), columns.mask_f32be or (), (columns.lp_f32be,))
+        digest = staging_digest_from_packed(fields, (ids_be,), mask_be, (columns.lp_f32be,))
         if digest != fields["digest"] or compute_extras_digest(extras) != fields["extras_digest"]:
             return None
     except (ValueError, TypeError):  # the reference decode reports it precisely
