@@ -33,7 +33,7 @@ from sink.contract._packed import (
     staging_delta_columns,
     unpack_list,
 )
-from sink.contract.digest import compute_extras_digest, staging_digest_from_packed
+from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest, staging_digest_from_packed
 from sink.contract.record_base import staging_key
 from sink.contract.record_form import packed_columns, unchanged_since_validation
 from sink.contract.record_schema import SCALAR_FIELDS
@@ -188,7 +188,8 @@ def verified_packed_snapshot(
     try:
         ids_be = ids_u64be(ids_le, ids_width, columns.length)
         digest = staging_digest_from_packed(fields, (ids_be,), mask_be, (columns.lp_f32be,))
-        if digest != fields["digest"] or compute_extras_digest(extras) != fields["extras_digest"]:
+        extras_digest = EMPTY_EXTRAS_DIGEST if extras is None else compute_extras_digest(extras)
+        if digest != fields["digest"] or extras_digest != fields["extras_digest"]:
             return None
     except (ValueError, TypeError):  # the reference decode reports it precisely
         return None
