@@ -266,13 +266,13 @@ def _packed_into(parts: Sequence[PackedColumns], out: NumpyColumns) -> None:
     # One pass each over the parts (converted as they are copied in): ids widened, log-probs to host order.
     np.concatenate(stored_ids, out=ids)  # u64 ids proved below 2**63 just above
     np.concatenate([np.frombuffer(part.lp_f32be, dtype=">f4") for part in parts], out=logprobs)
+    mask[:] = 1.0  # the generated tokens; each part's carry is written over it
     start = 0
     for part in parts:
         end = start + part.length
         carry = part.usual_carry_length()
         if carry is not None:  # the usual shape: +0.0 carry, then 1.0
             mask[start : start + carry] = 0.0
-            mask[start + carry : end] = 1.0
         else:
             mask_of_code = np.zeros(256, dtype=np.float32)
             mask_of_code[0x80] = -0.0
