@@ -631,3 +631,28 @@ def test_packed_chain_and_cumulative_hashes_are_the_list_hashes(parent: str | No
     parts = [b"".join(struct.pack(">Q", token_id) for token_id in piece) for piece in pieces]
     assert hash_packed_token_ids(parts, len(ids)) == hash_token_ids(ids)
     assert chain_hash_of_packed(parent, b"".join(parts)) == compute_chain_hash(parent, ids)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (True, "expected an int for a u64 field, got bool"),
+        (2.0, "expected an int for a u64 field, got float"),
+        ("2", "expected an int for a u64 field, got str"),
+        (-1, "u64 field out of range: -1"),
+        (2**64, f"u64 field out of range: {2**64}"),
+    ],
+)
+def test_encode_u64_refuses_what_a_u64_field_cannot_carry(value: object, message: str) -> None:
+    from sink.contract.digest_encoding import encode_u64
+
+    with pytest.raises(ValueError) as caught:
+        encode_u64(value)
+    assert str(caught.value) == message
+
+
+def test_encode_u64_packs_the_whole_range() -> None:
+    from sink.contract.digest_encoding import encode_u64
+
+    assert encode_u64(0) == bytes(8)
+    assert encode_u64(2**64 - 1) == b"\xff" * 8

@@ -280,3 +280,76 @@ def test_an_edited_scalar_gets_the_same_verdict_from_both_decoders(name: str, va
         obj.update(fields)
 
     assert_same_outcome(repack(blob, edit))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(mask_codes, _runs_of_codes()), st.one_of(mask_codes, _runs_of_codes()))
+def test_packed_columns_work_out_the_mask_shape_of_the_codes_they_hold(first: bytes, second: bytes) -> None:
+    # The shape is remembered per codes object: the same answers as the functions, and new codes get new answers.
+    from sink.contract._packed.floats import carry_prefix, usual_mask_carry
+    from sink.contract.packed import PackedColumns
+
+    columns = PackedColumns(length=len(first), mask_codes=first, lp_f32be=bytes(4 * len(first)), lp_f32_exact=True)
+    for codes in (first, first, second, first):
+        columns.mask_codes, columns.length = codes, len(codes)
+        assert columns.carry_length() == carry_prefix(codes)
+        assert columns.usual_carry_length() == usual_mask_carry(codes)
+
+
+_id_parts = st.lists(
+    st.tuples(st.sampled_from([4, 8]), st.lists(st.floats(width=32, allow_nan=False), max_size=40)),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_id_parts, st.randoms(use_true_random=False))
+def test_packed_rows_write_the_same_columns_as_the_tuples(parts: list[tuple[int, list[float]]], rng: Any) -> None:
+    # as_numpy converts every part's ids and log-probabilities in one pass over the parts (widths mixed).
+    np = pytest.importorskip("numpy")
+    from sink.contract.packed import PackedColumns
+    from sink.trainer.row import RowColumns
+
+    packed, ids, log_probs = [], [], []
+    for width, values in parts:
+        part_ids = [rng.randrange(1 << (8 * width - 1)) for _ in values]
+        packed.append(
+            PackedColumns(
+                length=len(values),
+                ids_width=width,
+                ids_le=struct.pack(f"<{len(values)}{'I' if width == 4 else 'Q'}", *part_ids),
+                mask_codes=b"\x3f" * len(values),
+                lp_f32be=struct.pack(f">{len(values)}f", *values),
+                lp_f32_exact=True,
+            )
+        )
+        ids += part_ids
+        log_probs += values
+    columns = RowColumns(parts=packed).as_numpy()
+    assert columns.token_ids.dtype == np.int64 and columns.token_ids.tolist() == ids
+    assert columns.logprobs.dtype == np.float32
+    assert np.signbit(columns.logprobs).tolist() == [math.copysign(1.0, v) < 0 for v in log_probs]
+    assert columns.logprobs.tolist() == log_probs
+    reference = RowColumns(tuples=(tuple(ids), (1.0,) * len(ids), tuple(log_probs))).as_numpy()
+    assert all(np.array_equal(a, b) for a, b in zip(columns, reference, strict=True))
+
+
+def test_a_packed_row_refuses_an_id_beyond_int64() -> None:
+    pytest.importorskip("numpy")
+    from sink.contract.packed import PackedColumns
+    from sink.trainer.row import RowColumns
+
+    small = PackedColumns(
+        length=1, ids_width=4, ids_le=bytes(4), mask_codes=b"\x3f", lp_f32be=bytes(4), lp_f32_exact=True
+    )
+    huge = PackedColumns(
+        length=1,
+        ids_width=8,
+        ids_le=struct.pack("<Q", 1 << 63),
+        mask_codes=b"\x3f",
+        lp_f32be=bytes(4),
+        lp_f32_exact=True,
+    )
+    with pytest.raises(OverflowError, match="int64"):
+        RowColumns(parts=[small, huge]).as_numpy()

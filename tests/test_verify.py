@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from sink.contract.codec import decode_packed_record, encode_record
 from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, compute_extras_digest, hash_token_ids
 from sink.contract.record_form import unchanged_since_validation
+from sink.contract.record_schema import IDENTITY_FIELDS
 from sink.contract.records import (
     CallRecord,
     CaptureMode,
@@ -736,3 +737,24 @@ def test_linearize_checks_both_id_types() -> None:
         linearize(5, snapshots, receipt.manifest, terminal_hint="main")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be str"):
         linearize("r1", snapshots, receipt.manifest, terminal_hint=7)  # type: ignore[arg-type]
+
+
+_IDENTITY_VALUES = st.sampled_from([0, 1, 1.0, True, float("nan"), "a", "b", None])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(IDENTITY_FIELDS), _IDENTITY_VALUES), st.data())
+def test_step_8f_in_one_pass_agrees_with_the_field_by_field_loop(staged: dict[str, Any], data: Any) -> None:
+    # The one-pass comparison must see a mismatch exactly when the loop would (NaN, 1 == 1.0 == True, a field
+    # the snapshot lacks); the loop then names it.
+    from types import SimpleNamespace
+
+    from sink.trainer.verify import _same_identity
+
+    recorded = {name: data.draw(_IDENTITY_VALUES) for name in IDENTITY_FIELDS}
+    shared = data.draw(st.lists(st.sampled_from(IDENTITY_FIELDS)))
+    staged.update({name: recorded[name] for name in shared})  # the very same objects, NaN included
+    snapshot, record = SimpleNamespace(**staged), SimpleNamespace(**recorded)
+    missing = object()
+    loop_finds_none = not any(getattr(snapshot, name, missing) != getattr(record, name) for name in IDENTITY_FIELDS)
+    assert _same_identity(snapshot, record) == loop_finds_none  # type: ignore[arg-type]

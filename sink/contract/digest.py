@@ -271,6 +271,8 @@ def staging_digest_from_packed(
     """
     parent_call_id, prev_len, delta_len = fields["parent_call_id"], fields["prev_len"], fields["delta_len"]
     mode = fields["mode"]
+    columns = (ids_u64be, mask_f32be, lp_f32be)
+    sizes = tuple(map(_nbytes, columns))
     if (
         unsupported_version("schema_version", fields["schema_version"], STAGING_SCHEMA_VERSION)
         or unsupported_version("digest_version", fields["digest_version"], STAGING_DIGEST_VERSION)
@@ -282,17 +284,15 @@ def staging_digest_from_packed(
         or lineage_problem(parent_call_id, prev_len, mode)
         or delta_len == 0
         or fields["cum_len"] != prev_len + delta_len
-        or _nbytes(ids_u64be) != 8 * delta_len
-        or _nbytes(mask_f32be) != 4 * delta_len
-        or _nbytes(lp_f32be) != 4 * delta_len
+        or sizes != (8 * delta_len, 4 * delta_len, 4 * delta_len)
     ):
         raise ValueError("a call-digest pre-check failed")
     head, tail = digest_scalar_parts(fields)
     count = U64.pack(delta_len)
     digest = hashlib.sha256(CALL_DIGEST_DOMAIN)
     digest.update(head)
-    for column in (ids_u64be, mask_f32be, lp_f32be):
-        digest.update(U64.pack(8 + _nbytes(column)) + count)
+    for column, size in zip(columns, sizes, strict=True):
+        digest.update(U64.pack(8 + size) + count)
         for piece in column:
             digest.update(piece)
     digest.update(tail)

@@ -77,7 +77,7 @@ def encode_u64(n: object) -> bytes:
     """
     if type(n) is not int:
         raise ValueError(f"expected an int for a u64 field, got {type(n).__name__}")
-    if not is_u64(n):
+    if not 0 <= n < U64_LIMIT:  # is_u64, its type check done just above
         raise ValueError(f"u64 field out of range: {n}")
     return U64.pack(n)
 

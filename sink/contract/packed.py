@@ -18,6 +18,7 @@ takes model snapshots only (:meth:`PackedSnapshot.to_snapshot` converts).
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Final, NamedTuple
 
 from sink.contract._packed import (
@@ -32,7 +33,7 @@ from sink.contract._packed import (
     staging_delta_columns,
     unpack_list,
 )
-from sink.contract.digest import compute_extras_digest, staging_digest_from_packed
+from sink.contract.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest, staging_digest_from_packed
 from sink.contract.record_base import staging_key
 from sink.contract.record_form import packed_columns, unchanged_since_validation
 from sink.contract.record_schema import SCALAR_FIELDS
@@ -55,6 +56,8 @@ __all__ = (
 
 #: Scalar names read from a stored blob, versions included.
 SCALAR_NAMES: Final = SCALAR_FIELDS
+# A blob's scalars, in PackedSnapshot field order.
+_SCALARS_OF: Final = operator.itemgetter(*SCALAR_NAMES)
 
 
 class PackedSnapshot(NamedTuple):
@@ -178,13 +181,17 @@ def verified_packed_snapshot(
     # The scalars as stored, checked where they are hashed: the digest's pre-checks and encoders accept exactly
     # the values the record's scalar fields do (the supported versions, non-empty exact strs, exact ints in the
     # u64 range, canonical lowercase hex digests, the lineage rule) and raise on anything else, and the digest
-    # recomputed over them must equal the stored one, which is then a canonical digest too.
-    scalars = {name: fields[name] for name in SCALAR_NAMES}
+    # recomputed over them must equal the stored one, which is then a canonical digest too. The digest reads
+    # them by name straight from *fields* (which hold the columns too, under names it does not read).
+    mask_be = columns.mask_f32be or ()
+    columns.mask_f32be = None  # a transient digest form (PackedColumns): not kept by the snapshot
     try:
         ids_be = ids_u64be(ids_le, ids_width, columns.length)
-        digest = staging_digest_from_packed(scalars, (ids_be,), columns.mask_f32be or (), (columns.lp_f32be,))
-        if digest != scalars["digest"] or compute_extras_digest(extras) != scalars["extras_digest"]:
+        digest = staging_digest_from_packed(fields, (ids_be,), mask_be, (columns.lp_f32be,))
+        extras_digest = EMPTY_EXTRAS_DIGEST if extras is None else compute_extras_digest(extras)
+        if digest != fields["digest"] or extras_digest != fields["extras_digest"]:
             return None
     except (ValueError, TypeError):  # the reference decode reports it precisely
         return None
-    return PackedSnapshot(**scalars, extras=extras, columns=columns, ids_u64be=ids_be)
+    # Every field in order: the scalars, extras, columns, ids_u64be, and no exact_log_probs (float32 held them).
+    return PackedSnapshot._make((*_SCALARS_OF(fields), extras, columns, ids_be, None))

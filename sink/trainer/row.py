@@ -259,23 +259,25 @@ def _packed_into(parts: Sequence[PackedColumns], out: NumpyColumns) -> None:
     ids, mask, logprobs = out
     if not ids.shape == mask.shape == logprobs.shape == (total,):
         raise ValueError(f"write_numpy needs three 1-D targets of {total} elements")
-    mask_of_code = np.zeros(256, dtype=np.float32)
-    mask_of_code[0x80] = -0.0
-    mask_of_code[0x3F] = 1.0
+    stored_ids = [np.frombuffer(part.ids_le, dtype="<u4" if part.ids_width == 4 else "<u8") for part in parts]
+    for stored in stored_ids:
+        if stored.dtype.itemsize == 8 and stored.size and int(stored.max()) >= 1 << 63:
+            raise OverflowError("a token id does not fit in int64")
+    # One pass each over the parts (converted as they are copied in): ids widened, log-probs to host order.
+    np.concatenate(stored_ids, out=ids)  # u64 ids proved below 2**63 just above
+    np.concatenate([np.frombuffer(part.lp_f32be, dtype=">f4") for part in parts], out=logprobs)
+    mask[:] = 1.0  # the generated tokens; each part's carry is written over it
     start = 0
     for part in parts:
         end = start + part.length
-        stored = np.frombuffer(part.ids_le, dtype="<u4" if part.ids_width == 4 else "<u8")
-        if part.ids_width == 8 and stored.size and int(stored.max()) >= 1 << 63:
-            raise OverflowError("a token id does not fit in int64")
-        ids[start:end] = stored
         carry = part.usual_carry_length()
         if carry is not None:  # the usual shape: +0.0 carry, then 1.0
             mask[start : start + carry] = 0.0
-            mask[start + carry : end] = 1.0
         else:
+            mask_of_code = np.zeros(256, dtype=np.float32)
+            mask_of_code[0x80] = -0.0
+            mask_of_code[0x3F] = 1.0
             np.take(mask_of_code, np.frombuffer(part.mask_codes, dtype=np.uint8), out=mask[start:end])
-        logprobs[start:end] = np.frombuffer(part.lp_f32be, dtype=">f4")
         start = end
 
 

@@ -19,6 +19,7 @@ builds Python tuples only when a column is read (see :mod:`sink.trainer.row`).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Final
 
@@ -93,6 +94,25 @@ def _index_manifest(manifest: Sequence[CallRecord]) -> dict[str, int]:
     return index_by_id
 
 
+_IDENTITY_OF: Final = operator.attrgetter(*IDENTITY_FIELDS)
+
+
+def _same_identity(snapshot: object, record: CallRecord) -> bool:
+    """Step 8f in one pass: ``!=`` compares every identity field pair in order, exactly as the loop of
+    :func:`_verify_snapshot` does (no identity shortcut); ``False`` sends it to that loop, which names the first
+    mismatch (a snapshot lacking a field included)."""
+    try:
+        staged, recorded = _IDENTITY_OF(snapshot), _IDENTITY_OF(record)
+    except AttributeError:
+        return False
+    return not any(map(operator.ne, staged, recorded))
+
+
+def _where(position: int, record: CallRecord) -> str:
+    """A manifest position as its failures name it (only spelled out for a failure)."""
+    return f"position {position} ({record.model_call_id!r})"
+
+
 def _verify_snapshot(
     position: int,
     snapshot: object,
@@ -107,35 +127,38 @@ def _verify_snapshot(
     if not isinstance(snapshot, StagedCallBaseSnapshot) and not (own_decode and isinstance(snapshot, PackedSnapshot)):
         raise TypeError(f"snapshot {position} is a {type(snapshot).__name__}, not a StagedCallBaseSnapshot")
     call_id = getattr(snapshot, "model_call_id", _MISSING)
-    where = f"position {position} ({record.model_call_id!r})"
     if call_id in seen_ids:
-        raise ReceiptVerificationError("duplicate_snapshot", f"{where}: snapshot {call_id!r} was already supplied")
+        raise ReceiptVerificationError(
+            "duplicate_snapshot", f"{_where(position, record)}: snapshot {call_id!r} was already supplied"
+        )
     seen_ids.add(call_id)
     if call_id not in index_by_id:
         raise ReceiptVerificationError(
-            "snapshot_identity_mismatch", f"{where}: snapshot {call_id!r} is not in the manifest"
+            "snapshot_identity_mismatch", f"{_where(position, record)}: snapshot {call_id!r} is not in the manifest"
         )
     if call_id != record.model_call_id:
         raise ReceiptVerificationError(
-            "snapshot_order_mismatch", f"{where}: got snapshot {call_id!r} out of manifest order"
+            "snapshot_order_mismatch", f"{_where(position, record)}: got snapshot {call_id!r} out of manifest order"
         )
     owner = record.capture_key or receipt.rollout_id
     staged_owner = getattr(snapshot, "rollout_id", _MISSING)
     if staged_owner != owner:
         raise ReceiptVerificationError(
-            "wrong_rollout", f"{where}: snapshot staged under {staged_owner!r}, expected {owner!r}"
+            "wrong_rollout", f"{_where(position, record)}: snapshot staged under {staged_owner!r}, expected {owner!r}"
         )
-    for name in IDENTITY_FIELDS:  # step 8f: first mismatch wins
-        staged, recorded = getattr(snapshot, name, _MISSING), getattr(record, name)
-        if staged != recorded:
-            raise ReceiptVerificationError(
-                f"wrong_{name}", f"{where}: snapshot {name} {staged!r} != manifest {recorded!r}"
-            )
+    if not _same_identity(snapshot, record):
+        for name in IDENTITY_FIELDS:  # step 8f: first mismatch wins
+            staged, recorded = getattr(snapshot, name, _MISSING), getattr(record, name)
+            if staged != recorded:
+                raise ReceiptVerificationError(
+                    f"wrong_{name}", f"{_where(position, record)}: snapshot {name} {staged!r} != manifest {recorded!r}"
+                )
     for name in SUPPORTED_VERSIONS:  # step 8g: equal on snapshot, manifest row and receipt
         values = (getattr(snapshot, name, _MISSING), getattr(record, name), getattr(receipt, name))
         if not values[0] == values[1] == values[2]:
             raise ReceiptVerificationError(
-                f"wrong_{name}", f"{where}: {name} differs (snapshot, manifest, receipt) = {values!r}"
+                f"wrong_{name}",
+                f"{_where(position, record)}: {name} differs (snapshot, manifest, receipt) = {values!r}",
             )
     if isinstance(snapshot, PackedSnapshot):
         # Step 8h ran when the caller decoded it: its digest was recomputed over
@@ -153,10 +176,13 @@ def _verify_snapshot(
             recomputed = packed_digest(snapshot, forms)
         recomputed = recomputed or snapshot.recompute_digest()
     except Exception as exc:  # any failure to recompute is reported, typed, with its cause chained
-        raise ReceiptVerificationError("invalid_snapshot", f"{where}: cannot recompute the call digest: {exc}") from exc
+        raise ReceiptVerificationError(
+            "invalid_snapshot", f"{_where(position, record)}: cannot recompute the call digest: {exc}"
+        ) from exc
     if recomputed != snapshot.digest:
         raise ReceiptVerificationError(
-            "corrupt_digest", f"{where}: recorded digest {snapshot.digest} != recomputed {recomputed}"
+            "corrupt_digest",
+            f"{_where(position, record)}: recorded digest {snapshot.digest} != recomputed {recomputed}",
         )
     return packed_call
 

@@ -20,9 +20,9 @@ cost speed, never accept a value the reference path rejects.
 
 from __future__ import annotations
 
-from sink.contract._packed.floats import carry_prefix, mask_f32be, mask_values_from_codes, usual_mask_carry
+from sink.contract._packed.floats import carry_prefix, mask_f32be, mask_values_from_codes
 from sink.contract._packed.ids import ID_TYPECODES, ids_u64be
-from sink.contract._packed.lanes import Buffers, unpack_list
+from sink.contract._packed.lanes import Buffers, is_repeat, unpack_list
 
 __all__ = ("PackedColumns", "TrustedColumns")
 
@@ -35,10 +35,22 @@ class PackedColumns:
     (log-probabilities as the digest hashes them) and ``lp_f32_exact`` (every
     log-probability round-trips through float32; ``None``: not known yet).
     Digest forms ``ids_u64be`` / ``mask_f32be`` are transient: set when they
-    come for free, released once the digest is computed.
+    come for free, released once the digest is computed. The shape of the mask
+    (:meth:`carry_length`, :meth:`usual_carry_length`) is worked out once per
+    ``mask_codes`` object: decoding, verification and ``as_numpy`` all ask for it.
     """
 
-    __slots__ = ("ids_le", "ids_u64be", "ids_width", "length", "lp_f32_exact", "lp_f32be", "mask_codes", "mask_f32be")
+    __slots__ = (
+        "_mask_shape",
+        "ids_le",
+        "ids_u64be",
+        "ids_width",
+        "length",
+        "lp_f32_exact",
+        "lp_f32be",
+        "mask_codes",
+        "mask_f32be",
+    )
 
     def __init__(
         self,
@@ -60,6 +72,8 @@ class PackedColumns:
         self.mask_f32be = mask_f32be
         self.lp_f32be = lp_f32be
         self.lp_f32_exact = lp_f32_exact
+        # (the codes it describes, carry_prefix of them, whether that carry is all +0.0)
+        self._mask_shape: tuple[bytes, int | None, bool] | None = None
 
     def with_ids(self, ids_width: int, ids_le: bytes) -> PackedColumns:
         """A copy holding these packed ids (digest form derived on demand)."""
@@ -76,11 +90,19 @@ class PackedColumns:
     def carry_length(self) -> int | None:
         """How many carry codes (mask 0.0 or -0.0) lead when every code after them is generated (1.0), else
         ``None`` (the masks are not carry then generation)."""
-        return carry_prefix(self.mask_codes)
+        return self._shape()[1]
 
     def usual_carry_length(self) -> int | None:
         """:meth:`carry_length` when the carry is all ``+0.0`` (the usual shape), else ``None``."""
-        return usual_mask_carry(self.mask_codes)
+        _, carry, usual = self._shape()
+        return carry if usual else None
+
+    def _shape(self) -> tuple[bytes, int | None, bool]:
+        codes, shape = self.mask_codes, self._mask_shape
+        if shape is None or shape[0] is not codes:  # computed for these very (immutable) codes, or again
+            carry = carry_prefix(codes)
+            shape = self._mask_shape = (codes, carry, carry is not None and is_repeat(codes, 0, carry, b"\x00"))
+        return shape
 
     def token_ids_list(self) -> list[int]:
         """The ids as a new list of Python ints."""

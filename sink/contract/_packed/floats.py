@@ -161,7 +161,8 @@ def finite_f32le(buf: bytes) -> bool:
     (numpy, a dependency, imported on first use like the rest of this package's accelerators)."""
     import numpy as np
 
-    return bool(np.isfinite(np.frombuffer(buf, dtype="<f4")).all())
+    values = np.frombuffer(buf, dtype="<f4")
+    return int(np.count_nonzero(np.isfinite(values))) == values.size  # a plain count: cheaper than .all()
 
 
 def finite_lanes(top_bytes: bytes) -> bool:

@@ -25,8 +25,8 @@ from sink.contract._packed.floats import (
     finite_f32le,
     finite_lanes,
     lanes_zero,
+    mask_f32be,
     mask_from_marshal,
-    mask_pieces,
     pack_f32be,
     usual_mask_pieces,
 )
@@ -74,23 +74,25 @@ def prove_stored_columns(
     length = len(mask_codes)
     if lp_width != 4 or not finite_f32le(lp_le):
         return None
-    carry = carry_prefix(mask_codes)
-    if carry is None:
-        return None
-    if carry and not lanes_zero(lp_le, 0, lanes=carry, stride=4, sign_offset=3, zero_lane=bytes(4)):
-        return None
     lp = array("f")
     lp.frombytes(lp_le)
     lp.byteswap()  # reverses each element's bytes: LE -> BE on any host
-    return PackedColumns(
+    columns = PackedColumns(
         length=length,
         ids_width=ids_width,
         ids_le=ids_le,
         mask_codes=mask_codes,
-        mask_f32be=mask_pieces(mask_codes, carry),
         lp_f32be=lp.tobytes(),
         lp_f32_exact=True,
     )
+    carry = columns.carry_length()  # kept by the columns for verification and as_numpy
+    if carry is None:
+        return None
+    if carry and not lanes_zero(lp_le, 0, lanes=carry, stride=4, sign_offset=3, zero_lane=bytes(4)):
+        return None
+    usual = columns.usual_carry_length() is not None
+    columns.mask_f32be = usual_mask_pieces(carry, length - carry) if usual else (mask_f32be(mask_codes),)
+    return columns
 
 
 def pack_validated_columns(
