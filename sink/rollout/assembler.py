@@ -28,7 +28,6 @@ after ``max_deliveries``. A retired or unparsable ledger yields a poisoned ``man
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -42,6 +41,7 @@ from pydantic import ValidationError
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 
+from sink.canonical import canonical_json
 from sink.contract.records import RolloutManifest, RolloutReceipt
 from sink.errors import CodecError, RolloutRetiredError, StagingConnectionError, StagingError
 from sink.keys import done_stream, group_keys, open_groups_key, receipt_key, receipts_stream, shard_of
@@ -446,7 +446,7 @@ class Assembler(AsyncResource):
         and unpublished), or the member alone if it is late. Safe to redo."""
         fields = {"rollout_id": rollout_id, "receipt": receipt_text, **chains, **group_fields(group)}
         tombstone_ms = int(self._settings.group_timeout_s * 4 * 1000)
-        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        text = canonical_json(fields)
         keys = list(group_keys(self._ns, group.group_id))
         args = [rollout_id, text, group.group_size, tombstone_ms]
         reply = await self._script(

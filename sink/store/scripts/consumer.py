@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from sink.store.scripts.status import library_script
+from sink.store.scripts.status import GroupStatus, library_script
 
 __all__ = (
     "CLAIM_SCRIPT",
@@ -113,6 +113,14 @@ return {$NOT_REMOVED}
 # members (rollout id -> the member's receipts entry fields). A frozen group's members hash is its member set.
 # A frozen or published reply is {state, size, mismatch, first_at, member ids...}.
 
+# The reply of a group whose member set is frozen and not yet published, the one shape both scripts below return
+# (the Lua local `state` holds 'complete' or 'sealed'): {GROUP_COMPLETE | GROUP_SEALED, size, mismatch, first_at,
+# member ids...}.
+_FROZEN_REPLY: Final = f"""local meta = redis.call('HMGET', KEYS[1], 'size', 'mismatch', 'first_at')
+local code = {int(GroupStatus.SEALED)}
+if state == 'complete' then code = {int(GroupStatus.COMPLETE)} end
+return {{code, meta[1], meta[2], meta[3], unpack(redis.call('HKEYS', KEYS[2]))}}"""
+
 # KEYS: meta, members. ARGV: member id, member fields, size announced, tombstone_ms. Records a member.
 # {GROUP_LATE} (nothing recorded): the group was frozen without it. {GROUP_PUBLISHED}: the member is in a frozen set
 # already published (a redo). {GROUP_OPEN, first_at}: recorded, not complete. {GROUP_COMPLETE, ...} / {GROUP_SEALED,
@@ -141,11 +149,9 @@ else
   state = 'complete'
   redis.call('HSET', KEYS[1], 'state', state)
 end
-local meta = redis.call('HMGET', KEYS[1], 'size', 'mismatch', 'first_at')
-local code = $GROUP_SEALED
-if state == 'complete' then code = $GROUP_COMPLETE end
-return {code, meta[1], meta[2], meta[3], unpack(redis.call('HKEYS', KEYS[2]))}
+$FROZEN_REPLY
 """,
+    FROZEN_REPLY=_FROZEN_REPLY,
 )
 
 # KEYS: meta, members. ARGV: timeout_ms. A timeout sweep's step for one open group: {GROUP_GONE} (no record),
@@ -165,11 +171,9 @@ if not state then
   state = 'sealed'
   redis.call('HSET', KEYS[1], 'state', state)
 end
-local meta = redis.call('HMGET', KEYS[1], 'size', 'mismatch', 'first_at')
-local code = $GROUP_SEALED
-if state == 'complete' then code = $GROUP_COMPLETE end
-return {code, meta[1], meta[2], meta[3], unpack(redis.call('HKEYS', KEYS[2]))}
+$FROZEN_REPLY
 """,
+    FROZEN_REPLY=_FROZEN_REPLY,
 )
 
 # KEYS: the open-groups index of one done shard (zset: group id by first_at). ARGV: timeout_ms, count.
