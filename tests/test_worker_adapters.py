@@ -6,6 +6,7 @@ import copy
 import sys
 from types import SimpleNamespace
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -332,6 +333,23 @@ def test_cross_checked_judges_any_split_of_the_joined_spelling_as_the_per_token_
     else:
         with pytest.raises(EnginePayloadError):
             cross_checked(ids, tokens, "t")
+
+
+@pytest.mark.parametrize("orjson_installed", [True, False])
+@pytest.mark.parametrize("ids", [[0, 7, 150_000], [2**31, 2**63, 2**64 - 1], [5, 2**64, 2**70]])
+def test_vllms_own_strings_stand_and_one_other_id_does_not_with_or_without_orjson(
+    ids: list[int], orjson_installed: bool
+) -> None:
+    """The shortcut spells the ids with orjson when the proxy extra brings it, else with ``str()``; ids orjson does
+    not write (from ``2**64``) take the per-token reading. Each way, the same verdicts."""
+    tokens = [f"token_id:{i}" for i in ids]
+    others = [[*tokens[:k], f"token_id:{ids[k] + 1}", *tokens[k + 1 :]] for k in range(len(ids))]
+    with patch.dict(sys.modules, {} if orjson_installed else {"orjson": None}):  # None: `import orjson` fails
+        assert cross_checked(ids, tokens, "t") is ids
+        assert cross_checked(ids, [*tokens[:-1], "token_id:0" + str(ids[-1])], "t") is ids  # a leading zero
+        for other in others:
+            with pytest.raises(EnginePayloadError, match="disagree"):
+                cross_checked(ids, other, "t")
 
 
 _TOO_MANY_DIGITS = "9" * (sys.get_int_max_str_digits() + 1)

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sink.contract.digest import hash_token_ids
+from sink.contract.packed import staging_delta_columns
 from sink.contract.packed_record import StageableRecord
 from sink.contract.records import CaptureAdmission, CommitCoords, StageResult
 from sink.store.memory import MemoryStagingStore
@@ -87,6 +88,35 @@ def test_a_proof_survives_changes_to_the_callers_list() -> None:
 def test_a_proof_applies_the_reference_type_gate(bad: Any) -> None:
     with pytest.raises(ValueError):
         EMPTY_SEQUENCE.extended([1, bad])
+
+
+_SMALL_IDS = st.lists(st.integers(0, 2**31 - 1), max_size=40)
+
+
+@given(_SMALL_IDS, _SMALL_IDS.filter(bool))
+def test_a_proof_of_proved_delta_columns_reuses_their_marshal_pass_and_equals_the_plain_proof(
+    carried: list[int], generated: list[int]
+) -> None:
+    proved = staging_delta_columns(carried, generated, [-0.5] * len(generated))
+    assert proved is not None and proved.token_ids is not None and proved.ids_marshal is not None
+    base = EMPTY_SEQUENCE.extended([900, 1000])
+    reused = base.extended(proved.token_ids, proved=proved)
+    plain = base.extended(list(proved.token_ids))
+    assert reused.keys[-1].obj is proved.ids_marshal  # no second marshal pass over the delta
+    assert reused.length == plain.length == 2 + len(carried) + len(generated)
+    assert reused.packed == plain.packed and list(map(bytes, reused.keys)) == list(map(bytes, plain.keys))
+    sequence = [900, 1000, *carried, *generated]
+    assert reused.holds(_fresh(sequence)) and reused.cumulative_hash() == hash_token_ids(sequence)
+    assert not reused.holds([900, 1000, *carried, *generated[:-1], generated[-1] + 1])
+
+
+def test_a_proof_does_not_take_packed_ids_the_columns_no_longer_hold() -> None:
+    proved = staging_delta_columns([700], [800, 900], [-0.5, -0.25])
+    assert proved is not None and proved.token_ids is not None
+    proved.packed.digest_forms()  # releases the transient digest forms, ids_u64be among them
+    proof = EMPTY_SEQUENCE.extended(proved.token_ids, proved=proved)
+    assert proof.length == 3 and proof.cumulative_hash() == hash_token_ids([700, 800, 900])
+    assert proof.holds(_fresh([700, 800, 900]))
 
 
 class _RecordHashes(TypedDict):

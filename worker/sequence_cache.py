@@ -31,7 +31,9 @@ Soundness argument (why a key match is a proof):
   values never do), equals the proved list, and packs to the proof's bytes.
 * Keys are computed only from lists the caller has just created (a slice or
   copy) and shares with no one, so no other thread changes one while it is
-  read, and a proof's key and packed bytes come from the same private copy.
+  read, and a proof's key and packed bytes come from one ``marshal`` pass over
+  one such list (a private copy, or the delta list
+  :func:`sink.contract.packed.staging_delta_columns` built, whose pass it kept).
 * Anything that does not match is simply "not proved": the caller runs the
   reference checks and packs the full sequence, so the cache can only cost
   speed, never change an outcome. Cache keys (call ids) only choose which
@@ -61,7 +63,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from sink.contract.digest import encode_token_ids, hash_packed_token_ids
-from sink.contract.packed import PackedSnapshot, TrustedColumns, unpack_list
+from sink.contract.packed import PackedSnapshot, TrustedColumns, ids_from_marshal, unpack_list
 from sink.contract.records import CaptureAdmission, StagedCallBaseSnapshot
 
 __all__ = ("EMPTY_SEQUENCE", "ProvenSequence", "RememberedCall", "SequenceHashCache")
@@ -89,25 +91,32 @@ class ProvenSequence:
 
     length: int
     packed: tuple[bytes, ...]  # u64 big-endian ids, per piece
-    keys: tuple[bytes, ...]  # marshal item bytes of the ids, per piece
+    keys: tuple[memoryview, ...]  # marshal item bytes of the ids, per piece (views of each piece's marshal blob)
 
     def extended(self, token_ids: list[int], *, proved: TrustedColumns | None = None) -> ProvenSequence:
         """This sequence followed by *token_ids*.
 
         *proved*, if given, holds exactly this list as its ids (``proved.token_ids is token_ids``):
-        :func:`sink.contract.packed.staging_delta_columns` proved them exact ints and packed them, so they are not
-        packed again.
+        :func:`sink.contract.packed.staging_delta_columns` proved them exact ints and packed them from one
+        ``marshal`` pass, whose blob it kept (``proved.ids_marshal``), so they are neither packed nor marshalled again.
 
         :raises ValueError: an id is not an exact int in ``[0, 2**64)`` (the reference type gate).
         """
-        owner = list(token_ids)  # private: the key (and the packed bytes, unless *proved*) come from this copy
         proved_ids = None if proved is None or proved.token_ids is not token_ids else proved.packed.ids_u64be
-        packed = b"".join(proved_ids) if proved_ids else encode_token_ids(owner)[_COUNT_BYTES:]
-        blob = _marshalled(owner)
-        if blob is None:  # not reached: the ids were just packed, and marshal writes every exact int
-            raise ValueError("token ids must be exact ints")
-        key = blob[_LIST_HEAD_BYTES:]
-        return ProvenSequence(self.length + len(owner), (*self.packed, packed), (*self.keys, key))
+        if proved_ids and proved is not None and proved.ids_marshal is not None:
+            # A list the columns built and own: its packed bytes and its key come from their one marshal pass.
+            packed, blob = b"".join(proved_ids), proved.ids_marshal
+        else:
+            owner = list(token_ids)  # private: the key and the packed bytes come from this copy
+            small = ids_from_marshal(owner, with_le=False)  # the usual ids (below 2**31): both from one pass
+            # Otherwise the reference type gate packs them (or raises), then marshal writes their key.
+            packed = bytes(small.be) if small is not None else encode_token_ids(owner)[_COUNT_BYTES:]
+            marshalled = small.blob if small is not None else _marshalled(owner)
+            if marshalled is None:  # not reached: the ids were just packed, and marshal writes every exact int
+                raise ValueError("token ids must be exact ints")
+            blob = marshalled
+        key = memoryview(blob)[_LIST_HEAD_BYTES:]
+        return ProvenSequence(self.length + len(packed) // 8, (*self.packed, packed), (*self.keys, key))
 
     def holds(self, values: list[int]) -> bool:
         """Whether *values* are exact ints equal, position by position, to the proved ids (``False``: not proved).

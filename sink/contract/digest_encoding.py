@@ -118,7 +118,7 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     # Fast path: marshal proves a list of exact ints in [0, 2**31) and hands over their bytes.
     fast = ids_from_marshal(token_ids, with_le=False) if type(token_ids) is list else None
     if fast is not None:
-        return U64.pack(len(token_ids)) + fast[1]
+        return U64.pack(len(token_ids)) + fast.be
     # list.count compares by identity first: one C pass, no set building
     if list(map(type, token_ids)).count(int) != len(token_ids):
         raise ValueError("token ids must be exact ints")

@@ -138,18 +138,25 @@ class TrustedColumns:
     hold exact, finite ``float`` objects; ``token_ids`` (when not ``None``)
     holds exact ints in ``[0, 2**64)`` and ``packed`` holds them; the mask
     codes are those of ``token_mask``; rules 7 and 8 hold; ``packed.lp_f32be``
-    packs ``log_probs``.
+    packs ``log_probs``; ``ids_marshal``, when set, is ``marshal.dumps(token_ids, 2)``, the pass ``packed`` read the
+    ids from.
     """
 
-    __slots__ = ("log_probs", "packed", "token_ids", "token_mask")
+    __slots__ = ("ids_marshal", "log_probs", "packed", "token_ids", "token_mask")
 
     def __init__(
-        self, packed: PackedColumns, token_mask: list[float], log_probs: list[float], token_ids: list[int] | None
+        self,
+        packed: PackedColumns,
+        token_mask: list[float],
+        log_probs: list[float],
+        token_ids: list[int] | None,
+        ids_marshal: bytes | None = None,
     ) -> None:
         self.packed = packed
         self.token_ids = token_ids
         self.token_mask = token_mask
         self.log_probs = log_probs
+        self.ids_marshal = ids_marshal
 
     def vouches_for(self, field_name: str | None, value: object) -> bool:
         """Whether *value* is the very list object this instance holds for that record field."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 from array import array
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from sink.contract._packed.lanes import INT_LANE, NATIVE_LITTLE, marshal_list
 
 __all__ = (
     "ID_TYPECODES",
+    "MarshalledIds",
     "ids_from_marshal",
     "ids_u64be",
     "ids_u64be_plain",
@@ -99,10 +100,22 @@ def is_token_id_list(values: object) -> bool:
     return _small_ids_blob(values) is not None
 
 
-def ids_from_marshal(token_ids: list[int], *, with_le: bool = True) -> tuple[bytes, bytearray] | None:
-    """``(u32 LE, u64 BE)`` of exact ints in ``[0, 2**31)``; ``None`` for anything else.
+class MarshalledIds(NamedTuple):
+    """The forms of a list of exact ints in ``[0, 2**31)`` read from its one ``marshal`` pass."""
 
-    With ``with_le=False`` only the u64 BE form is built (the first item is ``b""``).
+    le: bytes
+    """u32 little-endian (``b""`` when not asked for)."""
+    be: bytearray
+    """u64 big-endian: the digest form."""
+    blob: bytes
+    """``marshal.dumps(ids, 2)``, the pass both forms were read from (:mod:`worker.sequence_cache` keys a proof with
+    its items)."""
+
+
+def ids_from_marshal(token_ids: list[int], *, with_le: bool = True) -> MarshalledIds | None:
+    """The packed forms of exact ints in ``[0, 2**31)``; ``None`` for anything else.
+
+    With ``with_le=False`` only the u64 BE form is built (``le`` is ``b""``).
     """
     proved = _small_ids_blob(token_ids)
     if proved is None:
@@ -114,4 +127,4 @@ def ids_from_marshal(token_ids: list[int], *, with_le: bool = True) -> tuple[byt
         if with_le:
             le[k::4] = byte_k
         be[7 - k :: 8] = byte_k
-    return bytes(le), be
+    return MarshalledIds(bytes(le), be, blob)

@@ -129,8 +129,8 @@ def trusted_components(token_ids: object, token_mask: object, log_probs: object)
     ids = None if ids_copy is None or len(ids_copy) != packed.length else ids_from_marshal(ids_copy)
     if ids is None:
         return TrustedColumns(packed, mask_copy, lp_copy, None)
-    packed.ids_width, packed.ids_le, packed.ids_u64be = 4, ids[0], (ids[1],)
-    return TrustedColumns(packed, mask_copy, lp_copy, ids_copy)
+    packed.ids_width, packed.ids_le, packed.ids_u64be = 4, ids.le, (ids.be,)
+    return TrustedColumns(packed, mask_copy, lp_copy, ids_copy, ids.blob)
 
 
 def staging_delta_columns(
@@ -162,8 +162,8 @@ def staging_delta_columns(
     packed = PackedColumns(
         length=carry + generated,
         ids_width=4,
-        ids_le=ids[0],
-        ids_u64be=(bytes(ids[1]),),
+        ids_le=ids.le,
+        ids_u64be=(bytes(ids.be),),
         mask_codes=b"\x00" * carry + b"\x3f" * generated,
         mask_f32be=usual_mask_pieces(carry, generated),
         lp_f32be=bytes(4 * carry) + generated_f32be,
@@ -171,4 +171,4 @@ def staging_delta_columns(
     )
     mask = [0.0] * carry + [1.0] * generated
     log_probs = [0.0] * carry + generated_log_probs
-    return TrustedColumns(packed, mask, log_probs, token_ids)
+    return TrustedColumns(packed, mask, log_probs, token_ids, ids.blob)

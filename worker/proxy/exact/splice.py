@@ -112,8 +112,8 @@ class ScannedIds:
         :raises ValueError: an id is not an exact int in ``[0, 2**64)``.
         """
         if isinstance(token_ids, list) and (packed := ids_from_marshal(token_ids)) is not None:
-            ids_u32le, ids_u64be = packed  # (a list subclass is never proved here: marshal_list takes exact lists)
-            return cls(token_ids, _positions_in_u32le(ids_u32le, eot_ids), bytes(ids_u64be))
+            # (a list subclass is never proved here: marshal_list takes exact lists)
+            return cls(token_ids, _positions_in_u32le(packed.le, eot_ids), bytes(packed.be))
         ids = list(token_ids)
         return cls(ids, end_of_turn_positions(ids, eot_ids), encode_token_ids(ids)[U64.size :])
 
