@@ -320,8 +320,10 @@ def _as_chat_route(
         shown = list(((out.get("logprobs") or {}).get("content")) or [])
         shown += [{"token": f"token_id:{token}", "bytes": None, "top_logprobs": []} for token in ids[len(shown) :]]
         content = _logprob_entries(shown, entries, request)
-    else:  # derender resolved none (see exact_chat): generate's own entries, whose log-probs the stage reads (its ids
-        content = entries  # are token_ids; the entries spell no token strings to check), never served (not asked for)
+    else:
+        # Derender resolved none (see exact_chat): generate's own entries, whose log-probs the stage reads (its ids are
+        # token_ids; the entries spell no token strings to check); never served, since the agent did not ask for them.
+        content = entries
     reasoning = _reasoning_tokens(ids, traits.think_ids)
     completion.update(
         id=rendered.get("request_id") or completion.get("id"),
