@@ -21,7 +21,7 @@ import yaml
 from sink.keys import record_key
 from sink.ops.access.render import ADMIN_ROLE, ROLE_NAMES
 from sink.rollout.assembler import finished
-from sink.server import DurableServer, free_port
+from sink.server import DurableServer
 from sink.store.sink import AsyncRedisStagingSink
 from sink_cli.common import EXIT_FAILURE, EXIT_UNREACHABLE, EXIT_USAGE, mask_url
 from sink_cli.dispatch import ENV_REDIS_URL, build_parser
@@ -30,6 +30,7 @@ from sink_cli.services import BENCHMARKS
 from tests.helpers.acl import AclServer, start_acl_server
 from tests.helpers.commands import Command, staging_sink
 from tests.helpers.e2e import stage_rollouts
+from tests.helpers.processes import free_port
 from tests.helpers.staging import make_chain
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,6 @@ what the engine generated as the logging hop saw it."""
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from sink_tools.simulated.http_app import EngineApp
 from sink_tools.simulated.options import EngineOptions
 from tests.helpers.engine_truth import Generated, assert_row_is_exact, generations
 from tests.helpers.logging_hop import Exchange, running_hop
+from tests.helpers.processes import free_port
 from tests.helpers.proxy import close_clients, finish, proxy_config, pull, run_agent
 from tests.helpers.scenario_agent import Turn, run_scenario
 from tests.helpers.tier_engine import TierEngine, tier_engine
@@ -240,9 +240,7 @@ def test_an_engine_not_up_at_start_is_probed_on_the_first_call(
     scenario_redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="worker.proxy.exact.mode")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     engine_url = f"http://127.0.0.1:{port}"
     with running_server(ProxyApp(proxy_config(scenario_redis_url, engine_url))) as proxy:
         assert "prefix mode: undecided (GET /v1/models answered 502)" in caplog.text

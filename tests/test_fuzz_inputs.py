@@ -37,11 +37,11 @@ from sink.contract.records import (
     StageResult,
 )
 from sink.errors import CodecError
-from sink.server import free_port
 from sink.store.sink import AsyncRedisStagingSink
 from sink.store.source import AsyncRedisStagingSource
 from sink_cli import dispatch as cli
 from sink_cli.main import main as cli_main
+from tests.helpers.processes import free_port
 from tests.helpers.reliability import audit_keyspace, record_measurement
 from tests.helpers.staging import make_chain, make_record
 

@@ -25,13 +25,14 @@ from sink.ledger.lineage import LineageMatch, LineageResolution, LineageStatus
 from sink.ledger.memory import MemoryCaptureLedger
 from sink.ledger.redis import RedisCaptureLedger
 from sink.ledger.rows import custody_row
-from sink.server import DurableServer, free_port
+from sink.server import DurableServer
 from sink.store.durability import supports_waitaof
 from sink.store.scripts import AppendStatus
 from sink.store.sink import AsyncRedisStagingSink
 from sink_tools.cluster import LocalCluster
 from tests.helpers.e2e import call_record_of
 from tests.helpers.ledger import ANSWER1, CHILD_REQUEST, ROOT_REQUEST, R, child_commit, hexdigest, root_commit
+from tests.helpers.processes import free_port
 from tests.helpers.staging import make_record
 
 # --- pure pieces --------------------------------------------------------------

@@ -19,13 +19,13 @@ from sink.contract.packed import PackedSnapshot
 from sink.contract.records import StagedCallRecord
 from sink.errors import CodecError, StagingConnectionError
 from sink.keys import calls_stream, fence_key, record_key
-from sink.server import DurableServer, free_port
+from sink.server import DurableServer
 from sink.settings import SinkSettings, SourceSettings
 from sink.store import scripts
 from sink.store.memory import MemoryStagingStore
 from sink.store.sink import CONFLICT_ERROR, AsyncRedisStagingSink, RedisStagingSink
 from sink.store.source import AsyncRedisStagingSource, RedisStagingSource
-from tests.helpers.processes import until
+from tests.helpers.processes import free_port, until
 from tests.helpers.staging import make_chain, make_record
 
 pytestmark = pytest.mark.anyio

@@ -20,7 +20,8 @@ import trustme
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from sink.server import DurableServer, free_port
+from sink.server import DurableServer
+from tests.helpers.processes import free_port
 from tests.helpers.servers import import_or_skip, skip_or_fail
 
 TLS_FAILURE = r"(?i)certificate|ssl|tls"

@@ -10,6 +10,9 @@ on one stream and then reads the other, and never reads a pipe without a deadlin
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
+import os
 import re
 import signal
 import socket
@@ -32,10 +35,48 @@ ROOT = Path(__file__).resolve().parents[2]
 Stream = Literal["stdout", "stderr"]
 
 
+# Ports a test hands to a service it starts: below the kernel's ephemeral range (an outgoing connection, of this
+# test or another, never takes one between the pick and the service's bind) and below the range the local
+# cluster nodes of ``sink.server`` pick from (12000 and up), one slice per pytest-xdist worker (no other worker
+# picks the same port).
+_TEST_PORTS = range(2000, 12000)
+
+
+def _ephemeral_low() -> int:
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
+@functools.cache
+def _worker_slice() -> range:
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    top = min(_TEST_PORTS.stop, _ephemeral_low())
+    size = (top - _TEST_PORTS.start) // workers
+    assert size >= 100, f"no room for test ports below the ephemeral range ({top}) for {workers} workers"
+    start = _TEST_PORTS.start + worker * size
+    return range(start, start + size)
+
+
+@functools.cache
+def _slice_cursor() -> Iterator[int]:
+    return itertools.cycle(_worker_slice())
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A loopback port free right now, that nothing else picks before the test's service binds it: from this
+    worker's own slice below the ephemeral range, each port handed out once per slice round, skipping ports
+    something is bound to (a server of another run, a socket in TIME_WAIT)."""
+    for _ in range(len(_worker_slice())):
+        port = next(_slice_cursor())
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {_worker_slice()}")
 
 
 def healthy(url: str) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers.processes import free_port
 from tests.helpers.servers import running_in_ci
 
 __all__ = (
@@ -86,20 +86,13 @@ class VllmServer:
         return [self.vocab[character] for character in text]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 class VllmStartError(RuntimeError):
     """The vLLM server exited or did not become ready in time (the message carries its log's tail)."""
 
 
 def start_vllm(python: Path, model_dir: Path, variant: str, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start vLLM on a free loopback port (not waiting for it); returns the process and its base URL."""
-    port = _free_port()
+    port = free_port()
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", variant, "--host", "127.0.0.1", "--port", str(port),
