@@ -96,7 +96,7 @@ async def test_a_group_held_by_a_rank_that_died_is_delivered_whole_by_another_ra
 ) -> None:
     members = ["c-0", "c-1", "c-2"]
     await publish_groups(redis_url, {"crashed": members}, receipt_shards=1)
-    options: dict[str, Any] = {"receipt_shards": 1, "claim_idle_ms": 300}
+    options: dict[str, Any] = {"receipt_shards": 1, "claim_idle_ms": 3_000}  # not idle until rank-1 is gone
     caplog.set_level(logging.INFO)
     async with RolloutReader.from_url(redis_url, consumer_name="rank-0", **options) as rank0:
         survivor = GroupReader(rank0)

@@ -178,10 +178,13 @@ async def test_groups_are_gathered_and_delivered_across_cluster_slots(cluster: L
         try:
             for rollout_id, (group_id, size) in members.items():
                 await finished(client, rollout_id, reward=1.0, group_id=group_id, group_size=size, namespace=namespace)
+            # Every member is recorded first (the default timeout: on a busy cluster a sweep between two members of
+            # a group on different shards would seal it short), then a short timeout seals the group left open.
             acked = EventCounter(len(members))
-            async with running_assembler(cluster.url, before_ack=acked, block_ms=50, group_timeout_s=0.3, **fields):
+            async with running_assembler(cluster.url, before_ack=acked, block_ms=50, **fields):
                 with anyio.fail_after(20):
                     await acked.reached.wait()
+            async with running_assembler(cluster.url, block_ms=50, group_timeout_s=0.3, **fields):
                 meta = group_keys(namespace, "cg-short")[0]
                 await until(lambda: client.hexists(meta, "published"), "cg-short never sealed", timeout_s=20)
         finally:

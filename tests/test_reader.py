@@ -200,10 +200,11 @@ async def test_heartbeat_keeps_held_rollouts_and_consumer_retires_only_when_idle
     await _prepared(redis_url, ["beat"])
     async with (
         RolloutReader.from_url(redis_url, consumer_name="rank-0", **ONE_SHARD) as holder,
-        RolloutReader.from_url(redis_url, consumer_name="rank-1", claim_idle_ms=200, **ONE_SHARD) as other,
+        RolloutReader.from_url(redis_url, consumer_name="rank-1", claim_idle_ms=2_000, **ONE_SHARD) as other,
     ):
         await pull_until(holder, 1)
-        assert await holder.heartbeat() == 0
+        await anyio.sleep(2.1)  # the held entry is now idle longer than claim_idle_ms: reclaimable but for ...
+        assert await holder.heartbeat() == 0  # ... the heartbeat, which makes it fresh again
         assert await other.pull(1) == []  # not idle: nothing to reclaim
         # holder owns a pending entry: its consumer name must survive.
         assert await holder.retire_consumer() == 0

@@ -257,3 +257,10 @@ def test_cluster_fails_over_and_heals(cluster: sink_cluster.LocalCluster) -> Non
     assert all(node.running for node in cluster.nodes)
     assert len(cluster.primaries()) == 3
     assert len(cluster.replicas()) == 3
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_so_no_outgoing_connection_takes_it_first() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for with_cluster_bus in (False, True):
+        ports = [sink_server.free_port(with_cluster_bus=with_cluster_bus) for _ in range(20)]
+        assert all(port + 10000 * with_cluster_bus < low for port in ports), ports

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +147,10 @@ async def test_a_paused_replica_fails_stages_until_it_resumes(fresh_server: Dura
         async with AsyncRedisStagingSink.from_url(fresh_server.url, min_replicas=1, confirm_timeout_s=0.5) as sink:
             # A healthy replica confirms (on a loaded machine its first sync may take a few 0.5 s windows).
 
-            async def confirmed() -> bool:
-                return (await sink.stage(make_record("r8", "c1"))).ok
+            async def confirmed(call_id: str) -> bool:
+                return (await sink.stage(make_record("r8", call_id))).ok
 
-            await until(confirmed, "the healthy replica never confirmed a stage")
+            await until(partial(confirmed, "c1"), "the healthy replica never confirmed a stage")
             replica.pause()
             try:
                 with anyio.fail_after(5):
@@ -157,9 +158,9 @@ async def test_a_paused_replica_fails_stages_until_it_resumes(fresh_server: Dura
             finally:
                 replica.resume()
             assert not stalled.ok and stalled.error is not None and "replicas" in stalled.error
-            retried = await sink.stage(make_record("r8", "c2"))
-            assert retried.ok
-            assert (await sink.stage(make_record("r8", "c3"))).ok
+            # The resumed replica catches up (a re-stage is idempotent: a few windows on a loaded machine).
+            await until(partial(confirmed, "c2"), "the failed stage's retry was never confirmed")
+            await until(partial(confirmed, "c3"), "a stage after the resume was never confirmed")
     assert _calls_len(fresh_server.url, "r8") == 3  # the failed stage's retry did not duplicate its entry
 
 
@@ -545,8 +546,13 @@ async def test_a_retry_while_the_replica_is_frozen_is_not_acknowledged(server_bi
             AsyncRedisStagingSink.from_url(primary.url, settings) as first,
             AsyncRedisStagingSink.from_url(primary.url, settings) as retrying,
         ):
-            assert (await first.stage(make_record("frozen", "c0"))).ok
-            assert (await retrying.stage(make_record("other", "c0"))).ok
+
+            async def confirmed(sink: AsyncRedisStagingSink, rollout_id: str) -> bool:
+                return (await sink.stage(make_record(rollout_id, "c0"))).ok
+
+            # Both sinks' connections are open and confirmed (a few windows on a loaded machine) before the pause.
+            await until(partial(confirmed, first, "frozen"), "the replica never confirmed the first sink's stage")
+            await until(partial(confirmed, retrying, "other"), "the replica never confirmed the second sink's stage")
             replica.pause()
             try:
                 assert not (await first.stage(record)).ok  # written, not confirmed

@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import importlib
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -55,7 +54,7 @@ import httpx
 import orjson
 
 from sink.contract.records import CaptureAdmission
-from sink.server import DurableServer
+from sink.server import DurableServer, free_port
 from sink.store.sink import AsyncRedisStagingSink
 from sink_tools.bench import BenchHelpFormatter, BenchmarkNamespaceInUseError, BenchNamespace, report_on_server
 from sink_tools.bench.proxy_report import GATEWAY_PATHS, PathResult, format_report
@@ -95,13 +94,6 @@ def server_timing(value: str) -> tuple[float, float, float]:
         return durations["engine"], durations["capture"], durations["total"]
     except KeyError as exc:
         raise ValueError(f"a Server-Timing header without {exc}: {value!r}") from exc
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager
@@ -217,7 +209,7 @@ def _engine(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         url = args.engine_url.rstrip("/")
         yield url, f"{url} (external, model {args.model!r}{_engine_version(url)})"
         return
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with _process(["engine", "--port", str(port), "--enable-scale-out"], f"{url}/health"):
         yield url, "the simulated engine (staging-sink engine --enable-scale-out: one process, one event loop)"
@@ -262,7 +254,7 @@ def _run(
 ) -> tuple[list[PathResult], str, float, list[str]]:
     """Every path at every concurrency, ``--repeats`` times; returns the results, the engine, the best stage p50
     and the report's notes (the gateways' traces counted)."""
-    ports = {path: _free_port() for path in paths if path != "direct"}
+    ports = {path: free_port() for path in paths if path != "direct"}
     results: list[PathResult] = []
     stage_p50s: list[float] = []
     notes: list[str] = []
