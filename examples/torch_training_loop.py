@@ -54,7 +54,8 @@ def train(url: str, *, steps: int, rollouts_per_step: int, workers: int) -> list
     dataset = StagedRolloutDataset(
         url, rollouts_per_batch=rollouts_per_step, max_batches=steps, num_workers=workers, block_ms=500
     )
-    loader = DataLoader(dataset, batch_size=None, num_workers=workers)
+    # Batches as they come: in torch's default order one worker's batch waits for the worker before it in turn.
+    loader = DataLoader(dataset, batch_size=None, num_workers=workers, in_order=False)
     torch.manual_seed(0)
     model = TinyPolicy()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -8,6 +8,7 @@ import logging
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -21,6 +22,7 @@ from sink.keys import receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import DEFAULT_SHARDS, ReaderSettings
 from sink.trainer.reader.backlog import TRAINER_GROUP
+from sink.trainer.reader.sync_reader import SyncRolloutReader
 from sink.trainer.torch_data import StagedRolloutDataset, TorchBatch
 from tests.helpers.e2e import stage_rollouts
 from tests.helpers.trainer import publish, publish_staged
@@ -223,7 +225,7 @@ def test_an_acknowledgement_through_a_worker_is_applied_when_ack_returns(redis_u
 
     first = dataset("first")
     trained: list[str] = []
-    for batch in DataLoader(first, batch_size=None, num_workers=2, timeout=BATCH_TIMEOUT_S):
+    for batch in DataLoader(first, batch_size=None, num_workers=2, timeout=BATCH_TIMEOUT_S, in_order=False):
         left = _receipts_left(redis_url)
         first.ack(batch)
         assert _receipts_left(redis_url) == left - len(batch.ack_ids)  # acknowledged when ack() returned
@@ -232,12 +234,50 @@ def test_an_acknowledgement_through_a_worker_is_applied_when_ack_returns(redis_u
             break  # the loader stops its workers
     second = dataset("second")  # other consumer names: nothing of the first loader's is its own pending
     rest: list[str] = []
-    for batch in DataLoader(second, batch_size=None, num_workers=2, timeout=BATCH_TIMEOUT_S):
+    for batch in DataLoader(second, batch_size=None, num_workers=2, timeout=BATCH_TIMEOUT_S, in_order=False):
         second.ack(batch)
         rest += batch.ack_ids
         if len(trained) + len(rest) >= len(ids):
             break
     assert sorted(trained + rest) == sorted(ids)  # the acknowledged never again, the rest exactly once
+    assert _receipts_left(redis_url) == 0 and _pending(redis_url) == 0
+
+
+@pytest.mark.slow  # about 20 s: torch waits 5 s for each of the 4 workers before it terminates them
+@pytest.mark.filterwarnings(MORE_WORKERS_THAN_CORES)
+def test_a_stream_run_dry_yields_every_batch_and_a_broken_off_loop_gives_its_batches_in_flight_back(
+    redis_url: str,
+) -> None:
+    """The docs' loader (``in_order=False``) over receipts that stop coming: every batch is yielded as soon as a
+    worker has it, while other workers wait for receipts (in torch's default order a worker's batch waits for the
+    next batch of the worker before it, which has none: 8 of 10 such runs stalled). Then the loop is broken off
+    with every worker waiting inside the dataset: torch terminates them after its 5 s joins, and each still gives
+    back the batches it yielded that were never acknowledged, so the next reader trains them at once, not after
+    ``claim_idle_ms``."""
+    ids = [f"dry-{i}" for i in range(12)]
+    _publish(redis_url, ids)
+    settings = ReaderSettings(claim_idle_ms=AN_HOUR_MS)
+    first = StagedRolloutDataset(
+        redis_url, settings=settings, rollouts_per_batch=2, num_workers=4, block_ms=200, consumer_prefix="first"
+    )
+    loop = iter(DataLoader(first, batch_size=None, num_workers=4, timeout=BATCH_TIMEOUT_S, in_order=False))
+    batches = [next(loop)]
+    while sum(len(batch.ack_ids) for batch in batches) < len(ids):
+        batches.append(next(loop))
+    # Every worker now waits inside the dataset for receipts that do not come (torch asks each for batches ahead).
+    # Only the first batch is acknowledged: the rest are in flight.
+    first.ack(batches[0])
+    acknowledged = list(batches[0].ack_ids)
+    in_flight = len(ids) - len(acknowledged)
+    del loop  # the loop broken off: torch shuts its workers down
+    again: list[str] = []
+    with SyncRolloutReader.from_url(redis_url, settings.model_copy(update={"consumer_name": "next"})) as reader:
+        deadline = time.monotonic() + BATCH_TIMEOUT_S
+        while len(again) < in_flight and time.monotonic() < deadline:
+            pulled = [rollout.rollout_id for rollout in reader.pull(in_flight, block_ms=200)]
+            reader.ack(pulled)
+            again += pulled
+    assert sorted(acknowledged + again) == sorted(ids)
     assert _receipts_left(redis_url) == 0 and _pending(redis_url) == 0
 
 

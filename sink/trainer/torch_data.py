@@ -6,7 +6,10 @@ Nothing else in :mod:`sink` imports torch; this module does, on import.
 :class:`StagedRolloutDataset` yields one :class:`TorchBatch` per pull: the pulled rollouts collated
 (:func:`~sink.trainer.batch.collate`, ``[B, T]``) or packed (:func:`~sink.trainer.packing.pack`,
 ``[N, max_tokens]``), every array handed over with ``torch.from_numpy`` (no copy). Use it with automatic
-batching off, ``DataLoader(dataset, batch_size=None, num_workers=N)``: each batch is already a batch.
+batching off and, with workers, batches as they come,
+``DataLoader(dataset, batch_size=None, num_workers=N, in_order=False)``: each batch is already a batch, and in
+torch's default order a batch one worker has ready waits for the next batch of the worker before it, which has
+none while no receipt comes (at the end of a run: never).
 
 Rank-aware: every reading process has its own consumer name in the ``trainers`` group,
 ``<prefix>-rank<R>-worker<W>`` (``R`` from ``torch.distributed`` when it is initialized, else ``$RANK``, else 0;
@@ -26,17 +29,21 @@ per reading process (``None``: endless). A worker that has produced its last bat
 up to ``ack_wait_s`` for the acknowledgements of its batches still in flight; a reader that stops with rollouts
 in hand (the loop broken off, ``ack_wait_s`` over) gives them back
 (:meth:`~sink.trainer.reader.rollout_reader.RolloutReader.release_held`): the next reader takes them at once, as double
-deliveries (they may have been trained). A batch never acknowledged is delivered again.
+deliveries (they may have been trained). A batch never acknowledged is delivered again. A worker waiting for
+receipts when the loop is broken off does not see torch's request to stop: torch waits 5 s for each such worker,
+then terminates it, and the worker still gives back what it holds before it exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.queues
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -126,6 +133,45 @@ def _positive(name: str, value: object) -> int:
     if type(value) is not int or value < 1:
         raise BatchInputError(f"{name} must be an int >= 1, got {value!r}")
     return value
+
+
+class _Termination:
+    """SIGTERM in a ``DataLoader`` worker during its pass over the dataset (the handler installed for the pass).
+
+    torch stops its workers by asking each and joining it for 5 s, then terminates those still running: a worker
+    waiting for receipts inside the dataset never sees the request, so it gets SIGTERM (torch's own handler would
+    end it at once, its rollouts in hand kept until ``claim_idle_ms``). While the dataset's own code runs (a pull,
+    giving back), a SIGTERM is noted and the worker stops at the next check (a pull returns within ``block_ms``):
+    what it read is known, and it gives back what it holds before it exits. Where stopping at once loses nothing
+    (:meth:`interruptible`: handing a batch to torch, waiting for the last acknowledgements) it exits at once,
+    its rollouts given back on the way out.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.exit_code = 0
+        self._interruptible = False
+        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.requested, self.exit_code = True, 128 + signum
+        if self._interruptible:
+            raise SystemExit(self.exit_code)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A SIGTERM in this block (or noted before it) ends the worker at once, with :class:`SystemExit`."""
+        if self.requested:
+            raise SystemExit(self.exit_code)
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    def restore(self) -> None:
+        """Put back the handler the worker had (the default where it was not set from Python)."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
 
 
 class StagedRolloutDataset(IterableDataset[TorchBatch]):
@@ -291,11 +337,14 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
                 self._ack_answers[worker_id],
                 renew_every_s=self.settings.claim_idle_ms / RENEWALS_PER_IDLE / 1000,
             )
+            termination = _Termination()
             try:
-                for batch in self._batches(reader, name, worker_id, acks.iteration):
+                for batch in self._batches(reader, name, worker_id, acks.iteration, termination):
                     acks.expect(batch.ack_ids)
-                    yield batch
-                unacknowledged = acks.wait_for_all(self.ack_wait_s)  # the batches still in flight
+                    with termination.interruptible():
+                        yield batch
+                with termination.interruptible():  # the batches still in flight
+                    unacknowledged = acks.wait_for_all(self.ack_wait_s)
                 if unacknowledged:
                     _log.warning(
                         "%s: %d rollout(s) not acknowledged within ack_wait_s=%s: given back, they are delivered "
@@ -307,14 +356,24 @@ class StagedRolloutDataset(IterableDataset[TorchBatch]):
             finally:
                 acks.stop()
                 give_back(reader)
+                termination.restore()
+            if termination.requested:
+                raise SystemExit(termination.exit_code)
 
     def _batches(
-        self, reader: SyncRolloutReader, name: str, worker_id: int | None, iteration: str | None
+        self,
+        reader: SyncRolloutReader,
+        name: str,
+        worker_id: int | None,
+        iteration: str | None,
+        termination: _Termination | None = None,
     ) -> Iterator[TorchBatch]:
         produced = 0
         while self.max_batches is None or produced < self.max_batches:
             pulled = reader.pull(self.rollouts_per_batch, block_ms=self.block_ms)
             reader.release_unpulled()  # what the pull read beyond this batch: to whichever reader is free
+            if termination is not None and termination.requested:
+                return  # what it pulled is held: given back
             if not pulled:
                 continue
             yield self._tensors(pulled, name, worker_id, iteration)
