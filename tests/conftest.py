@@ -32,6 +32,7 @@ from hypothesis import settings
 
 from sink import server as sink_server
 from sink_tools import cluster as sink_cluster
+from tests.helpers.processes import free_port
 from tests.helpers.servers import extra_missing, require_binary, reset_durable_server, skip_or_fail
 from tests.helpers.vllm_server import VLLM_FIXTURES, VLLM_TIMEOUT_S, deselect_without_vllm
 
@@ -143,7 +144,10 @@ def redis_url(durable_server: sink_server.DurableServer) -> str:
 
 @pytest.fixture
 def fresh_server(server_binary: Path, tmp_path: Path) -> Iterator[sink_server.DurableServer]:
-    with sink_server.DurableServer(binary=server_binary, data_dir=tmp_path / "server") as server:
+    # A port of this worker's own (free_port): a restart binds it again, and no other worker's server takes it
+    # while the server is down.
+    port = free_port()
+    with sink_server.DurableServer(binary=server_binary, data_dir=tmp_path / "server", port=port) as server:
         yield server
 
 
