@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import DEFAULT_SHARDS, ReaderSettings
 from sink.trainer.reader.backlog import TRAINER_GROUP
 from sink.trainer.reader.sync_reader import SyncRolloutReader
-from sink.trainer.torch_data import StagedRolloutDataset, TorchBatch
+from sink.trainer.torch_data import StagedRolloutDataset, TorchBatch, _Termination
 from tests.helpers.e2e import stage_rollouts
 from tests.helpers.trainer import publish, publish_staged
 
@@ -279,6 +281,32 @@ def test_a_stream_run_dry_yields_every_batch_and_a_broken_off_loop_gives_its_bat
             again += pulled
     assert sorted(acknowledged + again) == sorted(ids)
     assert _receipts_left(redis_url) == 0 and _pending(redis_url) == 0
+
+
+def test_a_worker_thread_reads_without_a_sigterm_handler_and_a_worker_process_gets_its_own_back() -> None:
+    """Only a process's main thread may set a signal handler: a worker that is a thread leaves SIGTERM alone; a
+    worker process's handler is the one it had again after its pass."""
+    before = signal.getsignal(signal.SIGTERM)
+    errors: list[BaseException] = []
+
+    def in_a_thread() -> None:
+        try:
+            termination = _Termination()
+            assert signal.getsignal(signal.SIGTERM) is before
+            termination.restore()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join(timeout=10)
+    assert errors == [] and signal.getsignal(signal.SIGTERM) is before
+    termination = _Termination()
+    try:
+        assert signal.getsignal(signal.SIGTERM) == termination._on_signal
+    finally:
+        termination.restore()
+    assert signal.getsignal(signal.SIGTERM) == (signal.SIG_DFL if before is None else before)
 
 
 def test_the_rank_comes_from_the_environment_without_torch_distributed(

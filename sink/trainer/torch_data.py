@@ -144,14 +144,16 @@ class _Termination:
     giving back), a SIGTERM is noted and the worker stops at the next check (a pull returns within ``block_ms``):
     what it read is known, and it gives back what it holds before it exits. Where stopping at once loses nothing
     (:meth:`interruptible`: handing a batch to torch, waiting for the last acknowledgements) it exits at once,
-    its rollouts given back on the way out.
+    its rollouts given back on the way out. A worker that is a thread (only a process's main thread may set a
+    handler) reads without one.
     """
 
     def __init__(self) -> None:
         self.requested = False
         self.exit_code = 0
         self._interruptible = False
-        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        self._installed = threading.current_thread() is threading.main_thread()
+        self._previous = signal.signal(signal.SIGTERM, self._on_signal) if self._installed else None
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.requested, self.exit_code = True, 128 + signum
@@ -171,7 +173,8 @@ class _Termination:
 
     def restore(self) -> None:
         """Put back the handler the worker had (the default where it was not set from Python)."""
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+        if self._installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
 
 
 class StagedRolloutDataset(IterableDataset[TorchBatch]):
