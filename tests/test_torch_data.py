@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import anyio
@@ -24,9 +23,9 @@ from sink.keys import receipts_stream
 from sink.ledger.redis import RedisCaptureLedger
 from sink.settings import DEFAULT_SHARDS, ReaderSettings
 from sink.trainer.reader.backlog import TRAINER_GROUP
-from sink.trainer.reader.sync_reader import SyncRolloutReader
+from sink.trainer.reader.rollout_reader import RolloutReader
 from sink.trainer.torch_data import StagedRolloutDataset, TorchBatch, _Termination
-from tests.helpers.e2e import stage_rollouts
+from tests.helpers.e2e import pull_until, stage_rollouts
 from tests.helpers.trainer import publish, publish_staged
 
 VOCAB = 64
@@ -272,13 +271,14 @@ def test_a_stream_run_dry_yields_every_batch_and_a_broken_off_loop_gives_its_bat
     acknowledged = list(batches[0].ack_ids)
     in_flight = len(ids) - len(acknowledged)
     del loop  # the loop broken off: torch shuts its workers down
-    again: list[str] = []
-    with SyncRolloutReader.from_url(redis_url, settings.model_copy(update={"consumer_name": "next"})) as reader:
-        deadline = time.monotonic() + BATCH_TIMEOUT_S
-        while len(again) < in_flight and time.monotonic() < deadline:
-            pulled = [rollout.rollout_id for rollout in reader.pull(in_flight, block_ms=200)]
-            reader.ack(pulled)
-            again += pulled
+
+    async def the_rest() -> list[str]:
+        async with RolloutReader.from_url(redis_url, settings.model_copy(update={"consumer_name": "next"})) as reader:
+            pulled = [rollout.rollout_id for rollout in await pull_until(reader, in_flight, timeout_s=BATCH_TIMEOUT_S)]
+            await reader.ack(pulled)
+            return pulled
+
+    again = anyio.run(the_rest)
     assert sorted(acknowledged + again) == sorted(ids)
     assert _receipts_left(redis_url) == 0 and _pending(redis_url) == 0
 
