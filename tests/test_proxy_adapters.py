@@ -143,13 +143,15 @@ def test_upstream_request_asks_for_ids_and_strips_what_the_client_did_not_ask() 
     payload = copy.deepcopy(GYM_CHAT)
     payload["prompt_token_ids"] = [1]
     payload["choices"][0].update(token_ids=[7], logprobs={"content": []})
-    stripped = strip_token_fields("chat", payload, ClientAsked(token_ids=False, logprobs=False))
-    assert stripped["prompt_token_ids"] is None and stripped["choices"][0]["logprobs"] is None
-    assert set(stripped["choices"][0]["message"]) == {"role", "content"}
-    kept = strip_token_fields("chat", copy.deepcopy(GYM_CHAT), ClientAsked(token_ids=True, logprobs=True))
+    assert strip_token_fields("chat", payload, ClientAsked(token_ids=False, logprobs=False)) is True
+    assert payload["prompt_token_ids"] is None and payload["choices"][0]["logprobs"] is None
+    assert set(payload["choices"][0]["message"]) == {"role", "content"}
+    kept = copy.deepcopy(GYM_CHAT)
+    strip_token_fields("chat", kept, ClientAsked(token_ids=True, logprobs=True))
     assert kept["choices"][0]["message"]["generation_token_ids"] == ["token_id:7", "token_id:8"]
     assert response_items("chat", copy.deepcopy(GYM_CHAT)) == [{"role": "assistant", "content": "ab"}]
-    responses = strip_token_fields("responses", copy.deepcopy(GYM_RESPONSE), ClientAsked(False, False))
+    responses = copy.deepcopy(GYM_RESPONSE)
+    assert strip_token_fields("responses", responses, ClientAsked(False, False)) is True
     assert "generation_token_ids" not in responses["output"][1]
 
 

@@ -252,15 +252,24 @@ class CommitBug(CaptureGate):
         raise RuntimeError("a bug in the gate's commit")
 
 
+class CommitBugAfterTheStage(CommitBug):
+    """No row behind the stage, so the bug is met after the stage, once the answer has been stripped."""
+
+    def planned_commit(self, *args: Any, **kwargs: Any) -> Any:
+        return None
+
+
+@pytest.mark.parametrize("bug", [CommitBug, CommitBugAfterTheStage], ids=["in-the-stage", "after-the-stage"])
 @pytest.mark.parametrize("fail_closed", [False, True], ids=["fail-open", "fail-closed"])
 def test_a_bug_in_the_commit_reaches_the_boundary(
-    redis_url: str, fail_closed: bool, caplog: pytest.LogCaptureFixture
+    redis_url: str, fail_closed: bool, bug: type[CommitBug], caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Fail-open still serves the answer stripped, wherever the bug is met (never the engine's unstripped bytes)."""
     with running_server(EngineApp(EngineOptions(seed=5))) as engine:
         proxy = ProxyApp(proxy_config(redis_url, engine, fail_closed=fail_closed))
         with running_server(proxy) as url:
             assert proxy.middleware is not None
-            proxy.middleware.gate = CommitBug(proxy.middleware.gate)
+            proxy.middleware.gate = bug(proxy.middleware.gate)
             with caplog.at_level(logging.ERROR, logger="worker.proxy"):
                 if fail_closed:
                     with pytest.raises(openai.InternalServerError) as raised:
@@ -274,6 +283,8 @@ def test_a_bug_in_the_commit_reaches_the_boundary(
                     )
                     assert completion.choices[0].message.content is not None
                     assert unset(completion.model_extra, "prompt_token_ids")
+                    assert completion.choices[0].logprobs is None
+                    assert unset(completion.choices[0].model_extra, "token_ids")
     assert proxy.metrics.counts["capture_error"] == 1 and proxy.metrics.counts["capture_failed"] == 0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info is not None]
     assert errors and "a bug in the gate's commit" in caplog.text and "Traceback" in caplog.text

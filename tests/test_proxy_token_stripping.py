@@ -42,8 +42,16 @@ def _chat() -> dict[str, Any]:
     }
 
 
+def _stripped(route: RouteKind, payload: dict[str, Any], asked: ClientAsked) -> dict[str, Any]:
+    """*payload* once stripped, checking that the strip reports a change exactly when it made one."""
+    before = copy.deepcopy(payload)
+    changed = strip_token_fields(route, payload, asked)
+    assert changed is (payload != before)
+    return payload
+
+
 def test_a_chat_answer_loses_every_token_field_the_client_did_not_ask_for() -> None:
-    stripped = strip_token_fields("chat", _chat(), NOTHING)
+    stripped = _stripped("chat", _chat(), NOTHING)
     assert stripped == {
         "id": "chatcmpl-1",
         "prompt_token_ids": None,  # vLLM's key without return_token_ids: null, as vLLM answers
@@ -63,20 +71,36 @@ def test_a_chat_answer_loses_every_token_field_the_client_did_not_ask_for() -> N
 def test_what_the_client_asked_for_stays_and_the_coordinates_always_go() -> None:
     expected = _chat()
     del expected["ng_commit_coords"]
-    assert strip_token_fields("chat", _chat(), EVERYTHING) == expected
-    only_logprobs = strip_token_fields("chat", _chat(), ClientAsked(token_ids=False, logprobs=True))
+    assert _stripped("chat", _chat(), EVERYTHING) == expected
+    only_logprobs = _stripped("chat", _chat(), ClientAsked(token_ids=False, logprobs=True))
     assert only_logprobs["choices"][1]["logprobs"] == {"content": [{"token": "token_id:3", "logprob": -0.5}]}
     assert only_logprobs["choices"][1]["token_ids"] is None and only_logprobs["prompt_token_ids"] is None
     # A choice without logprobs does not gain the field.
-    assert "logprobs" not in strip_token_fields("completions", {"choices": [{"text": "x"}]}, NOTHING)["choices"][0]
+    assert "logprobs" not in _stripped("completions", {"choices": [{"text": "x"}]}, NOTHING)["choices"][0]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions", "responses"])
+def test_an_answer_holding_only_fields_the_client_asked_for_is_left_as_it_came(route: RouteKind) -> None:
+    """Nothing to strip (no coordinates, every token field asked for, or null as vLLM writes it unasked): the strip
+    reports no change, so the proxy serves the engine's own bytes."""
+    answers: dict[str, dict[str, Any]] = {
+        "chat": {k: v for k, v in _chat().items() if k != "ng_commit_coords"},
+        "completions": {"prompt_token_ids": None, "choices": [{"text": "x", "token_ids": None, "logprobs": None}]},
+        "responses": {"output": [{"type": "message", "content": [], **TOKEN_FIELDS}]},
+    }
+    asked = NOTHING if route == "completions" else EVERYTHING
+    payload = answers[route]
+    before = copy.deepcopy(payload)
+    assert strip_token_fields(route, payload, asked) is False
+    assert payload == before
 
 
 def test_responses_items_keep_their_token_fields_only_when_asked() -> None:
     def answer() -> dict[str, Any]:
         return {"ng_commit_coords": {}, "output": [{"type": "message", "content": [], **TOKEN_FIELDS}, "odd"]}
 
-    assert strip_token_fields("responses", answer(), NOTHING) == {"output": [{"type": "message", "content": []}, "odd"]}
-    kept = strip_token_fields("responses", answer(), ClientAsked(token_ids=True, logprobs=False))
+    assert _stripped("responses", answer(), NOTHING) == {"output": [{"type": "message", "content": []}, "odd"]}
+    kept = _stripped("responses", answer(), ClientAsked(token_ids=True, logprobs=False))
     assert kept == {"output": [{"type": "message", "content": [], **TOKEN_FIELDS}, "odd"]}
 
 
@@ -95,7 +119,7 @@ def test_the_served_items_are_known_before_the_answer_is_stripped(route: RouteKi
     before = copy.deepcopy(payload)
     served = served_items(route, payload, asked)
     assert payload == before, "served_items changed the answer"
-    assert served == response_items(route, strip_token_fields(route, copy.deepcopy(payload), asked))
+    assert served == response_items(route, _stripped(route, copy.deepcopy(payload), asked))
     assert served  # every route serves one item here
 
 

@@ -230,6 +230,29 @@ def test_the_streamed_replay_carries_the_token_fields_asked_for(redis_url: str) 
     assert [value for value, m in zip(pulled.row.logprobs, pulled.row.token_mask, strict=True) if m] == logprobs
 
 
+@pytest.mark.parametrize("kind", ENGINES)
+def test_an_answer_with_every_token_field_asked_for_reaches_the_agent_as_the_engine_wrote_it(
+    redis_url: str, kind: str, request: pytest.FixtureRequest
+) -> None:
+    """An RL harness asks for ``logprobs`` and ``return_token_ids``: nothing is stripped, and the agent gets the
+    engine's bytes as the logging hop saw them (vLLM writes its JSON with Python's ``json``), the call staged."""
+    with ExitStack() as stack:
+        engine = _engine(kind, request, stack)
+        hop, hop_url = stack.enter_context(running_hop(engine.url))
+        url = stack.enter_context(running_server(ProxyApp(proxy_config(redis_url, hop_url, prefix_mode="verify"))))
+        body = {"model": engine.model, "messages": MESSAGES, "max_tokens": 8, "logit_bias": engine.hidden}
+        answer = httpx.post(
+            f"{url}/r/as-written-{kind}/v1/chat/completions",
+            json={**body, "logprobs": True, "return_token_ids": True},
+            timeout=60,
+        )
+        [exchange] = hop.on("/v1/chat/completions")
+    assert answer.status_code == 200, answer.text
+    assert answer.content == exchange.response_body
+    assert answer.json()["choices"][0]["logprobs"]["content"]  # the token fields are there, as asked
+    assert len(manifest(redis_url, f"as-written-{kind}").records) == 1
+
+
 # --- 4. routed_experts: staged from the choice or the message, stripped unless asked ---------------------------
 
 

@@ -59,14 +59,16 @@ class RecordingEngine:
         await self.app(scope, receive, send)
 
 
-def fixed_upstream(payload: dict[str, Any]) -> ASGIApp:
-    """An upstream that answers every POST with *payload*, whatever the body (it never parses it)."""
+def fixed_upstream(payload: dict[str, Any] | bytes) -> ASGIApp:
+    """An upstream that answers every POST with *payload* (JSON; bytes are sent as they are), whatever the body (it
+    never parses it)."""
+    body = payload if isinstance(payload, bytes) else orjson.dumps(payload)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         await read_body(receive)
-        await send_body(send, 200, orjson.dumps(payload))
+        await send_body(send, 200, body)
 
     return app
 

@@ -118,6 +118,9 @@ class CapturedCall:
         """Why a call served with an engine answer must not be staged (its context changed under ``single``)."""
         self.row_behind: FollowUp | None = None
         """The ledger row sent behind the stage, with its outcome (one durable round)."""
+        self.as_received = False
+        """The answer to serve is the engine's body as it came: parsed from it, and the client asked for every token
+        field it holds, so nothing was stripped. It is then served as the engine's own bytes, not serialised again."""
 
     # --- admission ------------------------------------------------------------
 
@@ -384,6 +387,7 @@ class CapturedCall:
             upstream, payload, asked = answer
             if payload is not None:
                 strip_token_fields(self.route, payload, asked)
+            self.as_received = False  # after a bug, serve only what was just stripped (it may have been stripped before)
             await self._reply(upstream, payload, send)
 
     async def _serve(self, receive: Receive, send: Send) -> None:
@@ -429,13 +433,13 @@ class CapturedCall:
                 coords = await self._complete(self.active, upstream, payload)
                 served = None if payload is None else [dict(c) for c in payload.get("choices") or () if isinstance(c, dict)]
                 if payload is not None:
-                    strip_token_fields(self.route, payload, asked)
+                    self._strip(upstream, payload, asked)
                 await self._settle(coords, payload)
                 if self.captured and text is not None and served and xc is not None:
                     await xc.remember(self.rollout_id, text, {"choices": served}, self.request)
                 metrics.observe(stage_s=note_capture(time.perf_counter() - staged_at))
             elif payload is not None:
-                strip_token_fields(self.route, payload, asked)
+                self._strip(upstream, payload, asked)
         finally:
             if self.admission is not None and not self.settled:
                 await self._abandon()
@@ -453,6 +457,11 @@ class CapturedCall:
             return
         await self._reply(upstream, payload, send)
 
+    def _strip(self, upstream: UpstreamAnswer, payload: dict[str, Any], asked: ClientAsked) -> None:
+        """Strip the token fields the client did not ask for; note whether the answer is still the engine's body."""
+        changed = strip_token_fields(self.route, payload, asked)
+        self.as_received = not changed and upstream.payload is None and not upstream.oversized
+
     async def _reply(self, upstream: UpstreamAnswer, payload: dict[str, Any] | None, send: Send) -> None:
         if payload is None and upstream.status == 200:  # it may carry token fields: never served raw
             body = error_body(502, "the engine's response could not be parsed; not served", "UpstreamUnparseable")
@@ -467,7 +476,7 @@ class CapturedCall:
             options = self.request.get("stream_options")
             usage = isinstance(options, dict) and options.get("include_usage") is True
             body, content_type = sse_events(self.route, payload, include_usage=usage), b"text/event-stream"
-        else:
-            body, content_type = orjson.dumps(payload), b"application/json"
+        else:  # the engine's own bytes when nothing was stripped: no second serialisation, vLLM's exact spelling
+            body, content_type = upstream.body if self.as_received else orjson.dumps(payload), b"application/json"
         self.owner.metrics.observe(nbytes=len(body))
         await send_body(send, 200, body, content_type, timing_headers())

@@ -215,7 +215,8 @@ class CaptureMiddleware:
             message = "the engine's answer to an unparsed request may carry token fields; not served"
             await send_body(send, 502, error_body(502, message, "UpstreamUnparseable"))
             return
-        await send_json(send, 200, strip_token_fields(route, payload, ClientAsked(token_ids=False, logprobs=False)))
+        strip_token_fields(route, payload, ClientAsked(token_ids=False, logprobs=False))
+        await send_json(send, 200, payload)
 
     async def refuse(self, send: Send, reason: str) -> None:
         """Answer 503 for a call that could not be captured (``fail_closed``)."""

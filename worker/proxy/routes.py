@@ -199,37 +199,47 @@ def upstream_request(
     return body, asked
 
 
-def _nulled(mapping: dict[str, Any], *names: str) -> None:
-    """Each of *names* that *mapping* holds set to ``None``: vLLM's own answer when the fields were not asked for."""
-    for name in names:
-        if name in mapping:
-            mapping[name] = None
+def _nulled(mapping: dict[str, Any], *names: str) -> bool:
+    """Each of *names* that *mapping* holds a value for set to ``None`` (vLLM's own answer when the fields were not
+    asked for); whether one held a value."""
+    held = [name for name in names if mapping.get(name) is not None]
+    for name in held:
+        mapping[name] = None
+    return bool(held)
 
 
-def strip_token_fields(route: RouteKind, payload: dict[str, Any], asked: ClientAsked) -> dict[str, Any]:
-    """*payload* without the token fields the client did not ask for (modified in place and returned): vLLM's keys
-    hold ``None`` as vLLM answers without ``return_token_ids``; NeMo Gym's message-level fields are removed."""
-    payload.pop("ng_commit_coords", None)
+def _removed(mapping: dict[str, Any], *names: str) -> bool:
+    """Each of *names* removed from *mapping*; whether one was there."""
+    present = [name for name in names if name in mapping]
+    for name in present:
+        del mapping[name]
+    return bool(present)
+
+
+def strip_token_fields(route: RouteKind, payload: dict[str, Any], asked: ClientAsked) -> bool:
+    """Strip from *payload* (in place) the token fields the client did not ask for: vLLM's keys hold ``None`` as
+    vLLM answers without ``return_token_ids``; NeMo Gym's message-level fields are removed. Returns whether anything
+    changed: ``False`` when *payload* is still the engine's answer as it came (the client asked for every token
+    field it holds), which can then be served as the engine's own bytes."""
+    changed = _removed(payload, "ng_commit_coords")
     if route == "responses":
         for item in payload.get("output") or ():
             if isinstance(item, dict) and not asked.token_ids:
-                for name in _MESSAGE_TOKEN_FIELDS:
-                    item.pop(name, None)
-        return payload
+                changed |= _removed(item, *_MESSAGE_TOKEN_FIELDS)
+        return changed
     if not asked.token_ids:
-        _nulled(payload, "prompt_token_ids")
+        changed |= _nulled(payload, "prompt_token_ids")
     for choice in payload.get("choices") or ():
         if not isinstance(choice, dict):
             continue
         if not asked.token_ids:
-            _nulled(choice, "token_ids", "prompt_token_ids", "routed_experts")
+            changed |= _nulled(choice, "token_ids", "prompt_token_ids", "routed_experts")
             message = choice.get("message")
             if isinstance(message, dict):
-                for name in _MESSAGE_TOKEN_FIELDS:
-                    message.pop(name, None)
-        if not asked.logprobs and "logprobs" in choice:
-            choice["logprobs"] = None
-    return payload
+                changed |= _removed(message, *_MESSAGE_TOKEN_FIELDS)
+        if not asked.logprobs:
+            changed |= _nulled(choice, "logprobs")
+    return changed
 
 
 def served_items(route: RouteKind, payload: dict[str, Any], asked: ClientAsked) -> list[dict[str, Any]]:
