@@ -26,6 +26,7 @@ from tests.helpers.servers import require_binary
 from tests.helpers.vllm_server import (
     VllmServer,
     build_model,
+    ipc_dir_of,
     require_vllm,
     start_vllm,
     stop_vllm,
@@ -70,8 +71,9 @@ class VllmFleet:
         """The ready server of *variant* (waits for it the first time)."""
         if variant not in self._ready:
             process, url = self._processes[variant]
-            wait_ready(process, url, self.work_dir / f"{variant}.log")
-            self._ready[variant] = VllmServer(variant, url, variant, self._vocab[variant], process.pid)
+            log = self.work_dir / f"{variant}.log"
+            wait_ready(process, url, log)
+            self._ready[variant] = VllmServer(variant, url, variant, self._vocab[variant], process.pid, ipc_dir_of(log))
         return self._ready[variant]
 
     def model_dir(self, variant: str) -> Path:

@@ -4,7 +4,8 @@ The environment is named by ``STAGING_SINK_VLLM_ENV`` (a virtualenv with ``vllm-
 installs it under ``~/.cache/staging-sink``). Without it the tier's tests are deselected locally; with ``CI`` set
 a missing environment fails them. Each server runs ``python -m vllm.entrypoints.openai.api_server`` on loopback
 (``--enable-scale-out`` for the token-in/token-out routes, ``VLLM_SERVER_DEV_MODE=1`` for the weight routes) and is
-stopped by its PID.
+stopped by its PID. Its ZeroMQ IPC sockets go to a folder of its own beside its log (``VLLM_RPC_BASE_PATH``; vLLM's
+default, the system temporary folder, keeps every socket a stopped server leaves behind).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = (
     "VllmServer",
     "build_model",
     "deselect_without_vllm",
+    "ipc_dir_of",
     "require_vllm",
     "vllm_python",
     "vllm_server",
@@ -45,6 +47,8 @@ _READY_DEADLINE_S = 600.0
 VLLM_TIMEOUT_S = 900.0
 """pytest-timeout of a tier test: the first one waits for every server's start (up to ``_READY_DEADLINE_S``)."""
 _STOP_DEADLINE_S = 30.0
+_UNIX_PATH_MAX_BYTES = 107
+_IPC_NAME_BYTES = 37  # "/" and a uuid4, the name vLLM gives each socket
 _PARSER_FLAGS = {
     "chatml": [],
     "reasoning": ["--reasoning-parser", "deepseek_r1"],
@@ -76,6 +80,8 @@ class VllmServer:
     model: str
     vocab: dict[str, int]
     pid: int
+    ipc_dir: Path | None = None
+    """Where its IPC sockets are (``None``: a server this run did not start)."""
 
     def id_of(self, token: str) -> int:
         """The id of *token* in the tiny vocabulary."""
@@ -90,8 +96,21 @@ class VllmStartError(RuntimeError):
     """The vLLM server exited or did not become ready in time (the message carries its log's tail)."""
 
 
+def ipc_dir_of(log_path: Path) -> Path:
+    """The folder of a server's IPC sockets: beside its log, so the test run's temporary folder holds them."""
+    return log_path.with_suffix(".ipc")
+
+
 def start_vllm(python: Path, model_dir: Path, variant: str, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Start vLLM on a free loopback port (not waiting for it); returns the process and its base URL."""
+    """Start vLLM on a free loopback port (not waiting for it); returns the process and its base URL.
+
+    :raises VllmStartError: the IPC folder's path leaves no room for a socket name (a Unix socket path holds at most
+        107 bytes).
+    """
+    ipc_dir = ipc_dir_of(log_path)
+    if len(str(ipc_dir)) + _IPC_NAME_BYTES > _UNIX_PATH_MAX_BYTES:
+        raise VllmStartError(f"the IPC folder {ipc_dir} is too long for a Unix socket path: use a shorter --basetemp")
+    ipc_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -109,6 +128,7 @@ def start_vllm(python: Path, model_dir: Path, variant: str, log_path: Path) -> t
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        "VLLM_RPC_BASE_PATH": str(ipc_dir),
     }
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -159,7 +179,7 @@ def vllm_server(python: Path, work_dir: Path, variant: str) -> Iterator[VllmServ
     process, url = start_vllm(python, model_dir, variant, log_path)
     try:
         wait_ready(process, url, log_path)
-        yield VllmServer(variant, url, variant, vocab, process.pid)
+        yield VllmServer(variant, url, variant, vocab, process.pid, ipc_dir_of(log_path))
     finally:
         stop_vllm(process)
 
