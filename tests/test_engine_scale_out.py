@@ -25,6 +25,7 @@ What a real vLLM 0.32.0 (``--enable-scale-out``, ``VLLM_SERVER_DEV_MODE=1``) doe
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,6 +117,31 @@ def test_generate_answers_ids_logprobs_and_weight_spans(engine: ScaleOutEngine) 
     assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": len(ids)}]
     assert answer["usage"]["completion_tokens"] == len(ids)
     assert answer["usage"]["prompt_tokens"] == len(rendered["token_ids"])
+
+
+def _binary32(value: float) -> bool:
+    """Whether *value* is a binary32 value widened to a double (what a float32 tensor's ``tolist()`` gives)."""
+    return array("f", [value])[0] == value
+
+
+def test_every_log_prob_is_a_float32_value(engine: ScaleOutEngine) -> None:
+    """vLLM computes log-probs in float32: every one it answers, on the generate and chat routes and among the
+    ``top_logprobs``, is a binary32 value. A record of them stores 4 bytes per log-prob, not 8, and a proxy's
+    benchmark on the simulated engine then takes the path a real vLLM's answers take."""
+    generated = generate(engine, render(engine, max_tokens=48, min_tokens=48, top_logprobs=2))
+    entries = generated["choices"][0]["logprobs"]["content"]
+    answer = post(
+        engine,
+        "/v1/chat/completions",
+        {"model": engine.model, "messages": MESSAGES, "max_tokens": 48, "min_tokens": 48, "logprobs": True,
+         "top_logprobs": 2},
+    )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    entries += answer.json()["choices"][0]["logprobs"]["content"]
+    values = [entry["logprob"] for entry in entries]
+    values += [top["logprob"] for entry in entries for top in entry["top_logprobs"]]
+    assert len(values) >= 2 * 48 * 3
+    assert [value for value in values if not _binary32(value)] == []
 
 
 def test_generate_streams_per_chunk_ids_and_final_spans(engine: ScaleOutEngine) -> None:

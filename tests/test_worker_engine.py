@@ -61,8 +61,7 @@ def test_generation_is_deterministic_and_well_formed() -> None:
         else:
             assert len(generation.token_ids) == 48
     values = list(itertools.chain.from_iterable(generation.logprobs for generation in generations))
-    float32_exact = [value == array("f", [value])[0] for value in values]
-    assert any(float32_exact) and not all(float32_exact)
+    assert all(value == array("f", [value])[0] for value in values)  # float32 values, as vLLM's
     exact = SimulatedEngine(2).generate(prompt, 2048, min_tokens=2048)
     assert len(exact.token_ids) == 2048
 

@@ -96,7 +96,7 @@ class Generation:
 
 
 class SimulatedEngine:
-    """Seeded generator of ids and finite negative log-probs (some float32-exact, some not).
+    """Seeded generator of ids and finite negative log-probs (float32 values, as vLLM's).
 
     Thread-safe; deterministic for a given seed and call order (the shared
     generator), and per call for a call drawing from its own (:meth:`call_rng`).
@@ -198,9 +198,8 @@ def _draw(rng: random.Random, max_tokens: int, min_tokens: int) -> Generation:
         ids = [BYTE_OFFSET + byte for byte in text] + [IM_END]
     else:
         ids = [BYTE_OFFSET + byte for byte in text[:count]]
-    logprobs = [-(rng.random() * 4.0 + 1e-3) for _ in ids]
-    # Every third value is float32-exact (as engines that compute in binary32 report it).
-    logprobs[::3] = array("f", logprobs[::3]).tolist()
+    # float32 values, as vLLM reports them (it computes log-probs in float32: tests/test_engine_scale_out.py)
+    logprobs = array("f", [-(rng.random() * 4.0 + 1e-3) for _ in ids]).tolist()
     return Generation(ids, logprobs, "stop" if stop else "length")
 
 

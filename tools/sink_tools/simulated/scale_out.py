@@ -36,6 +36,7 @@ from __future__ import annotations
 import random
 import secrets
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -288,8 +289,12 @@ def stop_at_token_ids(
 
 
 def top_logprobs(token: int, logprob: float, count: int) -> list[tuple[int, float, int]]:
-    """``(id, log-prob, rank)`` of a position's top log-probs: the sampled token first, then made-up runners-up."""
-    others = [(BYTE_OFFSET + 0x20 + rank, logprob - 0.25 * rank, rank) for rank in range(2, count + 1)]
+    """``(id, log-prob, rank)`` of a position's top log-probs: the sampled token first, then made-up runners-up
+    (float32 values, as vLLM's)."""
+    if count < 2:
+        return [(token, logprob, 1)]
+    values = array("f", [logprob - 0.25 * rank for rank in range(2, count + 1)])
+    others = [(BYTE_OFFSET + 0x20 + rank, value, rank) for rank, value in enumerate(values, start=2)]
     return [(token, logprob, 1), *others]
 
 
