@@ -4,7 +4,8 @@ The capture proxy is :class:`~worker.proxy.middleware.CaptureMiddleware` over th
 through with their status and body; an upstream that does not answer in time becomes ``504`` and one that cannot
 be reached ``502`` (OpenAI-style error bodies). Response bodies are streamed through as they arrive.
 
-Requests go out on httpcore's pool of keep-alive connections (httpx's own transport), built here: the upstream URL
+Requests go out on keep-alive connections (:class:`~worker.proxy.connection_pool.ConnectionPool`: httpcore's
+connections, with constant work per request however many are pooled), built here: the upstream URL
 joined with the request's path as an httpx client joins a relative URL to its ``base_url`` (httpx percent-encodes
 the path and removes its dot segments, :func:`worker.proxy.routes.canonical_path`), the agent's headers less the
 hop-by-hop ones, ``accept-encoding: identity`` unless the agent asked for an encoding (bodies are relayed raw), the
@@ -24,6 +25,7 @@ import httpcore
 import httpx
 
 from worker.asgi import Receive, Scope, Send, error_body, read_body, send_body
+from worker.proxy.connection_pool import ConnectionPool
 
 __all__ = ("UPSTREAM_TIMEOUT_HEADER", "ForwardingApp")
 
@@ -73,14 +75,15 @@ class ForwardingApp:
         base = httpx.URL(self.upstream_url + "/")  # a path is appended to it, as to an httpx client's base_url
         self._base, self._base_path = base, base.raw_path
         self._scheme, self._host, self._port, self._netloc = base.raw_scheme, base.raw_host, base.port, base.netloc
-        self._timeouts = {"connect": timeout_s, "read": timeout_s, "write": timeout_s, "pool": timeout_s}
+        self._timeouts = {"connect": timeout_s, "read": timeout_s, "write": timeout_s}
         # Idle connections expire before the usual 5 s server keep-alive (uvicorn's, vLLM's), so a request is
         # not sent on a connection the server is closing at that moment.
-        self._pool = httpcore.AsyncConnectionPool(
+        self._pool = ConnectionPool(
+            httpcore.URL(scheme=self._scheme, host=self._host, port=self._port, target=b"/").origin,
             ssl_context=_tls_context(),
             max_connections=max_connections,
-            max_keepalive_connections=max_connections,
-            keepalive_expiry=2.0,
+            keepalive_expiry_s=2.0,
+            pool_timeout_s=timeout_s,
         )
 
     async def aclose(self) -> None:
@@ -118,7 +121,7 @@ class ForwardingApp:
         request = self.upstream_request(scope, await read_body(receive))
         try:
             try:
-                response = await self._pool.handle_async_request(request)
+                lease = await self._pool.open(request)
             except _RESENT_ONCE as exc:
                 logger.info(
                     "upstream %s%s dropped a pooled connection (%r); retrying once",
@@ -126,7 +129,7 @@ class ForwardingApp:
                     scope["path"],
                     exc,
                 )
-                response = await self._pool.handle_async_request(request)
+                lease = await self._pool.open(request)
         except httpcore.TimeoutException as exc:
             logger.warning("upstream %s%s timed out: %r", self.upstream_url, scope["path"], exc)
             await _own_error(send, 504, f"upstream timed out: {exc!r}", "UpstreamTimeout")
@@ -135,6 +138,7 @@ class ForwardingApp:
             logger.warning("upstream %s%s unreachable: %r", self.upstream_url, scope["path"], exc)
             await _own_error(send, 502, f"upstream unreachable: {exc!r}", "UpstreamUnreachable")
             return
+        response = lease.response
         try:
             out_headers = [
                 (k.lower(), v)
@@ -149,7 +153,7 @@ class ForwardingApp:
                 logger.warning("upstream %s%s timed out mid-body: %r", self.upstream_url, scope["path"], exc)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            await response.aclose()
+            await self._pool.release(lease)
 
 
 async def _own_error(send: Send, status: int, message: str, kind: str) -> None:
