@@ -9,10 +9,11 @@ connections, with constant work per request however many are pooled), built here
 joined with the request's path as an httpx client joins a relative URL to its ``base_url`` (httpx percent-encodes
 the path and removes its dot segments, :func:`worker.proxy.routes.canonical_path`), the agent's headers less the
 hop-by-hop ones, ``accept-encoding: identity`` unless the agent asked for an encoding (bodies are relayed raw), the
-upstream's ``host`` and the body's ``content-length``. An httpx client added about 90 us of CPU per request in
-layers a reverse proxy does not use (its request and response models, redirects, authentication, cookies); without
-it, no cookie an upstream sets is kept and sent with another agent's request, and the upstream is reached
-directly, never through an HTTP proxy named in the environment (``HTTP_PROXY``): it is the engine the proxy fronts.
+upstream's ``host`` and the body's ``content-length``. An httpx client added about 120 us of CPU per request in
+layers a reverse proxy does not use (its request and response models, redirects, authentication, cookies) and
+httpcore's pool under it a cost that grew with the pooled connections; without them, no cookie an upstream sets is
+kept and sent with another agent's request, and the upstream is reached directly, never through an HTTP proxy
+named in the environment (``HTTP_PROXY``): it is the engine the proxy fronts.
 """
 
 from __future__ import annotations
