@@ -19,18 +19,35 @@ from worker.proxy.serve import running_server
 pytestmark = pytest.mark.anyio
 
 
-async def _upstream(scope: Scope, receive: Receive, send: Send) -> None:
-    """Answers ``{"ok":true}``; ``/slow`` first waits 0.3 s, ``/hold`` 3 s (requests kept in flight)."""
-    if scope["type"] != "http":
-        return
-    await read_body(receive)
-    await anyio.sleep({"/slow": 0.3, "/hold": 3.0}.get(scope["path"], 0.0))
-    await send_body(send, 200, b'{"ok":true}')
+class Upstream:
+    """Answers ``{"ok":true}``. ``/together/N`` answers only once N such requests are in flight (so N connections are
+    open at once, however slow the machine); ``/hold`` first waits 3 s (requests kept in flight)."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self.all_in: anyio.Event | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await read_body(receive)
+        path = scope["path"]
+        if path.startswith("/together/"):
+            if self.all_in is None:
+                self.all_in = anyio.Event()
+            self.arrived += 1
+            if self.arrived == int(path.rsplit("/", 1)[1]):
+                self.all_in.set()
+            with anyio.fail_after(30):
+                await self.all_in.wait()
+        elif path == "/hold":
+            await anyio.sleep(3.0)
+        await send_body(send, 200, b'{"ok":true}')
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def upstream_url() -> Iterator[str]:
-    with running_server(_upstream) as url:
+    with running_server(Upstream()) as url:
         yield url
 
 
@@ -58,9 +75,9 @@ async def test_a_request_checks_at_most_two_pooled_connections(
     upstream_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pool = _pool(upstream_url)
-    async with anyio.create_task_group() as group:  # 32 requests at once: 32 connections, then all idle
+    async with anyio.create_task_group() as group:  # 32 requests in flight at once: 32 connections, then all idle
         for _ in range(32):
-            group.start_soon(_get, pool, upstream_url, "/slow")
+            group.start_soon(_get, pool, upstream_url, "/together/32")
     assert pool.open_connections == 32
     checked: list[httpcore.AsyncHTTPConnection] = []
     has_expired = httpcore.AsyncHTTPConnection.has_expired
@@ -82,7 +99,7 @@ async def test_expired_idle_connections_are_closed_and_never_reused(upstream_url
     pool = _pool(upstream_url, keepalive_expiry_s=0.05)
     async with anyio.create_task_group() as group:
         for _ in range(4):
-            group.start_soon(_get, pool, upstream_url, "/slow")
+            group.start_soon(_get, pool, upstream_url, "/together/4")
     assert pool.open_connections == 4
     await anyio.sleep(0.2)  # every idle connection is now past its keep-alive expiry
     assert await _get(pool, upstream_url) == b'{"ok":true}'

@@ -90,17 +90,20 @@ class ConnectionPool:
         return Lease(response, connection)
 
     async def release(self, lease: Lease) -> None:
-        """Close *lease*'s response and keep its connection for another request when it can take one."""
-        self._slots.release()
-        with anyio.CancelScope(shield=True):  # a cancelled request still leaves the pool consistent
-            try:
-                await lease.response.aclose()
-            finally:
-                connection = lease.connection
-                if connection.is_idle() and connection in self._open:
-                    self._idle.append(connection)
-                else:
-                    await self._close(connection)
+        """Close *lease*'s response and keep its connection for another request when it can take one; then its slot
+        is free (so the connections open never exceed the slots)."""
+        connection = lease.connection
+        try:
+            with anyio.CancelScope(shield=True):  # a cancelled request still leaves the pool consistent
+                try:
+                    await lease.response.aclose()
+                finally:
+                    if connection.is_idle() and connection in self._open:
+                        self._idle.append(connection)
+                    else:
+                        await self._close(connection)
+        finally:
+            self._slots.release()
 
     async def aclose(self) -> None:
         """Close every connection, idle or in use."""
