@@ -74,13 +74,12 @@ class ForwardingApp:
     def __init__(self, upstream_url: str, *, timeout_s: float = 600.0, max_connections: int = 1024) -> None:
         self.upstream_url = upstream_url.rstrip("/")
         base = httpx.URL(self.upstream_url + "/")  # a path is appended to it, as to an httpx client's base_url
-        self._base, self._base_path = base, base.raw_path
-        self._scheme, self._host, self._port, self._netloc = base.raw_scheme, base.raw_host, base.port, base.netloc
+        self._base = base
         self._timeouts = {"connect": timeout_s, "read": timeout_s, "write": timeout_s}
         # Idle connections expire before the usual 5 s server keep-alive (uvicorn's, vLLM's), so a request is
         # not sent on a connection the server is closing at that moment.
         self._pool = ConnectionPool(
-            httpcore.URL(scheme=self._scheme, host=self._host, port=self._port, target=b"/").origin,
+            httpcore.URL(scheme=base.raw_scheme, host=base.raw_host, port=base.port, target=b"/").origin,
             ssl_context=_tls_context(),
             max_connections=max_connections,
             keepalive_expiry_s=2.0,
@@ -94,19 +93,20 @@ class ForwardingApp:
     def upstream_request(self, scope: Scope, body: bytes) -> httpcore.Request:
         """The upstream request for *scope* and its *body* (see the module docstring)."""
         # As an httpx client joins a relative URL to its base_url: the joined URL removes the dot segments.
-        url = self._base.copy_with(raw_path=self._base_path + httpx.URL(scope["path"]).raw_path.lstrip(b"/"))
+        base = self._base
+        url = base.copy_with(raw_path=base.raw_path + httpx.URL(scope["path"]).raw_path.lstrip(b"/"))
         query = scope.get("query_string", b"")
         if query:
             url = httpx.URL(url, params=httpx.QueryParams(query.decode("latin-1")))  # as an httpx client given params
         given = [(k, v) for k, v in scope.get("headers", ()) if k.lower() not in _HOP_BY_HOP]
-        headers = [(b"host", self._netloc)]
+        headers = [(b"host", base.netloc)]
         if not any(k.lower() == b"accept-encoding" for k, _ in given):
             headers.append((b"accept-encoding", b"identity"))  # bodies are relayed raw: compressed only when asked
         headers += given
         method = scope["method"]
         if body or method in ("POST", "PUT", "PATCH"):
             headers.append((b"content-length", b"%d" % len(body)))
-        target = httpcore.URL(scheme=self._scheme, host=self._host, port=self._port, target=url.raw_path)
+        target = httpcore.URL(scheme=base.raw_scheme, host=base.raw_host, port=base.port, target=url.raw_path)
         return httpcore.Request(method, target, headers=headers, content=body, extensions={"timeout": self._timeouts})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
