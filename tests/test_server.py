@@ -264,3 +264,14 @@ def test_a_free_port_lies_below_the_ephemeral_range_so_no_outgoing_connection_ta
     for with_cluster_bus in (False, True):
         ports = [sink_server.free_port(with_cluster_bus=with_cluster_bus) for _ in range(20)]
         assert all(port + 10000 * with_cluster_bus < low for port in ports), ports
+
+
+def test_free_port_never_hands_out_a_port_twice_before_it_is_bound() -> None:
+    """A caller that takes several ports before starting the servers that bind them (``bench proxy`` takes its
+    proxies' ports, then its engine's) gets distinct ones: a port handed out but not yet bound was picked again,
+    and two servers raced for it."""
+    ports = [sink_server.free_port() for _ in range(300)]
+    pairs = [sink_server.free_port(with_cluster_bus=True) for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    taken = set(ports) | set(pairs) | {port + 10000 for port in pairs}
+    assert len(taken) == len(ports) + 2 * len(pairs)
