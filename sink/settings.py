@@ -95,6 +95,8 @@ class SinkSettings(ConnectionSettings, RecordLimit):
     writer_connections: int = Field(default=4, ge=1, le=64)
     """Connections used for group commit; each carries one batch at a time."""
     max_batch_records: int = Field(default=256, ge=1)
+    """The most queued records one writer sends in one transaction (fewer once their blobs reach
+    :data:`sink.store.commit.MAX_BATCH_VALUE_BYTES`)."""
     durability_check_interval_s: float = Field(default=30.0, gt=0)
     """How often the server's persistence configuration is re-verified."""
 

@@ -23,6 +23,7 @@ from sink.keys import calls_stream, fence_key, record_key
 from sink.server import DurableServer
 from sink.settings import SinkSettings, SourceSettings
 from sink.store import scripts
+from sink.store.commit import MAX_BATCH_VALUE_BYTES
 from sink.store.memory import MemoryStagingStore
 from sink.store.sink import CONFLICT_ERROR, AsyncRedisStagingSink, RedisStagingSink
 from sink.store.source import AsyncRedisStagingSource, RedisStagingSource
@@ -560,3 +561,48 @@ async def test_a_retry_while_the_replica_is_frozen_is_not_acknowledged(server_bi
             finally:
                 replica.resume()
     assert not retried.ok and retried.error is not None and "replicas" in retried.error, retried
+
+
+async def _batches_of(redis_url: str, records: list[StagedCallRecord]) -> int:
+    """How many transactions one writer sends *records* in when all but the first are queued behind it: the server's
+    writes are paused while the first is sent, the rest are queued, then the writes resume."""
+    first, rest = records[0], records[1:]
+    async with (
+        aioredis.Redis.from_url(redis_url) as admin,
+        AsyncRedisStagingSink.from_url(redis_url, namespace=NS, writer_connections=1) as sink,
+    ):
+        results: list[bool] = []
+
+        async def stage(record: StagedCallRecord) -> None:
+            results.append((await sink.stage(record)).ok)
+
+        await admin.client_pause(60_000, all=False)  # writes only
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(stage, first)
+                await until(lambda: sink.statistics().batches == 1, "the writer did not take the first record")
+                for record in rest:
+                    group.start_soon(stage, record)
+                await until(lambda: sink.statistics().queued == len(rest), "the other records were not queued")
+                await admin.client_unpause()
+        finally:
+            await admin.client_unpause()
+        assert results == [True] * len(records)
+        return sink.statistics().batches - 1
+
+
+async def test_large_records_are_sent_a_few_per_transaction(redis_url: str) -> None:
+    # Each blob is over half of MAX_BATCH_VALUE_BYTES: two reach it, so a transaction carries at most two. One
+    # transaction of six (what was queued) would cost the server more per record than a plain SET does.
+    records = [make_record("big", f"c{i}", n_tokens=131_072) for i in range(7)]
+    size = len(encode_record(records[0]))
+    assert MAX_BATCH_VALUE_BYTES / 2 < size < MAX_BATCH_VALUE_BYTES
+    assert await _batches_of(redis_url, records) == 3
+    async with AsyncRedisStagingSource.from_url(redis_url, namespace=NS) as source:
+        fetched = await source.fetch_packed([record.staging_key for record in records])
+    assert [_dump(snapshot) for snapshot in fetched] == [record.model_dump() for record in records]
+
+
+async def test_small_records_queued_together_share_one_transaction(redis_url: str) -> None:
+    records = [make_record("small", f"c{i}", n_tokens=2048) for i in range(7)]
+    assert await _batches_of(redis_url, records) == 1

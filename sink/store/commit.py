@@ -1,7 +1,8 @@
 """The sink's group commit: queued stages written in batches, then confirmed.
 
 Each of the sink's ``writer_connections`` :meth:`GroupCommitWriter.run` tasks
-takes everything queued so far, writes it with one :class:`BatchScript` call per
+takes everything queued so far (up to ``max_batch_records``, and :data:`MAX_BATCH_VALUE_BYTES` of record
+blobs), writes it with one :class:`BatchScript` call per
 cluster slot (the staging sink's :data:`STAGE_BATCH`, or the Gym transport's),
 pipelined with its node's confirmation (``WAIT``, ``WAITAOF``, the persistence settings read back) through
 the one durable write path (:mod:`sink.store.batch`), and settles every item through its owner's callback. While one
@@ -30,6 +31,7 @@ from sink.store.scripts.runner import ServerScript
 
 __all__ = (
     "INCOMING_EXPIRY_MS",
+    "MAX_BATCH_VALUE_BYTES",
     "STAGE_BATCH",
     "BatchScript",
     "Committable",
@@ -154,6 +156,14 @@ INCOMING_EXPIRY_MS = 600_000
 such value in the same transaction; the expiry only removes one whose script did not run (the function library was
 missing and could not be loaded again), 10 minutes later."""
 
+MAX_BATCH_VALUE_BYTES = 2 << 20
+"""A writer stops adding queued items to a batch once their values (:attr:`BatchScript.values`: the record blobs)
+reach this many bytes, so large records go a few per transaction. The server copies a transaction's writes into its
+append-only file buffer, and that copying grows faster than the transaction: 16 stagers of 1.2 MB records in
+batches of whatever was queued cost the server 1.4-1.8x a plain ``SET``'s CPU per record, in batches of at most
+this many bytes 0.9-1.1x (``staging-sink bench stage``, docs/performance.md). Small records still share one
+transaction and one fsync (a 2,048-token record is about 19 KB)."""
+
 Settle = Callable[[_Item, Any, str | None], None]
 """Settles one unsettled item: ``(item, its script reply or None when nothing ran, error or None)``."""
 
@@ -182,12 +192,19 @@ class GroupCommitWriter(Generic[_Item]):
         async with receive:
             async for first in receive:
                 batch = [first]
-                while len(batch) < self._settings.max_batch_records:
+                size = self._value_bytes(first)
+                while len(batch) < self._settings.max_batch_records and size < MAX_BATCH_VALUE_BYTES:
                     try:
-                        batch.append(receive.receive_nowait())
+                        item = receive.receive_nowait()
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
+                    batch.append(item)
+                    size += self._value_bytes(item)
                 await self.write_batch(batch)
+
+    def _value_bytes(self, item: _Item) -> int:
+        values = self._batch_script.values
+        return 0 if values is None else sum(len(value) for _key, value in values(item))
 
     async def write_batch(self, batch: list[_Item]) -> None:
         """Write *batch* (one script call per slot, then each node's confirmation) and settle every item of it.
