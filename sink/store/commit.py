@@ -156,12 +156,12 @@ INCOMING_EXPIRY_MS = 600_000
 such value in the same transaction; the expiry only removes one whose script did not run (the function library was
 missing and could not be loaded again), 10 minutes later."""
 
-MAX_BATCH_VALUE_BYTES = 2 << 20
+MAX_BATCH_VALUE_BYTES = 1 << 20
 """A writer stops adding queued items to a batch once their values (:attr:`BatchScript.values`: the record blobs)
-reach this many bytes, so large records go a few per transaction. The server copies a transaction's writes into its
-append-only file buffer, and that copying grows faster than the transaction: 16 stagers of 1.2 MB records in
-batches of whatever was queued cost the server 1.4-1.8x a plain ``SET``'s CPU per record, in batches of at most
-this many bytes 0.9-1.1x (``staging-sink bench stage``, docs/performance.md). Small records still share one
+reach this many bytes, so a large record goes alone or with a few others. The server copies a transaction's writes
+into its append-only file buffer, and that copying grows faster than the transaction: 16 stagers of 1.2 MB records
+sent in one transaction of everything queued cost the server 1.4-2.0x a plain ``SET``'s CPU per record, in batches
+bounded by this 0.9-1.2x (``staging-sink bench stage``, docs/performance.md). Small records still share one
 transaction and one fsync (a 2,048-token record is about 19 KB)."""
 
 Settle = Callable[[_Item, Any, str | None], None]
